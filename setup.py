@@ -19,7 +19,7 @@ setup(
     packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
     include_package_data=True,
     install_requires=[
-        "aiohttp>=3.10,<4",
+        "aiohttp>=3.14,<4",
         "gunicorn>=22",
         "torch>=2.4",
         "numpy>=1.26",
@@ -53,7 +53,6 @@ setup(
             "mypy>=1.10",
         ],
     },
-    entry_points={"console_scripts": ["scoring-server=app.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Framework :: AsyncIO",

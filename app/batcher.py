@@ -1,0 +1,379 @@
+"""Dynamic batching of inference requests across clients, per model per worker.
+
+Requests put their items (rows along axis 0) on a bounded queue. A batch closes
+when it holds ``max_batch_size`` items or when ``max_queue_delay`` has passed
+since the *first item of that batch* arrived; a request's items may be split
+across batches and are reassembled in order. Batches run one at a time on the
+worker's single inference thread, never on the event loop.
+
+Backpressure: the queue holds at most ``queue_capacity`` items; a request that
+does not fit fails at once with :class:`~app.errors.QueueFull` (503 +
+Retry-After). Deadlines: a request whose deadline passes gets
+:class:`~app.errors.DeadlineExceeded` (504) and its queued items are dropped;
+so are the items of a client that disconnected, before any compute is spent.
+
+Source: Triton's dynamic batcher (``max_queue_delay_microseconds``,
+``preferred_batch_size``) and TorchServe's ``batch_size``/``max_batch_delay``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from app.errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    InferenceFailed,
+    InsufficientStorage,
+    InvalidInput,
+    QueueFull,
+    ScoringError,
+)
+from app.models.runner import Segment
+
+log = logging.getLogger(__name__)
+
+Tensors = dict[str, np.ndarray]
+#: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
+BatchFn = Callable[[Mapping[str, np.ndarray]], list[Segment]]
+
+
+class BatchObserver(Protocol):
+    """Receives batching events (the metrics module implements it)."""
+
+    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+    def queue_depth(self, items: int) -> None: ...
+
+
+class _NullObserver:
+    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+    def queue_depth(self, items: int) -> None:
+        pass
+
+
+@dataclass(eq=False)
+class _Request:
+    inputs: Mapping[str, np.ndarray]
+    size: int
+    deadline: float  # loop.time() seconds
+    arrival: float
+    request_id: str
+    is_disconnected: Callable[[], bool] | None
+    future: asyncio.Future[Tensors]
+    queued: int = 0  # items still waiting in the queue
+    pending: int = 0  # items not yet computed
+    parts: list[tuple[int, Tensors]] = field(default_factory=list)
+    dead: bool = False
+
+
+@dataclass(eq=False)
+class _Chunk:
+    request: _Request
+    start: int
+    stop: int
+
+
+class DynamicBatcher:
+    """The dynamic batcher of one model in one worker.
+
+    Args:
+        model: name used in messages and logs.
+        run_batch: called on ``executor`` with inputs [B, ...] per input name.
+        executor: the worker's single inference thread.
+        max_batch_size: most items in one batch.
+        max_queue_delay_ms: longest wait for more items after a batch's first item arrived, ms.
+        queue_capacity: most items queued (not yet in a running batch).
+        observer: receives batch and rejection events.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        run_batch: BatchFn,
+        executor: Executor,
+        *,
+        max_batch_size: int,
+        max_queue_delay_ms: float,
+        queue_capacity: int,
+        observer: BatchObserver | None = None,
+    ) -> None:
+        if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
+            raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
+        self.model = model
+        self._run_batch = run_batch
+        self._executor = executor
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_ms / 1000.0
+        self.queue_capacity = queue_capacity
+        self._observer: BatchObserver = observer or _NullObserver()
+        self._queue: deque[_Chunk] = deque()
+        self._queued_items = 0
+        self._wakeup = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._batch_seconds = 0.0  # EWMA of a batch's compute time, for Retry-After
+
+    @property
+    def queued_items(self) -> int:
+        """Items waiting in the queue (excludes the batch now running)."""
+        return self._queued_items
+
+    def start(self) -> None:
+        """Start the batch-forming task on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher:{self.model}")
+
+    async def stop(self) -> None:
+        """Stop forming batches; requests still queued fail with 503."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        while self._queue:
+            self._fail(self._queue.popleft().request, QueueFull(f"model {self.model} is unloading"))
+
+    def retry_after_s(self) -> int:
+        """Seconds a rejected client should wait: time to drain the queue, at least 1."""
+        batches = math.ceil(self._queued_items / self.max_batch_size)
+        return max(1, math.ceil(batches * self._batch_seconds))
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        timeout_s: float,
+        request_id: str = "-",
+        is_disconnected: Callable[[], bool] | None = None,
+    ) -> Tensors:
+        """Queue one request's items and wait for its outputs.
+
+        Args:
+            inputs: one array per model input, all with the same axis-0 length B >= 1.
+            timeout_s: deadline from now, seconds.
+            request_id: echoed in error messages and logs.
+            is_disconnected: polled before the request's items join a batch;
+                True drops them.
+
+        Returns:
+            One array per model output, axis 0 = the request's B items in order.
+
+        Raises:
+            InvalidInput: B is 0 or more than the queue capacity.
+            QueueFull: the queue cannot take B more items (503 + Retry-After).
+            DeadlineExceeded: ``timeout_s`` passed first (504).
+            InferenceFailed: the model raised on a batch holding these items (500).
+            InsufficientStorage: an item does not fit in device memory alone (507).
+        """
+        size = len(next(iter(inputs.values())))
+        if size < 1:
+            raise InvalidInput("a request needs at least one item")
+        if size > self.queue_capacity:
+            raise InvalidInput(
+                f"request has {size} items; model {self.model} accepts at most "
+                f"{self.queue_capacity} per request"
+            )
+        if self._queued_items + size > self.queue_capacity:
+            self._observer.rejected("queue_full")
+            raise QueueFull(
+                f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)",
+                retry_after_s=self.retry_after_s(),
+            )
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        request = _Request(
+            inputs=inputs,
+            size=size,
+            deadline=now + timeout_s,
+            arrival=now,
+            request_id=request_id,
+            is_disconnected=is_disconnected,
+            future=loop.create_future(),
+            queued=size,
+            pending=size,
+        )
+        self._queue.append(_Chunk(request, 0, size))
+        self._queued_items += size
+        self._observer.queue_depth(self._queued_items)
+        self._wakeup.set()
+        try:
+            return await asyncio.wait_for(asyncio.shield(request.future), timeout_s)
+        except asyncio.TimeoutError:
+            self._observer.rejected("deadline")
+            raise DeadlineExceeded(
+                f"model {self.model}: request {request_id} did not finish within {timeout_s * 1000:.0f} ms"
+            ) from None
+        finally:
+            if not request.future.done():
+                request.future.cancel()
+            self._discard(request)
+
+    # --- internals -----------------------------------------------------------
+
+    def _discard(self, request: _Request) -> None:
+        """Forget a request's queued items (lazily removed from the deque)."""
+        if not request.dead:
+            request.dead = True
+            self._queued_items -= request.queued
+            request.queued = 0
+            self._observer.queue_depth(self._queued_items)
+
+    def _fail(self, request: _Request, error: ScoringError) -> None:
+        if not request.future.done():
+            request.future.set_exception(error)
+        self._discard(request)
+
+    def _live_head(self) -> _Chunk | None:
+        while self._queue and self._queue[0].request.dead:
+            self._queue.popleft()
+        return self._queue[0] if self._queue else None
+
+    def _take(self, now: float) -> list[_Chunk]:
+        """Pop up to ``max_batch_size`` items of live requests, splitting the last chunk."""
+        taken: list[_Chunk] = []
+        room = self.max_batch_size
+        while room > 0 and (chunk := self._live_head()) is not None:
+            request = chunk.request
+            if request.is_disconnected is not None and request.is_disconnected():
+                self._observer.rejected("disconnected")
+                self._fail(request, ClientDisconnected(f"client of request {request.request_id} left"))
+                continue
+            if now >= request.deadline:
+                self._fail(request, DeadlineExceeded(f"request {request.request_id} expired in queue"))
+                continue
+            size = chunk.stop - chunk.start
+            if size <= room:
+                self._queue.popleft()
+                part = chunk
+            else:
+                part = _Chunk(request, chunk.start, chunk.start + room)
+                chunk.start += room
+                size = room
+            taken.append(part)
+            room -= size
+            request.queued -= size
+            self._queued_items -= size
+        self._observer.queue_depth(self._queued_items)
+        return taken
+
+    async def _loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            head = self._live_head()
+            if head is None:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            # The delay runs from the arrival of the batch's first item, not from now.
+            close_at = head.request.arrival + self.max_queue_delay_s
+            while self._queued_items < self.max_batch_size:
+                remaining = close_at - loop.time()
+                if remaining <= 0:
+                    break
+                self._wakeup.clear()
+                try:
+                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                except asyncio.TimeoutError:
+                    break
+            now = loop.time()
+            chunks = self._take(now)
+            if not chunks:
+                continue
+            await self._execute(chunks, now)
+
+    async def _execute(self, chunks: list[_Chunk], formed_at: float) -> None:
+        loop = asyncio.get_running_loop()
+        inputs = _concat(chunks)
+        items = sum(c.stop - c.start for c in chunks)
+        requests = {id(c.request): c.request for c in chunks}
+        queue_s = formed_at - min(r.arrival for r in requests.values())
+        start = time.perf_counter()
+        try:
+            segments = await loop.run_in_executor(self._executor, self._run_batch, inputs)
+        except Exception as exc:
+            ids = ", ".join(r.request_id for r in requests.values())
+            log.exception("model %s failed on a batch of %d items (requests %s)", self.model, items, ids)
+            for r in requests.values():
+                self._fail(
+                    r,
+                    InferenceFailed(
+                        f"model {self.model} failed on the batch holding request {r.request_id}: "
+                        f"{type(exc).__name__}"
+                    ),
+                )
+            return
+        compute_s = time.perf_counter() - start
+        self._batch_seconds = (
+            compute_s if not self._batch_seconds else (0.8 * self._batch_seconds + 0.2 * compute_s)
+        )
+        self._observer.batch_done(items, len(requests), queue_s, compute_s)
+        offset = 0
+        for chunk in chunks:
+            size = chunk.stop - chunk.start
+            self._deliver(chunk, _slice(segments, offset, offset + size))
+            offset += size
+
+    def _deliver(self, chunk: _Chunk, outputs: Tensors | None) -> None:
+        request = chunk.request
+        if request.future.done():
+            return
+        if outputs is None:
+            self._observer.rejected("out_of_memory")
+            self._fail(
+                request,
+                InsufficientStorage(
+                    f"model {self.model}: an item of request {request.request_id} does not fit "
+                    "in device memory even alone"
+                ),
+            )
+            return
+        request.parts.append((chunk.start, outputs))
+        request.pending -= chunk.stop - chunk.start
+        if request.pending == 0:
+            parts = sorted(request.parts, key=lambda p: p[0])
+            if len(parts) == 1:
+                result = parts[0][1]
+            else:
+                result = {k: np.concatenate([p[1][k] for p in parts]) for k in parts[0][1]}
+            request.future.set_result(result)
+
+
+def _concat(chunks: list[_Chunk]) -> Tensors:
+    first = chunks[0]
+    if len(chunks) == 1 and first.start == 0 and first.stop == first.request.size:
+        return dict(first.request.inputs)
+    names = first.request.inputs.keys()
+    return {n: np.concatenate([c.request.inputs[n][c.start : c.stop] for c in chunks]) for n in names}
+
+
+def _slice(segments: list[Segment], start: int, stop: int) -> Tensors | None:
+    """Outputs for batch items [start, stop) across the runner's segments; None if any OOM'd."""
+    pieces: list[Tensors] = []
+    for seg in segments:
+        lo, hi = max(start, seg.start), min(stop, seg.stop)
+        if lo >= hi:
+            continue
+        if seg.outputs is None:
+            return None
+        pieces.append({k: v[lo - seg.start : hi - seg.start] for k, v in seg.outputs.items()})
+    if len(pieces) == 1:
+        return pieces[0]
+    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}

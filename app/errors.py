@@ -1,0 +1,74 @@
+"""Domain exceptions of the serving path, one class per HTTP outcome.
+
+The only place they become HTTP responses is :mod:`app.middleware`; model code
+and codecs raise these and know nothing of aiohttp.
+
+    ScoringError                 status   meaning
+    ├── InvalidInput              400      the request body or a tensor is wrong
+    ├── ModelNotFound             404      unknown model or version
+    ├── UnsupportedMediaType      415      body is not JSON
+    ├── ClientDisconnected        499      client went away before its items ran
+    ├── InferenceFailed           500      the model raised on a batch
+    ├── ServiceUnavailable        503      not ready / draining / queue full
+    │   ├── ModelNotReady
+    │   └── QueueFull             (+ Retry-After)
+    ├── DeadlineExceeded          504      request timeout passed
+    └── InsufficientStorage       507      one item alone does not fit in device memory
+"""
+
+from __future__ import annotations
+
+
+class ScoringError(Exception):
+    """Base class: ``status`` is the HTTP status; ``str(exc)`` is the client message."""
+
+    status: int = 500
+
+    def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class InvalidInput(ScoringError):
+    status = 400
+
+
+class ModelNotFound(ScoringError):
+    status = 404
+
+
+class UnsupportedMediaType(ScoringError):
+    status = 415
+
+
+class ClientDisconnected(ScoringError):
+    status = 499
+
+
+class InferenceFailed(ScoringError):
+    status = 500
+
+
+class ServiceUnavailable(ScoringError):
+    status = 503
+
+
+class ModelNotReady(ServiceUnavailable):
+    pass
+
+
+class QueueFull(ServiceUnavailable):
+    pass
+
+
+class DeadlineExceeded(ScoringError):
+    status = 504
+
+
+class InsufficientStorage(ScoringError):
+    status = 507
+
+
+class ModelLoadError(Exception):
+    """A model could not be configured or loaded (bad model.toml, missing file, bad handler)."""

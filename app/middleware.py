@@ -1,0 +1,74 @@
+"""The one place exceptions become HTTP responses, plus request ids.
+
+Every error body is the Open Inference Protocol's ``{"error": "<message>"}``
+(KServe V1 uses the same shape). Domain errors (:mod:`app.errors`) map to their
+status; aiohttp's own HTTP errors (404 no route, 405, 413 body too large) are
+re-rendered as JSON; anything else is logged with the request id and answered
+with a 500 that names the request id and no traceback.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import re
+import uuid
+
+import orjson
+from aiohttp import web
+from aiohttp.typedefs import Handler
+
+from app.errors import ScoringError
+
+log = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "X-Request-Id"
+REQUEST_ID = web.RequestKey("request_id", str)
+_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(request: web.Request) -> str:
+    """This request's id (accepted from ``X-Request-Id`` or generated)."""
+    return str(request.get(REQUEST_ID, "-"))
+
+
+def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    """A ``{"error": message}`` JSON response."""
+    return web.Response(
+        status=status,
+        body=orjson.dumps({"error": message}),
+        content_type="application/json",
+        headers=headers,
+    )
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Assign the request id, run the handler, map any exception to a JSON error."""
+    incoming = request.headers.get(REQUEST_ID_HEADER, "")
+    rid = incoming if _VALID_ID.match(incoming) else uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    try:
+        response = await handler(request)
+    except ScoringError as exc:
+        headers = {REQUEST_ID_HEADER: rid}
+        if exc.retry_after_s is not None:
+            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+        if exc.status >= 500:
+            log.warning("request %s: %d %s", rid, exc.status, exc.message)
+        return json_error(exc.status, exc.message, headers)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+        if exc.status == 413:
+            message = f"request body too large: {message}"
+        headers = {REQUEST_ID_HEADER: rid}
+        if "Allow" in exc.headers:
+            headers["Allow"] = exc.headers["Allow"]
+        return json_error(exc.status, message, headers)
+    except Exception:
+        log.exception("request %s %s %s failed", rid, request.method, request.path)
+        return json_error(500, f"internal server error (request id {rid})", {REQUEST_ID_HEADER: rid})
+    response.headers[REQUEST_ID_HEADER] = rid
+    return response

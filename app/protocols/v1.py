@@ -1,0 +1,93 @@
+"""KServe V1 (TensorFlow-Serving row format): ``{"instances": [...]}`` -> ``{"predictions": [...]}``.
+
+Each instance is one item. For a model with one required input an instance is
+that input's value (``"a sentence"``, ``[0.1, 0.2, ...]``); otherwise it is an
+object keyed by input name. Each prediction is the single output's row, or an
+object keyed by output name when the model has several outputs.
+
+Source: KServe "V1 Inference Protocol" and TF-Serving's REST "row format".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import numpy as np
+import orjson
+
+from app.errors import InvalidInput
+from app.protocols.tensors import check_against_spec, complete_inputs, to_array
+from app.repository import ModelConfig
+
+
+class PredictRequest(msgspec.Struct):
+    """The V1 predict request body."""
+
+    instances: list[Any]
+
+
+_decoder = msgspec.json.Decoder(PredictRequest)
+
+
+def decode_request(config: ModelConfig, body: bytes) -> dict[str, np.ndarray]:
+    """Parse a V1 predict body into arrays [B, *item_shape] per input name.
+
+    Raises:
+        InvalidInput: malformed JSON, no instances, an instance of the wrong
+            form, or values that do not fit the model's inputs.
+    """
+    try:
+        request = _decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"invalid predict request: {exc}") from None
+    instances = request.instances
+    if not instances:
+        raise InvalidInput("instances: empty; send at least one instance")
+    required = [s for s in config.inputs if not s.optional]
+    columns: dict[str, list[Any]] = {}
+    if len(required) == 1 and not any(isinstance(i, dict) for i in instances):
+        columns[required[0].name] = instances
+    else:
+        for n, inst in enumerate(instances):
+            if not isinstance(inst, dict):
+                raise InvalidInput(
+                    f"instances[{n}]: model {config.name} takes several inputs "
+                    f"{[s.name for s in config.inputs]}; each instance must be an object"
+                )
+            for key, value in inst.items():
+                columns.setdefault(key, []).append(value)
+        uneven = {k: len(v) for k, v in columns.items() if len(v) != len(instances)}
+        if uneven:
+            raise InvalidInput(f"instances: every instance must give the same inputs ({uneven})")
+    arrays: dict[str, np.ndarray] = {}
+    for name, values in columns.items():
+        spec = config.input(name)
+        if spec is None:
+            raise InvalidInput(
+                f"instances: unknown input {name!r}; model {config.name} takes "
+                f"{[s.name for s in config.inputs]}"
+            )
+        where = f"instances ({name!r})"
+        if spec.shape == [1]:
+            values = [v if isinstance(v, list) else [v] for v in values]
+        arr = to_array(values, spec.datatype, None, where)
+        arrays[name] = check_against_spec(arr, spec, config.allow_non_finite, where)
+    return complete_inputs(config, arrays, "instances")
+
+
+def _row(value: np.ndarray) -> Any:
+    if value.dtype == object:
+        return [v.decode("utf-8", "replace") if isinstance(v, bytes) else v for v in value.ravel()]
+    return value
+
+
+def encode_response(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
+    """``{"predictions": [...]}`` as JSON bytes, one entry per instance."""
+    names = [s.name for s in config.outputs]
+    batch = len(outputs[names[0]])
+    if len(names) == 1:
+        predictions: list[Any] = [_row(outputs[names[0]][i]) for i in range(batch)]
+    else:
+        predictions = [{n: _row(outputs[n][i]) for n in names} for i in range(batch)]
+    return orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY)

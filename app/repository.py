@@ -1,0 +1,171 @@
+"""Model repository: a folder with one subfolder per model.
+
+Each model folder holds its weights and a ``model.toml``::
+
+    model_repository/
+      feed-ranker/
+        model.toml        # name, version, format, inputs/outputs, batching, warmup
+        model.pt2
+      all-MiniLM-L6-v2/
+        model.toml        # format = "handler", handler = "module:Class"
+
+Tensor shapes in ``model.toml`` are *per item*: the batch dimension is implied
+(as in Triton's ``config.pbtxt`` with ``max_batch_size > 0``); ``-1`` marks a
+variable dimension. See ``docs/model-repository.md`` for every field.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from app.datatypes import DATATYPES
+from app.errors import ModelLoadError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+CONFIG_FILE = "model.toml"
+ModelFormat = Literal["torch_export", "torchscript", "handler"]
+
+#: V2 ``platform`` reported in model metadata for each format.
+PLATFORMS: dict[str, str] = {
+    "torch_export": "pytorch_torch_export",
+    "torchscript": "pytorch_libtorch",
+    "handler": "python_handler",
+}
+
+
+class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """One input or output tensor: V2 datatype and per-item shape (batch dim excluded)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    optional: bool = False
+
+    def validate(self, where: str) -> None:
+        """Raises ``ModelLoadError`` naming ``where`` if the spec is malformed."""
+        if self.datatype not in DATATYPES:
+            raise ModelLoadError(f"{where}: datatype {self.datatype!r} is not one of {sorted(DATATYPES)}")
+        if any(d == 0 or d < -1 for d in self.shape):
+            raise ModelLoadError(f"{where}: shape {self.shape} has a dimension that is not -1 or > 0")
+
+
+class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
+    """A model's ``model.toml``, validated.
+
+    Units: ``max_queue_delay_ms`` and ``timeout_ms`` in milliseconds,
+    ``queue_capacity`` in items (rows), ``max_batch_size`` in items.
+    """
+
+    name: str
+    version: str = "1"
+    format: ModelFormat
+    file: str | None = None
+    handler: str | None = None
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    max_batch_size: int = 32
+    max_queue_delay_ms: float = 2.0
+    queue_capacity: int = 1024
+    timeout_ms: float | None = None
+    warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1])
+    allow_non_finite: bool = False
+    parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+    #: The model's folder; set by the loader, not read from the file.
+    path: Path = Path(".")
+
+    @property
+    def platform(self) -> str:
+        """The V2 metadata ``platform`` string for this model's format."""
+        return PLATFORMS[self.format]
+
+    def input(self, name: str) -> TensorSpec | None:
+        """The input spec called ``name``, or None."""
+        return next((s for s in self.inputs if s.name == name), None)
+
+    def validate(self) -> None:
+        """Cross-field checks; raises ``ModelLoadError`` with the file and field named."""
+        where = f"{self.path / CONFIG_FILE}"
+        if not self.name or "/" in self.name or ":" in self.name:
+            raise ModelLoadError(f"{where}: name {self.name!r} must be non-empty without '/' or ':'")
+        if not self.inputs or not self.outputs:
+            raise ModelLoadError(f"{where}: a model needs at least one input and one output")
+        for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
+            names = [s.name for s in specs]
+            if len(set(names)) != len(names):
+                raise ModelLoadError(f"{where}: duplicate names in {kind}: {names}")
+            for s in specs:
+                s.validate(f"{where} {kind}.{s.name}")
+        if self.format == "handler":
+            if not self.handler or ":" not in self.handler:
+                raise ModelLoadError(f"{where}: format 'handler' needs handler = 'module:Class'")
+        elif not self.file:
+            raise ModelLoadError(f"{where}: format {self.format!r} needs file = '<weights file>'")
+        if self.max_batch_size < 1:
+            raise ModelLoadError(f"{where}: max_batch_size must be >= 1")
+        if self.max_queue_delay_ms < 0:
+            raise ModelLoadError(f"{where}: max_queue_delay_ms must be >= 0")
+        if self.queue_capacity < self.max_batch_size:
+            raise ModelLoadError(f"{where}: queue_capacity must be >= max_batch_size")
+        if self.timeout_ms is not None and self.timeout_ms <= 0:
+            raise ModelLoadError(f"{where}: timeout_ms must be > 0")
+        if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
+            raise ModelLoadError(f"{where}: warmup_batch_sizes must lie in 1..max_batch_size")
+
+
+def read_config(model_dir: Path) -> ModelConfig:
+    """Parse and validate ``model_dir/model.toml``.
+
+    Raises:
+        ModelLoadError: missing file, TOML syntax error, unknown or mistyped field.
+    """
+    path = model_dir / CONFIG_FILE
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise ModelLoadError(f"{path}: not found") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    try:
+        config = msgspec.convert(raw, ModelConfig)
+    except msgspec.ValidationError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    config.path = model_dir.resolve()
+    config.validate()
+    return config
+
+
+def scan(repository: Path, names: tuple[str, ...] = ()) -> list[ModelConfig]:
+    """Read the config of every model folder in ``repository`` (or only ``names``).
+
+    Raises:
+        ModelLoadError: the repository is missing or empty, a named model is
+            absent, two folders declare the same model name and version, or a
+            config is invalid.
+    """
+    if not repository.is_dir():
+        raise ModelLoadError(f"model repository {repository} is not a directory")
+    configs = [read_config(d) for d in sorted(repository.iterdir()) if (d / CONFIG_FILE).is_file()]
+    if names:
+        missing = set(names) - {c.name for c in configs}
+        if missing:
+            raise ModelLoadError(
+                f"model(s) {sorted(missing)} not in repository {repository} "
+                f"(found {sorted(c.name for c in configs)})"
+            )
+        configs = [c for c in configs if c.name in names]
+    if not configs:
+        raise ModelLoadError(f"model repository {repository} holds no folder with a {CONFIG_FILE}")
+    seen: set[tuple[str, str]] = set()
+    for c in configs:
+        if (c.name, c.version) in seen:
+            raise ModelLoadError(f"model {c.name} version {c.version} is declared twice")
+        seen.add((c.name, c.version))
+    return configs

@@ -1,0 +1,184 @@
+"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, health.
+
+Handlers only parse, look up the model, await its batcher and encode; model
+code never runs here (it runs on the inference thread).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import orjson
+from aiohttp import web
+
+from app import SERVER_NAME, __version__
+from app.errors import InvalidInput, UnsupportedMediaType
+from app.middleware import request_id
+from app.protocols import v1, v2
+from app.state import REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+_JSON_TYPES = frozenset({"application/json", "text/json"})
+
+routes = web.RouteTableDef()
+
+
+def _json(body: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+async def _read_json_body(request: web.Request) -> bytes:
+    """The body of a JSON POST; a missing Content-Type is taken as JSON.
+
+    Raises:
+        UnsupportedMediaType: a Content-Type other than JSON.
+        aiohttp.web.HTTPRequestEntityTooLarge: body over ``max_request_bytes``.
+    """
+    if "Content-Type" in request.headers and request.content_type not in _JSON_TYPES:
+        raise UnsupportedMediaType(
+            f"Content-Type {request.content_type!r} is not supported; send application/json"
+        )
+    return await request.read()
+
+
+def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None) -> float:
+    """Deadline in seconds: the request's own (header or body), else the model's, else default."""
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            value = float(header)
+        except ValueError:
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds") from None
+        if not value > 0 or value == float("inf"):
+            raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of milliseconds")
+        return value / 1000.0
+    if from_body is not None:
+        return from_body
+    timeout_ms = entry.config.timeout_ms or request.app[SETTINGS].request_timeout_ms
+    return timeout_ms / 1000.0
+
+
+async def _infer(
+    request: web.Request, entry: ModelEntry, inputs: dict[str, np.ndarray], timeout_s: float
+) -> dict[str, np.ndarray]:
+    assert entry.batcher is not None
+    transport = request.transport
+
+    def disconnected() -> bool:
+        return transport is None or transport.is_closing()
+
+    return await entry.batcher.infer(
+        inputs, timeout_s=timeout_s, request_id=request_id(request), is_disconnected=disconnected
+    )
+
+
+# --- Open Inference Protocol (KServe V2) ---------------------------------------------
+
+
+@routes.get("/v2")
+async def server_metadata(request: web.Request) -> web.Response:
+    """``GET /v2``: server name, version, extensions, and this worker's binding."""
+    return _json(
+        {
+            "name": SERVER_NAME,
+            "version": __version__,
+            "extensions": [],
+            "worker": request.app[WORKER_INFO],
+        }
+    )
+
+
+@routes.get("/v2/health/live")
+async def live(request: web.Request) -> web.Response:
+    """Liveness: 200 while the worker's event loop answers."""
+    return _json({"live": True})
+
+
+@routes.get("/v2/health/ready")
+async def ready(request: web.Request) -> web.Response:
+    """Readiness: 200 once every model is loaded and warm; 503 while loading or draining."""
+    registry = request.app[REGISTRY]
+    body: dict[str, Any] = {"ready": registry.ready}
+    if registry.load_error:
+        body["error"] = registry.load_error
+    return _json(body, 200 if registry.ready else 503)
+
+
+@routes.get("/v2/models/{name}")
+@routes.get("/v2/models/{name}/versions/{version}")
+async def model_metadata(request: web.Request) -> web.Response:
+    """Model metadata: name, versions, platform, inputs/outputs with -1 batch dims."""
+    entry = request.app[REGISTRY].get(request.match_info["name"], request.match_info.get("version"))
+    return _json(v2.model_metadata(entry.config))
+
+
+@routes.get("/v2/models/{name}/ready")
+@routes.get("/v2/models/{name}/versions/{version}/ready")
+async def model_ready(request: web.Request) -> web.Response:
+    """Model readiness: 200 when ready, 503 while loading; 404 for an unknown model."""
+    registry = request.app[REGISTRY]
+    entry = registry.get(request.match_info["name"], request.match_info.get("version"))
+    is_ready = entry.ready and not registry.draining
+    return _json({"name": entry.config.name, "ready": is_ready}, 200 if is_ready else 503)
+
+
+@routes.post("/v2/models/{name}/infer")
+@routes.post("/v2/models/{name}/versions/{version}/infer")
+async def infer(request: web.Request) -> web.Response:
+    """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out."""
+    registry = request.app[REGISTRY]
+    entry = registry.get(request.match_info["name"], request.match_info.get("version"))
+    body = await _read_json_body(request)
+    parsed = v2.decode_request(body)
+    inputs = v2.prepare_inputs(entry.config, parsed)
+    names = v2.requested_outputs(entry.config, parsed)
+    entry = registry.ready_entry(entry.config.name, entry.config.version)
+    outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, v2.timeout_s(parsed)))
+    return web.Response(
+        body=v2.encode_response(entry.config, outputs, names, parsed.id),
+        content_type="application/json",
+    )
+
+
+# --- KServe V1 -------------------------------------------------------------------------
+
+
+@routes.get("/v1/models")
+async def v1_models(request: web.Request) -> web.Response:
+    """``GET /v1/models``: the names of the models served."""
+    return _json({"models": sorted(request.app[REGISTRY].models)})
+
+
+@routes.get("/v1/models/{name:[^/:]+}")
+async def v1_model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{name}``: 200 ``{"name", "ready": true}`` when ready, else 503."""
+    registry = request.app[REGISTRY]
+    entry = registry.get(request.match_info["name"])
+    is_ready = entry.ready and not registry.draining
+    return _json({"name": entry.config.name, "ready": is_ready}, 200 if is_ready else 503)
+
+
+@routes.post("/v1/models/{name:[^/:]+}:predict")
+async def v1_predict(request: web.Request) -> web.Response:
+    """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
+    registry = request.app[REGISTRY]
+    entry = registry.get(request.match_info["name"])
+    body = await _read_json_body(request)
+    inputs = v1.decode_request(entry.config, body)
+    entry = registry.ready_entry(entry.config.name)
+    outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, None))
+    return web.Response(body=v1.encode_response(entry.config, outputs), content_type="application/json")
+
+
+def worker_info(device: str) -> dict[str, Any]:
+    """This worker's identity for ``GET /v2``: pid, device and GPU binding (from the env)."""
+    info: dict[str, Any] = {"pid": os.getpid(), "device": device}
+    binding = os.environ.get("SCORING_BINDING")
+    if binding:
+        try:
+            info["binding"] = orjson.loads(binding)
+        except orjson.JSONDecodeError:
+            info["binding"] = binding
+    return info

@@ -1,0 +1,128 @@
+"""The server's one validated settings object.
+
+Every setting is read from an environment variable with the ``SCORING_`` prefix
+(``SCORING_PORT=9000``), declared once here with its type, default and
+description; the README's configuration table is checked against this class by
+``tests/test_settings.py``. ``gunicorn.conf.py`` reads the same object, and
+gunicorn's own command-line flags override what it sets (config file <
+``GUNICORN_CMD_ARGS`` < command line).
+
+Source: pydantic-settings ``BaseSettings``; the declare-once idea follows
+gunicorn's ``config.py`` and Starlette's ``Config(env_prefix=...)``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "SCORING_"
+
+
+class Settings(BaseSettings):
+    """Server settings; see each field's ``description`` (units are in the names)."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore", frozen=True)
+
+    # --- models -------------------------------------------------------------
+    model_repository: Path = Field(
+        Path("model_repository"),
+        description="Folder with one subfolder per model (model.toml + weights).",
+    )
+    models: str = Field(
+        "",
+        description="Comma-separated model names to load from the repository; empty = all.",
+    )
+
+    # --- HTTP / gunicorn ----------------------------------------------------
+    host: str = Field(
+        "127.0.0.1",
+        description="Address to bind. Binding anything but loopback is an explicit choice.",
+    )
+    port: int = Field(8080, ge=0, le=65535, description="TCP port to bind.")
+    workers: int = Field(1, ge=1, description="Worker processes in CPU mode (no usable GPU).")
+    max_processes_per_gpu: int = Field(
+        1, ge=1, description="Workers per usable GPU; workers = GPUs x this in GPU mode."
+    )
+    timeout_s: int = Field(
+        60, ge=1, description="Gunicorn worker timeout: a silent worker is killed after it."
+    )
+    graceful_timeout_s: int = Field(
+        30, ge=1, description="Seconds a stopping worker gets to finish in-flight requests."
+    )
+    keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive idle timeout, seconds.")
+    max_requests: int = Field(0, ge=0, description="Recycle a worker after this many requests; 0 = never.")
+    max_requests_jitter: int = Field(
+        0, ge=0, description="Random extra requests added to max_requests per worker."
+    )
+    access_log: str = Field("-", description="Access log file ('-' = stderr, '' = off).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="Log level of the server and gunicorn."
+    )
+
+    # --- requests -----------------------------------------------------------
+    max_request_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="Largest accepted request body, bytes (413 above)."
+    )
+    request_timeout_ms: float = Field(
+        10_000.0,
+        gt=0,
+        description="Default deadline of an inference request, ms (504 when it passes); "
+        "a model's timeout_ms or the request's own timeout overrides it.",
+    )
+
+    # --- device / binding ---------------------------------------------------
+    device: str = Field(
+        "auto",
+        description="Torch device for models: 'auto' (the bound GPU, else cpu), 'cpu', 'cuda:0'. "
+        "Set by the worker's GPU binding.",
+    )
+    torch_threads: int = Field(0, ge=0, description="torch.set_num_threads per worker; 0 = cores / workers.")
+    gpus: str = Field(
+        "",
+        description="Comma-separated allow-list of GPUs (indices or UUIDs); empty = all visible.",
+    )
+    min_free_memory_mib: int = Field(
+        0, ge=0, description="A GPU with less free memory (MiB) than this is not bound to."
+    )
+    foreign_process_policy: Literal["share", "skip"] = Field(
+        "share", description="GPUs running processes that are not ours: 'share' or 'skip'."
+    )
+    bind_timeout_s: float = Field(
+        60.0, gt=0, description="How long a worker waits for a free GPU slot before exiting."
+    )
+    exit_on_load_failure: bool = Field(
+        False,
+        description="Exit the worker (status 1) when a model fails to load; "
+        "gunicorn.conf.py turns it on for workers.",
+    )
+    run_dir: Path | None = Field(
+        None,
+        description="Per-server run directory (GPU leases); default: a folder in the "
+        "temp dir named after the gunicorn master's pid.",
+    )
+
+    @field_validator("model_repository", mode="after")
+    @classmethod
+    def _absolute(cls, value: Path) -> Path:
+        return value.expanduser().resolve()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The ``models`` allow-list as a tuple; empty = every model in the repository."""
+        return tuple(n.strip() for n in self.models.split(",") if n.strip())
+
+    @property
+    def gpu_allow_list(self) -> tuple[str, ...]:
+        """The ``gpus`` allow-list as a tuple of indices or UUIDs."""
+        return tuple(g.strip() for g in self.gpus.split(",") if g.strip())
+
+    def effective_torch_threads(self, workers: int) -> int:
+        """Intra-op threads per worker so that ``workers x threads`` fits the cores."""
+        if self.torch_threads:
+            return self.torch_threads
+        return max(1, (os.cpu_count() or 1) // max(1, workers))

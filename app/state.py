@@ -1,0 +1,85 @@
+"""Typed application state: the ``web.AppKey``s and the model registry they hold."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from app.batcher import DynamicBatcher
+from app.errors import ModelNotFound, ModelNotReady
+from app.models.runner import ModelRunner
+from app.repository import ModelConfig
+from app.settings import Settings
+
+
+@dataclass(eq=False)
+class ModelEntry:
+    """One model version in this worker: config, and once loaded, its runner and batcher."""
+
+    config: ModelConfig
+    runner: ModelRunner | None = None
+    batcher: DynamicBatcher | None = None
+
+    @property
+    def ready(self) -> bool:
+        """True once loaded, warmed up and batching."""
+        return self.batcher is not None
+
+
+@dataclass(eq=False)
+class ModelRegistry:
+    """The models of the repository this worker serves, by name and version."""
+
+    models: dict[str, dict[str, ModelEntry]] = field(default_factory=dict)
+    load_error: str | None = None
+    draining: bool = False
+
+    def add(self, config: ModelConfig) -> ModelEntry:
+        """Register ``config`` (not yet loaded)."""
+        entry = ModelEntry(config)
+        self.models.setdefault(config.name, {})[config.version] = entry
+        return entry
+
+    def entries(self) -> list[ModelEntry]:
+        """Every model version, in name then version order."""
+        return [e for name in sorted(self.models) for _, e in sorted(self.models[name].items())]
+
+    def get(self, name: str, version: str | None = None) -> ModelEntry:
+        """The entry for ``name`` (and ``version``; default: the highest version).
+
+        Raises:
+            ModelNotFound: unknown name or version (the message lists what exists).
+        """
+        versions = self.models.get(name)
+        if versions is None:
+            raise ModelNotFound(f"model {name!r} not found; available: {sorted(self.models)}")
+        if version is None:
+            return versions[max(versions, key=_version_key)]
+        entry = versions.get(version)
+        if entry is None:
+            raise ModelNotFound(f"model {name!r} has no version {version!r}; available: {sorted(versions)}")
+        return entry
+
+    def ready_entry(self, name: str, version: str | None = None) -> ModelEntry:
+        """Like :meth:`get`, but raises ``ModelNotReady`` (503) until the model is warm."""
+        entry = self.get(name, version)
+        if not entry.ready or self.draining:
+            reason = "draining" if self.draining else "loading"
+            raise ModelNotReady(f"model {name!r} is not ready ({reason})", retry_after_s=1)
+        return entry
+
+    @property
+    def ready(self) -> bool:
+        """Server readiness: every model warm and not draining."""
+        return not self.draining and all(e.ready for e in self.entries())
+
+
+def _version_key(version: str) -> tuple[int, Any]:
+    return (0, int(version)) if version.isdigit() else (1, version)
+
+
+SETTINGS = web.AppKey("settings", Settings)
+REGISTRY = web.AppKey("registry", ModelRegistry)
+WORKER_INFO = web.AppKey("worker_info", dict)

@@ -1,0 +1,58 @@
+"""Shared fixtures: toy model repositories and an in-process app."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient
+
+from app.main import create_app
+from app.settings import Settings
+from app.state import REGISTRY
+from tests.toy_models import write_scale_model, write_tensor_model
+
+AiohttpClient = Callable[..., Any]
+
+
+@pytest.fixture(scope="session")
+def tensor_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A repository with the same tiny ranker as .pt2 and TorchScript."""
+    repo = tmp_path_factory.mktemp("tensor_repo")
+    write_tensor_model(repo, "ranker-pt2", "torch_export")
+    write_tensor_model(repo, "ranker-ts", "torchscript")
+    return repo
+
+
+async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
+    """Wait (bounded) until every model of the in-process app is warm."""
+    registry = app[REGISTRY]
+    async with asyncio.timeout(timeout_s):
+        while not registry.ready:
+            if registry.load_error:
+                raise AssertionError(registry.load_error)
+            await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[..., Any]]:
+    """Start the app on a repository with the given settings; waits for readiness."""
+
+    async def make(repo: Path, *, wait: bool = True, **settings: Any) -> TestClient:
+        app = await create_app(Settings(model_repository=repo, device="cpu", **settings))
+        client: TestClient = await aiohttp_client(app)
+        if wait:
+            await wait_ready(app)
+        return client
+
+    yield make
+
+
+@pytest.fixture
+def scale_repo(tmp_path: Path) -> Path:
+    write_scale_model(tmp_path)
+    return tmp_path

@@ -1,0 +1,239 @@
+"""Dynamic batcher: batch formation, splitting, backpressure, deadlines, disconnects, faults."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import AsyncIterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+
+from app.batcher import DynamicBatcher
+from app.errors import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    InferenceFailed,
+    InsufficientStorage,
+    InvalidInput,
+    QueueFull,
+)
+from app.models.runner import ModelRunner, Segment
+from app.repository import read_config
+from tests.toy_models import ScaleHandler, write_scale_model
+
+
+class Recorder:
+    """run_batch double: y = 2x, records batches; can block, fail or be slow."""
+
+    def __init__(self, delay_s: float = 0.0, fail_on: float | None = None) -> None:
+        self.batches: list[list[float]] = []
+        self.delay_s = delay_s
+        self.fail_on = fail_on
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+
+    def __call__(self, inputs: Mapping[str, np.ndarray]) -> list[Segment]:
+        x = inputs["x"]
+        self.started.set()
+        assert self.gate.wait(10)
+        self.batches.append(x[:, 0].tolist())
+        if self.fail_on is not None and (x == self.fail_on).any():
+            raise RuntimeError("boom")
+        time.sleep(self.delay_s)
+        return [Segment(0, len(x), {"y": x * 2})]
+
+
+@pytest.fixture
+async def executor() -> AsyncIterator[ThreadPoolExecutor]:
+    pool = ThreadPoolExecutor(max_workers=1)
+    yield pool
+    pool.shutdown(wait=True)
+
+
+def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> DynamicBatcher:
+    opts = {"max_batch_size": 4, "max_queue_delay_ms": 20.0, "queue_capacity": 32} | kw
+    batcher = DynamicBatcher(
+        "m",
+        fn,
+        executor,
+        max_batch_size=int(opts["max_batch_size"]),
+        max_queue_delay_ms=opts["max_queue_delay_ms"],
+        queue_capacity=int(opts["queue_capacity"]),
+    )
+    batcher.start()
+    return batcher
+
+
+def items(*values: float) -> dict[str, np.ndarray]:
+    return {"x": np.array([[v, v] for v in values], dtype=np.float32)}
+
+
+async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()  # hold the first batch so the rest queue up
+    b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=5)
+    first = asyncio.create_task(b.infer(items(0), timeout_s=5))
+    await asyncio.to_thread(rec.started.wait, 5)
+    rest = [asyncio.create_task(b.infer(items(v), timeout_s=5)) for v in range(1, 11)]
+    await asyncio.sleep(0)
+    rec.gate.set()
+    results = await asyncio.gather(first, *rest)
+    assert [r["y"][0, 0] for r in results] == [2.0 * v for v in range(11)]
+    assert [len(batch) for batch in rec.batches] == [1, 4, 4, 2]
+    await b.stop()
+
+
+async def test_lone_request_waits_about_the_max_queue_delay(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b = make(executor, rec, max_queue_delay_ms=80)
+    start = time.perf_counter()
+    out = await b.infer(items(3), timeout_s=5)
+    elapsed = time.perf_counter() - start
+    assert out["y"].tolist() == [[6.0, 6.0]]
+    assert 0.07 <= elapsed < 0.5, elapsed
+    await b.stop()
+
+
+async def test_full_batch_does_not_wait_for_the_delay(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=10_000)
+    out = await asyncio.wait_for(b.infer(items(1, 2, 3, 4), timeout_s=20), 5)
+    assert out["y"][:, 0].tolist() == [2, 4, 6, 8]
+    await b.stop()
+
+
+async def test_large_request_is_split_and_reassembled_in_order(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=1)
+    values = list(range(10))
+    out = await b.infer(items(*values), timeout_s=5)
+    assert out["y"][:, 0].tolist() == [2.0 * v for v in values]
+    assert [len(batch) for batch in rec.batches] == [4, 4, 2]
+    assert all(len(batch) <= 4 for batch in rec.batches)
+    await b.stop()
+
+
+async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b = make(executor, rec, max_batch_size=2, queue_capacity=4, max_queue_delay_ms=0)
+    running = asyncio.create_task(b.infer(items(0, 0), timeout_s=5))
+    await asyncio.to_thread(rec.started.wait, 5)
+    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), timeout_s=5))
+    await asyncio.sleep(0)
+    assert b.queued_items == 4
+    with pytest.raises(QueueFull) as info:
+        await b.infer(items(5), timeout_s=5)
+    assert info.value.retry_after_s is not None and info.value.retry_after_s >= 1
+    rec.gate.set()
+    await asyncio.gather(running, queued)
+    await b.stop()
+
+
+async def test_request_larger_than_the_queue_is_invalid(executor: ThreadPoolExecutor) -> None:
+    b = make(executor, Recorder(), queue_capacity=8)
+    with pytest.raises(InvalidInput, match="at most 8"):
+        await b.infer(items(*range(9)), timeout_s=1)
+    await b.stop()
+
+
+async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b = make(executor, rec, max_batch_size=1, max_queue_delay_ms=0)
+    blocker = asyncio.create_task(b.infer(items(0), timeout_s=5))
+    await asyncio.to_thread(rec.started.wait, 5)
+    with pytest.raises(DeadlineExceeded):
+        await b.infer(items(99), timeout_s=0.05)
+    assert b.queued_items == 0
+    rec.gate.set()
+    await blocker
+    await b.infer(items(1), timeout_s=5)
+    assert [99.0] not in rec.batches  # the expired item never reached the model
+    await b.stop()
+
+
+async def test_disconnected_client_items_never_reach_the_model(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
+    blocker = asyncio.create_task(b.infer(items(0), timeout_s=5))
+    await asyncio.to_thread(rec.started.wait, 5)
+    gone = asyncio.create_task(b.infer(items(42), timeout_s=5, is_disconnected=lambda: True))
+    stays = asyncio.create_task(b.infer(items(7), timeout_s=5, is_disconnected=lambda: False))
+    await asyncio.sleep(0)
+    rec.gate.set()
+    with pytest.raises(ClientDisconnected):
+        await gone
+    assert (await stays)["y"][0, 0] == 14.0
+    await blocker
+    assert all(42.0 not in batch for batch in rec.batches)
+    await b.stop()
+
+
+async def test_model_exception_fails_only_that_batch(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder(fail_on=13)
+    b = make(executor, rec, max_batch_size=2, max_queue_delay_ms=1)
+    with pytest.raises(InferenceFailed, match=r"model m .*request rid-1: RuntimeError") as info:
+        await b.infer(items(13), timeout_s=5, request_id="rid-1")
+    assert "Traceback" not in str(info.value)
+    out = await b.infer(items(1), timeout_s=5)
+    assert out["y"][0, 0] == 2.0
+    await b.stop()
+
+
+async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
+    tmp_path, executor: ThreadPoolExecutor
+) -> None:
+    config = read_config(write_scale_model(tmp_path, "oom", max_batch_size=8, oom_above=2))
+    runner = ModelRunner(config)
+    runner.load(torch.device("cpu"))
+    b = DynamicBatcher(
+        "oom", runner.run_batch, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64
+    )
+    b.start()
+    tag = np.array([[b""]], dtype=object)
+    reqs = [
+        b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, timeout_s=5) for v in range(8)
+    ]
+    outs = await asyncio.gather(*reqs)
+    assert [o["y"][0, 0] for o in outs] == [2.0 * v for v in range(8)]
+    seen = ScaleHandler.BATCHES["oom"]
+    # the whole batch, then halves, then quarters, which fit
+    assert [len(s) for s in seen] == [8, 4, 2, 2, 4, 2, 2]
+    await b.stop()
+
+
+async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
+    executor: ThreadPoolExecutor,
+) -> None:
+    def run(inputs: Mapping[str, np.ndarray]) -> list[Segment]:
+        x = inputs["x"]
+        # item with value 5 "does not fit"; the runner reports it as its own segment
+        segs, start = [], 0
+        for i, v in enumerate(x[:, 0]):
+            if v == 5:
+                if i > start:
+                    segs.append(Segment(start, i, {"y": x[start:i] * 2}))
+                segs.append(Segment(i, i + 1, None))
+                start = i + 1
+        if start < len(x):
+            segs.append(Segment(start, len(x), {"y": x[start:] * 2}))
+        return segs
+
+    b = DynamicBatcher("m", run, executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
+    b.start()
+    results = await asyncio.gather(
+        b.infer(items(1), timeout_s=5),
+        b.infer(items(4, 5, 6), timeout_s=5),
+        b.infer(items(7), timeout_s=5),
+        return_exceptions=True,
+    )
+    assert isinstance(results[1], InsufficientStorage)
+    assert results[0]["y"][0, 0] == 2.0 and results[2]["y"][0, 0] == 14.0
+    await b.stop()

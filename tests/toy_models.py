@@ -1,0 +1,159 @@
+"""Small models for tests: a tensor model exported to .pt2 / TorchScript, and a
+controllable handler that records what it sees (batch sizes, items)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+SCALE_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "tests.toy_models:ScaleHandler"
+max_batch_size = {max_batch_size}
+max_queue_delay_ms = {max_queue_delay_ms}
+queue_capacity = {queue_capacity}
+warmup_batch_sizes = [1]
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [2]
+[[inputs]]
+name = "tag"
+datatype = "BYTES"
+shape = [1]
+optional = true
+[[outputs]]
+name = "y"
+datatype = "FP32"
+shape = [2]
+[[outputs]]
+name = "tag_length"
+datatype = "INT64"
+shape = [1]
+[parameters]
+{parameters}
+"""
+
+
+class ScaleHandler:
+    """y = 2 * x; tag_length = len(tag). Records every batch it sees (class-wide, per model).
+
+    parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
+    ``load_delay_s``, ``delay_ms`` per batch, ``fail_on`` (x value that raises),
+    ``oom_above`` (batches larger than this raise torch.OutOfMemoryError).
+    """
+
+    BATCHES: ClassVar[dict[str, list[list[float]]]] = {}
+    GATES: ClassVar[dict[str, threading.Event]] = {}
+
+    def load(self, device: torch.device, config: Any) -> None:
+        self.name = config.name
+        self.params = dict(config.parameters)
+        gate = self.params.get("load_gate")
+        if gate:
+            assert self.GATES[gate].wait(30)
+        time.sleep(float(self.params.get("load_delay_s", 0)))
+        self.BATCHES[self.name] = []
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+        return torch.from_numpy(inputs["x"]), inputs["tag"].reshape(-1)
+
+    def predict(self, batch: tuple[torch.Tensor, np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+        x, tags = batch
+        self.BATCHES[self.name].append(x[:, 0].tolist())
+        if "oom_above" in self.params and len(x) > int(self.params["oom_above"]):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        if "fail_on" in self.params and bool((x == float(self.params["fail_on"])).any()):
+            raise RuntimeError("simulated model failure")
+        time.sleep(float(self.params.get("delay_ms", 0)) / 1000)
+        return x * 2, tags
+
+    def postprocess(self, outputs: tuple[torch.Tensor, np.ndarray]) -> dict[str, np.ndarray]:
+        y, tags = outputs
+        return {
+            "y": y.numpy(),
+            "tag_length": np.array([[len(t)] for t in tags], dtype=np.int64),
+        }
+
+
+def write_scale_model(
+    repo: Path,
+    name: str = "scale",
+    *,
+    max_batch_size: int = 8,
+    max_queue_delay_ms: float = 5.0,
+    queue_capacity: int = 64,
+    **parameters: Any,
+) -> Path:
+    """Write a ScaleHandler model folder into ``repo``; returns the folder."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    params = "\n".join(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items())
+    (folder / "model.toml").write_text(
+        SCALE_TOML.format(
+            name=name,
+            max_batch_size=max_batch_size,
+            max_queue_delay_ms=max_queue_delay_ms,
+            queue_capacity=queue_capacity,
+            parameters=params,
+        )
+    )
+    return folder
+
+
+class TinyRanker(torch.nn.Module):
+    """features FP32 [B, 4] -> probability FP32 [B, 1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.linear(features))
+
+
+TENSOR_TOML = """
+name = "{name}"
+version = "1"
+format = "{fmt}"
+file = "{file}"
+max_batch_size = 16
+max_queue_delay_ms = 1.0
+warmup_batch_sizes = [1, 16]
+[[inputs]]
+name = "features"
+datatype = "FP32"
+shape = [4]
+[[outputs]]
+name = "probability"
+datatype = "FP32"
+shape = [1]
+"""
+
+
+def write_tensor_model(repo: Path, name: str, fmt: str) -> TinyRanker:
+    """Export TinyRanker to ``repo/name`` as ``torch_export`` (.pt2) or ``torchscript`` (.pt)."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    model = TinyRanker().eval()
+    if fmt == "torch_export":
+        file = "model.pt2"
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        program = torch.export.export(
+            model, (torch.zeros(2, 4),), dynamic_shapes={"features": {0: batch}}
+        )
+        torch.export.save(program, str(folder / file))
+    else:
+        file = "model.pt"
+        torch.jit.save(torch.jit.script(model), str(folder / file))
+    (folder / "model.toml").write_text(TENSOR_TOML.format(name=name, fmt=fmt, file=file))
+    return model
