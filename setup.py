@@ -5,6 +5,8 @@ the requirement below is a range that an installed 2.13.0 satisfies, whereas a
 bare install would pull the newest CUDA build.
 """
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
@@ -12,7 +14,7 @@ setup(
     version="0.1.0",
     description="Multi-GPU PyTorch model scoring server: gunicorn + aiohttp workers, "
     "dynamic batching, KServe V1 and Open Inference Protocol V2.",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
     python_requires=">=3.10",

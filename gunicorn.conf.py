@@ -1,0 +1,107 @@
+"""Gunicorn configuration of the scoring server.
+
+    gunicorn -c gunicorn.conf.py                      # serves app.main:create_app
+    gunicorn -c gunicorn.conf.py -w 4 -b 127.0.0.1:9000 app.main:create_app
+
+Every value comes from ``app.settings.Settings`` (``SCORING_*`` environment
+variables); gunicorn's own flags and ``GUNICORN_CMD_ARGS`` override it.
+
+Processes: this file runs in the gunicorn master, which counts usable GPUs
+through NVML (``gpu_stat``) and never imports torch, so it never creates a CUDA
+context. Workers = usable GPUs x ``SCORING_MAX_PROCESSES_PER_GPU``, or
+``SCORING_WORKERS`` in CPU mode. Each forked worker binds itself to one GPU
+slot in ``post_fork`` (before the app, and so torch, is imported).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from app.settings import Settings
+from gpu_stat import backend_name
+from gpu_stat.binding import BindingPolicy, BindTimeout, bind_worker, usable_gpu_count
+
+_settings = Settings()
+_log = logging.getLogger("gunicorn.error")
+
+#: Exit status of a worker that found no GPU slot in time. Not 3 or 4: gunicorn
+#: halts the whole server on those; on 1 it logs the exit and forks a new worker.
+BIND_FAILED_EXIT = 1
+
+_run_dir = _settings.run_dir or Path(tempfile.gettempdir()) / f"scoring-server-{os.getpid()}"
+os.environ["SCORING_RUN_DIR"] = str(_run_dir)
+
+_policy = BindingPolicy(
+    run_dir=_run_dir,
+    max_processes_per_gpu=_settings.max_processes_per_gpu,
+    allowed_gpus=_settings.gpu_allow_list,
+    min_free_memory_bytes=_settings.min_free_memory_mib * 1024 * 1024,
+    foreign_process_policy=_settings.foreign_process_policy,
+    bind_timeout_s=_settings.bind_timeout_s,
+)
+_gpus = usable_gpu_count(_policy)
+
+wsgi_app = "app.main:create_app"
+_host = f"[{_settings.host}]" if ":" in _settings.host else _settings.host  # IPv6 literal
+bind = [f"{_host}:{_settings.port}"]
+workers = _gpus * _settings.max_processes_per_gpu if _gpus else _settings.workers
+worker_class = (
+    "aiohttp.GunicornUVLoopWebWorker"
+    if importlib.util.find_spec("uvloop") is not None
+    else "aiohttp.GunicornWebWorker"
+)
+timeout = _settings.timeout_s
+graceful_timeout = _settings.graceful_timeout_s
+keepalive = _settings.keepalive_s
+max_requests = _settings.max_requests
+max_requests_jitter = _settings.max_requests_jitter
+accesslog = _settings.access_log or None
+# aiohttp's format: remote address, request line, status, bytes, seconds, request id.
+access_log_format = '%a "%r" %s %b %Tf rid=%{X-Request-Id}o'
+loglevel = _settings.log_level
+proc_name = "scoring-server"
+# gunicorn >= 24 opens a control socket; keep it per server so servers never collide.
+control_socket = str(_run_dir / "gunicorn.ctl")
+
+
+def on_starting(server: Any) -> None:
+    """Master, once: create the run directory and say how the worker count was chosen."""
+    _run_dir.mkdir(parents=True, exist_ok=True)
+    mode = f"{_gpus} usable GPU(s) x {_settings.max_processes_per_gpu}" if _gpus else "CPU mode"
+    server.log.info(
+        "scoring-server: %d worker(s) (%s; NVML backend %s); run dir %s",
+        server.cfg.workers, mode, _backend(), _run_dir,
+    )
+
+
+def _backend() -> str:
+    try:
+        return backend_name()
+    except Exception as exc:  # NVML missing: CPU mode
+        return f"unavailable ({exc})"
+
+
+def post_fork(server: Any, worker: Any) -> None:
+    """Worker, before the app is imported: bind to a GPU slot, then tell the app via env vars."""
+    try:
+        binding = bind_worker(_policy, heartbeat=worker.notify)
+    except BindTimeout as exc:
+        worker.log.error("worker %d: %s; exiting with status %d", os.getpid(), exc, BIND_FAILED_EXIT)
+        sys.exit(BIND_FAILED_EXIT)
+    device = binding.device
+    if device != "cpu" and _backend().startswith("fake"):
+        # A fake NVML describes GPUs this machine does not have: models run on the CPU.
+        device = "cpu"
+    os.environ["SCORING_DEVICE"] = device
+    os.environ["SCORING_BINDING"] = json.dumps(binding.as_labels(), sort_keys=True)
+    os.environ["SCORING_EXIT_ON_LOAD_FAILURE"] = "1"
+    os.environ.setdefault(
+        "SCORING_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, server.cfg.workers)))
+    )

@@ -1,0 +1,190 @@
+"""Export the demo feed-ranking model into the model repository.
+
+``FeedRanker`` maps 32 dense features per candidate item (FP32) to a click probability
+(FP32 in (0, 1)). Its weights are drawn from a seeded generator, so the same seed always
+exports the same model. Usage::
+
+    python scripts/export_ranking_model.py --out model_repository/feed-ranker \\
+        [--format torch_export|torchscript] [--seed 0] [--max-batch-size 256]
+
+writes ``model.pt2`` (``torch.export``, dynamic batch dimension) or ``model.pt`` (TorchScript)
+and the ``model.toml`` that serves it, after checking that the saved file reloads and matches
+the eager model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+NUM_FEATURES = 32
+HIDDEN = (64, 32)
+MAX_BATCH_SIZE = 256
+FORMATS = {"torch_export": "model.pt2", "torchscript": "model.pt"}
+
+# torch.jit's entry points are unannotated; these give mypy (strict) something to check against.
+_jit_trace: Callable[..., torch.jit.ScriptModule] = torch.jit.trace
+_jit_load: Callable[..., torch.jit.ScriptModule] = torch.jit.load
+
+
+class FeedRanker(nn.Module):
+    """Dense features FP32 ``[B, 32]`` -> MLP -> sigmoid -> click probability FP32 ``[B, 1]``."""
+
+    def __init__(self, num_features: int = NUM_FEATURES, hidden: tuple[int, ...] = HIDDEN) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        width = num_features
+        for size in hidden:
+            layers += [nn.Linear(width, size), nn.ReLU()]
+            width = size
+        layers.append(nn.Linear(width, 1))
+        self.mlp = nn.Sequential(*layers)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.mlp(features))
+
+
+def build_model(seed: int = 0) -> FeedRanker:
+    """A ``FeedRanker`` in eval mode with weights determined by ``seed`` alone.
+
+    A private generator is used, so the global RNG is neither read nor advanced.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    # Built on the meta device, so nn.Linear's own initialisation draws nothing from the global
+    # RNG; every parameter is then filled below.
+    with torch.device("meta"):
+        model = FeedRanker()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                # He initialisation keeps activations in range through the ReLUs.
+                std = math.sqrt(2.0 / module.in_features)
+                module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
+                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.01)
+    return model.eval()
+
+
+def _model_toml(name: str, fmt: str, max_batch_size: int) -> str:
+    return f"""\
+# Demo feed-ranking MLP written by scripts/export_ranking_model.py; rerun it to rebuild
+# {FORMATS[fmt]}, which is not committed.
+name = "{name}"
+version = "1"
+format = "{fmt}"
+file = "{FORMATS[fmt]}"
+max_batch_size = {max_batch_size}
+max_queue_delay_ms = 2.0
+queue_capacity = 8192              # items
+timeout_ms = 1000
+warmup_batch_sizes = [1, {max_batch_size}]
+
+[[inputs]]
+name = "features"
+datatype = "FP32"
+shape = [{NUM_FEATURES}]                       # per item, batch dim excluded
+
+[[outputs]]
+name = "click_probability"
+datatype = "FP32"
+shape = [1]                        # in (0, 1)
+"""
+
+
+def _save_torch_export(model: FeedRanker, path: Path, max_batch_size: int) -> None:
+    batch = torch.export.Dim("batch", min=1, max=max_batch_size)
+    # An example batch of 1 would let export specialise the batch dimension to 1.
+    example = torch.zeros(min(8, max_batch_size), NUM_FEATURES)
+    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    torch.export.save(program, path)
+
+
+def _save_torchscript(model: FeedRanker, path: Path) -> None:
+    # Tracing records the whole model (it has no data-dependent control flow) and, unlike
+    # torch.jit.script, needs no source file. TorchScript is deprecated in torch 2.x; this
+    # format exists for servers that still load it.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit")
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.jit")
+        traced = _jit_trace(model, torch.zeros(4, NUM_FEATURES))
+        torch.jit.save(traced, str(path))
+
+
+def load_exported(path: Path) -> torch.nn.Module:
+    """Reload a ``model.pt2`` or ``model.pt`` written by ``export`` as a callable module."""
+    if path.suffix == ".pt2":
+        module: torch.nn.Module = torch.export.load(path).module()
+        return module
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit")
+        warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.jit")
+        scripted: torch.nn.Module = _jit_load(str(path), map_location="cpu")
+    return scripted
+
+
+def _verify(model: FeedRanker, path: Path, max_batch_size: int) -> None:
+    loaded = load_exported(path)
+    generator = torch.Generator().manual_seed(1234)
+    for size in sorted({1, 7, max_batch_size} & set(range(1, max_batch_size + 1))):
+        x = torch.randn(size, NUM_FEATURES, generator=generator)
+        with torch.inference_mode():
+            expected, got = model(x), loaded(x)
+        if got.shape != (size, 1) or not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
+            raise RuntimeError(f"{path} does not reproduce the eager model at batch size {size}")
+
+
+def export(
+    out_dir: Path,
+    fmt: str = "torch_export",
+    seed: int = 0,
+    *,
+    max_batch_size: int = MAX_BATCH_SIZE,
+    name: str | None = None,
+) -> Path:
+    """Write the model file and ``model.toml`` into ``out_dir``; return the model file's path.
+
+    ``fmt`` is ``"torch_export"`` (``model.pt2``) or ``"torchscript"`` (``model.pt``);
+    ``max_batch_size`` is both the ``.pt2``'s batch-dimension bound and the ``model.toml``
+    setting; ``name`` defaults to ``out_dir``'s name. Raises ``ValueError`` for an unknown
+    format and ``RuntimeError`` when the reloaded file does not match the eager model.
+    """
+    if fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; choose one of {sorted(FORMATS)}")
+    if max_batch_size < 2:
+        raise ValueError(f"max_batch_size must be >= 2, got {max_batch_size}")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model = build_model(seed)
+    path = out_dir / FORMATS[fmt]
+    if fmt == "torch_export":
+        _save_torch_export(model, path, max_batch_size)
+    else:
+        _save_torchscript(model, path)
+    _verify(model, path, max_batch_size)
+    toml = _model_toml(name or out_dir.resolve().name, fmt, max_batch_size)
+    (out_dir / "model.toml").write_text(toml, encoding="utf-8")
+    return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="model folder to write")
+    parser.add_argument("--format", choices=sorted(FORMATS), default="torch_export")
+    parser.add_argument("--seed", type=int, default=0, help="weight seed (default 0)")
+    parser.add_argument(
+        "--max-batch-size", type=int, default=MAX_BATCH_SIZE, help="items per batch (default 256)"
+    )
+    parser.add_argument("--name", help="model name (default: the --out folder's name)")
+    args = parser.parse_args(argv)
+    path = export(args.out, args.format, args.seed, max_batch_size=args.max_batch_size, name=args.name)
+    print(f"wrote {path} and {path.parent / 'model.toml'}")
+
+
+if __name__ == "__main__":
+    main()

