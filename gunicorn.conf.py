@@ -11,6 +11,12 @@ through NVML (``gpu_stat``) and never imports torch, so it never creates a CUDA
 context. Workers = usable GPUs x ``SCORING_MAX_PROCESSES_PER_GPU``, or
 ``SCORING_WORKERS`` in CPU mode. Each forked worker binds itself to one GPU
 slot in ``post_fork`` (before the app, and so torch, is imported).
+
+Observability: Prometheus multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, by
+default ``<run dir>/prometheus``, set here before anything imports
+prometheus_client, wiped in ``on_starting``, dead workers' live gauges removed
+in ``child_exit``); logs as text or JSON lines through ``logconfig_dict``
+(``SCORING_LOG_FORMAT``). See docs/observability.md.
 """
 
 from __future__ import annotations
@@ -19,24 +25,36 @@ import importlib.util
 import json
 import logging
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
+from app.logconfig import log_config
 from app.settings import Settings
 from gpu_stat import backend_name
-from gpu_stat.binding import BindingPolicy, BindTimeout, bind_worker, usable_gpu_count
+from gpu_stat.binding import (
+    EXIT_BIND_TIMEOUT,
+    BindingPolicy,
+    BindTimeout,
+    bind_worker,
+    usable_gpu_count,
+)
 
 _settings = Settings()
 _log = logging.getLogger("gunicorn.error")
 
-#: Exit status of a worker that found no GPU slot in time. Not 3 or 4: gunicorn
-#: halts the whole server on those; on 1 it logs the exit and forks a new worker.
-BIND_FAILED_EXIT = 1
+#: Exit status of a worker that found no GPU slot in time (75, EX_TEMPFAIL). Not 3 or 4:
+#: gunicorn halts the whole server on those; on 75 it logs the exit and forks a new worker.
+BIND_FAILED_EXIT = EXIT_BIND_TIMEOUT
 
 _run_dir = _settings.run_dir or Path(tempfile.gettempdir()) / f"scoring-server-{os.getpid()}"
 os.environ["SCORING_RUN_DIR"] = str(_run_dir)
+# prometheus_client picks file-backed values at import time, so this must come before any
+# import of it (the workers import app.metrics; child_exit below imports it in the master).
+os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(_run_dir / "prometheus"))
+_metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
 _policy = BindingPolicy(
     run_dir=_run_dir,
@@ -47,6 +65,12 @@ _policy = BindingPolicy(
     bind_timeout_s=_settings.bind_timeout_s,
 )
 _gpus = usable_gpu_count(_policy)
+if _settings.gpu_allow_list and not _gpus:
+    # An operator who names GPUs wants them: refuse to start rather than serve on the CPU.
+    raise SystemExit(
+        f"SCORING_GPUS={_settings.gpus!r} but none of those GPUs is usable "
+        f"(NVML backend {backend_name()}); see `python -m gpu_stat`"
+    )
 
 wsgi_app = "app.main:create_app"
 _host = f"[{_settings.host}]" if ":" in _settings.host else _settings.host  # IPv6 literal
@@ -54,7 +78,7 @@ bind = [f"{_host}:{_settings.port}"]
 workers = _gpus * _settings.max_processes_per_gpu if _gpus else _settings.workers
 worker_class = (
     "aiohttp.GunicornUVLoopWebWorker"
-    if importlib.util.find_spec("uvloop") is not None
+    if _settings.uvloop and importlib.util.find_spec("uvloop") is not None
     else "aiohttp.GunicornWebWorker"
 )
 timeout = _settings.timeout_s
@@ -63,17 +87,24 @@ keepalive = _settings.keepalive_s
 max_requests = _settings.max_requests
 max_requests_jitter = _settings.max_requests_jitter
 accesslog = _settings.access_log or None
-# aiohttp's format: remote address, request line, status, bytes, seconds, request id.
-access_log_format = '%a "%r" %s %b %Tf rid=%{X-Request-Id}o'
+# aiohttp's format: remote address, request line, status, bytes, latency in seconds (1 ms steps
+# under uvloop), request id, the app's time in ms (Server-Timing: app;dur=...). In JSON mode
+# each atom is also a key of the line (app.logconfig.JsonFormatter).
+access_log_format = '%a "%r" %s %b %Tf rid=%{X-Request-Id}o %{Server-Timing}o'
 loglevel = _settings.log_level
+logconfig_dict = log_config(_settings.log_format, _settings.log_level, accesslog)
 proc_name = "scoring-server"
 # gunicorn >= 24 opens a control socket; keep it per server so servers never collide.
 control_socket = str(_run_dir / "gunicorn.ctl")
 
 
 def on_starting(server: Any) -> None:
-    """Master, once: create the run directory and say how the worker count was chosen."""
+    """Master, once: create the run directory, empty the metrics folder, say how the worker
+    count was chosen."""
     _run_dir.mkdir(parents=True, exist_ok=True)
+    _metrics_dir.mkdir(parents=True, exist_ok=True)
+    for stale in _metrics_dir.glob("*.db"):  # a previous server's samples would add up with ours
+        stale.unlink()
     mode = f"{_gpus} usable GPU(s) x {_settings.max_processes_per_gpu}" if _gpus else "CPU mode"
     server.log.info(
         "scoring-server: %d worker(s) (%s; NVML backend %s); run dir %s",
@@ -90,6 +121,12 @@ def _backend() -> str:
 
 def post_fork(server: Any, worker: Any) -> None:
     """Worker, before the app is imported: bind to a GPU slot, then tell the app via env vars."""
+    # Until the worker installs its own handlers (init_process, after this hook) it still has
+    # the master's, which only queue the signal for the master's loop: a SIGTERM sent now, say
+    # by a HUP reload while this worker waits for a GPU slot, would be lost and the worker
+    # would live on holding its slot. A booting worker has nothing to drain: let it die.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
     try:
         binding = bind_worker(_policy, heartbeat=worker.notify)
     except BindTimeout as exc:
@@ -105,3 +142,13 @@ def post_fork(server: Any, worker: Any) -> None:
     os.environ.setdefault(
         "SCORING_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, server.cfg.workers)))
     )
+
+
+def child_exit(server: Any, worker: Any) -> None:
+    """Master, after a worker exited (however it died): drop its live gauges from /metrics.
+
+    Its counters and histograms stay in the folder, so totals never go backwards.
+    """
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(worker.pid, str(_metrics_dir))

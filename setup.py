@@ -20,6 +20,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
     include_package_data=True,
+    package_data={"gpu_stat": ["py.typed"], "app": ["py.typed"]},
     install_requires=[
         "aiohttp>=3.14,<4",
         "gunicorn>=22",

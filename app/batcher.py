@@ -257,6 +257,7 @@ class DynamicBatcher:
                 self._fail(request, ClientDisconnected(f"client of request {request.request_id} left"))
                 continue
             if now >= request.deadline:
+                self._observer.rejected("deadline")
                 self._fail(request, DeadlineExceeded(f"request {request.request_id} expired in queue"))
                 continue
             size = chunk.stop - chunk.start

@@ -24,11 +24,12 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 from aiohttp import web
 
-from app.batcher import DynamicBatcher
+from app.batcher import BatchObserver, DynamicBatcher
 from app.errors import ModelLoadError
+from app.metrics import METRICS
 from app.models.runner import ModelRunner, describe
 from app.repository import scan
-from app.state import REGISTRY, SETTINGS, ModelEntry, ModelRegistry
+from app.state import REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +55,33 @@ async def _load_all(app: web.Application, device: torch.device) -> None:
     registry = app[REGISTRY]
     executor = app[EXECUTOR]
     loop = asyncio.get_running_loop()
+    metrics = app.get(METRICS)
+    models = []
     for entry in registry.entries():
         runner = ModelRunner(entry.config)
         await loop.run_in_executor(executor, runner.load, device)
         await loop.run_in_executor(executor, runner.warmup)
-        _start_batching(entry, runner, executor)
-        log.info("model ready %s", describe(runner))
+        observer: BatchObserver | None = None
+        if metrics is not None:
+            config = entry.config
+            metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
+            observer = metrics.observer(config.name, config.version)
+        _start_batching(entry, runner, executor, observer)
+        figures = describe(runner)
+        models.append(figures)
+        log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
+    info = app[WORKER_INFO]
+    binding = info.get("binding", {"device": info["device"]})
+    log.info(
+        "worker %d ready: binding %s, models %s",
+        info["pid"], binding, models,
+        extra={"event": "worker_ready", "binding": binding, "models": models},
+    )  # fmt: skip
 
 
-def _start_batching(entry: ModelEntry, runner: ModelRunner, executor: ThreadPoolExecutor) -> None:
+def _start_batching(
+    entry: ModelEntry, runner: ModelRunner, executor: ThreadPoolExecutor, observer: BatchObserver | None
+) -> None:
     config = entry.config
     entry.runner = runner
     batcher = DynamicBatcher(
@@ -72,6 +91,7 @@ def _start_batching(entry: ModelEntry, runner: ModelRunner, executor: ThreadPool
         max_batch_size=config.max_batch_size,
         max_queue_delay_ms=config.max_queue_delay_ms,
         queue_capacity=config.queue_capacity,
+        observer=observer,
     )
     batcher.start()
     entry.batcher = batcher

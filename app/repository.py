@@ -11,7 +11,7 @@ Each model folder holds its weights and a ``model.toml``::
 
 Tensor shapes in ``model.toml`` are *per item*: the batch dimension is implied
 (as in Triton's ``config.pbtxt`` with ``max_batch_size > 0``); ``-1`` marks a
-variable dimension. See ``docs/model-repository.md`` for every field.
+variable dimension. README.md ("Model repository") documents every field.
 """
 
 from __future__ import annotations

@@ -55,6 +55,12 @@ class Settings(BaseSettings):
         30, ge=1, description="Seconds a stopping worker gets to finish in-flight requests."
     )
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive idle timeout, seconds.")
+    uvloop: bool = Field(
+        False,
+        description="Run workers on uvloop (aiohttp's GunicornUVLoopWebWorker). Off by default: "
+        "uvloop drops a SIGTERM that arrives while a worker boots, so a reload can leave an "
+        "old worker holding its GPU slot (docs/architecture.md).",
+    )
     max_requests: int = Field(0, ge=0, description="Recycle a worker after this many requests; 0 = never.")
     max_requests_jitter: int = Field(
         0, ge=0, description="Random extra requests added to max_requests per worker."
@@ -62,6 +68,22 @@ class Settings(BaseSettings):
     access_log: str = Field("-", description="Access log file ('-' = stderr, '' = off).")
     log_level: Literal["debug", "info", "warning", "error"] = Field(
         "info", description="Log level of the server and gunicorn."
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="Log line format of the server, gunicorn and access logs: 'text' or 'json' "
+        "(one JSON object per line).",
+    )
+
+    # --- observability --------------------------------------------------------
+    metrics_enabled: bool = Field(
+        True, description="Serve Prometheus metrics at /metrics and record them."
+    )
+    gpu_metrics_interval_s: float = Field(
+        5.0,
+        gt=0,
+        description="How often each worker reads its bound GPU's memory and utilisation "
+        "through NVML for /metrics, seconds.",
     )
 
     # --- requests -----------------------------------------------------------

@@ -55,7 +55,9 @@ class Gunicorn:
         self.log_path = tmp / f"gunicorn-{self.port}.log"
         self.pidfile = tmp / f"gunicorn-{self.port}.pid"
         full_env = {
-            k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "GPU_STAT_"))
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("SCORING_", "GPU_STAT_", "PROMETHEUS_")) and k != "CUDA_VISIBLE_DEVICES"
         }
         full_env.update(
             {

@@ -68,7 +68,7 @@ def test_model_toml_describes_the_export(exported: dict[str, Path], fmt: str, fi
     assert config["format"] == fmt
     assert config["file"] == file
     assert config["max_batch_size"] == 256
-    assert config["max_queue_delay_ms"] == 2.0
+    assert config["max_queue_delay_ms"] == 0.0
     assert config["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [32]}]
     assert config["outputs"] == [{"name": "click_probability", "datatype": "FP32", "shape": [1]}]
     assert "handler" not in config

@@ -1,0 +1,668 @@
+"""Bind a worker process to one (GPU, slot) before it initialises CUDA.
+
+Each gunicorn worker binds itself, typically from the ``post_fork`` hook:
+
+1. **Rank**: its position among the live children of its parent (the gunicorn master), ordered
+   by (create_time, pid).
+2. **Capacity**: a fresh NVML snapshot (CUDA_VISIBLE_DEVICES and the allow-list applied); per GPU
+   the leases already held, the foreign processes, the free memory.
+3. **Plan**: the free (GPU, slot) pairs in water-filling order: always the usable GPU with the
+   fewest of our leases next (then the most free memory, in GiB, then the lowest index), so a
+   fresh start gives gpu0 slot0, gpu1 slot0, ..., gpu0 slot1, ...
+4. **Claim**: the worker takes the plan entry at its rank among the siblings that hold no lease
+   yet, so siblings starting together aim at different entries, with a non-blocking exclusive
+   ``flock`` on ``<run_dir>/gpu-leases/<uuid>.slot<k>.lock``. The descriptor stays open for the
+   life of the process; the kernel releases it when the process dies, however it dies. If the
+   lock is taken (a sibling won the race) the worker plans again at once; if the plan is empty it
+   waits with backoff, calling ``heartbeat`` at least every second, until ``bind_timeout_s``.
+5. **Bind**: ``CUDA_VISIBLE_DEVICES=<uuid>``; the worker then uses ``cuda:0``.
+
+Foreign processes: NVML lists every process with a context on a GPU, by PIDs of the driver's
+namespace. Those equal to a live process of our server (the parent and its descendants) are ours
+("matched"). In a container the rest cannot be told apart from strangers, but each of our leases
+on the GPU accounts for at most one process, and ``leases - matched`` of them have not been
+matched, so that many unmatched PIDs may be ours::
+
+    foreign = max(0, unmatched - max(0, leases - matched))
+
+This errs towards "not foreign" only while one of our lease holders has not created its context
+yet, and never counts one of our own workers as foreign.
+
+Memory: a GPU whose free memory is below ``min_free_memory_bytes`` takes no new worker, even if
+it holds our leases: our workers' memory is as real as anyone's. Lease holders that have no
+process on the GPU yet (``leases - matched - unmatched``; still loading) are reserved
+``min_free_memory_bytes`` each, so workers starting together do not all count the same free
+memory. A GPU short of memory is retried until the timeout, which picks up memory released by an
+exiting old worker after a HUP reload.
+
+Lock files are never deleted: unlinking a lock file that another process has open lets a third
+process lock a new file of the same name, and the lease would no longer be exclusive.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import psutil
+
+from gpu_stat.query import backend_name, query_gpus
+from gpu_stat.snapshot import GpuInfo, GpuProcess, NvmlUnavailable
+from gpu_stat.visible import ENV_VISIBLE
+
+__all__ = [
+    "EXIT_BIND_TIMEOUT",
+    "BindTimeout",
+    "Binding",
+    "BindingPolicy",
+    "bind_worker",
+    "count_foreign_processes",
+    "current_binding",
+    "plan_slots",
+    "release_binding",
+    "usable_gpu_count",
+    "verify_binding",
+]
+
+log = logging.getLogger(__name__)
+
+LEASE_DIR = "gpu-leases"
+#: A worker exit code for BindTimeout that gunicorn does not treat as fatal (it halts the whole
+#: server on 3 and 4): EX_TEMPFAIL from sysexits.h.
+EXIT_BIND_TIMEOUT = 75
+
+_GIB = 2**30
+_HEARTBEAT_EVERY_S = 0.25
+_MAX_BACKOFF_S = 1.0
+_LOCK_NAME = re.compile(r"^(?P<uuid>.+)\.slot(?P<slot>[0-9]+)\.lock$")
+
+
+@dataclass(frozen=True)
+class BindingPolicy:
+    """How workers claim GPUs.
+
+    ``run_dir``: the server's run directory; leases live in ``run_dir/gpu-leases`` (local disk,
+    one run directory per server). ``max_processes_per_gpu``: slots per GPU (or MIG instance).
+    ``allowed_gpus``: indices (in the CUDA_VISIBLE_DEVICES view) or UUIDs (``GPU-``/``MIG-``, full
+    or unique prefix); empty = all visible. ``min_free_memory_bytes``: a GPU with less free
+    memory takes no new worker. ``foreign_process_policy``: "share" uses GPUs that run other
+    programs' processes, "skip" does not. ``bind_timeout_s``: how long a worker waits for a slot
+    (seconds) before BindTimeout; make it longer than gunicorn's ``graceful_timeout`` so that
+    new workers outlast old ones during a HUP reload.
+    """
+
+    run_dir: Path
+    max_processes_per_gpu: int = 1
+    allowed_gpus: tuple[str, ...] = ()
+    min_free_memory_bytes: int = 0
+    foreign_process_policy: Literal["share", "skip"] = "share"
+    bind_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "run_dir", Path(self.run_dir))
+        if isinstance(self.allowed_gpus, str):
+            example = tuple(self.allowed_gpus.split(","))
+            raise ValueError(
+                f"allowed_gpus must be a tuple of entries, e.g. {example!r}, "
+                f"not the string {self.allowed_gpus!r}"
+            )
+        object.__setattr__(self, "allowed_gpus", tuple(str(e).strip() for e in self.allowed_gpus))
+        if self.max_processes_per_gpu < 1:
+            raise ValueError(
+                f"max_processes_per_gpu must be >= 1, not {self.max_processes_per_gpu}"
+            )
+        if self.min_free_memory_bytes < 0:
+            raise ValueError("min_free_memory_bytes must be >= 0")
+        if self.foreign_process_policy not in ("share", "skip"):
+            raise ValueError(
+                "foreign_process_policy must be 'share' or 'skip', "
+                f"not {self.foreign_process_policy!r}"
+            )
+        if not self.bind_timeout_s >= 0:
+            raise ValueError(f"bind_timeout_s must be >= 0 seconds, not {self.bind_timeout_s}")
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a worker runs. ``gpu_index`` is the GPU's index in the CUDA_VISIBLE_DEVICES view the
+    worker started with (for a MIG instance: its GPU's); ``gpu_uuid`` is what CUDA_VISIBLE_DEVICES
+    now holds (a ``MIG-`` uuid for a MIG instance); all GPU fields are None on CPU."""
+
+    device: str
+    gpu_index: int | None
+    gpu_uuid: str | None
+    gpu_name: str | None
+    slot: int | None
+    rank: int
+    reason: str
+
+    def as_labels(self) -> dict[str, str]:
+        """Labels for metrics and logs: gpu, gpu_uuid, slot ("" on CPU) and device."""
+        return {
+            "gpu": "" if self.gpu_index is None else str(self.gpu_index),
+            "gpu_uuid": self.gpu_uuid or "",
+            "slot": "" if self.slot is None else str(self.slot),
+            "device": self.device,
+        }
+
+
+class BindTimeout(Exception):
+    """No (GPU, slot) became free within ``bind_timeout_s``. Exit the worker with
+    EXIT_BIND_TIMEOUT (not 3 or 4, which halt gunicorn); the master starts a new one."""
+
+
+@dataclass
+class _Held:
+    pid: int
+    binding: Binding
+    fd: int | None
+
+
+_held: _Held | None = None
+_held_lock = threading.Lock()
+
+
+def _forget_inherited_lease() -> None:
+    # A process forked from a bound worker must not keep the worker's lease alive after the
+    # worker dies: drop the child's reference to the locked file (the parent's stays).
+    global _held
+    if _held is not None and _held.pid != os.getpid():
+        if _held.fd is not None:
+            os.close(_held.fd)
+        _held = None
+
+
+os.register_at_fork(after_in_child=_forget_inherited_lease)
+
+
+def current_binding() -> Binding | None:
+    """This process's binding, or None before bind_worker (or after release_binding)."""
+    held = _held
+    return held.binding if held is not None and held.pid == os.getpid() else None
+
+
+def release_binding() -> None:
+    """Give the lease back (close the lock file) and forget the binding. For tests and tools; a
+    worker keeps its lease until it exits. CUDA_VISIBLE_DEVICES is left as it is."""
+    global _held
+    with _held_lock:
+        if _held is not None and _held.pid == os.getpid() and _held.fd is not None:
+            os.close(_held.fd)
+        _held = None
+
+
+# --- pure decisions (unit-tested without processes) ---------------------------------------------
+
+
+def count_foreign_processes(
+    processes: Sequence[GpuProcess] | None, our_pids: Collection[int], our_leases: int
+) -> int:
+    """Processes on a GPU that are not ours (see the module docstring for the reasoning).
+
+    ``processes``: NVML's list (None = NVML does not list them: 0 foreign, nothing to go on);
+    ``our_pids``: live PIDs of our server; ``our_leases``: leases held on this GPU.
+    """
+    if processes is None:
+        return 0
+    pids = {p.pid for p in processes}
+    matched = len(pids.intersection(our_pids))
+    unmatched = len(pids) - matched
+    return max(0, unmatched - max(0, our_leases - matched))
+
+
+def _pending_leases(
+    processes: Sequence[GpuProcess] | None, our_pids: Collection[int], our_leases: int
+) -> int:
+    """Leases whose holder has no process on the GPU yet (so has not allocated memory)."""
+    if processes is None:
+        return 0
+    pids = {p.pid for p in processes}
+    matched = len(pids.intersection(our_pids))
+    return max(0, our_leases - matched - (len(pids) - matched))
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """One bindable GPU as the planner sees it: ``key`` identifies it (its uuid), ``order`` breaks
+    ties (lower first), ``leases`` held by us, ``free_slots`` not leased, ``capacity`` how many
+    new workers it may take now, ``free_memory`` in bytes."""
+
+    key: str
+    order: int
+    leases: int
+    free_slots: tuple[int, ...]
+    capacity: int
+    free_memory: int
+
+
+def plan_slots(states: Iterable[SlotState]) -> list[tuple[str, int]]:
+    """Free (key, slot) pairs in the order workers should take them: repeatedly the GPU with the
+    fewest leases (counting those planned before), then the most free memory in whole GiB (so
+    that megabytes of noise do not reorder identical GPUs), then the lowest ``order``; on that
+    GPU its lowest free slot. A GPU appears at most ``capacity`` times."""
+    candidates = [s for s in states if s.capacity > 0 and s.free_slots]
+    taken = {s.key: 0 for s in candidates}
+    plan: list[tuple[str, int]] = []
+    while True:
+        open_ = [s for s in candidates if taken[s.key] < min(s.capacity, len(s.free_slots))]
+        if not open_:
+            return plan
+        best = min(
+            open_, key=lambda s: (s.leases + taken[s.key], -(s.free_memory // _GIB), s.order)
+        )
+        plan.append((best.key, best.free_slots[taken[best.key]]))
+        taken[best.key] += 1
+
+
+# --- the view: bindable units ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Unit:
+    gpu: GpuInfo  # the GPU, or the MIG instance, that CUDA_VISIBLE_DEVICES will name
+    view_index: int  # index of the (parent) GPU in the CUDA_VISIBLE_DEVICES view
+    parent_uuid: str | None
+    order: int
+
+    def label(self) -> str:
+        mig = f" {self.gpu.uuid}" if self.parent_uuid is not None else ""
+        return f"GPU {self.view_index}{mig}"
+
+
+def _units(view: Sequence[GpuInfo]) -> list[_Unit]:
+    units: list[_Unit] = []
+    for gpu in view:
+        # CUDA cannot use a MIG-enabled GPU as a whole, only its instances.
+        for unit in gpu.mig_instances if gpu.mig_enabled else (gpu,):
+            units.append(_Unit(unit, gpu.index, unit.parent_uuid, len(units)))
+    return units
+
+
+def _allowed_units(units: list[_Unit], allowed: Sequence[str]) -> tuple[list[_Unit], list[str]]:
+    """Units matching the allow-list, and the entries that match nothing (or are ambiguous)."""
+    if not allowed:
+        return units, []
+    keep: set[int] = set()
+    unmatched: list[str] = []
+    for entry in allowed:
+        if entry.isdigit() and entry.isascii():
+            hits = {u.order for u in units if u.view_index == int(entry)}
+        elif entry.lower().startswith(("gpu-", "mig-")):
+            prefix = entry.lower()
+            named = {
+                uuid
+                for u in units
+                for uuid in (u.gpu.uuid, u.parent_uuid)
+                if uuid is not None and uuid.lower().startswith(prefix)
+            }
+            hits = (
+                {u.order for u in units if named & {u.gpu.uuid, u.parent_uuid}}
+                if len(named) == 1
+                else set()
+            )
+        else:
+            hits = set()
+        if not hits:
+            unmatched.append(entry)
+        keep |= hits
+    return [u for u in units if u.order in keep], unmatched
+
+
+def usable_gpu_count(policy: BindingPolicy) -> int:
+    """For the master: how many GPUs workers can bind to, after CUDA_VISIBLE_DEVICES and the
+    allow-list (a MIG-enabled GPU counts its MIG instances). 0 when NVML is unavailable. Does not
+    look at leases, memory or foreign processes, which change; never imports torch or creates a
+    CUDA context, so it is safe before fork(). Raises ValueError for a malformed fake file."""
+    try:
+        view = query_gpus()
+    except NvmlUnavailable as exc:
+        log.info("usable GPUs: 0 (NVML unavailable: %s)", exc)
+        return 0
+    allowed, unmatched = _allowed_units(_units(view), policy.allowed_gpus)
+    if unmatched:
+        log.warning("allowed_gpus entries match no visible GPU: %s", unmatched)
+    return len(allowed)
+
+
+# --- processes and lease files ----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Family:
+    siblings: tuple[int, ...]  # live children of our parent, us included, by (create_time, pid)
+    ours: frozenset[int]  # our parent and all its descendants
+
+
+def _family() -> _Family:
+    me = os.getpid()
+    keyed: list[tuple[float, int]] = []
+    ours: set[int] = {me}
+    try:
+        parent = psutil.Process(os.getppid())
+        ours.add(parent.pid)
+        children = parent.children()
+        ours.update(p.pid for p in parent.children(recursive=True))
+    except psutil.Error:
+        children = []
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:  # dead, not yet reaped by the master
+                keyed.append((child.create_time(), child.pid))
+        except psutil.Error:
+            continue  # exited meanwhile
+    if me not in {pid for _, pid in keyed}:
+        keyed.append((psutil.Process(me).create_time(), me))
+    keyed.sort()
+    return _Family(tuple(pid for _, pid in keyed), frozenset(ours))
+
+
+def _safe(uuid: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", uuid)
+
+
+def _lock_path(lease_dir: Path, uuid: str, slot: int) -> Path:
+    return lease_dir / f"{_safe(uuid)}.slot{slot}.lock"
+
+
+def _probe_leases(lease_dir: Path) -> dict[str, dict[int, int | None]]:
+    """Held lock files: safe uuid -> {slot: holder pid, None if not written yet}. Probing takes a
+    shared lock for an instant, so a sibling's exclusive attempt at that very instant fails and
+    it plans again."""
+    result: dict[str, dict[int, int | None]] = {}
+    try:
+        names = os.listdir(lease_dir)
+    except FileNotFoundError:
+        return result
+    for name in names:
+        match = _LOCK_NAME.match(name)
+        if match is None:
+            continue
+        try:
+            fd = os.open(lease_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+                continue  # free (closing the descriptor drops the shared lock)
+            except BlockingIOError:
+                pass
+            first_line = os.pread(fd, 32, 0).split(b"\n", 1)[0]
+            holder = int(first_line) if first_line.isdigit() else None
+        finally:
+            os.close(fd)
+        result.setdefault(match["uuid"], {})[int(match["slot"])] = holder
+    return result
+
+
+def _try_lock(path: Path) -> int | None:
+    """An exclusive lock on ``path`` (created if needed), or None if someone holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    # For diagnostics and for siblings' ranking; written so that a reader never sees a wrong pid.
+    data = f"{os.getpid()}\n".encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
+    return fd
+
+
+# --- bind -----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    plan: list[tuple[str, int]]
+    units: dict[str, _Unit]
+    skipped: list[str]  # GPUs that the policy kept from taking a worker, and why
+    full: list[str]  # GPUs whose slots are all leased
+    bound_pids: frozenset[int]
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def _assess(units: list[_Unit], policy: BindingPolicy, family: _Family) -> _Attempt:
+    lease_dir = policy.run_dir / LEASE_DIR
+    probes = _probe_leases(lease_dir)
+    states: list[SlotState] = []
+    skipped: list[str] = []
+    full: list[str] = []
+    bound: set[int] = set()
+    for unit in units:
+        held = probes.get(_safe(unit.gpu.uuid), {})
+        bound.update(pid for pid in held.values() if pid is not None)
+        leases = len(held)
+        free_slots = tuple(k for k in range(policy.max_processes_per_gpu) if k not in held)
+        foreign = count_foreign_processes(unit.gpu.processes, family.ours, leases)
+        pending = _pending_leases(unit.gpu.processes, family.ours, leases)
+        free_memory = unit.gpu.memory_free - pending * policy.min_free_memory_bytes
+        capacity = len(free_slots)
+        if foreign and policy.foreign_process_policy == "skip":
+            capacity = 0
+            skipped.append(f"{unit.label()}: {foreign} foreign process(es), policy skip")
+        elif policy.min_free_memory_bytes:
+            fits = max(0, free_memory) // policy.min_free_memory_bytes
+            if fits < capacity:
+                capacity = fits
+                if fits == 0:
+                    reserved = f" after reserving {pending} loading worker(s)" if pending else ""
+                    skipped.append(
+                        f"{unit.label()}: {_gib(unit.gpu.memory_free)} free{reserved}, "
+                        f"below min_free_memory {_gib(policy.min_free_memory_bytes)}"
+                    )
+        if not free_slots:
+            full.append(f"{unit.label()}: all {policy.max_processes_per_gpu} slot(s) leased")
+        states.append(
+            SlotState(unit.gpu.uuid, unit.order, leases, free_slots, capacity, free_memory)
+        )
+    return _Attempt(
+        plan_slots(states), {u.gpu.uuid: u for u in units}, skipped, full, frozenset(bound)
+    )
+
+
+def _cpu(reason: str, rank: int, *, warn: bool) -> Binding:
+    # CPU mode means CPU: no library in this worker may create a context on some default GPU.
+    os.environ[ENV_VISIBLE] = ""
+    binding = Binding("cpu", None, None, None, None, rank, reason)
+    log.log(
+        logging.WARNING if warn else logging.INFO,
+        "gpu binding: pid=%d rank=%d -> CPU (%s)", os.getpid(), rank, reason.removeprefix("cpu: "),
+    )
+    return binding
+
+
+def _sleep(seconds: float, deadline: float, heartbeat: Callable[[], None] | None) -> None:
+    end = min(time.monotonic() + seconds, deadline)
+    while True:
+        if heartbeat is not None:
+            heartbeat()
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        time.sleep(min(left, _HEARTBEAT_EVERY_S))
+
+
+def bind_worker(policy: BindingPolicy, *, heartbeat: Callable[[], None] | None = None) -> Binding:
+    """Claim a (GPU, slot) for this process and set CUDA_VISIBLE_DEVICES to the GPU's UUID; call
+    it before anything initialises CUDA, then use ``binding.device`` ("cuda:0" or "cpu").
+
+    Idempotent within a process. Returns a CPU binding, logged in one line, when NVML is
+    unavailable, when no GPU is visible, or when no visible GPU matches ``allowed_gpus``;
+    CUDA_VISIBLE_DEVICES is then set to "". Otherwise waits, calling ``heartbeat`` at least every
+    second, until a slot is free. Raises BindTimeout after ``policy.bind_timeout_s`` seconds
+    without one; OSError if the lease directory cannot be created or written; ValueError for a
+    malformed fake-NVML file.
+    """
+    global _held
+    with _held_lock:
+        existing = current_binding()
+        if existing is not None:
+            return existing
+        binding, fd = _bind(policy, heartbeat)
+        _held = _Held(os.getpid(), binding, fd)
+        return binding
+
+
+def _bind(
+    policy: BindingPolicy, heartbeat: Callable[[], None] | None
+) -> tuple[Binding, int | None]:
+    me = os.getpid()
+    started = time.monotonic()
+    deadline = started + policy.bind_timeout_s
+    first = True
+    empty_rounds = 0
+    notes: list[str] = ["no attempt completed"]
+    while True:
+        collided = False
+        if heartbeat is not None:
+            heartbeat()
+        family = _family()
+        rank = family.siblings.index(me)
+        units: list[_Unit] | None = None
+        try:
+            view = query_gpus()
+        except NvmlUnavailable as exc:
+            if first:
+                return _cpu(f"cpu: NVML unavailable ({exc})", rank, warn=True), None
+            notes = [f"NVML unavailable ({exc})"]
+        else:
+            all_units = _units(view)
+            units, unmatched = _allowed_units(all_units, policy.allowed_gpus)
+            if first:
+                if unmatched:
+                    log.warning("allowed_gpus entries match no visible GPU: %s", unmatched)
+                if not view:
+                    visible = os.environ.get(ENV_VISIBLE)
+                    why = "" if visible is None else f", {ENV_VISIBLE}={visible!r}"
+                    return _cpu(f"cpu: no GPU visible{why}", rank, warn=False), None
+                if not all_units:
+                    return _cpu(
+                        "cpu: no GPU usable by CUDA is visible (MIG enabled, no MIG instances)",
+                        rank,
+                        warn=True,
+                    ), None
+                if not units:
+                    return _cpu(
+                        f"cpu: no visible GPU matches allowed_gpus={list(policy.allowed_gpus)}",
+                        rank,
+                        warn=True,
+                    ), None
+                policy.run_dir.joinpath(LEASE_DIR).mkdir(parents=True, exist_ok=True)
+        first = False
+        if units is not None:
+            attempt = _assess(units, policy, family)
+            notes = attempt.skipped + attempt.full or ["no GPU has a free slot"]
+            if attempt.plan:
+                empty_rounds = 0
+                unbound = [pid for pid in family.siblings if pid not in attempt.bound_pids]
+                offset = unbound.index(me) if me in unbound else rank
+                key, slot = attempt.plan[offset % len(attempt.plan)]
+                fd = _try_lock(_lock_path(policy.run_dir / LEASE_DIR, key, slot))
+                if fd is not None:
+                    unit = attempt.units[key]
+                    return _bound(unit, slot, rank, attempt.skipped, started), fd
+                collided = True
+        if time.monotonic() >= deadline:
+            raise BindTimeout(
+                f"worker pid {me} (rank {rank}) found no free GPU slot in "
+                f"{policy.bind_timeout_s:g} s: " + "; ".join(notes) + ". Start fewer workers, "
+                "raise max_processes_per_gpu, relax min_free_memory_bytes/"
+                "foreign_process_policy, or free the GPUs."
+            )
+        if collided:
+            # A sibling took that slot (or probed it) an instant ago: plan again almost at once.
+            _sleep(random.uniform(0.001, 0.02), deadline, heartbeat)
+        else:
+            empty_rounds += 1
+            backoff = min(_MAX_BACKOFF_S, 0.05 * 2 ** min(empty_rounds, 8))
+            _sleep(random.uniform(0.5, 1.0) * backoff, deadline, heartbeat)
+
+
+def _bound(unit: _Unit, slot: int, rank: int, skipped: list[str], started: float) -> Binding:
+    gpu = unit.gpu
+    os.environ[ENV_VISIBLE] = gpu.uuid
+    binding = Binding("cuda:0", unit.view_index, gpu.uuid, gpu.name, slot, rank, "bound")
+    waited = time.monotonic() - started
+    log.info(
+        "gpu binding: pid=%d rank=%d -> %s %s (%s) slot %d, %s free, backend %s%s%s",
+        os.getpid(),
+        rank,
+        f"GPU {unit.view_index}",
+        gpu.uuid,
+        gpu.name,
+        slot,
+        _gib(gpu.memory_free),
+        backend_name(),
+        f", waited {waited:.1f} s" if waited >= 1 else "",
+        "; skipped: " + "; ".join(skipped) if skipped else "",
+    )
+    return binding
+
+
+# --- verify ---------------------------------------------------------------------------------------
+
+
+def verify_binding(binding: Binding) -> bool | None:
+    """After the model is loaded: is this process's CUDA context on the claimed GPU?
+
+    True when NVML lists our pid on it; False when it does not although PIDs are comparable (it
+    lists a sibling of ours somewhere, or CUDA_VISIBLE_DEVICES no longer names the GPU, or the GPU
+    is gone); None when it cannot tell: CPU binding, fake backend, NVML unavailable, processes not
+    listed, or PIDs from another namespace (containers). Logs the result; never raises."""
+    if binding.gpu_uuid is None:
+        return None
+    if backend_name().startswith("fake:"):
+        log.info("gpu binding: not verified (fake NVML backend)")
+        return None
+    if os.environ.get(ENV_VISIBLE) != binding.gpu_uuid:
+        log.error(
+            "gpu binding: %s=%r no longer names the bound GPU %s",
+            ENV_VISIBLE, os.environ.get(ENV_VISIBLE), binding.gpu_uuid,
+        )
+        return False
+    try:
+        gpus = query_gpus(respect_visible_devices=False)
+    except (NvmlUnavailable, ValueError) as exc:
+        log.info("gpu binding: not verified (%s)", exc)
+        return None
+    return _verify(binding, gpus, os.getpid(), _family().ours)
+
+
+def _verify(
+    binding: Binding, gpus: Sequence[GpuInfo], me: int, ours: Collection[int]
+) -> bool | None:
+    units = {u.uuid: u for g in gpus for u in (g, *g.mig_instances)}
+    unit = units.get(binding.gpu_uuid or "")
+    if unit is None:
+        log.error("gpu binding: bound GPU %s is no longer reported by NVML", binding.gpu_uuid)
+        return False
+    if unit.processes is None:
+        log.info("gpu binding: not verified (NVML does not list processes on %s)", unit.uuid)
+        return None
+    if me in {p.pid for p in unit.processes}:
+        log.info("gpu binding verified: pid %d has a context on %s", me, unit.uuid)
+        return True
+    listed = {p.pid for u in units.values() for p in u.processes or ()}
+    if listed & (set(ours) - {me}):
+        log.warning(
+            "gpu binding NOT verified: pid %d has no context on %s although NVML shows PIDs of "
+            "this server; did something initialise CUDA before binding?",
+            me, unit.uuid,
+        )
+        return False
+    log.info("gpu binding: not verified (NVML PIDs are not this namespace's) on %s", unit.uuid)
+    return None
