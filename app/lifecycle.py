@@ -30,6 +30,7 @@ from app.metrics import METRICS
 from app.models.runner import ModelRunner, describe
 from app.repository import scan
 from app.state import REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
+from gpu_stat.binding import current_binding, verify_binding
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ async def _load_all(app: web.Application, device: torch.device) -> None:
         figures = describe(runner)
         models.append(figures)
         log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
+    # Now that the models hold their CUDA context, check through NVML that it is on the
+    # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
+    current = current_binding()
+    if current is not None and current.device != "cpu":
+        await loop.run_in_executor(None, verify_binding, current)
     info = app[WORKER_INFO]
     binding = info.get("binding", {"device": info["device"]})
     log.info(
@@ -95,6 +101,7 @@ def _start_batching(
     )
     batcher.start()
     entry.batcher = batcher
+    entry.settled.set()
 
 
 async def _load_in_background(app: web.Application, device: torch.device) -> None:
@@ -104,7 +111,7 @@ async def _load_in_background(app: web.Application, device: torch.device) -> Non
         raise
     except Exception as exc:
         message = str(exc) if isinstance(exc, ModelLoadError) else repr(exc)
-        app[REGISTRY].load_error = message
+        app[REGISTRY].fail(message)
         log.error("model load failed, worker cannot become ready: %s", message, exc_info=exc)
         if app[SETTINGS].exit_on_load_failure:
             # SIGABRT makes gunicorn's aiohttp worker exit with status 1: the

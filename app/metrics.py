@@ -315,15 +315,16 @@ async def _poll_gpus(metrics: ServerMetrics, uuid: str, index: str, interval_s: 
         try:
             # NVML calls take milliseconds: off the event loop and off the inference thread.
             gpus = await loop.run_in_executor(None, _bound_gpus, uuid)
-        except (gpu_stat.NvmlUnavailable, OSError, ValueError) as exc:
+            metrics.set_gpus(gpus, index)
+        except Exception as exc:  # best effort: GPU figures must never take the worker down
             if not failing:
-                log.warning("GPU metrics unavailable for %s: %s", uuid, exc)
+                expected = isinstance(exc, (gpu_stat.NvmlUnavailable, OSError, ValueError))
+                log.warning("GPU metrics unavailable for %s: %s", uuid, exc, exc_info=not expected)
             failing = True
         else:
             if failing:
                 log.info("GPU metrics for %s available again", uuid)
             failing = False
-            metrics.set_gpus(gpus, index)
         await asyncio.sleep(interval_s)
 
 

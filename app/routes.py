@@ -6,6 +6,7 @@ code never runs here (it runs on the inference thread).
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -63,7 +64,11 @@ def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None)
 async def _infer(
     request: web.Request, entry: ModelEntry, inputs: dict[str, np.ndarray], timeout_s: float
 ) -> dict[str, np.ndarray]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    entry = await request.app[REGISTRY].wait_ready(entry, timeout_s)
     assert entry.batcher is not None
+    timeout_s = max(0.0, deadline - loop.time())
     transport = request.transport
 
     def disconnected() -> bool:
@@ -134,7 +139,6 @@ async def infer(request: web.Request) -> web.Response:
     parsed = v2.decode_request(body)
     inputs = v2.prepare_inputs(entry.config, parsed)
     names = v2.requested_outputs(entry.config, parsed)
-    entry = registry.ready_entry(entry.config.name, entry.config.version)
     outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, v2.timeout_s(parsed)))
     return web.Response(
         body=v2.encode_response(entry.config, outputs, names, parsed.id),
@@ -167,7 +171,6 @@ async def v1_predict(request: web.Request) -> web.Response:
     entry = registry.get(request.match_info["name"])
     body = await _read_json_body(request)
     inputs = v1.decode_request(entry.config, body)
-    entry = registry.ready_entry(entry.config.name)
     outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, None))
     return web.Response(body=v1.encode_response(entry.config, outputs), content_type="application/json")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +23,8 @@ class ModelEntry:
     config: ModelConfig
     runner: ModelRunner | None = None
     batcher: DynamicBatcher | None = None
+    #: Set once the model is warm, or once loading has failed (waiters then see the error).
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
 
     @property
     def ready(self) -> bool:
@@ -62,12 +66,29 @@ class ModelRegistry:
             raise ModelNotFound(f"model {name!r} has no version {version!r}; available: {sorted(versions)}")
         return entry
 
-    def ready_entry(self, name: str, version: str | None = None) -> ModelEntry:
-        """Like :meth:`get`, but raises ``ModelNotReady`` (503) until the model is warm."""
-        entry = self.get(name, version)
-        if not entry.ready or self.draining:
-            reason = "draining" if self.draining else "loading"
-            raise ModelNotReady(f"model {name!r} is not ready ({reason})", retry_after_s=1)
+    def fail(self, message: str) -> None:
+        """Record a load failure and wake every request waiting for a model."""
+        self.load_error = message
+        for entry in self.entries():
+            entry.settled.set()
+
+    async def wait_ready(self, entry: ModelEntry, timeout_s: float) -> ModelEntry:
+        """``entry`` once it is warm; a request that reaches a worker still loading waits.
+
+        Waiting (bounded by the request's own deadline) rather than refusing keeps a HUP
+        reload or a worker restart free of failed requests: the kernel may hand a
+        connection to a new worker before its model is warm.
+
+        Raises:
+            ModelNotReady: draining, the load failed, or the model is not warm within
+                ``timeout_s`` seconds (503 + Retry-After).
+        """
+        if not entry.ready and not self.draining and self.load_error is None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(entry.settled.wait(), timeout_s)
+        if self.draining or not entry.ready:
+            reason = "draining" if self.draining else (self.load_error and "load failed") or "loading"
+            raise ModelNotReady(f"model {entry.config.name!r} is not ready ({reason})", retry_after_s=1)
         return entry
 
     @property

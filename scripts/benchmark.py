@@ -111,7 +111,7 @@ def in_process(model_dir: Path, items: int, seconds: float) -> dict[str, float]:
     small = {k: v[:items] for k, v in batch.items()}
 
     def timed(inputs: dict[str, np.ndarray]) -> list[float]:
-        times = []
+        times: list[float] = []
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline or len(times) < 5:
             start = time.perf_counter()

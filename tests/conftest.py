@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -11,10 +12,14 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from app.main import create_app
 from app.settings import Settings
 from app.state import REGISTRY
 from tests.toy_models import write_scale_model, write_tensor_model
+
+# In-process apps record metrics into a registry of their own: a PROMETHEUS_MULTIPROC_DIR
+# inherited from the environment (the Docker image sets one) must go before anything imports
+# prometheus_client, which picks its mode at import (app.main imports it: below, lazily).
+os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 AiohttpClient = Callable[..., Any]
 
@@ -41,6 +46,8 @@ async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
 @pytest.fixture
 async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[..., Any]]:
     """Start the app on a repository with the given settings; waits for readiness."""
+
+    from app.main import create_app
 
     async def make(repo: Path, *, wait: bool = True, **settings: Any) -> TestClient:
         app = await create_app(Settings(model_repository=repo, device="cpu", **settings))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from pathlib import Path
 from typing import Any
@@ -175,10 +176,17 @@ async def test_readiness_is_503_until_warmup_then_200(make_client, tmp_path: Pat
     assert resp.status == 503 and (await resp.json())["ready"] is False
     assert (await client.get("/v2/models/scale/ready")).status == 503
     assert (await client.get("/v1/models/scale")).status == 503
-    infer = await client.post(V2_INFER, json=v2_body([[1, 1]]))
-    assert infer.status == 503 and infer.headers["Retry-After"] == "1"
+    short = await client.post(V2_INFER, json=v2_body([[1, 1]]), headers={"X-Request-Timeout-Ms": "50"})
+    assert short.status == 503 and short.headers["Retry-After"] == "1"
+    assert "not ready (loading)" in (await short.json())["error"]
     assert (await client.get("/v2/health/live")).status == 200
+    # a request that arrives while the model loads waits for it (within its deadline)
+    waiting = asyncio.ensure_future(client.post(V2_INFER, json=v2_body([[3, 4]])))
+    await asyncio.sleep(0.05)
+    assert not waiting.done()
     gate.set()
+    resp = await waiting
+    assert resp.status == 200 and (await resp.json())["outputs"][0]["data"] == [6, 8]
     await wait_ready(client.app)
     assert (await client.get("/v2/health/ready")).status == 200
     assert (await client.post(V2_INFER, json=v2_body([[1, 1]]))).status == 200
