@@ -21,8 +21,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
+import numpy as np
 
-from app.datatypes import DATATYPES
+from app.datatypes import DATATYPES, NUMPY_DTYPES
 from app.errors import ModelLoadError
 
 if sys.version_info >= (3, 11):
@@ -48,6 +49,16 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     datatype: str
     shape: list[int]
     optional: bool = False
+
+    def filled(self, batch_size: int, *, text: bytes = b"", variable_dim: int = 1) -> np.ndarray:
+        """A ``[batch_size, *shape]`` array of zeros, or of ``text`` for BYTES; -1 dims become
+        ``variable_dim``. Used for omitted optional inputs and for warmup batches."""
+        shape = (batch_size, *(variable_dim if d == -1 else d for d in self.shape))
+        if self.datatype == "BYTES":
+            arr = np.empty(shape, dtype=object)
+            arr.fill(text)
+            return arr
+        return np.zeros(shape, dtype=NUMPY_DTYPES[self.datatype])
 
     def validate(self, where: str) -> None:
         """Raises ``ModelLoadError`` naming ``where`` if the spec is malformed."""

@@ -247,6 +247,7 @@ def main() -> None:
         "items_per_request": args.items,
         "duration_s": args.duration,
         "date": time.strftime("%Y-%m-%d"),
+        "load_average_at_start": os.getloadavg()[0],
     }
     result["in_process"] = in_process(source, args.items, min(args.duration, 5.0))
     print(f"in-process: {result['in_process']}", flush=True)
@@ -278,6 +279,7 @@ def main() -> None:
                 result[f"batching_{mode}"] = rows
             finally:
                 server.stop()
+    result["load_average_at_end"] = os.getloadavg()[0]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -88,14 +88,24 @@ class Gunicorn:
     def post(self, path: str, body: Any, **kw: Any) -> tuple[int, dict[str, str], Any]:
         return http("POST", self.url + path, body, **kw)
 
-    def wait_ready(self, timeout_s: float = 120.0) -> None:
-        """Poll readiness until 200 (bounded); fail with the server log otherwise."""
+    def all_workers_ready(self) -> bool:
+        """Every live worker has logged its "worker <pid> ready" line (app.lifecycle)."""
+        log = self.log()
+        workers = self.workers()
+        return bool(workers) and all(f"worker {w.pid} ready" in log for w in workers)
+
+    def wait_ready(self, timeout_s: float = 120.0, *, all_workers: bool = True) -> None:
+        """Poll until readiness answers 200 and every worker is warm (bounded); fail with the log.
+
+        Readiness is per worker: while some workers still load, a probe may reach one of them.
+        """
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise AssertionError(f"gunicorn exited {self.proc.returncode}:\n{self.log()}")
             try:
-                if self.get("/v2/health/ready", timeout=5)[0] == 200:
+                ready = self.get("/v2/health/ready", timeout=5)[0] == 200
+                if ready and (not all_workers or self.all_workers_ready()):
                     return
             except OSError:
                 pass

@@ -85,16 +85,7 @@ def resolve_handler(config: ModelConfig) -> Handler:
 
 def synthetic_inputs(specs: list[TensorSpec], batch_size: int) -> dict[str, np.ndarray]:
     """Warmup inputs: zeros (numeric) or ``b"warmup"`` (BYTES), variable dims set to 8."""
-    out = {}
-    for s in specs:
-        shape = (batch_size, *(8 if d == -1 else d for d in s.shape))
-        if s.datatype == "BYTES":
-            arr = np.empty(shape, dtype=object)
-            arr.fill(b"warmup")
-        else:
-            arr = np.zeros(shape, dtype=NUMPY_DTYPES[s.datatype])
-        out[s.name] = arr
-    return out
+    return {s.name: s.filled(batch_size, text=b"warmup", variable_dim=8) for s in specs}
 
 
 class ModelRunner:
