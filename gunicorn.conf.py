@@ -12,6 +12,11 @@ context. Workers = usable GPUs x ``SCORING_MAX_PROCESSES_PER_GPU``, or
 ``SCORING_WORKERS`` in CPU mode. Each forked worker binds itself to one GPU
 slot in ``post_fork`` (before the app, and so torch, is imported).
 
+Workers: ``app.worker.ScoringWebWorker`` (aiohttp's worker with a graceful drain at
+SIGTERM and ``max_requests``, and a boot heartbeat); see docs/reliability.md. TLS: set
+``SCORING_CERTFILE`` and ``SCORING_KEYFILE``. Binding a non-loopback address without API
+keys is logged as a warning at start.
+
 Observability: Prometheus multiprocess mode (``PROMETHEUS_MULTIPROC_DIR``, by
 default ``<run dir>/prometheus``, set here before anything imports
 prometheus_client, wiped in ``on_starting``, dead workers' live gauges removed
@@ -22,6 +27,7 @@ in ``child_exit``); logs as text or JSON lines through ``logconfig_dict``
 from __future__ import annotations
 
 import importlib.util
+import ipaddress
 import json
 import logging
 import os
@@ -31,8 +37,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from app.auth import read_key_file
 from app.logconfig import log_config
 from app.settings import Settings
+from app.worker import BINDING, BOOTING, SiblingStates, states_dir
 from gpu_stat import backend_name
 from gpu_stat.binding import (
     EXIT_BIND_TIMEOUT,
@@ -77,15 +85,23 @@ _host = f"[{_settings.host}]" if ":" in _settings.host else _settings.host  # IP
 bind = [f"{_host}:{_settings.port}"]
 workers = _gpus * _settings.max_processes_per_gpu if _gpus else _settings.workers
 worker_class = (
-    "aiohttp.GunicornUVLoopWebWorker"
+    "app.worker.ScoringUVLoopWebWorker"
     if _settings.uvloop and importlib.util.find_spec("uvloop") is not None
-    else "aiohttp.GunicornWebWorker"
+    else "app.worker.ScoringWebWorker"
 )
 timeout = _settings.timeout_s
 graceful_timeout = _settings.graceful_timeout_s
 keepalive = _settings.keepalive_s
 max_requests = _settings.max_requests
 max_requests_jitter = _settings.max_requests_jitter
+if _settings.certfile is not None and _settings.keyfile is not None:
+    certfile = str(_settings.certfile)
+    keyfile = str(_settings.keyfile)
+if _settings.api_keys_file is not None:
+    try:
+        read_key_file(_settings.api_keys_file)
+    except OSError as exc:
+        raise SystemExit(f"SCORING_API_KEYS_FILE={_settings.api_keys_file}: {exc}") from None
 accesslog = _settings.access_log or None
 # aiohttp's format: remote address, request line, status, bytes, latency in seconds (1 ms steps
 # under uvloop), request id, the app's time in ms (Server-Timing: app;dur=...). In JSON mode
@@ -110,6 +126,22 @@ def on_starting(server: Any) -> None:
         "scoring-server: %d worker(s) (%s; NVML backend %s); run dir %s",
         server.cfg.workers, mode, _backend(), _run_dir,
     )
+    exposed = [a for a in server.cfg.address if isinstance(a, tuple) and not _is_loopback(a[0])]
+    if exposed and not _settings.auth_enabled:
+        server.log.warning(
+            "listening on %s without API keys: anyone who can reach it can use it "
+            "(set SCORING_API_KEYS or SCORING_API_KEYS_FILE; docs/reliability.md)",
+            ", ".join(f"{h}:{p}" for h, p in exposed),
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
 
 def _backend() -> str:
@@ -127,11 +159,15 @@ def post_fork(server: Any, worker: Any) -> None:
     # would live on holding its slot. A booting worker has nothing to drain: let it die.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    # Draining siblings wait for a booting worker, not for one still waiting for a GPU slot.
+    state = SiblingStates(states_dir(_run_dir), os.getpid(), server.pid)
+    state.publish(BINDING)
     try:
         binding = bind_worker(_policy, heartbeat=worker.notify)
     except BindTimeout as exc:
         worker.log.error("worker %d: %s; exiting with status %d", os.getpid(), exc, BIND_FAILED_EXIT)
         sys.exit(BIND_FAILED_EXIT)
+    state.publish(BOOTING)
     device = binding.device
     if device != "cpu" and _backend().startswith("fake"):
         # A fake NVML describes GPUs this machine does not have: models run on the CPU.
@@ -152,3 +188,4 @@ def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, str(_metrics_dir))
+    (states_dir(_run_dir) / str(worker.pid)).unlink(missing_ok=True)

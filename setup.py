@@ -20,7 +20,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
     include_package_data=True,
-    package_data={"gpu_stat": ["py.typed"], "app": ["py.typed"]},
+    package_data={"gpu_stat": ["py.typed"], "app": ["py.typed", "openapi.json"]},
     install_requires=[
         "aiohttp>=3.14,<4",
         "gunicorn>=22",
@@ -52,6 +52,9 @@ setup(
             "pytest-aiohttp>=1.0",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
+            "schemathesis>=4.0",
+            "openapi-spec-validator>=0.7",
+            "cryptography>=42",
             "tritonclient[http]>=2.40",
             "kubernetes-validate>=1.30",
             "py3nvml>=0.2.7",

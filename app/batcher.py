@@ -92,6 +92,15 @@ class _Chunk:
     stop: int
 
 
+@dataclass(frozen=True)
+class RunningBatch:
+    """The batch on the inference thread now: when it started (``loop.time()``), its size."""
+
+    started: float
+    items: int
+    request_ids: tuple[str, ...]
+
+
 class DynamicBatcher:
     """The dynamic batcher of one model in one worker.
 
@@ -130,6 +139,18 @@ class DynamicBatcher:
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._batch_seconds = 0.0  # EWMA of a batch's compute time, for Retry-After
+        # (loop.time() at start, items, requests) of the batch running now; read by the
+        # hung-inference watchdog (app.lifecycle), so the hot path only stores a tuple.
+        self._running: tuple[float, int, dict[int, _Request]] | None = None
+
+    @property
+    def running_batch(self) -> RunningBatch | None:
+        """The batch this model is running on the inference thread, or None."""
+        running = self._running
+        if running is None:
+            return None
+        started, items, requests = running
+        return RunningBatch(started, items, tuple(r.request_id for r in requests.values()))
 
     @property
     def queued_items(self) -> int:
@@ -307,6 +328,7 @@ class DynamicBatcher:
         requests = {id(c.request): c.request for c in chunks}
         queue_s = formed_at - min(r.arrival for r in requests.values())
         start = time.perf_counter()
+        self._running = (loop.time(), items, requests)
         try:
             segments = await loop.run_in_executor(self._executor, self._run_batch, inputs)
         except Exception as exc:
@@ -321,6 +343,8 @@ class DynamicBatcher:
                     ),
                 )
             return
+        finally:
+            self._running = None
         compute_s = time.perf_counter() - start
         self._batch_seconds = (
             compute_s if not self._batch_seconds else (0.8 * self._batch_seconds + 0.2 * compute_s)

@@ -5,8 +5,11 @@ and codecs raise these and know nothing of aiohttp.
 
     ScoringError                 status   meaning
     ├── InvalidInput              400      the request body or a tensor is wrong
+    ├── Unauthorized              401      no valid API key (+ WWW-Authenticate)
     ├── ModelNotFound             404      unknown model or version
+    ├── PayloadTooLarge           413      too many items, or a string too long
     ├── UnsupportedMediaType      415      body is not JSON
+    ├── HeaderFieldsTooLarge      431      a header field too long, or too many
     ├── ClientDisconnected        499      client went away before its items ran
     ├── InferenceFailed           500      the model raised on a batch
     ├── ServiceUnavailable        503      not ready / draining / queue full
@@ -18,11 +21,16 @@ and codecs raise these and know nothing of aiohttp.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import ClassVar
+
 
 class ScoringError(Exception):
-    """Base class: ``status`` is the HTTP status; ``str(exc)`` is the client message."""
+    """Base class: ``status`` is the HTTP status; ``str(exc)`` is the client message;
+    ``headers`` go on the error response."""
 
     status: int = 500
+    headers: ClassVar[Mapping[str, str]] = {}
 
     def __init__(self, message: str, *, retry_after_s: float | None = None) -> None:
         super().__init__(message)
@@ -34,12 +42,25 @@ class InvalidInput(ScoringError):
     status = 400
 
 
+class Unauthorized(ScoringError):
+    status = 401
+    headers: ClassVar[Mapping[str, str]] = {"WWW-Authenticate": 'Bearer realm="scoring-server"'}
+
+
 class ModelNotFound(ScoringError):
     status = 404
 
 
+class PayloadTooLarge(ScoringError):
+    status = 413
+
+
 class UnsupportedMediaType(ScoringError):
     status = 415
+
+
+class HeaderFieldsTooLarge(ScoringError):
+    status = 431
 
 
 class ClientDisconnected(ScoringError):

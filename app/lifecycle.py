@@ -4,12 +4,28 @@ Startup creates the worker's single inference thread and starts loading the
 repository's models in the background, so the worker answers health probes
 (readiness 503) and keeps notifying gunicorn while a slow model loads; each
 model loads and warms up on the inference thread, and readiness turns 200 only
-when every model is warm. Requests that arrive before then get 503 with
-Retry-After. Cleanup stops the batchers and frees the models.
+when every model is warm. Requests that arrive before then wait for it, within
+their deadline. When another worker of the server is serving (a replacement
+after a crash, a recycle, a HUP reload), startup instead waits for the models
+before the worker listens, so no request waits for a load while a warm worker
+could answer it. Cleanup stops the batchers and frees the models.
 
 A model that fails to load leaves readiness at 503 with the error in its body;
 under gunicorn (``exit_on_load_failure``) the worker then exits with status 1,
 which gunicorn logs and answers with a new worker, without halting the others.
+
+Draining (:func:`begin_drain`, called by the gunicorn worker at SIGTERM and by
+``on_shutdown`` otherwise) turns readiness 503 at once; requests that still reach the
+worker are served, each answered with ``Connection: close`` (``app.connections``).
+
+The hung-inference watchdog is a task that wakes a few times per
+``hung_inference_s`` and looks at each batcher's running batch (the hot path only
+stores a tuple per batch). A batch past the limit is logged and counted
+(``scoring_hung_batches_total``); liveness turns 503 and the worker asks its process
+to stop (drain, exit, be replaced). The inference thread is a daemon
+(:class:`app.models.executor.InferenceThread`), so a stuck call does not keep the
+process alive; a call stuck while holding the GIL freezes the event loop too, and then
+gunicorn's worker timeout kills the process.
 """
 
 from __future__ import annotations
@@ -19,22 +35,22 @@ import logging
 import os
 import signal
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 import torch
 from aiohttp import web
 
-from app.batcher import BatchObserver, DynamicBatcher
+from app.batcher import BatchObserver, DynamicBatcher, RunningBatch
 from app.errors import ModelLoadError
 from app.metrics import METRICS
+from app.models.executor import InferenceThread
 from app.models.runner import ModelRunner, describe
 from app.repository import scan
-from app.state import REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
+from app.state import LIFECYCLE, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
 from gpu_stat.binding import current_binding, verify_binding
 
 log = logging.getLogger(__name__)
 
-EXECUTOR = web.AppKey("inference_executor", ThreadPoolExecutor)
+EXECUTOR = web.AppKey("inference_executor", InferenceThread)
 LOAD_TASK = web.AppKey("model_load_task", asyncio.Task)
 
 
@@ -86,7 +102,7 @@ async def _load_all(app: web.Application, device: torch.device) -> None:
 
 
 def _start_batching(
-    entry: ModelEntry, runner: ModelRunner, executor: ThreadPoolExecutor, observer: BatchObserver | None
+    entry: ModelEntry, runner: ModelRunner, executor: InferenceThread, observer: BatchObserver | None
 ) -> None:
     config = entry.config
     entry.runner = runner
@@ -120,34 +136,135 @@ async def _load_in_background(app: web.Application, device: torch.device) -> Non
 
 
 async def models_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx``: inference thread + background model loading; unload on cleanup."""
+    """``cleanup_ctx``: inference thread, background model loading, hung-inference watchdog;
+    unload on cleanup (skipped when the inference thread is stuck or still loading)."""
     settings = app[SETTINGS]
-    registry = ModelRegistry()
+    registry = app[REGISTRY]
     for config in scan(settings.model_repository, settings.model_names):
         registry.add(config)
-    app[REGISTRY] = registry
     device = resolve_device(settings.device)
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="inference")
+    executor = InferenceThread()
     app[EXECUTOR] = executor
-    task = asyncio.get_running_loop().create_task(_load_in_background(app, device))
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(_load_in_background(app, device))
     app[LOAD_TASK] = task
+    watchdog = None
+    if settings.hung_inference_s > 0:
+        watchdog = loop.create_task(_watch_inference(app, settings.hung_inference_s), name="watchdog")
     try:
+        await _defer_listening(app, task)
         yield
     finally:
         registry.draining = True
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        for entry in registry.entries():
-            if entry.batcher is not None:
-                await entry.batcher.stop()
-                entry.batcher = None
-            if entry.runner is not None:
-                await asyncio.get_running_loop().run_in_executor(executor, entry.runner.close)
-                entry.runner = None
-        executor.shutdown(wait=True)
+        loaded = task.done() and not task.cancelled()
+        for pending in (task, watchdog):
+            if pending is not None:
+                pending.cancel()
+        await asyncio.gather(*(t for t in (task, watchdog) if t is not None), return_exceptions=True)
+        await _release(app, executor, loaded)
+
+
+async def _defer_listening(app: web.Application, load: asyncio.Task[None]) -> None:
+    """While another worker serves, keep this one off the listener until its models are warm
+    (or its load failed, or it is asked to stop). The gunicorn worker's boot heartbeat keeps
+    gunicorn informed meanwhile."""
+    defer = app[LIFECYCLE].defer_listening
+    if defer is None:
+        return
+    loop = asyncio.get_running_loop()
+    registry = app[REGISTRY]
+    waited = False
+    while not load.done() and not registry.draining and await loop.run_in_executor(None, defer):
+        waited = True
+        await asyncio.sleep(0.1)
+    if waited:
+        log.info("worker %d: models warm, listening (another worker served meanwhile)", os.getpid())
+
+
+async def _release(app: web.Application, executor: InferenceThread, loaded: bool) -> None:
+    """Stop the batchers; unload the models on the inference thread unless it is stuck."""
+    registry = app[REGISTRY]
+    for entry in registry.entries():
+        if entry.batcher is not None:
+            await entry.batcher.stop()
+            entry.batcher = None
+    hung = app[LIFECYCLE].hung
+    if hung is not None or not loaded:
+        # Anything queued now would wait behind the stuck (or still loading) call; the
+        # daemon thread dies with the process, and so does the device memory it holds.
+        why = f"the inference thread is stuck ({hung})" if hung else "models were still loading"
+        log.warning("exiting without unloading models: %s", why)
+        executor.shutdown(wait=False, cancel_futures=True)
+        return
+    loop = asyncio.get_running_loop()
+    for entry in registry.entries():
+        if entry.runner is not None:
+            await loop.run_in_executor(executor, entry.runner.close)
+            entry.runner = None
+    await loop.run_in_executor(None, executor.shutdown)
+
+
+def begin_drain(app: web.Application, reason: str) -> None:
+    """Start draining: readiness 503 from now on; every response closes its connection.
+
+    Requests that still reach the worker are served. Idempotent.
+    """
+    registry = app[REGISTRY]
+    if registry.draining:
+        return
+    registry.draining = True
+    log.info(
+        "worker %d draining (%s): readiness 503, responses close their connections",
+        os.getpid(), reason, extra={"event": "drain", "reason": reason},
+    )  # fmt: skip
 
 
 async def on_shutdown(app: web.Application) -> None:
-    """Turn readiness 503 as soon as the worker starts to stop (drain)."""
-    app[REGISTRY].draining = True
+    """Turn readiness 503 when the app shuts down (under gunicorn the worker did it earlier,
+    at SIGTERM, before its listener closed)."""
+    begin_drain(app, "shutdown")
+
+
+async def _watch_inference(app: web.Application, hung_s: float) -> None:
+    """Report batches that run longer than ``hung_s`` seconds, once each."""
+    registry = app[REGISTRY]
+    loop = asyncio.get_running_loop()
+    interval = min(max(hung_s / 4, 0.05), 5.0)
+    reported: set[tuple[str, str, float]] = set()
+    while True:
+        await asyncio.sleep(interval)
+        now = loop.time()
+        for entry in registry.entries():
+            batch = entry.batcher.running_batch if entry.batcher is not None else None
+            if batch is None or now - batch.started < hung_s:
+                continue
+            key = (entry.config.name, entry.config.version, batch.started)
+            if key not in reported:
+                reported.add(key)
+                _report_hung(app, entry, batch, now - batch.started, hung_s)
+
+
+def _report_hung(
+    app: web.Application, entry: ModelEntry, batch: RunningBatch, running_s: float, hung_s: float
+) -> None:
+    config = entry.config
+    message = (
+        f"model {config.name} v{config.version}: a batch of {batch.items} items has been on the "
+        f"inference thread for {running_s:.1f} s (SCORING_HUNG_INFERENCE_S={hung_s:g})"
+    )
+    log.error(
+        "%s; requests %s; liveness 503, the worker restarts itself",
+        message, ", ".join(batch.request_ids),
+        extra={"event": "hung_inference", "model": config.name, "version": config.version,
+               "items": batch.items, "running_s": round(running_s, 3)},
+    )  # fmt: skip
+    metrics = app.get(METRICS)
+    if metrics is not None:
+        metrics.hung_batches.labels(config.name, config.version).inc()
+    lifecycle = app[LIFECYCLE]
+    first = lifecycle.hung is None
+    lifecycle.hung = message
+    begin_drain(app, "hung inference")
+    if first and not lifecycle.request_stop("hung inference"):
+        log.warning("not under gunicorn: nothing restarts this process; liveness stays 503")

@@ -7,17 +7,23 @@ given without parentheses; aiohttp's worker awaits it in each worker process).
 from __future__ import annotations
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
+from app.auth import API_KEYS, ApiKeys, auth_middleware
+from app.connections import setup_connections
+from app.http_limits import header_limits_middleware, parser_limits
 from app.lifecycle import models_ctx, on_shutdown, resolve_device
 from app.metrics import METRICS, create_metrics, gpu_metrics_ctx, metrics_handler, metrics_middleware
 from app.middleware import error_middleware
+from app.protocols.limits import RequestLimits
 from app.routes import routes, worker_info
 from app.settings import Settings
-from app.state import SETTINGS, WORKER_INFO
+from app.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelRegistry, WorkerLifecycle
 
 
 async def create_app(settings: Settings | None = None) -> web.Application:
-    """Build the aiohttp application: routes, metrics, error middleware, model lifecycle.
+    """Build the aiohttp application: routes, metrics, error middleware, limits, API keys,
+    keep-alive policy, model lifecycle.
 
     Args:
         settings: defaults to ``Settings()`` read from ``SCORING_*`` env vars.
@@ -27,10 +33,29 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         RuntimeError: ``PROMETHEUS_MULTIPROC_DIR`` was set after prometheus_client was imported.
     """
     settings = settings or Settings()
-    # The metrics middleware is outermost: it sees the status the error middleware chose.
-    middlewares = [metrics_middleware, error_middleware] if settings.metrics_enabled else [error_middleware]
-    app = web.Application(middlewares=middlewares, client_max_size=settings.max_request_bytes)
+    # Outermost first: metrics see the status the error middleware chose; the error
+    # middleware renders what the header check and the key check raise.
+    middlewares: list[Middleware] = [error_middleware]
+    if settings.metrics_enabled:
+        middlewares.insert(0, metrics_middleware)
+    middlewares.append(header_limits_middleware(settings.max_header_bytes, settings.max_headers))
+    keys = ApiKeys.from_settings(settings)
+    if keys.enabled:
+        middlewares.append(auth_middleware(keys, metrics_open=not settings.metrics_auth))
+    app = web.Application(
+        middlewares=middlewares,
+        client_max_size=settings.max_request_bytes,
+        handler_args=parser_limits(settings),
+    )
     app[SETTINGS] = settings
+    app[LIFECYCLE] = WorkerLifecycle()
+    app[REGISTRY] = ModelRegistry()  # filled from the repository by models_ctx at startup
+    app[API_KEYS] = keys
+    app[LIMITS] = RequestLimits(
+        max_items=settings.max_items_per_request,
+        max_string_bytes=settings.max_string_bytes,
+        max_json_depth=settings.max_json_depth,
+    )
     app[WORKER_INFO] = worker_info(str(resolve_device(settings.device)))
     app.add_routes(routes)
     if settings.metrics_enabled:
@@ -39,4 +64,5 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         app.cleanup_ctx.append(gpu_metrics_ctx)
     app.cleanup_ctx.append(models_ctx)
     app.on_shutdown.append(on_shutdown)
+    setup_connections(app)
     return app

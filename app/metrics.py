@@ -127,6 +127,11 @@ class ServerMetrics:
             "out_of_memory (507), disconnected.",
             [*model, "reason"], registry=r,
         )  # fmt: skip
+        self.hung_batches = Counter(
+            "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
+            "one makes its worker restart itself.",
+            model, registry=r,
+        )  # fmt: skip
         self.load_seconds = Gauge(
             "scoring_model_load_seconds", "Time the worker took to load the model.",
             [*model, "pid"], multiprocess_mode="liveall", registry=r,

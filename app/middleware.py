@@ -64,7 +64,7 @@ async def _respond(request: web.Request, handler: Handler, rid: str) -> web.Stre
     try:
         response = await handler(request)
     except ScoringError as exc:
-        headers = {REQUEST_ID_HEADER: rid}
+        headers = {**exc.headers, REQUEST_ID_HEADER: rid}
         if exc.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
         if exc.status >= 500:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from importlib import resources
 from typing import Any
 
 import numpy as np
@@ -18,10 +19,12 @@ from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.middleware import request_id
 from app.protocols import v1, v2
-from app.state import REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+from app.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _JSON_TYPES = frozenset({"application/json", "text/json"})
+#: The OpenAPI 3 description of this API (``GET /openapi.json``), shipped in the package.
+OPENAPI = resources.files("app").joinpath("openapi.json").read_bytes()
 
 routes = web.RouteTableDef()
 
@@ -97,7 +100,11 @@ async def server_metadata(request: web.Request) -> web.Response:
 
 @routes.get("/v2/health/live")
 async def live(request: web.Request) -> web.Response:
-    """Liveness: 200 while the worker's event loop answers."""
+    """Liveness: 200 while the worker's event loop answers; 503 once its inference thread is
+    stuck (the worker is then restarting itself)."""
+    hung = request.app[LIFECYCLE].hung
+    if hung is not None:
+        return _json({"live": False, "error": f"inference thread stuck: {hung}"}, 503)
     return _json({"live": True})
 
 
@@ -136,8 +143,9 @@ async def infer(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     entry = registry.get(request.match_info["name"], request.match_info.get("version"))
     body = await _read_json_body(request)
-    parsed = v2.decode_request(body)
-    inputs = v2.prepare_inputs(entry.config, parsed)
+    limits = request.app[LIMITS]
+    parsed = v2.decode_request(body, limits)
+    inputs = v2.prepare_inputs(entry.config, parsed, limits)
     names = v2.requested_outputs(entry.config, parsed)
     outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, v2.timeout_s(parsed)))
     return web.Response(
@@ -170,9 +178,15 @@ async def v1_predict(request: web.Request) -> web.Response:
     registry = request.app[REGISTRY]
     entry = registry.get(request.match_info["name"])
     body = await _read_json_body(request)
-    inputs = v1.decode_request(entry.config, body)
+    inputs = v1.decode_request(entry.config, body, request.app[LIMITS])
     outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, None))
     return web.Response(body=v1.encode_response(entry.config, outputs), content_type="application/json")
+
+
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    """``GET /openapi.json``: the OpenAPI 3 description of this HTTP API."""
+    return web.Response(body=OPENAPI, content_type="application/json")
 
 
 def worker_info(device: str) -> dict[str, Any]:

@@ -17,7 +17,7 @@ import os
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SCORING_"
@@ -55,6 +55,27 @@ class Settings(BaseSettings):
         30, ge=1, description="Seconds a stopping worker gets to finish in-flight requests."
     )
     keepalive_s: int = Field(5, ge=0, description="HTTP keep-alive idle timeout, seconds.")
+    max_requests_per_connection: int = Field(
+        1000,
+        ge=0,
+        description="Requests served on one keep-alive connection before the server answers "
+        "with Connection: close (nginx's keepalive_requests); 0 = no cap.",
+    )
+    drain_grace_s: float = Field(
+        1.0,
+        ge=0,
+        description="After SIGTERM or a max_requests recycle, how long a worker keeps accepting, "
+        "unready and answering with Connection: close, before it closes its listener; longer "
+        "(up to half the graceful timeout) while a new sibling worker is still booting "
+        "(docs/reliability.md).",
+    )
+    hung_inference_s: float = Field(
+        60.0,
+        ge=0,
+        description="A batch still running after this many seconds is reported (log, metric "
+        "scoring_hung_batches_total) and its worker turns liveness 503 and restarts itself; "
+        "0 = off.",
+    )
     uvloop: bool = Field(
         False,
         description="Run workers on uvloop (aiohttp's GunicornUVLoopWebWorker). Off by default: "
@@ -75,6 +96,26 @@ class Settings(BaseSettings):
         "(one JSON object per line).",
     )
 
+    # --- security (docs/reliability.md) ---------------------------------------
+    api_keys: SecretStr = Field(
+        SecretStr(""),
+        description="Comma-separated API keys; when this or api_keys_file gives any key, every "
+        "request but health probes (and /metrics unless metrics_auth) needs one, as "
+        "'Authorization: Bearer <key>' or 'X-API-Key: <key>'.",
+    )
+    api_keys_file: Path | None = Field(
+        None,
+        description="File of API keys, one per line ('#' comments); re-read when it changes, so "
+        "keys rotate without a restart.",
+    )
+    metrics_auth: bool = Field(
+        True, description="With API keys configured, /metrics needs a key too; false = open to scrapers."
+    )
+    certfile: Path | None = Field(
+        None, description="TLS certificate chain (PEM) to serve HTTPS; needs keyfile."
+    )
+    keyfile: Path | None = Field(None, description="TLS private key (PEM) of certfile.")
+
     # --- observability --------------------------------------------------------
     metrics_enabled: bool = Field(
         True, description="Serve Prometheus metrics at /metrics and record them."
@@ -86,10 +127,31 @@ class Settings(BaseSettings):
         "through NVML for /metrics, seconds.",
     )
 
-    # --- requests -----------------------------------------------------------
+    # --- requests: limits (docs/reliability.md) -------------------------------
     max_request_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="Largest accepted request body, bytes (413 above)."
     )
+    max_items_per_request: int = Field(
+        4096,
+        ge=1,
+        description="Most items (rows along the batch dimension) in one request, for any model "
+        "(413 above); each model's queue_capacity caps it further.",
+    )
+    max_string_bytes: int = Field(
+        65536, ge=1, description="Longest BYTES element (one text) in UTF-8 bytes (413 above)."
+    )
+    max_json_depth: int = Field(
+        32,
+        ge=4,
+        description="Deepest nesting of arrays and objects in a JSON request body, checked before "
+        "decoding (400 above).",
+    )
+    max_header_bytes: int = Field(
+        8190,
+        ge=256,
+        description="Longest request line or header field (name + value), bytes (431 above).",
+    )
+    max_headers: int = Field(100, ge=8, description="Most header fields in a request (431 above).")
     request_timeout_ms: float = Field(
         10_000.0,
         gt=0,
@@ -132,6 +194,22 @@ class Settings(BaseSettings):
     @classmethod
     def _absolute(cls, value: Path) -> Path:
         return value.expanduser().resolve()
+
+    @model_validator(mode="after")
+    def _tls_pair(self) -> Settings:
+        if (self.certfile is None) != (self.keyfile is None):
+            raise ValueError("SCORING_CERTFILE and SCORING_KEYFILE go together: set both or neither")
+        return self
+
+    @property
+    def api_key_list(self) -> tuple[str, ...]:
+        """The keys of ``api_keys`` (the environment); the file's are read by ``app.auth``."""
+        return tuple(k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip())
+
+    @property
+    def auth_enabled(self) -> bool:
+        """True when API keys come from the environment or a file."""
+        return bool(self.api_key_list) or self.api_keys_file is not None
 
     @property
     def model_names(self) -> tuple[str, ...]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,6 +13,7 @@ from aiohttp import web
 from app.batcher import DynamicBatcher
 from app.errors import ModelNotFound, ModelNotReady
 from app.models.runner import ModelRunner
+from app.protocols.limits import RequestLimits
 from app.repository import ModelConfig
 from app.settings import Settings
 
@@ -77,24 +79,52 @@ class ModelRegistry:
 
         Waiting (bounded by the request's own deadline) rather than refusing keeps a HUP
         reload or a worker restart free of failed requests: the kernel may hand a
-        connection to a new worker before its model is warm.
+        connection to a new worker before its model is warm. A draining worker still
+        serves the requests that reach it (readiness is what turns traffic away).
 
         Raises:
-            ModelNotReady: draining, the load failed, or the model is not warm within
-                ``timeout_s`` seconds (503 + Retry-After).
+            ModelNotReady: the load failed, the model is not warm within ``timeout_s``
+                seconds, or the worker is draining before it ever got warm (503 + Retry-After).
         """
         if not entry.ready and not self.draining and self.load_error is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(entry.settled.wait(), timeout_s)
-        if self.draining or not entry.ready:
-            reason = "draining" if self.draining else (self.load_error and "load failed") or "loading"
+        if not entry.ready:
+            reason = (self.load_error and "load failed") or ("draining" if self.draining else "loading")
             raise ModelNotReady(f"model {entry.config.name!r} is not ready ({reason})", retry_after_s=1)
         return entry
 
     @property
     def ready(self) -> bool:
-        """Server readiness: every model warm and not draining."""
-        return not self.draining and all(e.ready for e in self.entries())
+        """Server readiness: every model warm and not draining (and the models known)."""
+        entries = self.entries()
+        return not self.draining and bool(entries) and all(e.ready for e in entries)
+
+
+@dataclass(eq=False)
+class WorkerLifecycle:
+    """This worker's process-level state: how many responses it gave, whether its inference
+    thread is stuck, and its hooks into the process that runs it.
+
+    The hooks are installed by the gunicorn worker (``app.worker``); in-process (tests, a bare
+    ``aiohttp.web`` run) they stay None: nothing restarts the process, and it listens at once.
+    """
+
+    responses: int = 0
+    #: Why the inference thread is considered stuck (liveness turns 503), or None.
+    hung: str | None = None
+    #: Asks the process to drain and exit (reason).
+    stop: Callable[[str], None] | None = None
+    #: True while another worker of the server serves: this one then starts listening only
+    #: once its models are warm. Blocking (reads sibling state files): call it off the loop.
+    defer_listening: Callable[[], bool] | None = None
+
+    def request_stop(self, reason: str) -> bool:
+        """Ask the worker process to drain and exit; False when nothing can stop it."""
+        if self.stop is None:
+            return False
+        self.stop(reason)
+        return True
 
 
 def _version_key(version: str) -> tuple[int, Any]:
@@ -104,3 +134,5 @@ def _version_key(version: str) -> tuple[int, Any]:
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
 WORKER_INFO = web.AppKey("worker_info", dict)
+LIFECYCLE = web.AppKey("lifecycle", WorkerLifecycle)
+LIMITS = web.AppKey("request_limits", RequestLimits)

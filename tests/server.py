@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -26,9 +27,14 @@ def free_port() -> int:
 
 
 def http(
-    method: str, url: str, body: Any = None, headers: dict[str, str] | None = None, timeout: float = 30
+    method: str,
+    url: str,
+    body: Any = None,
+    headers: dict[str, str] | None = None,
+    timeout: float = 30,
+    context: ssl.SSLContext | None = None,
 ) -> tuple[int, dict[str, str], Any]:
-    """One HTTP request; returns (status, headers, parsed JSON or raw text)."""
+    """One HTTP(S) request; returns (status, headers, parsed JSON or raw text)."""
     data = None
     hdrs = dict(headers or {})
     if body is not None:
@@ -36,7 +42,7 @@ def http(
         hdrs.setdefault("Content-Type", "application/json")
     req = urllib.request.Request(url, data=data, method=method, headers=hdrs)
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             status, rh, raw = resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
         status, rh, raw = exc.code, dict(exc.headers), exc.read()
@@ -49,9 +55,20 @@ def http(
 class Gunicorn:
     """``gunicorn -c gunicorn.conf.py`` as a child process, logs in ``log_path``."""
 
-    def __init__(self, tmp: Path, env: dict[str, str] | None = None, args: list[str] | None = None):
+    def __init__(
+        self,
+        tmp: Path,
+        env: dict[str, str] | None = None,
+        args: list[str] | None = None,
+        *,
+        context: ssl.SSLContext | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        """``context``: serve over TLS and trust it; ``headers`` go on every request."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.context = context
+        self.headers = headers or {}
+        self.url = f"{'https' if context else 'http'}://127.0.0.1:{self.port}"
         self.log_path = tmp / f"gunicorn-{self.port}.log"
         self.pidfile = tmp / f"gunicorn-{self.port}.pid"
         full_env = {
@@ -82,11 +99,14 @@ class Gunicorn:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    def get(self, path: str, **kw: Any) -> tuple[int, dict[str, str], Any]:
-        return http("GET", self.url + path, **kw)
+    def get(self, path: str, headers: dict[str, str] | None = None, **kw: Any) -> tuple[int, dict[str, str], Any]:
+        return http("GET", self.url + path, headers={**self.headers, **(headers or {})}, context=self.context, **kw)
 
-    def post(self, path: str, body: Any, **kw: Any) -> tuple[int, dict[str, str], Any]:
-        return http("POST", self.url + path, body, **kw)
+    def post(
+        self, path: str, body: Any, headers: dict[str, str] | None = None, **kw: Any
+    ) -> tuple[int, dict[str, str], Any]:
+        headers = {**self.headers, **(headers or {})}
+        return http("POST", self.url + path, body, headers=headers, context=self.context, **kw)
 
     def all_workers_ready(self) -> bool:
         """Every live worker has logged its "worker <pid> ready" line (app.lifecycle)."""

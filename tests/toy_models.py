@@ -47,8 +47,10 @@ class ScaleHandler:
     """y = 2 * x; tag_length = len(tag). Records every batch it sees (class-wide, per model).
 
     parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
-    ``load_delay_s``, ``delay_ms`` per batch, ``fail_on`` (x value that raises),
-    ``oom_above`` (batches larger than this raise torch.OutOfMemoryError).
+    ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
+    ``delay_ms`` per batch, ``fail_on`` (x value that raises), ``hang_on`` (x value that
+    makes the batch sleep ``hang_s`` seconds, default 3600), ``oom_above`` (batches larger
+    than this raise torch.OutOfMemoryError).
     """
 
     BATCHES: ClassVar[dict[str, list[list[float]]]] = {}
@@ -61,6 +63,9 @@ class ScaleHandler:
         if gate:
             assert self.GATES[gate].wait(30)
         time.sleep(float(self.params.get("load_delay_s", 0)))
+        marker = self.params.get("fail_load_if_exists")
+        if marker and Path(marker).exists():
+            raise RuntimeError(f"simulated load failure ({marker} exists)")
         self.BATCHES[self.name] = []
 
     def preprocess(self, inputs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
@@ -73,6 +78,8 @@ class ScaleHandler:
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
         if "fail_on" in self.params and bool((x == float(self.params["fail_on"])).any()):
             raise RuntimeError("simulated model failure")
+        if "hang_on" in self.params and bool((x == float(self.params["hang_on"])).any()):
+            time.sleep(float(self.params.get("hang_s", 3600)))
         time.sleep(float(self.params.get("delay_ms", 0)) / 1000)
         return x * 2, tags
 

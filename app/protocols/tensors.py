@@ -14,17 +14,23 @@ from typing import Any
 import numpy as np
 
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
-from app.errors import InvalidInput
+from app.errors import InvalidInput, PayloadTooLarge
 from app.repository import ModelConfig, TensorSpec
 
 
-def _flatten_strings(data: Any, where: str) -> list[bytes]:
+def _flatten_strings(data: Any, where: str, max_bytes: int | None) -> list[bytes]:
     out: list[bytes] = []
     stack = [data]
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            out.append(item.encode("utf-8", "surrogatepass"))
+            encoded = item.encode("utf-8", "surrogatepass")
+            if max_bytes is not None and len(encoded) > max_bytes:
+                raise PayloadTooLarge(
+                    f"{where}: element {len(out)} is {len(encoded)} bytes; the server accepts at "
+                    f"most {max_bytes} per string (SCORING_MAX_STRING_BYTES)"
+                )
+            out.append(encoded)
         elif isinstance(item, list):
             stack.extend(reversed(item))
         else:
@@ -42,20 +48,27 @@ def _nested_shape(data: Any) -> list[int]:
     return shape
 
 
-def to_array(data: Any, datatype: str, shape: Sequence[int] | None, where: str) -> np.ndarray:
+def to_array(
+    data: Any,
+    datatype: str,
+    shape: Sequence[int] | None,
+    where: str,
+    max_string_bytes: int | None = None,
+) -> np.ndarray:
     """JSON ``data`` (flat or nested row-major) -> numpy array of ``datatype`` and ``shape``.
 
     ``shape`` None infers it from the nesting. BYTES become an ``object`` array
-    of UTF-8 ``bytes``.
+    of UTF-8 ``bytes``, each at most ``max_string_bytes`` long.
 
     Raises:
         InvalidInput: wrong element types, ragged nesting, element count that
             does not match ``shape``, or integers out of the datatype's range.
+        PayloadTooLarge: a BYTES element longer than ``max_string_bytes``.
     """
     if shape is not None and any((not isinstance(d, int)) or d < 0 for d in shape):
         raise InvalidInput(f"{where}: shape {list(shape)} must be non-negative integers")
     if datatype == "BYTES":
-        flat = _flatten_strings(data, where)
+        flat = _flatten_strings(data, where, max_string_bytes)
         if shape is None:
             shape = _nested_shape(data)
         arr = np.empty(len(flat), dtype=object)
@@ -138,16 +151,4 @@ def complete_inputs(config: ModelConfig, arrays: dict[str, np.ndarray], where: s
     if len(set(sizes.values())) > 1:
         raise InvalidInput(f"{where}: inputs disagree on the batch size: {sizes}")
     batch = next(iter(sizes.values()))
-    out = {}
-    for spec in config.inputs:
-        if spec.name in arrays:
-            out[spec.name] = arrays[spec.name]
-            continue
-        shape = (batch, *(1 if d == -1 else d for d in spec.shape))
-        if spec.datatype == "BYTES":
-            filler = np.empty(shape, dtype=object)
-            filler.fill(b"")
-        else:
-            filler = np.zeros(shape, dtype=NUMPY_DTYPES[spec.datatype])
-        out[spec.name] = filler
-    return out
+    return {s.name: arrays[s.name] if s.name in arrays else s.filled(batch) for s in config.inputs}

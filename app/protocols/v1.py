@@ -17,6 +17,7 @@ import numpy as np
 import orjson
 
 from app.errors import InvalidInput
+from app.protocols.limits import RequestLimits, check_json_depth
 from app.protocols.tensors import check_against_spec, complete_inputs, to_array
 from app.repository import ModelConfig
 
@@ -28,22 +29,31 @@ class PredictRequest(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(PredictRequest)
+_DEFAULT_LIMITS = RequestLimits()
 
 
-def decode_request(config: ModelConfig, body: bytes) -> dict[str, np.ndarray]:
+def decode_request(
+    config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
+) -> dict[str, np.ndarray]:
     """Parse a V1 predict body into arrays [B, *item_shape] per input name.
 
     Raises:
-        InvalidInput: malformed JSON, no instances, an instance of the wrong
-            form, or values that do not fit the model's inputs.
+        InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, no
+            instances, an instance of the wrong form, or values that do not fit the model's inputs.
+        PayloadTooLarge: more than ``limits.max_items`` instances, or a string longer than
+            ``limits.max_string_bytes``.
     """
+    check_json_depth(body, limits.max_json_depth)
     try:
         request = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"invalid predict request: {exc}") from None
+    except RecursionError:  # only with max_json_depth near Python's recursion limit
+        raise InvalidInput("invalid predict request: nested too deeply") from None
     instances = request.instances
     if not instances:
         raise InvalidInput("instances: empty; send at least one instance")
+    limits.check_items(len(instances), "instances")
     required = [s for s in config.inputs if not s.optional]
     columns: dict[str, list[Any]] = {}
     if len(required) == 1 and not any(isinstance(i, dict) for i in instances):
@@ -71,7 +81,7 @@ def decode_request(config: ModelConfig, body: bytes) -> dict[str, np.ndarray]:
         where = f"instances ({name!r})"
         if spec.shape == [1]:
             values = [v if isinstance(v, list) else [v] for v in values]
-        arr = to_array(values, spec.datatype, None, where)
+        arr = to_array(values, spec.datatype, None, where, limits.max_string_bytes)
         arrays[name] = check_against_spec(arr, spec, config.allow_non_finite, where)
     return complete_inputs(config, arrays, "instances")
 

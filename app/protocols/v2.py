@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 
 from app.errors import InvalidInput
+from app.protocols.limits import RequestLimits, check_json_depth
 from app.protocols.tensors import check_against_spec, complete_inputs, to_array
 from app.repository import ModelConfig
 
@@ -45,19 +46,23 @@ class InferenceRequest(msgspec.Struct):
 
 
 _decoder = msgspec.json.Decoder(InferenceRequest)
+_DEFAULT_LIMITS = RequestLimits()
 
 
-def decode_request(body: bytes) -> InferenceRequest:
+def decode_request(body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferenceRequest:
     """Parse an inference request body.
 
     Raises:
-        InvalidInput: malformed JSON or a field of the wrong type (the message
-            names the JSON path, e.g. ``$.inputs[0].shape``).
+        InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, or a
+            field of the wrong type (the message names the JSON path, e.g. ``$.inputs[0].shape``).
     """
+    check_json_depth(body, limits.max_json_depth)
     try:
         return _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"invalid inference request: {exc}") from None
+    except RecursionError:  # only with max_json_depth near Python's recursion limit
+        raise InvalidInput("invalid inference request: nested too deeply") from None
 
 
 def timeout_s(request: InferenceRequest) -> float | None:
@@ -74,16 +79,22 @@ def timeout_s(request: InferenceRequest) -> float | None:
     return float(value) / 1e6
 
 
-def prepare_inputs(config: ModelConfig, request: InferenceRequest) -> dict[str, np.ndarray]:
+def prepare_inputs(
+    config: ModelConfig, request: InferenceRequest, limits: RequestLimits = _DEFAULT_LIMITS
+) -> dict[str, np.ndarray]:
     """Validate the request's tensors against ``config``: arrays [B, *item_shape] by input name.
 
     Raises:
         InvalidInput: unknown/missing/duplicate input, wrong datatype or shape,
             element count mismatch, non-finite floats where forbidden.
+        PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
+            ``limits.max_string_bytes``.
     """
     arrays: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(request.inputs):
         where = f"inputs[{i}] ({tensor.name!r})"
+        if tensor.shape:  # checked before any data is converted
+            limits.check_items(tensor.shape[0], where)
         if tensor.name in arrays:
             raise InvalidInput(f"{where}: input given twice")
         spec = config.input(tensor.name)
@@ -95,7 +106,7 @@ def prepare_inputs(config: ModelConfig, request: InferenceRequest) -> dict[str, 
             raise InvalidInput(
                 f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
             )
-        arr = to_array(tensor.data, tensor.datatype, tensor.shape, where)
+        arr = to_array(tensor.data, tensor.datatype, tensor.shape, where, limits.max_string_bytes)
         arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
     return complete_inputs(config, arrays, "inputs")
 

@@ -1,0 +1,58 @@
+"""Keep-alive policy: which responses close their connection.
+
+A response carries ``Connection: close`` (and the server closes the connection after
+it) when
+
+- the worker is draining: clients move to another worker *after* a complete response,
+  instead of finding their idle keep-alive connection closed under them when the
+  worker stops (the race in which a client sends on a connection the server is
+  closing, and sees a reset);
+- the connection has served ``max_requests_per_connection`` requests (nginx's
+  ``keepalive_requests``): long-lived clients spread over workers again, and no
+  connection lives forever.
+
+The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
+(``SCORING_KEEPALIVE_S``). Runs as an ``on_response_prepare`` signal, so it sees every
+response the app produces, error responses included; it also counts them for the
+worker's ``max_requests`` recycling (``app.worker``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import weakref
+
+from aiohttp import web
+
+from app.state import LIFECYCLE, REGISTRY, SETTINGS
+
+#: Requests answered per connection, keyed by its transport (gone with the connection).
+_PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
+
+
+def setup_connections(app: web.Application) -> None:
+    """Install the keep-alive policy on ``app``."""
+    app[_PER_CONNECTION] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
+    app.on_response_prepare.append(_on_response_prepare)
+
+
+async def _on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    app = request.app
+    app[LIFECYCLE].responses += 1
+    if app[REGISTRY].draining:
+        _close_after(response)
+        return
+    cap = app[SETTINGS].max_requests_per_connection
+    transport = request.transport
+    if cap and transport is not None:
+        counts = app[_PER_CONNECTION]
+        served = counts.get(transport, 0) + 1
+        counts[transport] = served
+        if served >= cap:
+            _close_after(response)
+
+
+def _close_after(response: web.StreamResponse) -> None:
+    # The headers were computed before this signal: say it, and make aiohttp do it.
+    response.headers["Connection"] = "close"
+    response.force_close()

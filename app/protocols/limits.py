@@ -1,0 +1,85 @@
+"""Request limits that the codecs enforce: items per request, bytes per string, JSON depth.
+
+The body size is capped before any of this runs (aiohttp's ``client_max_size``, 413).
+Nesting depth is checked on the raw bytes *before* decoding, so a hostile body such as
+``[[[[...]]]]`` costs a scan, never a deep recursion: msgspec recurses on nested arrays and
+gives up with a ``RecursionError`` near Python's recursion limit, and numpy would spend
+time discovering the dimensions of whatever it gets.
+
+The scan drops JSON strings (so brackets inside texts do not count), keeps only the bracket
+bytes, and tracks the running depth with numpy in chunks. It does not validate JSON: a
+malformed body that passes is rejected by the decoder next.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from app.errors import InvalidInput, PayloadTooLarge
+
+#: A JSON string, escapes included; possessive, so the scan stays linear on any input.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits; the defaults are the settings' defaults.
+
+    Attributes:
+        max_items: most items (rows along the batch dimension) in one request.
+        max_string_bytes: longest BYTES element, UTF-8 bytes.
+        max_json_depth: deepest nesting of arrays/objects in the body.
+    """
+
+    max_items: int = 4096
+    max_string_bytes: int = 65536
+    max_json_depth: int = 32
+
+    def check_items(self, items: int, where: str) -> None:
+        """Raises ``PayloadTooLarge`` (413) when ``items`` exceeds ``max_items``."""
+        if items > self.max_items:
+            raise PayloadTooLarge(
+                f"{where}: {items} items in one request; the server accepts at most "
+                f"{self.max_items} (SCORING_MAX_ITEMS_PER_REQUEST)"
+            )
+
+
+def _brackets(body: bytes) -> bytes:
+    """The bracket bytes of ``body`` outside JSON strings, in order."""
+    if b'"' in body:
+        body = _STRING.sub(b"", body)
+    return body.translate(None, _NOT_BRACKETS)
+
+
+def _deepest(brackets: bytes, stop_above: int | None = None) -> int:
+    deepest = depth = 0
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    for start in range(0, len(steps), _CHUNK):
+        running = np.cumsum(_STEP[steps[start : start + _CHUNK]], dtype=np.int64) + depth
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+        if stop_above is not None and deepest > stop_above:
+            break
+    return deepest
+
+
+def json_depth(body: bytes) -> int:
+    """Deepest nesting of arrays/objects in ``body`` (brackets inside strings do not count)."""
+    return _deepest(_brackets(body))
+
+
+def check_json_depth(body: bytes, limit: int) -> None:
+    """Raises ``InvalidInput`` (400) when ``body`` nests arrays/objects deeper than ``limit``."""
+    brackets = _brackets(body)
+    if len(brackets) > limit and _deepest(brackets, stop_above=limit) > limit:
+        raise InvalidInput(
+            f"request body nests arrays/objects deeper than {limit} levels (SCORING_MAX_JSON_DEPTH)"
+        )

@@ -1,0 +1,462 @@
+#!/usr/bin/env python
+"""Reliability soak: steady load on a real gunicorn server while it reloads, recycles,
+drains and loses a worker; counts every failed request.
+
+Starts ``gunicorn -c gunicorn.conf.py`` on 127.0.0.1 (loopback only, a free port, a
+temporary run directory) with ``--workers`` workers serving ``--model`` from
+``--repository``, drives it with ``--concurrency`` clients, and performs in turn:
+
+1. ``hup``: SIGHUP to the master (new workers start, the old ones drain);
+2. ``max_requests``: a reload that sets ``max_requests`` (sized from the measured rate so
+   each worker recycles within the phase, jitter 20%), until every worker has recycled,
+   then a reload that turns it off again;
+3. ``sigterm``: SIGTERM to one worker (it drains; gunicorn forks a replacement);
+4. ``sigkill``: SIGKILL to one worker. The worker is first stopped (SIGSTOP) so that the
+   connections it holds can be listed (psutil) while nothing moves; the requests in flight
+   on them are counted, then it is killed. Every request that fails in this phase must
+   be one on those connections.
+
+Each phase runs steady load before and after its event, and waits until all workers are
+ready again. Phases 1-3 must have zero failed requests; phase 4 exactly the requests the
+killed worker held. Exit status 0 when both hold, 1 otherwise.
+
+The clients are a minimal HTTP/1.1 keep-alive client, one connection each, behaving like a
+pooling client library (urllib3, aiohttp, httpx): it reuses its connection, opens a new one
+after a ``Connection: close`` response, discards a connection the server has closed (EOF
+seen) before sending on it, and never retries a request. A failed request is any error on
+the wire (reset, EOF before a complete response, a 30 s timeout) or a status other than
+200. Knowing each connection's local port is what makes the SIGKILL accounting exact.
+
+    python scripts/soak.py                                   # feed-ranker, 2 workers, 10 s phases
+    python scripts/soak.py --repository /tmp/repo --model scale --phase-s 3 --json soak.json
+
+The feed-ranker's ``model.pt2`` is made by ``scripts/export_ranking_model.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+HOST = "127.0.0.1"
+REQUEST_TIMEOUT_S = 30.0
+PHASES = ("hup", "max_requests", "sigterm", "sigkill")
+#: What a failed request looks like on the wire (OSError covers resets and refused connections).
+_WIRE_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError, IndexError)
+
+CONFIG = """\
+# Written by scripts/soak.py: gunicorn.conf.py plus knobs the soak changes between reloads.
+import runpy as _runpy
+from pathlib import Path as _Path
+
+globals().update(
+    {{k: v for k, v in _runpy.run_path({conf!r}).items() if not k.startswith("__")}}
+)
+max_requests, max_requests_jitter = map(int, _Path({knobs!r}).read_text().split())
+"""
+
+
+@dataclass
+class PhaseStats:
+    """What the clients saw while one phase ran (requests counted by their start time)."""
+
+    name: str
+    event: str = ""
+    requests: int = 0
+    failed: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+    latencies_ms: list[float] = field(default_factory=list, repr=False)
+    failed_ports: list[int] = field(default_factory=list, repr=False)
+    seconds: float = 0.0
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def summary(self) -> dict[str, Any]:
+        lat = np.array(self.latencies_ms) if self.latencies_ms else np.zeros(1)
+        out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "failed_ports")}
+        out.update(
+            p50_ms=round(float(np.percentile(lat, 50)), 2),
+            p99_ms=round(float(np.percentile(lat, 99)), 2),
+            max_ms=round(float(lat.max()), 2),
+            seconds=round(self.seconds, 1),
+        )
+        return out
+
+
+class Connection:
+    """One HTTP/1.1 keep-alive connection (see the module docstring for its behaviour)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.local_port = 0
+
+    def usable(self) -> bool:
+        return (
+            self.writer is not None
+            and self.reader is not None
+            and not self.reader.at_eof()
+            and not self.writer.is_closing()
+        )
+
+    async def open(self) -> None:
+        self.close()
+        self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
+        self.local_port = self.writer.get_extra_info("sockname")[1]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        assert self.reader is not None and self.writer is not None
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        await self.writer.drain()
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, value = line.split(":", 1)
+                headers[name.strip().lower()] = value.strip()
+        payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, headers, payload
+
+
+class Soak:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.tmp = Path(tempfile.mkdtemp(prefix="soak-"))
+        self.port = _free_port()
+        self.run_dir = self.tmp / "run"
+        self.knobs = self.tmp / "knobs"
+        self.knobs.write_text("0 0")
+        self.log_path = self.tmp / "gunicorn.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.stats: PhaseStats = PhaseStats("start")
+        self.phases: list[PhaseStats] = []
+        self.in_flight: dict[int, int] = {}  # client id -> local port of its request
+        self.stop = asyncio.Event()
+        self.body = b""
+        self.path = ""
+
+    # --- server ------------------------------------------------------------------
+
+    def start_server(self) -> None:
+        config = self.tmp / "soak.conf.py"
+        config.write_text(CONFIG.format(conf=str(ROOT / "gunicorn.conf.py"), knobs=str(self.knobs)))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "PROMETHEUS_"))}
+        env.update(
+            SCORING_HOST=HOST,
+            SCORING_PORT=str(self.port),
+            SCORING_WORKERS=str(self.args.workers),
+            SCORING_MODEL_REPOSITORY=str(self.args.repository),
+            SCORING_MODELS=self.args.model,
+            SCORING_RUN_DIR=str(self.run_dir),
+            SCORING_ACCESS_LOG="",
+            SCORING_GRACEFUL_TIMEOUT_S=str(self.args.graceful_timeout_s),
+            PYTHONPATH=str(ROOT),
+        )
+        if self.args.torch_threads:
+            env["SCORING_TORCH_THREADS"] = str(self.args.torch_threads)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-c", str(config)],
+            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def workers(self) -> list[int]:
+        assert self.proc is not None
+        try:
+            return sorted(c.pid for c in psutil.Process(self.proc.pid).children())
+        except psutil.Error:
+            return []
+
+    def ready_workers(self) -> set[int]:
+        ready = set()
+        for pid in self.workers():
+            with contextlib.suppress(OSError):
+                if (self.run_dir / "workers" / str(pid)).read_text().strip() == "ready":
+                    ready.add(pid)
+        return ready
+
+    async def wait_settled(self, gone: set[int], timeout_s: float = 120.0) -> float:
+        """Until none of ``gone`` is alive and ``--workers`` workers are ready; seconds taken."""
+        start = time.monotonic()
+        while time.monotonic() - start < timeout_s:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited {self.proc.returncode}:\n{self.log_tail()}")
+            workers = set(self.workers())
+            settled = not (workers & gone) and len(workers) == self.args.workers
+            if settled and len(self.ready_workers()) == self.args.workers:
+                return time.monotonic() - start
+            await asyncio.sleep(0.05)
+        raise RuntimeError(f"server did not settle in {timeout_s} s:\n{self.log_tail()}")
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def recycles(self) -> int:
+        return self.log_path.read_text(errors="replace").count("recycling")
+
+    def hup(self) -> None:
+        assert self.proc is not None
+        os.kill(self.proc.pid, signal.SIGHUP)
+
+    # --- load --------------------------------------------------------------------
+
+    async def prepare_body(self) -> None:
+        conn = Connection(self.port)
+        await conn.open()
+        status, _, raw = await conn.request("GET", f"/v2/models/{self.args.model}")
+        conn.close()
+        if status != 200:
+            raise RuntimeError(f"model metadata: {status} {raw[:200]!r}")
+        meta = json.loads(raw)
+        rng = np.random.default_rng(0)
+        inputs = []
+        for spec in meta["inputs"]:
+            shape = [self.args.items, *(8 if d == -1 else d for d in spec["shape"][1:])]
+            count = int(np.prod(shape))
+            if spec["datatype"] == "BYTES":
+                data: list[Any] = ["a soak test sentence"] * count
+            elif spec["datatype"].startswith(("FP", "BF")):
+                data = rng.random(count).round(4).tolist()
+            else:
+                data = [1] * count
+            inputs.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"], "data": data})
+        self.body = json.dumps({"inputs": inputs}).encode()
+        self.path = f"/v2/models/{self.args.model}/infer"
+
+    async def client(self, cid: int) -> None:
+        conn = Connection(self.port)
+        while not self.stop.is_set():
+            stats = self.stats
+            started = time.perf_counter()
+            try:
+                if not conn.usable():
+                    await conn.open()
+                self.in_flight[cid] = conn.local_port
+                status, _, payload = await asyncio.wait_for(
+                    conn.request("POST", self.path, self.body), REQUEST_TIMEOUT_S
+                )
+                error = None if status == 200 else f"HTTP {status}: {payload[:120].decode(errors='replace')}"
+            except _WIRE_ERRORS as exc:
+                error = type(exc).__name__
+                conn.close()
+            port = self.in_flight.pop(cid, conn.local_port)
+            stats.requests += 1
+            stats.latencies_ms.append((time.perf_counter() - started) * 1000)
+            if error is not None:
+                stats.failed += 1
+                stats.errors[error] = stats.errors.get(error, 0) + 1
+                stats.failed_ports.append(port)
+        conn.close()
+
+    # --- phases ------------------------------------------------------------------
+
+    async def phase(self, name: str, event: Callable[[PhaseStats], Awaitable[None]]) -> PhaseStats:
+        stats = PhaseStats(name)
+        self.stats = stats
+        began = time.monotonic()
+        await asyncio.sleep(min(2.0, self.args.phase_s / 3))
+        await event(stats)
+        remaining = self.args.phase_s - (time.monotonic() - began)
+        await asyncio.sleep(max(1.0, remaining))
+        stats.seconds = time.monotonic() - began
+        self.phases.append(stats)
+        print(_row(stats.summary()), flush=True)
+        return stats
+
+    async def do_hup(self, stats: PhaseStats) -> None:
+        old = set(self.workers())
+        stats.event = "SIGHUP to the master: new workers, the old ones drain"
+        self.hup()
+        stats.notes["settled_s"] = round(await self.wait_settled(old), 2)
+
+    async def do_max_requests(self, stats: PhaseStats) -> None:
+        done = sum(p.requests for p in self.phases) + self.stats.requests
+        elapsed = sum(p.seconds for p in self.phases) or 1.0
+        per_worker_s = done / elapsed / self.args.workers
+        limit = max(20, int(per_worker_s * self.args.phase_s / 3))
+        jitter = max(1, limit // 5)
+        stats.event = f"reload, max_requests={limit} (+jitter {jitter}); every worker recycles; reload back"
+        before = self.recycles()
+        self.knobs.write_text(f"{limit} {jitter}")
+        old = set(self.workers())
+        self.hup()
+        await self.wait_settled(old)
+        reloaded = set(self.workers())
+        deadline = time.monotonic() + 120
+        while self.recycles() - before < self.args.workers or set(self.workers()) & reloaded:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"workers did not recycle:\n{self.log_tail()}")
+            await asyncio.sleep(0.1)
+        await self.wait_settled(reloaded)
+        stats.notes["recycles"] = self.recycles() - before
+        self.knobs.write_text("0 0")
+        old = set(self.workers())
+        self.hup()
+        await self.wait_settled(old)
+
+    async def do_sigterm(self, stats: PhaseStats) -> None:
+        victim = self.workers()[0]
+        stats.event = f"SIGTERM to worker {victim}: it drains, gunicorn forks a replacement"
+        os.kill(victim, signal.SIGTERM)
+        stats.notes["settled_s"] = round(await self.wait_settled({victim}), 2)
+
+    async def do_sigkill(self, stats: PhaseStats) -> None:
+        victim = self.workers()[0]
+        stats.event = f"SIGKILL to worker {victim} (stopped first to count what it holds)"
+        os.kill(victim, signal.SIGSTOP)
+        await asyncio.sleep(0.3)  # requests on the other workers complete; the victim's cannot
+        loop = asyncio.get_running_loop()
+        conns = await loop.run_in_executor(None, lambda: psutil.Process(victim).net_connections("tcp"))
+        ports = {c.raddr.port for c in conns if c.raddr and c.raddr.ip == HOST}
+        held = sum(1 for port in self.in_flight.values() if port in ports)
+        os.kill(victim, signal.SIGKILL)  # no await since counting: the count is exact
+        stats.notes.update(victim_connections=len(ports), held_in_flight=held)
+        stats.notes["settled_s"] = round(await self.wait_settled({victim}), 2)
+        stats.notes["victim_ports"] = ports
+
+    async def run(self) -> int:
+        self.start_server()
+        try:
+            await self.wait_settled(set(), timeout_s=180)
+            await self.prepare_body()
+            clients = [asyncio.create_task(self.client(i)) for i in range(self.args.concurrency)]
+            print(_row(None), flush=True)
+            self.stats = PhaseStats("warmup")
+            await asyncio.sleep(self.args.warmup_s)
+            self.stats.seconds = self.args.warmup_s
+            self.phases.append(self.stats)
+            print(_row(self.stats.summary()), flush=True)
+            events = {
+                "hup": self.do_hup,
+                "max_requests": self.do_max_requests,
+                "sigterm": self.do_sigterm,
+                "sigkill": self.do_sigkill,
+            }
+            for name in self.args.phases:
+                await self.phase(name, events[name])
+            self.stop.set()
+            await asyncio.gather(*clients)
+        finally:
+            self.stop.set()
+            self.shutdown()
+        return self.verdict()
+
+    def verdict(self) -> int:
+        ok = True
+        for stats in self.phases:
+            if stats.name == "sigkill":
+                ports = stats.notes.pop("victim_ports", set())
+                stray = [p for p in stats.failed_ports if p not in ports]
+                stats.notes["failed_on_victim_connections"] = stats.failed - len(stray)
+                exact = not stray and stats.failed == stats.notes["held_in_flight"]
+                stats.notes["exact"] = exact
+                ok = ok and not stray
+            elif stats.failed:
+                ok = False
+        return 0 if ok else 1
+
+    def shutdown(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+def _row(summary: dict[str, Any] | None) -> str:
+    if summary is None:
+        return f"{'phase':<13}{'requests':>9}{'failed':>7}{'p50 ms':>8}{'p99 ms':>8}{'max ms':>8}  event"
+    return (
+        f"{summary['name']:<13}{summary['requests']:>9}{summary['failed']:>7}"
+        f"{summary['p50_ms']:>8.1f}{summary['p99_ms']:>8.1f}{summary['max_ms']:>8.1f}  {summary['event']}"
+    )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--model", default="feed-ranker")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=8, help="clients, one connection each")
+    parser.add_argument("--items", type=int, default=1, help="items per request")
+    parser.add_argument("--phase-s", type=float, default=10.0, help="length of each phase, at least")
+    parser.add_argument("--warmup-s", type=float, default=3.0)
+    parser.add_argument("--graceful-timeout-s", type=int, default=30)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    parser.add_argument("--phases", type=lambda s: s.split(","), default=list(PHASES))
+    parser.add_argument("--json", type=Path, help="write the results here")
+    args = parser.parse_args(argv)
+    unknown = set(args.phases) - set(PHASES)
+    if unknown:
+        parser.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    soak = Soak(args)
+    status = asyncio.run(soak.run())
+    results = {
+        "command": " ".join(["python", "scripts/soak.py", *(argv if argv is not None else sys.argv[1:])]),
+        "workers": args.workers,
+        "concurrency": args.concurrency,
+        "model": args.model,
+        "phases": [p.summary() for p in soak.phases],
+        "passed": status == 0,
+    }
+    kill = next((p for p in soak.phases if p.name == "sigkill"), None)
+    if kill is not None:
+        print(
+            f"sigkill: {kill.failed} failed; {kill.notes['held_in_flight']} were in flight on the killed "
+            f"worker's {kill.notes['victim_connections']} connections; "
+            f"{kill.notes['failed_on_victim_connections']} of the failures on those connections"
+        )
+    print("PASSED" if status == 0 else "FAILED", f"(server log: {soak.log_path})")
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

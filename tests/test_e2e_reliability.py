@@ -1,0 +1,206 @@
+"""End to end on real gunicorn: slow boot, SIGTERM drain, hung inference, a failing model
+load beside a healthy worker, TLS with API keys, and a short soak (scripts/soak.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import signal
+import ssl
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from tests.server import ROOT, Gunicorn
+from tests.toy_models import write_scale_model
+
+pytestmark = pytest.mark.e2e
+
+V2 = "/v2/models/scale/infer"
+
+
+def body(x: float) -> dict:
+    return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [x, x]}]}
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, srv: Gunicorn) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}:\n{srv.log()[-6000:]}")
+
+
+def env(repo: Path, **extra: str) -> dict[str, str]:
+    return {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1", **extra}
+
+
+def test_slow_boot_then_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
+    """A boot longer than gunicorn's timeout (torch import ~2 s, model load 3 s, timeout 1 s)
+    keeps its worker; then a SIGTERM turns readiness 503 while the listener still answers,
+    serves what arrives, finishes the in-flight request, and the worker is replaced."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", load_delay_s=3.0, hang_on=5.0, hang_s=1.5)
+    extra = {"SCORING_TIMEOUT_S": "1", "SCORING_DRAIN_GRACE_S": "2"}
+    with Gunicorn(tmp_path, env(repo, **extra)) as srv:
+        (first,) = srv.wait_workers(1)
+        srv.wait_ready(60)
+        log = srv.log()
+        assert srv.workers()[0].pid == first.pid, log
+        assert "WORKER TIMEOUT" not in log and log.count("Booting worker") == 1, log
+
+        slow: list[int] = []
+        thread = threading.Thread(target=lambda: slow.append(srv.post(V2, body(5.0))[0]))
+        thread.start()
+        time.sleep(0.3)  # the slow request (1.5 s) is on the inference thread
+        first.send_signal(signal.SIGTERM)
+        time.sleep(0.1)
+        status, headers, ready = srv.get("/v2/health/ready")
+        assert (status, ready["ready"], headers.get("Connection")) == (503, False, "close")
+        status, headers, out = srv.post(V2, body(1.0))  # still served while draining
+        assert status == 200 and headers["Connection"] == "close" and out["outputs"][0]["data"] == [2.0, 2.0]
+        thread.join(10)
+        assert slow == [200]
+        first.wait(20)
+        wait_for(lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != first.pid, 30, "replacement", srv)
+        srv.wait_ready(60)
+        assert "draining (SIGTERM)" in srv.log() and "stops accepting after" in srv.log()
+
+
+def self_signed(tmp: Path) -> tuple[Path, Path]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return cert_path, key_path
+
+
+def test_tls_with_api_keys_and_a_hung_batch_that_recycles_its_worker(tmp_path: Path) -> None:
+    """HTTPS with a self-signed certificate and a key file; then a batch that never returns:
+    logged, counted, liveness 503, and the worker exits (status 1) and is replaced."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", hang_on=7.0)
+    cert, key = self_signed(tmp_path)
+    keys = tmp_path / "api-keys"
+    keys.write_text("tls-key\n")
+    extra = {
+        "SCORING_CERTFILE": str(cert),
+        "SCORING_KEYFILE": str(key),
+        "SCORING_API_KEYS_FILE": str(keys),
+        "SCORING_HUNG_INFERENCE_S": "1",
+        "SCORING_GRACEFUL_TIMEOUT_S": "6",
+    }
+    context = ssl.create_default_context(cafile=str(cert))
+    with Gunicorn(tmp_path, env(repo, **extra), context=context, headers={"X-API-Key": "tls-key"}) as srv:
+        srv.wait_ready(60)
+        status, _, out = srv.post(V2, body(1.0))
+        assert status == 200 and out["outputs"][0]["data"] == [2.0, 2.0]
+        status, _, out = srv.post(V2, body(1.0), headers={"X-API-Key": "wrong"})
+        assert (status, out) == (401, {"error": "unauthorized"})
+        with pytest.raises(OSError):  # plain HTTP is not spoken on the TLS port
+            urllib.request.urlopen(f"http://127.0.0.1:{srv.port}/v2/health/live", timeout=5)
+        with pytest.raises(urllib.error.URLError, match="CERTIFICATE_VERIFY_FAILED"):
+            urllib.request.urlopen(f"https://127.0.0.1:{srv.port}/v2/health/live", timeout=5)
+
+        (worker,) = srv.wait_workers(1)
+        hung: list[int] = []
+        thread = threading.Thread(
+            target=lambda: hung.append(srv.post(V2, body(7.0), headers={"X-Request-Timeout-Ms": "2500"})[0])
+        )
+        thread.start()
+        wait_for(lambda: srv.get("/v2/health/live")[0] == 503, 10, "liveness 503", srv)
+        thread.join(10)
+        assert hung == [504]  # its deadline, not a reset: the drain waited for it
+        worker.wait(30)
+        wait_for(lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != worker.pid, 30, "replacement", srv)
+        srv.wait_ready(60)
+        assert srv.get("/v2/health/live")[0] == 200
+        log = srv.log()
+        assert "SCORING_HUNG_INFERENCE_S=1" in log and f"(pid:{worker.pid}) exited with code 1" in log, log
+        metrics = srv.get("/metrics")[2]
+        assert 'scoring_hung_batches_total{model="scale",version="1"} 1.0' in metrics
+
+
+def test_failed_model_load_in_a_replacement_leaves_the_healthy_worker_serving(tmp_path: Path) -> None:
+    """SIGKILL one of two workers; its replacement cannot load its model (exits 1, again and
+    again) while the other worker keeps serving; once the cause is gone the next one serves."""
+    repo = tmp_path / "repo"
+    marker = tmp_path / "break-the-model"
+    write_scale_model(repo, "scale", fail_load_if_exists=str(marker))
+    with Gunicorn(tmp_path, env(repo, SCORING_WORKERS="2")) as srv:
+        srv.wait_ready(60)
+        victim, healthy = srv.wait_workers(2)
+        marker.touch()
+        victim.send_signal(signal.SIGKILL)
+        statuses = []
+        deadline = time.monotonic() + 60
+        while "exited with code 1" not in srv.log() and time.monotonic() < deadline:
+            statuses.append(srv.post(V2, body(1.0))[0])
+            time.sleep(0.02)
+        log = srv.log()
+        assert "simulated load failure" in log and "model load failed, worker cannot become ready" in log, log
+        assert set(statuses) == {200} and len(statuses) > 10, statuses
+        assert srv.proc.poll() is None and healthy.is_running()
+        marker.unlink()
+        states = srv.log_path.parent / f"run-{srv.port}" / "workers"  # app.worker's state files
+
+        def ready_workers() -> set[int]:
+            ready = set()
+            for worker in srv.workers():
+                with contextlib.suppress(OSError):  # a crashing worker's file comes and goes
+                    if (states / str(worker.pid)).read_text() == "ready":
+                        ready.add(worker.pid)
+            return ready
+
+        wait_for(lambda: len(ready_workers()) == 2, 60, "two ready workers", srv)
+        assert healthy.pid in ready_workers()
+
+
+def test_short_soak_has_no_failed_request_but_the_killed_workers(tmp_path: Path) -> None:
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", max_queue_delay_ms=1.0)
+    out = tmp_path / "soak.json"
+    cmd = [sys.executable, "scripts/soak.py", "--repository", str(repo), "--model", "scale",
+           "--phase-s", "2", "--warmup-s", "0.5", "--concurrency", "4", "--json", str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    result = json.loads(out.read_text())
+    phases = {p["name"]: p for p in result["phases"]}
+    assert set(phases) == {"warmup", "hup", "max_requests", "sigterm", "sigkill"}
+    for name in ("warmup", "hup", "max_requests", "sigterm"):
+        assert phases[name]["failed"] == 0 and phases[name]["requests"] > 50, phases[name]
+    kill = phases["sigkill"]
+    assert kill["failed"] == kill["notes"]["failed_on_victim_connections"] <= kill["notes"]["victim_connections"]
+    assert phases["max_requests"]["notes"]["recycles"] >= 2

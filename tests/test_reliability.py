@@ -1,0 +1,115 @@
+"""In-process reliability: the hung-inference watchdog, the daemon inference thread,
+requests served while draining, the worker's sibling view."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from app.lifecycle import begin_drain
+from app.models.executor import InferenceThread
+from app.state import LIFECYCLE
+from app.worker import SiblingStates
+from tests.toy_models import write_scale_model
+
+V2 = "/v2/models/scale/infer"
+
+
+def body(x: float) -> dict:
+    return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [x, x]}]}
+
+
+async def test_hung_batch_is_reported_and_stops_the_worker(
+    make_client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=1.5)
+    client = await make_client(tmp_path, hung_inference_s=0.3)
+    stops: list[str] = []
+    client.app[LIFECYCLE].stop = stops.append
+    with caplog.at_level(logging.ERROR, logger="app.lifecycle"):
+        stuck = asyncio.ensure_future(client.post(V2, json=body(7.0), headers={"X-Request-Id": "stuck-1"}))
+        for _ in range(100):
+            if stops:
+                break
+            await asyncio.sleep(0.05)
+        assert stops == ["hung inference"]
+        live = await client.get("/v2/health/live")
+        assert live.status == 503 and "inference thread stuck" in (await live.json())["error"]
+        assert (await client.get("/v2/health/ready")).status == 503
+        metrics = await (await client.get("/metrics")).text()
+        assert 'scoring_hung_batches_total{model="scale",version="1"} 1.0' in metrics
+        assert (await stuck).status == 200  # it was slow, not dead: it still answers
+    assert "stuck-1" in caplog.text and "SCORING_HUNG_INFERENCE_S=0.3" in caplog.text
+    assert stops == ["hung inference"]  # reported once
+
+
+async def test_watchdog_in_process_without_a_process_manager(
+    make_client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=0.6)
+    client = await make_client(tmp_path, hung_inference_s=0.2)
+    with caplog.at_level(logging.WARNING, logger="app.lifecycle"):
+        assert (await client.post(V2, json=body(7.0))).status == 200
+    assert "nothing restarts this process" in caplog.text
+
+
+async def test_fast_batches_never_trip_the_watchdog(make_client, scale_repo: Path) -> None:
+    client = await make_client(scale_repo, hung_inference_s=0.2)
+    for _ in range(5):
+        assert (await client.post(V2, json=body(1.0))).status == 200
+    await asyncio.sleep(0.3)
+    assert client.app[LIFECYCLE].hung is None
+    assert (await client.get("/v2/health/live")).status == 200
+
+
+async def test_a_draining_worker_still_serves_what_reaches_it(make_client, scale_repo: Path) -> None:
+    client = await make_client(scale_repo)
+    begin_drain(client.app, "test")
+    resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2]]})
+    assert resp.status == 200 and resp.headers["Connection"] == "close"
+
+
+def test_inference_thread_runs_in_order_and_never_blocks_exit() -> None:
+    executor = InferenceThread()
+    order: list[int] = []
+    futures = [executor.submit(order.append, i) for i in range(5)]
+    assert [f.result(5) for f in futures] == [None] * 5 and order == [0, 1, 2, 3, 4]
+    assert executor.submit(lambda a, b=0: a + b, 2, b=3).result(5) == 5
+    failing = executor.submit(lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        failing.result(5)
+    gate, running = threading.Event(), threading.Event()
+    stuck = executor.submit(lambda: (running.set(), gate.wait()))
+    queued = executor.submit(order.append, 99)
+    assert running.wait(5)
+    start = time.monotonic()
+    executor.shutdown(wait=False, cancel_futures=True)
+    assert time.monotonic() - start < 1 and queued.cancelled() and not stuck.done()
+    assert executor._thread.daemon  # a stuck call does not keep the process alive
+    with pytest.raises(RuntimeError):
+        executor.submit(order.append, 1)
+    gate.set()
+    stuck.result(5)
+    executor._thread.join(5)
+    assert not executor.alive and 99 not in order
+
+
+def test_sibling_states_drive_drain_and_recycling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    states = SiblingStates(tmp_path / "workers", pid=10, ppid=1)
+    views = iter(
+        [{}, {11: "binding"}, {11: "booting"}, {11: "loading", 12: "draining"}, {11: "ready"}, {11: "draining"}]
+    )
+    monkeypatch.setattr(states, "siblings", lambda: next(views))
+    # replacement_booting: hold the listener while a new worker boots (has its slot) and none
+    # is ready; one still waiting for a GPU slot may need ours
+    assert [states.replacement_booting() for _ in range(4)] == [False, False, True, True]
+    # may_recycle: another worker is ready (or there is none)
+    assert states.may_recycle() is True
+    assert states.may_recycle() is False
+    states.publish("ready")
+    assert (tmp_path / "workers" / "10").read_text() == "ready"
