@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,16 @@ def http(
         return status, rh, json.loads(raw)
     except ValueError:
         return status, rh, raw.decode(errors="replace")
+
+
+def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, srv: Gunicorn) -> None:
+    """Poll ``predicate`` every 50 ms until true (bounded); fail with the server log's tail."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}:\n{srv.log()[-6000:]}")
 
 
 class Gunicorn:

@@ -10,28 +10,17 @@ import contextlib
 import os
 import signal
 import threading
-import time
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 
 import psutil
 import pytest
 
 from tests.fake_gpus import gpu, gpu_uuid, unused_pids, write_fake, write_unavailable
-from tests.server import Gunicorn
+from tests.server import Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, srv: Gunicorn) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}:\n{srv.log()[-6000:]}")
 
 
 def leases(srv: Gunicorn) -> dict[int, tuple[str, int]]:

@@ -16,12 +16,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.server import ROOT, Gunicorn
+from tests.server import ROOT, Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -31,15 +30,6 @@ V2 = "/v2/models/scale/infer"
 
 def body(x: float) -> dict:
     return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [x, x]}]}
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float, what: str, srv: Gunicorn) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}:\n{srv.log()[-6000:]}")
 
 
 def env(repo: Path, **extra: str) -> dict[str, str]:
