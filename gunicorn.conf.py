@@ -31,6 +31,7 @@ import ipaddress
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -189,3 +190,12 @@ def child_exit(server: Any, worker: Any) -> None:
 
     multiprocess.mark_process_dead(worker.pid, str(_metrics_dir))
     (states_dir(_run_dir) / str(worker.pid)).unlink(missing_ok=True)
+
+
+def on_exit(server: Any) -> None:
+    """Master, at the very end: remove the run directory it made (never one the user named).
+
+    Every worker is gone, so no lease is held; a HUP reload does not come here.
+    """
+    if _settings.run_dir is None:
+        shutil.rmtree(_run_dir, ignore_errors=True)
