@@ -19,7 +19,7 @@ from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.middleware import request_id
 from app.protocols import v1, v2
-from app.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+from app.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _JSON_TYPES = frozenset({"application/json", "text/json"})
@@ -126,14 +126,19 @@ async def model_metadata(request: web.Request) -> web.Response:
     return _json(v2.model_metadata(entry.config))
 
 
+def _model_readiness(registry: ModelRegistry, entry: ModelEntry) -> web.Response:
+    """``{"name", "ready"}``: 200 when the model is warm and the worker not draining, else 503."""
+    is_ready = entry.ready and not registry.draining
+    return _json({"name": entry.config.name, "ready": is_ready}, 200 if is_ready else 503)
+
+
 @routes.get("/v2/models/{name}/ready")
 @routes.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: web.Request) -> web.Response:
     """Model readiness: 200 when ready, 503 while loading; 404 for an unknown model."""
     registry = request.app[REGISTRY]
     entry = registry.get(request.match_info["name"], request.match_info.get("version"))
-    is_ready = entry.ready and not registry.draining
-    return _json({"name": entry.config.name, "ready": is_ready}, 200 if is_ready else 503)
+    return _model_readiness(registry, entry)
 
 
 @routes.post("/v2/models/{name}/infer")
@@ -168,8 +173,7 @@ async def v1_model(request: web.Request) -> web.Response:
     """``GET /v1/models/{name}``: 200 ``{"name", "ready": true}`` when ready, else 503."""
     registry = request.app[REGISTRY]
     entry = registry.get(request.match_info["name"])
-    is_ready = entry.ready and not registry.draining
-    return _json({"name": entry.config.name, "ready": is_ready}, 200 if is_ready else 503)
+    return _model_readiness(registry, entry)
 
 
 @routes.post("/v1/models/{name:[^/:]+}:predict")
