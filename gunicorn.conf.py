@@ -12,7 +12,7 @@ context. Workers = usable GPUs x ``SCORING_MAX_PROCESSES_PER_GPU``, or
 ``SCORING_WORKERS`` in CPU mode. Each forked worker binds itself to one GPU
 slot in ``post_fork`` (before the app, and so torch, is imported).
 
-Workers: ``app.worker.ScoringWebWorker`` (aiohttp's worker with a graceful drain at
+Workers: ``app.server.worker.ScoringWebWorker`` (aiohttp's worker with a graceful drain at
 SIGTERM and ``max_requests``, and a boot heartbeat); see docs/reliability.md. TLS: set
 ``SCORING_CERTFILE`` and ``SCORING_KEYFILE``. Binding a non-loopback address without API
 keys is logged as a warning at start.
@@ -38,10 +38,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from app.auth import read_key_file
-from app.logconfig import log_config
+from app.http.auth import read_key_file
+from app.observability.logconfig import log_config
+from app.server.worker import BINDING, BOOTING, SiblingStates, states_dir
 from app.settings import Settings
-from app.worker import BINDING, BOOTING, SiblingStates, states_dir
 from gpu_stat import backend_name
 from gpu_stat.binding import (
     EXIT_BIND_TIMEOUT,
@@ -61,7 +61,7 @@ BIND_FAILED_EXIT = EXIT_BIND_TIMEOUT
 _run_dir = _settings.run_dir or Path(tempfile.gettempdir()) / f"scoring-server-{os.getpid()}"
 os.environ["SCORING_RUN_DIR"] = str(_run_dir)
 # prometheus_client picks file-backed values at import time, so this must come before any
-# import of it (the workers import app.metrics; child_exit below imports it in the master).
+# import of it (the workers import app.observability.metrics; child_exit below imports it in the master).
 os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(_run_dir / "prometheus"))
 _metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
@@ -86,9 +86,9 @@ _host = f"[{_settings.host}]" if ":" in _settings.host else _settings.host  # IP
 bind = [f"{_host}:{_settings.port}"]
 workers = _gpus * _settings.max_processes_per_gpu if _gpus else _settings.workers
 worker_class = (
-    "app.worker.ScoringUVLoopWebWorker"
+    "app.server.worker.ScoringUVLoopWebWorker"
     if _settings.uvloop and importlib.util.find_spec("uvloop") is not None
-    else "app.worker.ScoringWebWorker"
+    else "app.server.worker.ScoringWebWorker"
 )
 timeout = _settings.timeout_s
 graceful_timeout = _settings.graceful_timeout_s
@@ -106,7 +106,7 @@ if _settings.api_keys_file is not None:
 accesslog = _settings.access_log or None
 # aiohttp's format: remote address, request line, status, bytes, latency in seconds (1 ms steps
 # under uvloop), request id, the app's time in ms (Server-Timing: app;dur=...). In JSON mode
-# each atom is also a key of the line (app.logconfig.JsonFormatter).
+# each atom is also a key of the line (app.observability.logconfig.JsonFormatter).
 access_log_format = '%a "%r" %s %b %Tf rid=%{X-Request-Id}o %{Server-Timing}o'
 loglevel = _settings.log_level
 logconfig_dict = log_config(_settings.log_format, _settings.log_level, accesslog)

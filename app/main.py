@@ -9,16 +9,30 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
-from app.auth import API_KEYS, ApiKeys, auth_middleware
-from app.connections import setup_connections
-from app.http_limits import header_limits_middleware, parser_limits
-from app.lifecycle import models_ctx, on_shutdown, resolve_device
-from app.metrics import METRICS, create_metrics, gpu_metrics_ctx, metrics_handler, metrics_middleware
-from app.middleware import error_middleware
+from app.http.auth import API_KEYS, ApiKeys, auth_middleware
+from app.http.connections import setup_connections
+from app.http.limits import header_limits_middleware, parser_limits
+from app.http.middleware import error_middleware
+from app.http.routes import routes, worker_info
+from app.observability.metrics import (
+    METRICS,
+    create_metrics,
+    gpu_metrics_ctx,
+    metrics_handler,
+    metrics_middleware,
+)
 from app.protocols.limits import RequestLimits
-from app.routes import routes, worker_info
+from app.serving.lifecycle import models_ctx, on_shutdown, resolve_device
+from app.serving.state import (
+    LIFECYCLE,
+    LIMITS,
+    REGISTRY,
+    SETTINGS,
+    WORKER_INFO,
+    ModelRegistry,
+    WorkerLifecycle,
+)
 from app.settings import Settings
-from app.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelRegistry, WorkerLifecycle
 
 
 async def create_app(settings: Settings | None = None) -> web.Application:

@@ -203,7 +203,7 @@ class Settings(BaseSettings):
 
     @property
     def api_key_list(self) -> tuple[str, ...]:
-        """The keys of ``api_keys`` (the environment); the file's are read by ``app.auth``."""
+        """The keys of ``api_keys`` (the environment); the file's are read by ``app.http.auth``."""
         return tuple(k.strip() for k in self.api_keys.get_secret_value().split(",") if k.strip())
 
     @property

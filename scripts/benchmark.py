@@ -43,7 +43,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from app.repository import read_config  # noqa: E402
+from app.models.repository import read_config  # noqa: E402
 
 SENTENCES = [
     "Ten tips for a faster morning commute by bike",

@@ -12,8 +12,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from app.serving.state import REGISTRY
 from app.settings import Settings
-from app.state import REGISTRY
 from tests.toy_models import write_scale_model, write_tensor_model
 
 # In-process apps record metrics into a registry of their own: a PROMETHEUS_MULTIPROC_DIR

@@ -120,7 +120,7 @@ class Gunicorn:
         return http("POST", self.url + path, body, headers=headers, context=self.context, **kw)
 
     def all_workers_ready(self) -> bool:
-        """Every live worker has logged its "worker <pid> ready" line (app.lifecycle)."""
+        """Every live worker has logged its "worker <pid> ready" line (app.serving.lifecycle)."""
         log = self.log()
         workers = self.workers()
         return bool(workers) and all(f"worker {w.pid} ready" in log for w in workers)

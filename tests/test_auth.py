@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from pydantic import ValidationError
 
-from app.auth import ApiKeys, read_key_file
+from app.http.auth import ApiKeys, read_key_file
 from app.settings import Settings
 from tests.fake_gpus import write_unavailable
 from tests.server import ROOT

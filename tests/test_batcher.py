@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 import torch
 
-from app.batcher import DynamicBatcher
 from app.errors import (
     ClientDisconnected,
     DeadlineExceeded,
@@ -21,8 +20,9 @@ from app.errors import (
     InvalidInput,
     QueueFull,
 )
+from app.models.repository import read_config
 from app.models.runner import ModelRunner, Segment
-from app.repository import read_config
+from app.serving.batcher import DynamicBatcher
 from tests.toy_models import ScaleHandler, write_scale_model
 
 

@@ -367,7 +367,7 @@ def test_scoring_env_vars_are_settings() -> None:
 def _served_get_paths() -> set[str]:
     from aiohttp import web
 
-    from app.routes import routes
+    from app.http.routes import routes
 
     return {r.path for r in routes if isinstance(r, web.RouteDef) and r.method == "GET"}
 

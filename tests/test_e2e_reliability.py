@@ -163,7 +163,7 @@ def test_failed_model_load_in_a_replacement_leaves_the_healthy_worker_serving(tm
         assert set(statuses) == {200} and len(statuses) > 10, statuses
         assert srv.proc.poll() is None and healthy.is_running()
         marker.unlink()
-        states = srv.log_path.parent / f"run-{srv.port}" / "workers"  # app.worker's state files
+        states = srv.log_path.parent / f"run-{srv.port}" / "workers"  # app.server.worker's state files
 
         def ready_workers() -> set[int]:
             ready = set()

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from app.lifecycle import begin_drain
 from app.protocols.limits import check_json_depth, json_depth
-from app.state import REGISTRY
+from app.serving.lifecycle import begin_drain
+from app.serving.state import REGISTRY
 
 V2 = "/v2/models/scale/infer"
 V1 = "/v1/models/scale:predict"

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.models.repository import read_config
 from app.protocols import v1, v2
-from app.repository import read_config
 from tests.scripts import load_script
 from tests.server import ROOT
 

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 from gunicorn.glogging import CONFIG_DEFAULTS
 
-from app.logconfig import JsonFormatter, log_config
+from app.observability.logconfig import JsonFormatter, log_config
 from tests.server import ROOT, Gunicorn
 from tests.toy_models import write_scale_model
 
@@ -28,9 +28,9 @@ def record(name: str, msg: str, *args: Any, **extra: Any) -> logging.LogRecord:
 
 
 def test_json_formatter_writes_one_object_with_extras() -> None:
-    line = JsonFormatter().format(record("app.lifecycle", "worker %d ready", 7, event="worker_ready", models=[{"a": 1}]))
+    line = JsonFormatter().format(record("app.serving.lifecycle", "worker %d ready", 7, event="worker_ready", models=[{"a": 1}]))
     out = json.loads(line)
-    assert out["message"] == "worker 7 ready" and out["logger"] == "app.lifecycle" and out["level"] == "INFO"
+    assert out["message"] == "worker 7 ready" and out["logger"] == "app.serving.lifecycle" and out["level"] == "INFO"
     assert out["event"] == "worker_ready" and out["models"] == [{"a": 1}]
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", out["ts"])
     assert "\n" not in line
@@ -144,21 +144,21 @@ def test_each_worker_logs_its_binding_and_model_times_at_boot(server: Gunicorn) 
         (model,) = out["models"]
         assert model["model"] == "scale" and model["load_s"] >= 0 and model["warmup_s"] >= 0
         lines = [json.loads(raw) for raw in server.log().splitlines() if raw.strip()]  # all JSON
-        assert {"gunicorn.error", "gunicorn.access", "app.lifecycle"} <= {x["logger"] for x in lines}
+        assert {"gunicorn.error", "gunicorn.access", "app.serving.lifecycle"} <= {x["logger"] for x in lines}
     else:
-        assert "app.lifecycle: worker" in line and "'device': 'cpu'" in line and "'load_s'" in line
-        assert "app.lifecycle: model ready" in log_line(server, "model ready")
+        assert "app.serving.lifecycle: worker" in line and "'device': 'cpu'" in line and "'load_s'" in line
+        assert "app.serving.lifecycle: model ready" in log_line(server, "model ready")
 
 
 def test_log_config_works_with_dict_config(tmp_path: Path) -> None:
     """In a child process: dictConfig is process-global."""
     code = f"""
 import logging, logging.config
-from app.logconfig import log_config
+from app.observability.logconfig import log_config
 logging.config.dictConfig(log_config("json", "info", {str(tmp_path / "access.log")!r}))
 logging.getLogger("gunicorn.access").info("hello", extra={{"response_status": "201"}})
-logging.getLogger("app.lifecycle").debug("hidden")
-logging.getLogger("app.lifecycle").info("shown")
+logging.getLogger("app.serving.lifecycle").debug("hidden")
+logging.getLogger("app.serving.lifecycle").info("shown")
 logging.getLogger("torch").info("library info is dropped")
 logging.getLogger("torch").warning("library warning")
 """

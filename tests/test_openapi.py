@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from openapi_spec_validator import validate
 
-from app.routes import OPENAPI
+from app.http.routes import OPENAPI
 from tests.server import ROOT, Gunicorn
 from tests.toy_models import write_scale_model
 

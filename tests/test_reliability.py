@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from app.lifecycle import begin_drain
-from app.models.executor import InferenceThread
-from app.state import LIFECYCLE
-from app.worker import SiblingStates
+from app.server.worker import SiblingStates
+from app.serving.executor import InferenceThread
+from app.serving.lifecycle import begin_drain
+from app.serving.state import LIFECYCLE
 from tests.toy_models import write_scale_model
 
 V2 = "/v2/models/scale/infer"
@@ -31,7 +31,7 @@ async def test_hung_batch_is_reported_and_stops_the_worker(
     client = await make_client(tmp_path, hung_inference_s=0.3)
     stops: list[str] = []
     client.app[LIFECYCLE].stop = stops.append
-    with caplog.at_level(logging.ERROR, logger="app.lifecycle"):
+    with caplog.at_level(logging.ERROR, logger="app.serving.lifecycle"):
         stuck = asyncio.ensure_future(client.post(V2, json=body(7.0), headers={"X-Request-Id": "stuck-1"}))
         for _ in range(100):
             if stops:
@@ -53,7 +53,7 @@ async def test_watchdog_in_process_without_a_process_manager(
 ) -> None:
     write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=0.6)
     client = await make_client(tmp_path, hung_inference_s=0.2)
-    with caplog.at_level(logging.WARNING, logger="app.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="app.serving.lifecycle"):
         assert (await client.post(V2, json=body(7.0))).status == 200
     assert "nothing restarts this process" in caplog.text
 

@@ -31,7 +31,7 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-    from app.repository import ModelConfig
+    from app.models.repository import ModelConfig
 
 
 @runtime_checkable

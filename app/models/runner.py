@@ -23,8 +23,8 @@ import torch
 from app.datatypes import NUMPY_DTYPES
 from app.errors import ModelLoadError
 from app.models.base import Handler
+from app.models.repository import ModelConfig, TensorSpec
 from app.models.torch_formats import TorchExportHandler, TorchScriptHandler
-from app.repository import ModelConfig, TensorSpec
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from app.errors import ModelLoadError
-from app.repository import ModelConfig
+from app.models.repository import ModelConfig
 
 
 class _TensorHandler:

@@ -15,7 +15,7 @@ import numpy as np
 
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
-from app.repository import ModelConfig, TensorSpec
+from app.models.repository import ModelConfig, TensorSpec
 
 
 def _flatten_strings(data: Any, where: str, max_bytes: int | None) -> list[bytes]:

@@ -17,9 +17,9 @@ import numpy as np
 import orjson
 
 from app.errors import InvalidInput
+from app.models.repository import ModelConfig
 from app.protocols.limits import RequestLimits, check_json_depth
 from app.protocols.tensors import check_against_spec, complete_inputs, to_array
-from app.repository import ModelConfig
 
 
 class PredictRequest(msgspec.Struct):

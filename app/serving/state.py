@@ -10,11 +10,11 @@ from typing import Any
 
 from aiohttp import web
 
-from app.batcher import DynamicBatcher
 from app.errors import ModelNotFound, ModelNotReady
+from app.models.repository import ModelConfig
 from app.models.runner import ModelRunner
 from app.protocols.limits import RequestLimits
-from app.repository import ModelConfig
+from app.serving.batcher import DynamicBatcher
 from app.settings import Settings
 
 
@@ -106,7 +106,7 @@ class WorkerLifecycle:
     """This worker's process-level state: how many responses it gave, whether its inference
     thread is stuck, and its hooks into the process that runs it.
 
-    The hooks are installed by the gunicorn worker (``app.worker``); in-process (tests, a bare
+    The hooks are installed by the gunicorn worker (``app.server.worker``); in-process (tests, a bare
     ``aiohttp.web`` run) they stay None: nothing restarts the process, and it listens at once.
     """
 

@@ -8,7 +8,7 @@ knows gunicorn exists. What they add to aiohttp's ``GunicornWebWorker``:
 the app's own request after a hung batch):
 
 1. at once: readiness 503 and every response ``Connection: close``
-   (:func:`app.lifecycle.begin_drain`); requests that still arrive are served;
+   (:func:`app.serving.lifecycle.begin_drain`); requests that still arrive are served;
 2. the listener stays open for ``SCORING_DRAIN_GRACE_S`` (default 1 s), and longer, up to
    half of gunicorn's graceful timeout, while no other worker is ready and one is still
    booting (a HUP reload starts the new workers and stops the old ones at the same
@@ -59,7 +59,7 @@ from aiohttp import web
 from aiohttp.worker import GunicornUVLoopWebWorker, GunicornWebWorker
 
 # The master imports this module to find the worker class and must never import torch:
-# the app's modules (app.lifecycle, app.state) are imported in the worker, lazily.
+# the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class ScoringWebWorker(GunicornWebWorker):
         self.wsgi = runner_factory
 
     def _attach(self, app: web.Application) -> None:
-        from app.state import LIFECYCLE
+        from app.serving.state import LIFECYCLE
 
         assert self._states is not None
         self._app = app
@@ -218,7 +218,7 @@ class ScoringWebWorker(GunicornWebWorker):
 
     async def _supervise(self) -> None:
         """Every tick: end the boot heartbeat once serving, publish readiness, recycle."""
-        from app.state import LIFECYCLE, REGISTRY
+        from app.serving.state import LIFECYCLE, REGISTRY
 
         assert self._app is not None and self._states is not None
         app, states = self._app, self._states
@@ -256,7 +256,7 @@ class ScoringWebWorker(GunicornWebWorker):
         if self._app is None:  # still booting: nothing to drain
             self._stop()
             return
-        from app.lifecycle import begin_drain
+        from app.serving.lifecycle import begin_drain
 
         begin_drain(self._app, reason)
         assert self._states is not None
@@ -264,7 +264,7 @@ class ScoringWebWorker(GunicornWebWorker):
         self._spawn(self._hold_then_stop(reason))
 
     async def _hold_then_stop(self, reason: str) -> None:
-        from app.state import SETTINGS
+        from app.serving.state import SETTINGS
 
         assert self._app is not None and self._states is not None
         loop = asyncio.get_running_loop()

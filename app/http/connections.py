@@ -14,7 +14,7 @@ it) when
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). Runs as an ``on_response_prepare`` signal, so it sees every
 response the app produces, error responses included; it also counts them for the
-worker's ``max_requests`` recycling (``app.worker``).
+worker's ``max_requests`` recycling (``app.server.worker``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import weakref
 
 from aiohttp import web
 
-from app.state import LIFECYCLE, REGISTRY, SETTINGS
+from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS
 
 #: Requests answered per connection, keyed by its transport (gone with the connection).
 _PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)

@@ -17,9 +17,9 @@ from aiohttp import web
 
 from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
-from app.middleware import request_id
+from app.http.middleware import request_id
 from app.protocols import v1, v2
-from app.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
+from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _JSON_TYPES = frozenset({"application/json", "text/json"})

@@ -16,14 +16,14 @@ which gunicorn logs and answers with a new worker, without halting the others.
 
 Draining (:func:`begin_drain`, called by the gunicorn worker at SIGTERM and by
 ``on_shutdown`` otherwise) turns readiness 503 at once; requests that still reach the
-worker are served, each answered with ``Connection: close`` (``app.connections``).
+worker are served, each answered with ``Connection: close`` (``app.http.connections``).
 
 The hung-inference watchdog is a task that wakes a few times per
 ``hung_inference_s`` and looks at each batcher's running batch (the hot path only
 stores a tuple per batch). A batch past the limit is logged and counted
 (``scoring_hung_batches_total``); liveness turns 503 and the worker asks its process
 to stop (drain, exit, be replaced). The inference thread is a daemon
-(:class:`app.models.executor.InferenceThread`), so a stuck call does not keep the
+(:class:`app.serving.executor.InferenceThread`), so a stuck call does not keep the
 process alive; a call stuck while holding the GIL freezes the event loop too, and then
 gunicorn's worker timeout kills the process.
 """
@@ -39,13 +39,13 @@ from collections.abc import AsyncIterator
 import torch
 from aiohttp import web
 
-from app.batcher import BatchObserver, DynamicBatcher, RunningBatch
 from app.errors import ModelLoadError
-from app.metrics import METRICS
-from app.models.executor import InferenceThread
+from app.models.repository import scan
 from app.models.runner import ModelRunner, describe
-from app.repository import scan
-from app.state import LIFECYCLE, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+from app.observability.metrics import METRICS
+from app.serving.batcher import BatchObserver, DynamicBatcher, RunningBatch
+from app.serving.executor import InferenceThread
+from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
 from gpu_stat.binding import current_binding, verify_binding
 
 log = logging.getLogger(__name__)

@@ -140,7 +140,7 @@ class DynamicBatcher:
         self._task: asyncio.Task[None] | None = None
         self._batch_seconds = 0.0  # EWMA of a batch's compute time, for Retry-After
         # (loop.time() at start, items, requests) of the batch running now; read by the
-        # hung-inference watchdog (app.lifecycle), so the hot path only stores a tuple.
+        # hung-inference watchdog (app.serving.lifecycle), so the hot path only stores a tuple.
         self._running: tuple[float, int, dict[int, _Request]] | None = None
 
     @property

@@ -4,12 +4,12 @@
 applies it with ``logging.config.dictConfig`` in the master, and the forked
 workers inherit it. It configures the ``gunicorn.error``, ``gunicorn.access``,
 ``app`` and ``gpu_stat`` loggers (everything else reaches the root logger at
-WARNING), so the workers' ``app.lifecycle`` "model ready" and "worker ready"
+WARNING), so the workers' ``app.serving.lifecycle`` "model ready" and "worker ready"
 lines appear next to gunicorn's own.
 
 ``SCORING_LOG_FORMAT=json`` writes one JSON object per line::
 
-    {"ts": "2025-01-31T12:00:00.123Z", "level": "INFO", "logger": "app.lifecycle",
+    {"ts": "2025-01-31T12:00:00.123Z", "level": "INFO", "logger": "app.serving.lifecycle",
      "pid": 4242, "message": "worker 4242 ready: ...", "event": "worker_ready", ...}
 
 Fields passed with ``extra=`` become keys. Access lines (aiohttp's access logger

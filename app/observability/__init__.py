@@ -1,0 +1,1 @@
+"""Observability: Prometheus multiprocess metrics and structured logging."""
