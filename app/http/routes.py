@@ -6,7 +6,6 @@ code never runs here (it runs on the inference thread).
 
 from __future__ import annotations
 
-import asyncio
 import os
 from importlib import resources
 from typing import Any
@@ -19,6 +18,7 @@ from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import request_id
 from app.protocols import v1, v2
+from app.serving import dataplane
 from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
@@ -60,25 +60,24 @@ def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None)
         return value / 1000.0
     if from_body is not None:
         return from_body
-    timeout_ms = entry.config.timeout_ms or request.app[SETTINGS].request_timeout_ms
-    return timeout_ms / 1000.0
+    return dataplane.default_timeout_s(request.app[SETTINGS], entry)
 
 
 async def _infer(
     request: web.Request, entry: ModelEntry, inputs: dict[str, np.ndarray], timeout_s: float
 ) -> dict[str, np.ndarray]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    entry = await request.app[REGISTRY].wait_ready(entry, timeout_s)
-    assert entry.batcher is not None
-    timeout_s = max(0.0, deadline - loop.time())
     transport = request.transport
 
     def disconnected() -> bool:
         return transport is None or transport.is_closing()
 
-    return await entry.batcher.infer(
-        inputs, timeout_s=timeout_s, request_id=request_id(request), is_disconnected=disconnected
+    return await dataplane.infer(
+        request.app[REGISTRY],
+        entry,
+        inputs,
+        timeout_s=timeout_s,
+        request_id=request_id(request),
+        is_disconnected=disconnected,
     )
 
 

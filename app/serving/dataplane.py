@@ -1,0 +1,62 @@
+"""The one inference entry point every protocol front end calls (HTTP V1/V2, gRPC).
+
+A front end decodes its wire format into validated arrays ``[B, *item_shape]`` per input
+name, then awaits :func:`infer`. What happens between here and the batcher (admission,
+balancing among sibling workers, scatter/gather of large requests) is decided here, once,
+for every protocol. Source: KServe's ``DataPlane`` (kserve/protocol/dataplane.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import numpy as np
+
+from app.serving.state import ModelEntry, ModelRegistry
+from app.settings import Settings
+
+
+def default_timeout_s(settings: Settings, entry: ModelEntry) -> float:
+    """The deadline of a request that names none: the model's ``timeout_ms``, else the
+    server's ``request_timeout_ms``; seconds."""
+    return (entry.config.timeout_ms or settings.request_timeout_ms) / 1000.0
+
+
+async def infer(
+    registry: ModelRegistry,
+    entry: ModelEntry,
+    inputs: dict[str, np.ndarray],
+    *,
+    timeout_s: float,
+    request_id: str,
+    is_disconnected: Callable[[], bool] | None = None,
+) -> dict[str, np.ndarray]:
+    """Run one inference request through ``entry``'s dynamic batcher.
+
+    Args:
+        registry: this worker's models (a request that arrives while ``entry`` loads waits).
+        entry: the model version to run.
+        inputs: one array per model input, ``[B, *item_shape]``, B >= 1, validated.
+        timeout_s: the request's deadline from now, seconds.
+        request_id: echoed in errors and logs.
+        is_disconnected: True once the client has gone (its queued items are dropped).
+
+    Returns:
+        One array per model output, ``[B, ...]``, in the request's item order.
+
+    Raises:
+        ModelNotReady, QueueFull, DeadlineExceeded, InferenceFailed, InsufficientStorage:
+            see :meth:`app.serving.batcher.DynamicBatcher.infer` (mapped to HTTP/gRPC codes
+            by each front end's one error mapping).
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    entry = await registry.wait_ready(entry, timeout_s)
+    assert entry.batcher is not None
+    return await entry.batcher.infer(
+        inputs,
+        timeout_s=max(0.0, deadline - loop.time()),
+        request_id=request_id,
+        is_disconnected=is_disconnected,
+    )
