@@ -9,6 +9,7 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from app.grpc.server import grpc_ctx
 from app.http.auth import API_KEYS, ApiKeys, auth_middleware
 from app.http.connections import setup_connections
 from app.http.limits import header_limits_middleware, parser_limits
@@ -77,6 +78,7 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         app.router.add_get("/metrics", metrics_handler)
         app.cleanup_ctx.append(gpu_metrics_ctx)
     app.cleanup_ctx.append(models_ctx)
+    app.cleanup_ctx.append(grpc_ctx)  # after models_ctx: starts once it listens, stops first
     app.on_shutdown.append(on_shutdown)
     setup_connections(app)
     return app

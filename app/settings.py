@@ -96,6 +96,27 @@ class Settings(BaseSettings):
         "(one JSON object per line).",
     )
 
+    # --- gRPC (KServe V2 / Triton GRPCInferenceService; docs/protocols.md) ----
+    grpc_port: int = Field(
+        8081,
+        ge=0,
+        le=65535,
+        description="TCP port of the KServe V2 gRPC service (inference.GRPCInferenceService); "
+        "every worker listens on it with SO_REUSEPORT, so the kernel spreads connections over "
+        "the workers; 0 = no gRPC.",
+    )
+    grpc_host: str = Field(
+        "127.0.0.1",
+        description="Address the gRPC service binds. Binding anything but loopback is an explicit "
+        "choice, as for host.",
+    )
+    grpc_grace_s: float = Field(
+        5.0,
+        ge=0,
+        description="When a worker stops (after its HTTP requests finished), how long its "
+        "in-flight gRPC calls get to finish before they are cancelled, seconds.",
+    )
+
     # --- security (docs/reliability.md) ---------------------------------------
     api_keys: SecretStr = Field(
         SecretStr(""),

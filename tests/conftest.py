@@ -20,6 +20,8 @@ from tests.toy_models import write_scale_model, write_tensor_model
 # inherited from the environment (the Docker image sets one) must go before anything imports
 # prometheus_client, which picks its mode at import (app.main imports it: below, lazily).
 os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
+# In-process apps serve no gRPC unless a test starts it (tests/test_grpc.py binds 127.0.0.1:0).
+os.environ["SCORING_GRPC_PORT"] = "0"
 
 AiohttpClient = Callable[..., Any]
 

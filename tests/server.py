@@ -77,6 +77,8 @@ class Gunicorn:
     ):
         """``context``: serve over TLS and trust it; ``headers`` go on every request."""
         self.port = free_port()
+        self.grpc_port = free_port()
+        self.grpc_url = f"127.0.0.1:{self.grpc_port}"
         self.context = context
         self.headers = headers or {}
         self.url = f"{'https' if context else 'http'}://127.0.0.1:{self.port}"
@@ -91,6 +93,7 @@ class Gunicorn:
             {
                 "SCORING_HOST": "127.0.0.1",
                 "SCORING_PORT": str(self.port),
+                "SCORING_GRPC_PORT": str(self.grpc_port),
                 "SCORING_RUN_DIR": str(tmp / f"run-{self.port}"),
                 "SCORING_TORCH_THREADS": "1",
                 "PYTHONPATH": str(ROOT),

@@ -1,0 +1,1 @@
+"""KServe V2 gRPC front end (inference.GRPCInferenceService): server, servicer, codec, error mapping."""

@@ -1,0 +1,237 @@
+"""Protobuf <-> the shared inference request/response types (:mod:`app.protocols.infer`).
+
+A ``ModelInferRequest`` carries each input's data either as ``raw_input_contents`` (one
+``bytes`` per input, in input order: little-endian row-major elements, BYTES elements as a
+4-byte little-endian length then the bytes; what tritonclient.grpc and kserve send by
+default) or as typed ``contents`` (the repeated field of the datatype). Raw data become
+arrays with ``numpy.frombuffer`` (no per-element Python objects); every size is checked
+against the declared shape before anything is allocated, so a hostile message costs at
+most a scan of its own bytes.
+
+The response mirrors the request: raw inputs get ``raw_output_contents`` (Triton always
+answers raw), typed inputs get typed ``contents``.
+
+Source: the Open Inference Protocol gRPC spec ("Tensor data", "raw_input_contents") and
+Triton's ``grpc_service.proto``; KServe's ``InferRequest.from_grpc`` / ``to_grpc``.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from typing import Any
+
+import numpy as np
+
+from app.datatypes import NUMPY_DTYPES
+from app.errors import InvalidInput
+from app.grpc.generated import grpc_service_pb2 as pb
+from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
+
+_LENGTH = struct.Struct("<I")
+
+#: Datatype -> the ``InferTensorContents`` field that carries it (FP16 travels raw only).
+CONTENTS_FIELD = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
+_ALL_FIELDS = frozenset(CONTENTS_FIELD.values())
+
+
+def parameters(params: Any) -> dict[str, Any]:
+    """A protobuf ``map<string, InferParameter>`` as plain Python values."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        which = value.WhichOneof("parameter_choice")
+        out[key] = getattr(value, which) if which is not None else None
+    return out
+
+
+def _set_parameter(target: Any, key: str, value: Any) -> None:
+    param = target[key]
+    if isinstance(value, bool):
+        param.bool_param = value
+    elif isinstance(value, int):
+        param.int64_param = value
+    elif isinstance(value, float):
+        param.double_param = value
+    else:
+        param.string_param = str(value)
+
+
+def _shape(dims: Any, where: str) -> list[int]:
+    shape = [int(d) for d in dims]
+    if any(d < 0 for d in shape):
+        raise InvalidInput(f"{where}: shape {shape} must be non-negative integers")
+    return shape
+
+
+def bytes_elements(raw: bytes, count: int, where: str) -> np.ndarray:
+    """Split BYTES tensor data (each element: 4-byte little-endian length, then the bytes).
+
+    Returns:
+        An ``object`` array of ``count`` ``bytes``.
+
+    Raises:
+        InvalidInput: a length runs past the end, or the data hold more or fewer than
+            ``count`` elements.
+    """
+    if count * _LENGTH.size > len(raw):  # each element needs at least its length prefix
+        raise InvalidInput(f"{where}: {len(raw)} bytes cannot hold {count} BYTES elements")
+    view = memoryview(raw)
+    out = np.empty(count, dtype=object)
+    offset = 0
+    for i in range(count):
+        if offset + _LENGTH.size > len(raw):
+            raise InvalidInput(f"{where}: BYTES data end after {i} of {count} elements")
+        (length,) = _LENGTH.unpack_from(raw, offset)
+        offset += _LENGTH.size
+        if offset + length > len(raw):
+            raise InvalidInput(f"{where}: BYTES element {i} declares {length} bytes, {len(raw) - offset} remain")
+        out[i] = bytes(view[offset : offset + length])
+        offset += length
+    if offset != len(raw):
+        raise InvalidInput(f"{where}: {len(raw) - offset} bytes left after {count} BYTES elements")
+    return out
+
+
+def raw_to_array(raw: bytes, datatype: str, shape: list[int], where: str) -> np.ndarray:
+    """One input's raw contents -> a flat array of ``datatype`` with ``prod(shape)`` elements.
+
+    Raises:
+        InvalidInput: the byte count does not match ``shape`` x the datatype's size, or BOOL
+            bytes other than 0 and 1, or malformed BYTES elements.
+    """
+    count = math.prod(shape)
+    if datatype == "BYTES":
+        return bytes_elements(raw, count, where)
+    dtype = NUMPY_DTYPES[datatype].newbyteorder("<")
+    if count * dtype.itemsize != len(raw):
+        raise InvalidInput(
+            f"{where}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
+            f"raw_input_contents has {len(raw)}"
+        )
+    if datatype == "BOOL":
+        flat = np.frombuffer(raw, dtype=np.uint8)
+        if flat.size and int(flat.max()) > 1:
+            raise InvalidInput(f"{where}: BOOL bytes must be 0 or 1")
+        return flat.view(np.bool_)
+    return np.frombuffer(raw, dtype=dtype).astype(NUMPY_DTYPES[datatype], copy=False)
+
+
+def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
+    """One input's typed ``contents`` -> a flat array of ``datatype``.
+
+    Raises:
+        InvalidInput: FP16 (raw only), a field of another datatype is filled, or an integer
+            outside the datatype's range.
+    """
+    name = CONTENTS_FIELD.get(datatype)
+    if name is None:
+        raise InvalidInput(f"{where}: {datatype} data must be sent as raw_input_contents")
+    others = [f.name for f, _ in contents.ListFields() if f.name != name and f.name in _ALL_FIELDS]
+    if others:
+        raise InvalidInput(f"{where}: contents.{others[0]} given for datatype {datatype} (use {name})")
+    values = getattr(contents, name)
+    if datatype == "BYTES":
+        arr = np.empty(len(values), dtype=object)
+        arr[:] = list(values)
+        return arr
+    dtype = NUMPY_DTYPES[datatype]
+    if name in ("int_contents", "uint_contents") and dtype.itemsize < 4:
+        wide = np.asarray(values, dtype=np.int64)
+        info = np.iinfo(dtype)  # type: ignore[type-var]
+        if wide.size and (int(wide.min()) < info.min or int(wide.max()) > info.max):
+            raise InvalidInput(f"{where}: value out of {datatype} range [{info.min}, {info.max}]")
+        return wide.astype(dtype)
+    return np.asarray(values, dtype=dtype)
+
+
+def decode_request(message: Any) -> InferRequest:
+    """A ``ModelInferRequest`` -> :class:`InferRequest` with array data (not yet validated
+    against the model: :func:`app.protocols.infer.validate_inputs` does that).
+
+    Raises:
+        InvalidInput: raw contents whose count differs from the inputs', raw and typed data
+            mixed, an unknown datatype, a negative dimension, or data that do not match the
+            declared shape.
+    """
+    raw = message.raw_input_contents
+    if raw and len(raw) != len(message.inputs):
+        raise InvalidInput(
+            f"raw_input_contents has {len(raw)} entries for {len(message.inputs)} inputs (one per input)"
+        )
+    inputs = []
+    for i, tensor in enumerate(message.inputs):
+        where = f"inputs[{i}] ({tensor.name!r})"
+        if tensor.datatype not in NUMPY_DTYPES:
+            raise InvalidInput(f"{where}: unknown datatype {tensor.datatype!r}")
+        shape = _shape(tensor.shape, where)
+        if raw:
+            if tensor.HasField("contents"):
+                raise InvalidInput(f"{where}: both contents and raw_input_contents given; send one")
+            data = raw_to_array(raw[i], tensor.datatype, shape, where)
+        else:
+            data = contents_to_array(tensor.contents, tensor.datatype, where)
+            if data.size != math.prod(shape):
+                raise InvalidInput(
+                    f"{where}: shape {shape} needs {math.prod(shape)} elements, contents has {data.size}"
+                )
+        inputs.append(InferInput(tensor.name, tensor.datatype, shape, data, parameters(tensor.parameters)))
+    outputs = [RequestedOutput(o.name, parameters=parameters(o.parameters)) for o in message.outputs]
+    return InferRequest(
+        model_name=message.model_name,
+        model_version=message.model_version or None,
+        inputs=inputs,
+        id=message.id or None,
+        parameters=parameters(message.parameters),
+        outputs=outputs or None,
+    )
+
+
+def _raw_bytes(datatype: str, array: np.ndarray) -> bytes:
+    if datatype == "BYTES":
+        parts = []
+        for value in array.ravel():
+            item = value if isinstance(value, bytes) else str(value).encode("utf-8")
+            parts.append(_LENGTH.pack(len(item)))
+            parts.append(item)
+        return b"".join(parts)
+    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
+
+
+def _fill_contents(contents: Any, datatype: str, array: np.ndarray) -> None:
+    flat = array.ravel()
+    if datatype == "BYTES":
+        contents.bytes_contents.extend(v if isinstance(v, bytes) else str(v).encode("utf-8") for v in flat)
+    else:
+        getattr(contents, CONTENTS_FIELD[datatype]).extend(flat.tolist())
+
+
+def encode_response(response: InferResponse, raw: bool) -> Any:
+    """:class:`InferResponse` -> ``ModelInferResponse``; outputs as ``raw_output_contents``
+    when ``raw`` (FP16 outputs always are), else as typed ``contents``."""
+    message = pb.ModelInferResponse(
+        model_name=response.model_name, model_version=response.model_version, id=response.id or ""
+    )
+    for key, value in response.parameters.items():
+        _set_parameter(message.parameters, key, value)
+    # raw_output_contents, once used, holds every output (the protocol's rule)
+    raw = raw or any(o.datatype not in CONTENTS_FIELD for o in response.outputs)
+    for output in response.outputs:
+        tensor = message.outputs.add(name=output.name, datatype=output.datatype, shape=output.array.shape)
+        if raw:
+            message.raw_output_contents.append(_raw_bytes(output.datatype, output.array))
+        else:
+            _fill_contents(tensor.contents, output.datatype, output.array)
+    return message

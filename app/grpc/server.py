@@ -1,0 +1,97 @@
+"""The gRPC server of one worker: ``grpc.aio`` on the worker's own event loop, beside HTTP.
+
+Every worker runs its own listener on ``grpc_host:grpc_port`` with ``SO_REUSEPORT``
+(``grpc.so_reuseport``, which is also grpcio's default on Linux), so the kernel hands each
+new connection to one of the workers, as gunicorn's shared socket does for HTTP. A gRPC
+channel is one long-lived HTTP/2 connection, so all calls of one channel reach one worker;
+:func:`app.serving.dataplane.infer` (which every ModelInfer awaits) is where work is
+balanced among sibling workers, for gRPC as for HTTP.
+
+Nothing here runs in the gunicorn master: ``app.main`` (which imports this module, and so
+grpc) is imported by each worker after the fork, and the server is created on the worker's
+loop by :func:`grpc_ctx`. grpcio's threads and file descriptors therefore never cross a fork.
+
+Lifecycle: :func:`grpc_ctx` starts the server after the models' context (so a replacement
+worker that waits for its models before listening does so for gRPC too) and stops it first
+on cleanup, before the batchers stop: in-flight calls get ``grpc_grace_s`` seconds to
+finish, new calls are refused, and clients get HTTP/2 GOAWAY and reconnect to a sibling
+worker. Readiness (ServerReady) is false from the start of the drain, as for HTTP.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from aiohttp import web
+
+from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.grpc.servicer import InferenceServicer
+from app.serving.state import SETTINGS
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+def server_options(settings: Settings) -> list[tuple[str, Any]]:
+    """grpcio channel arguments of the server: SO_REUSEPORT, and the largest message accepted
+    = ``max_request_bytes`` (RESOURCE_EXHAUSTED above, from grpcio itself)."""
+    return [
+        ("grpc.so_reuseport", 1),
+        ("grpc.max_receive_message_length", settings.max_request_bytes),
+        ("grpc.max_send_message_length", -1),
+    ]
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
+
+
+async def start_server(app: web.Application, host: str, port: int) -> tuple[Any, int]:
+    """Create, bind and start a ``grpc.aio`` server for ``app`` on the running loop.
+
+    Serves TLS when the settings give ``certfile``/``keyfile`` (the HTTP certificate).
+
+    Returns:
+        (the ``grpc.aio.Server``, the port bound: ``port``, or the one chosen for 0).
+
+    Raises:
+        RuntimeError: the address cannot be bound.
+        OSError: the certificate or key cannot be read.
+    """
+    settings = app[SETTINGS]
+    server = grpc.aio.server(options=server_options(settings))
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(app), server)
+    address = _address(host, port)
+    if settings.certfile is not None and settings.keyfile is not None:
+        credentials = grpc.ssl_server_credentials(
+            [(settings.keyfile.read_bytes(), settings.certfile.read_bytes())]
+        )
+        bound = server.add_secure_port(address, credentials)
+    else:
+        bound = server.add_insecure_port(address)
+    if not bound:
+        raise RuntimeError(f"gRPC: cannot bind {address}")
+    await server.start()
+    return server, int(bound)
+
+
+async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``: serve gRPC on ``grpc_host:grpc_port`` in this worker (not when the
+    port is 0); on cleanup stop it, giving in-flight calls ``grpc_grace_s`` seconds."""
+    settings = app[SETTINGS]
+    if settings.grpc_port == 0:
+        yield
+        return
+    server, port = await start_server(app, settings.grpc_host, settings.grpc_port)
+    log.info(
+        "worker %d: gRPC listening on %s", os.getpid(), _address(settings.grpc_host, port),
+        extra={"event": "grpc_listening", "port": port},
+    )  # fmt: skip
+    try:
+        yield
+    finally:
+        await server.stop(settings.grpc_grace_s)
