@@ -15,6 +15,7 @@ import pytest
 
 from app.models.repository import read_config
 from app.protocols import v1, v2
+from app.protocols.infer import validate_inputs
 from tests.scripts import load_script
 from tests.server import ROOT
 
@@ -87,9 +88,9 @@ def test_payloads_are_accepted_by_the_servers_decoders(model: str, protocol: str
     names = ["text"] if model == "all-MiniLM-L6-v2" else []
     body = lt.build_payload(metadata, protocol, 3, names, random.Random(0))
     if protocol == "v1":
-        arrays = v1.decode_request(config, body)
+        arrays = validate_inputs(config, v1.decode_request(config, body))
     else:
-        arrays = v2.prepare_inputs(config, v2.decode_request(body))
+        arrays = validate_inputs(config, v2.decode_request(body, config.name))
     first = config.inputs[0]
     assert arrays[first.name].shape[0] == 3
     if first.datatype == "BYTES":

@@ -18,11 +18,13 @@ from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import request_id
 from app.protocols import v1, v2
+from app.protocols.binary import HEADER_LENGTH, attach_binary, split_body
+from app.protocols.infer import build_response, requested_outputs, validate_inputs
 from app.serving import dataplane
 from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
-_JSON_TYPES = frozenset({"application/json", "text/json"})
+_BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
 #: The OpenAPI 3 description of this API (``GET /openapi.json``), shipped in the package.
 OPENAPI = resources.files("app").joinpath("openapi.json").read_bytes()
 
@@ -33,16 +35,23 @@ def _json(body: Any, status: int = 200) -> web.Response:
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
 
 
-async def _read_json_body(request: web.Request) -> bytes:
-    """The body of a JSON POST; a missing Content-Type is taken as JSON.
+async def _read_body(request: web.Request) -> bytes:
+    """The (decompressed) body of an inference POST.
+
+    Stock clients send JSON as ``application/json``, as ``application/octet-stream``
+    (``tritonclient.http.aio``, kserve's ``InferRequest``) or with no type
+    (``tritonclient.http``); ``Inference-Header-Content-Length``, not the type, tells whether
+    binary tensor data follows the JSON (docs/protocols.md). Other types (forms, text) are
+    refused.
 
     Raises:
-        UnsupportedMediaType: a Content-Type other than JSON.
+        UnsupportedMediaType: a Content-Type other than JSON or octet-stream.
         aiohttp.web.HTTPRequestEntityTooLarge: body over ``max_request_bytes``.
     """
-    if "Content-Type" in request.headers and request.content_type not in _JSON_TYPES:
+    if "Content-Type" in request.headers and request.content_type not in _BODY_TYPES:
         raise UnsupportedMediaType(
-            f"Content-Type {request.content_type!r} is not supported; send application/json"
+            f"Content-Type {request.content_type!r} is not supported; send application/json "
+            "or application/octet-stream"
         )
     return await request.read()
 
@@ -143,18 +152,25 @@ async def model_ready(request: web.Request) -> web.Response:
 @routes.post("/v2/models/{name}/infer")
 @routes.post("/v2/models/{name}/versions/{version}/infer")
 async def infer(request: web.Request) -> web.Response:
-    """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out."""
+    """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
+    may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
     registry = request.app[REGISTRY]
     entry = registry.get(request.match_info["name"], request.match_info.get("version"))
-    body = await _read_json_body(request)
+    body = await _read_body(request)
     limits = request.app[LIMITS]
-    parsed = v2.decode_request(body, limits)
-    inputs = v2.prepare_inputs(entry.config, parsed, limits)
-    names = v2.requested_outputs(entry.config, parsed)
-    outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, v2.timeout_s(parsed)))
+    head, binary = split_body(body, request.headers.get(HEADER_LENGTH))
+    parsed = v2.decode_request(head, entry.config.name, entry.config.version, limits)
+    attach_binary(parsed, binary, limits)
+    inputs = validate_inputs(entry.config, parsed, limits)
+    requested_outputs(entry.config, parsed)  # unknown outputs fail before the model runs
+    outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, parsed.timeout_s()))
+    payload, header_length = v2.encode_response(build_response(entry.config, parsed, outputs))
+    if header_length is None:
+        return web.Response(body=payload, content_type="application/json")
     return web.Response(
-        body=v2.encode_response(entry.config, outputs, names, parsed.id),
-        content_type="application/json",
+        body=payload,
+        content_type="application/octet-stream",
+        headers={HEADER_LENGTH: str(header_length)},
     )
 
 
@@ -180,8 +196,9 @@ async def v1_predict(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
     registry = request.app[REGISTRY]
     entry = registry.get(request.match_info["name"])
-    body = await _read_json_body(request)
-    inputs = v1.decode_request(entry.config, body, request.app[LIMITS])
+    body = await _read_body(request)
+    limits = request.app[LIMITS]
+    inputs = validate_inputs(entry.config, v1.decode_request(entry.config, body, limits), limits)
     outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, None))
     return web.Response(body=v1.encode_response(entry.config, outputs), content_type="application/json")
 

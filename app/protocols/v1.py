@@ -1,9 +1,13 @@
-"""KServe V1 (TensorFlow-Serving row format): ``{"instances": [...]}`` -> ``{"predictions": [...]}``.
+"""KServe V1 (TensorFlow-Serving row format): ``{"instances": [...]}`` or ``{"inputs": [...]}``
+-> ``{"predictions": [...]}``.
 
 Each instance is one item. For a model with one required input an instance is
 that input's value (``"a sentence"``, ``[0.1, 0.2, ...]``); otherwise it is an
 object keyed by input name. Each prediction is the single output's row, or an
 object keyed by output name when the model has several outputs.
+
+``inputs`` is accepted as a synonym of ``instances``, as KServe's own model server does
+(``kserve.utils.utils.get_predict_input``: ``payload["inputs"] if "inputs" in payload``).
 
 Source: KServe "V1 Inference Protocol" and TF-Serving's REST "row format".
 """
@@ -18,14 +22,21 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.infer import InferInput, InferRequest
 from app.protocols.limits import RequestLimits, check_json_depth
-from app.protocols.tensors import check_against_spec, complete_inputs, to_array
 
 
 class PredictRequest(msgspec.Struct):
-    """The V1 predict request body."""
+    """The V1 predict request body: one entry per item in ``instances`` or in ``inputs``."""
 
-    instances: list[Any]
+    instances: list[Any] | None = None
+    inputs: list[Any] | None = None
+
+
+class PredictResponse(msgspec.Struct):
+    """The V1 predict response body: one entry per item, in request order."""
+
+    predictions: list[Any]
 
 
 _decoder = msgspec.json.Decoder(PredictRequest)
@@ -34,8 +45,10 @@ _DEFAULT_LIMITS = RequestLimits()
 
 def decode_request(
     config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
-) -> dict[str, np.ndarray]:
-    """Parse a V1 predict body into arrays [B, *item_shape] per input name.
+) -> InferRequest:
+    """Parse a V1 predict body into an :class:`InferRequest` with one input per model input
+    named in the instances (shape inferred from the nesting; validate with
+    :func:`app.protocols.infer.validate_inputs`).
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, no
@@ -50,7 +63,9 @@ def decode_request(
         raise InvalidInput(f"invalid predict request: {exc}") from None
     except RecursionError:  # only with max_json_depth near Python's recursion limit
         raise InvalidInput("invalid predict request: nested too deeply") from None
-    instances = request.instances
+    if request.instances is not None and request.inputs is not None:
+        raise InvalidInput("give either instances or inputs, not both")
+    instances = request.instances if request.instances is not None else request.inputs
     if not instances:
         raise InvalidInput("instances: empty; send at least one instance")
     limits.check_items(len(instances), "instances")
@@ -70,7 +85,7 @@ def decode_request(
         uneven = {k: len(v) for k, v in columns.items() if len(v) != len(instances)}
         if uneven:
             raise InvalidInput(f"instances: every instance must give the same inputs ({uneven})")
-    arrays: dict[str, np.ndarray] = {}
+    tensors = []
     for name, values in columns.items():
         spec = config.input(name)
         if spec is None:
@@ -78,12 +93,10 @@ def decode_request(
                 f"instances: unknown input {name!r}; model {config.name} takes "
                 f"{[s.name for s in config.inputs]}"
             )
-        where = f"instances ({name!r})"
         if spec.shape == [1]:
             values = [v if isinstance(v, list) else [v] for v in values]
-        arr = to_array(values, spec.datatype, None, where, limits.max_string_bytes)
-        arrays[name] = check_against_spec(arr, spec, config.allow_non_finite, where)
-    return complete_inputs(config, arrays, "instances")
+        tensors.append(InferInput(name, spec.datatype, None, values))
+    return InferRequest(model_name=config.name, model_version=config.version, inputs=tensors)
 
 
 def _row(value: np.ndarray) -> Any:

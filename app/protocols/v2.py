@@ -2,7 +2,9 @@
 
 Source: the Open Inference Protocol REST spec ("Inference Request JSON Object",
 "Inference Response JSON Object", "Tensor Data"). Request ``parameters`` may
-carry ``timeout`` in microseconds (Triton's convention).
+carry ``timeout`` in microseconds (Triton's convention). The msgspec structs here are the
+wire shapes (and the OpenAPI schemas, ``scripts/openapi.py``); decoding yields the
+protocol-neutral :class:`app.protocols.infer.InferRequest`.
 """
 
 from __future__ import annotations
@@ -10,34 +12,37 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
-import numpy as np
 import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.binary import response_document
+from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
 from app.protocols.limits import RequestLimits, check_json_depth
-from app.protocols.tensors import check_against_spec, complete_inputs, to_array
 
 
 class RequestInput(msgspec.Struct):
-    """``$request_input``: one input tensor."""
+    """``$request_input``: one input tensor; ``data`` is absent when the tensor travels as
+    binary tensor data (``parameters.binary_data_size``)."""
 
     name: str
     shape: list[int]
     datatype: str
-    data: list[Any]
+    data: list[Any] | None = None
     parameters: dict[str, Any] | None = None
 
 
 class RequestOutput(msgspec.Struct):
-    """``$request_output``: an output the client wants back."""
+    """``$request_output``: an output the client wants back (``parameters.binary_data``: as
+    binary tensor data)."""
 
     name: str
     parameters: dict[str, Any] | None = None
 
 
 class InferenceRequest(msgspec.Struct):
-    """``$inference_request``."""
+    """``$inference_request`` (``parameters.timeout`` in microseconds;
+    ``parameters.binary_data_output``: every output as binary tensor data)."""
 
     inputs: list[RequestInput]
     id: str | None = None
@@ -45,12 +50,47 @@ class InferenceRequest(msgspec.Struct):
     outputs: list[RequestOutput] | None = None
 
 
+class ResponseOutput(msgspec.Struct, omit_defaults=True):
+    """``$response_output``: ``data`` flattened row-major, or ``parameters.binary_data_size``
+    when the tensor follows the JSON as binary tensor data."""
+
+    name: str
+    shape: list[int]
+    datatype: str
+    data: list[Any] | None = None
+    parameters: dict[str, Any] | None = None
+
+
+class InferenceResponse(msgspec.Struct, omit_defaults=True):
+    """``$inference_response``."""
+
+    model_name: str
+    outputs: list[ResponseOutput]
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] | None = None
+
+
 _decoder = msgspec.json.Decoder(InferenceRequest)
 _DEFAULT_LIMITS = RequestLimits()
 
 
-def decode_request(body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferenceRequest:
-    """Parse an inference request body.
+def _flag(parameters: dict[str, Any], key: str, where: str) -> bool | None:
+    value = parameters.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise InvalidInput(f"{where}.{key} must be true or false")
+    return value
+
+
+def decode_request(
+    body: bytes,
+    model_name: str,
+    model_version: str | None = None,
+    limits: RequestLimits = _DEFAULT_LIMITS,
+) -> InferRequest:
+    """Parse an ``$inference_request`` JSON body (or the JSON part of a binary one) into an
+    :class:`InferRequest`; inputs sent as binary keep ``data`` None for
+    :func:`app.protocols.binary.attach_binary` to fill.
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, or a
@@ -58,93 +98,39 @@ def decode_request(body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> Infe
     """
     check_json_depth(body, limits.max_json_depth)
     try:
-        return _decoder.decode(body)
+        wire = _decoder.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidInput(f"invalid inference request: {exc}") from None
     except RecursionError:  # only with max_json_depth near Python's recursion limit
         raise InvalidInput("invalid inference request: nested too deeply") from None
+    parameters = wire.parameters or {}
+    outputs = None
+    if wire.outputs is not None:
+        outputs = [
+            RequestedOutput(o.name, _flag(o.parameters or {}, "binary_data", f"outputs[{i}].parameters"),
+                            o.parameters or {})
+            for i, o in enumerate(wire.outputs)
+        ]  # fmt: skip
+    return InferRequest(
+        model_name=model_name,
+        model_version=model_version,
+        inputs=[InferInput(t.name, t.datatype, t.shape, t.data, t.parameters or {}) for t in wire.inputs],
+        id=wire.id,
+        parameters=parameters,
+        outputs=outputs,
+        binary_data_output=bool(_flag(parameters, "binary_data_output", "parameters")),
+    )
 
 
-def timeout_s(request: InferenceRequest) -> float | None:
-    """The request's ``parameters.timeout`` (microseconds) in seconds, or None.
-
-    Raises:
-        InvalidInput: the timeout is not a positive number.
-    """
-    value = (request.parameters or {}).get("timeout")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise InvalidInput("parameters.timeout must be a positive number of microseconds")
-    return float(value) / 1e6
-
-
-def prepare_inputs(
-    config: ModelConfig, request: InferenceRequest, limits: RequestLimits = _DEFAULT_LIMITS
-) -> dict[str, np.ndarray]:
-    """Validate the request's tensors against ``config``: arrays [B, *item_shape] by input name.
-
-    Raises:
-        InvalidInput: unknown/missing/duplicate input, wrong datatype or shape,
-            element count mismatch, non-finite floats where forbidden.
-        PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
-            ``limits.max_string_bytes``.
-    """
-    arrays: dict[str, np.ndarray] = {}
-    for i, tensor in enumerate(request.inputs):
-        where = f"inputs[{i}] ({tensor.name!r})"
-        if tensor.shape:  # checked before any data is converted
-            limits.check_items(tensor.shape[0], where)
-        if tensor.name in arrays:
-            raise InvalidInput(f"{where}: input given twice")
-        spec = config.input(tensor.name)
-        if spec is None:
-            raise InvalidInput(
-                f"{where}: unknown input; model {config.name} takes {[s.name for s in config.inputs]}"
-            )
-        if tensor.datatype != spec.datatype:
-            raise InvalidInput(
-                f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
-            )
-        arr = to_array(tensor.data, tensor.datatype, tensor.shape, where, limits.max_string_bytes)
-        arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
-    return complete_inputs(config, arrays, "inputs")
-
-
-def requested_outputs(config: ModelConfig, request: InferenceRequest) -> list[str]:
-    """Names of the outputs to return: the request's ``outputs`` or all, in model order.
-
-    Raises:
-        InvalidInput: an unknown output name.
-    """
-    names = [s.name for s in config.outputs]
-    if not request.outputs:
-        return names
-    wanted = [o.name for o in request.outputs]
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        raise InvalidInput(f"outputs: unknown output(s) {unknown}; model {config.name} has {names}")
-    return wanted
-
-
-def _tensor(name: str, datatype: str, arr: np.ndarray) -> dict[str, Any]:
-    if datatype == "BYTES":
-        data: Any = [v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in arr.ravel()]
-    else:
-        data = np.ascontiguousarray(arr).ravel()
-    return {"name": name, "datatype": datatype, "shape": list(arr.shape), "data": data}
-
-
-def encode_response(
-    config: ModelConfig, outputs: dict[str, np.ndarray], names: list[str], request_id: str | None
-) -> bytes:
-    """``$inference_response`` as JSON bytes, data flattened row-major."""
-    datatypes = {s.name: s.datatype for s in config.outputs}
-    body: dict[str, Any] = {"model_name": config.name, "model_version": config.version}
-    if request_id is not None:
-        body["id"] = request_id
-    body["outputs"] = [_tensor(n, datatypes[n], outputs[n]) for n in names]
-    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+def encode_response(response: InferResponse) -> tuple[bytes, int | None]:
+    """``$inference_response`` bytes; with outputs marked binary, the JSON then their binary
+    tensor data, and the JSON's length for the ``Inference-Header-Content-Length`` header
+    (None when the body is all JSON)."""
+    document, chunks = response_document(response)
+    head = orjson.dumps(document, option=orjson.OPT_SERIALIZE_NUMPY)
+    if not chunks:
+        return head, None
+    return b"".join([head, *chunks]), len(head)
 
 
 def model_metadata(config: ModelConfig) -> dict[str, Any]:

@@ -1,0 +1,235 @@
+"""One inference request type for every protocol front end (HTTP V2 JSON, V2 JSON + binary,
+KServe V1, gRPC), validated against a model the same way, and one response type.
+
+A front end decodes its wire format into an :class:`InferRequest`, calls
+:func:`validate_inputs` to get ``dict[str, np.ndarray]`` (``[B, *item_shape]`` per input),
+awaits :func:`app.serving.dataplane.infer`, and hands the outputs to :func:`build_response`,
+which picks the outputs asked for and whether each should travel as binary; the front end
+then encodes the :class:`InferResponse` in its own wire format.
+
+Source: KServe's ``InferRequest``/``InferInput``/``InferResponse``
+(kserve/kserve ``python/kserve/kserve/protocol/infer_type.py``), reduced to what the
+server needs; no aiohttp and no grpc here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from app.datatypes import NUMPY_DTYPES
+from app.errors import InvalidInput, PayloadTooLarge
+from app.models.repository import ModelConfig
+from app.protocols.limits import RequestLimits
+from app.protocols.tensors import check_against_spec, complete_inputs, to_array
+
+_DEFAULT_LIMITS = RequestLimits()
+
+
+@dataclass(slots=True)
+class InferInput:
+    """One input tensor of a request.
+
+    Attributes:
+        name: the model input it feeds.
+        datatype: Open Inference Protocol datatype name (``"FP32"``, ``"BYTES"``...).
+        shape: the tensor's shape, batch dimension first; None = infer it from nested ``data``
+            (KServe V1 bodies carry no shape).
+        data: either JSON values (flat or nested row-major lists; BYTES as ``str``), or a numpy
+            array already of ``datatype``'s dtype (binary tensor data, gRPC raw contents;
+            BYTES as an ``object`` array of ``bytes``), any shape with ``prod(shape)`` elements;
+            None until a binary part fills it (:func:`app.protocols.binary.attach_binary`).
+        parameters: the tensor's ``parameters`` as sent.
+    """
+
+    name: str
+    datatype: str
+    shape: list[int] | None
+    data: list[Any] | np.ndarray | None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestedOutput:
+    """An output the client asked for.
+
+    Attributes:
+        name: the model output.
+        binary_data: True/False = send it as binary tensor data / as JSON; None = the
+            request's default (:attr:`InferRequest.binary_data_output`).
+        parameters: the output's ``parameters`` as sent.
+    """
+
+    name: str
+    binary_data: bool | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class InferRequest:
+    """One inference request, whatever protocol it came in.
+
+    Attributes:
+        model_name, model_version: the model addressed (version None = the highest).
+        inputs: the input tensors, in the order sent.
+        id: the client's request id, echoed in the response.
+        parameters: the request's ``parameters`` (``timeout`` in microseconds, Triton's).
+        outputs: the outputs asked for; None = every output in model order.
+        binary_data_output: send outputs not named in ``outputs`` (or all) as binary tensor
+            data (Triton's ``parameters.binary_data_output``).
+    """
+
+    model_name: str
+    inputs: list[InferInput]
+    model_version: str | None = None
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+    outputs: list[RequestedOutput] | None = None
+    binary_data_output: bool = False
+
+    def timeout_s(self) -> float | None:
+        """``parameters.timeout`` (microseconds, Triton's convention) in seconds, or None.
+
+        Raises:
+            InvalidInput: the timeout is not a positive number.
+        """
+        value = self.parameters.get("timeout")
+        if value is None:
+            return None
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise InvalidInput("parameters.timeout must be a positive number of microseconds")
+        return float(value) / 1e6
+
+
+@dataclass(slots=True)
+class OutputTensor:
+    """One output of a response: ``array`` is ``[B, ...]`` of the output's datatype (BYTES:
+    ``object`` array of ``bytes``); ``binary`` = the client wants it as binary tensor data."""
+
+    name: str
+    datatype: str
+    array: np.ndarray
+    binary: bool = False
+
+
+@dataclass(slots=True)
+class InferResponse:
+    """An inference response before encoding: model, echoed request id, outputs in order."""
+
+    model_name: str
+    model_version: str
+    outputs: list[OutputTensor]
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _typed_array(tensor: InferInput, where: str, limits: RequestLimits) -> np.ndarray:
+    """An array already of the tensor's dtype (binary or gRPC raw data), reshaped to its shape."""
+    arr = tensor.data
+    assert isinstance(arr, np.ndarray)
+    shape = tensor.shape if tensor.shape is not None else list(arr.shape)
+    if any((not isinstance(d, int)) or d < 0 for d in shape):
+        raise InvalidInput(f"{where}: shape {list(shape)} must be non-negative integers")
+    expected = math.prod(shape)
+    if arr.size != expected:
+        raise InvalidInput(f"{where}: shape {list(shape)} needs {expected} elements, data has {arr.size}")
+    if tensor.datatype == "BYTES":
+        longest = max((len(v) for v in arr.ravel()), default=0)
+        if longest > limits.max_string_bytes:
+            raise PayloadTooLarge(
+                f"{where}: an element is {longest} bytes; the server accepts at most "
+                f"{limits.max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
+            )
+    elif arr.dtype != NUMPY_DTYPES[tensor.datatype]:
+        raise InvalidInput(f"{where}: data of dtype {arr.dtype} for datatype {tensor.datatype}")
+    return arr.reshape(shape)
+
+
+def validate_inputs(
+    config: ModelConfig, request: InferRequest, limits: RequestLimits = _DEFAULT_LIMITS
+) -> dict[str, np.ndarray]:
+    """Validate the request's tensors against ``config``.
+
+    Returns:
+        One array ``[B, *item_shape]`` per model input (omitted optional inputs filled),
+        all with the same B >= 1.
+
+    Raises:
+        InvalidInput: unknown/missing/duplicate input, wrong datatype or shape, element count
+            mismatch, non-finite floats where the model forbids them.
+        PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
+            ``limits.max_string_bytes``.
+    """
+    arrays: dict[str, np.ndarray] = {}
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs[{i}] ({tensor.name!r})"
+        if tensor.shape:  # checked before any data is converted
+            limits.check_items(tensor.shape[0], where)
+        if tensor.name in arrays:
+            raise InvalidInput(f"{where}: input given twice")
+        spec = config.input(tensor.name)
+        if spec is None:
+            raise InvalidInput(
+                f"{where}: unknown input; model {config.name} takes {[s.name for s in config.inputs]}"
+            )
+        if tensor.datatype != spec.datatype:
+            raise InvalidInput(
+                f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
+            )
+        if tensor.data is None:
+            raise InvalidInput(f"{where}: no data: give data or parameters.binary_data_size")
+        if isinstance(tensor.data, np.ndarray):
+            arr = _typed_array(tensor, where, limits)
+        else:
+            arr = to_array(tensor.data, tensor.datatype, tensor.shape, where, limits.max_string_bytes)
+        if len(arr):
+            limits.check_items(len(arr), where)
+        arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
+    if not arrays and all(s.optional for s in config.inputs):
+        raise InvalidInput(f"inputs: empty; model {config.name} takes {[s.name for s in config.inputs]}")
+    return complete_inputs(config, arrays, "inputs")
+
+
+def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
+    """Names of the outputs to return: the request's ``outputs`` or all, in model order.
+
+    Raises:
+        InvalidInput: an unknown output name.
+    """
+    names = [s.name for s in config.outputs]
+    if not request.outputs:
+        return names
+    wanted = [o.name for o in request.outputs]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise InvalidInput(f"outputs: unknown output(s) {unknown}; model {config.name} has {names}")
+    return wanted
+
+
+def build_response(
+    config: ModelConfig, request: InferRequest, outputs: dict[str, np.ndarray]
+) -> InferResponse:
+    """The response to ``request``: the outputs it asked for (all by default), in its order,
+    each marked binary when the request wants it so (per output ``binary_data``, else the
+    request's ``binary_data_output``).
+
+    Raises:
+        InvalidInput: the request names an unknown output.
+    """
+    datatypes = {s.name: s.datatype for s in config.outputs}
+    binary = {o.name: o.binary_data for o in request.outputs or ()}
+    tensors = []
+    for name in requested_outputs(config, request):
+        wants = binary.get(name)
+        tensors.append(
+            OutputTensor(
+                name,
+                datatypes[name],
+                outputs[name],
+                request.binary_data_output if wants is None else wants,
+            )
+        )
+    return InferResponse(config.name, config.version, tensors, request.id)
