@@ -26,6 +26,7 @@ import numpy as np
 from app.datatypes import NUMPY_DTYPES
 from app.errors import InvalidInput
 from app.grpc.generated import grpc_service_pb2 as pb
+from app.protocols.binary import deserialize_bytes, serialize_bytes
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
 
 _LENGTH = struct.Struct("<I")
@@ -76,57 +77,34 @@ def _shape(dims: Any, where: str) -> list[int]:
     return shape
 
 
-def bytes_elements(raw: bytes, count: int, where: str) -> np.ndarray:
-    """Split BYTES tensor data (each element: 4-byte little-endian length, then the bytes).
-
-    Returns:
-        An ``object`` array of ``count`` ``bytes``.
-
-    Raises:
-        InvalidInput: a length runs past the end, or the data hold more or fewer than
-            ``count`` elements.
-    """
-    if count * _LENGTH.size > len(raw):  # each element needs at least its length prefix
-        raise InvalidInput(f"{where}: {len(raw)} bytes cannot hold {count} BYTES elements")
-    view = memoryview(raw)
-    out = np.empty(count, dtype=object)
-    offset = 0
-    for i in range(count):
-        if offset + _LENGTH.size > len(raw):
-            raise InvalidInput(f"{where}: BYTES data end after {i} of {count} elements")
-        (length,) = _LENGTH.unpack_from(raw, offset)
-        offset += _LENGTH.size
-        if offset + length > len(raw):
-            raise InvalidInput(f"{where}: BYTES element {i} declares {length} bytes, {len(raw) - offset} remain")
-        out[i] = bytes(view[offset : offset + length])
-        offset += length
-    if offset != len(raw):
-        raise InvalidInput(f"{where}: {len(raw) - offset} bytes left after {count} BYTES elements")
-    return out
-
-
-def raw_to_array(raw: bytes, datatype: str, shape: list[int], where: str) -> np.ndarray:
-    """One input's raw contents -> a flat array of ``datatype`` with ``prod(shape)`` elements.
+def raw_to_array(
+    raw: bytes, datatype: str, shape: list[int], where: str, max_string_bytes: int
+) -> np.ndarray:
+    """One input's raw contents -> a flat array of ``datatype`` with ``prod(shape)`` elements
+    (the same layout as Triton's binary tensor data: :mod:`app.protocols.binary`).
 
     Raises:
-        InvalidInput: the byte count does not match ``shape`` x the datatype's size, or BOOL
-            bytes other than 0 and 1, or malformed BYTES elements.
+        InvalidInput: the byte count does not match ``shape`` x the datatype's size, or
+            malformed BYTES elements (a length past the end, too few or too many elements).
+        PayloadTooLarge: a BYTES element longer than ``max_string_bytes``.
     """
     count = math.prod(shape)
     if datatype == "BYTES":
-        return bytes_elements(raw, count, where)
-    dtype = NUMPY_DTYPES[datatype].newbyteorder("<")
+        if count * _LENGTH.size > len(raw):  # each element needs its length prefix: checked
+            # before the element array is allocated, so a huge declared shape costs nothing
+            raise InvalidInput(f"{where}: {len(raw)} bytes cannot hold {count} BYTES elements")
+        return deserialize_bytes(memoryview(raw), count, where, max_string_bytes)
+    dtype = NUMPY_DTYPES[datatype]
     if count * dtype.itemsize != len(raw):
         raise InvalidInput(
             f"{where}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
             f"raw_input_contents has {len(raw)}"
         )
     if datatype == "BOOL":
-        flat = np.frombuffer(raw, dtype=np.uint8)
-        if flat.size and int(flat.max()) > 1:
-            raise InvalidInput(f"{where}: BOOL bytes must be 0 or 1")
-        return flat.view(np.bool_)
-    return np.frombuffer(raw, dtype=dtype).astype(NUMPY_DTYPES[datatype], copy=False)
+        flags: np.ndarray = np.frombuffer(raw, dtype=np.uint8) != 0
+        return flags
+    # One copy into a writable native array (torch.from_numpy warns on read-only ones).
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype)
 
 
 def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
@@ -157,7 +135,7 @@ def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
     return np.asarray(values, dtype=dtype)
 
 
-def decode_request(message: Any) -> InferRequest:
+def decode_request(message: Any, max_string_bytes: int) -> InferRequest:
     """A ``ModelInferRequest`` -> :class:`InferRequest` with array data (not yet validated
     against the model: :func:`app.protocols.infer.validate_inputs` does that).
 
@@ -165,6 +143,7 @@ def decode_request(message: Any) -> InferRequest:
         InvalidInput: raw contents whose count differs from the inputs', raw and typed data
             mixed, an unknown datatype, a negative dimension, or data that do not match the
             declared shape.
+        PayloadTooLarge: a raw BYTES element longer than ``max_string_bytes``.
     """
     raw = message.raw_input_contents
     if raw and len(raw) != len(message.inputs):
@@ -180,7 +159,7 @@ def decode_request(message: Any) -> InferRequest:
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(f"{where}: both contents and raw_input_contents given; send one")
-            data = raw_to_array(raw[i], tensor.datatype, shape, where)
+            data = raw_to_array(raw[i], tensor.datatype, shape, where, max_string_bytes)
         else:
             data = contents_to_array(tensor.contents, tensor.datatype, where)
             if data.size != math.prod(shape):
@@ -201,12 +180,7 @@ def decode_request(message: Any) -> InferRequest:
 
 def _raw_bytes(datatype: str, array: np.ndarray) -> bytes:
     if datatype == "BYTES":
-        parts = []
-        for value in array.ravel():
-            item = value if isinstance(value, bytes) else str(value).encode("utf-8")
-            parts.append(_LENGTH.pack(len(item)))
-            parts.append(item)
-        return b"".join(parts)
+        return serialize_bytes(array)
     return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
 
 
@@ -218,7 +192,7 @@ def _fill_contents(contents: Any, datatype: str, array: np.ndarray) -> None:
         getattr(contents, CONTENTS_FIELD[datatype]).extend(flat.tolist())
 
 
-def encode_response(response: InferResponse, raw: bool) -> Any:
+def encode_response(response: InferResponse, raw: bool) -> pb.ModelInferResponse:
     """:class:`InferResponse` -> ``ModelInferResponse``; outputs as ``raw_output_contents``
     when ``raw`` (FP16 outputs always are), else as typed ``contents``."""
     message = pb.ModelInferResponse(

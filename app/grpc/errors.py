@@ -53,13 +53,15 @@ _CODES: dict[type[errors.ScoringError], grpc.StatusCode] = {
 def status_of(exc: errors.ScoringError) -> grpc.StatusCode:
     """The gRPC status of a domain error: its class's, else its nearest base class's."""
     for cls in type(exc).__mro__:
-        code = _CODES.get(cls)  # type: ignore[call-overload]
+        code = _CODES.get(cls)
         if code is not None:
             return code
     return grpc.StatusCode.INTERNAL
 
 
-def outcome(exc: BaseException, request_id: str, method: str) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+def outcome(
+    exc: BaseException, request_id: str, method: str
+) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
     """(status, details, trailing metadata) for an exception raised by an RPC; logs it.
 
     Every answer carries the request id as ``x-request-id`` trailing metadata.

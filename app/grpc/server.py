@@ -28,8 +28,7 @@ from typing import Any
 import grpc
 from aiohttp import web
 
-from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from app.grpc.servicer import InferenceServicer
+from app.grpc.servicer import InferenceServicer, generic_handler
 from app.serving.state import SETTINGS
 from app.settings import Settings
 
@@ -64,7 +63,7 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
     """
     settings = app[SETTINGS]
     server = grpc.aio.server(options=server_options(settings))
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(InferenceServicer(app), server)
+    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(app)),))
     address = _address(host, port)
     if settings.certfile is not None and settings.keyfile is not None:
         credentials = grpc.ssl_server_credentials(

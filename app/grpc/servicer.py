@@ -1,6 +1,7 @@
 """``inference.GRPCInferenceService``: KServe V2 gRPC, plus Triton's config/statistics/index.
 
-Every RPC goes through :meth:`InferenceServicer._call`, which assigns the request id, checks
+Every RPC goes through :meth:`InferenceServicer.handler`, which parses the request message
+itself (so malformed protobuf is INVALID_ARGUMENT, not grpcio's INTERNAL), assigns the request id, checks
 the API key (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as the HTTP
 headers; ServerLive and ServerReady are open like the HTTP health probes), counts the
 response for ``max_requests``, and maps every exception to a status through
@@ -25,13 +26,13 @@ from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
+from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
+from app.errors import InvalidInput, ScoringError, Unauthorized
 from app.grpc import codec
-from app.errors import ScoringError, Unauthorized
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
-from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.observability.metrics import METRICS
 from app.protocols import infer, v2
@@ -39,6 +40,8 @@ from app.serving import dataplane
 from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, ModelEntry
 
 Reply = TypeVar("Reply")
+#: The service served, as the proto declares it (``inference.GRPCInferenceService``).
+SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 Context = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
 
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -72,8 +75,11 @@ def _request_id(context: Context, sent: str = "") -> str:
     return uuid.uuid4().hex
 
 
-class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[misc]
+class InferenceServicer:
     """The RPCs of ``proto/grpc_service.proto`` over one worker's app state.
+
+    Each RPC method takes (request message, context, request id) and returns the response
+    message; :meth:`handler` wraps it for grpcio.
 
     Args:
         app: the worker's aiohttp application (its registry, settings, limits, keys, metrics).
@@ -88,123 +94,126 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
         self.keys = app.get(API_KEYS)
         self.metrics = app.get(METRICS)
 
-    async def _call(
-        self, method: str, context: Context, handler: Callable[[str], Awaitable[Reply]], sent_id: str = ""
-    ) -> Reply:
-        """Run one RPC: request id, API key, response count, the one error mapping."""
-        rid = _request_id(context, sent_id)
-        try:
-            if (
-                method not in _OPEN
-                and self.keys is not None
-                and self.keys.enabled
-                and not self.keys.check(presented_key(context))
-            ):
-                raise Unauthorized("unauthorized")
-            reply = await handler(rid)
-        except Exception as exc:
-            code, details, trailer = outcome(exc, rid, method)
-            context.set_trailing_metadata(trailer)
-            await context.abort(code, details)
-            raise AssertionError("unreachable: abort raises") from None
-        finally:
-            self.lifecycle.responses += 1
-        context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
-        return reply
+    def handler(self, name: str) -> Callable[[bytes, Context], Awaitable[Message]]:
+        """The grpcio behaviour of RPC ``name``: serialized request in, response message out.
+
+        Parses the request, assigns the request id (``ModelInferRequest.id`` when sane, else
+        ``x-request-id`` metadata, else a new one; returned as ``x-request-id`` trailing
+        metadata), checks the API key, counts the response, and maps any exception through
+        :func:`app.grpc.errors.outcome` (the one mapping).
+        """
+        method = getattr(self, name)
+        request_type = getattr(pb, SERVICE.methods_by_name[name].input_type.name)
+
+        async def rpc(raw: bytes, context: Context) -> Message:
+            rid = ""
+            try:
+                try:
+                    request = request_type.FromString(raw)
+                except DecodeError as exc:
+                    raise InvalidInput(f"malformed {request_type.__name__} message: {exc}") from None
+                rid = _request_id(context, getattr(request, "id", ""))
+                if name not in _OPEN and not self.authorized(context):
+                    raise Unauthorized("unauthorized")
+                reply: Message = await method(request, context, rid)
+            except Exception as exc:
+                rid = rid or _request_id(context)
+                code, details, trailer = outcome(exc, rid, name)
+                context.set_trailing_metadata(trailer)
+                await context.abort(code, details)
+                raise AssertionError("unreachable: abort raises") from None
+            finally:
+                self.lifecycle.responses += 1
+            context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
+            return reply
+
+        return rpc
+
+    def authorized(self, context: Context) -> bool:
+        """True when no API keys are configured or the call presents one of them."""
+        return self.keys is None or not self.keys.enabled or self.keys.check(presented_key(context))
 
     # --- health and metadata -------------------------------------------------------------
 
-    async def ServerLive(self, request: pb.ServerLiveRequest, context: Context) -> pb.ServerLiveResponse:
+    async def ServerLive(
+        self, request: pb.ServerLiveRequest, context: Context, rid: str
+    ) -> pb.ServerLiveResponse:
         """Liveness: false once the worker's inference thread is stuck (it restarts itself)."""
+        return pb.ServerLiveResponse(live=self.lifecycle.hung is None)
 
-        async def run(rid: str) -> pb.ServerLiveResponse:
-            return pb.ServerLiveResponse(live=self.lifecycle.hung is None)
-
-        return await self._call("ServerLive", context, run)
-
-    async def ServerReady(self, request: pb.ServerReadyRequest, context: Context) -> pb.ServerReadyResponse:
+    async def ServerReady(
+        self, request: pb.ServerReadyRequest, context: Context, rid: str
+    ) -> pb.ServerReadyResponse:
         """Readiness: every model warm and the worker not draining."""
+        return pb.ServerReadyResponse(ready=self.registry.ready)
 
-        async def run(rid: str) -> pb.ServerReadyResponse:
-            return pb.ServerReadyResponse(ready=self.registry.ready)
-
-        return await self._call("ServerReady", context, run)
-
-    async def ModelReady(self, request: pb.ModelReadyRequest, context: Context) -> pb.ModelReadyResponse:
+    async def ModelReady(
+        self, request: pb.ModelReadyRequest, context: Context, rid: str
+    ) -> pb.ModelReadyResponse:
         """Model readiness; NOT_FOUND for an unknown model or version."""
-
-        async def run(rid: str) -> pb.ModelReadyResponse:
-            entry = self.registry.get(request.name, request.version or None)
-            return pb.ModelReadyResponse(ready=entry.ready and not self.registry.draining)
-
-        return await self._call("ModelReady", context, run)
+        entry = self.registry.get(request.name, request.version or None)
+        return pb.ModelReadyResponse(ready=entry.ready and not self.registry.draining)
 
     async def ServerMetadata(
-        self, request: pb.ServerMetadataRequest, context: Context
+        self, request: pb.ServerMetadataRequest, context: Context, rid: str
     ) -> pb.ServerMetadataResponse:
         """Server name, version and the protocol extensions served."""
-
-        async def run(rid: str) -> pb.ServerMetadataResponse:
-            return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
-
-        return await self._call("ServerMetadata", context, run)
+        return pb.ServerMetadataResponse(name=SERVER_NAME, version=__version__, extensions=EXTENSIONS)
 
     async def ModelMetadata(
-        self, request: pb.ModelMetadataRequest, context: Context
+        self, request: pb.ModelMetadataRequest, context: Context, rid: str
     ) -> pb.ModelMetadataResponse:
         """Model metadata: the same fields as ``GET /v2/models/{name}`` (-1 = batch dimension)."""
-
-        async def run(rid: str) -> pb.ModelMetadataResponse:
-            meta = v2.model_metadata(self.registry.get(request.name, request.version or None).config)
-
-            def tensors(specs: list[dict[str, Any]]) -> list[pb.ModelMetadataResponse.TensorMetadata]:
-                return [pb.ModelMetadataResponse.TensorMetadata(**s) for s in specs]
-
-            return pb.ModelMetadataResponse(
-                name=meta["name"],
-                versions=meta["versions"],
-                platform=meta["platform"],
-                inputs=tensors(meta["inputs"]),
-                outputs=tensors(meta["outputs"]),
-            )
-
-        return await self._call("ModelMetadata", context, run)
+        meta = v2.model_metadata(self.registry.get(request.name, request.version or None).config)
+        tensor = pb.ModelMetadataResponse.TensorMetadata
+        return pb.ModelMetadataResponse(
+            name=meta["name"],
+            versions=meta["versions"],
+            platform=meta["platform"],
+            inputs=[tensor(name=s["name"], datatype=s["datatype"], shape=s["shape"]) for s in meta["inputs"]],
+            outputs=[
+                tensor(name=s["name"], datatype=s["datatype"], shape=s["shape"]) for s in meta["outputs"]
+            ],
+        )
 
     # --- inference -----------------------------------------------------------------------
 
-    async def ModelInfer(self, request: pb.ModelInferRequest, context: Context) -> pb.ModelInferResponse:
+    async def ModelInfer(
+        self, request: pb.ModelInferRequest, context: Context, rid: str
+    ) -> pb.ModelInferResponse:
         """Inference; raw inputs get raw outputs, typed inputs typed outputs."""
-
-        async def run(rid: str) -> pb.ModelInferResponse:
-            entry = self.registry.get(request.model_name, request.model_version or None)
-            return await self._observed(entry, context, self._infer(entry, request, context, rid))
-
-        return await self._call("ModelInfer", context, run, request.id)
+        entry = self.registry.get(request.model_name, request.model_version or None)
+        return await self._observed(entry, self._infer(entry, request, context, rid))
 
     async def _infer(
         self, entry: ModelEntry, message: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
         config = entry.config
-        request = codec.decode_request(message)
+        request = codec.decode_request(message, self.limits.max_string_bytes)
         inputs = infer.validate_inputs(config, request, self.limits)
         infer.requested_outputs(config, request)  # an unknown output fails before inference
         outputs = await dataplane.infer(
             self.registry,
             entry,
             inputs,
-            timeout_s=self._timeout_s(entry, request, context),
+            timeout_s=self.timeout_s(entry, request, context),
             request_id=rid,
             is_disconnected=context.cancelled,
         )
         response = infer.build_response(config, request, outputs)
         return codec.encode_response(response, raw=bool(message.raw_input_contents))
 
-    def _timeout_s(self, entry: ModelEntry, request: infer.InferRequest, context: Context) -> float:
-        """The earlier of the gRPC deadline and the request's ``timeout``, else the default."""
+    def timeout_s(self, entry: ModelEntry, request: infer.InferRequest, context: Context) -> float:
+        """The earlier of the gRPC deadline (``context.time_remaining()``, None without one)
+        and the request's ``timeout`` parameter, else the model's or server's default; seconds.
+
+        Raises:
+            InvalidInput: the ``timeout`` parameter is not a positive number.
+        """
         limits = [t for t in (context.time_remaining(), request.timeout_s()) if t is not None]
         return min(limits) if limits else dataplane.default_timeout_s(self.settings, entry)
 
-    async def _observed(self, entry: ModelEntry, context: Context, work: Awaitable[Reply]) -> Reply:
+    async def _observed(self, entry: ModelEntry, work: Awaitable[Reply]) -> Reply:
         """Count and time one ModelInfer in the Prometheus metrics (``protocol="grpc"``, ``code``
         = the gRPC status name)."""
         if self.metrics is None:
@@ -228,3 +237,16 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):  # type: ignore[m
             in_flight.dec()
             self.metrics.request_seconds.labels(*labels, "grpc").observe(time.perf_counter() - start)
             self.metrics.requests.labels(*labels, "grpc", code).inc()
+
+
+def generic_handler(servicer: InferenceServicer) -> Any:
+    """A ``grpc.GenericRpcHandler`` serving every RPC of :data:`SERVICE` from ``servicer``
+    (requests arrive as bytes: :meth:`InferenceServicer.handler` parses them)."""
+    handlers = {
+        m.name: grpc.unary_unary_rpc_method_handler(
+            servicer.handler(m.name), response_serializer=lambda reply: reply.SerializeToString()
+        )
+        for m in SERVICE.methods
+        if hasattr(servicer, m.name)  # the others answer UNIMPLEMENTED
+    }
+    return grpc.method_handlers_generic_handler(SERVICE.full_name, handlers)
