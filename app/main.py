@@ -12,6 +12,7 @@ from aiohttp.typedefs import Middleware
 from app.grpc.server import grpc_ctx
 from app.http.auth import API_KEYS, ApiKeys, auth_middleware
 from app.http.connections import setup_connections
+from app.http.extensions import routes as extension_routes
 from app.http.limits import header_limits_middleware, parser_limits
 from app.http.middleware import error_middleware
 from app.http.routes import routes, worker_info
@@ -72,6 +73,7 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         max_json_depth=settings.max_json_depth,
     )
     app[WORKER_INFO] = worker_info(str(resolve_device(settings.device)))
+    app.add_routes(extension_routes)  # first: /v2/models/stats is not a model's metadata
     app.add_routes(routes)
     if settings.metrics_enabled:
         app[METRICS] = create_metrics()

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from app.observability.metrics import METRICS
 from tests.conftest import wait_ready
 from tests.toy_models import ScaleHandler, TinyRanker, write_scale_model
 
@@ -71,9 +72,7 @@ async def test_v1_models_and_predict(make_client, scale_repo: Path) -> None:
     assert resp.status == 200, await resp.text()
     preds = (await resp.json())["predictions"]
     assert preds == [{"y": [2, 4], "tag_length": [0]}, {"y": [6, 8], "tag_length": [0]}]
-    resp = await client.post(
-        "/v1/models/scale:predict", json={"instances": [{"x": [1, 1], "tag": "hey"}]}
-    )
+    resp = await client.post("/v1/models/scale:predict", json={"instances": [{"x": [1, 1], "tag": "hey"}]})
     assert (await resp.json())["predictions"] == [{"y": [2, 2], "tag_length": [3]}]
 
 
@@ -82,17 +81,67 @@ async def test_v1_models_and_predict(make_client, scale_repo: Path) -> None:
     [
         (V2_INFER, b"{not json", 400, "invalid inference request"),
         (V2_INFER, b'{"inputs": 3}', 400, "$.inputs"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}]}, 400, "expects FP32"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]}, 400, "does not match [B, 2]"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3]}]}, 400, "needs 4 elements"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": ["a", "b"]}]}, 400, "must be numbers"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [[1], [2, 3]]}]}, 400, "ragged"),
-        (V2_INFER, {"inputs": [{"name": "z", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}, 400, "unknown input"),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "INT32", "data": [1, 2]}]},
+            400,
+            "expects FP32",
+        ),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [1, 3], "datatype": "FP32", "data": [1, 2, 3]}]},
+            400,
+            "does not match [B, 2]",
+        ),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3]}]},
+            400,
+            "needs 4 elements",
+        ),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": ["a", "b"]}]},
+            400,
+            "must be numbers",
+        ),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [[1], [2, 3]]}]},
+            400,
+            "ragged",
+        ),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "z", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]},
+            400,
+            "unknown input",
+        ),
         (V2_INFER, {"inputs": []}, 400, "missing required input"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [0, 2], "datatype": "FP32", "data": []}]}, 400, "batch dimension is 0"),
-        (V2_INFER, {"inputs": [{"name": "x", "shape": [-1, 2], "datatype": "FP32", "data": [1, 2]}]}, 400, "non-negative"),
-        (V2_INFER, b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1e999, 0]}]}', 400, "out of range"),
-        (V2_INFER, b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1e39, 0]}]}', 400, "NaN or infinity"),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [0, 2], "datatype": "FP32", "data": []}]},
+            400,
+            "batch dimension is 0",
+        ),
+        (
+            V2_INFER,
+            {"inputs": [{"name": "x", "shape": [-1, 2], "datatype": "FP32", "data": [1, 2]}]},
+            400,
+            "non-negative",
+        ),
+        (
+            V2_INFER,
+            b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1e999, 0]}]}',
+            400,
+            "out of range",
+        ),
+        (
+            V2_INFER,
+            b'{"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1e39, 0]}]}',
+            400,
+            "NaN or infinity",
+        ),
         (V2_INFER, {**v2_body([[1, 2]]), "outputs": [{"name": "nope"}]}, 400, "unknown output"),
         (V2_INFER, {**v2_body([[1, 2]]), "parameters": {"timeout": -5}}, 400, "parameters.timeout"),
         ("/v2/models/nope/infer", v2_body([[1, 2]]), 404, "model 'nope' not found"),
@@ -119,9 +168,13 @@ async def test_bad_input_gets_a_clear_4xx(make_client, scale_repo, path, payload
 
 async def test_wrong_content_type_is_415(make_client, scale_repo: Path) -> None:
     client = await make_client(scale_repo)
-    resp = await client.post(V2_INFER, data=b"x=1", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    resp = await client.post(
+        V2_INFER, data=b"x=1", headers={"Content-Type": "application/x-www-form-urlencoded"}
+    )
     assert resp.status == 415
     assert "application/json" in (await resp.json())["error"]
+    resp = await client.post(V2_INFER, data=b"x", headers={"Content-Type": "text/plain"})
+    assert resp.status == 415
 
 
 async def test_oversized_body_is_413(make_client, scale_repo: Path) -> None:
@@ -182,7 +235,15 @@ async def test_readiness_is_503_until_warmup_then_200(make_client, tmp_path: Pat
     assert (await client.get("/v2/health/live")).status == 200
     # a request that arrives while the model loads waits for it (within its deadline)
     waiting = asyncio.ensure_future(client.post(V2_INFER, json=v2_body([[3, 4]])))
-    await asyncio.sleep(0.05)
+    in_flight = {"model": "scale", "version": "1"}
+    metrics = client.app[METRICS].registry
+    assert metrics is not None
+    for _ in range(1000):  # poll (bounded, 10 s) until the request is in the handler, waiting
+        if metrics.get_sample_value("scoring_requests_in_flight", in_flight) == 1.0:
+            break
+        await asyncio.sleep(0.01)
+    else:
+        raise AssertionError("the request never reached the handler")
     assert not waiting.done()
     gate.set()
     resp = await waiting
@@ -211,7 +272,11 @@ async def test_tensor_models_match_in_process_outputs(make_client, tensor_repo: 
     client = await make_client(tensor_repo)
     features = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
     expected = TinyRanker().eval()(torch.from_numpy(features)).detach().numpy()
-    body = {"inputs": [{"name": "features", "shape": [5, 4], "datatype": "FP32", "data": features.ravel().tolist()}]}
+    body = {
+        "inputs": [
+            {"name": "features", "shape": [5, 4], "datatype": "FP32", "data": features.ravel().tolist()}
+        ]
+    }
     resp = await client.post(f"/v2/models/{name}/infer", json=body)
     assert resp.status == 200, await resp.text()
     out = (await resp.json())["outputs"][0]

@@ -17,7 +17,7 @@ from aiohttp import web
 from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import request_id
-from app.protocols import v1, v2
+from app.protocols import triton, v1, v2
 from app.protocols.binary import HEADER_LENGTH, attach_binary, split_body
 from app.protocols.infer import build_response, requested_outputs, validate_inputs
 from app.serving import dataplane
@@ -100,7 +100,7 @@ async def server_metadata(request: web.Request) -> web.Response:
         {
             "name": SERVER_NAME,
             "version": __version__,
-            "extensions": [],
+            "extensions": triton.EXTENSIONS,
             "worker": request.app[WORKER_INFO],
         }
     )
@@ -175,6 +175,16 @@ async def infer(request: web.Request) -> web.Response:
 
 
 # --- KServe V1 -------------------------------------------------------------------------
+
+
+@routes.get("/")
+async def v1_live(request: web.Request) -> web.Response:
+    """``GET /``: KServe V1 liveness, ``{"status": "alive"}`` (what kserve's V1
+    ``is_server_live`` reads); 503 once the inference thread is stuck, like ``/v2/health/live``."""
+    hung = request.app[LIFECYCLE].hung
+    if hung is not None:
+        return _json({"status": "stuck", "error": f"inference thread stuck: {hung}"}, 503)
+    return _json({"status": "alive"})
 
 
 @routes.get("/v1/models")

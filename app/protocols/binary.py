@@ -80,14 +80,14 @@ def deserialize_bytes(buffer: memoryview, count: int, where: str, max_string_byt
             raise InvalidInput(f"{where}: binary BYTES data ends inside element {i} of {count}")
         (length,) = _LENGTH.unpack_from(buffer, offset)
         offset += 4
+        if length > end - offset:
+            raise InvalidInput(
+                f"{where}: binary BYTES element {i} declares {length} bytes, only {end - offset} remain"
+            )
         if length > max_string_bytes:
             raise PayloadTooLarge(
                 f"{where}: element {i} is {length} bytes; the server accepts at most "
                 f"{max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
-            )
-        if length > end - offset:
-            raise InvalidInput(
-                f"{where}: binary BYTES element {i} declares {length} bytes, only {end - offset} remain"
             )
         out[i] = bytes(buffer[offset : offset + length])
         offset += length

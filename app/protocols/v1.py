@@ -43,9 +43,7 @@ _decoder = msgspec.json.Decoder(PredictRequest)
 _DEFAULT_LIMITS = RequestLimits()
 
 
-def decode_request(
-    config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS
-) -> InferRequest:
+def decode_request(config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferRequest:
     """Parse a V1 predict body into an :class:`InferRequest` with one input per model input
     named in the instances (shape inferred from the nesting; validate with
     :func:`app.protocols.infer.validate_inputs`).

@@ -46,6 +46,7 @@ from app.observability.metrics import METRICS
 from app.serving.batcher import BatchObserver, DynamicBatcher, RunningBatch
 from app.serving.executor import InferenceThread
 from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+from app.serving.stats import FanOut
 from gpu_stat.binding import current_binding, verify_binding
 
 log = logging.getLogger(__name__)
@@ -78,11 +79,11 @@ async def _load_all(app: web.Application, device: torch.device) -> None:
         runner = ModelRunner(entry.config)
         await loop.run_in_executor(executor, runner.load, device)
         await loop.run_in_executor(executor, runner.warmup)
-        observer: BatchObserver | None = None
+        observer: BatchObserver = entry.stats
         if metrics is not None:
             config = entry.config
             metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
-            observer = metrics.observer(config.name, config.version)
+            observer = FanOut(entry.stats, metrics.observer(config.name, config.version))
         _start_batching(entry, runner, executor, observer)
         figures = describe(runner)
         models.append(figures)

@@ -15,6 +15,7 @@ from app.models.repository import ModelConfig
 from app.models.runner import ModelRunner
 from app.protocols.limits import RequestLimits
 from app.serving.batcher import DynamicBatcher
+from app.serving.stats import ModelStats
 from app.settings import Settings
 
 
@@ -27,6 +28,8 @@ class ModelEntry:
     batcher: DynamicBatcher | None = None
     #: Set once the model is warm, or once loading has failed (waiters then see the error).
     settled: asyncio.Event = field(default_factory=asyncio.Event)
+    #: This worker's Triton-style statistics of the model (fed by its batcher).
+    stats: ModelStats = field(default_factory=ModelStats)
 
     @property
     def ready(self) -> bool:

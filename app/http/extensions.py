@@ -1,0 +1,82 @@
+"""HTTP handlers of Triton's extensions beside the core V2 protocol: model configuration,
+statistics, model repository index (the JSON shapes live in :mod:`app.protocols.triton`).
+
+These routes are added before :mod:`app.http.routes`'s, so ``/v2/models/stats`` is not taken
+for the metadata of a model called "stats".
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from app.errors import InvalidInput
+from app.protocols import triton
+from app.serving.state import REGISTRY, WORKER_INFO, ModelEntry
+
+routes = web.RouteTableDef()
+
+
+def _json(body: Any) -> web.Response:
+    return web.Response(body=orjson.dumps(body), content_type="application/json")
+
+
+@routes.get("/v2/models/{name}/config")
+@routes.get("/v2/models/{name}/versions/{version}/config")
+async def model_config(request: web.Request) -> web.Response:
+    """``GET .../config``: Triton's model configuration (dims without the batch dimension)."""
+    entry = request.app[REGISTRY].get(request.match_info["name"], request.match_info.get("version"))
+    return _json(triton.model_config(entry.config, request.app[WORKER_INFO]["device"]))
+
+
+def _stat(entry: ModelEntry) -> dict[str, Any]:
+    return entry.stats.as_triton(entry.config.name, entry.config.version)
+
+
+@routes.get("/v2/models/stats")
+async def all_model_stats(request: web.Request) -> web.Response:
+    """``GET /v2/models/stats``: this worker's statistics of every model version."""
+    entries = request.app[REGISTRY].entries()
+    return _json(triton.statistics([_stat(e) for e in entries], request.app[WORKER_INFO]["pid"]))
+
+
+@routes.get("/v2/models/{name}/stats")
+@routes.get("/v2/models/{name}/versions/{version}/stats")
+async def model_stats(request: web.Request) -> web.Response:
+    """``GET /v2/models/{name}[/versions/{version}]/stats``: this worker's statistics of one model
+    (every version of it when no version is named); 404 for an unknown model."""
+    registry = request.app[REGISTRY]
+    name, version = request.match_info["name"], request.match_info.get("version")
+    registry.get(name, version)  # raises ModelNotFound
+    entries = [e for e in registry.entries() if e.config.name == name and version in (None, e.config.version)]
+    return _json(triton.statistics([_stat(e) for e in entries], request.app[WORKER_INFO]["pid"]))
+
+
+@routes.post("/v2/repository/index")
+async def repository_index(request: web.Request) -> web.Response:
+    """``POST /v2/repository/index``: every model version with its state (READY, LOADING,
+    UNAVAILABLE + reason); body ``{"ready": true}`` (optional) keeps only the ready ones."""
+    body = await request.read()
+    only_ready = False
+    if body.strip():
+        try:
+            parsed = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise InvalidInput("repository index request: body must be JSON") from None
+        if not isinstance(parsed, dict) or not isinstance(parsed.get("ready", False), bool):
+            raise InvalidInput('repository index request: expected {"ready": true|false}')
+        only_ready = parsed.get("ready", False)
+    registry = request.app[REGISTRY]
+    index = []
+    for entry in registry.entries():
+        if entry.ready:
+            state, reason = "READY", ""
+        elif registry.load_error:
+            state, reason = "UNAVAILABLE", registry.load_error
+        else:
+            state, reason = "LOADING", ""
+        if state == "READY" or not only_ready:
+            index.append(triton.repository_entry(entry.config.name, entry.config.version, state, reason))
+    return _json(index)

@@ -1,0 +1,121 @@
+"""Triton's model configuration, statistics and model repository extensions: the JSON shapes.
+
+Pure functions from our :class:`ModelConfig` to the documents Triton serves, so Triton's own
+tools (``perf_analyzer``, ``tritonclient``'s ``get_model_config``/``get_inference_statistics``/
+``get_model_repository_index``) read them unchanged. No aiohttp here.
+
+Sources (triton-inference-server/server): ``docs/protocol/extension_model_configuration.md``
+and the ``ModelConfig`` message of ``model_config.proto`` (field names, ``TYPE_*`` names,
+``dims`` without the batch dimension when ``max_batch_size > 0``);
+``docs/protocol/extension_statistics.md``; ``docs/protocol/extension_model_repository.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from app.models.repository import ModelConfig, TensorSpec
+
+#: The extensions ``GET /v2`` lists (the model repository extension: the index only, no
+#: load/unload; see docs/protocols.md).
+EXTENSIONS: list[str] = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+
+#: Open Inference Protocol datatype -> Triton ``DataType`` enum name.
+TRITON_TYPES: dict[str, str] = {
+    "BOOL": "TYPE_BOOL",
+    "UINT8": "TYPE_UINT8",
+    "UINT16": "TYPE_UINT16",
+    "UINT32": "TYPE_UINT32",
+    "UINT64": "TYPE_UINT64",
+    "INT8": "TYPE_INT8",
+    "INT16": "TYPE_INT16",
+    "INT32": "TYPE_INT32",
+    "INT64": "TYPE_INT64",
+    "FP16": "TYPE_FP16",
+    "FP32": "TYPE_FP32",
+    "FP64": "TYPE_FP64",
+    "BYTES": "TYPE_STRING",
+}
+
+#: Our model format -> Triton ``backend`` name (the closest Triton backend).
+_BACKENDS = {"torch_export": "pytorch", "torchscript": "pytorch", "handler": "python"}
+
+
+def _input(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "data_type": TRITON_TYPES[spec.datatype],
+        "format": "FORMAT_NONE",
+        "dims": list(spec.shape),
+        "is_shape_tensor": False,
+        "allow_ragged_batch": False,
+        "optional": spec.optional,
+    }
+
+
+def _output(spec: TensorSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "data_type": TRITON_TYPES[spec.datatype],
+        "dims": list(spec.shape),
+        "label_filename": "",
+        "is_shape_tensor": False,
+    }
+
+
+def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
+    """Triton's model configuration JSON for ``config``.
+
+    Args:
+        config: the model.
+        device: the worker's torch device (``"cpu"``, ``"cuda:0"``): the instance group kind.
+
+    Returns:
+        ``name``, ``platform``, ``backend``, ``max_batch_size`` (items), ``input``/``output`` with
+        ``data_type`` (``TYPE_FP32``...) and ``dims`` without the batch dimension,
+        ``dynamic_batching`` (``max_queue_delay_microseconds``; no preferred sizes: a batch runs
+        as soon as it is full or its delay is over), one instance group, ``parameters``.
+    """
+    gpu = device.startswith("cuda")
+    return {
+        "name": config.name,
+        "platform": config.platform,
+        "backend": _BACKENDS[config.format],
+        "version_policy": {"latest": {"num_versions": 1}},
+        "max_batch_size": config.max_batch_size,
+        "input": [_input(s) for s in config.inputs],
+        "output": [_output(s) for s in config.outputs],
+        "batch_input": [],
+        "batch_output": [],
+        "dynamic_batching": {
+            "preferred_batch_size": [],
+            "max_queue_delay_microseconds": round(config.max_queue_delay_ms * 1000),
+            "preserve_ordering": True,
+            "priority_levels": 0,
+            "default_priority_level": 0,
+            "priority_queue_policy": {},
+        },
+        "instance_group": [
+            {
+                "name": f"{config.name}_0",
+                "kind": "KIND_GPU" if gpu else "KIND_CPU",
+                "count": 1,
+                "gpus": [int(device.partition(":")[2] or 0)] if gpu else [],
+                "passive": False,
+            }
+        ],
+        "default_model_filename": config.file or "",
+        "parameters": {k: {"string_value": str(v)} for k, v in sorted(config.parameters.items())},
+        "model_warmup": [],
+    }
+
+
+def statistics(model_stats: list[dict[str, Any]], pid: int) -> dict[str, Any]:
+    """Triton's ``$stats_model_response``; ``worker_pid`` (ours) names the worker counted."""
+    return {"model_stats": model_stats, "worker_pid": pid}
+
+
+def repository_entry(name: str, version: str, state: str, reason: str = "") -> dict[str, str]:
+    """One entry of Triton's ``$repository_index_response``: ``state`` READY, LOADING or
+    UNAVAILABLE, ``reason`` why it is not READY."""
+    return {"name": name, "version": version, "state": state, "reason": reason}
