@@ -282,3 +282,42 @@ def test_every_domain_error_has_one_status(caplog: pytest.LogCaptureFixture) -> 
         code, details, _ = outcome(KeyError("boom"), "r2", "ModelInfer")
     assert code == Code.INTERNAL and "r2" in details and "boom" not in details
     assert any(r.levelno == logging.ERROR and "r2" in r.getMessage() for r in caplog.records)
+
+
+async def test_triton_extensions_answer_as_http_does(served: Callable[..., Any]) -> None:
+    g = await served()
+    await g.stub.ModelInfer(scale_request([[1.0, 2.0]], [b"t"]))
+    config = (await g.stub.ModelConfig(pb.ModelConfigRequest(name="scale"))).config
+    http_config = await (await g.http.get("/v2/models/scale/config")).json()
+    assert (config.name, config.platform, config.backend, config.max_batch_size) == (
+        http_config["name"], http_config["platform"], http_config["backend"], http_config["max_batch_size"]
+    )  # fmt: skip
+    for ours, theirs in [(config.input, http_config["input"]), (config.output, http_config["output"])]:
+        assert [(t.name, pb.DataType.Name(t.data_type), list(t.dims)) for t in ours] == [
+            (t["name"], t["data_type"], t["dims"]) for t in theirs
+        ]
+    delay = http_config["dynamic_batching"]["max_queue_delay_microseconds"]
+    assert config.dynamic_batching.max_queue_delay_microseconds == delay
+    kind = pb.ModelInstanceGroup.Kind.Name(config.instance_group[0].kind)
+    assert kind == http_config["instance_group"][0]["kind"]
+
+    stats = await g.stub.ModelStatistics(pb.ModelStatisticsRequest(name="scale"))
+    http_stats = (await (await g.http.get("/v2/models/scale/stats")).json())["model_stats"]
+    assert len(stats.model_stats) == len(http_stats) == 1
+    ours_stat, theirs_stat = stats.model_stats[0], http_stats[0]
+    assert ours_stat.inference_count == theirs_stat["inference_count"] == 1
+    assert ours_stat.inference_stats.success.count == theirs_stat["inference_stats"]["success"]["count"] == 1
+    assert [b.batch_size for b in ours_stat.batch_stats] == [
+        b["batch_size"] for b in theirs_stat["batch_stats"]
+    ]
+    assert len((await g.stub.ModelStatistics(pb.ModelStatisticsRequest())).model_stats) == 1
+    err = await g.error("ModelStatistics", pb.ModelStatisticsRequest(name="nope"))
+    assert err.code() == Code.NOT_FOUND
+
+    index = await g.stub.RepositoryIndex(pb.RepositoryIndexRequest(ready=True))
+    http_index = await (await g.http.post("/v2/repository/index", json={"ready": True})).json()
+    assert [(m.name, m.version, m.state, m.reason) for m in index.models] == [
+        (e["name"], e["version"], e["state"], e["reason"]) for e in http_index
+    ]
+    meta = await g.stub.ServerMetadata(pb.ServerMetadataRequest())
+    assert {"model_configuration", "statistics", "model_repository"} <= set(meta.extensions)

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 
 import grpc
 from aiohttp import web
+from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
@@ -35,11 +36,12 @@ from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.observability.metrics import METRICS
-from app.protocols import infer, v2
+from app.protocols import infer, triton, v2
 from app.serving import dataplane
-from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, ModelEntry
+from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
 
 Reply = TypeVar("Reply")
+MessageT = TypeVar("MessageT", bound=Message)
 #: The service served, as the proto declares it (``inference.GRPCInferenceService``).
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 Context = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
@@ -47,8 +49,9 @@ Context = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
 _VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _OPEN = frozenset({"ServerLive", "ServerReady"})
 _API_KEY = API_KEY_HEADER.lower()
-#: Protocol extensions answered over gRPC (``ServerMetadataResponse.extensions``).
-EXTENSIONS = ["model_configuration", "statistics", "model_repository"]
+#: Protocol extensions answered over gRPC (``ServerMetadataResponse.extensions``): Triton's,
+#: as ``GET /v2`` lists them, but the binary tensor data of HTTP (gRPC is binary anyway).
+EXTENSIONS = [e for e in triton.EXTENSIONS if e != "binary_tensor_data"]
 
 
 def _metadata(context: Context, key: str) -> str | None:
@@ -176,6 +179,50 @@ class InferenceServicer:
             ],
         )
 
+    # --- Triton extensions: the same documents as HTTP (app.protocols.triton) -------------
+
+    async def ModelConfig(
+        self, request: pb.ModelConfigRequest, context: Context, rid: str
+    ) -> pb.ModelConfigResponse:
+        """Triton's model configuration, as ``GET /v2/models/{name}/config`` answers it."""
+        entry = self.registry.get(request.name, request.version or None)
+        document = triton.model_config(entry.config, self.app[WORKER_INFO]["device"])
+        return pb.ModelConfigResponse(config=_message(document, pb.ModelConfig()))
+
+    async def ModelStatistics(
+        self, request: pb.ModelStatisticsRequest, context: Context, rid: str
+    ) -> pb.ModelStatisticsResponse:
+        """This worker's statistics of every model (empty name), of every version of one model
+        (empty version), or of one version, as ``GET /v2/models[/{name}]/stats`` answers them."""
+        entries = self.registry.entries()
+        if request.name:
+            self.registry.get(request.name, request.version or None)  # raises ModelNotFound
+            version = request.version or None
+            entries = [
+                e for e in entries if e.config.name == request.name and version in (None, e.config.version)
+            ]
+        stats = [e.stats.as_triton(e.config.name, e.config.version) for e in entries]
+        document = triton.statistics(stats, self.app[WORKER_INFO]["pid"])
+        return _message(document, pb.ModelStatisticsResponse())
+
+    async def RepositoryIndex(
+        self, request: pb.RepositoryIndexRequest, context: Context, rid: str
+    ) -> pb.RepositoryIndexResponse:
+        """Every model version with its state (READY, LOADING, UNAVAILABLE + reason); only the
+        ready ones when ``ready`` is set. ``repository_name`` is ignored (one repository)."""
+        reply = pb.RepositoryIndexResponse()
+        for entry in self.registry.entries():
+            state, reason = "READY", ""
+            if not entry.ready:
+                state, reason = (
+                    ("UNAVAILABLE", self.registry.load_error) if self.registry.load_error else ("LOADING", "")
+                )
+            if state == "READY" or not request.ready:
+                reply.models.add(
+                    **triton.repository_entry(entry.config.name, entry.config.version, state, reason)
+                )
+        return reply
+
     # --- inference -----------------------------------------------------------------------
 
     async def ModelInfer(
@@ -237,6 +284,13 @@ class InferenceServicer:
             in_flight.dec()
             self.metrics.request_seconds.labels(*labels, "grpc").observe(time.perf_counter() - start)
             self.metrics.requests.labels(*labels, "grpc", code).inc()
+
+
+def _message(document: dict[str, Any], message: MessageT) -> MessageT:
+    """A Triton JSON document into its protobuf message; members the served proto leaves out
+    (empty lists, our own ``worker_pid``) are skipped."""
+    json_format.ParseDict(document, message, ignore_unknown_fields=True)
+    return message
 
 
 def generic_handler(servicer: InferenceServicer) -> Any:
