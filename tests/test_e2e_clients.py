@@ -6,37 +6,18 @@ answer must equal the plain JSON path's."""
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.server import ROOT, Gunicorn
+from tests.demo_repo import MINILM, RANKER, demo_repository
+from tests.server import Gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-MINILM = "all-MiniLM-L6-v2"
-RANKER = "feed-ranker"
 SENTENCES = ["A man is eating food.", "The stock market fell sharply today.", "héllo wörld"]
-
-
-def demo_repository(tmp: Path) -> Path:
-    """A repository holding both demo models: MiniLM's folder linked, feed-ranker exported fresh
-    (its weights are not committed)."""
-    spec = importlib.util.spec_from_file_location(
-        "export_ranking_model", ROOT / "scripts" / "export_ranking_model.py"
-    )
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    repo = tmp / "repo"
-    repo.mkdir()
-    (repo / MINILM).symlink_to(ROOT / "model_repository" / MINILM)
-    script.export(repo / RANKER, "torch_export", seed=0)
-    return repo
 
 
 @pytest.fixture(scope="module")

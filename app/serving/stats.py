@@ -13,7 +13,8 @@ How the batcher's events map to Triton's fields (one batch of ``items`` items fr
 - ``success.count`` += requests, ``success.ns`` += requests x (queue + compute);
 - ``queue`` += requests, requests x queue_s (the oldest request's wait: an upper bound);
 - ``compute_infer`` += requests, requests x compute_s (every request waited the whole batch);
-  ``compute_input``/``compute_output`` stay 0: conversion runs inside the model call;
+  ``compute_input``/``compute_output``: the same counts, 0 ns (conversion runs inside the model
+  call; perf_analyzer requires the three counts to be equal);
 - ``batch_stats[items]``: count += 1, compute_infer ns += compute_s;
 - a refused request (queue full, deadline, client gone, out of memory): ``fail.count`` += 1.
 
@@ -85,6 +86,8 @@ class ModelStats:
     def as_triton(self, name: str, version: str) -> dict[str, Any]:
         """Triton's ``$model_stat`` object for this model version."""
         zero = Duration().as_dict()
+        # perf_analyzer requires equal compute_input/infer/output counts.
+        no_time = {"count": self.compute_infer.count, "ns": 0}
         return {
             "name": name,
             "version": version,
@@ -95,9 +98,9 @@ class ModelStats:
                 "success": self.success.as_dict(),
                 "fail": self.fail.as_dict(),
                 "queue": self.queue.as_dict(),
-                "compute_input": zero,
+                "compute_input": no_time,
                 "compute_infer": self.compute_infer.as_dict(),
-                "compute_output": zero,
+                "compute_output": no_time,
                 "cache_hit": zero,
                 "cache_miss": zero,
             },
