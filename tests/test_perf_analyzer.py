@@ -18,8 +18,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = ROOT / "scripts" / "perf_analyzer"
 
 #: Protocol -> how perf_analyzer reaches the server: its -i value and the URL it is given.
-#: The gRPC front end adds ("grpc", ...) here once it serves.
-ENDPOINTS = {"http": lambda srv: ["-i", "http", "-u", f"127.0.0.1:{srv.port}"]}
+ENDPOINTS = {
+    "http": lambda srv: ["-i", "http", "-u", f"127.0.0.1:{srv.port}"],
+    "grpc": lambda srv: ["-i", "grpc", "-u", srv.grpc_url],
+}
 
 
 @pytest.fixture(scope="module")
