@@ -2,22 +2,27 @@
 stock clients at their defaults (tritonclient.grpc, tritonclient.grpc.aio, kserve's
 InferenceGRPCClient with raw and with typed contents), each in a process of its own
 (``tests/grpc_clients.py``); every answer equals the V2 JSON path's. The gunicorn master
-never loads grpc."""
+never loads grpc. A SIGTERM drains gRPC like HTTP."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
+from app.grpc.generated import grpc_service_pb2 as pb
+from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.server import ROOT, Gunicorn, wait_for
+from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
 
@@ -129,3 +134,48 @@ def test_stock_clients_on_minilm(minilm: Gunicorn, tmp_path: Path, client: str) 
     answer = call(client, minilm, MINILM, tmp_path)
     assert answer["model_ready"]
     assert_same_outputs(answer, json_outputs(minilm, MINILM))
+
+
+def scale_infer(x: float) -> pb.ModelInferRequest:
+    request = pb.ModelInferRequest(model_name="scale")
+    request.inputs.add(name="x", datatype="FP32", shape=[1, 2]).contents.fp32_contents.extend([x, x])
+    return request
+
+
+def in_flight(srv: Gunicorn) -> float:
+    status, _, text = srv.get("/metrics")
+    assert status == 200
+    for line in str(text).splitlines():
+        if line.startswith("scoring_requests_in_flight{") and 'model="scale"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_sigterm_drain_unready_still_serving_in_flight_finishes(tmp_path: Path) -> None:
+    """SIGTERM: ServerReady turns false while calls are still served on the open channel, the
+    call in flight finishes, the worker exits cleanly and its replacement serves gRPC."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", hang_on=5.0, hang_s=1.5)
+    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1", "SCORING_DRAIN_GRACE_S": "2"}
+    with Gunicorn(tmp_path, env) as srv, grpc.insecure_channel(srv.grpc_url) as channel:
+        (first,) = srv.wait_workers(1)
+        srv.wait_ready(60)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        slow = stub.ModelInfer.future(scale_infer(5.0), timeout=30)
+        wait_for(lambda: in_flight(srv) == 1.0, 10, "the slow call on the inference thread", srv)
+        first.send_signal(signal.SIGTERM)
+        wait_for(lambda: not stub.ServerReady(pb.ServerReadyRequest()).ready, 5, "gRPC readiness false", srv)
+        assert list(stub.ModelInfer(scale_infer(1.0), timeout=10).outputs[0].contents.fp32_contents) == [
+            2.0,
+            2.0,
+        ]
+        assert list(slow.result(timeout=10).outputs[0].contents.fp32_contents) == [10.0, 10.0]
+        first.wait(20)
+        wait_for(
+            lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != first.pid, 30, "replacement", srv
+        )
+        srv.wait_ready(60)
+        with grpc.insecure_channel(srv.grpc_url) as fresh:
+            reply = pb_grpc.GRPCInferenceServiceStub(fresh).ModelInfer(scale_infer(1.0), timeout=10)
+            assert list(reply.outputs[0].contents.fp32_contents) == [2.0, 2.0]
+        assert "Traceback" not in srv.log()
