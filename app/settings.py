@@ -110,6 +110,13 @@ class Settings(BaseSettings):
         description="Address the gRPC service binds. Binding anything but loopback is an explicit "
         "choice, as for host.",
     )
+    grpc_max_connection_age_s: float = Field(
+        60.0,
+        ge=0,
+        description="A gRPC connection is asked to reconnect (HTTP/2 GOAWAY, transparent to "
+        "clients) after this many seconds, so a long-lived channel is placed again on a worker "
+        "(SO_REUSEPORT); in-flight calls get grpc_grace_s to finish; 0 = never.",
+    )
     grpc_grace_s: float = Field(
         5.0,
         ge=0,

@@ -4,6 +4,7 @@ descriptor pool of their own, so they load beside any client's stubs)."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 from collections.abc import AsyncIterator, Callable
@@ -12,6 +13,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+import psutil
 import pytest
 from aiohttp.test_utils import TestClient
 
@@ -32,8 +34,9 @@ Code = grpc.StatusCode
 class Grpc:
     """A stub on a channel to the in-process server, and the HTTP client of the same app."""
 
-    def __init__(self, http: TestClient, channel: Any) -> None:
+    def __init__(self, http: TestClient, channel: Any, port: int) -> None:
         self.http = http
+        self.port = port
         self.app = http.server.app
         self.channel = channel
         self.stub = pb_grpc.GRPCInferenceServiceStub(channel)
@@ -55,7 +58,7 @@ async def served(make_client: Callable[..., Any], scale_repo: Path) -> AsyncIter
         servers.append(server)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         channels.append(channel)
-        return Grpc(http, channel)
+        return Grpc(http, channel, port)
 
     yield serve
     for channel in channels:
@@ -321,3 +324,17 @@ async def test_triton_extensions_answer_as_http_does(served: Callable[..., Any])
     ]
     meta = await g.stub.ServerMetadata(pb.ServerMetadataRequest())
     assert {"model_configuration", "statistics", "model_repository"} <= set(meta.extensions)
+
+
+async def test_a_channel_outlives_its_connections(served: Callable[..., Any]) -> None:
+    """With a short max connection age the server keeps asking the channel to reconnect
+    (GOAWAY); calls over the one channel keep succeeding across several reconnections."""
+    g = await served(grpc_max_connection_age_s=0.2, grpc_grace_s=1.0)
+    me = psutil.Process()
+    local_ports: set[int] = set()
+    loop = asyncio.get_running_loop()
+    stop = loop.time() + 30
+    while len(local_ports) < 3 and loop.time() < stop:  # bounded: until three connections served
+        assert (await g.stub.ModelInfer(scale_request([[1.0, 2.0]], [b"t"]), timeout=10)).outputs
+        local_ports |= {c.laddr.port for c in me.connections("tcp") if c.raddr and c.raddr.port == g.port}
+    assert len(local_ports) >= 3, local_ports

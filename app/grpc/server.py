@@ -36,13 +36,19 @@ log = logging.getLogger(__name__)
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
-    """grpcio channel arguments of the server: SO_REUSEPORT, and the largest message accepted
-    = ``max_request_bytes`` (RESOURCE_EXHAUSTED above, from grpcio itself)."""
-    return [
+    """grpcio channel arguments of the server: SO_REUSEPORT, the largest message accepted
+    = ``max_request_bytes`` (RESOURCE_EXHAUSTED above, from grpcio itself), and the connection
+    age after which a client is asked to reconnect (gRPC's ``MAX_CONNECTION_AGE``, the gRPC
+    load-balancing guide's advice for long-lived connections behind an L4 balancer)."""
+    options: list[tuple[str, Any]] = [
         ("grpc.so_reuseport", 1),
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", -1),
     ]
+    if settings.grpc_max_connection_age_s > 0:
+        options.append(("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * 1000)))
+        options.append(("grpc.max_connection_age_grace_ms", int(settings.grpc_grace_s * 1000)))
+    return options
 
 
 def _address(host: str, port: int) -> str:
