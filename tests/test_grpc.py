@@ -338,3 +338,15 @@ async def test_a_channel_outlives_its_connections(served: Callable[..., Any]) ->
         assert (await g.stub.ModelInfer(scale_request([[1.0, 2.0]], [b"t"]), timeout=10)).outputs
         local_ports |= {c.laddr.port for c in me.connections("tcp") if c.raddr and c.raddr.port == g.port}
     assert len(local_ports) >= 3, local_ports
+
+
+async def test_oversized_tensors_are_refused_before_they_are_parsed(served: Callable[..., Any]) -> None:
+    g = await served(max_items_per_request=16)
+    request = scale_request([[1.0, 2.0]], [b""])
+    request.inputs[1].shape[:] = [1, 100_000]  # 100 000 valid empty strings for one item
+    request.raw_input_contents[1] = b"\0\0\0\0" * 100_000
+    err = await g.error("ModelInfer", request)
+    assert err.code() == Code.INVALID_ARGUMENT and "holds more than the 16 elements" in err.details()
+    request.inputs[1].shape[:] = [17, 1]
+    err = await g.error("ModelInfer", request)
+    assert err.code() == Code.RESOURCE_EXHAUSTED and "17 items" in err.details()

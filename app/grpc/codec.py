@@ -26,8 +26,10 @@ import numpy as np
 from app.datatypes import NUMPY_DTYPES
 from app.errors import InvalidInput
 from app.grpc.generated import grpc_service_pb2 as pb
+from app.models.repository import ModelConfig, TensorSpec
 from app.protocols.binary import deserialize_bytes, serialize_bytes
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
+from app.protocols.limits import RequestLimits
 
 _LENGTH = struct.Struct("<I")
 
@@ -135,15 +137,31 @@ def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
     return np.asarray(values, dtype=dtype)
 
 
-def decode_request(message: Any, max_string_bytes: int) -> InferRequest:
-    """A ``ModelInferRequest`` -> :class:`InferRequest` with array data (not yet validated
-    against the model: :func:`app.protocols.infer.validate_inputs` does that).
+def _check_size(shape: list[int], spec: TensorSpec | None, limits: RequestLimits, where: str) -> None:
+    """Bound the work of converting a tensor before doing it: at most ``max_items`` items, and
+    for a model input of fixed item shape at most ``max_items`` x its elements per item (any
+    valid request passes; a BYTES tensor declared ``[1, 4000000]`` is refused unparsed)."""
+    if shape:
+        limits.check_items(shape[0], where)
+    if spec is not None and spec.shape and all(d >= 0 for d in spec.shape):
+        most = limits.max_items * math.prod(spec.shape)
+        if math.prod(shape) > most:
+            raise InvalidInput(
+                f"{where}: shape {shape} holds more than the {most} elements of "
+                f"{limits.max_items} items of shape {list(spec.shape)}"
+            )
+
+
+def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> InferRequest:
+    """A ``ModelInferRequest`` for model ``config`` -> :class:`InferRequest` with array data
+    (not yet validated against the model: :func:`app.protocols.infer.validate_inputs` does that).
 
     Raises:
         InvalidInput: raw contents whose count differs from the inputs', raw and typed data
-            mixed, an unknown datatype, a negative dimension, or data that do not match the
-            declared shape.
-        PayloadTooLarge: a raw BYTES element longer than ``max_string_bytes``.
+            mixed, an unknown datatype, a negative dimension, more elements than the model's
+            ``max_items`` items can hold, or data that do not match the declared shape.
+        PayloadTooLarge: more than ``limits.max_items`` items, or a raw BYTES element longer
+            than ``limits.max_string_bytes``.
     """
     raw = message.raw_input_contents
     if raw and len(raw) != len(message.inputs):
@@ -156,10 +174,11 @@ def decode_request(message: Any, max_string_bytes: int) -> InferRequest:
         if tensor.datatype not in NUMPY_DTYPES:
             raise InvalidInput(f"{where}: unknown datatype {tensor.datatype!r}")
         shape = _shape(tensor.shape, where)
+        _check_size(shape, config.input(tensor.name), limits, where)
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(f"{where}: both contents and raw_input_contents given; send one")
-            data = raw_to_array(raw[i], tensor.datatype, shape, where, max_string_bytes)
+            data = raw_to_array(raw[i], tensor.datatype, shape, where, limits.max_string_bytes)
         else:
             data = contents_to_array(tensor.contents, tensor.datatype, where)
             if data.size != math.prod(shape):

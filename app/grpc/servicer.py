@@ -236,7 +236,7 @@ class InferenceServicer:
         self, entry: ModelEntry, message: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
         config = entry.config
-        request = codec.decode_request(message, self.limits.max_string_bytes)
+        request = codec.decode_request(message, config, self.limits)
         inputs = infer.validate_inputs(config, request, self.limits)
         infer.requested_outputs(config, request)  # an unknown output fails before inference
         outputs = await dataplane.infer(
