@@ -34,8 +34,8 @@ setup(
         "pydantic-settings>=2.2",
         "prometheus-client>=0.20",
         "safetensors>=0.4",
-        "grpcio>=1.73",
-        "protobuf>=5.26",
+        "grpcio>=1.81.1",
+        "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
         "tomli>=2.0; python_version<'3.11'",
     ],
     extras_require={
@@ -60,7 +60,7 @@ setup(
             "cryptography>=42",
             "tritonclient[http,grpc]>=2.40",
             "kserve>=0.21",
-            "grpcio-tools>=1.73",
+            "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
             "py3nvml>=0.2.7",
             "ruff>=0.5",
