@@ -66,6 +66,9 @@ ENV HF_HUB_OFFLINE=1
 # Inside a container the server must listen on all interfaces; the default is loopback.
 ENV SCORING_HOST=0.0.0.0
 ENV SCORING_PORT=8080
+# KServe V2 gRPC (inference.GRPCInferenceService), every worker on this port (SO_REUSEPORT).
+ENV SCORING_GRPC_HOST=0.0.0.0
+ENV SCORING_GRPC_PORT=8081
 # Mount another repository over /models, or point this at one (KServe: /mnt/models).
 ENV SCORING_MODEL_REPOSITORY=/models
 # Kubernetes: terminationGracePeriodSeconds > preStop sleep + this (deploy/kubernetes: 10 + 30 < 60).
@@ -74,7 +77,7 @@ ENV SCORING_GRACEFUL_TIMEOUT_S=30
 # Prometheus multiprocess files: on tmpfs, fresh per container (the server creates the folder).
 ENV PROMETHEUS_MULTIPROC_DIR=/dev/shm/scoring-metrics
 USER 10001:10001
-EXPOSE 8080
+EXPOSE 8080 8081
 STOPSIGNAL SIGTERM
 # Healthy = every model of the answering worker is loaded and warm (503 while loading).
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
