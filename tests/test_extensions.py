@@ -107,6 +107,15 @@ async def test_repository_index_reports_loading_then_ready(make_client, tmp_path
     assert (await client.post("/v2/repository/index", json={"ready": "yes"})).status == 400
 
 
+async def test_v1_root_liveness_is_open_like_the_other_probes(make_client, scale_repo: Path) -> None:
+    client: TestClient = await make_client(scale_repo, api_keys="secret")
+    assert (await client.get("/")).status == 200
+    assert (await client.get("/v2/models/scale/config")).status == 401
+    assert (await client.get("/v2/models/stats")).status == 401
+    assert (await client.post("/v2/repository/index")).status == 401
+    assert (await client.get("/v2/models/stats", headers={"X-API-Key": "secret"})).status == 200
+
+
 async def test_v1_root_liveness_and_inputs_bodies(make_client, scale_repo: Path) -> None:
     client: TestClient = await make_client(scale_repo)
     resp = await client.get("/")
