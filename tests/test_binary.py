@@ -163,7 +163,7 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
 @pytest.mark.parametrize(
     ("header", "chunks", "declared", "status", "fragment"),
     [
-        ({"inputs": [x_input(2, 15)]}, [X2], None, 400, "binary_data_size 15 != 4 elements"),
+        ({"inputs": [x_input(2, 15)]}, [X2], None, 400, "15 bytes of data != 4 elements"),
         ({"inputs": [x_input(2, 17)]}, [X2], None, 400, "runs past the body"),
         ({"inputs": [x_input(2, -1)]}, [X2], None, 400, "non-negative integer"),
         ({"inputs": [x_input(2, 2**62)]}, [X2], None, 400, "runs past the body"),
@@ -177,7 +177,7 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
         ({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32"}]}, [], None, 400, "no data"),
         ({"inputs": [{**x_input(2), "shape": [2**40, 2]}]}, [X2], None, 413, "items"),
         ({"inputs": [{**x_input(2), "shape": [-2, 2]}]}, [X2], None, 400, "non-negative"),
-        ({"inputs": [{**x_input(2), "datatype": "FP64"}]}, [X2], None, 400, "FP64 (32 bytes)"),
+        ({"inputs": [{**x_input(2), "datatype": "FP64"}]}, [X2], None, 400, "of FP64 (32 bytes)"),
         ({"inputs": [{**x_input(2), "datatype": "BF16"}]}, [X2], None, 400, "not supported"),
         (
             {"inputs": [{**x_input(2), "parameters": {"shared_memory_region": "r"}}]},

@@ -3,12 +3,18 @@ extension list, and KServe V1's ``GET /`` and ``{"inputs": ...}``, in-process.""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient
+from hypothesis import given
+from hypothesis import strategies as st
 
+from tests.test_fuzz import FUZZ, check, v1_bodies
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2_INFER = "/v2/models/scale/infer"
@@ -101,6 +107,15 @@ async def test_repository_index_reports_loading_then_ready(make_client, tmp_path
     assert (await client.post("/v2/repository/index", json={"ready": "yes"})).status == 400
 
 
+async def test_v1_root_liveness_is_open_like_the_other_probes(make_client, scale_repo: Path) -> None:
+    client: TestClient = await make_client(scale_repo, api_keys="secret")
+    assert (await client.get("/")).status == 200
+    assert (await client.get("/v2/models/scale/config")).status == 401
+    assert (await client.get("/v2/models/stats")).status == 401
+    assert (await client.post("/v2/repository/index")).status == 401
+    assert (await client.get("/v2/models/stats", headers={"X-API-Key": "secret"})).status == 200
+
+
 async def test_v1_root_liveness_and_inputs_bodies(make_client, scale_repo: Path) -> None:
     client: TestClient = await make_client(scale_repo)
     resp = await client.get("/")
@@ -113,3 +128,19 @@ async def test_v1_root_liveness_and_inputs_bodies(make_client, scale_repo: Path)
     assert (await named.json())["predictions"] == [{"y": [2, 2], "tag_length": [3]}]
     both = await client.post("/v1/models/scale:predict", json={"inputs": [[1, 2]], "instances": [[1, 2]]})
     assert both.status == 400 and "not both" in (await both.json())["error"]
+
+
+@pytest.fixture
+async def v1_client(make_client, tmp_path: Path) -> TestClient:
+    write_scale_model(tmp_path, "scale")
+    client: TestClient = await make_client(tmp_path, max_items_per_request=64, max_json_depth=8)
+    return client
+
+
+@FUZZ
+@given(body=v1_bodies(), key=st.sampled_from(["inputs", "both"]))
+async def test_v1_inputs_bodies_never_5xx(v1_client: TestClient, body: dict[str, Any], key: str) -> None:
+    """KServe V1 ``{"inputs": ...}`` (and both keys at once), fuzzed like ``instances``."""
+    instances = body["instances"]
+    payload = {"inputs": instances} if key == "inputs" else {"inputs": instances, "instances": instances}
+    await check(v1_client, "/v1/models/scale:predict", json.dumps(payload).encode())

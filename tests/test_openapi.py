@@ -11,10 +11,14 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import jsonschema
 import pytest
 from openapi_spec_validator import validate
 
+from app.http.openapi import main as openapi_main
+from app.http.openapi import render
 from app.http.routes import OPENAPI
 from tests.server import ROOT, Gunicorn
 from tests.toy_models import write_scale_model
@@ -29,6 +33,45 @@ def spec() -> dict:
 def test_document_is_valid_openapi_3() -> None:
     validate(spec())
     assert spec()["openapi"].startswith("3.")
+
+
+def test_document_is_generated_from_the_code() -> None:
+    """app/openapi.json is what ``python -m app.http.openapi`` writes (rerun it after a change)."""
+    assert SPEC_PATH.read_bytes() == render()
+    assert openapi_main(["--check"]) == 0
+
+
+def validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
+    """A validator for ``schema`` whose ``#/components/schemas/...`` references resolve in the spec."""
+    return jsonschema.Draft202012Validator({**schema, "components": spec()["components"]})
+
+
+async def test_real_answers_validate_against_their_documented_schemas(make_client, scale_repo: Path) -> None:
+    """Every documented 200 JSON answer of the in-process app matches the schema generated from
+    the msgspec types, so the types and the handlers cannot drift apart."""
+    client = await make_client(scale_repo)
+    x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
+    bodies = {
+        "/v2/models/{name}/infer": {"inputs": [x], "id": "a"},
+        "/v2/models/{name}/versions/{version}/infer": {"inputs": [x], "outputs": [{"name": "y"}]},
+        "/v1/models/{name}:predict": {"instances": [[1, 2]]},
+        "/v2/repository/index": {"ready": True},
+    }
+    await client.post("/v2/models/scale/infer", json={"inputs": [x]})  # so the stats have batches
+    checked = 0
+    for path, ops in spec()["paths"].items():
+        for method, op in ops.items():
+            content = op["responses"]["200"]["content"]
+            if "application/json" not in content or path == "/openapi.json":
+                continue
+            url = path.replace("{name}", "scale").replace("{version}", "1")
+            resp = await client.request(method.upper(), url, json=bodies.get(path))
+            assert resp.status == 200, (path, await resp.text())
+            body = await resp.json()
+            errors = [e.message for e in validator(content["application/json"]["schema"]).iter_errors(body)]
+            assert not errors, (path, errors, body)
+            checked += 1
+    assert checked == len(spec()["paths"]) - 2  # all but /metrics and /openapi.json
 
 
 async def test_served_at_openapi_json_and_covers_every_route(make_client, scale_repo: Path) -> None:
@@ -70,13 +113,18 @@ def test_schemathesis_against_gunicorn_finds_no_5xx_and_no_worker_dies(tmp_path:
     # 503 and 504 answer the request's own deadline (X-Request-Timeout-Ms: 5e-324 is a valid
     # header) or overload; any other 5xx is a bug.
     config = tmp_path / "schemathesis.toml"
-    config.write_text('[checks.not_a_server_error]\nexpected-statuses = ["1xx", "2xx", "3xx", "4xx", "503", "504"]\n')
+    config.write_text(
+        '[checks.not_a_server_error]\nexpected-statuses = ["1xx", "2xx", "3xx", "4xx", "503", "504"]\n'
+    )
     env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "2", "SCORING_ACCESS_LOG": ""}
     with Gunicorn(tmp_path, env) as srv:
         srv.wait_ready()
         workers = srv.wait_workers(2)
         for _ in range(50):  # warm both workers up before measuring memory
-            srv.post("/v2/models/scale/infer", {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]})
+            srv.post(
+                "/v2/models/scale/infer",
+                {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]},
+            )
         rss_before = {w.pid: w.memory_info().rss for w in workers}
         started = time.monotonic()
         cmd = [

@@ -10,7 +10,8 @@ A presented key is hashed (SHA-256) and compared with ``hmac.compare_digest`` ag
 *every* configured key's hash, without stopping at a match, so the time taken says
 neither which key matched nor how much of a key was right.
 
-Open without a key: the health probes (``/v2/health/live``, ``/v2/health/ready``), and
+Open without a key: the health probes (``/v2/health/live``, ``/v2/health/ready``, KServe V1's
+liveness ``GET /``), and
 ``/metrics`` when ``SCORING_METRICS_AUTH=false``. Everything else answers 401
 ``{"error": "unauthorized"}`` with ``WWW-Authenticate: Bearer``, the same for a missing
 and a wrong key.
@@ -128,7 +129,7 @@ def presented_key(request: web.Request) -> str | None:
 
 def _is_open(request: web.Request, metrics_open: bool) -> bool:
     path = request.path
-    return path.startswith(_HEALTH_PREFIX) or (metrics_open and path == "/metrics")
+    return path.startswith(_HEALTH_PREFIX) or path == "/" or (metrics_open and path == "/metrics")
 
 
 def auth_middleware(keys: ApiKeys, metrics_open: bool) -> Middleware:

@@ -106,6 +106,52 @@ def serialize_bytes(array: np.ndarray) -> bytes:
     return b"".join(parts)
 
 
+def decode_raw(
+    datatype: str, shape: list[int] | None, raw: memoryview | bytes, where: str, limits: RequestLimits
+) -> np.ndarray:
+    """One tensor's raw bytes (binary tensor data, or gRPC ``raw_input_contents``) -> a flat
+    array of ``datatype`` with ``prod(shape)`` elements: fixed-size datatypes through
+    ``numpy.frombuffer`` (one copy into a writable array; torch warns on read-only ones), BYTES
+    as length-prefixed strings into an ``object`` array of ``bytes``.
+
+    Raises:
+        InvalidInput: a bad shape, an unknown datatype, a size that is not ``prod(shape)``
+            elements, or malformed BYTES lengths.
+        PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
+            ``limits.max_string_bytes``.
+    """
+    if shape is None or any((not isinstance(d, int)) or d < 0 for d in shape):
+        raise InvalidInput(f"{where}: shape {shape} must be non-negative integers")
+    if shape:
+        limits.check_items(shape[0], where)
+    count = 1
+    for d in shape:
+        count *= d
+    view = memoryview(raw)
+    if datatype == "BYTES":
+        return deserialize_bytes(view, count, where, limits.max_string_bytes)
+    dtype = NUMPY_DTYPES.get(datatype)
+    if dtype is None:
+        raise InvalidInput(f"{where}: datatype {datatype!r} is not supported")
+    if len(view) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"{where}: {len(view)} bytes of data != {count} elements of {datatype} "
+            f"({count * dtype.itemsize} bytes) for shape {shape}"
+        )
+    if datatype == "BOOL":
+        flags: np.ndarray = np.frombuffer(view, dtype=np.uint8) != 0
+        return flags
+    return np.frombuffer(view, dtype=dtype.newbyteorder("<")).astype(dtype)
+
+
+def tensor_bytes(array: np.ndarray, datatype: str) -> bytes:
+    """An output array -> its raw bytes (binary tensor data, or gRPC ``raw_output_contents``):
+    little-endian row-major elements, BYTES length-prefixed."""
+    if datatype == "BYTES":
+        return serialize_bytes(array)
+    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
+
+
 def attach_binary(request: InferRequest, binary: memoryview, limits: RequestLimits = _DEFAULT_LIMITS) -> None:
     """Fill the ``data`` of every input that declares ``parameters.binary_data_size`` from
     ``binary``, in input order: fixed-size datatypes are read with ``numpy.frombuffer`` (one
@@ -135,43 +181,14 @@ def attach_binary(request: InferRequest, binary: memoryview, limits: RequestLimi
             raise InvalidInput(
                 f"{where}: binary_data_size {size} runs past the body ({len(binary) - offset} bytes left)"
             )
-        shape = tensor.shape
-        if shape is None or any((not isinstance(d, int)) or d < 0 for d in shape):
-            raise InvalidInput(f"{where}: shape {shape} must be non-negative integers")
-        if shape:
-            limits.check_items(shape[0], where)
-        count = 1
-        for d in shape:
-            count *= d
         chunk = binary[offset : offset + size]
         offset += size
-        if tensor.datatype == "BYTES":
-            tensor.data = deserialize_bytes(chunk, count, where, limits.max_string_bytes)
-            continue
-        dtype = NUMPY_DTYPES.get(tensor.datatype)
-        if dtype is None:
-            raise InvalidInput(f"{where}: datatype {tensor.datatype!r} is not supported")
-        if size != count * dtype.itemsize:
-            raise InvalidInput(
-                f"{where}: binary_data_size {size} != {count} elements of {tensor.datatype} "
-                f"({count * dtype.itemsize} bytes) for shape {shape}"
-            )
-        if tensor.datatype == "BOOL":
-            tensor.data = np.frombuffer(chunk, dtype=np.uint8) != 0
-        else:
-            # One memcpy into a writable native array (torch.from_numpy warns on read-only ones).
-            tensor.data = np.frombuffer(chunk, dtype=dtype.newbyteorder("<")).astype(dtype)
+        tensor.data = decode_raw(tensor.datatype, tensor.shape, chunk, where, limits)
     if offset != len(binary):
         raise InvalidInput(
             f"the body has {len(binary) - offset} bytes after the JSON header and the inputs' "
             f"binary_data_size; {HEADER_LENGTH} or a binary_data_size is wrong"
         )
-
-
-def _raw(array: np.ndarray, datatype: str) -> bytes:
-    if datatype == "BYTES":
-        return serialize_bytes(array)
-    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
 
 
 def response_document(response: InferResponse) -> tuple[dict[str, Any], list[bytes]]:
@@ -187,7 +204,7 @@ def response_document(response: InferResponse) -> tuple[dict[str, Any], list[byt
     for out in response.outputs:
         tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.array.shape)}
         if out.binary:
-            raw = _raw(out.array, out.datatype)
+            raw = tensor_bytes(out.array, out.datatype)
             tensor["parameters"] = {"binary_data_size": len(raw)}
             chunks.append(raw)
         elif out.datatype == "BYTES":

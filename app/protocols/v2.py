@@ -9,16 +9,23 @@ protocol-neutral :class:`app.protocols.infer.InferRequest`.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import orjson
 
+from app.datatypes import DATATYPES
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.binary import response_document
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
 from app.protocols.limits import RequestLimits, check_json_depth
+
+_DATATYPES = sorted(DATATYPES)
+#: Schema-only annotations (decoding stays lenient, so the checks below name the field).
+DatatypeField = Annotated[str, msgspec.Meta(extra_json_schema={"enum": _DATATYPES})]
+ResponseDatatype = Annotated[str, msgspec.Meta(extra_json_schema={"enum": _DATATYPES})]
+Parameters = Annotated[dict[str, Any], msgspec.Meta(description="Free-form parameters.")]
 
 
 class RequestInput(msgspec.Struct):
@@ -26,27 +33,45 @@ class RequestInput(msgspec.Struct):
     binary tensor data (``parameters.binary_data_size``)."""
 
     name: str
-    shape: list[int]
-    datatype: str
-    data: list[Any] | None = None
-    parameters: dict[str, Any] | None = None
+    shape: Annotated[list[int], msgspec.Meta(description="[batch, *item shape].")]
+    datatype: DatatypeField
+    data: (
+        Annotated[list[Any], msgspec.Meta(description="Row-major, flat or nested; strings for BYTES.")] | None
+    ) = None
+    parameters: (
+        Annotated[
+            dict[str, Any],
+            msgspec.Meta(description="binary_data_size: bytes of this tensor after the JSON."),
+        ]
+        | None
+    ) = None
 
 
 class RequestOutput(msgspec.Struct):
-    """``$request_output``: an output the client wants back (``parameters.binary_data``: as
-    binary tensor data)."""
+    """``$request_output``: an output the client wants back."""
 
     name: str
-    parameters: dict[str, Any] | None = None
+    parameters: (
+        Annotated[dict[str, Any], msgspec.Meta(description="binary_data: true = as binary tensor data.")]
+        | None
+    ) = None
 
 
 class InferenceRequest(msgspec.Struct):
-    """``$inference_request`` (``parameters.timeout`` in microseconds;
-    ``parameters.binary_data_output``: every output as binary tensor data)."""
+    """``$inference_request``."""
 
     inputs: list[RequestInput]
     id: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: (
+        Annotated[
+            dict[str, Any],
+            msgspec.Meta(
+                description="timeout: deadline in microseconds (Triton's convention); "
+                "binary_data_output: every output as binary tensor data."
+            ),
+        ]
+        | None
+    ) = None
     outputs: list[RequestOutput] | None = None
 
 
@@ -56,9 +81,9 @@ class ResponseOutput(msgspec.Struct, omit_defaults=True):
 
     name: str
     shape: list[int]
-    datatype: str
+    datatype: ResponseDatatype
     data: list[Any] | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
 
 
 class InferenceResponse(msgspec.Struct, omit_defaults=True):
@@ -68,7 +93,7 @@ class InferenceResponse(msgspec.Struct, omit_defaults=True):
     outputs: list[ResponseOutput]
     model_version: str | None = None
     id: str | None = None
-    parameters: dict[str, Any] | None = None
+    parameters: Parameters | None = None
 
 
 _decoder = msgspec.json.Decoder(InferenceRequest)
