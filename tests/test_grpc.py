@@ -25,6 +25,7 @@ from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
 from app.grpc.servicer import InferenceServicer
 from app.observability.metrics import METRICS
+from app.protocols.binary import deserialize_bytes
 from app.protocols.infer import InferRequest
 from app.serving.state import REGISTRY
 
@@ -84,7 +85,7 @@ def outputs_of(reply: pb.ModelInferResponse) -> dict[str, np.ndarray]:
         if reply.raw_output_contents:
             raw = reply.raw_output_contents[i]
             if tensor.datatype == "BYTES":
-                arr = codec.deserialize_bytes(memoryview(raw), int(np.prod(tensor.shape)), "", 1 << 20)
+                arr = deserialize_bytes(memoryview(raw), int(np.prod(tensor.shape)), "", 1 << 20)
             else:
                 arr = np.frombuffer(raw, dtype={"FP32": "<f4", "INT64": "<i8"}[tensor.datatype])
         else:

@@ -27,7 +27,7 @@ from app.datatypes import NUMPY_DTYPES
 from app.errors import InvalidInput
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.models.repository import ModelConfig, TensorSpec
-from app.protocols.binary import deserialize_bytes, serialize_bytes
+from app.protocols.binary import decode_raw, tensor_bytes
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
 from app.protocols.limits import RequestLimits
 
@@ -80,33 +80,21 @@ def _shape(dims: Any, where: str) -> list[int]:
 
 
 def raw_to_array(
-    raw: bytes, datatype: str, shape: list[int], where: str, max_string_bytes: int
+    raw: bytes, datatype: str, shape: list[int], where: str, limits: RequestLimits
 ) -> np.ndarray:
-    """One input's raw contents -> a flat array of ``datatype`` with ``prod(shape)`` elements
-    (the same layout as Triton's binary tensor data: :mod:`app.protocols.binary`).
+    """One input's raw contents -> a flat array of ``datatype`` with ``prod(shape)`` elements;
+    the layout of Triton's binary tensor data, decoded by :func:`app.protocols.binary.decode_raw`.
 
     Raises:
         InvalidInput: the byte count does not match ``shape`` x the datatype's size, or
             malformed BYTES elements (a length past the end, too few or too many elements).
-        PayloadTooLarge: a BYTES element longer than ``max_string_bytes``.
+        PayloadTooLarge: more than ``limits.max_items`` items, or a BYTES element longer than
+            ``limits.max_string_bytes``.
     """
-    count = math.prod(shape)
-    if datatype == "BYTES":
-        if count * _LENGTH.size > len(raw):  # each element needs its length prefix: checked
-            # before the element array is allocated, so a huge declared shape costs nothing
-            raise InvalidInput(f"{where}: {len(raw)} bytes cannot hold {count} BYTES elements")
-        return deserialize_bytes(memoryview(raw), count, where, max_string_bytes)
-    dtype = NUMPY_DTYPES[datatype]
-    if count * dtype.itemsize != len(raw):
-        raise InvalidInput(
-            f"{where}: shape {shape} of {datatype} needs {count * dtype.itemsize} bytes, "
-            f"raw_input_contents has {len(raw)}"
-        )
-    if datatype == "BOOL":
-        flags: np.ndarray = np.frombuffer(raw, dtype=np.uint8) != 0
-        return flags
-    # One copy into a writable native array (torch.from_numpy warns on read-only ones).
-    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).astype(dtype)
+    if datatype == "BYTES" and math.prod(shape) * _LENGTH.size > len(raw):
+        # each element needs its 4-byte length: refused before an element array is allocated
+        raise InvalidInput(f"{where}: {len(raw)} bytes cannot hold {math.prod(shape)} BYTES elements")
+    return decode_raw(datatype, shape, raw, where, limits)
 
 
 def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
@@ -178,7 +166,7 @@ def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> 
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(f"{where}: both contents and raw_input_contents given; send one")
-            data = raw_to_array(raw[i], tensor.datatype, shape, where, limits.max_string_bytes)
+            data = raw_to_array(raw[i], tensor.datatype, shape, where, limits)
         else:
             data = contents_to_array(tensor.contents, tensor.datatype, where)
             if data.size != math.prod(shape):
@@ -195,12 +183,6 @@ def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> 
         parameters=parameters(message.parameters),
         outputs=outputs or None,
     )
-
-
-def _raw_bytes(datatype: str, array: np.ndarray) -> bytes:
-    if datatype == "BYTES":
-        return serialize_bytes(array)
-    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
 
 
 def _fill_contents(contents: Any, datatype: str, array: np.ndarray) -> None:
@@ -224,7 +206,7 @@ def encode_response(response: InferResponse, raw: bool) -> pb.ModelInferResponse
     for output in response.outputs:
         tensor = message.outputs.add(name=output.name, datatype=output.datatype, shape=output.array.shape)
         if raw:
-            message.raw_output_contents.append(_raw_bytes(output.datatype, output.array))
+            message.raw_output_contents.append(tensor_bytes(output.array, output.datatype))
         else:
             _fill_contents(tensor.contents, output.datatype, output.array)
     return message
