@@ -351,3 +351,24 @@ async def test_oversized_tensors_are_refused_before_they_are_parsed(served: Call
     request.inputs[1].shape[:] = [17, 1]
     err = await g.error("ModelInfer", request)
     assert err.code() == Code.RESOURCE_EXHAUSTED and "17 items" in err.details()
+
+
+async def test_tls_with_the_http_certificate(
+    make_client: Callable[..., Any], scale_repo: Path, tmp_path: Path
+) -> None:
+    from tests.test_e2e_reliability import self_signed
+
+    cert, key = self_signed(tmp_path)
+    http = await make_client(scale_repo, certfile=cert, keyfile=key)
+    server, port = await start_server(http.server.app, "127.0.0.1", 0)
+    credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
+    try:
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            assert (await stub.ServerLive(pb.ServerLiveRequest(), timeout=10)).live
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await pb_grpc.GRPCInferenceServiceStub(plain).ServerLive(pb.ServerLiveRequest(), timeout=5)
+            assert info.value.code() == Code.UNAVAILABLE
+    finally:
+        await server.stop(None)
