@@ -239,8 +239,13 @@ async def test_requests_are_counted_with_protocol_grpc(served: Callable[..., Any
         labels = {"model": "scale", "version": "1", "protocol": "grpc", "code": code}
         return registry.get_sample_value("scoring_requests_total", labels)
 
+    unknown_model = scale_request([[1.0, 2.0]], [b"t"])
+    unknown_model.model_name = "nope"
+    await g.error("ModelInfer", unknown_model)
     assert count("OK") == 1.0
-    assert count("INVALID_ARGUMENT") == 1.0  # the unknown version never reached a model's metrics
+    assert count("INVALID_ARGUMENT") == 1.0
+    unknown = {"model": "", "version": "", "protocol": "grpc"}
+    assert registry.get_sample_value("scoring_requests_total", {**unknown, "code": "NOT_FOUND"}) == 2.0
 
 
 class FakeContext:

@@ -30,7 +30,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
-from app.errors import InvalidInput, ScoringError, Unauthorized
+from app.errors import InvalidInput, ModelNotFound, ScoringError, Unauthorized
 from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
@@ -229,12 +229,17 @@ class InferenceServicer:
         self, request: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
         """Inference; raw inputs get raw outputs, typed inputs typed outputs."""
-        entry = self.registry.get(request.model_name, request.model_version or None)
-        return await self._observed(entry, self._infer(entry, request, context, rid))
+        try:
+            entry = self.registry.get(request.model_name, request.model_version or None)
+            labels = (entry.config.name, entry.config.version)
+        except ModelNotFound:
+            labels = ("", "")  # counted as HTTP counts an unknown model's 404
+        return await self._observed(labels, self._infer(request, context, rid))
 
     async def _infer(
-        self, entry: ModelEntry, message: pb.ModelInferRequest, context: Context, rid: str
+        self, message: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
+        entry = self.registry.get(message.model_name, message.model_version or None)
         config = entry.config
         request = codec.decode_request(message, config, self.limits)
         inputs = infer.validate_inputs(config, request, self.limits)
@@ -260,12 +265,11 @@ class InferenceServicer:
         limits = [t for t in (context.time_remaining(), request.timeout_s()) if t is not None]
         return min(limits) if limits else dataplane.default_timeout_s(self.settings, entry)
 
-    async def _observed(self, entry: ModelEntry, work: Awaitable[Reply]) -> Reply:
-        """Count and time one ModelInfer in the Prometheus metrics (``protocol="grpc"``, ``code``
-        = the gRPC status name)."""
+    async def _observed(self, labels: tuple[str, str], work: Awaitable[Reply]) -> Reply:
+        """Count and time one ModelInfer in the Prometheus metrics, labelled (model, version)
+        (``protocol="grpc"``, ``code`` = the gRPC status name)."""
         if self.metrics is None:
             return await work
-        labels = (entry.config.name, entry.config.version)
         in_flight = self.metrics.in_flight.labels(*labels)
         in_flight.inc()
         start = time.perf_counter()
