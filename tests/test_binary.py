@@ -207,6 +207,13 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
             413,
             "per string",
         ),
+        (  # a huge declared BYTES shape is refused before anything is allocated for it
+            {"inputs": [x_input(2), {**TAG_OK, "shape": [1, 2**40]}]},
+            [X2, bytes_tensor([b"abcdef", b"ab"])],
+            None,
+            400,
+            "cannot hold",
+        ),
         (
             {"inputs": [x_input(2)], "parameters": {"binary_data_output": "yes"}},
             [X2],

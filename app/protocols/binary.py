@@ -73,8 +73,13 @@ def deserialize_bytes(buffer: memoryview, count: int, where: str, max_string_byt
             ``count`` elements.
         PayloadTooLarge: an element longer than ``max_string_bytes``.
     """
-    out = np.empty(count, dtype=object)
     offset, end = 0, len(buffer)
+    if count * 4 > end:  # before allocating: a declared shape may be huge
+        raise InvalidInput(
+            f"{where}: shape declares {count} BYTES elements; {end} bytes cannot hold that many "
+            "4-byte length prefixes"
+        )
+    out = np.empty(count, dtype=object)
     for i in range(count):
         if end - offset < 4:
             raise InvalidInput(f"{where}: binary BYTES data ends inside element {i} of {count}")
