@@ -17,6 +17,7 @@ goes to 127.0.0.1 only.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -30,11 +31,13 @@ import urllib.request
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import aiohttp
 import numpy as np
 import psutil
+
+from gpu_stat.family import live_children
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
@@ -57,7 +60,7 @@ def free_port(host: str = HOST) -> int:
 
 
 def poll(
-    predicate: Callable[[], T],
+    predicate: Callable[[], T | None],
     timeout_s: float,
     what: str,
     *,
@@ -165,6 +168,7 @@ class Gunicorn:
             "HF_HUB_OFFLINE": "1",
             **(env or {}),
         }
+        self.run_dir = Path(full_env["SCORING_RUN_DIR"])  # env may name another
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         command = [sys.executable, "-m", "gunicorn", "-c", str(config), "--pid", str(self.pidfile)]
         self.proc = subprocess.Popen(
@@ -194,12 +198,13 @@ class Gunicorn:
         return http("POST", self.url + path, body, headers=headers, context=self.context, **kw)
 
     def workers(self) -> list[psutil.Process]:
-        """The master's live children (its workers); empty once the master is gone."""
-        try:
-            children: list[psutil.Process] = psutil.Process(self.proc.pid).children()
-        except psutil.Error:
-            return []
-        return children
+        """The master's live workers, oldest first (``gpu_stat.family``: zombies left out);
+        empty once the master is gone."""
+        workers = []
+        for pid in live_children(self.proc.pid):
+            with contextlib.suppress(psutil.Error):
+                workers.append(psutil.Process(pid))
+        return workers
 
     def worker_states(self) -> dict[int, str]:
         """pid -> published state of every live worker ("" where it has written none yet)."""
@@ -260,7 +265,7 @@ class Gunicorn:
         self._log.close()
         return self.proc.returncode
 
-    def __enter__(self) -> Gunicorn:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,9 +49,9 @@ async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[.
 
     from app.main import create_app
 
-    async def make(repo: Path, *, wait: bool = True, **settings: Any) -> TestClient:
+    async def make(repo: Path, *, wait: bool = True, **settings: Any) -> TestClient[web.Request, web.Application]:
         app = await create_app(Settings(model_repository=repo, device="cpu", **settings))
-        client: TestClient = await aiohttp_client(app)
+        client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
         if wait:
             await wait_ready(app)
         return client

@@ -32,6 +32,6 @@ class Gunicorn(harness.Gunicorn):
         )
 
 
-def wait_for(predicate: Callable[[], T], timeout_s: float, what: str, srv: harness.Gunicorn) -> T:
+def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, srv: harness.Gunicorn) -> T:
     """:func:`scripts.harness.poll` that fails with ``srv``'s log tail."""
     return poll(predicate, timeout_s, what, diagnostics=srv.log_tail)
