@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
@@ -22,6 +22,7 @@ from tests.toy_models import write_scale_model, write_tensor_model
 os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 
 AiohttpClient = Callable[..., Any]
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -33,14 +34,27 @@ def tensor_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
+async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float = 10.0) -> T:
+    """Await ``check`` every 10 ms until it returns something true, and return it; the async
+    twin of ``scripts.harness.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            result = await check()
+            if result:
+                return result
+            await asyncio.sleep(0.01)
+
+
 async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
     """Wait (bounded) until every model of the in-process app is warm."""
     registry = app[REGISTRY]
-    async with asyncio.timeout(timeout_s):
-        while not registry.ready:
-            if registry.load_error:
-                raise AssertionError(registry.load_error)
-            await asyncio.sleep(0.01)
+
+    async def warm() -> bool:
+        if registry.load_error:
+            raise AssertionError(registry.load_error)
+        return registry.ready
+
+    await eventually(warm, timeout_s)
 
 
 @pytest.fixture
@@ -49,7 +63,9 @@ async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[.
 
     from app.main import create_app
 
-    async def make(repo: Path, *, wait: bool = True, **settings: Any) -> TestClient[web.Request, web.Application]:
+    async def make(
+        repo: Path, *, wait: bool = True, **settings: Any
+    ) -> TestClient[web.Request, web.Application]:
         app = await create_app(Settings(model_repository=repo, device="cpu", **settings))
         client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
         if wait:

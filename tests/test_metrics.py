@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from app.serving.state import REGISTRY
 from gpu_stat.binding import BindingPolicy, bind_worker, release_binding
+from tests.conftest import eventually
 from tests.fake_gpus import GIB, gpu, gpu_uuid, write_fake
 from tests.server import Gunicorn, wait_for
 from tests.toy_models import ScaleHandler, write_scale_model
@@ -44,16 +45,6 @@ def v2_body(x: float, items: int = 1) -> dict[str, Any]:
 
 
 # --- in-process (no PROMETHEUS_MULTIPROC_DIR: a registry per app) --------------------------
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> Any:
-    """Poll ``check`` until it returns something true; fail after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            result = await check()
-            if result:
-                return result
-            await asyncio.sleep(0.01)
 
 
 async def scrape(client: Any) -> Samples:
