@@ -249,10 +249,6 @@ class Gunicorn:
 
         return poll(exactly, timeout_s, f"{count} workers", diagnostics=self.log_tail)
 
-    def reload(self) -> None:
-        """SIGHUP to the master: new workers start, the old ones drain."""
-        os.kill(self.proc.pid, signal.SIGHUP)
-
     def stop(self, timeout_s: float = 30.0) -> int:
         """SIGTERM, then SIGKILL after ``timeout_s``; the exit status."""
         if self.proc.poll() is None:
