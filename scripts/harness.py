@@ -130,7 +130,7 @@ class Gunicorn:
         env: extra environment (``SCORING_*`` settings) over the defaults below.
         args: extra gunicorn command-line arguments.
         config: the gunicorn config file (default: the repository's ``gunicorn.conf.py``).
-        context: serve over TLS (the server's ``SCORING_TLS_*`` come in ``env``) and trust it.
+        context: serve over TLS (``SCORING_CERTFILE``/``SCORING_KEYFILE`` in ``env``) and trust it.
         headers: sent with every :meth:`get` / :meth:`post`.
         clean_env: drop inherited ``SCORING_*``, ``GPU_STAT_*``, ``PROMETHEUS_*`` and
             ``CUDA_VISIBLE_DEVICES`` first (tests); False lets them through (benchmarks).
