@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import importlib.util
 import ipaddress
-import json
 import logging
 import os
 import shutil
@@ -153,7 +152,8 @@ def _backend() -> str:
 
 
 def post_fork(server: Any, worker: Any) -> None:
-    """Worker, before the app is imported: bind to a GPU slot, then tell the app via env vars."""
+    """Worker, before the app is imported: bind to a GPU slot. The app, in this process, reads
+    the binding from ``gpu_stat.binding.current_binding()``; torch picks the device ("auto")."""
     # Until the worker installs its own handlers (init_process, after this hook) it still has
     # the master's, which only queue the signal for the master's loop: a SIGTERM sent now, say
     # by a HUP reload while this worker waits for a GPU slot, would be lost and the worker
@@ -164,21 +164,13 @@ def post_fork(server: Any, worker: Any) -> None:
     state = SiblingStates(states_dir(_run_dir), os.getpid(), server.pid)
     state.publish(BINDING)
     try:
-        binding = bind_worker(_policy, heartbeat=worker.notify)
+        bind_worker(_policy, heartbeat=worker.notify)
     except BindTimeout as exc:
         worker.log.error("worker %d: %s; exiting with status %d", os.getpid(), exc, BIND_FAILED_EXIT)
         sys.exit(BIND_FAILED_EXIT)
     state.publish(BOOTING)
-    device = binding.device
-    if device != "cpu" and _backend().startswith("fake"):
-        # A fake NVML describes GPUs this machine does not have: models run on the CPU.
-        device = "cpu"
-    os.environ["SCORING_DEVICE"] = device
-    os.environ["SCORING_BINDING"] = json.dumps(binding.as_labels(), sort_keys=True)
     os.environ["SCORING_EXIT_ON_LOAD_FAILURE"] = "1"
-    os.environ.setdefault(
-        "SCORING_TORCH_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, server.cfg.workers)))
-    )
+    os.environ["SCORING_TORCH_THREADS"] = str(_settings.effective_torch_threads(server.cfg.workers))
 
 
 def child_exit(server: Any, worker: Any) -> None:

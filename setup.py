@@ -17,7 +17,7 @@ setup(
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     license="Apache-2.0",
-    python_requires=">=3.10",
+    python_requires=">=3.11",
     packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
     include_package_data=True,
     package_data={"gpu_stat": ["py.typed"], "app": ["py.typed", "openapi.json"]},
@@ -36,7 +36,6 @@ setup(
         "safetensors>=0.4",
         "grpcio>=1.81.1",
         "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
-        "tomli>=2.0; python_version<'3.11'",
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],

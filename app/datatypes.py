@@ -31,16 +31,3 @@ INT_DATATYPES: frozenset[str] = frozenset(
     {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 )
 
-
-def datatype_of(array: np.ndarray) -> str:
-    """The V2 datatype name of a numpy array.
-
-    Raises:
-        ValueError: the dtype has no V2 equivalent.
-    """
-    if array.dtype.kind in "OSU":
-        return "BYTES"
-    for name, dtype in NUMPY_DTYPES.items():
-        if dtype == array.dtype:
-            return name
-    raise ValueError(f"numpy dtype {array.dtype} has no Open Inference Protocol datatype")

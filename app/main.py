@@ -9,20 +9,16 @@ from __future__ import annotations
 from aiohttp import web
 from aiohttp.typedefs import Middleware
 
+from app.binding import BINDING, WorkerBinding
 from app.grpc.server import grpc_ctx
 from app.http.auth import API_KEYS, ApiKeys, auth_middleware
 from app.http.connections import setup_connections
 from app.http.extensions import routes as extension_routes
 from app.http.limits import header_limits_middleware, parser_limits
+from app.http.metrics import gpu_metrics_ctx, metrics_handler, metrics_middleware
 from app.http.middleware import error_middleware
-from app.http.routes import routes, worker_info
-from app.observability.metrics import (
-    METRICS,
-    create_metrics,
-    gpu_metrics_ctx,
-    metrics_handler,
-    metrics_middleware,
-)
+from app.http.routes import routes
+from app.observability.metrics import METRICS, create_metrics
 from app.protocols.limits import RequestLimits
 from app.serving.lifecycle import models_ctx, on_shutdown, resolve_device
 from app.serving.state import (
@@ -30,7 +26,6 @@ from app.serving.state import (
     LIMITS,
     REGISTRY,
     SETTINGS,
-    WORKER_INFO,
     ModelRegistry,
     WorkerLifecycle,
 )
@@ -72,7 +67,7 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         max_string_bytes=settings.max_string_bytes,
         max_json_depth=settings.max_json_depth,
     )
-    app[WORKER_INFO] = worker_info(str(resolve_device(settings.device)))
+    app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
     app.add_routes(extension_routes)  # first: /v2/models/stats is not a model's metadata
     app.add_routes(routes)
     if settings.metrics_enabled:

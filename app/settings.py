@@ -190,8 +190,8 @@ class Settings(BaseSettings):
     # --- device / binding ---------------------------------------------------
     device: str = Field(
         "auto",
-        description="Torch device for models: 'auto' (the bound GPU, else cpu), 'cpu', 'cuda:0'. "
-        "Set by the worker's GPU binding.",
+        description="Torch device for models: 'auto' (the GPU the worker is bound to, else cpu), "
+        "'cpu', 'cuda:0'.",
     )
     torch_threads: int = Field(0, ge=0, description="torch.set_num_threads per worker; 0 = cores / workers.")
     gpus: str = Field(
@@ -250,7 +250,8 @@ class Settings(BaseSettings):
         return tuple(g.strip() for g in self.gpus.split(",") if g.strip())
 
     def effective_torch_threads(self, workers: int) -> int:
-        """Intra-op threads per worker so that ``workers x threads`` fits the cores."""
+        """Intra-op threads per worker so that ``workers x threads`` fits the cores: the one rule
+        (gunicorn.conf.py's ``post_fork`` applies it with the server's worker count)."""
         if self.torch_threads:
             return self.torch_threads
         return max(1, (os.cpu_count() or 1) // max(1, workers))

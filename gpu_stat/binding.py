@@ -37,26 +37,39 @@ exiting old worker after a HUP reload.
 
 Lock files are never deleted: unlinking a lock file that another process has open lets a third
 process lock a new file of the same name, and the lease would no longer be exclusive.
+
+Rooms: this module holds the policy, the binding fact and the bind loop; the pure decisions
+(units, allow-list, foreign count, plan) are in ``gpu_stat.planner``, the lock files in
+``gpu_stat.leases``, the siblings in ``gpu_stat.family``, the after-load check in
+``gpu_stat.verify``.
 """
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import random
-import re
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import psutil
-
+from gpu_stat.family import Family, family
+from gpu_stat.leases import LEASE_DIR, lock_path, probe_leases, safe_name, try_lock
+from gpu_stat.planner import (
+    GIB,
+    SlotState,
+    Unit,
+    allowed_units,
+    count_foreign_processes,
+    pending_leases,
+    plan_slots,
+    units,
+)
 from gpu_stat.query import backend_name, query_gpus
-from gpu_stat.snapshot import GpuInfo, GpuProcess, NvmlUnavailable
+from gpu_stat.snapshot import NvmlUnavailable
 from gpu_stat.visible import ENV_VISIBLE
 
 __all__ = [
@@ -65,25 +78,19 @@ __all__ = [
     "Binding",
     "BindingPolicy",
     "bind_worker",
-    "count_foreign_processes",
     "current_binding",
-    "plan_slots",
     "release_binding",
     "usable_gpu_count",
-    "verify_binding",
 ]
 
 log = logging.getLogger(__name__)
 
-LEASE_DIR = "gpu-leases"
 #: A worker exit code for BindTimeout that gunicorn does not treat as fatal (it halts the whole
 #: server on 3 and 4): EX_TEMPFAIL from sysexits.h.
 EXIT_BIND_TIMEOUT = 75
 
-_GIB = 2**30
 _HEARTBEAT_EVERY_S = 0.25
 _MAX_BACKOFF_S = 1.0
-_LOCK_NAME = re.compile(r"^(?P<uuid>.+)\.slot(?P<slot>[0-9]+)\.lock$")
 
 
 @dataclass(frozen=True)
@@ -133,9 +140,15 @@ class BindingPolicy:
 
 @dataclass(frozen=True)
 class Binding:
-    """Where a worker runs. ``gpu_index`` is the GPU's index in the CUDA_VISIBLE_DEVICES view the
-    worker started with (for a MIG instance: its GPU's); ``gpu_uuid`` is what CUDA_VISIBLE_DEVICES
-    now holds (a ``MIG-`` uuid for a MIG instance); all GPU fields are None on CPU."""
+    """Where a worker runs: the one fact about it, made once by :func:`bind_worker` and read
+    from :func:`current_binding` by whoever needs it.
+
+    ``device``: the torch device the binding names ("cuda:0" or "cpu"). ``gpu_index``: the GPU's
+    index in the CUDA_VISIBLE_DEVICES view the worker started with (for a MIG instance: its
+    GPU's); ``gpu_uuid``: what CUDA_VISIBLE_DEVICES now holds (a ``MIG-`` uuid for a MIG
+    instance); ``slot``: the lease's slot on that GPU; all GPU fields are None on CPU. ``rank``:
+    the worker's position among its siblings when it bound; ``reason``: "bound" or why CPU;
+    ``pid``: the process it describes (the one that bound)."""
 
     device: str
     gpu_index: int | None
@@ -144,6 +157,7 @@ class Binding:
     slot: int | None
     rank: int
     reason: str
+    pid: int = field(default_factory=os.getpid)
 
     def as_labels(self) -> dict[str, str]:
         """Labels for metrics and logs: gpu, gpu_uuid, slot ("" on CPU) and device."""
@@ -200,123 +214,6 @@ def release_binding() -> None:
         _held = None
 
 
-# --- pure decisions (unit-tested without processes) ---------------------------------------------
-
-
-def count_foreign_processes(
-    processes: Sequence[GpuProcess] | None, our_pids: Collection[int], our_leases: int
-) -> int:
-    """Processes on a GPU that are not ours (see the module docstring for the reasoning).
-
-    ``processes``: NVML's list (None = NVML does not list them: 0 foreign, nothing to go on);
-    ``our_pids``: live PIDs of our server; ``our_leases``: leases held on this GPU.
-    """
-    if processes is None:
-        return 0
-    pids = {p.pid for p in processes}
-    matched = len(pids.intersection(our_pids))
-    unmatched = len(pids) - matched
-    return max(0, unmatched - max(0, our_leases - matched))
-
-
-def _pending_leases(
-    processes: Sequence[GpuProcess] | None, our_pids: Collection[int], our_leases: int
-) -> int:
-    """Leases whose holder has no process on the GPU yet (so has not allocated memory)."""
-    if processes is None:
-        return 0
-    pids = {p.pid for p in processes}
-    matched = len(pids.intersection(our_pids))
-    return max(0, our_leases - matched - (len(pids) - matched))
-
-
-@dataclass(frozen=True)
-class SlotState:
-    """One bindable GPU as the planner sees it: ``key`` identifies it (its uuid), ``order`` breaks
-    ties (lower first), ``leases`` held by us, ``free_slots`` not leased, ``capacity`` how many
-    new workers it may take now, ``free_memory`` in bytes."""
-
-    key: str
-    order: int
-    leases: int
-    free_slots: tuple[int, ...]
-    capacity: int
-    free_memory: int
-
-
-def plan_slots(states: Iterable[SlotState]) -> list[tuple[str, int]]:
-    """Free (key, slot) pairs in the order workers should take them: repeatedly the GPU with the
-    fewest leases (counting those planned before), then the most free memory in whole GiB (so
-    that megabytes of noise do not reorder identical GPUs), then the lowest ``order``; on that
-    GPU its lowest free slot. A GPU appears at most ``capacity`` times."""
-    candidates = [s for s in states if s.capacity > 0 and s.free_slots]
-    taken = {s.key: 0 for s in candidates}
-    plan: list[tuple[str, int]] = []
-    while True:
-        open_ = [s for s in candidates if taken[s.key] < min(s.capacity, len(s.free_slots))]
-        if not open_:
-            return plan
-        best = min(
-            open_, key=lambda s: (s.leases + taken[s.key], -(s.free_memory // _GIB), s.order)
-        )
-        plan.append((best.key, best.free_slots[taken[best.key]]))
-        taken[best.key] += 1
-
-
-# --- the view: bindable units ---------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Unit:
-    gpu: GpuInfo  # the GPU, or the MIG instance, that CUDA_VISIBLE_DEVICES will name
-    view_index: int  # index of the (parent) GPU in the CUDA_VISIBLE_DEVICES view
-    parent_uuid: str | None
-    order: int
-
-    def label(self) -> str:
-        mig = f" {self.gpu.uuid}" if self.parent_uuid is not None else ""
-        return f"GPU {self.view_index}{mig}"
-
-
-def _units(view: Sequence[GpuInfo]) -> list[_Unit]:
-    units: list[_Unit] = []
-    for gpu in view:
-        # CUDA cannot use a MIG-enabled GPU as a whole, only its instances.
-        for unit in gpu.mig_instances if gpu.mig_enabled else (gpu,):
-            units.append(_Unit(unit, gpu.index, unit.parent_uuid, len(units)))
-    return units
-
-
-def _allowed_units(units: list[_Unit], allowed: Sequence[str]) -> tuple[list[_Unit], list[str]]:
-    """Units matching the allow-list, and the entries that match nothing (or are ambiguous)."""
-    if not allowed:
-        return units, []
-    keep: set[int] = set()
-    unmatched: list[str] = []
-    for entry in allowed:
-        if entry.isdigit() and entry.isascii():
-            hits = {u.order for u in units if u.view_index == int(entry)}
-        elif entry.lower().startswith(("gpu-", "mig-")):
-            prefix = entry.lower()
-            named = {
-                uuid
-                for u in units
-                for uuid in (u.gpu.uuid, u.parent_uuid)
-                if uuid is not None and uuid.lower().startswith(prefix)
-            }
-            hits = (
-                {u.order for u in units if named & {u.gpu.uuid, u.parent_uuid}}
-                if len(named) == 1
-                else set()
-            )
-        else:
-            hits = set()
-        if not hits:
-            unmatched.append(entry)
-        keep |= hits
-    return [u for u in units if u.order in keep], unmatched
-
-
 def usable_gpu_count(policy: BindingPolicy) -> int:
     """For the master: how many GPUs workers can bind to, after CUDA_VISIBLE_DEVICES and the
     allow-list (a MIG-enabled GPU counts its MIG instances). 0 when NVML is unavailable. Does not
@@ -327,128 +224,39 @@ def usable_gpu_count(policy: BindingPolicy) -> int:
     except NvmlUnavailable as exc:
         log.info("usable GPUs: 0 (NVML unavailable: %s)", exc)
         return 0
-    allowed, unmatched = _allowed_units(_units(view), policy.allowed_gpus)
+    allowed, unmatched = allowed_units(units(view), policy.allowed_gpus)
     if unmatched:
         log.warning("allowed_gpus entries match no visible GPU: %s", unmatched)
     return len(allowed)
 
 
-# --- processes and lease files ----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Family:
-    siblings: tuple[int, ...]  # live children of our parent, us included, by (create_time, pid)
-    ours: frozenset[int]  # our parent and all its descendants
-
-
-def _family() -> _Family:
-    me = os.getpid()
-    keyed: list[tuple[float, int]] = []
-    ours: set[int] = {me}
-    try:
-        parent = psutil.Process(os.getppid())
-        ours.add(parent.pid)
-        children = parent.children()
-        ours.update(p.pid for p in parent.children(recursive=True))
-    except psutil.Error:
-        children = []
-    for child in children:
-        try:
-            if child.status() != psutil.STATUS_ZOMBIE:  # dead, not yet reaped by the master
-                keyed.append((child.create_time(), child.pid))
-        except psutil.Error:
-            continue  # exited meanwhile
-    if me not in {pid for _, pid in keyed}:
-        keyed.append((psutil.Process(me).create_time(), me))
-    keyed.sort()
-    return _Family(tuple(pid for _, pid in keyed), frozenset(ours))
-
-
-def _safe(uuid: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", uuid)
-
-
-def _lock_path(lease_dir: Path, uuid: str, slot: int) -> Path:
-    return lease_dir / f"{_safe(uuid)}.slot{slot}.lock"
-
-
-def _probe_leases(lease_dir: Path) -> dict[str, dict[int, int | None]]:
-    """Held lock files: safe uuid -> {slot: holder pid, None if not written yet}. Probing takes a
-    shared lock for an instant, so a sibling's exclusive attempt at that very instant fails and
-    it plans again."""
-    result: dict[str, dict[int, int | None]] = {}
-    try:
-        names = os.listdir(lease_dir)
-    except FileNotFoundError:
-        return result
-    for name in names:
-        match = _LOCK_NAME.match(name)
-        if match is None:
-            continue
-        try:
-            fd = os.open(lease_dir / name, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-                continue  # free (closing the descriptor drops the shared lock)
-            except BlockingIOError:
-                pass
-            first_line = os.pread(fd, 32, 0).split(b"\n", 1)[0]
-            holder = int(first_line) if first_line.isdigit() else None
-        finally:
-            os.close(fd)
-        result.setdefault(match["uuid"], {})[int(match["slot"])] = holder
-    return result
-
-
-def _try_lock(path: Path) -> int | None:
-    """An exclusive lock on ``path`` (created if needed), or None if someone holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None
-    # For diagnostics and for siblings' ranking; written so that a reader never sees a wrong pid.
-    data = f"{os.getpid()}\n".encode()
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
-    return fd
-
-
-# --- bind -----------------------------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
 class _Attempt:
     plan: list[tuple[str, int]]
-    units: dict[str, _Unit]
+    units: dict[str, Unit]
     skipped: list[str]  # GPUs that the policy kept from taking a worker, and why
     full: list[str]  # GPUs whose slots are all leased
     bound_pids: frozenset[int]
 
 
 def _gib(n: int) -> str:
-    return f"{n / _GIB:.1f} GiB"
+    return f"{n / GIB:.1f} GiB"
 
 
-def _assess(units: list[_Unit], policy: BindingPolicy, family: _Family) -> _Attempt:
+def _assess(candidates: list[Unit], policy: BindingPolicy, fam: Family) -> _Attempt:
     lease_dir = policy.run_dir / LEASE_DIR
-    probes = _probe_leases(lease_dir)
+    probes = probe_leases(lease_dir)
     states: list[SlotState] = []
     skipped: list[str] = []
     full: list[str] = []
     bound: set[int] = set()
-    for unit in units:
-        held = probes.get(_safe(unit.gpu.uuid), {})
+    for unit in candidates:
+        held = probes.get(safe_name(unit.gpu.uuid), {})
         bound.update(pid for pid in held.values() if pid is not None)
         leases = len(held)
         free_slots = tuple(k for k in range(policy.max_processes_per_gpu) if k not in held)
-        foreign = count_foreign_processes(unit.gpu.processes, family.ours, leases)
-        pending = _pending_leases(unit.gpu.processes, family.ours, leases)
+        foreign = count_foreign_processes(unit.gpu.processes, fam.ours, leases)
+        pending = pending_leases(unit.gpu.processes, fam.ours, leases)
         free_memory = unit.gpu.memory_free - pending * policy.min_free_memory_bytes
         capacity = len(free_slots)
         if foreign and policy.foreign_process_policy == "skip":
@@ -470,7 +278,7 @@ def _assess(units: list[_Unit], policy: BindingPolicy, family: _Family) -> _Atte
             SlotState(unit.gpu.uuid, unit.order, leases, free_slots, capacity, free_memory)
         )
     return _Attempt(
-        plan_slots(states), {u.gpu.uuid: u for u in units}, skipped, full, frozenset(bound)
+        plan_slots(states), {u.gpu.uuid: u for u in candidates}, skipped, full, frozenset(bound)
     )
 
 
@@ -530,9 +338,9 @@ def _bind(
         collided = False
         if heartbeat is not None:
             heartbeat()
-        family = _family()
-        rank = family.siblings.index(me)
-        units: list[_Unit] | None = None
+        fam = family()
+        rank = fam.siblings.index(me)
+        chosen: list[Unit] | None = None
         try:
             view = query_gpus()
         except NvmlUnavailable as exc:
@@ -540,8 +348,8 @@ def _bind(
                 return _cpu(f"cpu: NVML unavailable ({exc})", rank, warn=True), None
             notes = [f"NVML unavailable ({exc})"]
         else:
-            all_units = _units(view)
-            units, unmatched = _allowed_units(all_units, policy.allowed_gpus)
+            all_units = units(view)
+            chosen, unmatched = allowed_units(all_units, policy.allowed_gpus)
             if first:
                 if unmatched:
                     log.warning("allowed_gpus entries match no visible GPU: %s", unmatched)
@@ -555,7 +363,7 @@ def _bind(
                         rank,
                         warn=True,
                     ), None
-                if not units:
+                if not chosen:
                     return _cpu(
                         f"cpu: no visible GPU matches allowed_gpus={list(policy.allowed_gpus)}",
                         rank,
@@ -563,15 +371,15 @@ def _bind(
                     ), None
                 policy.run_dir.joinpath(LEASE_DIR).mkdir(parents=True, exist_ok=True)
         first = False
-        if units is not None:
-            attempt = _assess(units, policy, family)
+        if chosen is not None:
+            attempt = _assess(chosen, policy, fam)
             notes = attempt.skipped + attempt.full or ["no GPU has a free slot"]
             if attempt.plan:
                 empty_rounds = 0
-                unbound = [pid for pid in family.siblings if pid not in attempt.bound_pids]
+                unbound = [pid for pid in fam.siblings if pid not in attempt.bound_pids]
                 offset = unbound.index(me) if me in unbound else rank
                 key, slot = attempt.plan[offset % len(attempt.plan)]
-                fd = _try_lock(_lock_path(policy.run_dir / LEASE_DIR, key, slot))
+                fd = try_lock(lock_path(policy.run_dir / LEASE_DIR, key, slot))
                 if fd is not None:
                     unit = attempt.units[key]
                     return _bound(unit, slot, rank, attempt.skipped, started), fd
@@ -592,7 +400,7 @@ def _bind(
             _sleep(random.uniform(0.5, 1.0) * backoff, deadline, heartbeat)
 
 
-def _bound(unit: _Unit, slot: int, rank: int, skipped: list[str], started: float) -> Binding:
+def _bound(unit: Unit, slot: int, rank: int, skipped: list[str], started: float) -> Binding:
     gpu = unit.gpu
     os.environ[ENV_VISIBLE] = gpu.uuid
     binding = Binding("cuda:0", unit.view_index, gpu.uuid, gpu.name, slot, rank, "bound")
@@ -611,58 +419,3 @@ def _bound(unit: _Unit, slot: int, rank: int, skipped: list[str], started: float
         "; skipped: " + "; ".join(skipped) if skipped else "",
     )
     return binding
-
-
-# --- verify ---------------------------------------------------------------------------------------
-
-
-def verify_binding(binding: Binding) -> bool | None:
-    """After the model is loaded: is this process's CUDA context on the claimed GPU?
-
-    True when NVML lists our pid on it; False when it does not although PIDs are comparable (it
-    lists a sibling of ours somewhere, or CUDA_VISIBLE_DEVICES no longer names the GPU, or the GPU
-    is gone); None when it cannot tell: CPU binding, fake backend, NVML unavailable, processes not
-    listed, or PIDs from another namespace (containers). Logs the result; never raises."""
-    if binding.gpu_uuid is None:
-        return None
-    if backend_name().startswith("fake:"):
-        log.info("gpu binding: not verified (fake NVML backend)")
-        return None
-    if os.environ.get(ENV_VISIBLE) != binding.gpu_uuid:
-        log.error(
-            "gpu binding: %s=%r no longer names the bound GPU %s",
-            ENV_VISIBLE, os.environ.get(ENV_VISIBLE), binding.gpu_uuid,
-        )
-        return False
-    try:
-        gpus = query_gpus(respect_visible_devices=False)
-    except (NvmlUnavailable, ValueError) as exc:
-        log.info("gpu binding: not verified (%s)", exc)
-        return None
-    return _verify(binding, gpus, os.getpid(), _family().ours)
-
-
-def _verify(
-    binding: Binding, gpus: Sequence[GpuInfo], me: int, ours: Collection[int]
-) -> bool | None:
-    units = {u.uuid: u for g in gpus for u in (g, *g.mig_instances)}
-    unit = units.get(binding.gpu_uuid or "")
-    if unit is None:
-        log.error("gpu binding: bound GPU %s is no longer reported by NVML", binding.gpu_uuid)
-        return False
-    if unit.processes is None:
-        log.info("gpu binding: not verified (NVML does not list processes on %s)", unit.uuid)
-        return None
-    if me in {p.pid for p in unit.processes}:
-        log.info("gpu binding verified: pid %d has a context on %s", me, unit.uuid)
-        return True
-    listed = {p.pid for u in units.values() for p in u.processes or ()}
-    if listed & (set(ours) - {me}):
-        log.warning(
-            "gpu binding NOT verified: pid %d has no context on %s although NVML shows PIDs of "
-            "this server; did something initialise CUDA before binding?",
-            me, unit.uuid,
-        )
-        return False
-    log.info("gpu binding: not verified (NVML PIDs are not this namespace's) on %s", unit.uuid)
-    return None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, TypeVar
 
@@ -108,27 +109,33 @@ class NvmlBackend:
         nvml = self._nvml
         try:
             handle = nvml.nvmlDeviceGetHandleByIndex(index)
-            uuid = _text(nvml.nvmlDeviceGetUUID(handle))
-            name = _text(nvml.nvmlDeviceGetName(handle))
-            memory = nvml.nvmlDeviceGetMemoryInfo(handle)
+            pci_bus_id = self._optional(lambda: _text(nvml.nvmlDeviceGetPciInfo(handle).busId), "")
+            gpu = self._describe(handle, index, index, pci_bus_id)
         except self._errors as exc:
             log.warning("GPU %d left out of the snapshot: %s", index, exc)
             return None
-        pci_bus_id = self._optional(lambda: _text(nvml.nvmlDeviceGetPciInfo(handle).busId), "")
         mig_enabled, instances = self._mig(handle, index, pci_bus_id)
+        return replace(gpu, mig_enabled=mig_enabled, mig_instances=instances)
+
+    def _describe(
+        self, handle: object, index: int, nvml_index: int, pci_bus_id: str, parent_uuid: str | None = None
+    ) -> GpuInfo:
+        """One device handle (a GPU, or a MIG instance of ``parent_uuid``) as a GpuInfo; the
+        NVML errors of its uuid, name and memory calls propagate."""
+        nvml = self._nvml
+        memory = nvml.nvmlDeviceGetMemoryInfo(handle)
         return GpuInfo(
             index=index,
-            nvml_index=index,
-            uuid=uuid,
-            name=name,
+            nvml_index=nvml_index,
+            uuid=_text(nvml.nvmlDeviceGetUUID(handle)),
+            name=_text(nvml.nvmlDeviceGetName(handle)),
             pci_bus_id=pci_bus_id,
             memory_total=int(memory.total),
             memory_used=int(memory.used),
             memory_free=int(memory.free),
             utilization_percent=self._utilization(handle),
             processes=self._processes(handle),
-            mig_enabled=mig_enabled,
-            mig_instances=instances,
+            parent_uuid=parent_uuid,
         )
 
     def _utilization(self, handle: object) -> int | None:
@@ -169,24 +176,7 @@ class NvmlBackend:
         for k in range(count):
             try:
                 mig = nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, k)
-                uuid = _text(nvml.nvmlDeviceGetUUID(mig))
-                name = _text(nvml.nvmlDeviceGetName(mig))
-                memory = nvml.nvmlDeviceGetMemoryInfo(mig)
+                instances.append(self._describe(mig, len(instances), nvml_index, pci_bus_id, parent_uuid))
             except self._errors:
                 continue  # "Not Found": no instance at this index
-            instances.append(
-                GpuInfo(
-                    index=len(instances),
-                    nvml_index=nvml_index,
-                    uuid=uuid,
-                    name=name,
-                    pci_bus_id=pci_bus_id,
-                    memory_total=int(memory.total),
-                    memory_used=int(memory.used),
-                    memory_free=int(memory.free),
-                    utilization_percent=self._utilization(mig),
-                    processes=self._processes(mig),
-                    parent_uuid=parent_uuid,
-                )
-            )
         return True, tuple(instances)

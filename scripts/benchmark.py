@@ -28,13 +28,10 @@ import os
 import platform
 import random
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app.models.repository import read_config  # noqa: E402
+from scripts import harness  # noqa: E402
 
 SENTENCES = [
     "Ten tips for a faster morning commute by bike",
@@ -123,63 +121,23 @@ def in_process(model_dir: Path, items: int, seconds: float) -> dict[str, float]:
     big = timed(batch)
     return {
         "torch_threads": torch.get_num_threads(),
-        "latency_p50_ms": float(np.percentile(lat, 50) * 1000),
+        "latency_p50_ms": harness.percentiles([t * 1000 for t in lat], (50,))[0],
         "max_batch_size": config.max_batch_size,
         "ceiling_items_per_s": config.max_batch_size / float(np.median(big)),
     }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """gunicorn on 127.0.0.1 serving a one-model repository."""
-
-    def __init__(self, repo: Path, model: str, workers: int, log: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        env = dict(os.environ)  # SCORING_* settings pass through (e.g. MAX_PROCESSES_PER_GPU)
-        env.update(
-            SCORING_HOST="127.0.0.1",
-            SCORING_PORT=str(self.port),
-            SCORING_MODEL_REPOSITORY=str(repo),
-            SCORING_MODELS=model,
-            SCORING_WORKERS=str(workers),
-            SCORING_ACCESS_LOG="",
-            SCORING_LOG_LEVEL="warning",
-            HF_HUB_OFFLINE="1",
-        )
-        self._log = open(log, "wb")  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            cwd=ROOT,
-            env=env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise SystemExit(f"server exited; see {log}")
-            try:
-                with urllib.request.urlopen(self.url + "/v2/health/ready", timeout=2) as r:
-                    if r.status == 200:
-                        return
-            except OSError:
-                pass
-            time.sleep(0.2)
-        raise SystemExit(f"server not ready; see {log}")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        self._log.close()
+def server(tmp: Path, repo: Path, model: str, workers: int) -> harness.Gunicorn:
+    """gunicorn on 127.0.0.1 serving a one-model repository; ``SCORING_*`` settings of this
+    environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``)."""
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(repo),
+        "SCORING_MODELS": model,
+        "SCORING_WORKERS": str(workers),
+        "SCORING_ACCESS_LOG": "",
+        "SCORING_LOG_LEVEL": "warning",
+    }
+    return harness.Gunicorn(tmp, env, clean_env=False)
 
 
 async def drive(
@@ -188,37 +146,27 @@ async def drive(
     """Closed loop: ``concurrency`` clients send back-to-back for ``seconds``."""
     import aiohttp
 
-    latencies: list[float] = []
-    errors = 0
-    stop_at = time.perf_counter() + seconds
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector) as session:
+        sent = list(range(concurrency))
 
-        async def client(i: int) -> None:
-            nonlocal errors
-            n = i
-            while time.perf_counter() < stop_at:
-                body = bodies[n % len(bodies)]
-                n += concurrency
-                start = time.perf_counter()
-                async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-                    await r.read()
-                    if r.status != 200:
-                        errors += 1
-                        continue
-                latencies.append(time.perf_counter() - start)
+        def request(i: int) -> Awaitable[harness.Answer]:
+            body = bodies[sent[i] % len(bodies)]
+            sent[i] += concurrency
+            return harness.post(session, url, body)
 
         begin = time.perf_counter()
-        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        answers = await harness.closed_loop(request, concurrency, begin + seconds)
         elapsed = time.perf_counter() - begin
-    lat = np.array(latencies) * 1000 if latencies else np.array([float("nan")])
+    ok = [a.latency_s * 1000 for a in answers if a.status == 200]
+    p50, p99 = harness.percentiles(ok, (50, 99))
     return {
         "concurrency": concurrency,
-        "requests": len(latencies),
-        "errors": errors,
-        "items_per_s": len(latencies) * items / elapsed,
-        "p50_ms": float(np.percentile(lat, 50)),
-        "p99_ms": float(np.percentile(lat, 99)),
+        "requests": len(ok),
+        "errors": len(answers) - len(ok),
+        "items_per_s": len(ok) * items / elapsed,
+        "p50_ms": p50,
+        "p99_ms": p99,
     }
 
 
@@ -267,9 +215,9 @@ def main() -> None:
                 ]
                 lines.insert(1, "max_batch_size = 1\nmax_queue_delay_ms = 0.0\nwarmup_batch_sizes = [1]")
                 toml.write_text("\n".join(lines) + "\n")
-            server = Server(repo, args.model, args.workers, Path(tmp) / f"{mode}.log")
-            try:
-                url = f"{server.url}/v2/models/{args.model}/infer"
+            with server(Path(tmp), repo, args.model, args.workers) as srv:
+                srv.wait_ready(300)
+                url = f"{srv.url}/v2/models/{args.model}/infer"
                 asyncio.run(drive(url, bodies, args.items, levels[0], 2.0))  # connection warmup
                 rows = []
                 for c in levels:
@@ -277,8 +225,6 @@ def main() -> None:
                     print(f"batching {mode}: {row}", flush=True)
                     rows.append(row)
                 result[f"batching_{mode}"] = rows
-            finally:
-                server.stop()
     result["load_average_at_end"] = os.getloadavg()[0]
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)

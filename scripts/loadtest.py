@@ -21,7 +21,7 @@ The first ``--warmup`` seconds of each level are sent but not counted. Traffic g
 
 Writes to ``--out``: ``summary.csv`` (one row per level), ``history.csv`` (per second),
 ``requests.csv`` with ``--raw``, and ``throughput_latency.png`` and ``latency_over_time.png``
-(needs matplotlib). Percentiles interpolate linearly between order statistics (numpy's default).
+(needs matplotlib). Percentiles are numpy's (linear interpolation between order statistics).
 
 Source: the closed/open-loop distinction and per-level reporting follow Triton's
 perf_analyzer and locust's CSV reports (``stats.csv``, ``stats_history.csv``).
@@ -38,10 +38,13 @@ import random
 import sys
 import time
 import urllib.parse
-from collections.abc import Iterable, Sequence
+from collections.abc import Awaitable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from scripts import harness
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
 
@@ -95,18 +98,6 @@ def check_target(url: str, allow_remote: bool) -> str:
     return url.rstrip("/")
 
 
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0-100) of ascending values, interpolated linearly; NaN if empty."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile {q} is outside 0-100")
-    if not sorted_values:
-        return math.nan
-    rank = (len(sorted_values) - 1) * q / 100
-    low = math.floor(rank)
-    high = min(low + 1, len(sorted_values) - 1)
-    return sorted_values[low] + (sorted_values[high] - sorted_values[low]) * (rank - low)
-
-
 @dataclass(frozen=True)
 class Record:
     """One request: ``start_s`` since the test began, ``latency_s`` (from the scheduled start in
@@ -156,7 +147,8 @@ def summarize(mode: str, level: float, records: Iterable[Record], window: Window
     """Figures of the counted requests of one level; rates over the measured part of ``window``."""
     counted = [r for r in records if r.counted]
     ok = [r for r in counted if r.status == 200]
-    lat = sorted(r.latency_s * 1000 for r in ok)
+    lat = [r.latency_s * 1000 for r in ok]
+    p50, p90, p95, p99 = harness.percentiles(lat, (50, 90, 95, 99))
     seconds = window.stop_s - window.measured_from_s
     span = max(seconds, 1e-9)
     return Summary(
@@ -170,11 +162,11 @@ def summarize(mode: str, level: float, records: Iterable[Record], window: Window
         requests_per_s=len(ok) / span,
         items_per_s=sum(r.items for r in ok) / span,
         mean_ms=sum(lat) / len(lat) if lat else math.nan,
-        p50_ms=percentile(lat, 50),
-        p90_ms=percentile(lat, 90),
-        p95_ms=percentile(lat, 95),
-        p99_ms=percentile(lat, 99),
-        max_ms=lat[-1] if lat else math.nan,
+        p50_ms=p50,
+        p90_ms=p90,
+        p95_ms=p95,
+        p99_ms=p99,
+        max_ms=max(lat, default=math.nan),
     )
 
 
@@ -190,16 +182,17 @@ def history(
     rows = []
     for index in sorted(buckets):
         batch = buckets[index]
-        lat = sorted(r.latency_s * 1000 for r in batch if r.status == 200)
+        lat = [r.latency_s * 1000 for r in batch if r.status == 200]
+        p50, p95, p99 = harness.percentiles(lat, (50, 95, 99))
         rows.append(
             {
                 "time_s": index * bucket_s,
                 "level": batch[-1].level,
                 "requests_per_s": len(lat) / _covered(index * bucket_s, bucket_s, end_s),
                 "errors": sum(r.status != 200 for r in batch),
-                "p50_ms": percentile(lat, 50),
-                "p95_ms": percentile(lat, 95),
-                "p99_ms": percentile(lat, 99),
+                "p50_ms": p50,
+                "p95_ms": p95,
+                "p99_ms": p99,
             }
         )
     return rows
@@ -303,19 +296,8 @@ class Run:
 
 
 async def _send(session: Any, run: Run, level: float, scheduled: float, counted: bool) -> Record:
-    import aiohttp
-
-    body = random.choice(run.payloads)
-    status, error = 0, ""
-    try:
-        async with session.post(run.url, data=body, headers={"Content-Type": "application/json"}) as resp:
-            await resp.read()
-            status = resp.status
-            if status != 200:
-                error = f"HTTP {status}"
-    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return Record(level, scheduled, run.now() - scheduled, status, run.items, counted, error)
+    answer = await harness.post(session, run.url, random.choice(run.payloads))
+    return Record(level, scheduled, run.now() - scheduled, answer.status, run.items, counted, answer.error)
 
 
 def _window(run: Run) -> Window:
@@ -326,15 +308,12 @@ def _window(run: Run) -> Window:
 async def closed_loop(session: Any, run: Run, concurrency: int) -> tuple[list[Record], Window]:
     """``concurrency`` clients for warmup + duration seconds."""
     window = _window(run)
-    warm_until, stop_at = window.measured_from_s, window.stop_s
-    records: list[Record] = []
 
-    async def client() -> None:
-        while (begin := run.now()) < stop_at:
-            records.append(await _send(session, run, concurrency, begin, begin >= warm_until))
+    def one(_client: int) -> Awaitable[Record]:
+        begin = run.now()
+        return _send(session, run, concurrency, begin, begin >= window.measured_from_s)
 
-    await asyncio.gather(*(client() for _ in range(concurrency)))
-    return records, window
+    return await harness.closed_loop(one, concurrency, run.t0 + window.stop_s), window
 
 
 async def open_loop(session: Any, run: Run, rate: float, max_outstanding: int) -> tuple[list[Record], Window]:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import pytest
 from aiohttp import web
@@ -24,6 +24,7 @@ os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 os.environ["SCORING_GRPC_PORT"] = "0"
 
 AiohttpClient = Callable[..., Any]
+T = TypeVar("T")
 
 
 @pytest.fixture(scope="session")
@@ -35,14 +36,27 @@ def tensor_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
+async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float = 10.0) -> T:
+    """Await ``check`` every 10 ms until it returns something true, and return it; the async
+    twin of ``scripts.harness.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            result = await check()
+            if result:
+                return result
+            await asyncio.sleep(0.01)
+
+
 async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
     """Wait (bounded) until every model of the in-process app is warm."""
     registry = app[REGISTRY]
-    async with asyncio.timeout(timeout_s):
-        while not registry.ready:
-            if registry.load_error:
-                raise AssertionError(registry.load_error)
-            await asyncio.sleep(0.01)
+
+    async def warm() -> bool:
+        if registry.load_error:
+            raise AssertionError(registry.load_error)
+        return registry.ready
+
+    await eventually(warm, timeout_s)
 
 
 @pytest.fixture
@@ -51,9 +65,11 @@ async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[.
 
     from app.main import create_app
 
-    async def make(repo: Path, *, wait: bool = True, **settings: Any) -> TestClient:
+    async def make(
+        repo: Path, *, wait: bool = True, **settings: Any
+    ) -> TestClient[web.Request, web.Application]:
         app = await create_app(Settings(model_repository=repo, device="cpu", **settings))
-        client: TestClient = await aiohttp_client(app)
+        client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
         if wait:
             await wait_ready(app)
         return client

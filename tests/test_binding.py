@@ -24,20 +24,17 @@ import pytest
 
 from gpu_stat import GpuInfo, GpuProcess
 from gpu_stat.binding import (
-    LEASE_DIR,
     Binding,
     BindingPolicy,
     BindTimeout,
-    SlotState,
-    _verify,
     bind_worker,
-    count_foreign_processes,
     current_binding,
-    plan_slots,
     release_binding,
     usable_gpu_count,
-    verify_binding,
 )
+from gpu_stat.leases import LEASE_DIR
+from gpu_stat.planner import SlotState, count_foreign_processes, plan_slots
+from gpu_stat.verify import check_binding, verify_binding
 from tests.fake_gpus import (
     GIB,
     gpu,
@@ -329,7 +326,7 @@ BOUND = Binding("cuda:0", 0, gpu_uuid(0), "Fake", 0, 0, "bound")
     ],
 )
 def test_verify(gpus: list[GpuInfo], binding: Binding, expected: bool | None) -> None:
-    assert _verify(binding, gpus, me=10, ours={10, 11}) is expected
+    assert check_binding(binding, gpus, me=10, ours={10, 11}) is expected
 
 
 def test_verify_binding_is_none_on_cpu_and_with_the_fake(

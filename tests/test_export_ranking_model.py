@@ -3,17 +3,12 @@
 from __future__ import annotations
 
 import importlib.util
-import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # the tomli backport, as setup.py requires on 3.10
-    import tomli as tomllib
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_ranking_model.py"
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"

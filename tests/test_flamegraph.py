@@ -1,17 +1,17 @@
-"""scripts/flamegraph: finding gunicorn's workers, ptrace checks, arguments, the SVG and
-speedscope output; and one real py-spy recording where this machine allows ptrace."""
+"""scripts/flamegraph: finding gunicorn's workers, ptrace checks, arguments; and real py-spy
+recordings (SVG and speedscope, py-spy's own formats) where this machine allows ptrace."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import xml.etree.ElementTree as ET
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.fake_gpus import unused_pid
 from tests.scripts import load_script
 
 fg = load_script("flamegraph", "flamegraph")
@@ -36,7 +36,7 @@ def fake_proc(tmp_path: Path, procs: dict[int, tuple[str, int, int]], scope: int
     return proc
 
 
-SERVER = {
+SERVER = {  # for the ptrace checks
     1: ("init", 0, 0),
     100: ("gunicorn: master [scoring-server]", 1, 1000),
     101: ("python3 (worker) ) S 7", 100, 1000),  # comm with spaces and parentheses
@@ -44,43 +44,57 @@ SERVER = {
     200: ("bash", 1, 1000),
 }
 
+MASTER = """
+import subprocess, sys
+children = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
+print(" ".join(str(c.pid) for c in children), flush=True)
+sys.stdin.read()  # until the test closes stdin
+for c in children:
+    c.kill()
+    c.wait()
+"""
 
-def test_workers_are_the_children_of_the_master_in_the_pid_file(tmp_path: Path) -> None:
-    proc = fake_proc(tmp_path, SERVER)
+
+@pytest.fixture
+def master() -> Iterator[tuple[int, list[int]]]:
+    """A real process with two children, like a gunicorn master: (its pid, the children's)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", MASTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    children = [int(pid) for pid in proc.stdout.readline().split()]
+    yield proc.pid, children
+    proc.stdin.close()
+    proc.wait(30)
+
+
+def test_workers_are_the_children_of_the_master_in_the_pid_file(
+    tmp_path: Path, master: tuple[int, list[int]]
+) -> None:
+    pid, children = master
     pidfile = tmp_path / "gunicorn.pid"
-    pidfile.write_text("100\n")
-    assert fg.parent_pid(101, proc) == 100
-    assert fg.children(100, proc) == [101, 103]
-    assert fg.targets(None, pidfile, False, proc) == [101, 103]
-    assert fg.targets(None, pidfile, True, proc) == [100]  # --subprocesses: one graph of all
-    assert fg.targets(103, None, False, proc) == [103]
+    pidfile.write_text(f"{pid}\n")
+    assert fg.targets(None, pidfile, False) == children  # oldest first
+    assert fg.targets(None, pidfile, True) == [pid]  # --subprocesses: one profile of all
+    assert fg.targets(children[1], None, False) == [children[1]]
 
 
-def test_bad_pid_files_and_pids_are_explained(tmp_path: Path) -> None:
-    proc = fake_proc(tmp_path, SERVER)
+def test_bad_pid_files_and_pids_are_explained(tmp_path: Path, master: tuple[int, list[int]]) -> None:
     pidfile = tmp_path / "gunicorn.pid"
     with pytest.raises(ValueError, match="cannot read pid file"):
-        fg.targets(None, pidfile, False, proc)
+        fg.targets(None, pidfile, False)
     pidfile.write_text("not a pid")
     with pytest.raises(ValueError, match="does not hold a pid"):
-        fg.targets(None, pidfile, False, proc)
-    pidfile.write_text("999")
+        fg.targets(None, pidfile, False)
+    gone = unused_pid()
+    pidfile.write_text(str(gone))
     with pytest.raises(ValueError, match="stale pid file"):
-        fg.targets(None, pidfile, False, proc)
-    pidfile.write_text("200")
+        fg.targets(None, pidfile, False)
+    pidfile.write_text(str(master[1][0]))  # a process without children
     with pytest.raises(ValueError, match="has no workers"):
-        fg.targets(None, pidfile, False, proc)
-    with pytest.raises(ValueError, match="no process 999"):
-        fg.targets(999, None, False, proc)
-
-
-def test_real_children_are_found() -> None:
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
-    try:
-        assert child.pid in fg.children(os.getpid())
-    finally:
-        child.kill()
-        child.wait()
+        fg.targets(None, pidfile, False)
+    with pytest.raises(ValueError, match=f"no process {gone}"):
+        fg.targets(gone, None, False)
 
 
 @pytest.mark.parametrize(
@@ -122,73 +136,45 @@ def test_arguments() -> None:
     with pytest.raises(SystemExit):
         fg.make_parser().parse_args(["--pid", "1", "--pidfile", "x"])  # one of them
     args = fg.make_parser().parse_args(["--pid", "7", "--native", "--subprocesses", "--duration", "3"])
-    cmd = fg.py_spy_command("py-spy", 7, args, Path("/tmp/o.folded"))
+    cmd = fg.py_spy_command("py-spy", 7, args, Path("/tmp/o.svg"))
     assert cmd[:6] == ["py-spy", "record", "--pid", "7", "--duration", "3"]
     assert {"--native", "--subprocesses", "--function", "--format"} <= set(cmd) and "--idle" not in cmd
-    assert cmd[cmd.index("--format") + 1] == "raw"
-    args = fg.make_parser().parse_args(["--pid", "7", "--lines", "--idle"])
+    assert cmd[cmd.index("--format") + 1] == "flamegraph"
+    args = fg.make_parser().parse_args(["--pid", "7", "--lines", "--idle", "--format", "speedscope"])
     cmd = fg.py_spy_command("py-spy", 7, args, Path("o"))
-    assert "--function" not in cmd and "--idle" in cmd
+    assert "--function" not in cmd and "--idle" in cmd and cmd[cmd.index("--format") + 1] == "speedscope"
 
 
-FOLDED = [
-    'process 9:"gunicorn -c a;b";run (gunicorn/arbiter.py:1);_run_once (asyncio/base_events.py:2) 3',
-    "_worker (concurrent/futures/thread.py:69);run_batch (app/models/runner.py:170);"
-    "BertModel.forward (transformers/models/bert/modeling_bert.py:620) 6",
-    "_worker (concurrent/futures/thread.py:69);run_batch (app/models/runner.py:170) 1",
-    "",
-]
-
-
-def test_folded_stacks_become_speedscope_and_svg() -> None:
-    stacks = fg.parse_folded(FOLDED)
-    assert stacks[("process 9", "run (gunicorn/arbiter.py:1)", "_run_once (asyncio/base_events.py:2)")] == 3
-    doc = fg.to_speedscope(stacks, "worker")
-    (profile,) = doc["profiles"]
-    assert profile["type"] == "sampled" and sum(profile["weights"]) == 10 == profile["endValue"]
-    frames = doc["shared"]["frames"]
-    assert len(frames) == len({f["name"] for f in frames}) == 6
-    assert {"name": "BertModel.forward", "file": "transformers/models/bert/modeling_bert.py", "line": 620} in frames
-    assert all(0 <= i < len(frames) for s in profile["samples"] for i in s)
-    svg = fg.render_svg(stacks, "t <&>", "sub")
-    root = ET.fromstring(svg)  # well-formed XML, title escaped
-    titles = [t.text for t in root.iter("{http://www.w3.org/2000/svg}title")]
-    assert "BertModel.forward (transformers/models/bert/modeling_bert.py:620) (6 samples, 60.00%)" in titles
-    assert "all (10 samples, 100.00%)" in titles
-    with pytest.raises(ValueError, match="not a collapsed stack"):
-        fg.parse_folded(["no count here"])
-
-
-def test_real_recording_shows_the_busy_function(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    try:
-        fg.find_py_spy()
-    except FileNotFoundError:
-        pytest.skip("py-spy is not installed")
+@pytest.mark.parametrize("fmt", ["flamegraph", "speedscope"])
+def test_real_recording_shows_the_busy_function(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str
+) -> None:
+    fg.find_py_spy()  # py-spy is a test dependency (setup.py)
     code = "def spin_here():\n    while True:\n        sum(range(1000))\nprint('ready', flush=True)\nspin_here()\n"
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         if fg.ptrace_problem([child.pid]):
-            pytest.skip("ptrace is not allowed here")
+            pytest.skip("ptrace is not allowed on this machine")  # a host setting, not our code
         assert child.stdout is not None and child.stdout.readline() == "ready\n"  # interpreter up
-        rc = fg.main(["--pid", str(child.pid), "--duration", "1", "--out", str(tmp_path), "--name", "spin"])
-        err = capsys.readouterr().err
-        if rc != 0 and "permission" in err.lower():
-            pytest.skip(f"py-spy may not attach here: {err}")
-        assert rc == 0, err
+        argv = [
+            "--pid",
+            str(child.pid),
+            "--duration",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--name",
+            "spin",
+            "--format",
+            fmt,
+        ]
+        rc = fg.main(argv)
+        assert rc == 0, capsys.readouterr().err
     finally:
         child.kill()
         child.wait()
-    assert "spin_here" in (tmp_path / "spin.svg").read_text()
-    speedscope = json.loads((tmp_path / "spin.speedscope.json").read_text())
-    assert any(f["name"] == "spin_here" for f in speedscope["shared"]["frames"])
-
-
-def test_stacks_recorded_elsewhere_can_be_rendered(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    folded = tmp_path / "stacks.txt"
-    folded.write_text("\n".join(FOLDED))
-    assert fg.main(["--folded", str(folded), "--out", str(tmp_path / "out"), "--name", "w"]) == 0
-    assert "BertModel.forward" in (tmp_path / "out" / "w.svg").read_text()
-    assert json.loads((tmp_path / "out" / "w.speedscope.json").read_text())["name"] == "stacks"
-    folded.write_text("garbage")
-    assert fg.main(["--folded", str(folded), "--out", str(tmp_path / "out")]) == 2
-    assert "not a collapsed stack" in capsys.readouterr().err
+    if fmt == "flamegraph":
+        assert "spin_here" in (tmp_path / "spin.svg").read_text()
+    else:
+        speedscope = json.loads((tmp_path / "spin.speedscope.json").read_text())
+        assert any(f["name"] == "spin_here" for f in speedscope["shared"]["frames"])

@@ -349,7 +349,8 @@ def test_visible_view_keeps_nvml_index_and_mig_parent(
 
 
 def test_resolve_entry_matches_mig_only_with_mig_prefix(four_gpus: list[GpuInfo]) -> None:
-    assert resolve_entry(mig_uuid(3, 0)[:12], four_gpus) is not None
+    found = resolve_entry(mig_uuid(3, 0)[:12], four_gpus)
+    assert found is not None and found.uuid == mig_uuid(3, 0) and found.parent_uuid == gpu_uuid(3)
     assert resolve_entry("MIG-" + gpu_uuid(3)[4:], four_gpus) is None
     assert resolve_entry("3", four_gpus) is four_gpus[3]
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from app.protocols.limits import check_json_depth, json_depth
+from app.protocols.limits import check_json_depth
 from app.serving.lifecycle import begin_drain
 from app.serving.state import REGISTRY
 
@@ -76,11 +76,12 @@ async def test_deep_json_past_the_recursion_limit_is_a_400_not_a_500(make_client
 
 
 def test_json_depth_ignores_brackets_inside_strings() -> None:
-    assert json_depth(b"[]") == 1
-    assert json_depth(b'{"a": [[1, 2], [3]], "b": {}}') == 3
-    assert json_depth(b'["[[[[", "]]]]]]]]"]') == 1
-    assert json_depth(b'["\\"[[[[", "\\\\", "[[["]') == 1  # escaped quote, escaped backslash
-    assert json_depth(b"1") == 0
+    check_json_depth(b'{"a": [[1, 2], [3]], "b": {}}', 3)
+    with pytest.raises(Exception, match="deeper than 2"):
+        check_json_depth(b'{"a": [[1, 2], [3]], "b": {}}', 2)
+    check_json_depth(b'["[[[[", "]]]]]]]]"]', 1)
+    check_json_depth(b'["\\"[[[[", "\\\\", "[[["]', 1)  # escaped quote, escaped backslash
+    check_json_depth(b"1", 0)
     check_json_depth(b'["' + b"[" * 1000 + b'"]', 2)  # a text full of brackets is fine
     with pytest.raises(Exception, match="deeper than 2"):
         check_json_depth(b"[[[1]]]", 2)

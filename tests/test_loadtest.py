@@ -1,38 +1,52 @@
-"""scripts/loadtest.py: percentiles, summaries, CSV, payloads the server accepts, a short run."""
+"""scripts/loadtest.py and scripts/harness.py: percentiles, the closed loop, polling,
+summaries, CSV, payloads the server accepts, a short run."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import csv
 import math
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 
 from app.models.repository import read_config
 from app.protocols import v1, v2
 from app.protocols.infer import validate_inputs
+from scripts import harness
 from tests.scripts import load_script
 from tests.server import ROOT
 
 lt = load_script("loadtest", "loadtest.py")
 
 
-@pytest.mark.parametrize("n", [1, 2, 7, 100, 1001])
-def test_percentile_matches_numpy(n: int) -> None:
-    values = sorted(np.random.default_rng(n).exponential(size=n).tolist())
-    for q in (0, 1, 50, 90, 95, 99, 99.9, 100):
-        assert lt.percentile(values, q) == pytest.approx(float(np.percentile(values, q)), rel=1e-12)
+def test_percentiles_are_numpys_and_nan_when_empty() -> None:
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert harness.percentiles(values, (0, 50, 90, 100)) == [1.0, 2.5, 3.7, 4.0]
+    assert all(math.isnan(v) for v in harness.percentiles([], (50, 99)))
 
 
-def test_percentile_edges() -> None:
-    assert math.isnan(lt.percentile([], 50))
-    with pytest.raises(ValueError, match="outside"):
-        lt.percentile([1.0], 101)
+async def test_closed_loop_starts_no_request_after_the_deadline() -> None:
+    until = time.perf_counter() + 1.0
+
+    async def request(client: int) -> int:  # answered only once the deadline has passed
+        await asyncio.sleep(until - time.perf_counter() + 0.01)
+        return client
+
+    assert sorted(await harness.closed_loop(request, 3, until)) == [0, 1, 2]
+    assert await harness.closed_loop(request, 3, time.perf_counter() - 1) == []
+
+
+def test_poll_returns_the_value_and_fails_with_diagnostics() -> None:
+    values = iter([0, "", "done"])
+    assert harness.poll(lambda: next(values), 5, "a value", interval_s=0) == "done"
+    with pytest.raises(AssertionError, match=r"waiting for never(.|\n)*the log tail"):
+        harness.poll(lambda: False, 0.01, "never", interval_s=0.001, diagnostics=lambda: "the log tail")
 
 
 def test_levels_and_target_are_checked() -> None:
@@ -114,7 +128,6 @@ async def test_a_short_run_against_an_app_writes_csv_and_plots(
     assert all(s.requests > 0 and s.errors == 0 and s.p99_ms >= s.p50_ms > 0 for s in summaries)
     assert any(not r.counted for r in records)
     out.mkdir()
-    pytest.importorskip("matplotlib")
     written = lt.plot(out, summaries, lt.history(records), "scale")
     assert [p.name for p in written] == ["throughput_latency.png", "latency_over_time.png"]
     assert all(p.read_bytes().startswith(b"\x89PNG") for p in written)

@@ -8,16 +8,16 @@ import logging
 import re
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 from gunicorn.glogging import CONFIG_DEFAULTS
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.observability.logconfig import JsonFormatter, log_config
-from tests.server import ROOT, Gunicorn
+from tests.server import ROOT, Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
 
@@ -98,13 +98,24 @@ def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def log_line(server: Gunicorn, needle: str, timeout_s: float = 10.0) -> str:
     """The first log line containing ``needle``, polling the log file until it appears."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in server.log().splitlines():
-            if needle in line:
-                return line
-        time.sleep(0.05)
-    raise AssertionError(f"no log line with {needle!r}:\n{server.log()}")
+
+    def line() -> str | None:
+        return next((x for x in server.log().splitlines() if needle in x), None)
+
+    return wait_for(line, timeout_s, f"a log line with {needle!r}", server)
+
+
+def model_seconds(server: Gunicorn, pid: int) -> tuple[float, float]:
+    """(load, warmup) seconds of the scale model in worker ``pid``, from ``/metrics``."""
+    status, _, text = server.get("/metrics")
+    assert status == 200, text
+    found = {
+        s.name: s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.labels.get("pid") == str(pid) and s.labels.get("model") == "scale"
+    }
+    return found["scoring_model_load_seconds"], found["scoring_model_warmup_seconds"]
 
 
 def is_json_mode(server: Gunicorn) -> bool:
@@ -142,7 +153,8 @@ def test_each_worker_logs_its_binding_and_model_times_at_boot(server: Gunicorn) 
         assert out["event"] == "worker_ready" and out["pid"] == worker.pid
         assert out["binding"]["device"] == "cpu"
         (model,) = out["models"]
-        assert model["model"] == "scale" and model["load_s"] >= 0 and model["warmup_s"] >= 0
+        load_s, warmup_s = model_seconds(server, worker.pid)  # the same figures, to the ms
+        assert (model["model"], model["load_s"], model["warmup_s"]) == ("scale", round(load_s, 3), round(warmup_s, 3))
         lines = [json.loads(raw) for raw in server.log().splitlines() if raw.strip()]  # all JSON
         assert {"gunicorn.error", "gunicorn.access", "app.serving.lifecycle"} <= {x["logger"] for x in lines}
     else:

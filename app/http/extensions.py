@@ -12,9 +12,10 @@ from typing import Any
 import orjson
 from aiohttp import web
 
+from app.binding import BINDING
 from app.errors import InvalidInput
 from app.protocols import triton
-from app.serving.state import REGISTRY, WORKER_INFO, ModelEntry
+from app.serving.state import REGISTRY, ModelEntry
 
 routes = web.RouteTableDef()
 
@@ -28,7 +29,7 @@ def _json(body: Any) -> web.Response:
 async def model_config(request: web.Request) -> web.Response:
     """``GET .../config``: Triton's model configuration (dims without the batch dimension)."""
     entry = request.app[REGISTRY].get(request.match_info["name"], request.match_info.get("version"))
-    return _json(triton.model_config(entry.config, request.app[WORKER_INFO]["device"]))
+    return _json(triton.model_config(entry.config, request.app[BINDING].device))
 
 
 def _stat(entry: ModelEntry) -> dict[str, Any]:
@@ -39,7 +40,7 @@ def _stat(entry: ModelEntry) -> dict[str, Any]:
 async def all_model_stats(request: web.Request) -> web.Response:
     """``GET /v2/models/stats``: this worker's statistics of every model version."""
     entries = request.app[REGISTRY].entries()
-    return _json(triton.statistics([_stat(e) for e in entries], request.app[WORKER_INFO]["pid"]))
+    return _json(triton.statistics([_stat(e) for e in entries], request.app[BINDING].pid))
 
 
 @routes.get("/v2/models/{name}/stats")
@@ -51,7 +52,7 @@ async def model_stats(request: web.Request) -> web.Response:
     name, version = request.match_info["name"], request.match_info.get("version")
     registry.get(name, version)  # raises ModelNotFound
     entries = [e for e in registry.entries() if e.config.name == name and version in (None, e.config.version)]
-    return _json(triton.statistics([_stat(e) for e in entries], request.app[WORKER_INFO]["pid"]))
+    return _json(triton.statistics([_stat(e) for e in entries], request.app[BINDING].pid))
 
 
 @routes.post("/v2/repository/index")

@@ -6,7 +6,6 @@ code never runs here (it runs on the inference thread).
 
 from __future__ import annotations
 
-import os
 from importlib import resources
 from typing import Any
 
@@ -15,13 +14,14 @@ import orjson
 from aiohttp import web
 
 from app import SERVER_NAME, __version__
+from app.binding import BINDING
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import request_id
 from app.protocols import triton, v1, v2
 from app.protocols.binary import HEADER_LENGTH, attach_binary, split_body
 from app.protocols.infer import build_response, requested_outputs, validate_inputs
 from app.serving import dataplane
-from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry, ModelRegistry
+from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, ModelEntry, ModelRegistry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
@@ -101,7 +101,7 @@ async def server_metadata(request: web.Request) -> web.Response:
             "name": SERVER_NAME,
             "version": __version__,
             "extensions": triton.EXTENSIONS,
-            "worker": request.app[WORKER_INFO],
+            "worker": request.app[BINDING].describe(),
         }
     )
 
@@ -218,14 +218,3 @@ async def openapi(request: web.Request) -> web.Response:
     """``GET /openapi.json``: the OpenAPI 3 description of this HTTP API."""
     return web.Response(body=OPENAPI, content_type="application/json")
 
-
-def worker_info(device: str) -> dict[str, Any]:
-    """This worker's identity for ``GET /v2``: pid, device and GPU binding (from the env)."""
-    info: dict[str, Any] = {"pid": os.getpid(), "device": device}
-    binding = os.environ.get("SCORING_BINDING")
-    if binding:
-        try:
-            info["binding"] = orjson.loads(binding)
-        except orjson.JSONDecodeError:
-            info["binding"] = binding
-    return info

@@ -16,7 +16,7 @@ variable dimension. README.md ("Model repository") documents every field.
 
 from __future__ import annotations
 
-import sys
+import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,11 +25,6 @@ import numpy as np
 
 from app.datatypes import DATATYPES, NUMPY_DTYPES
 from app.errors import ModelLoadError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
 
 CONFIG_FILE = "model.toml"
 ModelFormat = Literal["torch_export", "torchscript", "handler"]

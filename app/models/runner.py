@@ -141,7 +141,13 @@ class ModelRunner:
                     f"model.toml declares [batch, *{spec.shape}]"
                 )
 
-    def _forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Run one batch as is: inputs [B, ...] per input name -> outputs [B, ...] per output
+        (numpy, the dtypes ``model.toml`` declares), under ``torch.inference_mode()``.
+
+        Raises:
+            Exception: whatever the handler raised, device out-of-memory included.
+        """
         with torch.inference_mode():
             batch = self.handler.preprocess(inputs)
             raw = self.handler.predict(batch)
@@ -149,14 +155,6 @@ class ModelRunner:
         return {
             s.name: np.asarray(outputs[s.name], dtype=NUMPY_DTYPES[s.datatype]) for s in self.config.outputs
         }
-
-    def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch as is: inputs [B, ...] per input name -> outputs [B, ...] per output.
-
-        Raises:
-            Exception: whatever the handler raised, device out-of-memory included.
-        """
-        return self._forward(inputs)
 
     def run_batch(self, inputs: Mapping[str, np.ndarray]) -> list[Segment]:
         """Run one batch, halving it on device out-of-memory errors.
@@ -172,7 +170,7 @@ class ModelRunner:
     def _run_split(self, inputs: Mapping[str, np.ndarray], offset: int) -> list[Segment]:
         batch_size = len(next(iter(inputs.values())))
         try:
-            return [Segment(offset, offset + batch_size, self._forward(inputs))]
+            return [Segment(offset, offset + batch_size, self.forward(inputs))]
         except Exception as exc:
             if not is_out_of_memory(exc):
                 raise

@@ -1,1 +1,2 @@
-"""Observability: Prometheus multiprocess metrics and structured logging."""
+"""Observability: Prometheus metric definitions, the NVML GPU poller, structured logging.
+Imports nothing of app.http or app.serving (they import this)."""

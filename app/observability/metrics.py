@@ -10,9 +10,10 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 ``python -m aiohttp.web``) each app records into a registry of its own and a
 scrape adds prometheus_client's default registry (process and GC collectors).
 
-Every metric is listed in ``docs/observability.md``. GPU figures are read
-through NVML (:func:`gpu_stat.query_gpus`), never through CUDA, by a small task
-per worker every ``gpu_metrics_interval_s``; in CPU mode there are none.
+Every metric is listed in ``docs/observability.md``. This module holds the
+definitions; ``app.http.metrics`` records the HTTP requests and answers
+``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
+(never through CUDA); in CPU mode there are no GPU figures.
 
 Source: prometheus_client's "Multiprocess Mode (E.g. Gunicorn)" documentation;
 metric names follow Prometheus' naming guide (base units, ``_total``, ``_info``).
@@ -20,18 +21,11 @@ metric names follow Prometheus' naming guide (base units, ``_total``, ``_info``)
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
 import os
-import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
-import orjson
 from aiohttp import web
-from aiohttp.typedefs import Handler
 from prometheus_client import (
-    CONTENT_TYPE_LATEST,
     REGISTRY,
     CollectorRegistry,
     Counter,
@@ -43,11 +37,6 @@ from prometheus_client import (
 from prometheus_client.multiprocess import MultiProcessCollector
 
 import gpu_stat
-from app.errors import ModelNotFound
-from app.serving.state import REGISTRY as MODELS
-from app.serving.state import SETTINGS, WORKER_INFO
-
-log = logging.getLogger(__name__)
 
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 #: Seconds; dense from 0.5 ms to 100 ms, where a batched model's latency lives, up to 10 s.
@@ -230,124 +219,3 @@ METRICS = web.AppKey("metrics", ServerMetrics)
 def create_metrics() -> ServerMetrics:
     """This process's metrics: file-backed under gunicorn, else in a registry of their own."""
     return ServerMetrics(None if multiprocess_dir() is not None else CollectorRegistry())
-
-
-def binding_labels(device: str) -> dict[str, str]:
-    """The worker's binding labels from ``SCORING_BINDING`` (set by gunicorn.conf.py's
-    ``post_fork``); outside gunicorn: ``device`` and empty GPU fields."""
-    labels = {"device": device, "gpu": "", "gpu_uuid": "", "slot": ""}
-    raw = os.environ.get("SCORING_BINDING")
-    if raw:
-        try:
-            parsed = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            log.warning("SCORING_BINDING is not JSON: %r", raw)
-        else:
-            if isinstance(parsed, dict):
-                labels.update({k: str(v) for k, v in parsed.items() if k in labels})
-    return labels
-
-
-def _inference_protocol(request: web.Request) -> str | None:
-    """"v1" or "v2" for a routed inference request, else None (health, metadata, /metrics)."""
-    if request.method != "POST" or request.match_info.http_exception is not None:
-        return None
-    path = request.path
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
-        return "v2"
-    if path.startswith("/v1/models/") and path.endswith(":predict"):
-        return "v1"
-    return None
-
-
-def _model_labels(request: web.Request) -> tuple[str, str]:
-    """(model, version) of the request; ("", "") for a model this worker does not serve."""
-    info = request.match_info
-    try:
-        config = request.app[MODELS].get(info["name"], info.get("version")).config
-    except (ModelNotFound, KeyError):
-        return "", ""
-    return config.name, config.version
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Count and time inference requests; sits outside the error middleware, so it sees
-    the status the client gets."""
-    protocol = _inference_protocol(request)
-    if protocol is None:
-        return await handler(request)
-    metrics = request.app[METRICS]
-    model, version = _model_labels(request)
-    in_flight = metrics.in_flight.labels(model, version)
-    in_flight.inc()
-    start = time.perf_counter()
-    code = 500
-    try:
-        response = await handler(request)
-        code = response.status
-        return response
-    except web.HTTPException as exc:
-        code = exc.status
-        raise
-    except asyncio.CancelledError:
-        code = 499  # the client went away (nginx's code; nothing was sent)
-        raise
-    finally:
-        in_flight.dec()
-        metrics.request_seconds.labels(model, version, protocol).observe(time.perf_counter() - start)
-        metrics.requests.labels(model, version, protocol, str(code)).inc()
-
-
-async def metrics_handler(request: web.Request) -> web.Response:
-    """``GET /metrics``: Prometheus text format, the whole server's figures."""
-    body = await asyncio.get_running_loop().run_in_executor(None, request.app[METRICS].render)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def _bound_gpus(uuid: str) -> list[gpu_stat.GpuInfo]:
-    """The GPU (or MIG instance) with this uuid, from a fresh NVML snapshot."""
-    found: list[gpu_stat.GpuInfo] = []
-    for gpu in gpu_stat.query_gpus():
-        found.extend(g for g in (gpu, *gpu.mig_instances) if g.uuid == uuid)
-    return found
-
-
-async def _poll_gpus(metrics: ServerMetrics, uuid: str, index: str, interval_s: float) -> None:
-    loop = asyncio.get_running_loop()
-    failing = False
-    while True:
-        try:
-            # NVML calls take milliseconds: off the event loop and off the inference thread.
-            gpus = await loop.run_in_executor(None, _bound_gpus, uuid)
-            metrics.set_gpus(gpus, index)
-        except Exception as exc:  # best effort: GPU figures must never take the worker down
-            if not failing:
-                expected = isinstance(exc, (gpu_stat.NvmlUnavailable, OSError, ValueError))
-                log.warning("GPU metrics unavailable for %s: %s", uuid, exc, exc_info=not expected)
-            failing = True
-        else:
-            if failing:
-                log.info("GPU metrics for %s available again", uuid)
-            failing = False
-        await asyncio.sleep(interval_s)
-
-
-async def gpu_metrics_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx``: publish the binding; poll the bound GPU through NVML (GPU mode only)."""
-    metrics = app[METRICS]
-    labels = binding_labels(str(app[WORKER_INFO]["device"]))
-    metrics.set_binding(labels)
-    task: asyncio.Task[None] | None = None
-    if labels["gpu_uuid"]:
-        task = asyncio.get_running_loop().create_task(
-            _poll_gpus(metrics, labels["gpu_uuid"], labels["gpu"], app[SETTINGS].gpu_metrics_interval_s),
-            name="gpu-metrics",
-        )
-    try:
-        yield
-    finally:
-        if task is not None:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task

@@ -71,11 +71,6 @@ def _deepest(brackets: bytes, stop_above: int | None = None) -> int:
     return deepest
 
 
-def json_depth(body: bytes) -> int:
-    """Deepest nesting of arrays/objects in ``body`` (brackets inside strings do not count)."""
-    return _deepest(_brackets(body))
-
-
 def check_json_depth(body: bytes, limit: int) -> None:
     """Raises ``InvalidInput`` (400) when ``body`` nests arrays/objects deeper than ``limit``."""
     brackets = _brackets(body)

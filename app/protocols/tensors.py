@@ -24,7 +24,7 @@ def _flatten_strings(data: Any, where: str, max_bytes: int | None) -> list[bytes
     while stack:
         item = stack.pop()
         if isinstance(item, str):
-            encoded = item.encode("utf-8", "surrogatepass")
+            encoded = item.encode()  # JSON decoders reject lone surrogates: always valid UTF-8
             if max_bytes is not None and len(encoded) > max_bytes:
                 raise PayloadTooLarge(
                     f"{where}: element {len(out)} is {len(encoded)} bytes; the server accepts at "

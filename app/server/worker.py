@@ -54,9 +54,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-import psutil
 from aiohttp import web
 from aiohttp.worker import GunicornUVLoopWebWorker, GunicornWebWorker
+
+from gpu_stat.family import live_children
 
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
@@ -108,19 +109,15 @@ class SiblingStates:
 
     def siblings(self) -> dict[int, str]:
         """pid -> state of every other live worker (``binding`` when it has not said yet)."""
-        try:
-            children = psutil.Process(self.ppid).children()
-        except psutil.Error:
-            return {}
         states = {}
-        for child in children:
-            if child.pid == self.pid:
+        for pid in live_children(self.ppid):  # gpu_stat.family: the one "my siblings" helper
+            if pid == self.pid:
                 continue
             state = BINDING
             if self.directory is not None:
                 with contextlib.suppress(OSError):
-                    state = (self.directory / str(child.pid)).read_text().strip() or BINDING
-            states[child.pid] = state
+                    state = (self.directory / str(pid)).read_text().strip() or BINDING
+            states[pid] = state
         return states
 
     def replacement_booting(self) -> bool:

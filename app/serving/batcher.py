@@ -237,7 +237,7 @@ class DynamicBatcher:
         self._wakeup.set()
         try:
             return await asyncio.wait_for(asyncio.shield(request.future), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             self._observer.rejected("deadline")
             raise DeadlineExceeded(
                 f"model {self.model}: request {request_id} did not finish within {timeout_s * 1000:.0f} ms"
@@ -313,7 +313,7 @@ class DynamicBatcher:
                 self._wakeup.clear()
                 try:
                     await asyncio.wait_for(self._wakeup.wait(), remaining)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     break
             now = loop.time()
             chunks = self._take(now)

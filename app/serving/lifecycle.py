@@ -39,15 +39,16 @@ from collections.abc import AsyncIterator
 import torch
 from aiohttp import web
 
+from app.binding import BINDING
 from app.errors import ModelLoadError
 from app.models.repository import scan
 from app.models.runner import ModelRunner, describe
 from app.observability.metrics import METRICS
 from app.serving.batcher import BatchObserver, DynamicBatcher, RunningBatch
 from app.serving.executor import InferenceThread
-from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
+from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, ModelEntry
 from app.serving.stats import FanOut
-from gpu_stat.binding import current_binding, verify_binding
+from gpu_stat.verify import verify_binding
 
 log = logging.getLogger(__name__)
 
@@ -90,14 +91,13 @@ async def _load_all(app: web.Application, device: torch.device) -> None:
         log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
     # Now that the models hold their CUDA context, check through NVML that it is on the
     # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
-    current = current_binding()
-    if current is not None and current.device != "cpu":
-        await loop.run_in_executor(None, verify_binding, current)
-    info = app[WORKER_INFO]
-    binding = info.get("binding", {"device": info["device"]})
+    worker = app[BINDING]
+    if worker.binding.gpu_uuid is not None:
+        await loop.run_in_executor(None, verify_binding, worker.binding)
+    binding = worker.describe()["binding"]
     log.info(
         "worker %d ready: binding %s, models %s",
-        info["pid"], binding, models,
+        worker.pid, binding, models,
         extra={"event": "worker_ready", "binding": binding, "models": models},
     )  # fmt: skip
 

@@ -136,6 +136,5 @@ def _version_key(version: str) -> tuple[int, Any]:
 
 SETTINGS = web.AppKey("settings", Settings)
 REGISTRY = web.AppKey("registry", ModelRegistry)
-WORKER_INFO = web.AppKey("worker_info", dict)
 LIFECYCLE = web.AppKey("lifecycle", WorkerLifecycle)
 LIMITS = web.AppKey("request_limits", RequestLimits)
