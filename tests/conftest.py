@@ -24,6 +24,10 @@ os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
 os.environ["SCORING_GRPC_PORT"] = "0"
 
 AiohttpClient = Callable[..., Any]
+#: The in-process test client of an app made by ``create_app``.
+Client = TestClient[web.Request, web.Application]
+#: ``make_client(repo, *, wait=True, **settings) -> Client``.
+MakeClient = Callable[..., Any]
 T = TypeVar("T")
 
 

@@ -10,13 +10,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.errors import InvalidInput, PayloadTooLarge
 from app.protocols import binary, v2
 from app.protocols.limits import RequestLimits
+from tests.conftest import Client, MakeClient
 from tests.toy_models import write_scale_model
 
 HEADER = "Inference-Header-Content-Length"
@@ -32,7 +32,7 @@ def binary_body(header: dict[str, Any], *chunks: bytes) -> tuple[bytes, dict[str
     return head + b"".join(chunks), {HEADER: str(len(head)), "Content-Type": "application/octet-stream"}
 
 
-def x_input(rows: int, size: int | None = None) -> dict[str, Any]:
+def x_input(rows: int, size: object = None) -> dict[str, Any]:
     return {
         "name": "x", "shape": [rows, 2], "datatype": "FP32",
         "parameters": {"binary_data_size": rows * 8 if size is None else size},
@@ -94,12 +94,13 @@ def test_attach_binary_reads_numbers_with_frombuffer_and_checks_sizes() -> None:
 
 
 @pytest.fixture
-async def client(make_client, tmp_path: Path) -> TestClient:
+async def client(make_client: MakeClient, tmp_path: Path) -> Client:
     write_scale_model(tmp_path, "scale")
-    return await make_client(tmp_path, max_items_per_request=64, max_string_bytes=64)
+    made: Client = await make_client(tmp_path, max_items_per_request=64, max_string_bytes=64)
+    return made
 
 
-async def test_binary_inputs_and_outputs_match_the_json_path(client: TestClient) -> None:
+async def test_binary_inputs_and_outputs_match_the_json_path(client: Client) -> None:
     x = np.array([[1.5, -2.0], [3.0, 4.25]], dtype=np.float32)
     tags = [b"abc", "héllo".encode()]
     header = {
@@ -127,7 +128,7 @@ async def test_binary_inputs_and_outputs_match_the_json_path(client: TestClient)
     np.testing.assert_array_equal(lengths.ravel(), expected["outputs"][1]["data"])
 
 
-async def test_per_output_binary_choice_overrides_the_default(client: TestClient) -> None:
+async def test_per_output_binary_choice_overrides_the_default(client: Client) -> None:
     x = np.ones((1, 2), dtype=np.float32)
     header = {
         "inputs": [x_input(1)],
@@ -147,7 +148,7 @@ async def test_per_output_binary_choice_overrides_the_default(client: TestClient
     assert (await resp.json())["outputs"][0]["data"] == [2, 2]
 
 
-async def test_json_sent_as_octet_stream_or_without_type_is_accepted(client: TestClient) -> None:
+async def test_json_sent_as_octet_stream_or_without_type_is_accepted(client: Client) -> None:
     payload = json.dumps({"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]})
     for headers in ({"Content-Type": "application/octet-stream"}, {}):
         resp = await client.post(
@@ -231,7 +232,7 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
     ],
 )
 async def test_hostile_binary_bodies_get_a_clear_4xx(
-    client: TestClient, header: dict[str, Any], chunks: list[bytes], declared: Any, status: int, fragment: str
+    client: Client, header: dict[str, Any], chunks: list[bytes], declared: Any, status: int, fragment: str
 ) -> None:
     body, headers = binary_body(header, *chunks)
     if declared is not None:
@@ -242,7 +243,7 @@ async def test_hostile_binary_bodies_get_a_clear_4xx(
     assert fragment in error, error
 
 
-async def test_compressed_binary_body_is_decoded(client: TestClient) -> None:
+async def test_compressed_binary_body_is_decoded(client: Client) -> None:
     import gzip
 
     x = np.array([[1, 2]], dtype=np.float32)
@@ -303,7 +304,7 @@ def binary_requests(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
 @FUZZ
 @given(request=binary_requests())
 async def test_fuzzed_binary_bodies_never_5xx(
-    client: TestClient, request: tuple[bytes, dict[str, str]]
+    client: Client, request: tuple[bytes, dict[str, str]]
 ) -> None:
     body, headers = request
     resp = await client.post(V2_INFER, data=body, headers=headers)

@@ -10,10 +10,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.conftest import Client, MakeClient
 from tests.test_fuzz import FUZZ, check, v1_bodies
 from tests.toy_models import ScaleHandler, write_scale_model
 
@@ -21,8 +21,8 @@ V2_INFER = "/v2/models/scale/infer"
 BODY = {"inputs": [{"name": "x", "shape": [3, 2], "datatype": "FP32", "data": [1, 2, 3, 4, 5, 6]}]}
 
 
-async def test_server_metadata_lists_the_extensions_served(make_client, scale_repo: Path) -> None:
-    client: TestClient = await make_client(scale_repo)
+async def test_server_metadata_lists_the_extensions_served(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     meta = await (await client.get("/v2")).json()
     assert meta["extensions"] == [
         "binary_tensor_data",
@@ -32,9 +32,9 @@ async def test_server_metadata_lists_the_extensions_served(make_client, scale_re
     ]
 
 
-async def test_model_config_is_tritons_shape_without_the_batch_dim(make_client, tmp_path: Path) -> None:
+async def test_model_config_is_tritons_shape_without_the_batch_dim(make_client: MakeClient, tmp_path: Path) -> None:
     write_scale_model(tmp_path, "scale", max_batch_size=16, max_queue_delay_ms=2.5)
-    client: TestClient = await make_client(tmp_path)
+    client: Client = await make_client(tmp_path)
     for path in ("/v2/models/scale/config", "/v2/models/scale/versions/1/config"):
         resp = await client.get(path)
         assert resp.status == 200
@@ -56,8 +56,8 @@ async def test_model_config_is_tritons_shape_without_the_batch_dim(make_client, 
     assert (await client.get("/v2/models/scale/versions/7/config")).status == 404
 
 
-async def test_statistics_count_this_workers_inferences(make_client, scale_repo: Path) -> None:
-    client: TestClient = await make_client(scale_repo)
+async def test_statistics_count_this_workers_inferences(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     before = await (await client.get("/v2/models/scale/stats")).json()
     assert before["worker_pid"] == os.getpid()
     assert before["model_stats"][0]["execution_count"] == 0  # warmup runs before the batcher
@@ -80,20 +80,20 @@ async def test_statistics_count_this_workers_inferences(make_client, scale_repo:
     assert (await client.get("/v2/models/nope/stats")).status == 404
 
 
-async def test_statistics_count_a_missed_deadline_as_a_failure(make_client, tmp_path: Path) -> None:
+async def test_statistics_count_a_missed_deadline_as_a_failure(make_client: MakeClient, tmp_path: Path) -> None:
     write_scale_model(tmp_path, "scale", delay_ms=300.0, max_queue_delay_ms=0.0)
-    client: TestClient = await make_client(tmp_path)
+    client: Client = await make_client(tmp_path)
     resp = await client.post(V2_INFER, json=BODY, headers={"X-Request-Timeout-Ms": "50"})
     assert resp.status == 504
     (stat,) = (await (await client.get("/v2/models/scale/stats")).json())["model_stats"]
     assert stat["inference_stats"]["fail"]["count"] == 1
 
 
-async def test_repository_index_reports_loading_then_ready(make_client, tmp_path: Path) -> None:
+async def test_repository_index_reports_loading_then_ready(make_client: MakeClient, tmp_path: Path) -> None:
     gate = threading.Event()
     ScaleHandler.GATES["index-test"] = gate
     write_scale_model(tmp_path, "scale", load_gate="index-test")
-    client: TestClient = await make_client(tmp_path, wait=False)
+    client: Client = await make_client(tmp_path, wait=False)
     resp = await client.post("/v2/repository/index")
     assert await resp.json() == [{"name": "scale", "version": "1", "state": "LOADING", "reason": ""}]
     assert await (await client.post("/v2/repository/index", json={"ready": True})).json() == []
@@ -107,8 +107,8 @@ async def test_repository_index_reports_loading_then_ready(make_client, tmp_path
     assert (await client.post("/v2/repository/index", json={"ready": "yes"})).status == 400
 
 
-async def test_v1_root_liveness_is_open_like_the_other_probes(make_client, scale_repo: Path) -> None:
-    client: TestClient = await make_client(scale_repo, api_keys="secret")
+async def test_v1_root_liveness_is_open_like_the_other_probes(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, api_keys="secret")
     assert (await client.get("/")).status == 200
     assert (await client.get("/v2/models/scale/config")).status == 401
     assert (await client.get("/v2/models/stats")).status == 401
@@ -116,8 +116,8 @@ async def test_v1_root_liveness_is_open_like_the_other_probes(make_client, scale
     assert (await client.get("/v2/models/stats", headers={"X-API-Key": "secret"})).status == 200
 
 
-async def test_v1_root_liveness_and_inputs_bodies(make_client, scale_repo: Path) -> None:
-    client: TestClient = await make_client(scale_repo)
+async def test_v1_root_liveness_and_inputs_bodies(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     resp = await client.get("/")
     assert resp.status == 200 and await resp.json() == {"status": "alive"}
     by_inputs = await client.post("/v1/models/scale:predict", json={"inputs": [[1, 2], [3, 4]]})
@@ -131,15 +131,15 @@ async def test_v1_root_liveness_and_inputs_bodies(make_client, scale_repo: Path)
 
 
 @pytest.fixture
-async def v1_client(make_client, tmp_path: Path) -> TestClient:
+async def v1_client(make_client: MakeClient, tmp_path: Path) -> Client:
     write_scale_model(tmp_path, "scale")
-    client: TestClient = await make_client(tmp_path, max_items_per_request=64, max_json_depth=8)
+    client: Client = await make_client(tmp_path, max_items_per_request=64, max_json_depth=8)
     return client
 
 
 @FUZZ
 @given(body=v1_bodies(), key=st.sampled_from(["inputs", "both"]))
-async def test_v1_inputs_bodies_never_5xx(v1_client: TestClient, body: dict[str, Any], key: str) -> None:
+async def test_v1_inputs_bodies_never_5xx(v1_client: Client, body: dict[str, Any], key: str) -> None:
     """KServe V1 ``{"inputs": ...}`` (and both keys at once), fuzzed like ``instances``."""
     instances = body["instances"]
     payload = {"inputs": instances} if key == "inputs" else {"inputs": instances, "instances": instances}

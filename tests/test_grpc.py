@@ -15,7 +15,6 @@ import grpc
 import numpy as np
 import psutil
 import pytest
-from aiohttp.test_utils import TestClient
 
 from app import errors
 from app.grpc import codec
@@ -28,6 +27,7 @@ from app.observability.metrics import METRICS
 from app.protocols.binary import deserialize_bytes
 from app.protocols.infer import InferRequest
 from app.serving.state import REGISTRY
+from tests.conftest import Client
 
 Code = grpc.StatusCode
 
@@ -35,10 +35,11 @@ Code = grpc.StatusCode
 class Grpc:
     """A stub on a channel to the in-process server, and the HTTP client of the same app."""
 
-    def __init__(self, http: TestClient, channel: Any, port: int) -> None:
+    def __init__(self, http: Client, channel: Any, port: int) -> None:
         self.http = http
         self.port = port
-        self.app = http.server.app
+        assert http.app is not None
+        self.app = http.app
         self.channel = channel
         self.stub = pb_grpc.GRPCInferenceServiceStub(channel)
 
@@ -237,7 +238,8 @@ async def test_requests_are_counted_with_protocol_grpc(served: Callable[..., Any
 
     def count(code: str) -> float | None:
         labels = {"model": "scale", "version": "1", "protocol": "grpc", "code": code}
-        return registry.get_sample_value("scoring_requests_total", labels)
+        value: float | None = registry.get_sample_value("scoring_requests_total", labels)
+        return value
 
     unknown_model = scale_request([[1.0, 2.0]], [b"t"])
     unknown_model.model_name = "nope"

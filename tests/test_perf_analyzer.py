@@ -5,7 +5,7 @@ demo models, with its default options: it reads the model config and metadata, s
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 SCRIPT = ROOT / "scripts" / "perf_analyzer"
 
 #: Protocol -> how perf_analyzer reaches the server: its -i value and the URL it is given.
-ENDPOINTS = {
+ENDPOINTS: dict[str, Callable[[Gunicorn], list[str]]] = {
     "http": lambda srv: ["-i", "http", "-u", f"127.0.0.1:{srv.port}"],
     "grpc": lambda srv: ["-i", "grpc", "-u", srv.grpc_url],
 }
