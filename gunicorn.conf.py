@@ -40,7 +40,7 @@ from typing import Any
 
 from app.http.auth import read_key_file
 from app.observability.logconfig import log_config
-from app.server.worker import BINDING, BOOTING, SiblingStates, states_dir
+from app.server.states import BINDING, BOOTING, SiblingStates, states_dir
 from app.settings import Settings
 from gpu_stat import backend_name
 from gpu_stat.binding import (

@@ -52,11 +52,20 @@ async def infer(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    entry = await registry.wait_ready(entry, timeout_s)
-    assert entry.batcher is not None
-    return await entry.batcher.infer(
-        inputs,
-        timeout_s=max(0.0, deadline - loop.time()),
-        request_id=request_id,
-        is_disconnected=is_disconnected,
-    )
+    # This worker's published load (items queued + in flight) for its siblings' balancing.
+    on_load = registry.on_load
+    items = len(next(iter(inputs.values()))) if on_load is not None and inputs else 0
+    if on_load is not None:
+        on_load(items)
+    try:
+        entry = await registry.wait_ready(entry, timeout_s)
+        assert entry.batcher is not None
+        return await entry.batcher.infer(
+            inputs,
+            timeout_s=max(0.0, deadline - loop.time()),
+            request_id=request_id,
+            is_disconnected=is_disconnected,
+        )
+    finally:
+        if on_load is not None:
+            on_load(-items)

@@ -41,6 +41,9 @@ class ModelRegistry:
     models: dict[str, dict[str, ModelEntry]] = field(default_factory=dict)
     load_error: str | None = None
     draining: bool = False
+    #: Called with +items at admission and -items at completion of every inference request
+    #: (the gunicorn worker publishes its load with it; app.server.balance).
+    on_load: Callable[[int], None] | None = None
 
     def add(self, config: ModelConfig) -> ModelEntry:
         """Register ``config`` (not yet loaded)."""
