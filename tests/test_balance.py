@@ -14,8 +14,10 @@ from app.server.balance import Balancer
 from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable
 
 
-def load(slot: int, connections: int, items: int = 0, *, state: int = READY, beat: float = 100.0) -> Load:
-    return Load(slot, 1000 + slot, 1, state, items, connections, beat)
+def load(
+    slot: int, connections: int, recent: float = 0.0, *, state: int = READY, beat: float = 100.0
+) -> Load:
+    return Load(slot, 1000 + slot, 1, state, int(recent), connections, recent, beat)
 
 
 NOW = 100.5
@@ -26,10 +28,11 @@ def test_table_round_trip_between_two_mappings(tmp_path: Path) -> None:
     slot = writer.claim(os.getpid())
     writer.set_items(slot, 24)
     writer.set_connections(slot, 3)
+    writer.set_recent(slot, 12.25)
     writer.set_state(slot, READY)
     writer.beat(slot, 42.5)
     assert reader.slots_in_use == 1
-    assert reader.read(slot) == Load(slot, os.getpid(), 1, READY, 24, 3, 42.5)
+    assert reader.read(slot) == Load(slot, os.getpid(), 1, READY, 24, 3, 12.25, 42.5)
     writer.release(slot, os.getpid())
     assert reader.read(slot).pid == 0 and reader.read(slot).state == loadtable.EMPTY
 
@@ -53,7 +56,7 @@ def test_stale_and_unready_slots_are_not_live() -> None:
 
 
 def test_least_loaded_orders_by_connections_then_items() -> None:
-    siblings = [load(1, 3), load(2, 1, items=16), load(3, 1, items=8), load(4, 0, state=DRAINING)]
+    siblings = [load(1, 3), load(2, 1, 16.0), load(3, 1, 8.0), load(4, 0, state=DRAINING)]
     best = balance.least_loaded(siblings, NOW)
     assert best is not None and best.slot == 3
 
@@ -63,29 +66,38 @@ def test_least_loaded_orders_by_connections_then_items() -> None:
     [
         (load(0, 4), [load(1, 4)], True),  # balanced: both race, as without balancing
         (load(0, 5), [load(1, 4)], False),  # one connection more: let the sibling take it
-        (load(0, 4, items=32), [load(1, 4, items=8)], False),  # as many connections, clearly busier
-        (load(0, 4, items=16), [load(1, 4, items=8)], True),  # within the margin
+        (load(0, 4, 32.0), [load(1, 4, 8.0)], False),  # as many connections, clearly busier
+        (load(0, 4, 16.0), [load(1, 4, 8.0)], True),  # not clearly
+        (load(0, 1, 7.0), [load(1, 1, 0.0)], False),  # a busy connection vs an idle one
         (load(0, 5), [load(1, 0, beat=NOW - 5)], True),  # the only sibling is stopped: accept
         (load(0, 5), [load(1, 0, state=DRAINING)], True),  # ... or draining
         (load(0, 1), [], True),  # alone
     ],
 )
 def test_may_accept(me: Load, siblings: list[Load], accept: bool) -> None:
-    assert balance.may_accept(me, siblings, NOW, balance.MARGIN_ITEMS) is accept
+    assert balance.may_accept(me, siblings, NOW) is accept
 
 
 def test_the_least_loaded_worker_always_accepts() -> None:
-    workers = [load(0, 3), load(1, 2, items=40), load(2, 2, items=8), load(3, 5)]
-    accepting = [w for w in workers if balance.may_accept(w, [o for o in workers if o != w], NOW, 8)]
+    workers = [load(0, 3), load(1, 2, 40.0), load(2, 2, 8.0), load(3, 5)]
+    accepting = [w for w in workers if balance.may_accept(w, [o for o in workers if o != w], NOW)]
     assert [w.slot for w in accepting] == [2]
 
 
 @pytest.mark.parametrize(
-    ("connections", "other", "shed"),
-    [(4, 4, False), (5, 4, False), (6, 4, True), (8, 0, True), (1, 0, False)],
+    ("me", "other", "shed"),
+    [
+        (load(0, 4), load(1, 4), False),
+        (load(0, 5), load(1, 4), False),  # moving one would only swap the gap
+        (load(0, 6), load(1, 4), True),
+        (load(0, 8), load(1, 0), True),
+        (load(0, 1), load(1, 0), False),  # one idle connection: nothing to gain
+        (load(0, 1, 7.5), load(1, 0), True),  # one busy connection, an idle sibling: rotate
+        (load(0, 2, 16.0), load(1, 1, 8.0), False),  # 3 connections on 2 workers: stays
+    ],
 )
-def test_should_shed_only_when_moving_one_narrows_the_gap(connections: int, other: int, shed: bool) -> None:
-    target = balance.should_shed(load(0, connections), [load(1, other)], NOW)
+def test_should_shed_only_when_moving_one_narrows_the_gap(me: Load, other: Load, shed: bool) -> None:
+    target = balance.should_shed(me, [other], NOW)
     assert (target is not None) is shed
 
 
@@ -106,7 +118,7 @@ def test_balancer_publishes_and_sheds_at_most_once_per_interval(tmp_path: Path) 
     assert table.read(me.slot).connections == 7
     assert not me.shed_now()  # within SHED_INTERVAL_S of the last one
     table.set_connections(sibling, 7)
-    assert me.may_accept()  # as many connections as the sibling, 0 items more
+    assert me.may_accept()  # as many connections as the sibling, not clearly busier
 
 
 def test_a_worker_that_is_not_ready_always_accepts(tmp_path: Path) -> None:

@@ -8,7 +8,8 @@ no lock and no system call on the hot path. Layout (little endian)::
     header   16 bytes: magic b"SCLOAD01", slots in use (u32), reserved (u32)
     slot k   32 bytes at 16 + 32 k: pid (i32), generation (u32), state (i32),
              items (i32: items queued + in flight), connections (i32: open HTTP connections),
-             reserved (i32), heartbeat (f64: time.monotonic(), seconds)
+             recent (i32: items queued + in flight averaged over ~0.1 s, in 1/1000 items),
+             heartbeat (f64: time.monotonic(), seconds)
 
 Slots are claimed, not assigned by rank: a CPU worker's rank (``gpu_stat.binding``) is its
 index among the live siblings, which a HUP reload gives to a new worker while the old one
@@ -41,7 +42,7 @@ _HEADER = struct.Struct("<8sII")
 _SLOT = struct.Struct("<iIiiiid")
 _FIELD = struct.Struct("<i")
 _TIME = struct.Struct("<d")
-_ITEMS_AT, _CONNECTIONS_AT, _HEARTBEAT_AT, _STATE_AT = 12, 16, 24, 8
+_STATE_AT, _ITEMS_AT, _CONNECTIONS_AT, _RECENT_AT, _HEARTBEAT_AT = 8, 12, 16, 20, 24
 SIZE = _HEADER.size + MAX_SLOTS * _SLOT.size
 
 #: A slot whose heartbeat is older than this (seconds) is ignored: its worker is dead or stopped.
@@ -62,6 +63,7 @@ class Load:
         state: EMPTY, BOOTING, READY or DRAINING.
         items: inference items queued + in flight (admitted, not yet answered).
         connections: open HTTP connections (idle keep-alive ones included).
+        recent: items queued + in flight, averaged over the last ~0.1 s (app.server.balance).
         heartbeat: ``time.monotonic()`` of its last tick, seconds.
     """
 
@@ -71,6 +73,7 @@ class Load:
     state: int
     items: int
     connections: int
+    recent: float
     heartbeat: float
 
     def live(self, now: float, stale_s: float = STALE_S) -> bool:
@@ -151,6 +154,10 @@ class LoadTable:
         """Publish the number of open connections."""
         _FIELD.pack_into(self._map, _offset(slot) + _CONNECTIONS_AT, connections)
 
+    def set_recent(self, slot: int, recent: float) -> None:
+        """Publish the recent load (items, averaged)."""
+        _FIELD.pack_into(self._map, _offset(slot) + _RECENT_AT, min(int(recent * 1000), 2**31 - 1))
+
     def set_state(self, slot: int, state: int) -> None:
         """Publish BOOTING, READY or DRAINING."""
         _FIELD.pack_into(self._map, _offset(slot) + _STATE_AT, state)
@@ -161,8 +168,8 @@ class LoadTable:
 
     def read(self, slot: int) -> Load:
         """One slot as it is now."""
-        pid, generation, state, items, connections, _, heartbeat = _SLOT.unpack_from(self._map, _offset(slot))
-        return Load(slot, pid, generation, state, items, connections, heartbeat)
+        pid, generation, state, items, connections, milli, beat = _SLOT.unpack_from(self._map, _offset(slot))
+        return Load(slot, pid, generation, state, items, connections, milli / 1000.0, beat)
 
     def snapshot(self) -> list[Load]:
         """Every claimed slot (empty and stale ones included; see :meth:`Load.live`)."""
