@@ -5,16 +5,21 @@ model load longer than half the graceful timeout fails no request."""
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
+import psutil
 import pytest
 
-from tests.server import Gunicorn, wait_for
+from tests.server import ROOT, Gunicorn, free_port, http, wait_for
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -139,3 +144,56 @@ def test_hup_reload_with_a_slow_model_load_fails_no_request(tmp_path: Path) -> N
             thread.join(60)
         assert statuses and set(statuses) == {200}, {s: statuses.count(s) for s in set(statuses)}
         assert "waited for a new worker to be ready" in srv.log()
+
+
+def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_dir(tmp_path: Path) -> None:
+    """``--backlog 77`` is the listen backlog the kernel reports (aiohttp's 128 before); after
+    a HUP reload the master still removes its default run directory (under TMPDIR) at exit."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale")
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "PROMETHEUS_"))}
+    env.update(
+        TMPDIR=str(scratch), PYTHONPATH=str(ROOT), SCORING_HOST="127.0.0.1", SCORING_PORT=str(port),
+        SCORING_MODEL_REPOSITORY=str(repo), SCORING_WORKERS="1", SCORING_TORCH_THREADS="1",
+    )  # fmt: skip
+    log = tmp_path / "gunicorn.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py", "--backlog", "77"],
+            cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    try:
+        run_dir = scratch / f"scoring-server-{proc.pid}"
+
+        def ready() -> bool:
+            try:
+                return http("GET", f"http://127.0.0.1:{port}/v2/health/ready", timeout=5)[0] == 200
+            except OSError:
+                return False
+
+        _poll(ready, 120, log)
+        assert run_dir.is_dir()
+        listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
+        assert listening.split()[2] == "77", listening  # LISTEN Recv-Q Send-Q(backlog) ...
+        before = psutil.Process(proc.pid).children()
+        proc.send_signal(signal.SIGHUP)
+        _poll(lambda: not any(w.is_running() for w in before) and ready(), 120, log)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+        assert not run_dir.exists(), list(run_dir.rglob("*"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
+def _poll(predicate: Callable[[], object], timeout_s: float, log: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.1)
+    raise AssertionError(log.read_text(errors="replace")[-4000:])
