@@ -197,3 +197,50 @@ def _poll(predicate: Callable[[], object], timeout_s: float, log: Path) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(log.read_text(errors="replace")[-4000:])
+
+
+def test_a_large_request_is_scattered_over_both_workers_and_gathered_in_order(tmp_path: Path) -> None:
+    """64 items, max_batch_size 8, 2 workers: shards run on both (per-worker item counters),
+    FP32 and BYTES inputs travel, and the outputs come back in the request's item order."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", max_batch_size=8, queue_capacity=1024)
+    items = 64
+    body = {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": [items, 2],
+                "datatype": "FP32",
+                "data": [float(i) for i in range(2 * items)],
+            },
+            {
+                "name": "tag",
+                "shape": [items, 1],
+                "datatype": "BYTES",
+                "data": ["t" * (i % 5) for i in range(items)],
+            },
+        ]
+    }
+    with Gunicorn(tmp_path, env(repo, 2)) as srv:
+        pids = [w.pid for w in srv.wait_workers(2)]
+        srv.wait_ready(120)
+        wait_for(lambda: _both_live(srv), 30, "both workers in the load table", srv)
+        before = items_per_worker(srv)
+        status, _, out = srv.post(V2, body)
+        assert status == 200, out
+        outputs = {o["name"]: o for o in out["outputs"]}
+        assert outputs["y"]["data"] == [2.0 * i for i in range(2 * items)]
+        assert outputs["tag_length"]["data"] == [i % 5 for i in range(items)]
+        after = items_per_worker(srv)
+        assert all(after.get(pid, 0) - before.get(pid, 0) == items / 2 for pid in pids), (before, after)
+        metrics = srv.get("/metrics")[2]
+        assert 'scoring_scattered_requests_total{model="scale",version="1"} 1.0' in metrics
+        assert 'scoring_forwarded_shards_total{model="scale",version="1"} 1.0' in metrics
+
+
+def _both_live(srv: Gunicorn) -> bool:
+    from app.server.loadtable import LoadTable
+
+    table = LoadTable(srv.log_path.parent / f"run-{srv.port}")
+    now = time.monotonic()
+    return sum(load.live(now) for load in table.snapshot()) == 2

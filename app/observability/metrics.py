@@ -157,6 +157,15 @@ class ServerMetrics:
             "scoring_worker_items", "Inference items answered by one worker (any outcome).",
             ["pid"], registry=r,
         )  # fmt: skip
+        self.scattered = Counter(
+            "scoring_scattered_requests", "Large requests split into shards over sibling workers "
+            "(app.server.scatter), counted by the worker that received them.",
+            model, registry=r,
+        )  # fmt: skip
+        self.forwarded_shards = Counter(
+            "scoring_forwarded_shards", "Shards of scattered requests sent to sibling workers.",
+            model, registry=r,
+        )  # fmt: skip
         self.connections_shed = Counter(
             "scoring_connections_shed", "Keep-alive connections a worker closed (Connection: close) "
             "so that a less-loaded sibling takes them.",
@@ -267,7 +276,7 @@ def binding_labels(device: str) -> dict[str, str]:
 
 
 def _inference_protocol(request: web.Request) -> str | None:
-    """"v1" or "v2" for a routed inference request, else None (health, metadata, /metrics)."""
+    """ "v1" or "v2" for a routed inference request, else None (health, metadata, /metrics)."""
     if request.method != "POST" or request.match_info.http_exception is not None:
         return None
     path = request.path

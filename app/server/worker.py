@@ -51,15 +51,17 @@ import ssl
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from gunicorn.workers.base import Worker
 
 from app.server import loadtable
-from app.server.balance import Balancer
 from app.server.listener import Listener
 from app.server.states import DRAINING, LOADING, READY, STOPPING, SiblingStates, states_dir
+
+if TYPE_CHECKING:
+    from app.server.cluster import Cluster
 
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
@@ -97,7 +99,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
-        self._balancer: Balancer | None = None
+        self._cluster: Cluster | None = None
         self._table: loadtable.LoadTable | None = None
         self._slot: int | None = None
         self._draining = False
@@ -206,7 +208,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
         server = runner.server
         assert server is not None
-        balancer = self._balancer_for(server)
+        cluster = await self._join_siblings(server)
+        balancer = cluster.balancer if cluster is not None else None
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
@@ -221,35 +224,20 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await self._tick_until_stopped()
         self._listener.stop()
         await runner.cleanup()
+        if cluster is not None:
+            await cluster.close()
 
-    def _balancer_for(self, server: web.Server) -> Balancer | None:
-        from app.observability.metrics import METRICS
-        from app.serving.state import REGISTRY, SETTINGS
+    async def _join_siblings(self, server: web.Server) -> Cluster | None:
+        from app.server.cluster import Cluster, enabled
 
         assert self._app is not None
-        if self._table is None or self._slot is None or not self._app[SETTINGS].balance:
+        run_dir = os.environ.get("SCORING_RUN_DIR")
+        if self._table is None or self._slot is None or not run_dir or not enabled(self._app):
             return None
-        metrics = self._app.get(METRICS)
-        pid = str(os.getpid())
-        on_shed = None
-        if metrics is not None:
-            shed = metrics.connections_shed.labels(pid)
-            on_shed = lambda _target: shed.inc()  # noqa: E731
-        balancer = Balancer(self._table, self._slot, lambda: len(server.connections), on_shed)
-        registry = self._app[REGISTRY]
-        if metrics is not None:
-            items_done = metrics.worker_items.labels(pid)
-
-            def on_load(delta: int) -> None:
-                balancer.add_items(delta)
-                if delta < 0:
-                    items_done.inc(-delta)
-
-            registry.on_load = on_load
-        else:
-            registry.on_load = balancer.add_items
-        self._balancer = balancer
-        return balancer
+        cluster = Cluster(self._app, server, self._table, self._slot, run_dir)
+        await cluster.start()
+        self._cluster = cluster
+        return cluster
 
     def _ssl_context(self) -> ssl.SSLContext:
         cfg = self.cfg
@@ -275,8 +263,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
 
     async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Shed this connection when a less-loaded sibling should take it (app.server.balance)."""
-        balancer = self._balancer
-        if balancer is not None and not self._draining and balancer.shed_now():
+        cluster = self._cluster
+        if cluster is not None and cluster.shed_now(self._draining):
             response.headers["Connection"] = "close"
             response.force_close()
 
@@ -330,23 +318,15 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 await asyncio.wait_for(stopped.wait(), _TICK_S)
 
     def _publish_load(self, state: int) -> None:
-        balancer, listener = self._balancer, self._listener
-        if balancer is None:
+        cluster, listener = self._cluster, self._listener
+        if cluster is None:
             if self._table is not None and self._slot is not None:
                 self._table.set_state(self._slot, state)
                 self._table.beat(self._slot)
             return
-        balancer.tick(state)
-        if listener is not None and listener.listening and listener.paused and balancer.may_accept():
+        cluster.tick(state)
+        if listener is not None and listener.listening and listener.paused and cluster.balancer.may_accept():
             listener.resume()
-        if self._app is not None:
-            from app.observability.metrics import METRICS
-
-            metrics = self._app.get(METRICS)
-            if metrics is not None:
-                pid = str(os.getpid())
-                metrics.worker_load_items.labels(pid).set(balancer.items)
-                metrics.worker_connections.labels(pid).set(balancer.connections)
 
     def _wake(self) -> None:
         if self._stopped is not None:
