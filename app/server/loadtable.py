@@ -30,8 +30,8 @@ import mmap
 import os
 import struct
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 
@@ -52,8 +52,7 @@ STALE_S = 1.0
 EMPTY, BOOTING, READY, DRAINING = 0, 1, 2, 3
 
 
-@dataclass(frozen=True, slots=True)
-class Load:
+class Load(NamedTuple):
     """One worker's published load.
 
     Attributes:
