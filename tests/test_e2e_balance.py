@@ -244,3 +244,31 @@ def _both_live(srv: Gunicorn) -> bool:
     table = LoadTable(srv.log_path.parent / f"run-{srv.port}")
     now = time.monotonic()
     return sum(load.live(now) for load in table.snapshot()) == 2
+
+
+def test_a_sibling_stopped_mid_scatter_costs_a_504_at_the_deadline_not_a_hang(tmp_path: Path) -> None:
+    """SIGSTOP one worker, then at once send a large request: the running worker receives it
+    (the stopped one cannot accept). If it still saw the stopped sibling as live (heartbeat
+    younger than 1 s) and sent it a shard, the request gets a 504 at its deadline; otherwise it
+    runs here whole (200). Either way the answer comes within the deadline plus a margin."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", max_batch_size=8, queue_capacity=1024)
+    body = {"inputs": [{"name": "x", "shape": [32, 2], "datatype": "FP32", "data": [1.0] * 64}]}
+    with Gunicorn(tmp_path, env(repo, 2, SCORING_TIMEOUT_S="60")) as srv:
+        stopped, _ = srv.wait_workers(2)
+        srv.wait_ready(120)
+        wait_for(lambda: _both_live(srv), 30, "both workers in the load table", srv)
+        stopped.send_signal(signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            status, _, out = srv.post(V2, body, headers={"X-Request-Timeout-Ms": "2000"}, timeout=30)
+            elapsed = time.monotonic() - t0
+        finally:
+            stopped.send_signal(signal.SIGCONT)
+        scattered = (
+            'scoring_scattered_requests_total{model="scale",version="1"} 1.0' in srv.get("/metrics")[2]
+        )
+        assert (status, scattered) in ((504, True), (200, False)), (status, out)
+        assert elapsed < 2.0 + 3.0, elapsed
+        if scattered:
+            assert "did not answer its shard in time" in out["error"]
