@@ -130,6 +130,9 @@ def on_starting(server: Any) -> None:
     _metrics_dir.mkdir(parents=True, exist_ok=True)
     for stale in _metrics_dir.glob("*.db"):  # a previous server's samples would add up with ours
         stale.unlink()
+    # A previous server's load table and shard sockets (app.server.loadtable, app.server.peers).
+    (_run_dir / "load").unlink(missing_ok=True)
+    shutil.rmtree(_run_dir / "peers", ignore_errors=True)
     mode = f"{_gpus} usable GPU(s) x {_settings.max_processes_per_gpu}" if _gpus else "CPU mode"
     server.log.info(
         "scoring-server: %d worker(s) (%s; NVML backend %s); run dir %s",

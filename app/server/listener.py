@@ -119,3 +119,16 @@ class Listener:
         except (OSError, ssl.SSLError, asyncio.TimeoutError) as exc:
             log.debug("connection dropped before it was served: %r", exc)
             conn.close()
+
+
+def ssl_context(cfg: Any) -> ssl.SSLContext:
+    """TLS context from gunicorn's settings (``certfile``, ``keyfile``, ``ssl_version``,
+    ``cert_reqs``, ``ca_certs``, ``ciphers``)."""
+    context = ssl.SSLContext(cfg.ssl_version)
+    context.load_cert_chain(cfg.certfile, cfg.keyfile)
+    context.verify_mode = cfg.cert_reqs
+    if cfg.ca_certs:
+        context.load_verify_locations(cfg.ca_certs)
+    if cfg.ciphers:
+        context.set_ciphers(cfg.ciphers)
+    return context

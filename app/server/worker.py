@@ -47,7 +47,6 @@ import contextlib
 import logging
 import os
 import signal
-import ssl
 import sys
 import threading
 from collections.abc import Callable, Coroutine
@@ -57,7 +56,7 @@ from aiohttp import web
 from gunicorn.workers.base import Worker
 
 from app.server import loadtable
-from app.server.listener import Listener
+from app.server.listener import Listener, ssl_context
 from app.server.states import DRAINING, LOADING, READY, STOPPING, SiblingStates, states_dir
 
 if TYPE_CHECKING:
@@ -72,6 +71,8 @@ log = logging.getLogger(__name__)
 
 #: How often the worker notifies gunicorn, publishes its load and looks at its siblings.
 _TICK_S = 0.05
+#: A gap between two ticks longer than this is logged as a stall, seconds.
+_STALL_S = 2.0
 #: How often it looks at its siblings' state files (psutil, file reads: off the loop).
 _STATES_EVERY = 4
 #: Between stopping the listener and the shutdown: time for the last accepted connections
@@ -214,7 +215,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             asyncio.get_running_loop(),
             self.sockets,
             server,
-            self._ssl_context() if self.cfg.is_ssl else None,
+            ssl_context(self.cfg) if self.cfg.is_ssl else None,
             may_accept=balancer.may_accept if balancer is not None else (lambda: True),
             accepted=balancer.accepted if balancer is not None else (lambda: None),
         )
@@ -238,17 +239,6 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await cluster.start()
         self._cluster = cluster
         return cluster
-
-    def _ssl_context(self) -> ssl.SSLContext:
-        cfg = self.cfg
-        context = ssl.SSLContext(cfg.ssl_version)
-        context.load_cert_chain(cfg.certfile, cfg.keyfile)
-        context.verify_mode = cfg.cert_reqs
-        if cfg.ca_certs:
-            context.load_verify_locations(cfg.ca_certs)
-        if cfg.ciphers:
-            context.set_ciphers(cfg.ciphers)
-        return context
 
     def _attach(self, app: web.Application) -> None:
         from app.serving.state import LIFECYCLE
@@ -289,9 +279,15 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         app, states, stopped = self._app, self._states, self._stopped
         pid = os.getpid()
         ticks = 0
+        loop = asyncio.get_running_loop()
+        last = loop.time()
         while self.alive and not stopped.is_set():
             self.notify()
             ticks += 1
+            now = loop.time()
+            if now - last > _STALL_S:  # SIGSTOP, or a call that held the GIL
+                self.log.warning("worker %s: event loop stalled for %.1f s", pid, now - last)
+            last = now
             registry = app.get(REGISTRY)
             ready = registry is not None and registry.ready and not self._draining
             if ready:
