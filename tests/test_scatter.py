@@ -61,8 +61,8 @@ def test_shard_bounds_are_contiguous_and_near_equal() -> None:
     assert sorted(stop - start for start, stop in bounds) == [3, 3, 4]
 
 
-def sibling(slot: int, recent: float, state: int = READY, beat: float = 10.0) -> Load:
-    return Load(slot, 100 + slot, 1, state, 0, 1, recent, beat)
+def sibling(slot: int, recent: float, state: int = READY, beat: float = 10.0, items: int = 0) -> Load:
+    return Load(slot, 100 + slot, 1, state, items, 1, recent, beat)
 
 
 def test_pick_siblings_takes_the_least_loaded_live_ones_up_to_one_per_batch() -> None:

@@ -41,9 +41,11 @@ def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
 
 def pick_siblings(siblings: list[Load], items: int, max_batch_size: int, now: float) -> list[Load]:
     """The least-loaded live siblings that take a shard: at most one shard per
-    ``max_batch_size`` items, this worker keeping one."""
+    ``max_batch_size`` items, this worker keeping one. A sibling with a full batch (or more)
+    already queued or running is saturated: a shard would only wait there."""
     wanted = math.ceil(items / max(1, max_batch_size)) - 1
-    live = sorted((s for s in siblings if s.live(now)), key=lambda s: (s.recent, s.items, s.connections))
+    free = (s for s in siblings if s.live(now) and s.items < max_batch_size)
+    live = sorted(free, key=lambda s: (s.recent, s.items, s.connections))
     return live[: max(0, wanted)]
 
 
