@@ -45,7 +45,7 @@ def main() -> None:
         n = args.number
 
         def best(statement: Callable[[], object]) -> float:  # timeit's advice: the minimum of repeats
-            return min(timeit.repeat(statement, number=n, repeat=5)) / n
+            return float(min(timeit.repeat(statement, number=n, repeat=5))) / n
 
         figures = {
             "set_items (one pack_into)": best(lambda: table.set_items(me, 8)),
