@@ -42,7 +42,7 @@ def main() -> None:
             table.beat(slot)
         me = slots[0]
         now = time.monotonic()
-        n = args.number
+        n: int = args.number
 
         def best(statement: Callable[[], object]) -> float:  # timeit's advice: the minimum of repeats
             return float(min(timeit.repeat(statement, number=n, repeat=5))) / n
