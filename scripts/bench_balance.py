@@ -53,6 +53,21 @@ def items_per_worker(url: str) -> dict[str, float]:
     return {pid: float(n) for pid, n in _ITEMS_LINE.findall(text)}
 
 
+_WARM_LINE = re.compile(r'^scoring_model_warmup_seconds\{[^}]*pid="(\d+)"', re.M)
+
+
+def wait_all_warm(url: str, workers: int, timeout_s: float = 300.0) -> None:
+    """Until every worker has warmed its model up (``scoring_model_warmup_seconds{pid}``)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            if len(set(_WARM_LINE.findall(r.read().decode()))) >= workers:
+                time.sleep(1.0)  # its first tick publishes it as ready to its siblings
+                return
+        time.sleep(0.5)
+    raise SystemExit(f"not every worker warm after {timeout_s} s")
+
+
 def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
     total = sum(done.values()) or 1.0
@@ -72,7 +87,7 @@ def levels_for(
     with tempfile.TemporaryDirectory() as tmp:
         server = Server(repo, model, workers, Path(tmp) / "gunicorn.log")
         try:
-            time.sleep(2.0)  # every worker warm (readiness answered by one of them)
+            wait_all_warm(server.url, workers)
             data = bodies(repo, model, items)
             asyncio.run(drive(server.url + url_model, data, items, 2, min(2.0, seconds)))  # warm up
             rows = []
@@ -106,7 +121,7 @@ def large_request(repo: Path, items: int, repeats: int) -> dict[str, Any]:
         with tempfile.TemporaryDirectory() as tmp:
             server = Server(repo, MINILM, workers, Path(tmp) / "gunicorn.log")
             try:
-                time.sleep(2.0)
+                wait_all_warm(server.url, workers)
                 url = server.url + f"/v2/models/{MINILM}/infer"
                 asyncio.run(one_request(url, body))  # warm up
                 times = []
