@@ -116,6 +116,20 @@ class Cluster:
         await self.peers.close()
 
 
+def count_items(app: web.Application) -> None:
+    """Without balancing: still count the items each worker answers (``scoring_worker_items``)."""
+    metrics = app.get(METRICS)
+    if metrics is None:
+        return
+    items_done = metrics.worker_items.labels(str(os.getpid()))
+
+    def on_load(delta: int) -> None:
+        if delta < 0:
+            items_done.inc(-delta)
+
+    app[REGISTRY].on_load = on_load
+
+
 def enabled(app: web.Application) -> bool:
     """Whether balancing is on (``SCORING_BALANCE``)."""
     return bool(app[SETTINGS].balance)

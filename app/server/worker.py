@@ -229,11 +229,12 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             await cluster.close()
 
     async def _join_siblings(self, server: web.Server) -> Cluster | None:
-        from app.server.cluster import Cluster, enabled
+        from app.server.cluster import Cluster, count_items, enabled
 
         assert self._app is not None
         run_dir = os.environ.get("SCORING_RUN_DIR")
         if self._table is None or self._slot is None or not run_dir or not enabled(self._app):
+            count_items(self._app)
             return None
         cluster = Cluster(self._app, server, self._table, self._slot, run_dir)
         await cluster.start()
