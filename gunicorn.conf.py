@@ -12,8 +12,10 @@ context. Workers = usable GPUs x ``SCORING_MAX_PROCESSES_PER_GPU``, or
 ``SCORING_WORKERS`` in CPU mode. Each forked worker binds itself to one GPU
 slot in ``post_fork`` (before the app, and so torch, is imported).
 
-Workers: ``app.server.worker.ScoringWebWorker`` (aiohttp's worker with a graceful drain at
-SIGTERM and ``max_requests``, and a boot heartbeat); see docs/reliability.md. TLS: set
+Workers: ``app.server.worker.ScoringWebWorker`` (our own gunicorn worker serving the aiohttp
+app: graceful drain at SIGTERM and ``max_requests``, boot heartbeat, load balancing among
+siblings through ``<run dir>/load``); see docs/architecture.md and docs/reliability.md. The
+listen ``backlog`` is gunicorn's (the workers never call ``listen`` again). TLS: set
 ``SCORING_CERTFILE`` and ``SCORING_KEYFILE``. Binding a non-loopback address without API
 keys is logged as a warning at start.
 
@@ -39,7 +41,7 @@ from typing import Any
 
 from app.http.auth import read_key_file
 from app.observability.logconfig import log_config
-from app.server.worker import BINDING, BOOTING, SiblingStates, states_dir
+from app.server.states import BINDING, BOOTING, SiblingStates, states_dir
 from app.settings import Settings
 from gpu_stat import backend_name
 from gpu_stat.binding import (
@@ -58,6 +60,12 @@ _log = logging.getLogger("gunicorn.error")
 BIND_FAILED_EXIT = EXIT_BIND_TIMEOUT
 
 _run_dir = _settings.run_dir or Path(tempfile.gettempdir()) / f"scoring-server-{os.getpid()}"
+# A HUP reload runs this file again in the same master, which now finds SCORING_RUN_DIR set
+# (below): remember that the directory is the default one, so that on_exit still removes it.
+_DEFAULT_RUN_DIR_ENV = "SCORING_SERVER_DEFAULT_RUN_DIR"
+_default_run_dir = _settings.run_dir is None or os.environ.get(_DEFAULT_RUN_DIR_ENV) == str(_run_dir)
+if _default_run_dir:
+    os.environ[_DEFAULT_RUN_DIR_ENV] = str(_run_dir)
 os.environ["SCORING_RUN_DIR"] = str(_run_dir)
 # prometheus_client picks file-backed values at import time, so this must come before any
 # import of it (the workers import app.observability.metrics; child_exit below imports it in the master).
@@ -121,10 +129,16 @@ def on_starting(server: Any) -> None:
     _metrics_dir.mkdir(parents=True, exist_ok=True)
     for stale in _metrics_dir.glob("*.db"):  # a previous server's samples would add up with ours
         stale.unlink()
+    # A previous server's load table and shard sockets (app.server.loadtable, app.server.peers).
+    (_run_dir / "load").unlink(missing_ok=True)
+    shutil.rmtree(_run_dir / "peers", ignore_errors=True)
     mode = f"{_gpus} usable GPU(s) x {_settings.max_processes_per_gpu}" if _gpus else "CPU mode"
     server.log.info(
         "scoring-server: %d worker(s) (%s; NVML backend %s); run dir %s",
-        server.cfg.workers, mode, _backend(), _run_dir,
+        server.cfg.workers,
+        mode,
+        _backend(),
+        _run_dir,
     )
     exposed = [a for a in server.cfg.address if isinstance(a, tuple) and not _is_loopback(a[0])]
     if exposed and not _settings.auth_enabled:
@@ -189,5 +203,5 @@ def on_exit(server: Any) -> None:
 
     Every worker is gone, so no lease is held; a HUP reload does not come here.
     """
-    if _settings.run_dir is None:
+    if _default_run_dir:
         shutil.rmtree(_run_dir, ignore_errors=True)

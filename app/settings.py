@@ -66,8 +66,23 @@ class Settings(BaseSettings):
         ge=0,
         description="After SIGTERM or a max_requests recycle, how long a worker keeps accepting, "
         "unready and answering with Connection: close, before it closes its listener; longer "
-        "(up to half the graceful timeout) while a new sibling worker is still booting "
+        "(up to SCORING_DRAIN_MAX_HOLD_S) while a new sibling worker is still booting "
         "(docs/reliability.md).",
+    )
+    # --- worker process and balancing (app.server; issues 10 and 12) ---
+    drain_max_hold_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long a draining worker keeps serving while no other worker is ready "
+        "and a new one still boots or loads its models (a HUP reload with slow boots), seconds; "
+        "a gunicorn master never kills a draining worker that keeps notifying it.",
+    )
+    balance: bool = Field(
+        True,
+        description="Balance connections among sibling workers through the run directory's "
+        "load table: a worker busier than its least-loaded ready sibling stops accepting and "
+        "sheds keep-alive connections (Connection: close) until that changes "
+        "(docs/architecture.md).",
     )
     hung_inference_s: float = Field(
         60.0,

@@ -83,6 +83,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     timeout_ms: float | None = None
     warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1])
     allow_non_finite: bool = False
+    #: Split a request with more than ``max_batch_size`` items into shards that run in
+    #: parallel on this worker and its ready siblings (scatter/gather; app.server.scatter).
+    scatter: bool = True
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
     #: The model's folder; set by the loader, not read from the file.
     path: Path = Path(".")

@@ -133,6 +133,33 @@ class ServerMetrics:
             "scoring_worker_binding_info", "1 per live worker, labelled with its GPU binding.",
             ["pid", "device", "gpu", "gpu_uuid", "slot"], multiprocess_mode="liveall", registry=r,
         )  # fmt: skip
+        # --- balancing among sibling workers (app.server.balance; issue 10) ---
+        self.worker_load_items = Gauge(
+            "scoring_worker_load_items", "Inference items queued + in flight in one worker.",
+            ["pid"], multiprocess_mode="liveall", registry=r,
+        )  # fmt: skip
+        self.worker_connections = Gauge(
+            "scoring_worker_connections", "Open HTTP connections of one worker.",
+            ["pid"], multiprocess_mode="liveall", registry=r,
+        )  # fmt: skip
+        self.worker_items = Counter(
+            "scoring_worker_items", "Inference items answered by one worker (any outcome).",
+            ["pid"], registry=r,
+        )  # fmt: skip
+        self.scattered = Counter(
+            "scoring_scattered_requests", "Large requests split into shards over sibling workers "
+            "(app.server.scatter), counted by the worker that received them.",
+            model, registry=r,
+        )  # fmt: skip
+        self.forwarded_shards = Counter(
+            "scoring_forwarded_shards", "Shards of scattered requests sent to sibling workers.",
+            model, registry=r,
+        )  # fmt: skip
+        self.connections_shed = Counter(
+            "scoring_connections_shed", "Keep-alive connections a worker closed (Connection: close) "
+            "so that a less-loaded sibling takes them.",
+            ["pid"], registry=r,
+        )  # fmt: skip
         gpu = ["gpu", "gpu_uuid"]
         self.gpu_memory_used = Gauge(
             "scoring_gpu_memory_used_bytes", "Memory in use on a bound GPU (all processes), per NVML.",

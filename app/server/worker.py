@@ -1,8 +1,14 @@
-"""The gunicorn workers of the scoring server: aiohttp's, with a graceful drain.
+"""The gunicorn worker of the scoring server: our own serve loop on gunicorn's public contract.
 
 ``gunicorn.conf.py`` selects :class:`ScoringWebWorker` (asyncio) or
-:class:`ScoringUVLoopWebWorker`. Next to ``gunicorn.conf.py`` this is the only module that
-knows gunicorn exists. What they add to aiohttp's ``GunicornWebWorker``:
+:class:`ScoringUVLoopWebWorker`. Next to ``gunicorn.conf.py`` this package is the only code that
+knows gunicorn exists. The worker subclasses ``gunicorn.workers.base.Worker`` and implements its
+documented contract (``init_process`` -> ``init_signals``, ``load_wsgi``, ``run``; ``notify``
+at least every ``timeout``; ``handle_exit``/``handle_quit``/``handle_abort``) with public
+aiohttp and asyncio names only. ``run()`` builds the app with the app factory, an
+``aiohttp.web.AppRunner``, its own accept loop (:mod:`app.server.listener`, gunicorn's
+``backlog`` stays as the master set it) and the balancing among siblings
+(:mod:`app.server.balance`, :mod:`app.server.loadtable`).
 
 **Drain** (SIGTERM from a HUP reload, a ``kill``, a full stop; a ``max_requests`` recycle;
 the app's own request after a hung batch):
@@ -10,36 +16,28 @@ the app's own request after a hung batch):
 1. at once: readiness 503 and every response ``Connection: close``
    (:func:`app.serving.lifecycle.begin_drain`); requests that still arrive are served;
 2. the listener stays open for ``SCORING_DRAIN_GRACE_S`` (default 1 s), and longer, up to
-   half of gunicorn's graceful timeout, while no other worker is ready and one is still
-   booting (a HUP reload starts the new workers and stops the old ones at the same
-   moment: the old ones keep serving until a new one is warm);
-3. then aiohttp's shutdown: the listener closes, idle keep-alive connections close,
-   in-flight and queued requests finish (up to 95% of the graceful timeout), the models
-   unload, the process exits and gunicorn forks a replacement (except on a full stop).
-
-aiohttp's own worker stops at once at SIGTERM (checked once a second) and at
-``max_requests`` (without a drain); here both go through the drain above.
+   ``SCORING_DRAIN_MAX_HOLD_S``, while no other worker is ready and one is still booting or
+   loading (a HUP reload starts the new workers and stops the old ones at the same moment:
+   the old ones keep serving until a new one is warm, however long its boot takes);
+3. then the listener stops, idle keep-alive connections close, in-flight and queued requests
+   finish (up to 95% of the graceful timeout), the models unload, the process exits and
+   gunicorn forks a replacement (except on a full stop).
 
 **Drain-aware recycling**: a worker past ``max_requests`` (gunicorn's, jitter included)
 recycles only while another worker is ready to take its traffic (or when it is the only
 worker), so two workers that reach the limit together recycle one after the other.
 
 **Boot heartbeat**: a thread notifies gunicorn from the fork until the event loop serves
-(which then notifies once a second, as in aiohttp). Importing torch alone takes seconds; a
-worker timeout shorter than the boot would otherwise kill every new worker, forever.
+(which then notifies every tick). Importing torch alone takes seconds; a worker timeout
+shorter than the boot would otherwise kill every new worker, forever.
 
 **Warm before listening**: a worker that boots while another one serves (a replacement, a
 recycle, a HUP reload) starts listening only once its models are warm
-(``WorkerLifecycle.defer_listening``), so no request waits for a model load while a warm
-worker could take it. The first workers of a server listen at once (readiness 503 until warm).
+(``WorkerLifecycle.defer_listening``). The first workers of a server listen at once
+(readiness 503 until warm).
 
-**Worker states** for the above: one file per worker, ``<run dir>/workers/<pid>``, holding
-``binding`` (waiting for a GPU slot, written by ``gunicorn.conf.py``'s ``post_fork``),
-``booting`` (bound, importing), ``loading``, ``ready`` (warm and listening), ``draining``
-(unready, still accepting) or ``stopping`` (listener closed, finishing requests). The master
-removes it in ``child_exit``. A draining worker does not wait for a sibling that is still
-``binding``: on a GPU whose slots are all taken, that sibling gets its slot only once the
-draining worker has exited.
+**Worker states** (:mod:`app.server.states`) for the above; **load** for balancing
+(:mod:`app.server.loadtable`).
 """
 
 from __future__ import annotations
@@ -48,150 +46,200 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
-from aiohttp.worker import GunicornUVLoopWebWorker, GunicornWebWorker
+from gunicorn.workers.base import Worker
 
-from gpu_stat.family import live_children
+from app.server import loadtable
+from app.server.listener import Listener, ssl_context
+from app.server.states import DRAINING, LOADING, READY, STOPPING, SiblingStates, states_dir
+
+if TYPE_CHECKING:
+    from app.server.cluster import Cluster
 
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
 
+__all__ = ["ScoringUVLoopWebWorker", "ScoringWebWorker", "SiblingStates", "states_dir"]
+
 log = logging.getLogger(__name__)
 
-STATES_DIR = "workers"
-BINDING, BOOTING, LOADING = "binding", "booting", "loading"
-READY, DRAINING, STOPPING = "ready", "draining", "stopping"
-#: How often the worker looks at its app (readiness, request count) and at its siblings.
-_TICK_S = 0.2
-#: Between closing the listener and aiohttp's shutdown: time for the last accepted
-#: connections to deliver their first request.
+#: How often the worker notifies gunicorn, publishes its load and looks at its siblings.
+_TICK_S = 0.05
+#: A gap between two ticks longer than this is logged as a stall, seconds.
+_STALL_S = 2.0
+#: How often it looks at its siblings' state files (psutil, file reads: off the loop).
+_STATES_EVERY = 4
+#: Between stopping the listener and the shutdown: time for the last accepted connections
+#: to deliver their first request.
 _LAST_ACCEPTS_S = 0.25
 
 
-def states_dir(run_dir: str | os.PathLike[str]) -> Path:
-    """Where the workers of the server with this run directory publish their state."""
-    return Path(run_dir) / STATES_DIR
-
-
-class SiblingStates:
-    """This worker's state file, and a view of its siblings' (the master's other children).
-
-    Args:
-        directory: ``<run dir>/workers``; None disables the files (nothing to coordinate).
-        pid: this worker's pid.
-        ppid: the master's pid.
-    """
-
-    def __init__(self, directory: Path | None, pid: int, ppid: int) -> None:
-        self.directory = directory
-        self.pid = pid
-        self.ppid = ppid
-        self.state: str | None = None
-
-    def publish(self, state: str) -> None:
-        """Write this worker's state (best effort: a failure only weakens coordination)."""
-        if state == self.state or self.directory is None:
-            return
-        self.state = state
-        try:
-            self.directory.mkdir(parents=True, exist_ok=True)
-            tmp = self.directory / f".{self.pid}.tmp"
-            tmp.write_text(state)
-            tmp.replace(self.directory / str(self.pid))
-        except OSError as exc:
-            log.warning("cannot publish worker state %r in %s: %s", state, self.directory, exc)
-
-    def siblings(self) -> dict[int, str]:
-        """pid -> state of every other live worker (``binding`` when it has not said yet)."""
-        states = {}
-        for pid in live_children(self.ppid):  # gpu_stat.family: the one "my siblings" helper
-            if pid == self.pid:
-                continue
-            state = BINDING
-            if self.directory is not None:
-                with contextlib.suppress(OSError):
-                    state = (self.directory / str(pid)).read_text().strip() or BINDING
-            states[pid] = state
-        return states
-
-    def replacement_booting(self) -> bool:
-        """True while no other worker is ready and one is bound and still booting or loading."""
-        states = set(self.siblings().values())
-        return READY not in states and bool(states & {BOOTING, LOADING})
-
-    def others_serving(self) -> bool:
-        """True while another worker accepts requests (ready, or draining but still listening)."""
-        return bool(set(self.siblings().values()) & {READY, DRAINING})
-
-    def may_recycle(self) -> bool:
-        """True when another worker is ready, or there is no other worker at all."""
-        states = self.siblings()
-        return not states or READY in states.values()
-
-
-class ScoringWebWorker(GunicornWebWorker):
-    """aiohttp's gunicorn worker with a graceful drain, drain-aware ``max_requests``
-    recycling and a boot heartbeat (module docstring)."""
+class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
+    """gunicorn worker serving the aiohttp app with a drain, drain-aware ``max_requests``
+    recycling, a boot heartbeat and load balancing among siblings (module docstring)."""
 
     # Set by gunicorn's Worker (untyped).
     max_requests: int
     wsgi: Any
+    alive: bool
+    pid: int
+    ppid: int
+    cfg: Any
+    sockets: list[Any]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.exit_code = 0
+        self.loop: asyncio.AbstractEventLoop | None = None
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: Listener | None = None
+        self._cluster: Cluster | None = None
+        self._table: loadtable.LoadTable | None = None
+        self._slot: int | None = None
         self._draining = False
         self._serving = threading.Event()
+        self._stopped: asyncio.Event | None = None
         self._states: SiblingStates | None = None
         self._recycle_after = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
-    # --- boot ---------------------------------------------------------------------
+    # --- gunicorn's contract ------------------------------------------------------
+
+    def new_loop(self) -> asyncio.AbstractEventLoop:
+        """The worker's event loop (asyncio's; uvloop's in the subclass)."""
+        return asyncio.new_event_loop()
 
     def init_process(self) -> None:
+        self.loop = self.new_loop()
+        asyncio.set_event_loop(self.loop)
         run_dir = os.environ.get("SCORING_RUN_DIR")
         self._states = SiblingStates(states_dir(run_dir) if run_dir else None, os.getpid(), self.ppid)
-        # gunicorn's max_requests (jitter included) recycles through the drain; 0 turns
-        # off aiohttp's own check, which would stop the worker without one.
+        if run_dir:
+            try:
+                self._table = loadtable.LoadTable(run_dir)
+                self._slot = self._table.claim(os.getpid())
+            except (OSError, RuntimeError) as exc:
+                log.warning("no load table in %s (%s): this worker does not balance", run_dir, exc)
+                self._table = None
+        # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
-        self.max_requests = 0
         threading.Thread(target=self._boot_heartbeat, name="boot-heartbeat", daemon=True).start()
-        super().init_process()
+        super().init_process()  # init_signals, load_wsgi, then run()
+
+    def init_signals(self) -> None:
+        """Signals through the event loop (so a handler runs between callbacks, not inside one)."""
+        assert self.loop is not None
+        handlers: dict[int, Callable[[int, Any], None]] = {
+            signal.SIGTERM: self.handle_exit,
+            signal.SIGQUIT: self.handle_quit,
+            signal.SIGINT: self.handle_quit,
+            signal.SIGWINCH: self.handle_winch,
+            signal.SIGUSR1: self.handle_usr1,
+            signal.SIGABRT: self.handle_abort,
+        }
+        for sig, handler in handlers.items():
+            self.loop.add_signal_handler(sig, handler, sig, None)
+        signal.siginterrupt(signal.SIGTERM, False)
+        signal.siginterrupt(signal.SIGUSR1, False)
+        # Inherited from the master: would swallow the exit status of the app's subprocesses.
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+
+    def run(self) -> None:
+        assert self.loop is not None
+        try:
+            self.loop.run_until_complete(self._serve())
+        finally:
+            self._release_slot()
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
+        sys.exit(self.exit_code)
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        """SIGTERM: drain (module docstring)."""
+        self.stop_gracefully("SIGTERM")
+
+    def handle_quit(self, sig: int, frame: Any) -> None:
+        """SIGINT/SIGQUIT: stop now (in-flight requests get the shutdown timeout)."""
+        self.alive = False
+        self.cfg.worker_int(self)
+        self._wake()
+
+    def handle_abort(self, sig: int, frame: Any) -> None:
+        """SIGABRT (gunicorn's timeout, or a failed model load): exit with status 1 at once."""
+        self.alive = False
+        self.exit_code = 1
+        self.cfg.worker_abort(self)
+        self._release_slot()
+        sys.exit(1)
+
+    # --- boot ---------------------------------------------------------------------
 
     def _boot_heartbeat(self) -> None:
         interval = max(0.1, min(1.0, self.cfg.timeout / 4))
         while not self._serving.wait(interval):
             self.notify()
 
-    def load_wsgi(self) -> None:
-        super().load_wsgi()
-        wsgi = self.wsgi  # an Application or an async factory of one (app.main:create_app)
+    async def _serve(self) -> None:
+        """Build the app and runner, listen once warm, tick until stopped, shut down."""
+        self._stopped = asyncio.Event()
+        factory = self.wsgi  # an Application or an async factory of one (app.main:create_app)
+        app = factory if isinstance(factory, web.Application) else await factory()
+        self._attach(app)
+        access_log = self.log.access_log if self.cfg.accesslog else None
+        kwargs: dict[str, Any] = {}
+        if "%(" not in self.cfg.access_log_format:  # gunicorn's own format: aiohttp's default
+            kwargs["access_log_format"] = self.cfg.access_log_format
+        runner = web.AppRunner(
+            app,
+            logger=self.log,
+            keepalive_timeout=self.cfg.keepalive,
+            access_log=access_log,
+            shutdown_timeout=self.cfg.graceful_timeout / 100 * 95,
+            **kwargs,
+        )
+        self._runner = runner
+        await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
+        server = runner.server
+        assert server is not None
+        cluster = await self._join_siblings(server)
+        balancer = cluster.balancer if cluster is not None else None
+        self._listener = Listener(
+            asyncio.get_running_loop(),
+            self.sockets,
+            server,
+            ssl_context(self.cfg) if self.cfg.is_ssl else None,
+            may_accept=balancer.may_accept if balancer is not None else (lambda: True),
+            accepted=balancer.accepted if balancer is not None else (lambda: None),
+        )
+        if not self._draining:
+            self._listener.start()
+        self._serving.set()  # the tick notifies gunicorn from now on
+        await self._tick_until_stopped()
+        self._listener.stop()
+        await runner.cleanup()
+        if cluster is not None:
+            await cluster.close()
 
-        async def runner_factory() -> web.AppRunner:
-            # aiohttp's worker runs an AppRunner the factory returns as it is; built here
-            # with the worker's own arguments, so that the drain can stop the sites itself.
-            app = wsgi if isinstance(wsgi, web.Application) else await wsgi()
-            self._attach(app)
-            access_log = self.log.access_log if self.cfg.accesslog else None
-            self._runner = web.AppRunner(
-                app,
-                logger=self.log,
-                keepalive_timeout=self.cfg.keepalive,
-                access_log=access_log,
-                access_log_format=self._get_valid_log_format(self.cfg.access_log_format),
-                shutdown_timeout=self.cfg.graceful_timeout / 100 * 95,
-            )
-            return self._runner
+    async def _join_siblings(self, server: web.Server) -> Cluster | None:
+        from app.server.cluster import Cluster, count_items, enabled
 
-        self.wsgi = runner_factory
+        assert self._app is not None
+        run_dir = os.environ.get("SCORING_RUN_DIR")
+        if self._table is None or self._slot is None or not run_dir or not enabled(self._app):
+            count_items(self._app)
+            return None
+        cluster = Cluster(self._app, server, self._table, self._slot, run_dir)
+        await cluster.start()
+        self._cluster = cluster
+        return cluster
 
     def _attach(self, app: web.Application) -> None:
         from app.serving.state import LIFECYCLE
@@ -200,11 +248,19 @@ class ScoringWebWorker(GunicornWebWorker):
         self._app = app
         app[LIFECYCLE].stop = self.stop_gracefully
         app[LIFECYCLE].defer_listening = self._states.others_serving
+        app.on_response_prepare.append(self._on_response_prepare)
         app.on_shutdown.append(self._cancel_tasks)
         self._states.publish(LOADING)
-        self._spawn(self._supervise())
+
+    async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
+        """Shed this connection when a less-loaded sibling should take it (app.server.balance)."""
+        cluster = self._cluster
+        if cluster is not None and cluster.shed_now(self._draining):
+            response.headers["Connection"] = "close"
+            response.force_close()
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        assert self.loop is not None
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -213,33 +269,72 @@ class ScoringWebWorker(GunicornWebWorker):
         for task in list(self._tasks):
             task.cancel()
 
-    async def _supervise(self) -> None:
-        """Every tick: end the boot heartbeat once serving, publish readiness, recycle."""
+    # --- the serve loop -----------------------------------------------------------
+
+    async def _tick_until_stopped(self) -> None:
+        """Every tick: notify gunicorn, publish state and load, resume/pause the listener,
+        recycle at max_requests, stop when the master is gone."""
         from app.serving.state import LIFECYCLE, REGISTRY
 
-        assert self._app is not None and self._states is not None
-        app, states = self._app, self._states
-        while not self._draining and self.alive:
+        assert self._app is not None and self._states is not None and self._stopped is not None
+        app, states, stopped = self._app, self._states, self._stopped
+        pid = os.getpid()
+        ticks = 0
+        loop = asyncio.get_running_loop()
+        last = loop.time()
+        while self.alive and not stopped.is_set():
+            self.notify()
+            ticks += 1
+            now = loop.time()
+            if now - last > _STALL_S:  # SIGSTOP, or a call that held the GIL
+                self.log.warning("worker %s: event loop stalled for %.1f s", pid, now - last)
+            last = now
             registry = app.get(REGISTRY)
-            if self.booted:  # listening: the event loop notifies gunicorn from now on
-                self._serving.set()
-                if registry is not None and registry.ready:
-                    states.publish(READY)
+            ready = registry is not None and registry.ready and not self._draining
+            if ready:
+                states.publish(READY)
+            state = loadtable.READY if ready else loadtable.DRAINING if self._draining else loadtable.BOOTING
+            self._publish_load(state)
+            if self.ppid != os.getppid():
+                self.log.info("worker %s: parent changed, shutting down", pid)
+                self.alive = False
+                break
             served = app[LIFECYCLE].responses
-            if self._recycle_after and served >= self._recycle_after and await _off_loop(states.may_recycle):
+            if (
+                not self._draining
+                and self._recycle_after
+                and served >= self._recycle_after
+                and ticks % _STATES_EVERY == 0
+                and await _off_loop(states.may_recycle)
+            ):
                 self.log.info(
-                    "worker %s: %d responses (max_requests %d), recycling",
-                    self.pid, served, self._recycle_after,
-                )  # fmt: skip
+                    "worker %s: %d responses (max_requests %d), recycling", pid, served, self._recycle_after
+                )
                 self.stop_gracefully("max_requests")
-                return
-            await asyncio.sleep(_TICK_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stopped.wait(), _TICK_S)
+
+    def _publish_load(self, state: int) -> None:
+        cluster, listener = self._cluster, self._listener
+        if cluster is None:
+            if self._table is not None and self._slot is not None:
+                self._table.set_state(self._slot, state)
+                self._table.beat(self._slot)
+            return
+        cluster.tick(state)
+        if listener is not None and listener.listening and listener.paused and cluster.balancer.may_accept():
+            listener.resume()
+
+    def _wake(self) -> None:
+        if self._stopped is not None:
+            self._stopped.set()
+
+    def _release_slot(self) -> None:
+        if self._table is not None and self._slot is not None:
+            self._table.release(self._slot, os.getpid())
+            self._slot = None
 
     # --- drain --------------------------------------------------------------------
-
-    def handle_exit(self, sig: int, frame: Any) -> None:
-        """SIGTERM: drain instead of aiohttp's immediate stop."""
-        self.stop_gracefully("SIGTERM")
 
     def stop_gracefully(self, reason: str) -> None:
         """Drain and exit (module docstring); idempotent. Installed as the app's
@@ -258,32 +353,36 @@ class ScoringWebWorker(GunicornWebWorker):
         begin_drain(self._app, reason)
         assert self._states is not None
         self._states.publish(DRAINING)
+        if self._table is not None and self._slot is not None:
+            self._table.set_state(self._slot, loadtable.DRAINING)
+        if self._listener is not None:
+            self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
 
     async def _hold_then_stop(self, reason: str) -> None:
         from app.serving.state import SETTINGS
 
         assert self._app is not None and self._states is not None
+        settings = self._app[SETTINGS]
         loop = asyncio.get_running_loop()
         started = loop.time()
-        max_hold = self.cfg.graceful_timeout / 2
-        await asyncio.sleep(min(self._app[SETTINGS].drain_grace_s, max_hold))
+        await asyncio.sleep(settings.drain_grace_s)
         waited = False
-        while loop.time() - started < max_hold and await _off_loop(self._states.replacement_booting):
+        while loop.time() - started < settings.drain_max_hold_s and await _off_loop(
+            self._states.replacement_booting
+        ):
             waited = True
-            await asyncio.sleep(_TICK_S / 2)
+            await asyncio.sleep(_TICK_S * 2)
         held = loop.time() - started
         self.log.info(
             "worker %s (%s): stops accepting after %.1f s%s; finishing in-flight requests",
-            self.pid, reason, held, " (waited for a new worker to be ready)" if waited else "",
+            os.getpid(), reason, held, " (waited for a new worker to be ready)" if waited else "",
         )  # fmt: skip
-        # Close the listener first and give the connections it accepted last a moment to
-        # read their request: aiohttp's shutdown (next) closes every connection that has no
-        # request in progress, and one whose request has not been read yet would otherwise
-        # hang until the shutdown timeout and then close without an answer.
-        if self._runner is not None:
-            for site in list(self._runner.sites):
-                await site.stop()
+        # Stop accepting first and give the connections accepted last a moment to deliver
+        # their request: the shutdown (next) closes every connection that has no request in
+        # progress, and one whose request has not been read yet would close unanswered.
+        if self._listener is not None:
+            self._listener.stop()
             await asyncio.sleep(_LAST_ACCEPTS_S)
         self._stop()
 
@@ -291,7 +390,7 @@ class ScoringWebWorker(GunicornWebWorker):
         if self._states is not None:
             self._states.publish(STOPPING)
         self.alive = False
-        self._notify_waiter_done()
+        self._wake()
 
 
 async def _off_loop(check: Callable[[], bool]) -> bool:
@@ -299,5 +398,10 @@ async def _off_loop(check: Callable[[], bool]) -> bool:
     return await asyncio.get_running_loop().run_in_executor(None, check)
 
 
-class ScoringUVLoopWebWorker(ScoringWebWorker, GunicornUVLoopWebWorker):
+class ScoringUVLoopWebWorker(ScoringWebWorker):
     """:class:`ScoringWebWorker` on uvloop (``SCORING_UVLOOP=1``)."""
+
+    def new_loop(self) -> asyncio.AbstractEventLoop:
+        import uvloop
+
+        return uvloop.new_event_loop()

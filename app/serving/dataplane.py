@@ -31,8 +31,10 @@ async def infer(
     timeout_s: float,
     request_id: str,
     is_disconnected: Callable[[], bool] | None = None,
+    forwarded: bool = False,
 ) -> dict[str, np.ndarray]:
-    """Run one inference request through ``entry``'s dynamic batcher.
+    """Run one inference request through ``entry``'s dynamic batcher, or, when it is large and
+    sibling workers are ready, in shards on them and here (``registry.spread``).
 
     Args:
         registry: this worker's models (a request that arrives while ``entry`` loads waits).
@@ -41,6 +43,7 @@ async def infer(
         timeout_s: the request's deadline from now, seconds.
         request_id: echoed in errors and logs.
         is_disconnected: True once the client has gone (its queued items are dropped).
+        forwarded: a shard from a sibling worker (app.server.peers): never split again.
 
     Returns:
         One array per model output, ``[B, ...]``, in the request's item order.
@@ -48,15 +51,47 @@ async def infer(
     Raises:
         ModelNotReady, QueueFull, DeadlineExceeded, InferenceFailed, InsufficientStorage:
             see :meth:`app.serving.batcher.DynamicBatcher.infer` (mapped to HTTP/gRPC codes
-            by each front end's one error mapping).
+            by each front end's one error mapping); a shard's error on a sibling is raised
+            as the same class.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
-    entry = await registry.wait_ready(entry, timeout_s)
-    assert entry.batcher is not None
-    return await entry.batcher.infer(
-        inputs,
-        timeout_s=max(0.0, deadline - loop.time()),
-        request_id=request_id,
-        is_disconnected=is_disconnected,
-    )
+
+    async def run_here(arrays: dict[str, np.ndarray], shard_timeout_s: float) -> dict[str, np.ndarray]:
+        return await _run_here(registry, entry, arrays, shard_timeout_s, request_id, is_disconnected)
+
+    spread = registry.spread
+    if spread is not None and not forwarded and entry.ready:
+        outputs: dict[str, np.ndarray] | None = await spread(entry, inputs, timeout_s, request_id, run_here)
+        if outputs is not None:
+            return outputs
+    return await run_here(inputs, max(0.0, deadline - loop.time()))
+
+
+async def _run_here(
+    registry: ModelRegistry,
+    entry: ModelEntry,
+    inputs: dict[str, np.ndarray],
+    timeout_s: float,
+    request_id: str,
+    is_disconnected: Callable[[], bool] | None,
+) -> dict[str, np.ndarray]:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    # This worker's published load (items queued + in flight) for its siblings' balancing.
+    on_load = registry.on_load
+    items = len(next(iter(inputs.values()))) if on_load is not None and inputs else 0
+    if on_load is not None:
+        on_load(items)
+    try:
+        entry = await registry.wait_ready(entry, timeout_s)
+        assert entry.batcher is not None
+        return await entry.batcher.infer(
+            inputs,
+            timeout_s=max(0.0, deadline - loop.time()),
+            request_id=request_id,
+            is_disconnected=is_disconnected,
+        )
+    finally:
+        if on_load is not None:
+            on_load(-items)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +44,12 @@ class ModelRegistry:
     models: dict[str, dict[str, ModelEntry]] = field(default_factory=dict)
     load_error: str | None = None
     draining: bool = False
+    #: Called with +items at admission and -items at completion of every inference request
+    #: (the gunicorn worker publishes its load with it; app.server.balance).
+    on_load: Callable[[int], None] | None = None
+    #: Scatter/gather of large requests over sibling workers (app.server.scatter.Scatter):
+    #: ``(entry, inputs, timeout_s, request_id, local) -> outputs``, or None to run here whole.
+    spread: Callable[..., Awaitable[Any]] | None = None
 
     def add(self, config: ModelConfig) -> ModelEntry:
         """Register ``config`` (not yet loaded)."""

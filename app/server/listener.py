@@ -1,0 +1,134 @@
+"""The worker's own accept loop on gunicorn's listening sockets.
+
+gunicorn's master binds and listens (with its ``backlog`` setting) and every worker inherits
+the sockets. aiohttp's ``SockSite`` would call ``listen(128)`` again (resetting the backlog)
+and can only be stopped by closing the socket; here the worker watches each socket with
+``loop.add_reader``, accepts one connection per readiness event (so it re-checks the
+balancing decision between two accepts) and hands it to aiohttp with
+``loop.connect_accepted_socket``. Pausing (a busier sibling, nginx's ``accept_mutex`` idea)
+removes the reader: the kernel then hands new connections to the siblings that still accept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections.abc import Callable
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+#: How long a TLS handshake may take, seconds (asyncio's default is 60).
+SSL_HANDSHAKE_TIMEOUT_S = 10.0
+
+
+class Listener:
+    """Accept loop over ``sockets`` feeding ``protocol_factory`` (aiohttp's ``web.Server``).
+
+    Args:
+        loop: the worker's event loop.
+        sockets: listening sockets (gunicorn's wrappers expose the socket as ``.sock``).
+        protocol_factory: called once per connection (``runner.server``).
+        ssl_context: TLS for every connection, or None.
+        may_accept: checked before each accept; False pauses the listener until :meth:`resume`.
+        accepted: called after each accept.
+    """
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        sockets: list[Any],
+        protocol_factory: Callable[[], asyncio.Protocol],
+        ssl_context: ssl.SSLContext | None,
+        may_accept: Callable[[], bool],
+        accepted: Callable[[], None],
+    ) -> None:
+        self.loop = loop
+        self.sockets: list[socket.socket] = [getattr(s, "sock", s) for s in sockets]
+        self.factory = protocol_factory
+        self.ssl_context = ssl_context
+        self.may_accept = may_accept
+        self.accepted = accepted
+        self.listening = False
+        self.paused = True  # until start()
+        self.pauses = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        """Start accepting."""
+        for sock in self.sockets:
+            sock.setblocking(False)
+        self.listening = True
+        self.resume()
+
+    def pause(self) -> None:
+        """Stop accepting (connections wait in the kernel's queue or go to siblings)."""
+        if not self.paused:
+            for sock in self.sockets:
+                self.loop.remove_reader(sock.fileno())
+            self.paused = True
+            self.pauses += 1
+
+    def resume(self) -> None:
+        """Accept again."""
+        if self.listening and self.paused:
+            for sock in self.sockets:
+                self.loop.add_reader(sock.fileno(), self._on_readable, sock)
+            self.paused = False
+
+    def stop(self) -> None:
+        """Stop accepting for good (the sockets stay open: the master owns them)."""
+        self.pause()
+        self.listening = False
+
+    def _on_readable(self, sock: socket.socket) -> None:
+        try:
+            accept = self.may_accept()
+        except Exception:  # balancing is advisory: never stop serving over it
+            log.exception("balancing check failed; accepting")
+            accept = True
+        if not accept:
+            log.debug("balance: a sibling is less loaded, pausing accepts")
+            self.pause()
+            return
+        try:
+            conn, _ = sock.accept()
+        except (BlockingIOError, InterruptedError):
+            return  # a sibling took it
+        except OSError as exc:  # EMFILE, ENOBUFS, ...: the connection waits in the queue
+            log.warning("accept failed: %s", exc)
+            return
+        conn.setblocking(False)
+        if conn.family in (socket.AF_INET, socket.AF_INET6):
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.accepted()
+        task = self.loop.create_task(self._connect(conn))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _connect(self, conn: socket.socket) -> None:
+        try:
+            if self.ssl_context is None:
+                await self.loop.connect_accepted_socket(self.factory, conn)
+            else:
+                await self.loop.connect_accepted_socket(
+                    self.factory, conn, ssl=self.ssl_context, ssl_handshake_timeout=SSL_HANDSHAKE_TIMEOUT_S
+                )
+        except (TimeoutError, OSError, ssl.SSLError) as exc:
+            log.debug("connection dropped before it was served: %r", exc)
+            conn.close()
+
+
+def ssl_context(cfg: Any) -> ssl.SSLContext:
+    """TLS context from gunicorn's settings (``certfile``, ``keyfile``, ``ssl_version``,
+    ``cert_reqs``, ``ca_certs``, ``ciphers``)."""
+    context = ssl.SSLContext(cfg.ssl_version)
+    context.load_cert_chain(cfg.certfile, cfg.keyfile)
+    context.verify_mode = cfg.cert_reqs
+    if cfg.ca_certs:
+        context.load_verify_locations(cfg.ca_certs)
+    if cfg.ciphers:
+        context.set_ciphers(cfg.ciphers)
+    return context
