@@ -11,7 +11,7 @@ from aiohttp.typedefs import Middleware
 
 from app.http.auth import API_KEYS, ApiKeys, auth_middleware
 from app.http.connections import setup_connections
-from app.http.limits import header_limits_middleware, parser_limits
+from app.http.limits import body_middleware, header_limits_middleware, parser_limits
 from app.http.middleware import error_middleware
 from app.http.routes import routes, worker_info
 from app.observability.metrics import (
@@ -56,6 +56,9 @@ async def create_app(settings: Settings | None = None) -> web.Application:
     keys = ApiKeys.from_settings(settings)
     if keys.enabled:
         middlewares.append(auth_middleware(keys, metrics_open=not settings.metrics_auth))
+    middlewares.append(
+        body_middleware(settings.body_timeout_s, settings.min_body_rate_bytes_s, settings.body_grace_s)
+    )
     app = web.Application(
         middlewares=middlewares,
         client_max_size=settings.max_request_bytes,

@@ -21,7 +21,8 @@ from app.errors import (
     QueueFull,
 )
 from app.models.repository import read_config
-from app.models.runner import ModelRunner, Segment
+from app.models.runner import ModelRunner
+from app.models.segment import Segment
 from app.serving.batcher import DynamicBatcher
 from tests.toy_models import ScaleHandler, write_scale_model
 

@@ -48,7 +48,9 @@ class ScaleHandler:
 
     parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
-    ``delay_ms`` per batch, ``fail_on`` (x value that raises), ``hang_on`` (x value that
+    ``delay_ms`` per batch (not for warmup batches, whose tags are all ``b"warmup"``: those
+    sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
+    ``fail_on`` (x value that raises), ``hang_on`` (x value that
     makes the batch sleep ``hang_s`` seconds, default 3600), ``oom_above`` (batches larger
     than this raise torch.OutOfMemoryError).
     """
@@ -80,7 +82,8 @@ class ScaleHandler:
             raise RuntimeError("simulated model failure")
         if "hang_on" in self.params and bool((x == float(self.params["hang_on"])).any()):
             time.sleep(float(self.params.get("hang_s", 3600)))
-        time.sleep(float(self.params.get("delay_ms", 0)) / 1000)
+        warmup = len(tags) > 0 and all(t == b"warmup" for t in tags)
+        time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
         return x * 2, tags
 
     def postprocess(self, outputs: tuple[torch.Tensor, np.ndarray]) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""Header limits, in two tiers.
+"""Header limits, in two tiers; and a time limit on request bodies.
 
 aiohttp's HTTP parser refuses a request line or header field longer than
 ``max_line_size``/``max_field_size`` and more than ``max_headers`` fields while it reads
@@ -8,17 +8,32 @@ limits (``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``), and a middleware
 the limits themselves with a JSON 431, so the usual oversized request (a cookie too many,
 a long token) gets the server's JSON error; only a grossly oversized one (over twice the
 limit) gets the parser's plain-text 400.
+
+Bodies: aiohttp's server has no read timeout for a request body, so a client that sends
+headers and then trickles (or never sends) its body holds a connection and a handler
+forever. :func:`body_middleware` reads the body itself (``request.read()`` keeps it, so the
+handler's own ``read()`` returns it) under an ``asyncio.timeout`` whose deadline a timer
+moves with the bytes received: ``start + grace + received / min_rate``, never past
+``start + body_timeout_s``. Past it the client gets 408 and the connection is closed. A
+client that leaves mid-upload is answered 499 (not a server error, logged at debug), and a
+body whose transfer or content encoding cannot be decoded (a corrupt gzip or br body) 400.
+Source: nginx's ``client_body_timeout``; Apache's ``mod_reqtimeout`` (``body=...,MinRate=``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from app.errors import HeaderFieldsTooLarge
+from app.errors import ClientDisconnected, HeaderFieldsTooLarge, InvalidInput, RequestTimeout
 from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 #: Bytes of a request line besides the path: method, spaces, "HTTP/1.1".
 _REQUEST_LINE_OVERHEAD = 16
@@ -60,3 +75,60 @@ def header_limits_middleware(max_bytes: int, max_headers: int) -> Middleware:
         return await handler(request)
 
     return check_headers
+
+
+#: How often the body timer looks at the bytes received, seconds.
+_BODY_TICK_S = 0.5
+
+
+def body_middleware(timeout_s: float, min_rate_bytes_s: float, grace_s: float) -> Middleware:
+    """A middleware that reads each request body within ``timeout_s`` seconds and, after
+    ``grace_s`` seconds, at no less than ``min_rate_bytes_s`` bytes/s on average.
+
+    Raises (to the error middleware):
+        RequestTimeout: too slow (408, the connection closes).
+        ClientDisconnected: the client left mid-body (499).
+        InvalidInput: the body's chunked framing or content encoding is corrupt (400).
+    """
+
+    @web.middleware
+    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            await _read_within(request, timeout_s, min_rate_bytes_s, grace_s)
+        return await handler(request)
+
+    return read_body
+
+
+async def _read_within(request: web.Request, timeout_s: float, min_rate: float, grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    hard = start + timeout_s
+    content = request.content
+    handle: asyncio.TimerHandle | None = None
+    try:
+        async with asyncio.timeout(min(hard, start + grace_s) if min_rate else hard) as window:
+
+            def tick() -> None:
+                nonlocal handle
+                if min_rate:
+                    window.reschedule(min(hard, start + grace_s + content.total_raw_bytes / min_rate))
+                handle = loop.call_later(_BODY_TICK_S, tick)
+
+            tick()
+            await request.read()
+    except TimeoutError:
+        received = content.total_raw_bytes
+        raise RequestTimeout(
+            f"request body too slow: {received} bytes in {loop.time() - start:.1f} s (the server "
+            f"needs the body within {timeout_s:g} s, at {min_rate:g} bytes/s or more after "
+            f"{grace_s:g} s)"
+        ) from None
+    except HttpProcessingError as exc:
+        raise InvalidInput(f"request body cannot be decoded: {exc.message}") from None
+    except (ConnectionError, asyncio.IncompleteReadError, EOFError) as exc:
+        log.debug("client left during the request body: %r", exc)
+        raise ClientDisconnected("client disconnected during the request body") from None
+    finally:
+        if handle is not None:
+            handle.cancel()

@@ -6,16 +6,18 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from app.errors import ModelNotFound, ModelNotReady
 from app.models.repository import ModelConfig
-from app.models.runner import ModelRunner
 from app.protocols.limits import RequestLimits
 from app.serving.batcher import DynamicBatcher
 from app.settings import Settings
+
+if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
+    from app.models.runner import ModelRunner
 
 
 @dataclass(eq=False)
