@@ -40,11 +40,17 @@ _REQUEST_LINE_OVERHEAD = 16
 
 
 def parser_limits(settings: Settings) -> dict[str, Any]:
-    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits)."""
+    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits),
+    and no lingering over unread bodies."""
     return {
         "max_line_size": 2 * settings.max_header_bytes,
         "max_field_size": 2 * settings.max_header_bytes,
         "max_headers": 2 * settings.max_headers,
+        # After an answer given before the whole body arrived (408, 413, 401, a corrupt
+        # encoding), aiohttp by default reads and discards the rest for up to 10 s (and logs
+        # a traceback if that read fails): close at once instead, so a slow or lying client
+        # cannot hold the connection past the body timeout.
+        "lingering_time": 0,
     }
 
 
@@ -126,6 +132,8 @@ async def _read_within(request: web.Request, timeout_s: float, min_rate: float, 
         ) from None
     except HttpProcessingError as exc:
         raise InvalidInput(f"request body cannot be decoded: {exc.message}") from None
+    except web.RequestPayloadError as exc:  # wraps a corrupt Content-Encoding
+        raise InvalidInput(f"request body cannot be decoded: {str(exc).strip()}") from None
     except (ConnectionError, asyncio.IncompleteReadError, EOFError) as exc:
         log.debug("client left during the request body: %r", exc)
         raise ClientDisconnected("client disconnected during the request body") from None
