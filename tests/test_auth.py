@@ -6,19 +6,33 @@ from __future__ import annotations
 import logging
 import os
 import runpy
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
-from app.http.auth import ApiKeys, read_key_file
+from app.http.auth import API_KEYS, KEY_FILE_RECHECK_S, ApiKeys, read_key_file
 from app.settings import Settings
 from tests.fake_gpus import write_unavailable
 from tests.server import ROOT
 
 V2 = "/v2/models/scale/infer"
 BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told (starts where the key file may be re-checked)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic() + KEY_FILE_RECHECK_S
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 async def assert_unauthorized(resp) -> None:
@@ -63,6 +77,8 @@ async def test_keys_rotate_through_the_file_without_restart(make_client, scale_r
     keys = tmp_path / "keys"
     keys.write_text("# rotated monthly\nold-key\n\n  spare-key  # the spare\n")
     client = await make_client(scale_repo, api_keys_file=keys, api_keys="env-key")
+    clock = FakeClock()
+    client.app[API_KEYS].clock = clock  # the file is looked at once per recheck_s at most
     for key in ("old-key", "spare-key", "env-key"):
         assert (await client.post(V2, json=BODY, headers={"X-API-Key": key})).status == 200, key
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "# rotated monthly"}))
@@ -70,14 +86,33 @@ async def test_keys_rotate_through_the_file_without_restart(make_client, scale_r
     fresh = tmp_path / "keys.new"
     fresh.write_text("new-key\n")
     os.replace(fresh, keys)
+    assert (await client.post(V2, json=BODY, headers={"X-API-Key": "old-key"})).status == 200  # not seen yet
+    clock.advance(KEY_FILE_RECHECK_S)
     assert (await client.post(V2, json=BODY, headers={"Authorization": "Bearer new-key"})).status == 200
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "old-key"}))
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "env-key"})).status == 200
     keys.unlink()  # an unreadable file gives no key, the environment's still count
+    clock.advance(KEY_FILE_RECHECK_S)
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "new-key"}))
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "env-key"})).status == 200
     keys.write_text("back-key\n")
+    clock.advance(KEY_FILE_RECHECK_S)
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "back-key"})).status == 200
+
+
+def test_the_key_file_is_looked_at_once_per_recheck_interval(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "keys"
+    path.write_text("one\n")
+    clock = FakeClock()
+    keys = ApiKeys(path=path, recheck_s=5.0, clock=clock)
+    stats: list[object] = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(p) or real_stat(p, *a, **k))
+    assert all(keys.check("one") for _ in range(100))
+    assert stats == []  # not once per request: the next look is due in 5 s
+    path.write_text("two\n")
+    clock.advance(5.0)
+    assert keys.check("two") and not keys.check("one")
 
 
 def test_api_keys_checks_every_key_and_hides_them(tmp_path: Path) -> None:
