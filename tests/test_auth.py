@@ -51,7 +51,11 @@ async def test_no_key_wrong_key_right_key(make_client, scale_repo: Path) -> None
     await assert_unauthorized(await client.get("/v2/models/scale"))
     await assert_unauthorized(await client.get("/v2/models/missing"))  # no hint that it is missing
     await assert_unauthorized(await client.get("/openapi.json"))
-    for headers in ({"Authorization": "Bearer k-one"}, {"authorization": "bearer k-two"}, {"X-API-Key": "k-two"}):
+    for headers in (
+        {"Authorization": "Bearer k-one"},
+        {"authorization": "bearer k-two"},
+        {"X-API-Key": "k-two"},
+    ):
         resp = await client.post(V2, json=BODY, headers=headers)
         assert resp.status == 200, (headers, await resp.text())
     assert (await client.get("/v1/models", headers={"X-API-Key": "k-one"})).status == 200
@@ -73,7 +77,9 @@ async def test_no_keys_means_no_auth(make_client, scale_repo: Path) -> None:
     assert (await client.post(V2, json=BODY)).status == 200
 
 
-async def test_keys_rotate_through_the_file_without_restart(make_client, scale_repo: Path, tmp_path: Path) -> None:
+async def test_keys_rotate_through_the_file_without_restart(
+    make_client, scale_repo: Path, tmp_path: Path
+) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# rotated monthly\nold-key\n\n  spare-key  # the spare\n")
     client = await make_client(scale_repo, api_keys_file=keys, api_keys="env-key")
@@ -134,10 +140,21 @@ def test_tls_settings_go_together(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("host", "keys", "warned"),
-    [("127.0.0.1", "", False), ("::1", "", False), ("0.0.0.0", "", True), ("::", "", True), ("0.0.0.0", "k", False)],
+    [
+        ("127.0.0.1", "", False),
+        ("::1", "", False),
+        ("0.0.0.0", "", True),
+        ("::", "", True),
+        ("0.0.0.0", "k", False),
+    ],
 )
 def test_exposed_address_without_keys_is_a_startup_warning(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, host: str, keys: str, warned: bool
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    host: str,
+    keys: str,
+    warned: bool,
 ) -> None:
     monkeypatch.setenv("SCORING_HOST", host)
     monkeypatch.setenv("SCORING_API_KEYS", keys)
@@ -147,7 +164,9 @@ def test_exposed_address_without_keys_is_a_startup_warning(
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))
     conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
     address = [(h.strip("[]"), int(p)) for h, _, p in (b.rpartition(":") for b in conf["bind"])]
-    server = SimpleNamespace(cfg=SimpleNamespace(workers=1, address=address), log=logging.getLogger("test.gunicorn"))
+    server = SimpleNamespace(
+        cfg=SimpleNamespace(workers=1, address=address), log=logging.getLogger("test.gunicorn")
+    )
     with caplog.at_level(logging.WARNING, logger="test.gunicorn"):
         conf["on_starting"](server)
     assert ("without API keys" in caplog.text) is warned
