@@ -51,7 +51,8 @@ class ScaleHandler:
     ``delay_ms`` per batch (not for warmup batches, whose tags are all ``b"warmup"``: those
     sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
     ``fail_on`` (x value that raises), ``hang_on`` (x value that
-    makes the batch sleep ``hang_s`` seconds, default 3600), ``oom_above`` (batches larger
+    makes the batch sleep ``hang_s`` seconds, default 3600, or with ``hang_gate``, wait until
+    that Event of ``GATES`` is set), ``oom_above`` (batches larger
     than this raise torch.OutOfMemoryError).
     """
 
@@ -81,7 +82,11 @@ class ScaleHandler:
         if "fail_on" in self.params and bool((x == float(self.params["fail_on"])).any()):
             raise RuntimeError("simulated model failure")
         if "hang_on" in self.params and bool((x == float(self.params["hang_on"])).any()):
-            time.sleep(float(self.params.get("hang_s", 3600)))
+            gate = self.params.get("hang_gate")
+            if gate:
+                assert self.GATES[gate].wait(60)
+            else:
+                time.sleep(float(self.params.get("hang_s", 3600)))
         warmup = len(tags) > 0 and all(t == b"warmup" for t in tags)
         time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
         return x * 2, tags

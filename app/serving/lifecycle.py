@@ -263,8 +263,10 @@ async def _watch_inference(app: web.Application, hung_s: float) -> None:
     loop = asyncio.get_running_loop()
     interval = min(max(hung_s / 4, 0.05), 5.0)
     reported: set[tuple[str, str, float]] = set()
+    lifecycle = app[LIFECYCLE]
     while True:
         await asyncio.sleep(interval)
+        lifecycle.watchdog_passes += 1
         now = loop.time()
         for entry in registry.entries():
             batch = entry.batcher.running_batch if entry.batcher is not None else None

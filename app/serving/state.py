@@ -113,8 +113,10 @@ class WorkerLifecycle:
     """
 
     responses: int = 0
-    #: Why the inference thread is considered stuck (liveness turns 503), or None.
+    #: Why an inference thread is considered stuck (liveness turns 503), or None.
     hung: str | None = None
+    #: Passes the hung-inference watchdog has made over the batchers.
+    watchdog_passes: int = 0
     #: Asks the process to drain and exit (reason).
     stop: Callable[[str], None] | None = None
     #: True while another worker of the server serves: this one then starts listening only
