@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,15 @@ from app.serving.state import LIFECYCLE, REGISTRY
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll ``predicate`` (a state the code exposes) every 10 ms until true; fail after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
 
 
 def body(x: float) -> dict:
@@ -64,9 +74,7 @@ async def test_fast_batches_never_trip_the_watchdog(make_client, scale_repo: Pat
     for _ in range(5):
         assert (await client.post(V2, json=body(1.0))).status == 200
     passes = lifecycle.watchdog_passes
-    async with asyncio.timeout(30):
-        while lifecycle.watchdog_passes < passes + 2:  # it has looked, twice, after the batches
-            await asyncio.sleep(0.01)
+    await until(lambda: lifecycle.watchdog_passes >= passes + 2)  # it looked, twice, since
     assert lifecycle.hung is None
     assert (await client.get("/v2/health/live")).status == 200
 
@@ -84,9 +92,7 @@ async def test_a_long_batch_of_one_model_does_not_hold_another(make_client, tmp_
         long = asyncio.ensure_future(client.post("/v2/models/big/infer", json=body(7.0)))
         big = client.app[REGISTRY].get("big").batcher
         assert big is not None
-        async with asyncio.timeout(30):
-            while big.running_batch is None:
-                await asyncio.sleep(0.01)
+        await until(lambda: big.running_batch is not None)
         headers = {"X-Request-Timeout-Ms": "5000"}
         statuses = await asyncio.gather(
             *(client.post("/v2/models/small/infer", json=body(float(i)), headers=headers) for i in range(200))
@@ -133,7 +139,14 @@ def test_inference_thread_runs_in_order_and_never_blocks_exit() -> None:
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     states = SiblingStates(tmp_path / "workers", pid=10, ppid=1)
     views = iter(
-        [{}, {11: "binding"}, {11: "booting"}, {11: "loading", 12: "draining"}, {11: "ready"}, {11: "draining"}]
+        [
+            {},
+            {11: "binding"},
+            {11: "booting"},
+            {11: "loading", 12: "draining"},
+            {11: "ready"},
+            {11: "draining"},
+        ]
     )
     monkeypatch.setattr(states, "siblings", lambda: next(views))
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none

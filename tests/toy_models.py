@@ -111,7 +111,9 @@ def write_scale_model(
     """Write a ScaleHandler model folder into ``repo``; returns the folder."""
     folder = repo / name
     folder.mkdir(parents=True, exist_ok=True)
-    params = "\n".join(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items())
+    params = "\n".join(
+        f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items()
+    )
     (folder / "model.toml").write_text(
         SCALE_TOML.format(
             name=name,
@@ -163,9 +165,7 @@ def write_tensor_model(repo: Path, name: str, fmt: str) -> TinyRanker:
     if fmt == "torch_export":
         file = "model.pt2"
         batch = torch.export.Dim("batch", min=1, max=1024)
-        program = torch.export.export(
-            model, (torch.zeros(2, 4),), dynamic_shapes={"features": {0: batch}}
-        )
+        program = torch.export.export(model, (torch.zeros(2, 4),), dynamic_shapes={"features": {0: batch}})
         torch.export.save(program, str(folder / file))
     else:
         file = "model.pt"
