@@ -11,7 +11,7 @@ from aiohttp.typedefs import Middleware
 
 from app.http.auth import API_KEYS, ApiKeys, auth_middleware
 from app.http.connections import setup_connections
-from app.http.limits import body_middleware, header_limits_middleware, parser_limits
+from app.http.limits import body_middleware, header_limits_middleware, parser_limits, quiet_parser_errors
 from app.http.middleware import error_middleware
 from app.http.routes import routes, worker_info
 from app.observability.metrics import (
@@ -47,6 +47,7 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         RuntimeError: ``PROMETHEUS_MULTIPROC_DIR`` was set after prometheus_client was imported.
     """
     settings = settings or Settings()
+    quiet_parser_errors()
     # Outermost first: metrics see the status the error middleware chose; the error
     # middleware renders what the header check and the key check raise.
     middlewares: list[Middleware] = [error_middleware]

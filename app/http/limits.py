@@ -18,6 +18,12 @@ moves with the bytes received: ``start + grace + received / min_rate``, never pa
 client that leaves mid-upload is answered 499 (not a server error, logged at debug), and a
 body whose transfer or content encoding cannot be decoded (a corrupt gzip or br body) 400.
 Source: nginx's ``client_body_timeout``; Apache's ``mod_reqtimeout`` (``body=...,MinRate=``).
+
+What aiohttp's parser refuses itself (malformed framing, an unsupported or truncated
+content encoding seen with the headers or at the end of a small body) gets its plain-text
+400 before the app runs; aiohttp logs each with a traceback at ERROR, which
+:func:`quiet_parser_errors` turns into one DEBUG line: a client's malformed request is not
+a server error.
 """
 
 from __future__ import annotations
@@ -140,3 +146,27 @@ async def _read_within(request: web.Request, timeout_s: float, min_rate: float, 
     finally:
         if handle is not None:
             handle.cancel()
+
+
+class _ParserErrorFilter(logging.Filter):
+    """Demotes aiohttp's "Error handling request" records caused by a malformed request
+    (an ``HttpProcessingError`` with a 4xx code) to one DEBUG line without a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: {exc.code} {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_PARSER_ERRORS = _ParserErrorFilter()
+
+
+def quiet_parser_errors() -> None:
+    """Install the filter on aiohttp's server logger (idempotent)."""
+    logger = logging.getLogger("aiohttp.server")
+    if _PARSER_ERRORS not in logger.filters:
+        logger.addFilter(_PARSER_ERRORS)
