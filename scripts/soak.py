@@ -405,6 +405,13 @@ def _row(summary: dict[str, Any] | None) -> str:
     )
 
 
+def _tcp_connections(pid: int) -> list[Any]:
+    """The TCP connections of ``pid`` (psutil >= 6 names it ``net_connections``)."""
+    process = psutil.Process(pid)
+    lister = getattr(process, "net_connections", None) or process.connections
+    return list(lister("tcp"))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind((HOST, 0))
@@ -460,10 +467,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-
-
-def _tcp_connections(pid: int) -> list[Any]:
-    """The TCP connections of ``pid`` (psutil >= 6 names it ``net_connections``)."""
-    process = psutil.Process(pid)
-    lister = getattr(process, "net_connections", None) or process.connections
-    return list(lister("tcp"))
