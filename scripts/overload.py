@@ -6,7 +6,8 @@ Starts ``gunicorn -c gunicorn.conf.py`` on 127.0.0.1 (a free port, a temporary r
 directory) with ``--workers`` workers serving the repository's models, then for each
 scenario:
 
-1. measures the unloaded capacity: ``--capacity-connections`` closed-loop clients for
+1. measures the unloaded capacity: the scenario's capacity connections (4 for minilm-64,
+   64 for one-item-512, or ``--capacity-connections``) as closed-loop clients for
    ``--capacity-s`` seconds, successful requests/s;
 2. overloads it: ``connections`` closed-loop clients for ``--duration-s`` seconds. The
    clients are adversarial: they resend at once after any answer, ignoring Retry-After;
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import subprocess
@@ -56,17 +58,20 @@ TEXT = "an overload test sentence about scoring servers and the requests they re
 
 @dataclass(frozen=True)
 class Scenario:
-    """Which models the clients call, with how many items per request, on how many connections."""
+    """Which models the clients call, with how many items per request, on how many connections
+    (and on how many to measure the capacity: enough to fill batches, few enough to meet the
+    deadlines)."""
 
     name: str
     models: tuple[str, ...]
     items: int
     connections: int
+    capacity_connections: int
 
 
 SCENARIOS = {
-    "minilm-64": Scenario("minilm-64", (MINILM,), 64, 96),
-    "one-item-512": Scenario("one-item-512", (RANKER, MINILM), 1, 512),
+    "minilm-64": Scenario("minilm-64", (MINILM,), 64, 96, 4),
+    "one-item-512": Scenario("one-item-512", (RANKER, MINILM), 1, 512, 64),
 }
 
 
@@ -141,10 +146,11 @@ class Server:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"gunicorn exited {self.proc.returncode}: see {self.log_path}")
-            ready = (
-                [p for p in states.glob("*") if p.read_text().strip() == "ready"] if states.is_dir() else []
-            )
-            if len(ready) >= self.workers:
+            ready = 0
+            for path in states.glob("*") if states.is_dir() else []:
+                with contextlib.suppress(OSError):  # a worker's file comes and goes
+                    ready += path.read_text().strip() == "ready"
+            if ready >= self.workers:
                 return
             await asyncio.sleep(0.2)
         raise RuntimeError(f"server not ready after {timeout_s} s: see {self.log_path}")
@@ -189,7 +195,8 @@ async def drive(port: int, scenario: Scenario, connections: int, seconds: float)
 
 
 async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
-    base, base_s = await drive(server.port, scenario, args.capacity_connections, args.capacity_s)
+    clients = args.capacity_connections or scenario.capacity_connections
+    base, base_s = await drive(server.port, scenario, clients, args.capacity_s)
     capacity = base.count(200) / base_s
     rss_start = server.rss_mib()
     load, load_s = await drive(server.port, scenario, scenario.connections, args.duration_s)
@@ -201,6 +208,7 @@ async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namesp
         "models": list(scenario.models),
         "items_per_request": scenario.items,
         "connections": scenario.connections,
+        "capacity_connections": clients,
         "capacity_rps": round(capacity, 1),
         "goodput_rps": round(goodput, 1),
         "goodput_of_capacity": round(goodput / capacity, 3) if capacity else None,
@@ -225,7 +233,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS))
     parser.add_argument("--duration-s", type=float, default=20.0, help="overload per scenario")
     parser.add_argument("--capacity-s", type=float, default=10.0, help="unloaded measurement per scenario")
-    parser.add_argument("--capacity-connections", type=int, default=4, help="clients for the capacity")
+    parser.add_argument("--capacity-connections", type=int, default=0, help="clients for the capacity")
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     unknown = set(args.scenarios) - set(SCENARIOS)
