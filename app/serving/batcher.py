@@ -241,7 +241,8 @@ class DynamicBatcher:
             if largest > self.max_batch_bytes:
                 raise PayloadTooLarge(
                     f"an item of request {request_id} has {largest} bytes of input; model "
-                    f"{self.model} runs at most {self.max_batch_bytes} bytes in one batch"
+                    f"{self.model} runs at most {self.max_batch_bytes} bytes in one batch "
+                    "(model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
                 )
         loop = asyncio.get_running_loop()
         now = loop.time()
