@@ -33,7 +33,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -49,33 +48,13 @@ from app.errors import (
 )
 from app.models.segment import Segment, outputs_between
 from app.serving.admission import ServiceRate, cumulative_costs, items_within
+from app.serving.observer import BatchObserver, NullObserver, RunningBatch
 
 log = logging.getLogger(__name__)
 
 Tensors = dict[str, np.ndarray]
 #: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
 BatchFn = Callable[[Mapping[str, np.ndarray]], list[Segment]]
-
-
-class BatchObserver(Protocol):
-    """Receives batching events (the metrics module implements it)."""
-
-    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
-
-    def rejected(self, reason: str) -> None: ...
-
-    def queue_depth(self, items: int) -> None: ...
-
-
-class _NullObserver:
-    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
-        pass
-
-    def rejected(self, reason: str) -> None:
-        pass
-
-    def queue_depth(self, items: int) -> None:
-        pass
 
 
 @dataclass(eq=False)
@@ -99,15 +78,6 @@ class _Chunk:
     request: _Request
     start: int
     stop: int
-
-
-@dataclass(frozen=True)
-class RunningBatch:
-    """The batch on the inference thread now: when it started (``loop.time()``), its size."""
-
-    started: float
-    items: int
-    request_ids: tuple[str, ...]
 
 
 class DynamicBatcher:
@@ -146,7 +116,7 @@ class DynamicBatcher:
         self.queue_capacity = queue_capacity
         self.max_batch_bytes = max_batch_bytes
         self.rate = ServiceRate()
-        self._observer: BatchObserver = observer or _NullObserver()
+        self._observer: BatchObserver = observer or NullObserver()
         self._queue: deque[_Chunk] = deque()
         self._queued_items = 0
         self._wakeup = asyncio.Event()

@@ -46,8 +46,9 @@ from app.errors import ModelLoadError
 from app.models.repository import scan
 from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import METRICS
-from app.serving.batcher import BatchObserver, DynamicBatcher, RunningBatch
+from app.serving.batcher import DynamicBatcher
 from app.serving.executor import InferenceThread
+from app.serving.observer import BatchObserver, RunningBatch
 from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, WORKER_INFO, ModelEntry
 from gpu_stat.binding import current_binding, verify_binding
 
