@@ -158,7 +158,8 @@ async def test_draining_serves_but_closes_every_connection(make_client, scale_re
 
 # --- request bodies: time limit, aborted uploads, undecodable bodies ----------------------
 
-SLOW = {"body_timeout_s": 5.0, "body_grace_s": 0.3, "min_body_rate_bytes_s": 1000.0}
+# A grace equal to the body timer's tick (0.5 s): the timer fires as the timeout expires.
+SLOW = {"body_timeout_s": 5.0, "body_grace_s": 0.5, "min_body_rate_bytes_s": 1000.0}
 
 
 def raw_post(body: bytes, *headers: bytes, length: int | None = None) -> bytes:
@@ -192,7 +193,7 @@ async def exchange(port: int, data: bytes, timeout_s: float = 30.0) -> tuple[int
     ids=["stalled", "huge-content-length", "huge-chunk"],
 )
 async def test_a_body_too_slow_is_408_and_the_connection_closes(
-    make_client, scale_repo: Path, data: bytes
+    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture, data: bytes
 ) -> None:
     client = await make_client(scale_repo, **SLOW)
     status, response = await exchange(client.port, data)  # returns: the server closed it
@@ -200,6 +201,7 @@ async def test_a_body_too_slow_is_408_and_the_connection_closes(
     assert b"request body too slow" in response
     m = await (await client.get("/metrics")).text()
     assert 'scoring_requests_total{code="408",model="scale",protocol="v2",version="1"} 1.0' in m
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
 async def test_a_body_at_the_minimum_rate_is_read(make_client, scale_repo: Path) -> None:

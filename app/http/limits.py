@@ -123,6 +123,8 @@ async def _read_within(request: web.Request, timeout_s: float, min_rate: float, 
 
             def tick() -> None:
                 nonlocal handle
+                if window.expired():  # fired: the read is being cancelled
+                    return
                 if min_rate:
                     window.reschedule(min(hard, start + grace_s + content.total_raw_bytes / min_rate))
                 handle = loop.call_later(_BODY_TICK_S, tick)
