@@ -167,8 +167,13 @@ class _ParserErrorFilter(logging.Filter):
 _PARSER_ERRORS = _ParserErrorFilter()
 
 
+#: aiohttp's server logger, and gunicorn's error log, which aiohttp's gunicorn worker gives it.
+_SERVER_LOGGERS = ("aiohttp.server", "gunicorn.error")
+
+
 def quiet_parser_errors() -> None:
-    """Install the filter on aiohttp's server logger (idempotent)."""
-    logger = logging.getLogger("aiohttp.server")
-    if _PARSER_ERRORS not in logger.filters:
-        logger.addFilter(_PARSER_ERRORS)
+    """Install the filter on the loggers aiohttp's server logs to (idempotent)."""
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _PARSER_ERRORS not in logger.filters:
+            logger.addFilter(_PARSER_ERRORS)
