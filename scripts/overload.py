@@ -6,7 +6,7 @@ Starts ``gunicorn -c gunicorn.conf.py`` on 127.0.0.1 (a free port, a temporary r
 directory) with ``--workers`` workers serving the repository's models, then for each
 scenario:
 
-1. measures the unloaded capacity: the scenario's capacity connections (4 for minilm-64,
+1. measures the unloaded capacity: the scenario's capacity connections (8 for minilm-64,
    64 for one-item-512, or ``--capacity-connections``) as closed-loop clients for
    ``--capacity-s`` seconds, successful requests/s;
 2. overloads it: ``connections`` closed-loop clients for ``--duration-s`` seconds. The
@@ -53,7 +53,7 @@ from soak import HOST, ROOT, Connection, _free_port
 
 MINILM = "all-MiniLM-L6-v2"
 RANKER = "feed-ranker"
-TEXT = "an overload test sentence about scoring servers and the requests they refuse"
+WORDS = ["an", "overload", "test", "sentence", "about", "scoring", "servers", "and", "the", "requests"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class Scenario:
 
 
 SCENARIOS = {
-    "minilm-64": Scenario("minilm-64", (MINILM,), 64, 96, 4),
+    "minilm-64": Scenario("minilm-64", (MINILM,), 64, 96, 8),
     "one-item-512": Scenario("one-item-512", (RANKER, MINILM), 1, 512, 64),
 }
 
@@ -93,10 +93,19 @@ class Tally:
         return round(float(np.percentile(values, q)) * 1000, 1) if values else None
 
 
-def body(items: int, model: str) -> bytes:
-    """A V2 inference request of ``items`` items for one of the demo models."""
+def text(chars: int) -> str:
+    """An English-like text of about ``chars`` characters."""
+    words = (WORDS * (chars // 60 + 1))[: max(1, chars // 6)]
+    return " ".join(words)[:chars]
+
+
+def body(items: int, model: str, text_chars: int) -> bytes:
+    """A V2 inference request of ``items`` items for one of the demo models (MiniLM texts of
+    ``text_chars`` characters)."""
     if model == MINILM:
-        inputs = [{"name": "text", "shape": [items, 1], "datatype": "BYTES", "data": [TEXT] * items}]
+        inputs = [
+            {"name": "text", "shape": [items, 1], "datatype": "BYTES", "data": [text(text_chars)] * items}
+        ]
     else:
         rng = np.random.default_rng(0)
         features = rng.random(items * 32).round(4).tolist()
@@ -166,10 +175,12 @@ class Server:
         self._log.close()
 
 
-async def drive(port: int, scenario: Scenario, connections: int, seconds: float) -> tuple[Tally, float]:
+async def drive(
+    port: int, scenario: Scenario, connections: int, seconds: float, text_chars: int
+) -> tuple[Tally, float]:
     """``connections`` closed-loop clients for ``seconds``; (outcomes, seconds elapsed)."""
     tally = Tally()
-    bodies = {m: body(scenario.items, m) for m in scenario.models}
+    bodies = {m: body(scenario.items, m, text_chars) for m in scenario.models}
     stop_at = time.monotonic() + seconds
 
     async def client(cid: int) -> None:
@@ -196,10 +207,11 @@ async def drive(port: int, scenario: Scenario, connections: int, seconds: float)
 
 async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     clients = args.capacity_connections or scenario.capacity_connections
-    base, base_s = await drive(server.port, scenario, clients, args.capacity_s)
+    base, base_s = await drive(server.port, scenario, clients, args.capacity_s, args.text_chars)
     capacity = base.count(200) / base_s
     rss_start = server.rss_mib()
-    load, load_s = await drive(server.port, scenario, scenario.connections, args.duration_s)
+    connections = args.connections or scenario.connections
+    load, load_s = await drive(server.port, scenario, connections, args.duration_s, args.text_chars)
     rss_end = server.rss_mib()
     goodput = load.count(200) / load_s
     growth = [rss_end[p] / rss_start[p] - 1 for p in rss_start if p in rss_end]
@@ -207,7 +219,8 @@ async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namesp
         "scenario": scenario.name,
         "models": list(scenario.models),
         "items_per_request": scenario.items,
-        "connections": scenario.connections,
+        "connections": connections,
+        "text_chars": args.text_chars if MINILM in scenario.models else None,
         "capacity_connections": clients,
         "capacity_rps": round(capacity, 1),
         "goodput_rps": round(goodput, 1),
@@ -234,6 +247,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=20.0, help="overload per scenario")
     parser.add_argument("--capacity-s", type=float, default=10.0, help="unloaded measurement per scenario")
     parser.add_argument("--capacity-connections", type=int, default=0, help="clients for the capacity")
+    parser.add_argument(
+        "--connections", type=int, default=0, help="overload clients (default: the scenario's)"
+    )
+    parser.add_argument(
+        "--text-chars",
+        type=int,
+        default=1500,
+        help="characters per MiniLM text (1500: about 256 tokens, the model's max_seq_length)",
+    )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
     unknown = set(args.scenarios) - set(SCENARIOS)
