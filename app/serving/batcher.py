@@ -52,6 +52,11 @@ from app.serving.observer import BatchObserver, NullObserver, RunningBatch
 
 log = logging.getLogger(__name__)
 
+#: Admit a request only if it is expected to finish within this share of its deadline: the
+#: rate is measured on past batches, and the next ones may be slower (a burst of requests to
+#: refuse takes CPU, another model computes at the same time).
+ADMISSION_HEADROOM = 0.8
+
 Tensors = dict[str, np.ndarray]
 #: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
 BatchFn = Callable[[Mapping[str, np.ndarray]], list[Segment]]
@@ -192,7 +197,8 @@ class DynamicBatcher:
             InvalidInput: B is 0 or more than the queue capacity.
             PayloadTooLarge: one item alone is over ``max_batch_bytes`` (413).
             QueueFull: the queue cannot take B more items, or the expected wait plus service
-                at the measured rate does not fit ``timeout_s`` (503 + Retry-After).
+                at the measured rate does not fit ``ADMISSION_HEADROOM * timeout_s``
+                (503 + Retry-After).
             DeadlineExceeded: ``timeout_s`` passed first (504).
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
@@ -223,7 +229,7 @@ class DynamicBatcher:
                 retry_after_s=self.retry_after_s(now),
             )
         expected_s = self.backlog_s(now) + self.rate.seconds_for(size)
-        if expected_s > timeout_s:
+        if expected_s > ADMISSION_HEADROOM * timeout_s:
             self._observer.rejected("admission")
             raise QueueFull(
                 f"model {self.model} cannot finish request {request_id} within its deadline "
