@@ -308,6 +308,10 @@ async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecuto
     assert rate is not None and rate > 0
     b.rate.observe(4, 4 / rate)  # the same rate again: unchanged
     assert b.rate.items_per_s == pytest.approx(rate)
+    b.rate.observe(4, 4 / (rate / 10))  # a batch ten times slower counts at once
+    assert b.rate.items_per_s == pytest.approx(rate / 10)
+    b.rate.observe(4, 4 / rate)  # the speed-up back counts gradually (moving average)
+    assert rate / 10 < b.rate.items_per_s < rate
     await b.stop()
 
 

@@ -25,7 +25,10 @@ import numpy as np
 
 class ServiceRate:
     """A model's service rate, items/s: exponentially weighted averages of the items and the
-    compute seconds of its batches (so large batches weigh more, as they should).
+    compute seconds of its batches (so large batches weigh more, as they should), or the last
+    batch's rate when that is lower: a slowdown (the CPU taken by a burst of requests to
+    refuse) counts at once, a speed-up gradually, because admitting too much costs 504s and
+    wasted compute while refusing a little too much costs cheap 503s.
 
     Args:
         weight: the weight of the newest batch, 0 < weight <= 1.
@@ -35,11 +38,13 @@ class ServiceRate:
         self._weight = weight
         self._items = 0.0
         self._seconds = 0.0
+        self._last = 0.0  # the last batch's rate, items/s
 
     def observe(self, items: int, seconds: float) -> None:
         """Record one batch of ``items`` that computed in ``seconds``."""
         if items < 1 or seconds <= 0:
             return
+        self._last = items / seconds
         if self._seconds == 0.0:
             self._items, self._seconds = float(items), seconds
             return
@@ -50,7 +55,7 @@ class ServiceRate:
     @property
     def items_per_s(self) -> float | None:
         """The measured rate, items/s; None before the first batch."""
-        return self._items / self._seconds if self._seconds > 0 else None
+        return min(self._items / self._seconds, self._last) if self._seconds > 0 else None
 
     def seconds_for(self, items: float) -> float:
         """Expected compute seconds for ``items`` items; 0 while the rate is unknown."""
