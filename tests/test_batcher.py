@@ -357,3 +357,23 @@ def test_cumulative_costs_count_bytes_per_item() -> None:
     assert costs.tolist() == [0, 2 + 12, 2 + 12 + 5 + 12]
     assert items_within(costs, 0, 2, 14) == 1 and items_within(costs, 0, 2, 13) == 0
     assert items_within(costs, 1, 2, 1e9) == 1
+
+
+async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b, counts = observed(executor, rec, max_batch_size=4)
+    b.rate.observe(10, 1.0)  # 10 items/s
+    assert b.refuse_early(timeout_s=0.5) is None  # nothing queued, 1 item: 0.1 s
+    running = asyncio.create_task(b.infer(items(0), timeout_s=60))
+    await asyncio.to_thread(rec.started.wait, 5)
+    queued = asyncio.create_task(b.infer(items(*range(1, 11)), timeout_s=60))  # 1 s queued
+    await asyncio.sleep(0)
+    # The smallest recent request has 1 item: 1.1 s and more, over 80 % of 1 s.
+    refusal = b.refuse_early(timeout_s=1.0)
+    assert isinstance(refusal, QueueFull) and refusal.retry_after_s == 2
+    assert b.refuse_early(timeout_s=10.0) is None
+    assert counts.rejections == {"admission": 1}
+    rec.gate.set()
+    await asyncio.gather(running, queued)
+    await b.stop()

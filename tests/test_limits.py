@@ -317,3 +317,18 @@ async def test_a_huge_client_deadline_is_clipped(make_client, tmp_path: Path) ->
         assert resp.status == 504 and "within 200 ms" in await error_of(resp)
     finally:
         gate.set()
+
+
+async def test_overload_is_refused_before_the_body_is_decoded(make_client, scale_repo: Path) -> None:
+    client = await make_client(scale_repo, request_timeout_ms=1000)
+    batcher = client.app[REGISTRY].get("scale").batcher
+    assert batcher is not None
+    batcher.rate.observe(1, 10.0)  # 0.1 items/s: one item takes 10 s, past any default deadline
+    resp = await client.post(V2, data=b"{not json at all", headers=JSON)
+    assert resp.status == 503 and "cannot take another request" in await error_of(resp)
+    assert resp.headers["Retry-After"] == "1"  # nothing queued: the backlog is small
+    # A deadline the work fits is judged by the full admission, after decoding: the 400.
+    resp = await client.post(V2, data=b"{not json at all", headers={**JSON, "X-Request-Timeout-Ms": "60000"})
+    assert resp.status == 400
+    m = await (await client.get("/metrics")).text()
+    assert 'scoring_rejected_total{model="scale",reason="admission",version="1"} 1.0' in m

@@ -56,6 +56,8 @@ log = logging.getLogger(__name__)
 #: rate is measured on past batches, and the next ones may be slower (a burst of requests to
 #: refuse takes CPU, another model computes at the same time).
 ADMISSION_HEADROOM = 0.8
+#: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
+_RECENT_REQUESTS = 32
 
 Tensors = dict[str, np.ndarray]
 #: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
@@ -121,6 +123,7 @@ class DynamicBatcher:
         self.queue_capacity = queue_capacity
         self.max_batch_bytes = max_batch_bytes
         self.rate = ServiceRate()
+        self._recent_sizes: deque[int] = deque(maxlen=_RECENT_REQUESTS)
         self._observer: BatchObserver = observer or NullObserver()
         self._queue: deque[_Chunk] = deque()
         self._queued_items = 0
@@ -169,6 +172,31 @@ class DynamicBatcher:
             rest = max(0.0, started + self.rate.seconds_for(items) - now)
         return rest + self.rate.seconds_for(self._queued_items) + self.max_queue_delay_s
 
+    def refuse_early(self, timeout_s: float) -> QueueFull | None:
+        """The refusal a request would get whatever its size, judged before its body is
+        decoded (so a refusal under overload costs no decoding), or None.
+
+        Its size is not known yet: it is taken as the smallest of the last requests (a model
+        under a storm of 64-item requests refuses the next one as if it had 64 items; one
+        smaller request lowers the bar for those after it).
+        """
+        smallest = min(self._recent_sizes, default=1)
+        now = asyncio.get_running_loop().time()
+        if self._queued_items + smallest > self.queue_capacity:
+            self._observer.rejected("queue_full")
+            return QueueFull(
+                f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)",
+                retry_after_s=self.retry_after_s(now),
+            )
+        if self.backlog_s(now) + self.rate.seconds_for(smallest) <= ADMISSION_HEADROOM * timeout_s:
+            return None
+        self._observer.rejected("admission")
+        return QueueFull(
+            f"model {self.model} cannot take another request within its deadline "
+            f"({timeout_s * 1000:.0f} ms; backlog {self.backlog_s(now) * 1000:.0f} ms)",
+            retry_after_s=self.retry_after_s(now),
+        )
+
     def retry_after_s(self, now: float) -> int:
         """Seconds a rejected client should wait: the backlog, rounded up, at least 1."""
         return max(1, math.ceil(self.backlog_s(now)))
@@ -211,6 +239,7 @@ class DynamicBatcher:
                 f"request has {size} items; model {self.model} accepts at most "
                 f"{self.queue_capacity} per request"
             )
+        self._recent_sizes.append(size)
         costs = cumulative_costs(inputs)
         if self.max_batch_bytes is not None:
             largest = int(np.diff(costs).max())

@@ -45,6 +45,21 @@ def effective_timeout_s(settings: Settings, entry: ModelEntry, requested_s: floa
     return min(requested_s, cap)
 
 
+def refuse_early(entry: ModelEntry, timeout_s: float) -> None:
+    """Refuse a request to ``entry`` before its body is decoded when no request of the size
+    recently seen could finish within ``timeout_s`` seconds (the front end calls this once it
+    has the body, before decoding it; a refusal under overload then costs no decoding).
+
+    Raises:
+        QueueFull: 503 + Retry-After (see ``DynamicBatcher.refuse_early``).
+    """
+    batcher = entry.batcher
+    if batcher is not None:
+        refusal = batcher.refuse_early(timeout_s)
+        if refusal is not None:
+            raise refusal
+
+
 async def infer(
     registry: ModelRegistry,
     entry: ModelEntry,
