@@ -23,6 +23,7 @@ Scenarios (``--scenarios``, comma-separated):
 
     python scripts/overload.py --json overload.json                 # the figures (quiet machine)
     python scripts/overload.py --duration-s 3 --capacity-s 2        # a smoke run
+    python scripts/overload.py --honour-retry-after                 # clients that back off
 
 The clients are scripts/soak.py's HTTP/1.1 keep-alive client (one connection each). The
 issue's targets: goodput >= 70 % of capacity, every rejection a 503 in under 50 ms p99,
@@ -176,9 +177,10 @@ class Server:
 
 
 async def drive(
-    port: int, scenario: Scenario, connections: int, seconds: float, text_chars: int
+    port: int, scenario: Scenario, connections: int, seconds: float, text_chars: int, polite: bool = False
 ) -> tuple[Tally, float]:
-    """``connections`` closed-loop clients for ``seconds``; (outcomes, seconds elapsed)."""
+    """``connections`` closed-loop clients for ``seconds``; (outcomes, seconds elapsed).
+    ``polite`` clients wait ``Retry-After`` seconds after a 503; the others resend at once."""
     tally = Tally()
     bodies = {m: body(scenario.items, m, text_chars) for m in scenario.models}
     stop_at = time.monotonic() + seconds
@@ -192,12 +194,15 @@ async def drive(
             try:
                 if not conn.usable():
                     await conn.open()
-                status, _, _ = await asyncio.wait_for(conn.request("POST", path, payload), 60)
+                status, headers, _ = await asyncio.wait_for(conn.request("POST", path, payload), 60)
             except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
                 tally.errors[type(exc).__name__] += 1
                 conn.close()
                 continue
             tally.add(status, time.perf_counter() - start)
+            if polite and status == 503:
+                wait = float(headers.get("retry-after", "1"))
+                await asyncio.sleep(min(wait, max(0.0, stop_at - time.monotonic())))
         conn.close()
 
     start = time.monotonic()
@@ -211,7 +216,9 @@ async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namesp
     capacity = base.count(200) / base_s
     rss_start = server.rss_mib()
     connections = args.connections or scenario.connections
-    load, load_s = await drive(server.port, scenario, connections, args.duration_s, args.text_chars)
+    load, load_s = await drive(
+        server.port, scenario, connections, args.duration_s, args.text_chars, args.honour_retry_after
+    )
     rss_end = server.rss_mib()
     goodput = load.count(200) / load_s
     growth = [rss_end[p] / rss_start[p] - 1 for p in rss_start if p in rss_end]
@@ -220,6 +227,7 @@ async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namesp
         "models": list(scenario.models),
         "items_per_request": scenario.items,
         "connections": connections,
+        "honour_retry_after": args.honour_retry_after,
         "text_chars": args.text_chars if MINILM in scenario.models else None,
         "capacity_connections": clients,
         "capacity_rps": round(capacity, 1),
@@ -255,6 +263,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=1500,
         help="characters per MiniLM text (1500: about 256 tokens, the model's max_seq_length)",
+    )
+    parser.add_argument(
+        "--honour-retry-after",
+        action="store_true",
+        help="clients wait Retry-After after a 503 (default: adversarial, they resend at once)",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
     args = parser.parse_args(argv)
