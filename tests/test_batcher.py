@@ -286,7 +286,7 @@ async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: Th
     queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 2 s of work
     await asyncio.sleep(0)
     assert b.queued_items == 20 and b.backlog_s(asyncio.get_running_loop().time()) >= 2.0
-    with pytest.raises(QueueFull, match="cannot finish request r-late within its deadline") as info:
+    with pytest.raises(QueueFull, match="cannot take request r-late within its deadline") as info:
         await b.infer(items(99), timeout_s=1.0, request_id="r-late")  # needs >= 2.1 s
     assert info.value.retry_after_s in (2, 3)  # the backlog, in whole seconds
     assert counts.rejections == {"admission": 1}

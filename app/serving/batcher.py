@@ -180,22 +180,25 @@ class DynamicBatcher:
         under a storm of 64-item requests refuses the next one as if it had 64 items; one
         smaller request lowers the bar for those after it).
         """
-        smallest = min(self._recent_sizes, default=1)
+        return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
+
+    def _refusal(self, size: int, timeout_s: float, what: str) -> QueueFull | None:
+        """The 503 for ``size`` more items due within ``timeout_s`` (counted), or None."""
         now = asyncio.get_running_loop().time()
-        if self._queued_items + smallest > self.queue_capacity:
-            self._observer.rejected("queue_full")
-            return QueueFull(
-                f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)",
-                retry_after_s=self.retry_after_s(now),
+        if self._queued_items + size > self.queue_capacity:
+            reason = "queue_full"
+            message = f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)"
+        else:
+            expected_s = self.backlog_s(now) + self.rate.seconds_for(size)
+            if expected_s <= ADMISSION_HEADROOM * timeout_s:
+                return None
+            reason = "admission"
+            message = (
+                f"model {self.model} cannot take {what} within its deadline ({timeout_s * 1000:.0f} ms; "
+                f"expected {expected_s * 1000:.0f} ms at {self.rate.items_per_s or 0:.0f} items/s)"
             )
-        if self.backlog_s(now) + self.rate.seconds_for(smallest) <= ADMISSION_HEADROOM * timeout_s:
-            return None
-        self._observer.rejected("admission")
-        return QueueFull(
-            f"model {self.model} cannot take another request within its deadline "
-            f"({timeout_s * 1000:.0f} ms; backlog {self.backlog_s(now) * 1000:.0f} ms)",
-            retry_after_s=self.retry_after_s(now),
-        )
+        self._observer.rejected(reason)
+        return QueueFull(message, retry_after_s=self.retry_after_s(now))
 
     def retry_after_s(self, now: float) -> int:
         """Seconds a rejected client should wait: the backlog, rounded up, at least 1."""
@@ -249,23 +252,11 @@ class DynamicBatcher:
                     f"{self.model} runs at most {self.max_batch_bytes} bytes in one batch "
                     "(model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
                 )
+        refusal = self._refusal(size, timeout_s, f"request {request_id}")
+        if refusal is not None:
+            raise refusal
         loop = asyncio.get_running_loop()
         now = loop.time()
-        if self._queued_items + size > self.queue_capacity:
-            self._observer.rejected("queue_full")
-            raise QueueFull(
-                f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)",
-                retry_after_s=self.retry_after_s(now),
-            )
-        expected_s = self.backlog_s(now) + self.rate.seconds_for(size)
-        if expected_s > ADMISSION_HEADROOM * timeout_s:
-            self._observer.rejected("admission")
-            raise QueueFull(
-                f"model {self.model} cannot finish request {request_id} within its deadline "
-                f"({timeout_s * 1000:.0f} ms; expected {expected_s * 1000:.0f} ms at "
-                f"{self.rate.items_per_s or 0:.0f} items/s)",
-                retry_after_s=self.retry_after_s(now),
-            )
         request = _Request(
             inputs=inputs,
             size=size,
