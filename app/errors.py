@@ -7,7 +7,9 @@ and codecs raise these and know nothing of aiohttp.
     ├── InvalidInput              400      the request body or a tensor is wrong
     ├── Unauthorized              401      no valid API key (+ WWW-Authenticate)
     ├── ModelNotFound             404      unknown model or version
-    ├── PayloadTooLarge           413      too many items, or a string too long
+    ├── RequestTimeout            408      request body too slow (+ Connection: close)
+    ├── PayloadTooLarge           413      too many items, a string too long, an item over
+    │                                      the model's batch cost bound
     ├── UnsupportedMediaType      415      body is not JSON
     ├── HeaderFieldsTooLarge      431      a header field too long, or too many
     ├── ClientDisconnected        499      client went away before its items ran
@@ -49,6 +51,11 @@ class Unauthorized(ScoringError):
 
 class ModelNotFound(ScoringError):
     status = 404
+
+
+class RequestTimeout(ScoringError):
+    status = 408
+    headers: ClassVar[Mapping[str, str]] = {"Connection": "close"}
 
 
 class PayloadTooLarge(ScoringError):

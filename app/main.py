@@ -14,7 +14,7 @@ from app.grpc.server import grpc_ctx
 from app.http.auth import API_KEYS, ApiKeys, auth_middleware
 from app.http.connections import setup_connections
 from app.http.extensions import routes as extension_routes
-from app.http.limits import header_limits_middleware, parser_limits
+from app.http.limits import body_middleware, header_limits_middleware, parser_limits, quiet_parser_errors
 from app.http.metrics import gpu_metrics_ctx, metrics_handler, metrics_middleware
 from app.http.middleware import error_middleware
 from app.http.routes import routes
@@ -44,6 +44,7 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         RuntimeError: ``PROMETHEUS_MULTIPROC_DIR`` was set after prometheus_client was imported.
     """
     settings = settings or Settings()
+    quiet_parser_errors()
     # Outermost first: metrics see the status the error middleware chose; the error
     # middleware renders what the header check and the key check raise.
     middlewares: list[Middleware] = [error_middleware]
@@ -53,6 +54,9 @@ async def create_app(settings: Settings | None = None) -> web.Application:
     keys = ApiKeys.from_settings(settings)
     if keys.enabled:
         middlewares.append(auth_middleware(keys, metrics_open=not settings.metrics_auth))
+    middlewares.append(
+        body_middleware(settings.body_timeout_s, settings.min_body_rate_bytes_s, settings.body_grace_s)
+    )
     app = web.Application(
         middlewares=middlewares,
         client_max_size=settings.max_request_bytes,

@@ -202,6 +202,43 @@ class Settings(BaseSettings):
         "a model's timeout_ms or the request's own timeout overrides it.",
     )
 
+    # --- admission, isolation, slow clients (area: admission; docs/reliability.md) ---
+    max_request_timeout_ms: float = Field(
+        60_000.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest deadline a client may ask for (X-Request-Timeout-Ms, V2 "
+        "parameters.timeout, gRPC deadline), ms; longer ones are clipped to it. A model's "
+        "max_timeout_ms overrides it.",
+    )
+    max_batch_bytes: int = Field(
+        8 * 1024 * 1024,
+        ge=1024,
+        description="Most input bytes in one batch (the batch cost bound); larger requests are "
+        "split across batches, and an item larger than this alone gets 413. A model's "
+        "max_batch_bytes overrides it.",
+    )
+    body_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest time to receive a request body, seconds (408 and the connection "
+        "closed after it).",
+    )
+    min_body_rate_bytes_s: float = Field(
+        16 * 1024,
+        ge=0,
+        allow_inf_nan=False,
+        description="Slowest accepted request-body upload after body_grace_s, bytes/s "
+        "(408 below it); 0 = only body_timeout_s.",
+    )
+    body_grace_s: float = Field(
+        5.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Seconds of a request body's upload before min_body_rate_bytes_s applies.",
+    )
+
     # --- device / binding ---------------------------------------------------
     device: str = Field(
         "auto",

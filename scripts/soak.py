@@ -337,7 +337,7 @@ class Soak:
         os.kill(victim, signal.SIGSTOP)
         await asyncio.sleep(0.3)  # requests on the other workers complete; the victim's cannot
         loop = asyncio.get_running_loop()
-        conns = await loop.run_in_executor(None, lambda: psutil.Process(victim).net_connections("tcp"))
+        conns = await loop.run_in_executor(None, _tcp_connections, victim)
         ports = {c.raddr.port for c in conns if c.raddr and c.raddr.ip == HOST}
         held = sum(1 for port in self.in_flight.values() if port in ports)
         os.kill(victim, signal.SIGKILL)  # no await since counting: the count is exact
@@ -403,6 +403,13 @@ def _row(summary: dict[str, Any] | None) -> str:
         f"{summary['name']:<13}{summary['requests']:>9}{summary['failed']:>7}"
         f"{summary['p50_ms']:>8.1f}{summary['p99_ms']:>8.1f}{summary['max_ms']:>8.1f}  {summary['event']}"
     )
+
+
+def _tcp_connections(pid: int) -> list[Any]:
+    """The TCP connections of ``pid`` (psutil >= 6 names it ``net_connections``)."""
+    process = psutil.Process(pid)
+    lister = getattr(process, "net_connections", None) or process.connections
+    return list(lister("tcp"))
 
 
 def _free_port() -> int:

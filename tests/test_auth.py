@@ -6,19 +6,33 @@ from __future__ import annotations
 import logging
 import os
 import runpy
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from pydantic import ValidationError
 
-from app.http.auth import ApiKeys, read_key_file
+from app.http.auth import API_KEYS, KEY_FILE_RECHECK_S, ApiKeys, read_key_file
 from app.settings import Settings
 from tests.fake_gpus import write_unavailable
 from tests.server import ROOT
 
 V2 = "/v2/models/scale/infer"
 BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told (starts where the key file may be re-checked)."""
+
+    def __init__(self) -> None:
+        self.now = time.monotonic() + KEY_FILE_RECHECK_S
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 async def assert_unauthorized(resp) -> None:
@@ -37,7 +51,11 @@ async def test_no_key_wrong_key_right_key(make_client, scale_repo: Path) -> None
     await assert_unauthorized(await client.get("/v2/models/scale"))
     await assert_unauthorized(await client.get("/v2/models/missing"))  # no hint that it is missing
     await assert_unauthorized(await client.get("/openapi.json"))
-    for headers in ({"Authorization": "Bearer k-one"}, {"authorization": "bearer k-two"}, {"X-API-Key": "k-two"}):
+    for headers in (
+        {"Authorization": "Bearer k-one"},
+        {"authorization": "bearer k-two"},
+        {"X-API-Key": "k-two"},
+    ):
         resp = await client.post(V2, json=BODY, headers=headers)
         assert resp.status == 200, (headers, await resp.text())
     assert (await client.get("/v1/models", headers={"X-API-Key": "k-one"})).status == 200
@@ -59,10 +77,14 @@ async def test_no_keys_means_no_auth(make_client, scale_repo: Path) -> None:
     assert (await client.post(V2, json=BODY)).status == 200
 
 
-async def test_keys_rotate_through_the_file_without_restart(make_client, scale_repo: Path, tmp_path: Path) -> None:
+async def test_keys_rotate_through_the_file_without_restart(
+    make_client, scale_repo: Path, tmp_path: Path
+) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# rotated monthly\nold-key\n\n  spare-key  # the spare\n")
     client = await make_client(scale_repo, api_keys_file=keys, api_keys="env-key")
+    clock = FakeClock()
+    client.app[API_KEYS].clock = clock  # the file is looked at once per recheck_s at most
     for key in ("old-key", "spare-key", "env-key"):
         assert (await client.post(V2, json=BODY, headers={"X-API-Key": key})).status == 200, key
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "# rotated monthly"}))
@@ -70,14 +92,33 @@ async def test_keys_rotate_through_the_file_without_restart(make_client, scale_r
     fresh = tmp_path / "keys.new"
     fresh.write_text("new-key\n")
     os.replace(fresh, keys)
+    assert (await client.post(V2, json=BODY, headers={"X-API-Key": "old-key"})).status == 200  # not seen yet
+    clock.advance(KEY_FILE_RECHECK_S)
     assert (await client.post(V2, json=BODY, headers={"Authorization": "Bearer new-key"})).status == 200
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "old-key"}))
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "env-key"})).status == 200
     keys.unlink()  # an unreadable file gives no key, the environment's still count
+    clock.advance(KEY_FILE_RECHECK_S)
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "new-key"}))
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "env-key"})).status == 200
     keys.write_text("back-key\n")
+    clock.advance(KEY_FILE_RECHECK_S)
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "back-key"})).status == 200
+
+
+def test_the_key_file_is_looked_at_once_per_recheck_interval(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "keys"
+    path.write_text("one\n")
+    clock = FakeClock()
+    keys = ApiKeys(path=path, recheck_s=5.0, clock=clock)
+    stats: list[object] = []
+    real_stat = os.stat
+    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(p) or real_stat(p, *a, **k))
+    assert all(keys.check("one") for _ in range(100))
+    assert stats == []  # not once per request: the next look is due in 5 s
+    path.write_text("two\n")
+    clock.advance(5.0)
+    assert keys.check("two") and not keys.check("one")
 
 
 def test_api_keys_checks_every_key_and_hides_them(tmp_path: Path) -> None:
@@ -99,10 +140,21 @@ def test_tls_settings_go_together(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("host", "keys", "warned"),
-    [("127.0.0.1", "", False), ("::1", "", False), ("0.0.0.0", "", True), ("::", "", True), ("0.0.0.0", "k", False)],
+    [
+        ("127.0.0.1", "", False),
+        ("::1", "", False),
+        ("0.0.0.0", "", True),
+        ("::", "", True),
+        ("0.0.0.0", "k", False),
+    ],
 )
 def test_exposed_address_without_keys_is_a_startup_warning(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture, host: str, keys: str, warned: bool
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    host: str,
+    keys: str,
+    warned: bool,
 ) -> None:
     monkeypatch.setenv("SCORING_HOST", host)
     monkeypatch.setenv("SCORING_API_KEYS", keys)
@@ -112,7 +164,9 @@ def test_exposed_address_without_keys_is_a_startup_warning(
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path / "metrics"))
     conf = runpy.run_path(str(ROOT / "gunicorn.conf.py"))
     address = [(h.strip("[]"), int(p)) for h, _, p in (b.rpartition(":") for b in conf["bind"])]
-    server = SimpleNamespace(cfg=SimpleNamespace(workers=1, address=address), log=logging.getLogger("test.gunicorn"))
+    server = SimpleNamespace(
+        cfg=SimpleNamespace(workers=1, address=address), log=logging.getLogger("test.gunicorn")
+    )
     with caplog.at_level(logging.WARNING, logger="test.gunicorn"):
         conf["on_starting"](server)
     assert ("without API keys" in caplog.text) is warned

@@ -1,4 +1,5 @@
-"""Dynamic batcher: batch formation, splitting, backpressure, deadlines, disconnects, faults."""
+"""Dynamic batcher: batch formation, splitting, backpressure, admission by time, batch cost
+bound, deadlines, disconnects, faults."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,10 +20,13 @@ from app.errors import (
     InferenceFailed,
     InsufficientStorage,
     InvalidInput,
+    PayloadTooLarge,
     QueueFull,
 )
 from app.models.repository import read_config
-from app.models.runner import ModelRunner, Segment
+from app.models.runner import ModelRunner
+from app.models.segment import Segment
+from app.serving.admission import cumulative_costs, items_within
 from app.serving.batcher import DynamicBatcher
 from tests.toy_models import ScaleHandler, write_scale_model
 
@@ -88,14 +93,24 @@ async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolE
     await b.stop()
 
 
-async def test_lone_request_waits_about_the_max_queue_delay(executor: ThreadPoolExecutor) -> None:
+async def test_requests_within_the_max_queue_delay_share_a_batch(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    b = make(executor, rec, max_queue_delay_ms=80)
-    start = time.perf_counter()
-    out = await b.infer(items(3), timeout_s=5)
-    elapsed = time.perf_counter() - start
-    assert out["y"].tolist() == [[6.0, 6.0]]
-    assert 0.07 <= elapsed < 0.5, elapsed
+    b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=10_000)
+    first = asyncio.create_task(b.infer(items(1), timeout_s=20))
+    for _ in range(5):  # the batcher runs, sees one item, and waits for more
+        await asyncio.sleep(0)
+    assert rec.batches == [] and b.queued_items == 1
+    out = await b.infer(items(2, 3, 4, 5, 6, 7, 8), timeout_s=20)  # fills the batch: it closes
+    assert (await first)["y"][0, 0] == 2.0 and out["y"][:, 0].tolist() == [4, 6, 8, 10, 12, 14, 16]
+    assert rec.batches == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    await b.stop()
+
+
+async def test_a_zero_delay_runs_a_lone_request_at_once(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
+    assert (await b.infer(items(3), timeout_s=20))["y"].tolist() == [[6.0, 6.0]]
+    assert rec.batches == [[3.0]]
     await b.stop()
 
 
@@ -129,7 +144,7 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
     assert b.queued_items == 4
     with pytest.raises(QueueFull) as info:
         await b.infer(items(5), timeout_s=5)
-    assert info.value.retry_after_s is not None and info.value.retry_after_s >= 1
+    assert info.value.retry_after_s == 1  # a small backlog: the shortest wait
     rec.gate.set()
     await asyncio.gather(running, queued)
     await b.stop()
@@ -198,9 +213,7 @@ async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
     )
     b.start()
     tag = np.array([[b""]], dtype=object)
-    reqs = [
-        b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, timeout_s=5) for v in range(8)
-    ]
+    reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, timeout_s=5) for v in range(8)]
     outs = await asyncio.gather(*reqs)
     assert [o["y"][0, 0] for o in outs] == [2.0 * v for v in range(8)]
     seen = ScaleHandler.BATCHES["oom"]
@@ -236,4 +249,131 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
     )
     assert isinstance(results[1], InsufficientStorage)
     assert results[0]["y"][0, 0] == 2.0 and results[2]["y"][0, 0] == 14.0
+    await b.stop()
+
+
+class Counts:
+    """BatchObserver double: rejections by reason."""
+
+    def __init__(self) -> None:
+        self.rejections: dict[str, int] = {}
+
+    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
+        pass
+
+    def rejected(self, reason: str) -> None:
+        self.rejections[reason] = self.rejections.get(reason, 0) + 1
+
+    def queue_depth(self, items: int) -> None:
+        pass
+
+
+def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[DynamicBatcher, Counts]:
+    counts = Counts()
+    opts: dict[str, Any] = {"max_batch_size": 4, "max_queue_delay_ms": 0.0, "queue_capacity": 64} | kw
+    batcher = DynamicBatcher("m", fn, executor, observer=counts, **opts)
+    batcher.start()
+    return batcher, counts
+
+
+async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b, counts = observed(executor, rec, max_batch_size=4)
+    b.rate.observe(10, 1.0)  # a known service rate: 10 items/s, as seeded from warmup
+    running = asyncio.create_task(b.infer(items(0), timeout_s=60))
+    await asyncio.to_thread(rec.started.wait, 5)
+    queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 2 s of work
+    await asyncio.sleep(0)
+    assert b.queued_items == 20 and b.backlog_s(asyncio.get_running_loop().time()) >= 2.0
+    with pytest.raises(QueueFull, match="cannot take request r-late within its deadline") as info:
+        await b.infer(items(99), timeout_s=1.0, request_id="r-late")  # needs >= 2.1 s
+    assert info.value.retry_after_s in (2, 3)  # the backlog, in whole seconds
+    assert counts.rejections == {"admission": 1}
+    # The same request with a deadline that fits is admitted.
+    fits = asyncio.create_task(b.infer(items(7), timeout_s=60))
+    await asyncio.sleep(0)
+    assert b.queued_items == 21
+    rec.gate.set()
+    await asyncio.gather(running, queued, fits)
+    assert all(99.0 not in batch for batch in rec.batches)
+    await b.stop()
+
+
+async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecutor) -> None:
+    b, _ = observed(executor, Recorder(), max_batch_size=4)
+    assert b.rate.items_per_s is None and b.rate.seconds_for(100) == 0.0  # unknown: admit
+    await b.infer(items(1, 2, 3, 4), timeout_s=5)
+    rate = b.rate.items_per_s
+    assert rate is not None and rate > 0
+    b.rate.observe(4, 4 / rate)  # the same rate again: unchanged
+    assert b.rate.items_per_s == pytest.approx(rate)
+    b.rate.observe(4, 4 / (rate / 10))  # a batch ten times slower counts at once
+    assert b.rate.items_per_s == pytest.approx(rate / 10)
+    b.rate.observe(4, 4 / rate)  # the speed-up back counts gradually (moving average)
+    assert rate / 10 < b.rate.items_per_s < rate
+    await b.stop()
+
+
+async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b, counts = observed(executor, rec, max_batch_size=1)
+    blocker = asyncio.create_task(b.infer(items(0), timeout_s=30))
+    await asyncio.to_thread(rec.started.wait, 5)
+    expiring = [asyncio.create_task(b.infer(items(9), timeout_s=0.01)) for _ in range(5)]
+    done, _ = await asyncio.wait(expiring)
+    rec.gate.set()
+    await blocker
+    await b.infer(items(1), timeout_s=5)  # _take now sees (and skips) the expired requests
+    assert all(isinstance(t.exception(), DeadlineExceeded) for t in done)
+    assert counts.rejections == {"deadline": 5}
+    await b.stop()
+
+
+async def test_batches_are_split_by_input_bytes(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    row = items(0)["x"].nbytes  # 8 bytes per item
+    b, _ = observed(executor, rec, max_batch_size=16, max_batch_bytes=3 * row)
+    out = await b.infer(items(*range(8)), timeout_s=5)
+    assert out["y"][:, 0].tolist() == [2.0 * v for v in range(8)]
+    assert [len(batch) for batch in rec.batches] == [3, 3, 2]
+    await b.stop()
+
+
+async def test_an_item_over_the_batch_cost_bound_is_413(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b, _ = observed(executor, rec, max_batch_bytes=100)
+    texts = np.array([[b"short"], [b"x" * 101]], dtype=object)
+    with pytest.raises(PayloadTooLarge, match="109 bytes of input; model m runs at most 100"):
+        await b.infer({"x": np.zeros((2, 2), np.float32), "t": texts}, timeout_s=5)
+    assert rec.batches == [] and b.queued_items == 0
+    await b.stop()
+
+
+def test_cumulative_costs_count_bytes_per_item() -> None:
+    texts = np.array([[b"ab", b""], [b"abcd", b"x"]], dtype=object)
+    costs = cumulative_costs({"t": texts, "x": np.zeros((2, 3), np.float32)})
+    assert costs.tolist() == [0, 2 + 12, 2 + 12 + 5 + 12]
+    assert items_within(costs, 0, 2, 14) == 1 and items_within(costs, 0, 2, 13) == 0
+    assert items_within(costs, 1, 2, 1e9) == 1
+
+
+async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    rec.gate.clear()
+    b, counts = observed(executor, rec, max_batch_size=4)
+    b.rate.observe(10, 1.0)  # 10 items/s
+    assert b.refuse_early(timeout_s=0.5) is None  # nothing queued, 1 item: 0.1 s
+    running = asyncio.create_task(b.infer(items(0), timeout_s=60))
+    await asyncio.to_thread(rec.started.wait, 5)
+    queued = asyncio.create_task(b.infer(items(*range(1, 11)), timeout_s=60))  # 1 s queued
+    await asyncio.sleep(0)
+    # The smallest recent request has 1 item: 1.1 s and more, over 80 % of 1 s.
+    refusal = b.refuse_early(timeout_s=1.0)
+    assert isinstance(refusal, QueueFull) and refusal.retry_after_s == 2
+    assert b.refuse_early(timeout_s=10.0) is None
+    assert counts.rejections == {"admission": 1}
+    rec.gate.set()
+    await asyncio.gather(running, queued)
     await b.stop()

@@ -1,5 +1,6 @@
 """End to end on real gunicorn: slow boot, SIGTERM drain, hung inference, a failing model
-load beside a healthy worker, TLS with API keys, and a short soak (scripts/soak.py)."""
+load beside a healthy worker, TLS with API keys, aborted and slow uploads, and a short soak
+(scripts/soak.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,16 @@ import ipaddress
 import json
 import os
 import signal
+import socket
 import ssl
+import struct
 import subprocess
 import sys
 import threading
 import time
 import urllib.error
 import urllib.request
+import zlib
 from pathlib import Path
 
 import pytest
@@ -53,9 +57,10 @@ def test_slow_boot_then_sigterm_drains_in_flight_requests(tmp_path: Path) -> Non
         slow: list[int] = []
         thread = threading.Thread(target=lambda: slow.append(srv.post(V2, body(5.0))[0]))
         thread.start()
-        time.sleep(0.3)  # the slow request (1.5 s) is on the inference thread
+        in_flight = 'scoring_requests_in_flight{model="scale",version="1"} 1.0'
+        wait_for(lambda: in_flight in srv.get("/metrics")[2], 30, "the slow request in flight", srv)
         first.send_signal(signal.SIGTERM)
-        time.sleep(0.1)
+        wait_for(lambda: srv.get("/v2/health/ready")[0] == 503, 30, "the drain", srv)
         status, headers, ready = srv.get("/v2/health/ready")
         assert (status, ready["ready"], headers.get("Connection")) == (503, False, "close")
         status, headers, out = srv.post(V2, body(1.0))  # still served while draining
@@ -63,7 +68,9 @@ def test_slow_boot_then_sigterm_drains_in_flight_requests(tmp_path: Path) -> Non
         thread.join(10)
         assert slow == [200]
         first.wait(20)
-        wait_for(lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != first.pid, 30, "replacement", srv)
+        wait_for(
+            lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != first.pid, 30, "replacement", srv
+        )
         srv.wait_ready(60)
         assert "draining (SIGTERM)" in srv.log() and "stops accepting after" in srv.log()
 
@@ -85,13 +92,17 @@ def self_signed(tmp: Path) -> tuple[Path, Path]:
         .serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5))
         .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False
+        )
         .sign(key, hashes.SHA256())
     )
     cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     key_path.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        key.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     return cert_path, key_path
 
@@ -133,7 +144,9 @@ def test_tls_with_api_keys_and_a_hung_batch_that_recycles_its_worker(tmp_path: P
         thread.join(10)
         assert hung == [504]  # its deadline, not a reset: the drain waited for it
         worker.wait(30)
-        wait_for(lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != worker.pid, 30, "replacement", srv)
+        wait_for(
+            lambda: len(srv.workers()) == 1 and srv.workers()[0].pid != worker.pid, 30, "replacement", srv
+        )
         srv.wait_ready(60)
         assert srv.get("/v2/health/live")[0] == 200
         log = srv.log()
@@ -192,5 +205,51 @@ def test_short_soak_has_no_failed_request_but_the_killed_workers(tmp_path: Path)
     for name in ("warmup", "hup", "max_requests", "sigterm"):
         assert phases[name]["failed"] == 0 and phases[name]["requests"] > 50, phases[name]
     kill = phases["sigkill"]
-    assert kill["failed"] == kill["notes"]["failed_on_victim_connections"] <= kill["notes"]["victim_connections"]
+    assert (
+        kill["failed"] == kill["notes"]["failed_on_victim_connections"] <= kill["notes"]["victim_connections"]
+    )
     assert phases["max_requests"]["notes"]["recycles"] >= 2
+
+
+def test_aborted_and_slow_uploads_are_not_server_errors(tmp_path: Path) -> None:
+    """Under gunicorn: clients that reset mid-body leave no 500 (metrics, access log) and no
+    traceback; a body that stalls gets 408 and its connection closed after the body timeout;
+    corrupt compressed bodies are 400s without a traceback."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale")
+    extra = {
+        "SCORING_BODY_TIMEOUT_S": "3",
+        "SCORING_BODY_GRACE_S": "0.5",
+        "SCORING_MIN_BODY_RATE_BYTES_S": "1000",
+    }
+    with Gunicorn(tmp_path, env(repo, **extra)) as srv:
+        srv.wait_ready(60)
+        head = f"POST {V2} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n".encode()
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", srv.port)) as conn:
+                conn.sendall(head + b"Content-Length: 5000\r\n\r\n" + b'{"inputs": [')
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # RST
+        aborted = 'scoring_requests_total{code="499",model="scale",protocol="v2",version="1"} 20.0'
+        wait_for(lambda: aborted in srv.get("/metrics")[2], 30, "20 aborted uploads counted", srv)
+        with socket.create_connection(("127.0.0.1", srv.port)) as conn:
+            conn.sendall(head + b"Content-Length: 1000\r\n\r\n0123456789")
+            conn.settimeout(30)  # a bound for a broken server, not a measurement
+            response = b""
+            while chunk := conn.recv(65536):  # until the server closes the connection
+                response += chunk
+        assert response.startswith(b"HTTP/1.1 408") and b"request body too slow" in response
+        # A deflate body cut short: when its last bytes come in a packet of their own,
+        # aiohttp's parser fails that packet without ending the request's body, so the body
+        # timeout answers (408); in one packet, the parser's own 400. Never a traceback.
+        truncated = zlib.compress(json.dumps(body(1.0)).encode())[:-4]
+        status, _, _ = srv.post(V2, truncated, headers={"Content-Encoding": "deflate"})
+        assert status in (400, 408)
+        status, _, error = srv.post(
+            V2, b"\x1f\x8b\x08\x00not gzip at all", headers={"Content-Encoding": "gzip"}
+        )
+        assert status == 400 and set(error) == {"error"}
+        assert srv.post(V2, body(1.0))[0] == 200
+        metrics = srv.get("/metrics")[2]
+        log = srv.log()
+    assert 'code="500"' not in metrics
+    assert "Traceback" not in log and '" 500 ' not in log, log

@@ -1,18 +1,27 @@
 """Request limits, each with its own 4xx JSON error: body size, items, string bytes, JSON
-depth, header fields; keep-alive: requests per connection, Connection: close while draining."""
+depth, header fields, body time (408), undecodable bodies (400), aborted uploads (499, not
+500); deadline caps; keep-alive: requests per connection, Connection: close while draining."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import math
+import threading
+import zlib
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from app.models.repository import read_config
 from app.protocols.limits import check_json_depth
+from app.serving.dataplane import effective_timeout_s
 from app.serving.lifecycle import begin_drain
-from app.serving.state import REGISTRY
+from app.serving.state import REGISTRY, ModelEntry
+from app.settings import Settings
+from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
 V1 = "/v1/models/scale:predict"
@@ -62,7 +71,9 @@ async def test_json_depth_cap_before_decoding(make_client, scale_repo: Path) -> 
     deep = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [[[[[1]]]]]}]}
     resp = await client.post(V2, json=deep)
     assert resp.status == 400 and "deeper than 6" in await error_of(resp)
-    resp = await client.post(V1, data=b'{"instances": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", headers=JSON)
+    resp = await client.post(
+        V1, data=b'{"instances": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", headers=JSON
+    )
     assert resp.status == 400 and "SCORING_MAX_JSON_DEPTH" in await error_of(resp)
 
 
@@ -144,3 +155,181 @@ async def test_draining_serves_but_closes_every_connection(make_client, scale_re
     assert resp.status == 200 and resp.headers["Connection"] == "close"
     assert json.loads(await resp.text())["outputs"][0]["data"] == [2.0, 4.0]
     assert await raw_requests(client.port, 2) == ["close"]
+
+
+# --- request bodies: time limit, aborted uploads, undecodable bodies ----------------------
+
+# A grace equal to the body timer's tick (0.5 s): the timer fires as the timeout expires.
+SLOW = {"body_timeout_s": 5.0, "body_grace_s": 0.5, "min_body_rate_bytes_s": 1000.0}
+
+
+def raw_post(body: bytes, *headers: bytes, length: int | None = None) -> bytes:
+    """A POST of ``body`` to the V2 endpoint; Content-Length ``length`` (default: the body's)
+    unless a Transfer-Encoding header is given."""
+    head = [b"POST " + V2.encode() + b" HTTP/1.1", b"Host: x", b"Content-Type: application/json", *headers]
+    if not any(h.lower().startswith(b"transfer-encoding") for h in headers):
+        head.append(b"Content-Length: %d" % (len(body) if length is None else length))
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+async def exchange(port: int, data: bytes, timeout_s: float = 30.0) -> tuple[int, bytes]:
+    """Send ``data`` and read until the server closes: (status, the whole response)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(data)
+        async with asyncio.timeout(timeout_s):  # a bound for a broken server, not a measurement
+            response = await reader.read()
+    finally:
+        writer.close()
+    return int(response.split(b" ", 2)[1]), response
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        raw_post(b'{"inputs": [', length=1000),  # 10 bytes, then nothing
+        raw_post(b"{", length=10**9),  # a 1 GB Content-Length
+        raw_post(b"FFFFFFFFFFFFFFFF\r\nabc", b"Transfer-Encoding: chunked"),  # a 2**64 chunk
+    ],
+    ids=["stalled", "huge-content-length", "huge-chunk"],
+)
+async def test_a_body_too_slow_is_408_and_the_connection_closes(
+    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture, data: bytes
+) -> None:
+    client = await make_client(scale_repo, **SLOW)
+    status, response = await exchange(client.port, data)  # returns: the server closed it
+    assert status == 408 and b"Connection: close" in response
+    assert b"request body too slow" in response
+    m = await (await client.get("/metrics")).text()
+    assert 'scoring_requests_total{code="408",model="scale",protocol="v2",version="1"} 1.0' in m
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+async def test_a_body_at_the_minimum_rate_is_read(make_client, scale_repo: Path) -> None:
+    client = await make_client(scale_repo, **SLOW)
+    body = json.dumps(v2_body(1)).encode()
+    reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
+    try:
+        writer.write(raw_post(b"", b"Connection: close", length=len(body)))
+        for i in range(0, len(body), 40):  # in pieces, each after the server has read the last
+            writer.write(body[i : i + 40])
+            await writer.drain()
+            await asyncio.sleep(0)
+        async with asyncio.timeout(30):
+            response = await reader.read()
+    finally:
+        writer.close()
+    assert response.startswith(b"HTTP/1.1 200"), response
+
+
+async def test_an_aborted_upload_is_not_a_server_error(
+    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    client = await make_client(scale_repo)
+    for _ in range(5):
+        _, writer = await asyncio.open_connection("127.0.0.1", client.port)
+        writer.write(raw_post(b'{"inputs": [', length=5000))
+        await writer.drain()
+        writer.transport.abort()  # a reset, mid-body
+
+    aborted = 'scoring_requests_total{code="499",model="scale",protocol="v2",version="1"} 5.0'
+    metrics = ""
+    async with asyncio.timeout(30):  # poll until the server has seen the five resets
+        while aborted not in metrics:
+            await asyncio.sleep(0.01)
+            metrics = await (await client.get("/metrics")).text()
+    assert 'code="500"' not in metrics
+    assert "Traceback" not in caplog.text and "ERROR" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("encoding", "body"),
+    [
+        (b"gzip", b"\x1f\x8b\x08\x00not gzip at all"),
+        (b"br", b"\x8b\x00not brotli"),
+        (b"deflate", b"not deflate"),
+    ],
+)
+async def test_a_corrupt_compressed_body_is_400(
+    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture, encoding: bytes, body: bytes
+) -> None:
+    client = await make_client(scale_repo)
+    status, response = await exchange(client.port, raw_post(body, b"Content-Encoding: " + encoding))
+    assert status == 400 and b"request body cannot be decoded" in response
+    assert "Traceback" not in caplog.text
+
+
+async def test_what_the_parser_refuses_is_its_400_without_a_traceback(
+    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # zstd without backports.zstd, refused with the headers; a deflate body cut short, seen
+    # at the end of the message: aiohttp's parser answers both before the app runs (a
+    # plain-text 400, like the header backstop above), and its traceback is demoted.
+    client = await make_client(scale_repo)
+    truncated = zlib.compress(json.dumps(v2_body(1)).encode())[:-4]
+    for data in (
+        raw_post(b"(\xb5/\xfd", b"Content-Encoding: zstd"),
+        raw_post(truncated, b"Content-Encoding: deflate"),
+    ):
+        status, _ = await exchange(client.port, data)
+        assert status == 400
+    assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
+
+
+async def test_invalid_utf8_and_too_many_dimensions_are_400(make_client, scale_repo: Path) -> None:
+    client = await make_client(scale_repo)
+    text = b'{"inputs":[{"name":"tag","shape":[1],"datatype":"BYTES","data":["\xff\xfe"]}]}'
+    for path in (V2, V1):
+        body = text if path == V2 else b'{"instances":[{"x":[1,2],"tag":"\xff"}]}'
+        resp = await client.post(path, data=body, headers=JSON)
+        assert resp.status == 400 and "UTF-8" in await error_of(resp)
+    deep = {"inputs": [{"name": "x", "shape": [1] * 70, "datatype": "FP32", "data": [1.0]}]}
+    resp = await client.post(V2, json=deep)
+    assert resp.status == 400 and "70 dimensions" in await error_of(resp)
+
+
+# --- deadlines: a client's deadline is clipped to the model's or the server's maximum ------
+
+
+def test_effective_timeout_clips_to_the_model_then_the_server_maximum(tmp_path: Path) -> None:
+    entry = ModelEntry(read_config(write_scale_model(tmp_path, "scale")))
+    settings = Settings(model_repository=tmp_path, request_timeout_ms=2000, max_request_timeout_ms=5000)
+    assert effective_timeout_s(settings, entry, None) == 2.0
+    assert effective_timeout_s(settings, entry, 3.0) == 3.0
+    for huge in (60.0, 1e308, math.inf):
+        assert effective_timeout_s(settings, entry, huge) == 5.0
+    assert effective_timeout_s(settings, entry, math.nan) == 2.0  # none given
+    entry.config.max_timeout_ms = 500.0
+    assert effective_timeout_s(settings, entry, 1e308) == 0.5
+    assert effective_timeout_s(settings, entry, None) == 0.5  # the default is clipped too
+
+
+async def test_a_huge_client_deadline_is_clipped(make_client, tmp_path: Path) -> None:
+    gate = threading.Event()
+    ScaleHandler.GATES["clip"] = gate
+    write_scale_model(tmp_path, "scale", hang_on=7.0, hang_gate="clip")
+    client = await make_client(tmp_path, max_request_timeout_ms=200, hung_inference_s=0)
+    stuck = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}]}
+    try:
+        resp = await client.post(V2, json=stuck, headers={"X-Request-Timeout-Ms": "1e308"})
+        assert resp.status == 504 and "within 200 ms" in await error_of(resp)
+        body = {**v2_body(1), "parameters": {"timeout": 1e300}}  # microseconds
+        resp = await client.post(V2, json=body)  # queued behind the stuck batch
+        assert resp.status == 504 and "within 200 ms" in await error_of(resp)
+    finally:
+        gate.set()
+
+
+async def test_overload_is_refused_before_the_body_is_decoded(make_client, scale_repo: Path) -> None:
+    client = await make_client(scale_repo, request_timeout_ms=1000)
+    batcher = client.app[REGISTRY].get("scale").batcher
+    assert batcher is not None
+    batcher.rate.observe(1, 10.0)  # 0.1 items/s: one item takes 10 s, past any default deadline
+    resp = await client.post(V2, data=b"{not json at all", headers=JSON)
+    assert resp.status == 503 and "cannot take another request" in await error_of(resp)
+    assert resp.headers["Retry-After"] == "1"  # nothing queued: the backlog is small
+    # A deadline the work fits is judged by the full admission, after decoding: the 400.
+    resp = await client.post(V2, data=b"{not json at all", headers={**JSON, "X-Request-Timeout-Ms": "60000"})
+    assert resp.status == 400
+    m = await (await client.get("/metrics")).text()
+    assert 'scoring_rejected_total{model="scale",reason="admission",version="1"} 1.0' in m

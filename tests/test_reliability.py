@@ -1,5 +1,5 @@
 """In-process reliability: the hung-inference watchdog, the daemon inference thread,
-requests served while draining, the worker's sibling view."""
+isolation between models, requests served while draining, the worker's sibling view."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import asyncio
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,10 +15,19 @@ import pytest
 from app.server.worker import SiblingStates
 from app.serving.executor import InferenceThread
 from app.serving.lifecycle import begin_drain
-from app.serving.state import LIFECYCLE
-from tests.toy_models import write_scale_model
+from app.serving.state import LIFECYCLE, REGISTRY
+from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
+
+
+async def until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Poll ``predicate`` (a state the code exposes) every 10 ms until true; fail after ``timeout_s``."""
+    async with asyncio.timeout(timeout_s):
+        while True:
+            if predicate():
+                return
+            await asyncio.sleep(0.01)
 
 
 def body(x: float) -> dict:
@@ -60,11 +70,38 @@ async def test_watchdog_in_process_without_a_process_manager(
 
 async def test_fast_batches_never_trip_the_watchdog(make_client, scale_repo: Path) -> None:
     client = await make_client(scale_repo, hung_inference_s=0.2)
+    lifecycle = client.app[LIFECYCLE]
     for _ in range(5):
         assert (await client.post(V2, json=body(1.0))).status == 200
-    await asyncio.sleep(0.3)
-    assert client.app[LIFECYCLE].hung is None
+    passes = lifecycle.watchdog_passes
+    await until(lambda: lifecycle.watchdog_passes >= passes + 2)  # it looked, twice, since
+    assert lifecycle.hung is None
     assert (await client.get("/v2/health/live")).status == 200
+
+
+async def test_a_long_batch_of_one_model_does_not_hold_another(make_client, tmp_path: Path) -> None:
+    """Each model has its own inference thread: while "big" runs a batch that does not end
+    until the test says so, "small" answers every request (with one shared thread, all of
+    them would wait for the gate and get 504)."""
+    gate = threading.Event()
+    ScaleHandler.GATES["isolation"] = gate
+    write_scale_model(tmp_path, "big", hang_on=7.0, hang_gate="isolation")
+    write_scale_model(tmp_path, "small", max_batch_size=16, queue_capacity=256)
+    client = await make_client(tmp_path, hung_inference_s=0)
+    try:
+        long = asyncio.ensure_future(client.post("/v2/models/big/infer", json=body(7.0)))
+        big = client.app[REGISTRY].get("big").batcher
+        assert big is not None
+        await until(lambda: big.running_batch is not None)
+        headers = {"X-Request-Timeout-Ms": "5000"}
+        statuses = await asyncio.gather(
+            *(client.post("/v2/models/small/infer", json=body(float(i)), headers=headers) for i in range(200))
+        )
+        assert [r.status for r in statuses] == [200] * 200
+        assert big.running_batch is not None and not long.done()  # the long batch still runs
+    finally:
+        gate.set()
+    assert (await long).status == 200
 
 
 async def test_a_draining_worker_still_serves_what_reaches_it(make_client, scale_repo: Path) -> None:
@@ -102,7 +139,14 @@ def test_inference_thread_runs_in_order_and_never_blocks_exit() -> None:
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     states = SiblingStates(tmp_path / "workers", pid=10, ppid=1)
     views = iter(
-        [{}, {11: "binding"}, {11: "booting"}, {11: "loading", 12: "draining"}, {11: "ready"}, {11: "draining"}]
+        [
+            {},
+            {11: "binding"},
+            {11: "booting"},
+            {11: "loading", 12: "draining"},
+            {11: "ready"},
+            {11: "draining"},
+        ]
     )
     monkeypatch.setattr(states, "siblings", lambda: next(views))
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none

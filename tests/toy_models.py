@@ -48,8 +48,11 @@ class ScaleHandler:
 
     parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
-    ``delay_ms`` per batch, ``fail_on`` (x value that raises), ``hang_on`` (x value that
-    makes the batch sleep ``hang_s`` seconds, default 3600), ``oom_above`` (batches larger
+    ``delay_ms`` per batch (not for warmup batches, whose tags are all ``b"warmup"``: those
+    sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
+    ``fail_on`` (x value that raises), ``hang_on`` (x value that
+    makes the batch sleep ``hang_s`` seconds, default 3600, or with ``hang_gate``, wait until
+    that Event of ``GATES`` is set), ``oom_above`` (batches larger
     than this raise torch.OutOfMemoryError).
     """
 
@@ -79,8 +82,13 @@ class ScaleHandler:
         if "fail_on" in self.params and bool((x == float(self.params["fail_on"])).any()):
             raise RuntimeError("simulated model failure")
         if "hang_on" in self.params and bool((x == float(self.params["hang_on"])).any()):
-            time.sleep(float(self.params.get("hang_s", 3600)))
-        time.sleep(float(self.params.get("delay_ms", 0)) / 1000)
+            gate = self.params.get("hang_gate")
+            if gate:
+                assert self.GATES[gate].wait(60)
+            else:
+                time.sleep(float(self.params.get("hang_s", 3600)))
+        warmup = len(tags) > 0 and all(t == b"warmup" for t in tags)
+        time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
         return x * 2, tags
 
     def postprocess(self, outputs: tuple[torch.Tensor, np.ndarray]) -> dict[str, np.ndarray]:
@@ -103,7 +111,9 @@ def write_scale_model(
     """Write a ScaleHandler model folder into ``repo``; returns the folder."""
     folder = repo / name
     folder.mkdir(parents=True, exist_ok=True)
-    params = "\n".join(f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items())
+    params = "\n".join(
+        f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items()
+    )
     (folder / "model.toml").write_text(
         SCALE_TOML.format(
             name=name,
@@ -155,9 +165,7 @@ def write_tensor_model(repo: Path, name: str, fmt: str) -> TinyRanker:
     if fmt == "torch_export":
         file = "model.pt2"
         batch = torch.export.Dim("batch", min=1, max=1024)
-        program = torch.export.export(
-            model, (torch.zeros(2, 4),), dynamic_shapes={"features": {0: batch}}
-        )
+        program = torch.export.export(model, (torch.zeros(2, 4),), dynamic_shapes={"features": {0: batch}})
         torch.export.save(program, str(folder / file))
     else:
         file = "model.pt"

@@ -3,7 +3,9 @@
 Keys come from ``SCORING_API_KEYS`` (comma-separated) and/or ``SCORING_API_KEYS_FILE``
 (one per line; blank lines and ``#`` comments ignored). The file is re-read when it
 changes (its mtime, size or inode), so keys rotate without a restart: write the new file
-and rename it over the old one. A key file that cannot be read leaves no key from it
+and rename it over the old one. Whether it changed is looked at (one ``stat()``) at most
+once per ``KEY_FILE_RECHECK_S`` second, not on every request: a rotation takes effect
+within that second. A key file that cannot be read leaves no key from it
 (requests fail closed, with an error in the log) until it can be read again.
 
 A presented key is hashed (SHA-256) and compared with ``hmac.compare_digest`` against
@@ -23,6 +25,8 @@ import hashlib
 import hmac
 import logging
 import os
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +41,8 @@ log = logging.getLogger(__name__)
 API_KEY_HEADER = "X-API-Key"
 _HEALTH_PREFIX = "/v2/health/"
 _UNREADABLE = (-1, -1, -1)
+#: Longest time a changed key file goes unnoticed, seconds.
+KEY_FILE_RECHECK_S = 1.0
 
 
 def _digest(key: str) -> bytes:
@@ -64,13 +70,18 @@ class ApiKeys:
     Args:
         keys: keys from the environment.
         path: the key file, or None.
+        recheck_s: the file is looked at (``stat()``) at most this often, seconds.
+        clock: monotonic seconds (tests pass a fake one).
     """
 
     keys: tuple[str, ...] = ()
     path: Path | None = None
+    recheck_s: float = KEY_FILE_RECHECK_S
+    clock: Callable[[], float] = time.monotonic
     _static: list[bytes] = field(default_factory=list, init=False)
     _from_file: list[bytes] = field(default_factory=list, init=False)
     _stamp: tuple[int, int, int] | None = field(default=None, init=False)
+    _next_check: float = field(default=float("-inf"), init=False)
 
     def __post_init__(self) -> None:
         self._static = [_digest(k) for k in self.keys]
@@ -86,9 +97,14 @@ class ApiKeys:
         return bool(self._static) or self.path is not None
 
     def _refresh(self) -> None:
-        """Re-read the key file if its (mtime, size, inode) changed since the last read."""
+        """Re-read the key file if its (mtime, size, inode) changed since the last read;
+        looks at most once per ``recheck_s``."""
         if self.path is None:
             return
+        now = self.clock()
+        if now < self._next_check:
+            return
+        self._next_check = now + self.recheck_s
         try:
             st = os.stat(self.path)
             stamp = (st.st_mtime_ns, st.st_size, st.st_ino)

@@ -1,4 +1,4 @@
-"""Header limits, in two tiers.
+"""Header limits, in two tiers; and a time limit on request bodies.
 
 aiohttp's HTTP parser refuses a request line or header field longer than
 ``max_line_size``/``max_field_size`` and more than ``max_headers`` fields while it reads
@@ -8,28 +8,58 @@ limits (``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``), and a middleware
 the limits themselves with a JSON 431, so the usual oversized request (a cookie too many,
 a long token) gets the server's JSON error; only a grossly oversized one (over twice the
 limit) gets the parser's plain-text 400.
+
+Bodies: aiohttp's server has no read timeout for a request body, so a client that sends
+headers and then trickles (or never sends) its body holds a connection and a handler
+forever. :func:`body_middleware` reads the body itself (``request.read()`` keeps it, so the
+handler's own ``read()`` returns it) under an ``asyncio.timeout`` whose deadline a timer
+moves with the bytes received: ``start + grace + received / min_rate``, never past
+``start + body_timeout_s``. Past it the client gets 408 and the connection is closed. A
+client that leaves mid-upload is answered 499 (not a server error, logged at debug), and a
+body whose transfer or content encoding cannot be decoded (a corrupt gzip or br body) 400.
+Source: nginx's ``client_body_timeout``; Apache's ``mod_reqtimeout`` (``body=...,MinRate=``).
+
+What aiohttp's parser refuses itself (malformed framing, an unsupported or truncated
+content encoding seen with the headers or at the end of a small body) gets its plain-text
+400 before the app runs; aiohttp logs each with a traceback at ERROR, which
+:func:`quiet_parser_errors` turns into one DEBUG line: a client's malformed request is not
+a server error.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from app.errors import HeaderFieldsTooLarge
+from app.errors import ClientDisconnected, HeaderFieldsTooLarge, InvalidInput, ModelNotFound, RequestTimeout
+from app.http.routes import TIMEOUT_HEADER
+from app.serving import dataplane
+from app.serving.state import REGISTRY, SETTINGS
 from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 #: Bytes of a request line besides the path: method, spaces, "HTTP/1.1".
 _REQUEST_LINE_OVERHEAD = 16
 
 
 def parser_limits(settings: Settings) -> dict[str, Any]:
-    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits)."""
+    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits),
+    and no lingering over unread bodies."""
     return {
         "max_line_size": 2 * settings.max_header_bytes,
         "max_field_size": 2 * settings.max_header_bytes,
         "max_headers": 2 * settings.max_headers,
+        # After an answer given before the whole body arrived (408, 413, 401, a corrupt
+        # encoding), aiohttp by default reads and discards the rest for up to 10 s (and logs
+        # a traceback if that read fails): close at once instead, so a slow or lying client
+        # cannot hold the connection past the body timeout.
+        "lingering_time": 0,
     }
 
 
@@ -60,3 +90,125 @@ def header_limits_middleware(max_bytes: int, max_headers: int) -> Middleware:
         return await handler(request)
 
     return check_headers
+
+
+#: How often the body timer looks at the bytes received, seconds.
+_BODY_TICK_S = 0.5
+
+
+def body_middleware(timeout_s: float, min_rate_bytes_s: float, grace_s: float) -> Middleware:
+    """A middleware that reads each request body within ``timeout_s`` seconds and, after
+    ``grace_s`` seconds, at no less than ``min_rate_bytes_s`` bytes/s on average.
+
+    Once the body is read, an inference request is judged by :func:`refuse_early` before
+    its handler decodes it.
+
+    Raises (to the error middleware):
+        RequestTimeout: too slow (408, the connection closes).
+        QueueFull: refused early (503 + Retry-After).
+        ClientDisconnected: the client left mid-body (499).
+        InvalidInput: the body's chunked framing or content encoding is corrupt (400).
+    """
+
+    @web.middleware
+    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.body_exists:
+            await _read_within(request, timeout_s, min_rate_bytes_s, grace_s)
+            refuse_early(request)
+        return await handler(request)
+
+    return read_body
+
+
+async def _read_within(request: web.Request, timeout_s: float, min_rate: float, grace_s: float) -> None:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    hard = start + timeout_s
+    content = request.content
+    handle: asyncio.TimerHandle | None = None
+    try:
+        async with asyncio.timeout(min(hard, start + grace_s) if min_rate else hard) as window:
+
+            def tick() -> None:
+                nonlocal handle
+                if window.expired():  # fired: the read is being cancelled
+                    return
+                if min_rate:
+                    window.reschedule(min(hard, start + grace_s + content.total_raw_bytes / min_rate))
+                handle = loop.call_later(_BODY_TICK_S, tick)
+
+            tick()
+            await request.read()
+    except TimeoutError:
+        received = content.total_raw_bytes
+        raise RequestTimeout(
+            f"request body too slow: {received} bytes in {loop.time() - start:.1f} s (the server "
+            f"needs the body within {timeout_s:g} s, at {min_rate:g} bytes/s or more after "
+            f"{grace_s:g} s)"
+        ) from None
+    except HttpProcessingError as exc:
+        raise InvalidInput(f"request body cannot be decoded: {exc.message}") from None
+    except web.RequestPayloadError as exc:  # wraps a corrupt Content-Encoding
+        raise InvalidInput(f"request body cannot be decoded: {str(exc).strip()}") from None
+    except (ConnectionError, asyncio.IncompleteReadError, EOFError) as exc:
+        log.debug("client left during the request body: %r", exc)
+        raise ClientDisconnected("client disconnected during the request body") from None
+    finally:
+        if handle is not None:
+            handle.cancel()
+
+
+class _ParserErrorFilter(logging.Filter):
+    """Demotes aiohttp's "Error handling request" records caused by a malformed request
+    (an ``HttpProcessingError`` with a 4xx code) to one DEBUG line without a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: {exc.code} {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_PARSER_ERRORS = _ParserErrorFilter()
+
+
+#: aiohttp's server logger, and gunicorn's error log, which aiohttp's gunicorn worker gives it.
+_SERVER_LOGGERS = ("aiohttp.server", "gunicorn.error")
+
+
+def quiet_parser_errors() -> None:
+    """Install the filter on the loggers aiohttp's server logs to (idempotent)."""
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _PARSER_ERRORS not in logger.filters:
+            logger.addFilter(_PARSER_ERRORS)
+
+
+def refuse_early(request: web.Request) -> None:
+    """Refuse an inference request under overload before its body is decoded
+    (``dataplane.refuse_early``): a refusal then costs the read, not the JSON decoding, which
+    for a 96 KB MiniLM request is most of its cost. The deadline judged is the
+    ``X-Request-Timeout-Ms`` header's, else the model's default (clipped as always); a V2
+    ``parameters.timeout`` in the body is seen only by the full admission after decoding.
+
+    Raises:
+        QueueFull: 503 + Retry-After.
+    """
+    name = request.match_info.get("name")
+    if request.method != "POST" or name is None:
+        return
+    try:
+        entry = request.app[REGISTRY].get(name, request.match_info.get("version"))
+    except ModelNotFound:
+        return  # the handler answers 404
+    requested: float | None = None
+    header = request.headers.get(TIMEOUT_HEADER)
+    if header is not None:
+        try:
+            requested = float(header) / 1000.0
+        except ValueError:
+            return  # the handler answers 400
+    dataplane.refuse_early(entry, dataplane.effective_timeout_s(request.app[SETTINGS], entry, requested))

@@ -3,8 +3,10 @@
 Every error body is the Open Inference Protocol's ``{"error": "<message>"}``
 (KServe V1 uses the same shape). Domain errors (:mod:`app.errors`) map to their
 status; aiohttp's own HTTP errors (404 no route, 405, 413 body too large) are
-re-rendered as JSON; anything else is logged with the request id and answered
-with a 500 that names the request id and no traceback.
+re-rendered as JSON; a body that is not valid UTF-8 (``UnicodeDecodeError`` from the JSON
+decoder) is the client's 400; anything else is logged with the request id and answered
+with a 500 that names the request id and no traceback. An error whose headers say
+``Connection: close`` (408, a body too slow) closes the connection.
 """
 
 from __future__ import annotations
@@ -68,8 +70,13 @@ async def _respond(request: web.Request, handler: Handler, rid: str) -> web.Stre
         if exc.retry_after_s is not None:
             headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
         if exc.status >= 500:
-            log.warning("request %s: %d %s", rid, exc.status, exc.message)
-        return json_error(exc.status, exc.message, headers)
+            # Overload answers (503) are counted in metrics; a line each would flood the log.
+            level = logging.DEBUG if exc.status == 503 else logging.WARNING
+            log.log(level, "request %s: %d %s", rid, exc.status, exc.message)
+        response = json_error(exc.status, exc.message, headers)
+        if headers.get("Connection") == "close":
+            response.force_close()
+        return response
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -80,6 +87,9 @@ async def _respond(request: web.Request, handler: Handler, rid: str) -> web.Stre
         if "Allow" in exc.headers:
             headers["Allow"] = exc.headers["Allow"]
         return json_error(exc.status, message, headers)
+    except UnicodeDecodeError as exc:
+        message = f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+        return json_error(400, message, {REQUEST_ID_HEADER: rid})
     except Exception:
         log.exception("request %s %s %s failed", rid, request.method, request.path)
         return json_error(500, f"internal server error (request id {rid})", {REQUEST_ID_HEADER: rid})

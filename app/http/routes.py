@@ -57,7 +57,8 @@ async def _read_body(request: web.Request) -> bytes:
 
 
 def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None) -> float:
-    """Deadline in seconds: the request's own (header or body), else the model's, else default."""
+    """Deadline in seconds: the request's own (header or body), else the model's, else default;
+    clipped to the model's or the server's maximum (``dataplane.effective_timeout_s``)."""
     header = request.headers.get(TIMEOUT_HEADER)
     if header is not None:
         try:
@@ -66,10 +67,8 @@ def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None)
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds") from None
         if not value > 0 or value == float("inf"):
             raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of milliseconds")
-        return value / 1000.0
-    if from_body is not None:
-        return from_body
-    return dataplane.default_timeout_s(request.app[SETTINGS], entry)
+        return dataplane.effective_timeout_s(request.app[SETTINGS], entry, value / 1000.0)
+    return dataplane.effective_timeout_s(request.app[SETTINGS], entry, from_body)
 
 
 async def _infer(

@@ -66,8 +66,11 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A model's ``model.toml``, validated.
 
-    Units: ``max_queue_delay_ms`` and ``timeout_ms`` in milliseconds,
-    ``queue_capacity`` in items (rows), ``max_batch_size`` in items.
+    Units: ``max_queue_delay_ms``, ``timeout_ms`` (the default deadline) and
+    ``max_timeout_ms`` (the cap on a client's deadline; None = the server's
+    ``max_request_timeout_ms``) in milliseconds, ``queue_capacity`` in items (rows),
+    ``max_batch_size`` in items, ``max_batch_bytes`` (the most input bytes in one batch;
+    None = the server's ``max_batch_bytes``) in bytes.
     """
 
     name: str
@@ -81,6 +84,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_queue_delay_ms: float = 2.0
     queue_capacity: int = 1024
     timeout_ms: float | None = None
+    max_timeout_ms: float | None = None
+    max_batch_bytes: int | None = None
     warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1])
     allow_non_finite: bool = False
     #: Split a request with more than ``max_batch_size`` items into shards that run in
@@ -123,8 +128,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ModelLoadError(f"{where}: max_queue_delay_ms must be >= 0")
         if self.queue_capacity < self.max_batch_size:
             raise ModelLoadError(f"{where}: queue_capacity must be >= max_batch_size")
-        if self.timeout_ms is not None and self.timeout_ms <= 0:
-            raise ModelLoadError(f"{where}: timeout_ms must be > 0")
+        for key in ("timeout_ms", "max_timeout_ms", "max_batch_bytes"):
+            value = getattr(self, key)
+            if value is not None and not 0 < value < float("inf"):
+                raise ModelLoadError(f"{where}: {key} must be a finite number > 0")
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ModelLoadError(f"{where}: warmup_batch_sizes must lie in 1..max_batch_size")
 

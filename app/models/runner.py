@@ -14,7 +14,6 @@ import logging
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -24,18 +23,10 @@ from app.datatypes import NUMPY_DTYPES
 from app.errors import ModelLoadError
 from app.models.base import Handler
 from app.models.repository import ModelConfig, TensorSpec
+from app.models.segment import Segment
 from app.models.torch_formats import TorchExportHandler, TorchScriptHandler
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Segment:
-    """Outputs for batch items [start, stop); ``outputs`` None = did not fit in memory."""
-
-    start: int
-    stop: int
-    outputs: dict[str, np.ndarray] | None
 
 
 def is_out_of_memory(exc: BaseException) -> bool:

@@ -176,7 +176,7 @@ class ServerMetrics:
         )  # fmt: skip
 
     def observer(self, model: str, version: str) -> BatchMetrics:
-        """A :class:`app.serving.batcher.BatchObserver` that records one model version's batches."""
+        """A :class:`app.serving.observer.BatchObserver` that records one model version's batches."""
         return BatchMetrics(self, model, version)
 
     def model_ready(self, model: str, version: str, load_s: float, warmup_s: float) -> None:
@@ -216,7 +216,7 @@ class ServerMetrics:
 
 
 class BatchMetrics:
-    """Batch events of one model version (implements ``app.serving.batcher.BatchObserver``)."""
+    """Batch events of one model version (implements ``app.serving.observer.BatchObserver``)."""
 
     def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
         self._metrics = metrics

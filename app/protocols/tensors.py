@@ -17,6 +17,9 @@ from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig, TensorSpec
 
+#: Most dimensions of a request tensor (numpy 1.x allows 32 and 2.x 64; no model needs more).
+MAX_DIMS = 32
+
 
 def _flatten_strings(data: Any, where: str, max_bytes: int | None) -> list[bytes]:
     out: list[bytes] = []
@@ -67,6 +70,8 @@ def to_array(
     """
     if shape is not None and any((not isinstance(d, int)) or d < 0 for d in shape):
         raise InvalidInput(f"{where}: shape {list(shape)} must be non-negative integers")
+    if shape is not None and len(shape) > MAX_DIMS:
+        raise InvalidInput(f"{where}: shape has {len(shape)} dimensions; at most {MAX_DIMS}")
     if datatype == "BYTES":
         flat = _flatten_strings(data, where, max_string_bytes)
         if shape is None:

@@ -4,13 +4,19 @@ Requests put their items (rows along axis 0) on a bounded queue. A batch closes
 when it holds ``max_batch_size`` items or when ``max_queue_delay`` has passed
 since the *first item of that batch* arrived; a request's items may be split
 across batches and are reassembled in order. Batches run one at a time on the
-worker's single inference thread, never on the event loop.
+model's own inference thread, never on the event loop.
 
 Backpressure: the queue holds at most ``queue_capacity`` items; a request that
 does not fit fails at once with :class:`~app.errors.QueueFull` (503 +
 Retry-After). Deadlines: a request whose deadline passes gets
 :class:`~app.errors.DeadlineExceeded` (504) and its queued items are dropped;
 so are the items of a client that disconnected, before any compute is spent.
+
+Admission by time (:mod:`app.serving.admission`): a request whose expected wait plus
+service, at the model's measured rate, does not fit its deadline is refused at once with
+``QueueFull`` (503 + Retry-After = the backlog in seconds). Batch cost: a batch holds at most
+``max_batch_bytes`` of input, so one batch of huge items cannot hold the model for tens of
+seconds; an item that alone exceeds it is refused (413).
 
 Source: Triton's dynamic batcher (``max_queue_delay_microseconds``,
 ``preferred_batch_size``) and TorchServe's ``batch_size``/``max_batch_delay``.
@@ -27,7 +33,6 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import numpy as np
 
@@ -37,37 +42,26 @@ from app.errors import (
     InferenceFailed,
     InsufficientStorage,
     InvalidInput,
+    PayloadTooLarge,
     QueueFull,
     ScoringError,
 )
-from app.models.runner import Segment
+from app.models.segment import Segment, outputs_between
+from app.serving.admission import ServiceRate, cumulative_costs, items_within
+from app.serving.observer import BatchObserver, NullObserver, RunningBatch
 
 log = logging.getLogger(__name__)
+
+#: Admit a request only if it is expected to finish within this share of its deadline: the
+#: rate is measured on past batches, and the next ones may be slower (a burst of requests to
+#: refuse takes CPU, another model computes at the same time).
+ADMISSION_HEADROOM = 0.8
+#: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
+_RECENT_REQUESTS = 32
 
 Tensors = dict[str, np.ndarray]
 #: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
 BatchFn = Callable[[Mapping[str, np.ndarray]], list[Segment]]
-
-
-class BatchObserver(Protocol):
-    """Receives batching events (the metrics module implements it)."""
-
-    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
-
-    def rejected(self, reason: str) -> None: ...
-
-    def queue_depth(self, items: int) -> None: ...
-
-
-class _NullObserver:
-    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
-        pass
-
-    def rejected(self, reason: str) -> None:
-        pass
-
-    def queue_depth(self, items: int) -> None:
-        pass
 
 
 @dataclass(eq=False)
@@ -79,6 +73,7 @@ class _Request:
     request_id: str
     is_disconnected: Callable[[], bool] | None
     future: asyncio.Future[Tensors]
+    costs: np.ndarray  # cumulative input bytes per item, [size + 1]
     queued: int = 0  # items still waiting in the queue
     pending: int = 0  # items not yet computed
     parts: list[tuple[int, Tensors]] = field(default_factory=list)
@@ -92,25 +87,17 @@ class _Chunk:
     stop: int
 
 
-@dataclass(frozen=True)
-class RunningBatch:
-    """The batch on the inference thread now: when it started (``loop.time()``), its size."""
-
-    started: float
-    items: int
-    request_ids: tuple[str, ...]
-
-
 class DynamicBatcher:
     """The dynamic batcher of one model in one worker.
 
     Args:
         model: name used in messages and logs.
         run_batch: called on ``executor`` with inputs [B, ...] per input name.
-        executor: the worker's single inference thread.
+        executor: the model's inference thread.
         max_batch_size: most items in one batch.
         max_queue_delay_ms: longest wait for more items after a batch's first item arrived, ms.
-        queue_capacity: most items queued (not yet in a running batch).
+        queue_capacity: most items queued (not yet in a running batch): the memory bound.
+        max_batch_bytes: most input bytes in one batch (the batch cost bound); None = no bound.
         observer: receives batch and rejection events.
     """
 
@@ -123,6 +110,7 @@ class DynamicBatcher:
         max_batch_size: int,
         max_queue_delay_ms: float,
         queue_capacity: int,
+        max_batch_bytes: int | None = None,
         observer: BatchObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
@@ -133,12 +121,14 @@ class DynamicBatcher:
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_ms / 1000.0
         self.queue_capacity = queue_capacity
-        self._observer: BatchObserver = observer or _NullObserver()
+        self.max_batch_bytes = max_batch_bytes
+        self.rate = ServiceRate()
+        self._recent_sizes: deque[int] = deque(maxlen=_RECENT_REQUESTS)
+        self._observer: BatchObserver = observer or NullObserver()
         self._queue: deque[_Chunk] = deque()
         self._queued_items = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-        self._batch_seconds = 0.0  # EWMA of a batch's compute time, for Retry-After
         # (loop.time() at start, items, requests) of the batch running now; read by the
         # hung-inference watchdog (app.serving.lifecycle), so the hot path only stores a tuple.
         self._running: tuple[float, int, dict[int, _Request]] | None = None
@@ -172,10 +162,47 @@ class DynamicBatcher:
         while self._queue:
             self._fail(self._queue.popleft().request, QueueFull(f"model {self.model} is unloading"))
 
-    def retry_after_s(self) -> int:
-        """Seconds a rejected client should wait: time to drain the queue, at least 1."""
-        batches = math.ceil(self._queued_items / self.max_batch_size)
-        return max(1, math.ceil(batches * self._batch_seconds))
+    def backlog_s(self, now: float) -> float:
+        """Expected seconds until the work already here is done, at the measured rate: the
+        rest of the running batch, the queued items and one max queue delay. ``now`` is
+        ``loop.time()``."""
+        rest = 0.0
+        if self._running is not None:
+            started, items, _ = self._running
+            rest = max(0.0, started + self.rate.seconds_for(items) - now)
+        return rest + self.rate.seconds_for(self._queued_items) + self.max_queue_delay_s
+
+    def refuse_early(self, timeout_s: float) -> QueueFull | None:
+        """The refusal a request would get whatever its size, judged before its body is
+        decoded (so a refusal under overload costs no decoding), or None.
+
+        Its size is not known yet: it is taken as the smallest of the last requests (a model
+        under a storm of 64-item requests refuses the next one as if it had 64 items; one
+        smaller request lowers the bar for those after it).
+        """
+        return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
+
+    def _refusal(self, size: int, timeout_s: float, what: str) -> QueueFull | None:
+        """The 503 for ``size`` more items due within ``timeout_s`` (counted), or None."""
+        now = asyncio.get_running_loop().time()
+        if self._queued_items + size > self.queue_capacity:
+            reason = "queue_full"
+            message = f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)"
+        else:
+            expected_s = self.backlog_s(now) + self.rate.seconds_for(size)
+            if expected_s <= ADMISSION_HEADROOM * timeout_s:
+                return None
+            reason = "admission"
+            message = (
+                f"model {self.model} cannot take {what} within its deadline ({timeout_s * 1000:.0f} ms; "
+                f"expected {expected_s * 1000:.0f} ms at {self.rate.items_per_s or 0:.0f} items/s)"
+            )
+        self._observer.rejected(reason)
+        return QueueFull(message, retry_after_s=self.retry_after_s(now))
+
+    def retry_after_s(self, now: float) -> int:
+        """Seconds a rejected client should wait: the backlog, rounded up, at least 1."""
+        return max(1, math.ceil(self.backlog_s(now)))
 
     async def infer(
         self,
@@ -199,7 +226,10 @@ class DynamicBatcher:
 
         Raises:
             InvalidInput: B is 0 or more than the queue capacity.
-            QueueFull: the queue cannot take B more items (503 + Retry-After).
+            PayloadTooLarge: one item alone is over ``max_batch_bytes`` (413).
+            QueueFull: the queue cannot take B more items, or the expected wait plus service
+                at the measured rate does not fit ``ADMISSION_HEADROOM * timeout_s``
+                (503 + Retry-After).
             DeadlineExceeded: ``timeout_s`` passed first (504).
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
@@ -212,12 +242,19 @@ class DynamicBatcher:
                 f"request has {size} items; model {self.model} accepts at most "
                 f"{self.queue_capacity} per request"
             )
-        if self._queued_items + size > self.queue_capacity:
-            self._observer.rejected("queue_full")
-            raise QueueFull(
-                f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)",
-                retry_after_s=self.retry_after_s(),
-            )
+        self._recent_sizes.append(size)
+        costs = cumulative_costs(inputs)
+        if self.max_batch_bytes is not None:
+            largest = int(np.diff(costs).max())
+            if largest > self.max_batch_bytes:
+                raise PayloadTooLarge(
+                    f"an item of request {request_id} has {largest} bytes of input; model "
+                    f"{self.model} runs at most {self.max_batch_bytes} bytes in one batch "
+                    "(model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
+                )
+        refusal = self._refusal(size, timeout_s, f"request {request_id}")
+        if refusal is not None:
+            raise refusal
         loop = asyncio.get_running_loop()
         now = loop.time()
         request = _Request(
@@ -228,6 +265,7 @@ class DynamicBatcher:
             request_id=request_id,
             is_disconnected=is_disconnected,
             future=loop.create_future(),
+            costs=costs,
             queued=size,
             pending=size,
         )
@@ -236,8 +274,11 @@ class DynamicBatcher:
         self._observer.queue_depth(self._queued_items)
         self._wakeup.set()
         try:
-            return await asyncio.wait_for(asyncio.shield(request.future), timeout_s)
-        except TimeoutError:
+            # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
+            # deadline. The 504 is counted here only, once per request, whoever saw it first.
+            async with asyncio.timeout_at(request.deadline):
+                return await request.future
+        except (TimeoutError, DeadlineExceeded):
             self._observer.rejected("deadline")
             raise DeadlineExceeded(
                 f"model {self.model}: request {request_id} did not finish within {timeout_s * 1000:.0f} ms"
@@ -268,9 +309,11 @@ class DynamicBatcher:
         return self._queue[0] if self._queue else None
 
     def _take(self, now: float) -> list[_Chunk]:
-        """Pop up to ``max_batch_size`` items of live requests, splitting the last chunk."""
+        """Pop up to ``max_batch_size`` items and ``max_batch_bytes`` of input of live
+        requests, splitting the last chunk."""
         taken: list[_Chunk] = []
         room = self.max_batch_size
+        budget = float(self.max_batch_bytes) if self.max_batch_bytes is not None else math.inf
         while room > 0 and (chunk := self._live_head()) is not None:
             request = chunk.request
             if request.is_disconnected is not None and request.is_disconnected():
@@ -278,17 +321,22 @@ class DynamicBatcher:
                 self._fail(request, ClientDisconnected(f"client of request {request.request_id} left"))
                 continue
             if now >= request.deadline:
-                self._observer.rejected("deadline")
+                # Counted by infer(), which answers the 504.
                 self._fail(request, DeadlineExceeded(f"request {request.request_id} expired in queue"))
                 continue
-            size = chunk.stop - chunk.start
-            if size <= room:
+            size = min(chunk.stop - chunk.start, room)
+            if budget != math.inf:
+                size = min(size, items_within(request.costs, chunk.start, chunk.stop, budget))
+                if size == 0 and taken:
+                    break  # the next item would take the batch over its cost bound
+                size = max(size, 1)  # admission refuses an item over the bound alone
+                budget -= float(request.costs[chunk.start + size] - request.costs[chunk.start])
+            if size == chunk.stop - chunk.start:
                 self._queue.popleft()
                 part = chunk
             else:
-                part = _Chunk(request, chunk.start, chunk.start + room)
-                chunk.start += room
-                size = room
+                part = _Chunk(request, chunk.start, chunk.start + size)
+                chunk.start += size
             taken.append(part)
             room -= size
             request.queued -= size
@@ -312,7 +360,8 @@ class DynamicBatcher:
                     break
                 self._wakeup.clear()
                 try:
-                    await asyncio.wait_for(self._wakeup.wait(), remaining)
+                    async with asyncio.timeout(remaining):
+                        await self._wakeup.wait()
                 except TimeoutError:
                     break
             now = loop.time()
@@ -346,14 +395,12 @@ class DynamicBatcher:
         finally:
             self._running = None
         compute_s = time.perf_counter() - start
-        self._batch_seconds = (
-            compute_s if not self._batch_seconds else (0.8 * self._batch_seconds + 0.2 * compute_s)
-        )
+        self.rate.observe(items, compute_s)
         self._observer.batch_done(items, len(requests), queue_s, compute_s)
         offset = 0
         for chunk in chunks:
             size = chunk.stop - chunk.start
-            self._deliver(chunk, _slice(segments, offset, offset + size))
+            self._deliver(chunk, outputs_between(segments, offset, offset + size))
             offset += size
 
     def _deliver(self, chunk: _Chunk, outputs: Tensors | None) -> None:
@@ -387,18 +434,3 @@ def _concat(chunks: list[_Chunk]) -> Tensors:
         return dict(first.request.inputs)
     names = first.request.inputs.keys()
     return {n: np.concatenate([c.request.inputs[n][c.start : c.stop] for c in chunks]) for n in names}
-
-
-def _slice(segments: list[Segment], start: int, stop: int) -> Tensors | None:
-    """Outputs for batch items [start, stop) across the runner's segments; None if any OOM'd."""
-    pieces: list[Tensors] = []
-    for seg in segments:
-        lo, hi = max(start, seg.start), min(stop, seg.stop)
-        if lo >= hi:
-            continue
-        if seg.outputs is None:
-            return None
-        pieces.append({k: v[lo - seg.start : hi - seg.start] for k, v in seg.outputs.items()})
-    if len(pieces) == 1:
-        return pieces[0]
-    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}

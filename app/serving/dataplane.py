@@ -23,6 +23,43 @@ def default_timeout_s(settings: Settings, entry: ModelEntry) -> float:
     return (entry.config.timeout_ms or settings.request_timeout_ms) / 1000.0
 
 
+def max_timeout_s(settings: Settings, entry: ModelEntry) -> float:
+    """The longest deadline a client may ask of this model: its ``max_timeout_ms``, else the
+    server's ``max_request_timeout_ms``; seconds."""
+    return (entry.config.max_timeout_ms or settings.max_request_timeout_ms) / 1000.0
+
+
+def effective_timeout_s(settings: Settings, entry: ModelEntry, requested_s: float | None) -> float:
+    """The deadline a request runs under, seconds: the client's own (``X-Request-Timeout-Ms``,
+    V2 ``parameters.timeout``, a gRPC deadline), clipped to :func:`max_timeout_s`; the
+    default (:func:`default_timeout_s`, also clipped) when it names none.
+
+    Clipping rather than refusing: a client that asks for a long deadline gets the longest
+    the server grants, as a gRPC deadline longer than the server's limit would; admission
+    then judges the request against the clipped deadline. ``inf``, ``1e308`` and the like
+    are clipped too; a NaN or a deadline <= 0 counts as none (front ends refuse those first).
+    """
+    cap = max_timeout_s(settings, entry)
+    if requested_s is None or not requested_s > 0:
+        return min(default_timeout_s(settings, entry), cap)
+    return min(requested_s, cap)
+
+
+def refuse_early(entry: ModelEntry, timeout_s: float) -> None:
+    """Refuse a request to ``entry`` before its body is decoded when no request of the size
+    recently seen could finish within ``timeout_s`` seconds (the front end calls this once it
+    has the body, before decoding it; a refusal under overload then costs no decoding).
+
+    Raises:
+        QueueFull: 503 + Retry-After (see ``DynamicBatcher.refuse_early``).
+    """
+    batcher = entry.batcher
+    if batcher is not None:
+        refusal = batcher.refuse_early(timeout_s)
+        if refusal is not None:
+            raise refusal
+
+
 async def infer(
     registry: ModelRegistry,
     entry: ModelEntry,

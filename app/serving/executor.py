@@ -1,4 +1,5 @@
-"""The worker's single inference thread, as a ``concurrent.futures.Executor``.
+"""A model's inference thread, as a ``concurrent.futures.Executor`` (one per model per worker,
+created by ``app.serving.lifecycle``).
 
 Like ``ThreadPoolExecutor(max_workers=1)``, with one difference that matters when a model
 hangs: the thread is a *daemon*. ``ThreadPoolExecutor`` joins its threads when the

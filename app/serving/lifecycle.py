@@ -1,9 +1,11 @@
 """Model load, warmup and unload, run from the app's ``cleanup_ctx``.
 
-Startup creates the worker's single inference thread and starts loading the
-repository's models in the background, so the worker answers health probes
+Startup creates one inference thread per model (so one model's long batch never holds
+another model's requests; docs/reliability.md "Isolation between models") and starts
+loading the repository's models in the background, so the worker answers health probes
 (readiness 503) and keeps notifying gunicorn while a slow model loads; each
-model loads and warms up on the inference thread, and readiness turns 200 only
+model loads and warms up on its inference thread, and its measured warmup seeds the
+batcher's service rate (admission by time judges the very first requests); readiness turns 200 only
 when every model is warm. Requests that arrive before then wait for it, within
 their deadline. When another worker of the server is serving (a replacement
 after a crash, a recycle, a HUP reload), startup instead waits for the models
@@ -20,11 +22,11 @@ worker are served, each answered with ``Connection: close`` (``app.http.connecti
 
 The hung-inference watchdog is a task that wakes a few times per
 ``hung_inference_s`` and looks at each batcher's running batch (the hot path only
-stores a tuple per batch). A batch past the limit is logged and counted
-(``scoring_hung_batches_total``); liveness turns 503 and the worker asks its process
-to stop (drain, exit, be replaced). The inference thread is a daemon
-(:class:`app.serving.executor.InferenceThread`), so a stuck call does not keep the
-process alive; a call stuck while holding the GIL freezes the event loop too, and then
+stores a tuple per batch), on whichever inference thread it runs. A batch past the
+limit is logged and counted (``scoring_hung_batches_total``); liveness turns 503 and
+the worker asks its process to stop (drain, exit, be replaced). Inference threads are
+daemons (:class:`app.serving.executor.InferenceThread`), so a stuck call does not keep
+the process alive; a call stuck while holding the GIL freezes the event loop too, and then
 gunicorn's worker timeout kills the process.
 """
 
@@ -34,6 +36,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import AsyncIterator
 
 import torch
@@ -42,17 +45,19 @@ from aiohttp import web
 from app.binding import BINDING
 from app.errors import ModelLoadError
 from app.models.repository import scan
-from app.models.runner import ModelRunner, describe
+from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import METRICS
-from app.serving.batcher import BatchObserver, DynamicBatcher, RunningBatch
+from app.serving.batcher import DynamicBatcher
 from app.serving.executor import InferenceThread
+from app.serving.observer import BatchObserver, RunningBatch
 from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, ModelEntry
 from app.serving.stats import FanOut
 from gpu_stat.verify import verify_binding
 
 log = logging.getLogger(__name__)
 
-EXECUTOR = web.AppKey("inference_executor", InferenceThread)
+#: One inference thread per model name (its versions share it), created at startup.
+EXECUTORS = web.AppKey("inference_executors", dict[str, InferenceThread])
 LOAD_TASK = web.AppKey("model_load_task", asyncio.Task)
 
 
@@ -70,22 +75,41 @@ def resolve_device(setting: str) -> torch.device:
     return device
 
 
+def _executor(app: web.Application, model: str) -> InferenceThread:
+    executors = app[EXECUTORS]
+    if model not in executors:
+        executors[model] = InferenceThread(name=f"inference:{model}")
+    return executors[model]
+
+
+def _timed_batch(runner: ModelRunner) -> tuple[int, float]:
+    """One batch of the largest warmup size, timed (after warmup, so no first-call costs):
+    (items, seconds), the seed of the batcher's service rate."""
+    items = max(runner.config.warmup_batch_sizes)
+    inputs = synthetic_inputs(runner.config.inputs, items)
+    start = time.perf_counter()
+    runner.run_batch(inputs)
+    return items, time.perf_counter() - start
+
+
 async def _load_all(app: web.Application, device: torch.device) -> None:
     registry = app[REGISTRY]
-    executor = app[EXECUTOR]
+    settings = app[SETTINGS]
     loop = asyncio.get_running_loop()
     metrics = app.get(METRICS)
     models = []
     for entry in registry.entries():
+        executor = _executor(app, entry.config.name)
         runner = ModelRunner(entry.config)
         await loop.run_in_executor(executor, runner.load, device)
         await loop.run_in_executor(executor, runner.warmup)
+        seed = await loop.run_in_executor(executor, _timed_batch, runner)
         observer: BatchObserver = entry.stats
         if metrics is not None:
             config = entry.config
             metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
             observer = FanOut(entry.stats, metrics.observer(config.name, config.version))
-        _start_batching(entry, runner, executor, observer)
+        _start_batching(entry, runner, executor, observer, settings.max_batch_bytes).rate.observe(*seed)
         figures = describe(runner)
         models.append(figures)
         log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
@@ -103,8 +127,12 @@ async def _load_all(app: web.Application, device: torch.device) -> None:
 
 
 def _start_batching(
-    entry: ModelEntry, runner: ModelRunner, executor: InferenceThread, observer: BatchObserver | None
-) -> None:
+    entry: ModelEntry,
+    runner: ModelRunner,
+    executor: InferenceThread,
+    observer: BatchObserver | None,
+    max_batch_bytes: int,
+) -> DynamicBatcher:
     config = entry.config
     entry.runner = runner
     batcher = DynamicBatcher(
@@ -114,11 +142,13 @@ def _start_batching(
         max_batch_size=config.max_batch_size,
         max_queue_delay_ms=config.max_queue_delay_ms,
         queue_capacity=config.queue_capacity,
+        max_batch_bytes=config.max_batch_bytes or max_batch_bytes,
         observer=observer,
     )
     batcher.start()
     entry.batcher = batcher
     entry.settled.set()
+    return batcher
 
 
 async def _load_in_background(app: web.Application, device: torch.device) -> None:
@@ -137,16 +167,15 @@ async def _load_in_background(app: web.Application, device: torch.device) -> Non
 
 
 async def models_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx``: inference thread, background model loading, hung-inference watchdog;
-    unload on cleanup (skipped when the inference thread is stuck or still loading)."""
+    """``cleanup_ctx``: inference threads, background model loading, hung-inference watchdog;
+    unload on cleanup (skipped when an inference thread is stuck or still loading)."""
     settings = app[SETTINGS]
     registry = app[REGISTRY]
     for config in scan(settings.model_repository, settings.model_names):
         registry.add(config)
     device = resolve_device(settings.device)
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
-    executor = InferenceThread()
-    app[EXECUTOR] = executor
+    app[EXECUTORS] = {}
     loop = asyncio.get_running_loop()
     task = loop.create_task(_load_in_background(app, device))
     app[LOAD_TASK] = task
@@ -163,7 +192,7 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
             if pending is not None:
                 pending.cancel()
         await asyncio.gather(*(t for t in (task, watchdog) if t is not None), return_exceptions=True)
-        await _release(app, executor, loaded)
+        await _release(app, loaded)
 
 
 async def _defer_listening(app: web.Application, load: asyncio.Task[None]) -> None:
@@ -183,9 +212,10 @@ async def _defer_listening(app: web.Application, load: asyncio.Task[None]) -> No
         log.info("worker %d: models warm, listening (another worker served meanwhile)", os.getpid())
 
 
-async def _release(app: web.Application, executor: InferenceThread, loaded: bool) -> None:
-    """Stop the batchers; unload the models on the inference thread unless it is stuck."""
+async def _release(app: web.Application, loaded: bool) -> None:
+    """Stop the batchers; unload the models on their inference threads unless one is stuck."""
     registry = app[REGISTRY]
+    executors = app[EXECUTORS]
     for entry in registry.entries():
         if entry.batcher is not None:
             await entry.batcher.stop()
@@ -193,17 +223,19 @@ async def _release(app: web.Application, executor: InferenceThread, loaded: bool
     hung = app[LIFECYCLE].hung
     if hung is not None or not loaded:
         # Anything queued now would wait behind the stuck (or still loading) call; the
-        # daemon thread dies with the process, and so does the device memory it holds.
-        why = f"the inference thread is stuck ({hung})" if hung else "models were still loading"
+        # daemon threads die with the process, and so does the device memory they hold.
+        why = f"an inference thread is stuck ({hung})" if hung else "models were still loading"
         log.warning("exiting without unloading models: %s", why)
-        executor.shutdown(wait=False, cancel_futures=True)
+        for executor in executors.values():
+            executor.shutdown(wait=False, cancel_futures=True)
         return
     loop = asyncio.get_running_loop()
     for entry in registry.entries():
         if entry.runner is not None:
-            await loop.run_in_executor(executor, entry.runner.close)
+            await loop.run_in_executor(executors[entry.config.name], entry.runner.close)
             entry.runner = None
-    await loop.run_in_executor(None, executor.shutdown)
+    for executor in executors.values():
+        await loop.run_in_executor(None, executor.shutdown)
 
 
 def begin_drain(app: web.Application, reason: str) -> None:
@@ -233,8 +265,10 @@ async def _watch_inference(app: web.Application, hung_s: float) -> None:
     loop = asyncio.get_running_loop()
     interval = min(max(hung_s / 4, 0.05), 5.0)
     reported: set[tuple[str, str, float]] = set()
+    lifecycle = app[LIFECYCLE]
     while True:
         await asyncio.sleep(interval)
+        lifecycle.watchdog_passes += 1
         now = loop.time()
         for entry in registry.entries():
             batch = entry.batcher.running_batch if entry.batcher is not None else None

@@ -6,17 +6,19 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
 from app.errors import ModelNotFound, ModelNotReady
 from app.models.repository import ModelConfig
-from app.models.runner import ModelRunner
 from app.protocols.limits import RequestLimits
 from app.serving.batcher import DynamicBatcher
 from app.serving.stats import ModelStats
 from app.settings import Settings
+
+if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
+    from app.models.runner import ModelRunner
 
 
 @dataclass(eq=False)
@@ -120,8 +122,10 @@ class WorkerLifecycle:
     """
 
     responses: int = 0
-    #: Why the inference thread is considered stuck (liveness turns 503), or None.
+    #: Why an inference thread is considered stuck (liveness turns 503), or None.
     hung: str | None = None
+    #: Passes the hung-inference watchdog has made over the batchers.
+    watchdog_passes: int = 0
     #: Asks the process to drain and exit (reason).
     stop: Callable[[str], None] | None = None
     #: True while another worker of the server serves: this one then starts listening only
