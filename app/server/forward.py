@@ -19,8 +19,9 @@ sibling's items are the larger of what it published and what this worker has for
 it and not yet had answered (the table lags the hop by one admission).
 
 A forwarded request keeps its request id and remaining deadline and is never forwarded or
-split again (``forwarded=True`` there). A sibling that cannot be reached, or whose queue is
-full, costs nothing but time: the request runs here. A sibling that stalls costs the request
+split again (``forwarded=True`` there). A sibling that cannot be reached, whose queue is full
+or whose copy of the model is not ready or not there (a HUP reload in progress) costs nothing
+but time: the request runs here. A sibling that stalls costs the request
 DEADLINE_EXCEEDED / 504 at its deadline, never a hang.
 """
 
@@ -134,7 +135,7 @@ class Forwarder:
             outputs = await self.peers.infer(
                 target.pid, config.name, config.version, inputs, timeout_s=timeout_s, request_id=request_id
             )
-        except (PeerUnavailable, errors.QueueFull) as exc:  # nothing ran there
+        except (PeerUnavailable, errors.ServiceUnavailable, errors.ModelNotFound) as exc:  # nothing ran there
             log.info("request %s: runs here, not on pid %d (%s)", request_id, target.pid, exc)
             refused = True
         else:
