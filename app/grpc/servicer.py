@@ -252,6 +252,7 @@ class InferenceServicer:
             timeout_s=self.timeout_s(entry, request, context),
             request_id=rid,
             is_disconnected=context.cancelled,
+            pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
         )
         response = infer.build_response(config, request, outputs)
         return codec.encode_response(response, raw=bool(message.raw_input_contents))

@@ -155,6 +155,11 @@ class ServerMetrics:
             "scoring_forwarded_shards", "Shards of scattered requests sent to sibling workers.",
             model, registry=r,
         )  # fmt: skip
+        self.forwarded_requests = Counter(
+            "scoring_forwarded_requests", "Whole requests on pinned (gRPC) connections sent to a "
+            "less-loaded sibling worker (app.server.forward), counted by the worker that received them.",
+            model, registry=r,
+        )  # fmt: skip
         self.connections_shed = Counter(
             "scoring_connections_shed", "Keep-alive connections a worker closed (Connection: close) "
             "so that a less-loaded sibling takes them.",

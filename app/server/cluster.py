@@ -6,9 +6,11 @@ imported lazily there (it imports the serving layer, hence torch). It wires:
 - the load table slot and :class:`app.server.balance.Balancer` into the app's registry
   (``on_load``: items queued + in flight) and the worker's listener (accept / shed);
 - the internal endpoint (:mod:`app.server.peers`) on ``<run dir>/peers/<pid>.sock`` and
-  scatter/gather of large requests (:mod:`app.server.scatter`, ``registry.spread``);
+  scatter/gather of large requests (:mod:`app.server.scatter`, ``registry.spread``) and
+  forwarding of requests on pinned gRPC connections (:mod:`app.server.forward`);
 - the balancing metrics (``scoring_worker_*``, ``scoring_connections_shed_total``,
-  ``scoring_scattered_requests_total``, ``scoring_forwarded_shards_total``).
+  ``scoring_scattered_requests_total``, ``scoring_forwarded_shards_total``,
+  ``scoring_forwarded_requests_total``).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from aiohttp import web
 from app.observability.metrics import METRICS
 from app.server import loadtable
 from app.server.balance import Balancer
+from app.server.forward import Forwarder
 from app.server.peers import PEERS_DIR, PeerClient, internal_app, socket_path
 from app.server.scatter import Scatter
 from app.serving.state import REGISTRY, SETTINGS
@@ -93,7 +96,12 @@ class Cluster:
                 metrics.scattered.labels(model, version).inc()
                 metrics.forwarded_shards.labels(model, version).inc(shards)
 
-        self.app[REGISTRY].spread = Scatter(self.balancer, self.peers, on_scatter)
+        def on_forward(model: str, version: str) -> None:
+            if metrics is not None:
+                metrics.forwarded_requests.labels(model, version).inc()
+
+        forwarder = Forwarder(self.balancer, self.peers, on_forward)
+        self.app[REGISTRY].spread = Scatter(self.balancer, self.peers, on_scatter, forwarder)
 
     def tick(self, state: int) -> None:
         """Publish state, heartbeat and load (the worker's tick)."""

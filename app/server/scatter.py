@@ -8,6 +8,9 @@ their internal endpoints (:mod:`app.server.peers`); the outputs are concatenated
 order. A sibling that cannot be reached costs nothing but time: its shard runs here. A
 sibling that stalls costs the request a 504 at its deadline (never a hang); any shard's error
 is the request's error, and the other shards are cancelled.
+
+A request that is not split but arrived on a pinned connection (gRPC: ``pinned=True``) may be
+forwarded whole to a less-loaded sibling instead (:mod:`app.server.forward`).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import numpy as np
 
 from app import errors
 from app.server.balance import Balancer
+from app.server.forward import Forwarder
 from app.server.loadtable import Load
 from app.server.peers import PeerClient, PeerUnavailable
 from app.serving.state import ModelEntry
@@ -56,19 +60,44 @@ class Scatter:
         balancer: this worker's view of the load table.
         peers: the client of the siblings' internal endpoints.
         on_scatter: called with (model, version, shards sent to siblings) per scattered request.
+        forwarder: forwards whole requests that arrive on pinned connections (None: never).
     """
 
     def __init__(
-        self, balancer: Balancer, peers: PeerClient, on_scatter: Callable[[str, str, int], None] | None = None
+        self,
+        balancer: Balancer,
+        peers: PeerClient,
+        on_scatter: Callable[[str, str, int], None] | None = None,
+        forwarder: Forwarder | None = None,
     ) -> None:
         self.balancer = balancer
         self.peers = peers
         self.on_scatter = on_scatter
+        self.forwarder = forwarder
 
     async def __call__(
+        self,
+        entry: ModelEntry,
+        inputs: Arrays,
+        timeout_s: float,
+        request_id: str,
+        local: LocalRun,
+        *,
+        pinned: bool = False,
+    ) -> Arrays | None:
+        """The request's outputs, or None when it should run here whole.
+
+        ``pinned``: the request came on a connection this worker cannot shed (gRPC): if it is
+        not split, it may be forwarded whole (:class:`app.server.forward.Forwarder`).
+        """
+        outputs = await self._scatter(entry, inputs, timeout_s, request_id, local)
+        if outputs is None and pinned and self.forwarder is not None:
+            outputs = await self.forwarder(entry, inputs, timeout_s, request_id, local)
+        return outputs
+
+    async def _scatter(
         self, entry: ModelEntry, inputs: Arrays, timeout_s: float, request_id: str, local: LocalRun
     ) -> Arrays | None:
-        """The request's outputs, or None when it should run here whole."""
         config = entry.config
         items = len(next(iter(inputs.values())))
         if not config.scatter or items <= config.max_batch_size or not self.balancer.ready:

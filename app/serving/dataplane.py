@@ -69,9 +69,11 @@ async def infer(
     request_id: str,
     is_disconnected: Callable[[], bool] | None = None,
     forwarded: bool = False,
+    pinned: bool = False,
 ) -> dict[str, np.ndarray]:
     """Run one inference request through ``entry``'s dynamic batcher, or, when it is large and
-    sibling workers are ready, in shards on them and here (``registry.spread``).
+    sibling workers are ready, in shards on them and here, or, when it is ``pinned`` and this
+    worker is clearly busier than a sibling, whole on that sibling (``registry.spread``).
 
     Args:
         registry: this worker's models (a request that arrives while ``entry`` loads waits).
@@ -80,7 +82,11 @@ async def infer(
         timeout_s: the request's deadline from now, seconds.
         request_id: echoed in errors and logs.
         is_disconnected: True once the client has gone (its queued items are dropped).
-        forwarded: a shard from a sibling worker (app.server.peers): never split again.
+        forwarded: a shard or request from a sibling worker (app.server.peers): never split
+            or forwarded again.
+        pinned: it arrived on a connection the worker cannot shed to rebalance (gRPC's one
+            HTTP/2 connection per channel): it may be forwarded whole to a less-loaded sibling
+            (app.server.forward). HTTP leaves it False (it sheds connections instead).
 
     Returns:
         One array per model output, ``[B, ...]``, in the request's item order.
@@ -99,7 +105,9 @@ async def infer(
 
     spread = registry.spread
     if spread is not None and not forwarded and entry.ready:
-        outputs: dict[str, np.ndarray] | None = await spread(entry, inputs, timeout_s, request_id, run_here)
+        outputs: dict[str, np.ndarray] | None = await spread(
+            entry, inputs, timeout_s, request_id, run_here, pinned=pinned
+        )
         if outputs is not None:
             return outputs
     return await run_here(inputs, max(0.0, deadline - loop.time()))

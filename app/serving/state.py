@@ -50,7 +50,8 @@ class ModelRegistry:
     #: (the gunicorn worker publishes its load with it; app.server.balance).
     on_load: Callable[[int], None] | None = None
     #: Scatter/gather of large requests over sibling workers (app.server.scatter.Scatter):
-    #: ``(entry, inputs, timeout_s, request_id, local) -> outputs``, or None to run here whole.
+    #: ``(entry, inputs, timeout_s, request_id, local, *, pinned) -> outputs``, or None to run
+    #: here whole (``pinned``: may be forwarded whole, app.server.forward).
     spread: Callable[..., Awaitable[Any]] | None = None
 
     def add(self, config: ModelConfig) -> ModelEntry:

@@ -1,0 +1,222 @@
+"""Forwarding of whole requests on pinned (gRPC) connections (app.server.forward): the decision,
+deterministic on fake load table entries, and the forward itself against a real sibling
+endpoint stand-in on a Unix socket (answers, unreachable, stalled)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, cast
+
+import numpy as np
+import pytest
+from aiohttp import web
+
+from app import errors
+from app.server import wire
+from app.server.balance import Balancer
+from app.server.forward import Forwarder, pick_target
+from app.server.loadtable import BOOTING, DRAINING, READY, Load
+from app.server.peers import PATH, PeerClient, socket_path
+from app.server.scatter import Scatter
+from app.serving.state import ModelEntry
+
+NOW = 100.5
+SIBLING_PID = 4242
+
+
+def sibling(slot: int, items: int, *, state: int = READY, beat: float = 100.0, pid: int = 0) -> Load:
+    return Load(slot, pid or 1000 + slot, 1, state, items, 1, float(items), beat)
+
+
+def test_an_idle_or_evenly_loaded_worker_keeps_its_requests() -> None:
+    assert pick_target(0, [sibling(1, 0)], NOW) is None  # c = 1: never a hop
+    assert pick_target(2, [sibling(1, 1)], NOW) is None  # 2:1 is left in place
+    assert pick_target(5, [sibling(1, 3)], NOW) is None
+    assert pick_target(5, [], NOW) is None
+
+
+def test_a_clearly_busier_worker_forwards_to_its_least_loaded_live_sibling() -> None:
+    assert pick_target(1, [sibling(1, 0)], NOW) == sibling(1, 0)
+    assert pick_target(3, [sibling(1, 1)], NOW) == sibling(1, 1)
+    assert pick_target(8, [sibling(1, 3), sibling(2, 1)], NOW) == sibling(2, 1)
+
+
+@pytest.mark.parametrize(
+    "unfit",
+    [sibling(1, 0, state=DRAINING), sibling(1, 0, state=BOOTING), sibling(1, 0, beat=0.0)],
+    ids=["draining", "booting", "stale heartbeat (stopped or dead)"],
+)
+def test_unready_or_stale_siblings_are_never_picked(unfit: Load) -> None:
+    assert pick_target(10, [unfit], NOW) is None
+    assert pick_target(10, [unfit, sibling(2, 4)], NOW) == sibling(2, 4)
+
+
+def test_items_already_forwarded_count_until_the_sibling_publishes_them() -> None:
+    idle = sibling(1, 0)
+    assert pick_target(3, [idle], NOW, pending={idle.pid: 2}) is None  # 3 is not > 2 * 2 + 0.5
+    assert pick_target(6, [idle], NOW, pending={idle.pid: 2}) == idle
+    assert pick_target(3, [idle], NOW, pending={9999: 2}) == idle  # another sibling's
+
+
+def test_power_of_two_choices_among_more_siblings() -> None:
+    """Two siblings drawn at random, the less loaded kept: a heavily loaded one is never the
+    target while two idle ones exist, and a lone idle one is missed when both draws are busy
+    (that is what keeps several busy workers from herding onto it)."""
+    idle, busy = [sibling(1, 0), sibling(2, 0)], sibling(3, 50)
+    picks = [pick_target(10, [*idle, busy], NOW, rng=random.Random(seed)) for seed in range(50)]
+    assert {p.slot for p in picks if p is not None} == {1, 2}
+    lone = [sibling(1, 0), sibling(2, 50), sibling(3, 50)]
+    outcomes = [pick_target(10, lone, NOW, rng=random.Random(seed)) for seed in range(50)]
+    assert {None if p is None else p.slot for p in outcomes} == {None, 1}
+
+
+# --- the forward itself ------------------------------------------------------------------
+
+
+class FakeBalancer:
+    """What the Forwarder reads of app.server.balance.Balancer."""
+
+    def __init__(self, items: int, siblings: list[Load]) -> None:
+        self.ready = True
+        self.items = items
+        self._siblings = siblings
+
+    def siblings(self) -> list[Load]:
+        return self._siblings
+
+
+def entry() -> ModelEntry:
+    return cast(
+        ModelEntry,
+        SimpleNamespace(config=SimpleNamespace(name="scale", version="1", scatter=True, max_batch_size=8)),
+    )
+
+
+def live_sibling() -> Load:
+    return Load(1, SIBLING_PID, 1, READY, 0, 1, 0.0, time.monotonic() + 3600)
+
+
+INPUTS = {"x": np.arange(6, dtype=np.float32).reshape(3, 2)}
+
+
+async def run_here(inputs: dict[str, np.ndarray], timeout_s: float) -> dict[str, np.ndarray]:
+    return {"y": -inputs["x"]}
+
+
+async def served(tmp_path: Path, handler: Any) -> web.AppRunner:
+    async def shard(request: web.Request) -> web.Response:
+        reply = await handler(wire.decode_request(await request.read()))
+        return web.Response(body=wire.encode(reply), content_type="application/msgpack")
+
+    app = web.Application()
+    app.router.add_post(PATH, shard)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    path = socket_path(tmp_path, SIBLING_PID)
+    path.parent.mkdir(exist_ok=True)
+    await web.UnixSite(runner, str(path)).start()
+    return runner
+
+
+def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -> Forwarder:
+    balancer = cast(Balancer, FakeBalancer(items_here, [live_sibling()]))
+    return Forwarder(balancer, PeerClient(tmp_path), lambda m, v: counted.append((m, v)))
+
+
+async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Path) -> None:
+    seen: list[wire.ShardRequest] = []
+
+    async def answer(shard: wire.ShardRequest) -> wire.ShardResponse:
+        seen.append(shard)
+        x = wire.from_tensor(shard.inputs["x"])
+        return wire.ShardResponse(outputs={"y": wire.to_tensor(2 * x)})
+
+    runner = await served(tmp_path, answer)
+    counted: list[tuple[str, str]] = []
+    forward = forwarder(tmp_path, 4, counted)
+    try:
+        out = await forward(entry(), INPUTS, 5.0, "rid-7", run_here)
+    finally:
+        await forward.peers.close()
+        await runner.cleanup()
+    assert out is not None and np.array_equal(out["y"], 2 * INPUTS["x"])
+    (shard,) = seen
+    assert (shard.model, shard.version, shard.request_id) == ("scale", "1", "rid-7")
+    assert 0 < shard.timeout_s <= 5.0
+    assert counted == [("scale", "1")] and forward.pending == {}
+
+
+async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
+    counted: list[tuple[str, str]] = []
+    forward = forwarder(tmp_path, 0, counted)
+    assert await forward(entry(), INPUTS, 5.0, "rid", run_here) is None
+    assert counted == []
+
+
+async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:
+    counted: list[tuple[str, str]] = []
+    forward = forwarder(tmp_path, 4, counted)  # no socket at the sibling's path
+    try:
+        out = await forward(entry(), INPUTS, 5.0, "rid", run_here)
+    finally:
+        await forward.peers.close()
+    assert out is not None and np.array_equal(out["y"], -INPUTS["x"])
+    assert forward.pending == {}
+
+
+async def test_a_sibling_with_a_full_queue_sends_the_request_back_here(tmp_path: Path) -> None:
+    async def full(shard: wire.ShardRequest) -> wire.ShardResponse:
+        return wire.ShardResponse(error="QueueFull", message="queue full", retry_after_s=1)
+
+    runner = await served(tmp_path, full)
+    forward = forwarder(tmp_path, 4, [])
+    try:
+        out = await forward(entry(), INPUTS, 5.0, "rid", run_here)
+    finally:
+        await forward.peers.close()
+        await runner.cleanup()
+    assert out is not None and np.array_equal(out["y"], -INPUTS["x"])
+
+
+async def test_a_stalled_sibling_costs_deadline_exceeded_not_a_hang(tmp_path: Path) -> None:
+    never = asyncio.Event()
+
+    async def stall(shard: wire.ShardRequest) -> wire.ShardResponse:
+        await never.wait()
+        raise AssertionError("unreachable")
+
+    runner = await served(tmp_path, stall)
+    forward = forwarder(tmp_path, 4, [])
+    try:
+        with pytest.raises(errors.DeadlineExceeded, match="did not answer"):
+            # the outer bound only keeps a regression from hanging the suite
+            await asyncio.wait_for(forward(entry(), INPUTS, 0.2, "rid", run_here), 30)
+    finally:
+        never.set()
+        await forward.peers.close()
+        await runner.cleanup()
+    assert forward.pending == {}
+
+
+async def test_scatter_forwards_only_pinned_requests(tmp_path: Path) -> None:
+    """The spread hook: HTTP (not pinned) never forwards; gRPC (pinned) does when busy."""
+
+    async def answer(shard: wire.ShardRequest) -> wire.ShardResponse:
+        return wire.ShardResponse(outputs={"y": wire.to_tensor(2 * wire.from_tensor(shard.inputs["x"]))})
+
+    runner = await served(tmp_path, answer)
+    counted: list[tuple[str, str]] = []
+    forward = forwarder(tmp_path, 4, counted)
+    spread = Scatter(forward.balancer, forward.peers, forwarder=forward)
+    try:
+        assert await spread(entry(), INPUTS, 5.0, "http", run_here) is None
+        out = await spread(entry(), INPUTS, 5.0, "grpc", run_here, pinned=True)
+    finally:
+        await forward.peers.close()
+        await runner.cleanup()
+    assert out is not None and np.array_equal(out["y"], 2 * INPUTS["x"])
+    assert counted == [("scale", "1")]
