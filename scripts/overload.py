@@ -195,7 +195,7 @@ async def drive(
                 if not conn.usable():
                     await conn.open()
                 status, headers, _ = await asyncio.wait_for(conn.request("POST", path, payload), 60)
-            except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
                 tally.errors[type(exc).__name__] += 1
                 conn.close()
                 continue

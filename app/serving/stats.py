@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from app.serving.batcher import BatchObserver
+from app.serving.observer import BatchObserver
 
 _NS = 1_000_000_000
 
