@@ -30,42 +30,26 @@ import re
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from benchmark import ROOT, Server, drive, payload
-
-from app.models.repository import read_config
+from app.models.repository import read_config  # noqa: E402
+from scripts import harness  # noqa: E402
+from scripts.benchmark import drive, payload, server  # noqa: E402
 
 _ITEMS_LINE = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
 
 
-def items_per_worker(url: str) -> dict[str, float]:
-    """Items answered per worker pid (``scoring_worker_items_total``)."""
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-        text = r.read().decode()
-    return {pid: float(n) for pid, n in _ITEMS_LINE.findall(text)}
-
-
-_WARM_LINE = re.compile(r'^scoring_model_warmup_seconds\{[^}]*pid="(\d+)"', re.M)
-
-
-def wait_all_warm(url: str, workers: int, timeout_s: float = 300.0) -> None:
-    """Until every worker has warmed its model up (``scoring_model_warmup_seconds{pid}``)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
-            if len(set(_WARM_LINE.findall(r.read().decode()))) >= workers:
-                time.sleep(1.0)  # its first tick publishes it as ready to its siblings
-                return
-        time.sleep(0.5)
-    raise SystemExit(f"not every worker warm after {timeout_s} s")
+def items_per_worker(srv: harness.Gunicorn) -> dict[str, float]:
+    """Items answered per worker pid (``scoring_worker_items_total`` in /metrics)."""
+    status, _, text = srv.get("/metrics", timeout=10)
+    if status != 200:
+        raise SystemExit(f"/metrics: HTTP {status}")
+    return {pid: float(n) for pid, n in _ITEMS_LINE.findall(str(text))}
 
 
 def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -84,53 +68,44 @@ def levels_for(
     repo: Path, model: str, items: int, workers: int, levels: list[int], seconds: float
 ) -> dict[str, Any]:
     url_model = f"/v2/models/{model}/infer"
-    with tempfile.TemporaryDirectory() as tmp:
-        server = Server(repo, model, workers, Path(tmp) / "gunicorn.log")
-        try:
-            wait_all_warm(server.url, workers)
-            data = bodies(repo, model, items)
-            asyncio.run(drive(server.url + url_model, data, items, 2, min(2.0, seconds)))  # warm up
-            rows = []
-            for c in levels:
-                before = items_per_worker(server.url)
-                row = asyncio.run(drive(server.url + url_model, data, items, c, seconds))
-                row["worker_share"] = shares(before, items_per_worker(server.url))
-                rows.append(row)
-                print(f"{model} c={c}: {row}", flush=True)
-        finally:
-            server.stop()
+    with tempfile.TemporaryDirectory() as tmp, server(Path(tmp), repo, model, workers) as srv:
+        srv.wait_ready(300, count=workers)
+        data = bodies(repo, model, items)
+        asyncio.run(drive(srv.url + url_model, data, items, 2, min(2.0, seconds)))  # warm up
+        rows = []
+        for c in levels:
+            before = items_per_worker(srv)
+            row = asyncio.run(drive(srv.url + url_model, data, items, c, seconds))
+            row["worker_share"] = shares(before, items_per_worker(srv))
+            rows.append(row)
+            print(f"{model} c={c}: {row}", flush=True)
     return {"model": model, "items_per_request": items, "workers": workers, "levels": rows}
 
 
 async def one_request(url: str, body: bytes) -> float:
+    """One request on a fresh connection; its latency, ms."""
     import aiohttp
 
     async with aiohttp.ClientSession() as session:
-        start = time.perf_counter()
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
-            await r.read()
-            if r.status != 200:
-                raise SystemExit(f"large request: HTTP {r.status}")
-        return (time.perf_counter() - start) * 1000
+        answer = await harness.post(session, url, body)
+    if answer.status != 200:
+        raise SystemExit(f"large request: {answer.error}")
+    return answer.latency_s * 1000
 
 
 def large_request(repo: Path, items: int, repeats: int) -> dict[str, Any]:
     body = bodies(repo, MINILM, items, count=1)[0]
     out: dict[str, Any] = {"model": MINILM, "items": items, "repeats": repeats}
     for workers in (1, 2):
-        with tempfile.TemporaryDirectory() as tmp:
-            server = Server(repo, MINILM, workers, Path(tmp) / "gunicorn.log")
-            try:
-                wait_all_warm(server.url, workers)
-                url = server.url + f"/v2/models/{MINILM}/infer"
-                asyncio.run(one_request(url, body))  # warm up
-                times = []
-                for _ in range(repeats):
-                    times.append(asyncio.run(one_request(url, body)))
-                    time.sleep(0.5)  # idle between requests: recent load decays
-                out[f"workers_{workers}_ms"] = float(np.median(times))
-            finally:
-                server.stop()
+        with tempfile.TemporaryDirectory() as tmp, server(Path(tmp), repo, MINILM, workers) as srv:
+            srv.wait_ready(300, count=workers)
+            url = srv.url + f"/v2/models/{MINILM}/infer"
+            asyncio.run(one_request(url, body))  # warm up
+            times = []
+            for _ in range(repeats):
+                times.append(asyncio.run(one_request(url, body)))
+                time.sleep(0.5)  # idle between requests: recent load decays
+            out[f"workers_{workers}_ms"] = harness.percentiles(times, (50,))[0]
         print(f"large request, {workers} worker(s): {out[f'workers_{workers}_ms']:.1f} ms", flush=True)
     out["ratio_2_over_1"] = out["workers_2_ms"] / out["workers_1_ms"]
     return out

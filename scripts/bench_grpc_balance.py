@@ -35,18 +35,17 @@ from typing import Any
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
 
-import harness
-from benchmark import ROOT, payload, server
-
-from app.models.repository import read_config
-from app.protocols.binary import tensor_bytes
+from app.models.repository import read_config  # noqa: E402
+from app.protocols.binary import tensor_bytes  # noqa: E402
+from scripts import harness  # noqa: E402
+from scripts.benchmark import payload, server  # noqa: E402
 
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
 _ITEMS_LINE = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 _FORWARDED_LINE = re.compile(r"^scoring_forwarded_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
-_WARM_LINE = re.compile(r'^scoring_model_warmup_seconds\{[^}]*pid="(\d+)"', re.M)
 
 
 def metrics(srv: harness.Gunicorn) -> str:
@@ -61,14 +60,6 @@ def counts(srv: harness.Gunicorn) -> tuple[dict[str, float], float]:
     text = metrics(srv)
     items = {pid: float(n) for pid, n in _ITEMS_LINE.findall(text)}
     return items, sum(float(n) for n in _FORWARDED_LINE.findall(text))
-
-
-def wait_all_warm(srv: harness.Gunicorn, workers: int, timeout_s: float = 300.0) -> None:
-    """Until every worker has warmed its model up and has ticked once as ready."""
-    harness.poll(
-        lambda: len(set(_WARM_LINE.findall(metrics(srv)))) >= workers, timeout_s, "every worker warm"
-    )
-    time.sleep(1.0)  # its first tick publishes it as ready to its siblings
 
 
 def requests(repo: Path, model: str, items: int, count: int = 32) -> list[Any]:
@@ -100,27 +91,25 @@ async def drive(
 
     from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 
-    latencies: list[float] = []
-    errors = 0
     async with grpc.aio.insecure_channel(url) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        sent = list(range(concurrency))
 
-        async def client(i: int) -> None:
-            nonlocal errors
-            k = i
-            while time.perf_counter() < until:
-                start = time.perf_counter()
-                try:
-                    await stub.ModelInfer(messages[k % len(messages)], timeout=30)
-                    latencies.append((time.perf_counter() - start) * 1000)
-                except grpc.aio.AioRpcError:
-                    errors += 1
-                k += concurrency
+        async def call(i: int) -> harness.Answer:
+            message = messages[sent[i] % len(messages)]
+            sent[i] += concurrency
+            start = time.perf_counter()
+            try:
+                await stub.ModelInfer(message, timeout=30)
+            except grpc.aio.AioRpcError as exc:
+                return harness.Answer(0, time.perf_counter() - start, str(exc.code()))
+            return harness.Answer(200, time.perf_counter() - start)
 
         begin = time.perf_counter()
-        until = begin + seconds
-        await asyncio.gather(*(client(i) for i in range(concurrency)))
+        answers = await harness.closed_loop(call, concurrency, begin + seconds)
         elapsed = time.perf_counter() - begin
+    latencies = [a.latency_s * 1000 for a in answers if a.status == 200]
+    errors = len(answers) - len(latencies)
     p50, p99 = harness.percentiles(latencies, (50, 99))
     return {
         "concurrency": concurrency,
@@ -139,8 +128,7 @@ def run(
     messages = requests(repo, model, items)
     rows = []
     with tempfile.TemporaryDirectory() as tmp, server(Path(tmp), repo, model, workers) as srv:
-        srv.wait_ready(300)
-        wait_all_warm(srv, workers)
+        srv.wait_ready(300, count=workers)
         asyncio.run(drive(srv.grpc_url, messages, items, 2, min(2.0, seconds)))  # warm up
         for c in levels:
             before, forwarded_before = counts(srv)

@@ -31,9 +31,10 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 PERF_ANALYZER = ROOT / "scripts" / "perf_analyzer"
-sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
 
-from benchmark import Server, free_port  # noqa: E402
+from scripts import harness  # noqa: E402
+from scripts.benchmark import server  # noqa: E402
 
 #: Protocol -> perf_analyzer arguments beyond the URL.
 PROTOCOLS: dict[str, list[str]] = {
@@ -133,9 +134,7 @@ def main(argv: list[str] | None = None) -> None:
     subprocess.run([str(PERF_ANALYZER), "--setup"], check=True, stdout=subprocess.DEVNULL)
     levels = [int(c) for c in args.concurrency.split(",")]
     protocols = args.protocols.split(",")
-    grpc_port = free_port()
-    os.environ.setdefault(args.grpc_port_env, str(grpc_port))
-    grpc_port = int(os.environ[args.grpc_port_env])
+    grpc_port = int(os.environ.get(args.grpc_port_env) or harness.free_port())
     result: dict[str, Any] = {
         "model": args.model,
         "machine": args.machine,
@@ -148,46 +147,47 @@ def main(argv: list[str] | None = None) -> None:
         "protocols": {},
         "skipped": {},
     }
-    with tempfile.TemporaryDirectory() as tmp:
-        server = Server(args.repository, args.model, args.workers, Path(tmp) / "server.log")
-        try:
-            for protocol in protocols:
-                if protocol == "grpc":
-                    url = f"127.0.0.1:{grpc_port}"
-                    probe = subprocess.run(
-                        [
-                            str(PERF_ANALYZER),
-                            "-m",
-                            args.model,
-                            "-u",
-                            url,
-                            "-i",
-                            "grpc",
-                            "--concurrency-range",
-                            "1",
-                            "--measurement-interval",
-                            "200",
-                            "--stability-percentage",
-                            "999",
-                        ],
-                        capture_output=True,
-                        text=True,
-                        timeout=args.timeout,
-                    )
-                    if probe.returncode != 0:
-                        result["skipped"][protocol] = f"no gRPC answer on {url}"
-                        print(f"{protocol}: skipped, no gRPC answer on {url}", flush=True)
-                        continue
-                else:
-                    url = f"127.0.0.1:{server.port}"
-                rows = []
-                for c in levels:
-                    row = run_level(url, protocol, args.model, args.items, c, args)
-                    print(f"{protocol}: {row}", flush=True)
-                    rows.append(row)
-                result["protocols"][protocol] = rows
-        finally:
-            server.stop()
+    grpc_env = {args.grpc_port_env: str(grpc_port)}
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        server(Path(tmp), args.repository, args.model, args.workers, grpc_env) as srv,
+    ):
+        srv.wait_ready(300, count=args.workers)
+        for protocol in protocols:
+            if protocol == "grpc":
+                url = f"127.0.0.1:{grpc_port}"
+                probe = subprocess.run(
+                    [
+                        str(PERF_ANALYZER),
+                        "-m",
+                        args.model,
+                        "-u",
+                        url,
+                        "-i",
+                        "grpc",
+                        "--concurrency-range",
+                        "1",
+                        "--measurement-interval",
+                        "200",
+                        "--stability-percentage",
+                        "999",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=args.timeout,
+                )
+                if probe.returncode != 0:
+                    result["skipped"][protocol] = f"no gRPC answer on {url}"
+                    print(f"{protocol}: skipped, no gRPC answer on {url}", flush=True)
+                    continue
+            else:
+                url = f"{harness.HOST}:{srv.port}"
+            rows = []
+            for c in levels:
+                row = run_level(url, protocol, args.model, args.items, c, args)
+                print(f"{protocol}: {row}", flush=True)
+                rows.append(row)
+            result["protocols"][protocol] = rows
     result["load_average_at_end"] = os.getloadavg()[0]
     base = {r["concurrency"]: r for r in result["protocols"].get("http-json", []) if "error" not in r}
     top = max(levels)

@@ -123,21 +123,24 @@ def in_process(model_dir: Path, items: int, seconds: float) -> dict[str, float]:
         "torch_threads": torch.get_num_threads(),
         "latency_p50_ms": harness.percentiles([t * 1000 for t in lat], (50,))[0],
         "max_batch_size": config.max_batch_size,
-        "ceiling_items_per_s": config.max_batch_size / float(np.median(big)),
+        "ceiling_items_per_s": config.max_batch_size / harness.percentiles(big, (50,))[0],
     }
 
 
-def server(tmp: Path, repo: Path, model: str, workers: int) -> harness.Gunicorn:
-    """gunicorn on 127.0.0.1 serving a one-model repository; ``SCORING_*`` settings of this
-    environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``)."""
-    env = {
+def server(
+    tmp: Path, repo: Path, model: str, workers: int, env: dict[str, str] | None = None
+) -> harness.Gunicorn:
+    """gunicorn on 127.0.0.1 serving ``model`` of repository ``repo``; ``SCORING_*`` settings of
+    this environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``), ``env`` over them."""
+    settings = {
         "SCORING_MODEL_REPOSITORY": str(repo),
         "SCORING_MODELS": model,
         "SCORING_WORKERS": str(workers),
         "SCORING_ACCESS_LOG": "",
         "SCORING_LOG_LEVEL": "warning",
+        **(env or {}),
     }
-    return harness.Gunicorn(tmp, env, clean_env=False)
+    return harness.Gunicorn(tmp, settings, clean_env=False)
 
 
 async def drive(
@@ -216,7 +219,7 @@ def main() -> None:
                 lines.insert(1, "max_batch_size = 1\nmax_queue_delay_ms = 0.0\nwarmup_batch_sizes = [1]")
                 toml.write_text("\n".join(lines) + "\n")
             with server(Path(tmp), repo, args.model, args.workers) as srv:
-                srv.wait_ready(300)
+                srv.wait_ready(300, count=args.workers)
                 url = f"{srv.url}/v2/models/{args.model}/infer"
                 asyncio.run(drive(url, bodies, args.items, levels[0], 2.0))  # connection warmup
                 rows = []

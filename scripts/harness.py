@@ -9,8 +9,11 @@ bounded poll, a closed-loop load driver and latency percentiles (numpy).
 - :func:`closed_loop` runs N clients that each send the next request when the previous one
   is answered (Triton perf_analyzer's "concurrency" mode); :func:`post` is one timed request.
 - :func:`percentiles` is ``numpy.percentile`` (linear interpolation) in ms, NaN when empty.
+- :class:`Connection` is one raw HTTP/1.1 keep-alive connection that knows its local port
+  (the soak and overload clients: exact accounting of what a killed worker held, headers
+  such as Retry-After).
 
-Used by ``tests/server.py``, ``scripts/loadtest.py`` and ``scripts/benchmark.py``. Traffic
+Used by ``tests/server.py`` and every script in ``scripts/`` that starts a server. Traffic
 goes to 127.0.0.1 only.
 """
 
@@ -233,13 +236,16 @@ class Gunicorn:
         if self.proc.poll() is not None:
             raise AssertionError(f"gunicorn exited {self.proc.returncode}:\n{self.log_tail()}")
 
-    def wait_ready(self, timeout_s: float = 120.0, *, all_workers: bool = True) -> None:
-        """Wait (bounded) until every live worker is ready (state files), or with
-        ``all_workers=False`` until one is; fail with the log, or at once if gunicorn exits."""
+    def wait_ready(self, timeout_s: float = 120.0, *, all_workers: bool = True, count: int = 1) -> None:
+        """Wait (bounded) until at least ``count`` workers are live and every live worker is
+        ready (state files), or with ``all_workers=False`` until ``count`` are ready; fail with
+        the log, or at once if gunicorn exits."""
 
         def ready() -> bool:
             self._alive()
-            return self.all_workers_ready() if all_workers else bool(self.ready_workers())
+            if all_workers:
+                return self.all_workers_ready() and len(self.workers()) >= count
+            return len(self.ready_workers()) >= count
 
         poll(ready, timeout_s, "ready workers", interval_s=0.1, diagnostics=self.log_tail)
 
@@ -311,3 +317,60 @@ async def closed_loop(request: Callable[[int], Awaitable[R]], concurrency: int, 
 
     await asyncio.gather(*(client(i) for i in range(concurrency)))
     return results
+
+
+class Connection:
+    """One HTTP/1.1 keep-alive connection to ``host:port``, behaving like a pooling client
+    library (urllib3, aiohttp, httpx): reuse it while :meth:`usable`, :meth:`open` a new one
+    after a ``Connection: close`` answer or an EOF, never retry. ``local_port`` is the client
+    end's port (0 before :meth:`open`), so a server-side connection list can be matched.
+    Errors on the wire raise ``OSError``, ``asyncio.IncompleteReadError`` or ``ValueError``."""
+
+    def __init__(self, port: int, host: str = HOST) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.local_port = 0
+
+    def usable(self) -> bool:
+        """Open, and the server has not closed it (no EOF seen)."""
+        return (
+            self.writer is not None
+            and self.reader is not None
+            and not self.reader.at_eof()
+            and not self.writer.is_closing()
+        )
+
+    async def open(self) -> None:
+        """Close any current connection and open a new one."""
+        self.close()
+        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        self.local_port = self.writer.get_extra_info("sockname")[1]
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+        self.reader = self.writer = None
+
+    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
+        """Send one request (a JSON ``body``) and read the whole answer: (status, headers with
+        lower-case names, body bytes). Closes the connection after ``Connection: close``."""
+        assert self.reader is not None and self.writer is not None, "open() first"
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+        )
+        self.writer.write(head.encode() + body)
+        await self.writer.drain()
+        raw = await self.reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                name, value = line.split(":", 1)
+                headers[name.strip().lower()] = value.strip()
+        payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
+        if headers.get("connection", "").lower() == "close":
+            self.close()
+        return status, headers, payload

@@ -25,7 +25,8 @@ Scenarios (``--scenarios``, comma-separated):
     python scripts/overload.py --duration-s 3 --capacity-s 2        # a smoke run
     python scripts/overload.py --honour-retry-after                 # clients that back off
 
-The clients are scripts/soak.py's HTTP/1.1 keep-alive client (one connection each). The
+The clients are ``harness.Connection`` (HTTP/1.1 keep-alive, one connection each) in
+``harness.closed_loop``. The
 issue's targets: goodput >= 70 % of capacity, every rejection a 503 in under 50 ms p99,
 worker RSS within 10 % from start to end.
 """
@@ -34,10 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
-import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,8 +47,10 @@ from typing import Any
 import numpy as np
 import psutil
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from soak import HOST, ROOT, Connection, _free_port
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from scripts import harness  # noqa: E402
 
 MINILM = "all-MiniLM-L6-v2"
 RANKER = "feed-ranker"
@@ -78,20 +78,28 @@ SCENARIOS = {
 
 @dataclass
 class Tally:
-    """Outcomes of one load run: latency (s) per status; wire errors."""
+    """Outcomes of one load run: latency (s) per HTTP status; wire errors by exception name."""
 
     latencies: dict[int, list[float]] = field(default_factory=dict)
     errors: Counter[str] = field(default_factory=Counter)
 
-    def add(self, status: int, seconds: float) -> None:
-        self.latencies.setdefault(status, []).append(seconds)
+    @classmethod
+    def of(cls, answers: list[harness.Answer]) -> Tally:
+        """Group answers (status 0 = a wire error named by ``Answer.error``)."""
+        tally = cls()
+        for answer in answers:
+            if answer.status:
+                tally.latencies.setdefault(answer.status, []).append(answer.latency_s)
+            else:
+                tally.errors[answer.error] += 1
+        return tally
 
     def count(self, status: int) -> int:
         return len(self.latencies.get(status, []))
 
     def p(self, status: int, q: float) -> float | None:
         values = self.latencies.get(status)
-        return round(float(np.percentile(values, q)) * 1000, 1) if values else None
+        return round(harness.percentiles(values, (q,))[0] * 1000, 1) if values else None
 
 
 def text(chars: int) -> str:
@@ -114,112 +122,75 @@ def body(items: int, model: str, text_chars: int) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
-class Server:
-    """gunicorn on a free loopback port; the workers' RSS through psutil."""
+def server(args: argparse.Namespace, tmp: Path) -> harness.Gunicorn:
+    """gunicorn on a free loopback port with ``--workers`` workers serving the repository."""
+    env = {
+        "SCORING_WORKERS": str(args.workers),
+        "SCORING_MODEL_REPOSITORY": str(args.repository),
+        "SCORING_ACCESS_LOG": "",
+        "SCORING_TORCH_THREADS": str(args.torch_threads),
+    }
+    return harness.Gunicorn(tmp, env)
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.tmp = Path(tempfile.mkdtemp(prefix="overload-"))
-        self.port = _free_port()
-        self.log_path = self.tmp / "gunicorn.log"
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "PROMETHEUS_"))}
-        env.update(
-            SCORING_HOST=HOST,
-            SCORING_PORT=str(self.port),
-            SCORING_WORKERS=str(args.workers),
-            SCORING_MODEL_REPOSITORY=str(args.repository),
-            SCORING_RUN_DIR=str(self.tmp / "run"),
-            SCORING_ACCESS_LOG="",
-            SCORING_TORCH_THREADS=str(args.torch_threads),
-            PYTHONPATH=str(ROOT),
-            HF_HUB_OFFLINE="1",
-        )
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            cwd=ROOT, env=env, stdout=self._log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self.workers = args.workers
 
-    def rss_mib(self) -> dict[int, float]:
-        """Each worker's resident memory, MiB."""
-        out = {}
-        for child in psutil.Process(self.proc.pid).children():
-            try:
-                out[child.pid] = round(child.memory_info().rss / 2**20, 1)
-            except psutil.Error:
-                continue
-        return out
-
-    async def wait_ready(self, timeout_s: float = 300.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        states = self.tmp / "run" / "workers"
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited {self.proc.returncode}: see {self.log_path}")
-            ready = 0
-            for path in states.glob("*") if states.is_dir() else []:
-                with contextlib.suppress(OSError):  # a worker's file comes and goes
-                    ready += path.read_text().strip() == "ready"
-            if ready >= self.workers:
-                return
-            await asyncio.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout_s} s: see {self.log_path}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self._log.close()
+def rss_mib(srv: harness.Gunicorn) -> dict[int, float]:
+    """Each live worker's resident memory, MiB."""
+    out = {}
+    for worker in srv.workers():
+        try:
+            out[worker.pid] = round(worker.memory_info().rss / 2**20, 1)
+        except psutil.Error:
+            continue
+    return out
 
 
 async def drive(
     port: int, scenario: Scenario, connections: int, seconds: float, text_chars: int, polite: bool = False
 ) -> tuple[Tally, float]:
-    """``connections`` closed-loop clients for ``seconds``; (outcomes, seconds elapsed).
-    ``polite`` clients wait ``Retry-After`` seconds after a 503; the others resend at once."""
-    tally = Tally()
+    """``connections`` closed-loop clients (one ``harness.Connection`` each) for ``seconds``;
+    (outcomes, seconds elapsed). ``polite`` clients wait ``Retry-After`` seconds after a 503;
+    the others resend at once."""
     bodies = {m: body(scenario.items, m, text_chars) for m in scenario.models}
-    stop_at = time.monotonic() + seconds
+    conns = [harness.Connection(port) for _ in range(connections)]
+    start = time.perf_counter()
+    stop_at = start + seconds
 
-    async def client(cid: int) -> None:
+    async def request(cid: int) -> harness.Answer:
         model = scenario.models[cid % len(scenario.models)]
-        path, payload = f"/v2/models/{model}/infer", bodies[model]
-        conn = Connection(port)
-        while time.monotonic() < stop_at:
-            start = time.perf_counter()
-            try:
-                if not conn.usable():
-                    await conn.open()
-                status, headers, _ = await asyncio.wait_for(conn.request("POST", path, payload), 60)
-            except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
-                tally.errors[type(exc).__name__] += 1
-                conn.close()
-                continue
-            tally.add(status, time.perf_counter() - start)
-            if polite and status == 503:
-                wait = float(headers.get("retry-after", "1"))
-                await asyncio.sleep(min(wait, max(0.0, stop_at - time.monotonic())))
+        conn = conns[cid]
+        began = time.perf_counter()
+        try:
+            if not conn.usable():
+                await conn.open()
+            status, headers, _ = await asyncio.wait_for(
+                conn.request("POST", f"/v2/models/{model}/infer", bodies[model]), 60
+            )
+        except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
+            conn.close()
+            return harness.Answer(0, time.perf_counter() - began, type(exc).__name__)
+        error = "" if status == 200 else f"HTTP {status}"
+        answer = harness.Answer(status, time.perf_counter() - began, error)
+        if polite and status == 503:
+            wait = float(headers.get("retry-after", "1"))
+            await asyncio.sleep(min(wait, max(0.0, stop_at - time.perf_counter())))
+        return answer
+
+    answers = await harness.closed_loop(request, connections, stop_at)
+    for conn in conns:
         conn.close()
-
-    start = time.monotonic()
-    await asyncio.gather(*(client(i) for i in range(connections)))
-    return tally, time.monotonic() - start
+    return Tally.of(answers), time.perf_counter() - start
 
 
-async def run_scenario(server: Server, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
+async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     clients = args.capacity_connections or scenario.capacity_connections
-    base, base_s = await drive(server.port, scenario, clients, args.capacity_s, args.text_chars)
+    base, base_s = await drive(srv.port, scenario, clients, args.capacity_s, args.text_chars)
     capacity = base.count(200) / base_s
-    rss_start = server.rss_mib()
+    rss_start = rss_mib(srv)
     connections = args.connections or scenario.connections
     load, load_s = await drive(
-        server.port, scenario, connections, args.duration_s, args.text_chars, args.honour_retry_after
+        srv.port, scenario, connections, args.duration_s, args.text_chars, args.honour_retry_after
     )
-    rss_end = server.rss_mib()
+    rss_end = rss_mib(srv)
     goodput = load.count(200) / load_s
     growth = [rss_end[p] / rss_start[p] - 1 for p in rss_start if p in rss_end]
     return {
@@ -278,12 +249,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    server = Server(args)
-    try:
-        await server.wait_ready()
-        return [await run_scenario(server, SCENARIOS[name], args) for name in args.scenarios]
-    finally:
-        server.stop()
+    with tempfile.TemporaryDirectory(prefix="overload-") as tmp, server(args, Path(tmp)) as srv:
+        srv.wait_ready(300, count=args.workers)
+        return [await run_scenario(srv, SCENARIOS[name], args) for name in args.scenarios]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +52,11 @@ import numpy as np
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-HOST = "127.0.0.1"
+sys.path.insert(0, str(ROOT))
+
+from scripts import harness  # noqa: E402
+from scripts.harness import HOST, Connection  # noqa: E402
+
 REQUEST_TIMEOUT_S = 30.0
 PHASES = ("hup", "max_requests", "sigterm", "sigkill")
 #: What a failed request looks like on the wire (OSError covers resets and refused connections).
@@ -88,76 +89,20 @@ class PhaseStats:
     notes: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        lat = np.array(self.latencies_ms) if self.latencies_ms else np.zeros(1)
+        p50, p99, top = harness.percentiles(self.latencies_ms or [0.0], (50, 99, 100))
         out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "failed_ports")}
-        out.update(
-            p50_ms=round(float(np.percentile(lat, 50)), 2),
-            p99_ms=round(float(np.percentile(lat, 99)), 2),
-            max_ms=round(float(lat.max()), 2),
-            seconds=round(self.seconds, 1),
-        )
+        out.update(p50_ms=round(p50, 2), p99_ms=round(p99, 2), max_ms=round(top, 2))
+        out["seconds"] = round(self.seconds, 1)
         return out
-
-
-class Connection:
-    """One HTTP/1.1 keep-alive connection (see the module docstring for its behaviour)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.local_port = 0
-
-    def usable(self) -> bool:
-        return (
-            self.writer is not None
-            and self.reader is not None
-            and not self.reader.at_eof()
-            and not self.writer.is_closing()
-        )
-
-    async def open(self) -> None:
-        self.close()
-        self.reader, self.writer = await asyncio.open_connection(HOST, self.port)
-        self.local_port = self.writer.get_extra_info("sockname")[1]
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-        assert self.reader is not None and self.writer is not None
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: {HOST}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        self.writer.write(head.encode() + body)
-        await self.writer.drain()
-        raw = await self.reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                name, value = line.split(":", 1)
-                headers[name.strip().lower()] = value.strip()
-        payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
-        if headers.get("connection", "").lower() == "close":
-            self.close()
-        return status, headers, payload
 
 
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         self.tmp = Path(tempfile.mkdtemp(prefix="soak-"))
-        self.port = _free_port()
-        self.run_dir = self.tmp / "run"
         self.knobs = self.tmp / "knobs"
         self.knobs.write_text("0 0")
-        self.log_path = self.tmp / "gunicorn.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.server: harness.Gunicorn | None = None
         self.stats: PhaseStats = PhaseStats("start")
         self.phases: list[PhaseStats] = []
         self.in_flight: dict[int, int] = {}  # client id -> local port of its request
@@ -167,72 +112,56 @@ class Soak:
 
     # --- server ------------------------------------------------------------------
 
-    def start_server(self) -> None:
+    def start_server(self) -> harness.Gunicorn:
         config = self.tmp / "soak.conf.py"
         config.write_text(CONFIG.format(conf=str(ROOT / "gunicorn.conf.py"), knobs=str(self.knobs)))
-        env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "PROMETHEUS_"))}
-        env.update(
-            SCORING_HOST=HOST,
-            SCORING_PORT=str(self.port),
-            SCORING_WORKERS=str(self.args.workers),
-            SCORING_MODEL_REPOSITORY=str(self.args.repository),
-            SCORING_MODELS=self.args.model,
-            SCORING_RUN_DIR=str(self.run_dir),
-            SCORING_ACCESS_LOG="",
-            SCORING_GRACEFUL_TIMEOUT_S=str(self.args.graceful_timeout_s),
-            PYTHONPATH=str(ROOT),
-        )
+        env = {
+            "SCORING_WORKERS": str(self.args.workers),
+            "SCORING_MODEL_REPOSITORY": str(self.args.repository),
+            "SCORING_MODELS": self.args.model,
+            "SCORING_ACCESS_LOG": "",
+            "SCORING_GRACEFUL_TIMEOUT_S": str(self.args.graceful_timeout_s),
+        }
         if self.args.torch_threads:
             env["SCORING_TORCH_THREADS"] = str(self.args.torch_threads)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - closed with the process
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", str(config)],
-            cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-        )  # fmt: skip
+        self.server = harness.Gunicorn(self.tmp, env, config=config)
+        return self.server
+
+    @property
+    def srv(self) -> harness.Gunicorn:
+        assert self.server is not None, "start_server() first"
+        return self.server
+
+    @property
+    def log_path(self) -> Path:
+        return self.srv.log_path
 
     def workers(self) -> list[int]:
-        assert self.proc is not None
-        try:
-            return sorted(c.pid for c in psutil.Process(self.proc.pid).children())
-        except psutil.Error:
-            return []
-
-    def ready_workers(self) -> set[int]:
-        ready = set()
-        for pid in self.workers():
-            with contextlib.suppress(OSError):
-                if (self.run_dir / "workers" / str(pid)).read_text().strip() == "ready":
-                    ready.add(pid)
-        return ready
+        return sorted(w.pid for w in self.srv.workers())
 
     async def wait_settled(self, gone: set[int], timeout_s: float = 120.0) -> float:
         """Until none of ``gone`` is alive and ``--workers`` workers are ready; seconds taken."""
         start = time.monotonic()
         while time.monotonic() - start < timeout_s:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gunicorn exited {self.proc.returncode}:\n{self.log_tail()}")
+            if self.srv.proc.poll() is not None:
+                raise RuntimeError(f"gunicorn exited {self.srv.proc.returncode}:\n{self.srv.log_tail()}")
             workers = set(self.workers())
             settled = not (workers & gone) and len(workers) == self.args.workers
-            if settled and len(self.ready_workers()) == self.args.workers:
+            if settled and len(self.srv.ready_workers()) == self.args.workers:
                 return time.monotonic() - start
             await asyncio.sleep(0.05)
-        raise RuntimeError(f"server did not settle in {timeout_s} s:\n{self.log_tail()}")
-
-    def log_tail(self, chars: int = 4000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
+        raise RuntimeError(f"server did not settle in {timeout_s} s:\n{self.srv.log_tail()}")
 
     def recycles(self) -> int:
-        return self.log_path.read_text(errors="replace").count("recycling")
+        return self.srv.log().count("recycling")
 
     def hup(self) -> None:
-        assert self.proc is not None
-        os.kill(self.proc.pid, signal.SIGHUP)
+        os.kill(self.srv.proc.pid, signal.SIGHUP)
 
     # --- load --------------------------------------------------------------------
 
     async def prepare_body(self) -> None:
-        conn = Connection(self.port)
+        conn = Connection(self.srv.port)
         await conn.open()
         status, _, raw = await conn.request("GET", f"/v2/models/{self.args.model}")
         conn.close()
@@ -255,7 +184,7 @@ class Soak:
         self.path = f"/v2/models/{self.args.model}/infer"
 
     async def client(self, cid: int) -> None:
-        conn = Connection(self.port)
+        conn = Connection(self.srv.port)
         while not self.stop.is_set():
             stats = self.stats
             started = time.perf_counter()
@@ -316,7 +245,7 @@ class Soak:
         deadline = time.monotonic() + 120
         while self.recycles() - before < self.args.workers or set(self.workers()) & reloaded:
             if time.monotonic() > deadline:
-                raise RuntimeError(f"workers did not recycle:\n{self.log_tail()}")
+                raise RuntimeError(f"workers did not recycle:\n{self.srv.log_tail()}")
             await asyncio.sleep(0.1)
         await self.wait_settled(reloaded)
         stats.notes["recycles"] = self.recycles() - before
@@ -387,13 +316,8 @@ class Soak:
         return 0 if ok else 1
 
     def shutdown(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        if self.server is not None:
+            self.server.stop(60)
 
 
 def _row(summary: dict[str, Any] | None) -> str:
@@ -410,12 +334,6 @@ def _tcp_connections(pid: int) -> list[Any]:
     process = psutil.Process(pid)
     lister = getattr(process, "net_connections", None) or process.connections
     return list(lister("tcp"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
