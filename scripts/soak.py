@@ -21,12 +21,12 @@ ready again. Phases 1-3 must have zero failed requests; phase 4 exactly the requ
 killed worker held. Exit status 0 when both hold, 1 otherwise.
 
 The clients are ``harness.Connection``, a minimal HTTP/1.1 keep-alive client, one connection
-each, behaving like a
-pooling client library (urllib3, aiohttp, httpx): it reuses its connection, opens a new one
-after a ``Connection: close`` response, discards a connection the server has closed (EOF
-seen) before sending on it, and never retries a request. A failed request is any error on
-the wire (reset, EOF before a complete response, a 30 s timeout) or a status other than
-200. Knowing each connection's local port is what makes the SIGKILL accounting exact.
+each, behaving like a pooling client library (urllib3, aiohttp, httpx): it reuses its
+connection, opens a new one after a ``Connection: close`` response, discards a connection
+the server has closed (EOF seen) before sending on it, and never retries a request. A failed
+request is any error on the wire (reset, EOF before a complete response, a 30 s timeout) or
+a status other than 200. Knowing each connection's local port is what makes the SIGKILL
+accounting exact.
 
     python scripts/soak.py                                   # feed-ranker, 2 workers, 10 s phases
     python scripts/soak.py --repository /tmp/repo --model scale --phase-s 3 --json soak.json
