@@ -26,7 +26,7 @@ from app.errors import (
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
 from app.models.segment import Segment
-from app.serving.admission import cumulative_costs, items_within
+from app.serving.admission import ServiceRate, cumulative_costs, items_within
 from app.serving.batcher import DynamicBatcher
 from tests.toy_models import ScaleHandler, write_scale_model
 
@@ -305,14 +305,32 @@ async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecuto
     assert b.rate.items_per_s is None and b.rate.seconds_for(100) == 0.0  # unknown: admit
     await b.infer(items(1, 2, 3, 4), timeout_s=5)
     rate = b.rate.items_per_s
-    assert rate is not None and rate > 0
-    b.rate.observe(4, 4 / rate)  # the same rate again: unchanged
-    assert b.rate.items_per_s == pytest.approx(rate)
-    b.rate.observe(4, 4 / (rate / 10))  # a batch ten times slower counts at once
-    assert b.rate.items_per_s == pytest.approx(rate / 10)
-    b.rate.observe(4, 4 / rate)  # the speed-up back counts gradually (moving average)
-    assert rate / 10 < b.rate.items_per_s < rate
+    assert rate is not None and rate > 0 and b.rate.overhead_s == 0.0  # the first batch seeds it
     await b.stop()
+
+
+def test_batch_cost_fit_separates_overhead_from_per_item_cost() -> None:
+    rate = ServiceRate()
+    rate.observe(100, 0.01 + 100 * 0.002)  # the seed: 2.1 ms per item, as timed
+    for n in (10, 50, 200, 30, 120, 5, 80, 160) * 3:  # t(n) = 10 ms + 2 ms per item
+        rate.observe(n, 0.01 + n * 0.002)
+    assert rate.item_s == pytest.approx(0.002, rel=0.02)
+    assert rate.overhead_s == pytest.approx(0.01, rel=0.1)
+    assert rate.seconds_for(100, 2) == pytest.approx(2 * 0.01 + 100 * 0.002, rel=0.05)
+
+
+def test_slow_small_batches_raise_the_overhead_not_the_cost_per_item() -> None:
+    """Event-loop lag under load makes every batch slow whatever its size. Read as a cost per
+    item, it made a model that serves 20,000 items/s look like 100 and refuse nearly
+    everything (the queue stays short, batches stay small, the estimate never recovers)."""
+    rate = ServiceRate()
+    rate.observe(256, 256 * 0.0001)  # the seed: 0.1 ms per item, timed alone after warmup
+    for _ in range(50):
+        rate.observe(8, 0.08)  # 8-item batches that take 80 ms of lag each
+    assert rate.item_s == pytest.approx(0.0001)
+    assert rate.overhead_s == pytest.approx(0.08 - 8 * 0.0001, rel=0.01)
+    # 134 items in one batch: about 93 ms, well inside a 1 s deadline (a proportional rate said 1.34 s)
+    assert rate.seconds_for(134, 1) == pytest.approx(0.0792 + 0.0134, rel=0.01)
 
 
 async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadPoolExecutor) -> None:

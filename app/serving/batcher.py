@@ -170,7 +170,11 @@ class DynamicBatcher:
         if self._running is not None:
             started, items, _ = self._running
             rest = max(0.0, started + self.rate.seconds_for(items) - now)
-        return rest + self.rate.seconds_for(self._queued_items) + self.max_queue_delay_s
+        return rest + self._queue_seconds(self._queued_items) + self.max_queue_delay_s
+
+    def _queue_seconds(self, items: int) -> float:
+        """Expected seconds for ``items`` queued items, in full batches of ``max_batch_size``."""
+        return self.rate.seconds_for(items, math.ceil(items / self.max_batch_size))
 
     def refuse_early(self, timeout_s: float) -> QueueFull | None:
         """The refusal a request would get whatever its size, judged before its body is
@@ -189,13 +193,18 @@ class DynamicBatcher:
             reason = "queue_full"
             message = f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)"
         else:
-            expected_s = self.backlog_s(now) + self.rate.seconds_for(size)
+            expected_s = (
+                self.backlog_s(now)
+                - self._queue_seconds(self._queued_items)
+                + self._queue_seconds(self._queued_items + size)
+            )
             if expected_s <= ADMISSION_HEADROOM * timeout_s:
                 return None
             reason = "admission"
             message = (
                 f"model {self.model} cannot take {what} within its deadline ({timeout_s * 1000:.0f} ms; "
-                f"expected {expected_s * 1000:.0f} ms at {self.rate.items_per_s or 0:.0f} items/s)"
+                f"expected {expected_s * 1000:.0f} ms at {self.rate.items_per_s or 0:.0f} items/s and "
+                f"{self.rate.overhead_s * 1000:.1f} ms per batch)"
             )
         self._observer.rejected(reason)
         return QueueFull(message, retry_after_s=self.retry_after_s(now))
