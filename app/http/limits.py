@@ -121,10 +121,18 @@ def body_middleware(timeout_s: float, min_rate_bytes_s: float, grace_s: float) -
 
 
 async def _read_within(request: web.Request, timeout_s: float, min_rate: float, grace_s: float) -> None:
+    content = request.content
+    if content.is_eof():  # the whole body came with the headers (small requests): no timers
+        try:
+            await request.read()
+        except HttpProcessingError as exc:
+            raise InvalidInput(f"request body cannot be decoded: {exc.message}") from None
+        except web.RequestPayloadError as exc:
+            raise InvalidInput(f"request body cannot be decoded: {str(exc).strip()}") from None
+        return
     loop = asyncio.get_running_loop()
     start = loop.time()
     hard = start + timeout_s
-    content = request.content
     handle: asyncio.TimerHandle | None = None
     try:
         async with asyncio.timeout(min(hard, start + grace_s) if min_rate else hard) as window:
