@@ -10,13 +10,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.errors import InvalidInput, PayloadTooLarge
 from app.protocols import binary, v2
 from app.protocols.limits import RequestLimits
 from tests.conftest import Client, MakeClient
+from tests.test_fuzz import FUZZ
 from tests.toy_models import write_scale_model
 
 HEADER = "Inference-Header-Content-Length"
@@ -257,13 +258,6 @@ async def test_compressed_binary_body_is_decoded(client: Client) -> None:
 
 # --- fuzz ----------------------------------------------------------------------------------
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
 ASCII = st.characters(min_codepoint=33, max_codepoint=126)
 sizes = (
     st.integers(-3, 40) | st.sampled_from([2**31, 2**32, 2**63, 2**64 + 1]) | st.text(max_size=3) | st.none()

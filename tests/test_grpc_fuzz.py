@@ -14,22 +14,16 @@ from typing import Any
 import grpc
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from app.datatypes import DATATYPES
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
+from tests.test_fuzz import FUZZ
 from tests.toy_models import write_scale_model
 
-FUZZ = settings(
-    max_examples=150,
-    deadline=None,
-    derandomize=True,
-    database=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
 #: What a client mistake may get; never INTERNAL or UNKNOWN.
 CLIENT_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT,

@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TypeVar
 
+import msgspec
 import numpy as np
 
 from app.errors import InvalidInput, PayloadTooLarge
+
+T = TypeVar("T")
 
 #: A JSON string, escapes included; possessive, so the scan stays linear on any input.
 _STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
@@ -78,3 +82,20 @@ def check_json_depth(body: bytes, limit: int) -> None:
         raise InvalidInput(
             f"request body nests arrays/objects deeper than {limit} levels (SCORING_MAX_JSON_DEPTH)"
         )
+
+
+def decode_json(decoder: msgspec.json.Decoder[T], body: bytes, max_depth: int, what: str) -> T:
+    """``body`` decoded by ``decoder`` (a msgspec typed decoder), its nesting checked first.
+
+    Raises:
+        InvalidInput: nested deeper than ``max_depth``, malformed JSON, invalid UTF-8, or a
+            field of the wrong type (the message starts "invalid {what}:" and names the JSON
+            path, e.g. ``$.inputs[0].shape``).
+    """
+    check_json_depth(body, max_depth)
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"invalid {what}: {exc}") from None
+    except RecursionError:  # only with max_depth near Python's recursion limit
+        raise InvalidInput(f"invalid {what}: nested too deeply") from None

@@ -23,7 +23,7 @@ import orjson
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.infer import InferInput, InferRequest
-from app.protocols.limits import RequestLimits, check_json_depth
+from app.protocols.limits import RequestLimits, decode_json
 
 
 class PredictRequest(msgspec.Struct):
@@ -54,13 +54,7 @@ def decode_request(config: ModelConfig, body: bytes, limits: RequestLimits = _DE
         PayloadTooLarge: more than ``limits.max_items`` instances, or a string longer than
             ``limits.max_string_bytes``.
     """
-    check_json_depth(body, limits.max_json_depth)
-    try:
-        request = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"invalid predict request: {exc}") from None
-    except RecursionError:  # only with max_json_depth near Python's recursion limit
-        raise InvalidInput("invalid predict request: nested too deeply") from None
+    request = decode_json(_decoder, body, limits.max_json_depth, "predict request")
     if request.instances is not None and request.inputs is not None:
         raise InvalidInput("give either instances or inputs, not both")
     instances = request.instances if request.instances is not None else request.inputs

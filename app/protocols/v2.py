@@ -19,7 +19,7 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.binary import response_document
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
-from app.protocols.limits import RequestLimits, check_json_depth
+from app.protocols.limits import RequestLimits, decode_json
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).
@@ -121,13 +121,7 @@ def decode_request(
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, or a
             field of the wrong type (the message names the JSON path, e.g. ``$.inputs[0].shape``).
     """
-    check_json_depth(body, limits.max_json_depth)
-    try:
-        wire = _decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"invalid inference request: {exc}") from None
-    except RecursionError:  # only with max_json_depth near Python's recursion limit
-        raise InvalidInput("invalid inference request: nested too deeply") from None
+    wire = decode_json(_decoder, body, limits.max_json_depth, "inference request")
     parameters = wire.parameters or {}
     outputs = None
     if wire.outputs is not None:
