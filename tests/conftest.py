@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import pytest
 from aiohttp import web
@@ -40,12 +41,23 @@ def tensor_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return repo
 
 
-async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float = 10.0) -> T:
-    """Await ``check`` every 10 ms until it returns something true, and return it; the async
-    twin of ``scripts.harness.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
+@overload
+async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float = ...) -> T: ...
+
+
+@overload
+async def eventually(check: Callable[[], T | None], timeout_s: float = ...) -> T: ...
+
+
+async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
+    """Call ``check`` (a state the code exposes; a plain predicate or a coroutine function)
+    every 10 ms until it returns something true, and return it; the async twin of
+    ``scripts.harness.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
         while True:
-            result = await check()
+            result = check()
+            if inspect.isawaitable(result):
+                result = await result
             if result:
                 return result
             await asyncio.sleep(0.01)

@@ -28,6 +28,7 @@ from app.models.runner import ModelRunner
 from app.models.segment import Segment
 from app.serving.admission import ServiceRate, cumulative_costs, items_within
 from app.serving.batcher import DynamicBatcher
+from tests.conftest import eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
 
@@ -85,7 +86,7 @@ async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolE
     first = asyncio.create_task(b.infer(items(0), timeout_s=5))
     await asyncio.to_thread(rec.started.wait, 5)
     rest = [asyncio.create_task(b.infer(items(v), timeout_s=5)) for v in range(1, 11)]
-    await asyncio.sleep(0)
+    await eventually(lambda: b.queued_items == 10)
     rec.gate.set()
     results = await asyncio.gather(first, *rest)
     assert [r["y"][0, 0] for r in results] == [2.0 * v for v in range(11)]
@@ -140,8 +141,7 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
     running = asyncio.create_task(b.infer(items(0, 0), timeout_s=5))
     await asyncio.to_thread(rec.started.wait, 5)
     queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), timeout_s=5))
-    await asyncio.sleep(0)
-    assert b.queued_items == 4
+    await eventually(lambda: b.queued_items == 4)
     with pytest.raises(QueueFull) as info:
         await b.infer(items(5), timeout_s=5)
     assert info.value.retry_after_s == 1  # a small backlog: the shortest wait
@@ -181,7 +181,7 @@ async def test_disconnected_client_items_never_reach_the_model(executor: ThreadP
     await asyncio.to_thread(rec.started.wait, 5)
     gone = asyncio.create_task(b.infer(items(42), timeout_s=5, is_disconnected=lambda: True))
     stays = asyncio.create_task(b.infer(items(7), timeout_s=5, is_disconnected=lambda: False))
-    await asyncio.sleep(0)
+    await eventually(lambda: b.queued_items == 2)
     rec.gate.set()
     with pytest.raises(ClientDisconnected):
         await gone
@@ -284,16 +284,15 @@ async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: Th
     running = asyncio.create_task(b.infer(items(0), timeout_s=60))
     await asyncio.to_thread(rec.started.wait, 5)
     queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 2 s of work
-    await asyncio.sleep(0)
-    assert b.queued_items == 20 and b.backlog_s(asyncio.get_running_loop().time()) >= 2.0
+    await eventually(lambda: b.queued_items == 20)
+    assert b.backlog_s(asyncio.get_running_loop().time()) >= 2.0
     with pytest.raises(QueueFull, match="cannot take request r-late within its deadline") as info:
         await b.infer(items(99), timeout_s=1.0, request_id="r-late")  # needs >= 2.1 s
     assert info.value.retry_after_s in (2, 3)  # the backlog, in whole seconds
     assert counts.rejections == {"admission": 1}
     # The same request with a deadline that fits is admitted.
     fits = asyncio.create_task(b.infer(items(7), timeout_s=60))
-    await asyncio.sleep(0)
-    assert b.queued_items == 21
+    await eventually(lambda: b.queued_items == 21)
     rec.gate.set()
     await asyncio.gather(running, queued, fits)
     assert all(99.0 not in batch for batch in rec.batches)
@@ -386,7 +385,7 @@ async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadP
     running = asyncio.create_task(b.infer(items(0), timeout_s=60))
     await asyncio.to_thread(rec.started.wait, 5)
     queued = asyncio.create_task(b.infer(items(*range(1, 11)), timeout_s=60))  # 1 s queued
-    await asyncio.sleep(0)
+    await eventually(lambda: b.queued_items == 10)
     # The smallest recent request has 1 item: 1.1 s and more, over 80 % of 1 s.
     refusal = b.refuse_early(timeout_s=1.0)
     assert isinstance(refusal, QueueFull) and refusal.retry_after_s == 2

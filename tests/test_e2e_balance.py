@@ -12,14 +12,13 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
 import psutil
 import pytest
 
-from tests.server import ROOT, Gunicorn, free_port, http, wait_for
+from tests.server import ROOT, Gunicorn, free_port, http, poll, wait_for
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -174,13 +173,14 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
             except OSError:
                 return False
 
-        _poll(ready, 120, log)
+        tail = lambda: log.read_text(errors="replace")[-4000:]  # noqa: E731
+        poll(ready, 120, "the server ready", diagnostics=tail)
         assert run_dir.is_dir()
         listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
         assert listening.split()[2] == "77", listening  # LISTEN Recv-Q Send-Q(backlog) ...
         before = psutil.Process(proc.pid).children()
         proc.send_signal(signal.SIGHUP)
-        _poll(lambda: not any(w.is_running() for w in before) and ready(), 120, log)
+        poll(lambda: not any(w.is_running() for w in before) and ready(), 120, "the reload", diagnostics=tail)
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
         assert not run_dir.exists(), list(run_dir.rglob("*"))
@@ -189,14 +189,6 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
             proc.kill()
             proc.wait(10)
 
-
-def _poll(predicate: Callable[[], object], timeout_s: float, log: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(log.read_text(errors="replace")[-4000:])
 
 
 def test_a_large_request_is_scattered_over_both_workers_and_gathered_in_order(tmp_path: Path) -> None:

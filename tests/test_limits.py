@@ -21,6 +21,7 @@ from app.serving.dataplane import effective_timeout_s
 from app.serving.lifecycle import begin_drain
 from app.serving.state import REGISTRY, ModelEntry
 from app.settings import Settings
+from tests.conftest import eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
@@ -233,11 +234,11 @@ async def test_an_aborted_upload_is_not_a_server_error(
         writer.transport.abort()  # a reset, mid-body
 
     aborted = 'scoring_requests_total{code="499",model="scale",protocol="v2",version="1"} 5.0'
-    metrics = ""
-    async with asyncio.timeout(30):  # poll until the server has seen the five resets
-        while aborted not in metrics:
-            await asyncio.sleep(0.01)
-            metrics = await (await client.get("/metrics")).text()
+    async def scraped() -> str | None:  # once the server has seen the five resets
+        text = await (await client.get("/metrics")).text()
+        return text if aborted in text else None
+
+    metrics = await eventually(scraped, timeout_s=30)
     assert 'code="500"' not in metrics
     assert "Traceback" not in caplog.text and "ERROR" not in caplog.text
 

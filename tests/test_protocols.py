@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.observability.metrics import METRICS
-from tests.conftest import wait_ready
+from tests.conftest import eventually, wait_ready
 from tests.toy_models import ScaleHandler, TinyRanker, write_scale_model
 
 V2_INFER = "/v2/models/scale/infer"
@@ -238,12 +238,8 @@ async def test_readiness_is_503_until_warmup_then_200(make_client, tmp_path: Pat
     in_flight = {"model": "scale", "version": "1"}
     metrics = client.app[METRICS].registry
     assert metrics is not None
-    for _ in range(1000):  # poll (bounded, 10 s) until the request is in the handler, waiting
-        if metrics.get_sample_value("scoring_requests_in_flight", in_flight) == 1.0:
-            break
-        await asyncio.sleep(0.01)
-    else:
-        raise AssertionError("the request never reached the handler")
+    # until the request is in the handler, waiting for the model
+    await eventually(lambda: metrics.get_sample_value("scoring_requests_in_flight", in_flight) == 1.0)
     assert not waiting.done()
     gate.set()
     resp = await waiting
@@ -259,11 +255,11 @@ async def test_failed_model_load_keeps_readiness_503_with_the_error(make_client,
         (folder / "model.toml").read_text().replace("tests.toy_models:ScaleHandler", "tests.toy_models:Nope")
     )
     client = await make_client(tmp_path, wait=False)
-    for _ in range(200):
-        body = await (await client.get("/v2/health/ready")).json()
-        if "error" in body:
-            break
-        await __import__("asyncio").sleep(0.01)
+    async def failed() -> dict[str, Any] | None:
+        body: dict[str, Any] = await (await client.get("/v2/health/ready")).json()
+        return body if "error" in body else None
+
+    body = await eventually(failed)
     assert body["ready"] is False and "cannot import handler" in body["error"]
 
 

@@ -7,7 +7,6 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,18 +15,11 @@ from app.server.worker import SiblingStates
 from app.serving.executor import InferenceThread
 from app.serving.lifecycle import begin_drain
 from app.serving.state import LIFECYCLE, REGISTRY
+from tests.conftest import eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
 
-
-async def until(predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
-    """Poll ``predicate`` (a state the code exposes) every 10 ms until true; fail after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            if predicate():
-                return
-            await asyncio.sleep(0.01)
 
 
 def body(x: float) -> dict:
@@ -43,10 +35,7 @@ async def test_hung_batch_is_reported_and_stops_the_worker(
     client.app[LIFECYCLE].stop = stops.append
     with caplog.at_level(logging.ERROR, logger="app.serving.lifecycle"):
         stuck = asyncio.ensure_future(client.post(V2, json=body(7.0), headers={"X-Request-Id": "stuck-1"}))
-        for _ in range(100):
-            if stops:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(lambda: stops)
         assert stops == ["hung inference"]
         live = await client.get("/v2/health/live")
         assert live.status == 503 and "inference thread stuck" in (await live.json())["error"]
@@ -74,7 +63,7 @@ async def test_fast_batches_never_trip_the_watchdog(make_client, scale_repo: Pat
     for _ in range(5):
         assert (await client.post(V2, json=body(1.0))).status == 200
     passes = lifecycle.watchdog_passes
-    await until(lambda: lifecycle.watchdog_passes >= passes + 2)  # it looked, twice, since
+    await eventually(lambda: lifecycle.watchdog_passes >= passes + 2)  # it looked, twice, since
     assert lifecycle.hung is None
     assert (await client.get("/v2/health/live")).status == 200
 
@@ -92,7 +81,7 @@ async def test_a_long_batch_of_one_model_does_not_hold_another(make_client, tmp_
         long = asyncio.ensure_future(client.post("/v2/models/big/infer", json=body(7.0)))
         big = client.app[REGISTRY].get("big").batcher
         assert big is not None
-        await until(lambda: big.running_batch is not None)
+        await eventually(lambda: big.running_batch is not None)
         headers = {"X-Request-Timeout-Ms": "5000"}
         statuses = await asyncio.gather(
             *(client.post("/v2/models/small/infer", json=body(float(i)), headers=headers) for i in range(200))
