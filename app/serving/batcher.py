@@ -162,19 +162,19 @@ class DynamicBatcher:
         while self._queue:
             self._fail(self._queue.popleft().request, QueueFull(f"model {self.model} is unloading"))
 
-    def backlog_s(self, now: float) -> float:
-        """Expected seconds until the work already here is done, at the measured rate: the
-        rest of the running batch, the queued items and one max queue delay. ``now`` is
+    def backlog_s(self, now: float, more: int = 0) -> float:
+        """Expected seconds until the work already here, and ``more`` items after it, is done
+        at the measured batch cost: the rest of the running batch, the queued items (and
+        ``more``) in full batches of ``max_batch_size``, and one max queue delay. ``now`` is
         ``loop.time()``."""
         rest = 0.0
         if self._running is not None:
             started, items, _ = self._running
             rest = max(0.0, started + self.rate.seconds_for(items) - now)
-        return rest + self._queue_seconds(self._queued_items) + self.max_queue_delay_s
-
-    def _queue_seconds(self, items: int) -> float:
-        """Expected seconds for ``items`` queued items, in full batches of ``max_batch_size``."""
-        return self.rate.seconds_for(items, math.ceil(items / self.max_batch_size))
+        queued = self._queued_items + more
+        return rest + self.rate.seconds_for(queued, math.ceil(queued / self.max_batch_size)) + (
+            self.max_queue_delay_s
+        )
 
     def refuse_early(self, timeout_s: float) -> QueueFull | None:
         """The refusal a request would get whatever its size, judged before its body is
@@ -193,11 +193,7 @@ class DynamicBatcher:
             reason = "queue_full"
             message = f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)"
         else:
-            expected_s = (
-                self.backlog_s(now)
-                - self._queue_seconds(self._queued_items)
-                + self._queue_seconds(self._queued_items + size)
-            )
+            expected_s = self.backlog_s(now, more=size)
             if expected_s <= ADMISSION_HEADROOM * timeout_s:
                 return None
             reason = "admission"
