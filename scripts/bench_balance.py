@@ -24,9 +24,7 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
-import re
 import sys
 import tempfile
 import time
@@ -40,7 +38,6 @@ from app.models.repository import read_config  # noqa: E402
 from scripts import harness  # noqa: E402
 from scripts.benchmark import drive, payload, server  # noqa: E402
 
-_ITEMS_LINE = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
 
 
@@ -49,13 +46,7 @@ def items_per_worker(srv: harness.Gunicorn) -> dict[str, float]:
     status, _, text = srv.get("/metrics", timeout=10)
     if status != 200:
         raise SystemExit(f"/metrics: HTTP {status}")
-    return {pid: float(n) for pid, n in _ITEMS_LINE.findall(str(text))}
-
-
-def shares(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
-    done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
-    total = sum(done.values()) or 1.0
-    return {pid: round(n / total, 3) for pid, n in sorted(done.items()) if n > 0}
+    return harness.worker_items(str(text))
 
 
 def bodies(repo: Path, model: str, items: int, count: int = 32) -> list[bytes]:
@@ -76,7 +67,7 @@ def levels_for(
         for c in levels:
             before = items_per_worker(srv)
             row = asyncio.run(drive(srv.url + url_model, data, items, c, seconds))
-            row["worker_share"] = shares(before, items_per_worker(srv))
+            row["worker_share"] = harness.worker_shares(before, items_per_worker(srv))
             rows.append(row)
             print(f"{model} c={c}: {row}", flush=True)
     return {"model": model, "items_per_request": items, "workers": workers, "levels": rows}
@@ -165,11 +156,7 @@ def main() -> None:
         items = args.items if model == MINILM else args.ranker_items
         runs.append(levels_for(args.repository, model, items, args.workers, levels, args.duration))
     result: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": harness.machine(),
         "torch_threads": args.torch_threads,
         "balance": not args.no_balance,
         "duration_s": args.duration,

@@ -24,7 +24,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import random
 import re
 import sys
@@ -44,7 +43,6 @@ from scripts import harness  # noqa: E402
 from scripts.benchmark import payload, server  # noqa: E402
 
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
-_ITEMS_LINE = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 _FORWARDED_LINE = re.compile(r"^scoring_forwarded_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
 
 
@@ -58,8 +56,7 @@ def metrics(srv: harness.Gunicorn) -> str:
 def counts(srv: harness.Gunicorn) -> tuple[dict[str, float], float]:
     """Items answered per worker pid, and requests forwarded (all workers)."""
     text = metrics(srv)
-    items = {pid: float(n) for pid, n in _ITEMS_LINE.findall(text)}
-    return items, sum(float(n) for n in _FORWARDED_LINE.findall(text))
+    return harness.worker_items(text), sum(float(n) for n in _FORWARDED_LINE.findall(text))
 
 
 def requests(repo: Path, model: str, items: int, count: int = 32) -> list[Any]:
@@ -134,9 +131,7 @@ def run(
             before, forwarded_before = counts(srv)
             row = asyncio.run(drive(srv.grpc_url, messages, items, c, seconds))
             after, forwarded_after = counts(srv)
-            done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
-            total = sum(done.values()) or 1.0
-            row["worker_share"] = {pid: round(n / total, 3) for pid, n in sorted(done.items())}
+            row["worker_share"] = harness.worker_shares(before, after)
             row["forwarded"] = forwarded_after - forwarded_before
             rows.append(row)
             print(f"{model} balance={balance} c={c}: {row}", flush=True)
@@ -194,11 +189,7 @@ def main() -> None:
         for mode in args.balance.split(",")
     ]  # fmt: skip
     result: dict[str, Any] = {
-        "machine": {
-            "cpus": os.cpu_count(),
-            "platform": platform.platform(),
-            "python": platform.python_version(),
-        },
+        "machine": harness.machine(),
         "torch_threads": args.torch_threads,
         "duration_s": args.duration,
         "runs": runs,

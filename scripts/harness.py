@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import json
 import os
+import platform
+import re
 import signal
 import socket
 import ssl
@@ -374,3 +376,24 @@ class Connection:
         if headers.get("connection", "").lower() == "close":
             self.close()
         return status, headers, payload
+
+
+_WORKER_ITEMS = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
+
+
+def worker_items(metrics_text: str) -> dict[str, float]:
+    """Items answered per worker pid, from a ``/metrics`` scrape (``scoring_worker_items_total``)."""
+    return {pid: float(n) for pid, n in _WORKER_ITEMS.findall(metrics_text)}
+
+
+def worker_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
+    """Each worker's share (0-1, 3 decimals) of the items answered between two
+    :func:`worker_items` scrapes, by pid; a worker that answered none shows 0."""
+    done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    total = sum(done.values()) or 1.0
+    return {pid: round(n / total, 3) for pid, n in sorted(done.items())}
+
+
+def machine() -> dict[str, Any]:
+    """Where a benchmark ran: CPU count, platform and Python version, for its JSON record."""
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import aiohttp
 import psutil
 import pytest
 
+from scripts import harness
 from tests.server import ROOT, Gunicorn, free_port, http, poll, wait_for
 from tests.toy_models import write_scale_model
 
@@ -26,14 +26,13 @@ pytestmark = pytest.mark.e2e
 V2 = "/v2/models/scale/infer"
 ITEMS = 8
 BODY = {"inputs": [{"name": "x", "shape": [ITEMS, 2], "datatype": "FP32", "data": [1.0] * (2 * ITEMS)}]}
-_ITEMS_LINE = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 
 
 def items_per_worker(srv: Gunicorn) -> dict[int, float]:
     """Items answered per worker pid, from /metrics (scoring_worker_items_total)."""
     status, _, text = srv.get("/metrics")
     assert status == 200
-    return {int(pid): float(n) for pid, n in _ITEMS_LINE.findall(text)}
+    return {int(pid): n for pid, n in harness.worker_items(text).items()}
 
 
 async def closed_loop(
