@@ -18,9 +18,7 @@ and the request's ``timeout`` parameter (microseconds, Triton's); with neither, 
 from __future__ import annotations
 
 import asyncio
-import re
 import time
-import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -47,7 +45,6 @@ MessageT = TypeVar("MessageT", bound=Message)
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 Context = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
 
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 _OPEN = frozenset({"ServerLive", "ServerReady"})
 _API_KEY = API_KEY_HEADER.lower()
 #: Protocol extensions answered over gRPC (``ServerMetadataResponse.extensions``): Triton's,
@@ -73,10 +70,7 @@ def presented_key(context: Context) -> str | None:
 def _request_id(context: Context, sent: str = "") -> str:
     """The id a request gave (``ModelInferRequest.id``, else ``x-request-id`` metadata) when
     it is a sane token, else a new one."""
-    for candidate in (sent, _metadata(context, REQUEST_ID_KEY) or ""):
-        if _VALID_ID.match(candidate):
-            return candidate
-    return uuid.uuid4().hex
+    return infer.request_id(sent, _metadata(context, REQUEST_ID_KEY) or "")
 
 
 class InferenceServicer:

@@ -212,6 +212,8 @@ def refuse_early(request: web.Request) -> None:
         entry = request.app[REGISTRY].get(name, request.match_info.get("version"))
     except ModelNotFound:
         return  # the handler answers 404
+    if entry.batcher is None or not entry.batcher.queued_items:
+        return  # nothing queued: no storm to refuse before decoding
     requested: float | None = None
     header = request.headers.get(TIMEOUT_HEADER)
     if header is not None:

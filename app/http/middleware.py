@@ -13,22 +13,20 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 import time
-import uuid
 
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from app.errors import ScoringError
+from app.protocols.infer import request_id as new_or_given_id
 
 log = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
 REQUEST_ID = web.RequestKey("request_id", str)
-_VALID_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 def request_id(request: web.Request) -> str:
@@ -51,8 +49,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     """Assign the request id, run the handler, map any exception to a JSON error; every
     response carries ``X-Request-Id`` and ``Server-Timing: app;dur=<ms>``."""
     start = time.perf_counter()
-    incoming = request.headers.get(REQUEST_ID_HEADER, "")
-    rid = incoming if _VALID_ID.match(incoming) else uuid.uuid4().hex
+    rid = new_or_given_id(request.headers.get(REQUEST_ID_HEADER, ""))
     request[REQUEST_ID] = rid
     response = await _respond(request, handler, rid)
     if not response.prepared:

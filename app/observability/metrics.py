@@ -104,7 +104,8 @@ class ServerMetrics:
             model, buckets=BATCH_BUCKETS, registry=r,
         )  # fmt: skip
         self.queue_depth = Gauge(
-            "scoring_queue_depth", "Items waiting in the batch queue (all workers).",
+            "scoring_queue_depth",
+            "Items waiting in the batch queue (all workers), as of the last batch formed.",
             model, multiprocess_mode="livesum", registry=r,
         )  # fmt: skip
         self.in_flight = Gauge(

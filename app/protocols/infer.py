@@ -16,6 +16,8 @@ build than dataclasses; nothing is validated on construction).
 from __future__ import annotations
 
 import math
+import os
+import re
 from typing import Any
 
 import msgspec
@@ -26,6 +28,19 @@ from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig
 from app.protocols.limits import RequestLimits
 from app.protocols.tensors import check_against_spec, complete_inputs, to_array
+
+#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
+#: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(*candidates: str) -> str:
+    """The first candidate that is a sane request id (1-128 of ``[A-Za-z0-9._:-]``), else a
+    new one: 128 random bits as 32 hex digits (a UUID4's entropy without building a UUID)."""
+    for candidate in candidates:
+        if candidate and _VALID_REQUEST_ID.match(candidate):
+            return candidate
+    return os.urandom(16).hex()
 
 _DEFAULT_LIMITS = RequestLimits()
 

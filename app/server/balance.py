@@ -33,6 +33,9 @@ log = logging.getLogger(__name__)
 
 #: Minimum time between two shed connections of one worker, seconds.
 SHED_INTERVAL_S = 0.1
+#: Minimum time between two looks at the load table for shedding, seconds (a response costs a
+#: clock read, not a read of every slot).
+SHED_CHECK_S = 0.01
 #: Time constant of the recent load (an exponentially weighted average of items), seconds.
 RECENT_TAU_S = 0.1
 
@@ -105,6 +108,7 @@ class Balancer:
         self._count_connections = connections
         self._on_shed = on_shed
         self._last_shed = 0.0
+        self._next_check = 0.0
         self._changed = time.monotonic()  # last change of ``items``
         self._area = 0.0  # item-seconds since the last tick
         self._tick = self._changed
@@ -156,10 +160,12 @@ class Balancer:
 
     def shed_now(self) -> bool:
         """Whether the response being prepared should close its connection (:func:`should_shed`,
-        at most once per ``SHED_INTERVAL_S``)."""
+        at most once per ``SHED_INTERVAL_S``; the table is looked at most once per
+        ``SHED_CHECK_S``)."""
         now = time.monotonic()
-        if not self.ready or now - self._last_shed < SHED_INTERVAL_S:
+        if not self.ready or now < self._next_check or now - self._last_shed < SHED_INTERVAL_S:
             return False
+        self._next_check = now + SHED_CHECK_S
         target = should_shed(self.me(), self.siblings(), now)
         if target is None:
             return False

@@ -75,6 +75,15 @@ class Scatter:
         self.on_scatter = on_scatter
         self.forwarder = forwarder
 
+    def considers(self, entry: ModelEntry, items: int, pinned: bool) -> bool:
+        """Whether a request of ``items`` items may leave this worker: split (more items than
+        ``max_batch_size``, ``scatter`` on, this worker ready) or forwarded whole (``pinned``
+        and a forwarder). Cheap: the request path asks it of every request."""
+        config = entry.config
+        if pinned and self.forwarder is not None:
+            return True
+        return config.scatter and items > config.max_batch_size and self.balancer.ready
+
     async def __call__(
         self,
         entry: ModelEntry,

@@ -110,3 +110,51 @@ def items_within(costs: np.ndarray, start: int, stop: int, budget: float) -> int
     """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
     end = int(np.searchsorted(costs, costs[start] + budget, side="right")) - 1
     return max(0, min(end, stop) - start)
+
+
+class ItemCosts:
+    """The input bytes of each item of one request, for the batch cost bound.
+
+    A request whose inputs are all numeric costs the same per item (``nbytes / B`` summed over
+    its inputs): that is one integer, with no per-item array (the common case, and the hot
+    path of small numeric requests). With a BYTES input the cost varies per item and is kept
+    cumulatively (:func:`cumulative_costs`).
+
+    Args:
+        inputs: one array per model input, ``[B, ...]``, B >= 1.
+    """
+
+    __slots__ = ("cumulative", "each")
+
+    def __init__(self, inputs: Mapping[str, np.ndarray]) -> None:
+        #: Bytes per item when every input is numeric, else None.
+        self.each: int | None = None
+        #: Cumulative bytes, int64 ``[B + 1]``, when some input is BYTES, else None.
+        self.cumulative: np.ndarray | None = None
+        if any(arr.dtype == object for arr in inputs.values()):
+            self.cumulative = cumulative_costs(inputs)
+        else:
+            size = max(1, len(next(iter(inputs.values()))))
+            self.each = sum(arr.nbytes for arr in inputs.values()) // size
+
+    def largest(self) -> int:
+        """The bytes of the costliest item."""
+        if self.each is not None:
+            return self.each
+        assert self.cumulative is not None
+        return int(np.diff(self.cumulative).max())
+
+    def between(self, start: int, stop: int) -> int:
+        """The bytes of items ``[start, stop)``."""
+        if self.each is not None:
+            return (stop - start) * self.each
+        assert self.cumulative is not None
+        return int(self.cumulative[stop] - self.cumulative[start])
+
+    def items_within(self, start: int, stop: int, budget: float) -> int:
+        """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
+        if self.each is not None:
+            fit = int(budget // self.each) if self.each else stop - start
+            return max(0, min(fit, stop - start))
+        assert self.cumulative is not None
+        return items_within(self.cumulative, start, stop, budget)

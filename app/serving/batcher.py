@@ -47,7 +47,7 @@ from app.errors import (
     ScoringError,
 )
 from app.models.segment import Segment, outputs_between
-from app.serving.admission import ServiceRate, cumulative_costs, items_within
+from app.serving.admission import ItemCosts, ServiceRate
 from app.serving.observer import BatchObserver, NullObserver, RunningBatch
 
 log = logging.getLogger(__name__)
@@ -73,7 +73,7 @@ class _Request:
     request_id: str
     is_disconnected: Callable[[], bool] | None
     future: asyncio.Future[Tensors]
-    costs: np.ndarray  # cumulative input bytes per item, [size + 1]
+    costs: ItemCosts | None  # input bytes per item; None without a batch cost bound
     queued: int = 0  # items still waiting in the queue
     pending: int = 0  # items not yet computed
     parts: list[tuple[int, Tensors]] = field(default_factory=list)
@@ -127,6 +127,7 @@ class DynamicBatcher:
         self._observer: BatchObserver = observer or NullObserver()
         self._queue: deque[_Chunk] = deque()
         self._queued_items = 0
+        self._reported_depth = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # (loop.time() at start, items, requests) of the batch running now; read by the
@@ -182,8 +183,11 @@ class DynamicBatcher:
 
         Its size is not known yet: it is taken as the smallest of the last requests (a model
         under a storm of 64-item requests refuses the next one as if it had 64 items; one
-        smaller request lowers the bar for those after it).
+        smaller request lowers the bar for those after it). With nothing queued there is no
+        storm to refuse cheaply: the full admission after decoding judges the request.
         """
+        if not self._queued_items:
+            return None
         return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
 
     def _refusal(self, size: int, timeout_s: float, what: str) -> QueueFull | None:
@@ -248,9 +252,10 @@ class DynamicBatcher:
                 f"{self.queue_capacity} per request"
             )
         self._recent_sizes.append(size)
-        costs = cumulative_costs(inputs)
+        costs: ItemCosts | None = None
         if self.max_batch_bytes is not None:
-            largest = int(np.diff(costs).max())
+            costs = ItemCosts(inputs)
+            largest = costs.largest()
             if largest > self.max_batch_bytes:
                 raise PayloadTooLarge(
                     f"an item of request {request_id} has {largest} bytes of input; model "
@@ -276,7 +281,8 @@ class DynamicBatcher:
         )
         self._queue.append(_Chunk(request, 0, size))
         self._queued_items += size
-        self._observer.queue_depth(self._queued_items)
+        if self._queued_items - self._reported_depth >= self.max_batch_size:
+            self._report_depth()  # a backlog builds up behind a running batch
         self._wakeup.set()
         try:
             # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
@@ -299,9 +305,10 @@ class DynamicBatcher:
         """Forget a request's queued items (lazily removed from the deque)."""
         if not request.dead:
             request.dead = True
-            self._queued_items -= request.queued
-            request.queued = 0
-            self._observer.queue_depth(self._queued_items)
+            if request.queued:  # it expired or its client left while queued
+                self._queued_items -= request.queued
+                request.queued = 0
+                self._report_depth()
 
     def _fail(self, request: _Request, error: ScoringError) -> None:
         if not request.future.done():
@@ -330,12 +337,13 @@ class DynamicBatcher:
                 self._fail(request, DeadlineExceeded(f"request {request.request_id} expired in queue"))
                 continue
             size = min(chunk.stop - chunk.start, room)
-            if budget != math.inf:
-                size = min(size, items_within(request.costs, chunk.start, chunk.stop, budget))
+            costs = request.costs
+            if costs is not None and budget != math.inf:
+                size = min(size, costs.items_within(chunk.start, chunk.stop, budget))
                 if size == 0 and taken:
                     break  # the next item would take the batch over its cost bound
                 size = max(size, 1)  # admission refuses an item over the bound alone
-                budget -= float(request.costs[chunk.start + size] - request.costs[chunk.start])
+                budget -= costs.between(chunk.start, chunk.start + size)
             if size == chunk.stop - chunk.start:
                 self._queue.popleft()
                 part = chunk
@@ -346,8 +354,15 @@ class DynamicBatcher:
             room -= size
             request.queued -= size
             self._queued_items -= size
-        self._observer.queue_depth(self._queued_items)
+        self._report_depth()
         return taken
+
+    def _report_depth(self) -> None:
+        """Tell the observer the queue depth: once per batch formed, when items leave it early,
+        and when it has grown by a whole batch since (not on every request: the gauge is a
+        shared-memory write in multiprocess mode)."""
+        self._reported_depth = self._queued_items
+        self._observer.queue_depth(self._queued_items)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()

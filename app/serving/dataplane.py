@@ -97,20 +97,21 @@ async def infer(
             by each front end's one error mapping); a shard's error on a sibling is raised
             as the same class.
     """
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-
-    async def run_here(arrays: dict[str, np.ndarray], shard_timeout_s: float) -> dict[str, np.ndarray]:
-        return await _run_here(registry, entry, arrays, shard_timeout_s, request_id, is_disconnected)
-
     spread = registry.spread
     if spread is not None and not forwarded and entry.ready:
-        outputs: dict[str, np.ndarray] | None = await spread(
-            entry, inputs, timeout_s, request_id, run_here, pinned=pinned
-        )
-        if outputs is not None:
-            return outputs
-    return await run_here(inputs, max(0.0, deadline - loop.time()))
+        items = len(next(iter(inputs.values())))
+        if spread.considers(entry, items, pinned):
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+
+            async def run_here(arrays: dict[str, np.ndarray], shard_s: float) -> dict[str, np.ndarray]:
+                return await _run_here(registry, entry, arrays, shard_s, request_id, is_disconnected)
+
+            outputs = await spread(entry, inputs, timeout_s, request_id, run_here, pinned=pinned)
+            if outputs is not None:
+                return outputs
+            timeout_s = max(0.0, deadline - loop.time())
+    return await _run_here(registry, entry, inputs, timeout_s, request_id, is_disconnected)
 
 
 async def _run_here(
@@ -121,21 +122,20 @@ async def _run_here(
     request_id: str,
     is_disconnected: Callable[[], bool] | None,
 ) -> dict[str, np.ndarray]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
     # This worker's published load (items queued + in flight) for its siblings' balancing.
     on_load = registry.on_load
     items = len(next(iter(inputs.values()))) if on_load is not None and inputs else 0
     if on_load is not None:
         on_load(items)
     try:
-        entry = await registry.wait_ready(entry, timeout_s)
+        if not entry.ready:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout_s
+            entry = await registry.wait_ready(entry, timeout_s)
+            timeout_s = max(0.0, deadline - loop.time())
         assert entry.batcher is not None
         return await entry.batcher.infer(
-            inputs,
-            timeout_s=max(0.0, deadline - loop.time()),
-            request_id=request_id,
-            is_disconnected=is_disconnected,
+            inputs, timeout_s=timeout_s, request_id=request_id, is_disconnected=is_disconnected
         )
     finally:
         if on_load is not None:

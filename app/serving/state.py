@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+import numpy as np
 from aiohttp import web
 
 from app.errors import ModelNotFound, ModelNotReady
@@ -39,6 +40,28 @@ class ModelEntry:
         return self.batcher is not None
 
 
+class Spread(Protocol):
+    """Balancing of one request over sibling workers (``app.server.scatter.Scatter``)."""
+
+    def considers(self, entry: ModelEntry, items: int, pinned: bool) -> bool:
+        """Whether a request of ``items`` items may leave this worker (split or forwarded);
+        False: run it here whole without awaiting the hook (the common, cheap case)."""
+        ...
+
+    def __call__(
+        self,
+        entry: ModelEntry,
+        inputs: dict[str, np.ndarray],
+        timeout_s: float,
+        request_id: str,
+        local: Callable[[dict[str, np.ndarray], float], Coroutine[Any, Any, dict[str, np.ndarray]]],
+        *,
+        pinned: bool = False,
+    ) -> Awaitable[dict[str, np.ndarray] | None]:
+        """The request's outputs, or None when it should run here whole."""
+        ...
+
+
 @dataclass(eq=False)
 class ModelRegistry:
     """The models of the repository this worker serves, by name and version."""
@@ -52,12 +75,16 @@ class ModelRegistry:
     #: Scatter/gather of large requests over sibling workers (app.server.scatter.Scatter):
     #: ``(entry, inputs, timeout_s, request_id, local, *, pinned) -> outputs``, or None to run
     #: here whole (``pinned``: may be forwarded whole, app.server.forward).
-    spread: Callable[..., Awaitable[Any]] | None = None
+    spread: Spread | None = None
+    #: The highest version of each name (what a request naming no version gets).
+    latest: dict[str, ModelEntry] = field(default_factory=dict)
 
     def add(self, config: ModelConfig) -> ModelEntry:
         """Register ``config`` (not yet loaded)."""
         entry = ModelEntry(config)
-        self.models.setdefault(config.name, {})[config.version] = entry
+        versions = self.models.setdefault(config.name, {})
+        versions[config.version] = entry
+        self.latest[config.name] = versions[max(versions, key=_version_key)]
         return entry
 
     def entries(self) -> list[ModelEntry]:
@@ -70,11 +97,14 @@ class ModelRegistry:
         Raises:
             ModelNotFound: unknown name or version (the message lists what exists).
         """
+        if version is None:
+            latest = self.latest.get(name)
+            if latest is None:
+                raise ModelNotFound(f"model {name!r} not found; available: {sorted(self.models)}")
+            return latest
         versions = self.models.get(name)
         if versions is None:
             raise ModelNotFound(f"model {name!r} not found; available: {sorted(self.models)}")
-        if version is None:
-            return versions[max(versions, key=_version_key)]
         entry = versions.get(version)
         if entry is None:
             raise ModelNotFound(f"model {name!r} has no version {version!r}; available: {sorted(versions)}")
