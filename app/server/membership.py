@@ -13,7 +13,6 @@ which imports the serving layer, is imported lazily in :meth:`Membership.join`).
 from __future__ import annotations
 
 import logging
-import os
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -99,5 +98,5 @@ class Membership:
     def release(self) -> None:
         """Free the load table slot (at exit; idempotent)."""
         if self.table is not None and self.slot is not None:
-            self.table.release(self.slot, os.getpid())
+            self.table.release(self.slot, self.pid)
             self.slot = None
