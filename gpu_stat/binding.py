@@ -17,31 +17,15 @@ Each gunicorn worker binds itself, typically from the ``post_fork`` hook:
    waits with backoff, calling ``heartbeat`` at least every second, until ``bind_timeout_s``.
 5. **Bind**: ``CUDA_VISIBLE_DEVICES=<uuid>``; the worker then uses ``cuda:0``.
 
-Foreign processes: NVML lists every process with a context on a GPU, by PIDs of the driver's
-namespace. Those equal to a live process of our server (the parent and its descendants) are ours
-("matched"). In a container the rest cannot be told apart from strangers, but each of our leases
-on the GPU accounts for at most one process, and ``leases - matched`` of them have not been
-matched, so that many unmatched PIDs may be ours::
-
-    foreign = max(0, unmatched - max(0, leases - matched))
-
-This errs towards "not foreign" only while one of our lease holders has not created its context
-yet, and never counts one of our own workers as foreign.
-
-Memory: a GPU whose free memory is below ``min_free_memory_bytes`` takes no new worker, even if
-it holds our leases: our workers' memory is as real as anyone's. Lease holders that have no
-process on the GPU yet (``leases - matched - unmatched``; still loading) are reserved
-``min_free_memory_bytes`` each, so workers starting together do not all count the same free
-memory. A GPU short of memory is retried until the timeout, which picks up memory released by an
-exiting old worker after a HUP reload.
+Which GPU can take a worker (foreign processes, free memory) and why: ``gpu_stat.capacity``.
 
 Lock files are never deleted: unlinking a lock file that another process has open lets a third
 process lock a new file of the same name, and the lease would no longer be exclusive.
 
-Rooms: this module holds the policy, the binding fact and the bind loop; the pure decisions
-(units, allow-list, foreign count, plan) are in ``gpu_stat.planner``, the lock files in
-``gpu_stat.leases``, the siblings in ``gpu_stat.family``, the after-load check in
-``gpu_stat.verify``.
+Rooms: this module holds the policy, the binding fact and the bind loop; steps 2-3 (capacity,
+plan) are in ``gpu_stat.capacity``, their pure decisions (units, allow-list, foreign count,
+plan order) in ``gpu_stat.planner``, the lock files in ``gpu_stat.leases``, the siblings in
+``gpu_stat.family``, the after-load check in ``gpu_stat.verify``.
 """
 
 from __future__ import annotations
@@ -56,18 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gpu_stat.family import Family, family
-from gpu_stat.leases import LEASE_DIR, lock_path, probe_leases, safe_name, try_lock
-from gpu_stat.planner import (
-    GIB,
-    SlotState,
-    Unit,
-    allowed_units,
-    count_foreign_processes,
-    pending_leases,
-    plan_slots,
-    units,
-)
+from gpu_stat.capacity import assess, gib
+from gpu_stat.family import family
+from gpu_stat.leases import LEASE_DIR, lock_path, try_lock
+from gpu_stat.planner import Unit, allowed_units, units
 from gpu_stat.query import backend_name, query_gpus
 from gpu_stat.snapshot import NvmlUnavailable
 from gpu_stat.visible import ENV_VISIBLE
@@ -230,58 +206,6 @@ def usable_gpu_count(policy: BindingPolicy) -> int:
     return len(allowed)
 
 
-@dataclass(frozen=True)
-class _Attempt:
-    plan: list[tuple[str, int]]
-    units: dict[str, Unit]
-    skipped: list[str]  # GPUs that the policy kept from taking a worker, and why
-    full: list[str]  # GPUs whose slots are all leased
-    bound_pids: frozenset[int]
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
-
-
-def _assess(candidates: list[Unit], policy: BindingPolicy, fam: Family) -> _Attempt:
-    lease_dir = policy.run_dir / LEASE_DIR
-    probes = probe_leases(lease_dir)
-    states: list[SlotState] = []
-    skipped: list[str] = []
-    full: list[str] = []
-    bound: set[int] = set()
-    for unit in candidates:
-        held = probes.get(safe_name(unit.gpu.uuid), {})
-        bound.update(pid for pid in held.values() if pid is not None)
-        leases = len(held)
-        free_slots = tuple(k for k in range(policy.max_processes_per_gpu) if k not in held)
-        foreign = count_foreign_processes(unit.gpu.processes, fam.ours, leases)
-        pending = pending_leases(unit.gpu.processes, fam.ours, leases)
-        free_memory = unit.gpu.memory_free - pending * policy.min_free_memory_bytes
-        capacity = len(free_slots)
-        if foreign and policy.foreign_process_policy == "skip":
-            capacity = 0
-            skipped.append(f"{unit.label()}: {foreign} foreign process(es), policy skip")
-        elif policy.min_free_memory_bytes:
-            fits = max(0, free_memory) // policy.min_free_memory_bytes
-            if fits < capacity:
-                capacity = fits
-                if fits == 0:
-                    reserved = f" after reserving {pending} loading worker(s)" if pending else ""
-                    skipped.append(
-                        f"{unit.label()}: {_gib(unit.gpu.memory_free)} free{reserved}, "
-                        f"below min_free_memory {_gib(policy.min_free_memory_bytes)}"
-                    )
-        if not free_slots:
-            full.append(f"{unit.label()}: all {policy.max_processes_per_gpu} slot(s) leased")
-        states.append(
-            SlotState(unit.gpu.uuid, unit.order, leases, free_slots, capacity, free_memory)
-        )
-    return _Attempt(
-        plan_slots(states), {u.gpu.uuid: u for u in candidates}, skipped, full, frozenset(bound)
-    )
-
-
 def _cpu(reason: str, rank: int, *, warn: bool) -> Binding:
     # CPU mode means CPU: no library in this worker may create a context on some default GPU.
     os.environ[ENV_VISIBLE] = ""
@@ -372,7 +296,14 @@ def _bind(
                 policy.run_dir.joinpath(LEASE_DIR).mkdir(parents=True, exist_ok=True)
         first = False
         if chosen is not None:
-            attempt = _assess(chosen, policy, fam)
+            attempt = assess(
+                chosen,
+                fam.ours,
+                policy.run_dir / LEASE_DIR,
+                slots_per_gpu=policy.max_processes_per_gpu,
+                min_free_memory_bytes=policy.min_free_memory_bytes,
+                skip_foreign=policy.foreign_process_policy == "skip",
+            )
             notes = attempt.skipped + attempt.full or ["no GPU has a free slot"]
             if attempt.plan:
                 empty_rounds = 0
@@ -413,7 +344,7 @@ def _bound(unit: Unit, slot: int, rank: int, skipped: list[str], started: float)
         gpu.uuid,
         gpu.name,
         slot,
-        _gib(gpu.memory_free),
+        gib(gpu.memory_free),
         backend_name(),
         f", waited {waited:.1f} s" if waited >= 1 else "",
         "; skipped: " + "; ".join(skipped) if skipped else "",

@@ -1,7 +1,7 @@
 """The pure decisions of the GPU binding, unit-tested without processes: which GPUs (or MIG
 instances) a worker may bind to, how many processes on a GPU are foreign, and the order in which
 workers take the free (GPU, slot) pairs (water-filling). See ``gpu_stat.binding`` for the whole
-procedure and the reasoning behind the foreign-process count.
+procedure and ``gpu_stat.capacity`` for the reasoning behind the foreign-process count.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ GIB = 2**30
 def count_foreign_processes(
     processes: Sequence[GpuProcess] | None, our_pids: Collection[int], our_leases: int
 ) -> int:
-    """Processes on a GPU that are not ours (see the module docstring for the reasoning).
+    """Processes on a GPU that are not ours (``gpu_stat.capacity`` gives the reasoning).
 
     ``processes``: NVML's list (None = NVML does not list them: 0 foreign, nothing to go on);
     ``our_pids``: live PIDs of our server; ``our_leases``: leases held on this GPU.

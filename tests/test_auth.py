@@ -9,12 +9,15 @@ import runpy
 import time
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
+from aiohttp import ClientResponse
 from pydantic import ValidationError
 
 from app.http.auth import API_KEYS, KEY_FILE_RECHECK_S, ApiKeys, read_key_file
 from app.settings import Settings
+from tests.conftest import MakeClient
 from tests.fake_gpus import write_unavailable
 from tests.server import ROOT
 
@@ -35,14 +38,14 @@ class FakeClock:
         self.now += seconds
 
 
-async def assert_unauthorized(resp) -> None:
+async def assert_unauthorized(resp: ClientResponse) -> None:
     assert resp.status == 401
     assert await resp.json() == {"error": "unauthorized"}
     assert resp.headers["WWW-Authenticate"].startswith("Bearer")
     assert resp.headers["X-Request-Id"]
 
 
-async def test_no_key_wrong_key_right_key(make_client, scale_repo: Path) -> None:
+async def test_no_key_wrong_key_right_key(make_client: MakeClient, scale_repo: Path) -> None:
     client = await make_client(scale_repo, api_keys="k-one, k-two")
     await assert_unauthorized(await client.post(V2, json=BODY))
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"Authorization": "Bearer k-three"}))
@@ -61,7 +64,7 @@ async def test_no_key_wrong_key_right_key(make_client, scale_repo: Path) -> None
     assert (await client.get("/v1/models", headers={"X-API-Key": "k-one"})).status == 200
 
 
-async def test_health_is_open_and_metrics_follow_the_setting(make_client, scale_repo: Path) -> None:
+async def test_health_is_open_and_metrics_follow_the_setting(make_client: MakeClient, scale_repo: Path) -> None:
     protected = await make_client(scale_repo, api_keys="secret")
     assert (await protected.get("/v2/health/live")).status == 200
     assert (await protected.get("/v2/health/ready")).status == 200
@@ -72,13 +75,13 @@ async def test_health_is_open_and_metrics_follow_the_setting(make_client, scale_
     await assert_unauthorized(await scraped.get("/v2"))
 
 
-async def test_no_keys_means_no_auth(make_client, scale_repo: Path) -> None:
+async def test_no_keys_means_no_auth(make_client: MakeClient, scale_repo: Path) -> None:
     client = await make_client(scale_repo)
     assert (await client.post(V2, json=BODY)).status == 200
 
 
 async def test_keys_rotate_through_the_file_without_restart(
-    make_client, scale_repo: Path, tmp_path: Path
+    make_client: MakeClient, scale_repo: Path, tmp_path: Path
 ) -> None:
     keys = tmp_path / "keys"
     keys.write_text("# rotated monthly\nold-key\n\n  spare-key  # the spare\n")
@@ -106,14 +109,19 @@ async def test_keys_rotate_through_the_file_without_restart(
     assert (await client.post(V2, json=BODY, headers={"X-API-Key": "back-key"})).status == 200
 
 
-def test_the_key_file_is_looked_at_once_per_recheck_interval(tmp_path: Path, monkeypatch) -> None:
+def test_the_key_file_is_looked_at_once_per_recheck_interval(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     path = tmp_path / "keys"
     path.write_text("one\n")
     clock = FakeClock()
     keys = ApiKeys(path=path, recheck_s=5.0, clock=clock)
     stats: list[object] = []
     real_stat = os.stat
-    monkeypatch.setattr(os, "stat", lambda p, *a, **k: stats.append(p) or real_stat(p, *a, **k))
+
+    def counted_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        stats.append(path)
+        return real_stat(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "stat", counted_stat)
     assert all(keys.check("one") for _ in range(100))
     assert stats == []  # not once per request: the next look is due in 5 s
     path.write_text("two\n")

@@ -8,6 +8,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -203,7 +204,7 @@ async def test_model_exception_fails_only_that_batch(executor: ThreadPoolExecuto
 
 
 async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
-    tmp_path, executor: ThreadPoolExecutor
+    tmp_path: Path, executor: ThreadPoolExecutor
 ) -> None:
     config = read_config(write_scale_model(tmp_path, "oom", max_batch_size=8, oom_above=2))
     runner = ModelRunner(config)
@@ -248,7 +249,9 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
         return_exceptions=True,
     )
     assert isinstance(results[1], InsufficientStorage)
-    assert results[0]["y"][0, 0] == 2.0 and results[2]["y"][0, 0] == 14.0
+    first, last = results[0], results[2]
+    assert isinstance(first, dict) and isinstance(last, dict)
+    assert first["y"][0, 0] == 2.0 and last["y"][0, 0] == 14.0
     await b.stop()
 
 

@@ -21,6 +21,7 @@ import urllib.error
 import urllib.request
 import zlib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.e2e
 V2 = "/v2/models/scale/infer"
 
 
-def body(x: float) -> dict:
+def body(x: float) -> dict[str, Any]:
     return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [x, x]}]}
 
 

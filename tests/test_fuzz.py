@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from app.datatypes import DATATYPES
+from tests.conftest import Client, MakeClient
 from tests.toy_models import write_scale_model
 
 FUZZ = settings(
@@ -45,7 +45,7 @@ data = st.lists(numbers | st.lists(numbers, max_size=4), max_size=12) | st.lists
 @st.composite
 def v2_bodies(draw: st.DrawFn) -> dict[str, Any]:
     """Bodies with the V2 request's shape, valid or not in every field."""
-    tensor = {"name": draw(names), "shape": draw(shapes), "datatype": draw(datatypes), "data": draw(data)}
+    tensor: dict[str, Any] = {"name": draw(names), "shape": draw(shapes), "datatype": draw(datatypes), "data": draw(data)}
     if draw(st.booleans()):
         tensor["parameters"] = draw(st.dictionaries(st.text(max_size=5), scalars, max_size=2))
     body: dict[str, Any] = {"inputs": [tensor, *draw(st.lists(st.just(dict(tensor)), max_size=1))]}
@@ -86,12 +86,13 @@ def v1_bodies(draw: st.DrawFn) -> dict[str, Any]:
 
 
 @pytest.fixture
-async def fuzz_client(make_client, tmp_path: Path) -> TestClient:
+async def fuzz_client(make_client: MakeClient, tmp_path: Path) -> Client:
     write_scale_model(tmp_path, "scale")
-    return await make_client(tmp_path, max_items_per_request=64, max_json_depth=8)
+    client: Client = await make_client(tmp_path, max_items_per_request=64, max_json_depth=8)
+    return client
 
 
-async def check(client: TestClient, path: str, payload: bytes, headers: dict[str, str] | None = None) -> None:
+async def check(client: Client, path: str, payload: bytes, headers: dict[str, str] | None = None) -> None:
     resp = await client.post(
         path, data=payload, headers={"Content-Type": "application/json", **(headers or {})}
     )
@@ -105,19 +106,19 @@ async def check(client: TestClient, path: str, payload: bytes, headers: dict[str
 
 @FUZZ
 @given(body=v2_bodies() | near_valid_v2_bodies())
-async def test_v2_shaped_bodies_never_5xx(fuzz_client: TestClient, body: dict[str, Any]) -> None:
+async def test_v2_shaped_bodies_never_5xx(fuzz_client: Client, body: dict[str, Any]) -> None:
     await check(fuzz_client, "/v2/models/scale/infer", json.dumps(body).encode())
 
 
 @FUZZ
 @given(body=v1_bodies())
-async def test_v1_shaped_bodies_never_5xx(fuzz_client: TestClient, body: dict[str, Any]) -> None:
+async def test_v1_shaped_bodies_never_5xx(fuzz_client: Client, body: dict[str, Any]) -> None:
     await check(fuzz_client, "/v1/models/scale:predict", json.dumps(body).encode())
 
 
 @FUZZ
 @given(value=json_values, path=st.sampled_from(["/v2/models/scale/infer", "/v1/models/scale:predict"]))
-async def test_arbitrary_json_never_5xx(fuzz_client: TestClient, value: Any, path: str) -> None:
+async def test_arbitrary_json_never_5xx(fuzz_client: Client, value: Any, path: str) -> None:
     await check(fuzz_client, path, json.dumps(value).encode())
 
 
@@ -125,7 +126,7 @@ async def test_arbitrary_json_never_5xx(fuzz_client: TestClient, value: Any, pat
 @given(
     raw=st.binary(max_size=200), path=st.sampled_from(["/v2/models/scale/infer", "/v1/models/scale:predict"])
 )
-async def test_arbitrary_bytes_never_5xx(fuzz_client: TestClient, raw: bytes, path: str) -> None:
+async def test_arbitrary_bytes_never_5xx(fuzz_client: Client, raw: bytes, path: str) -> None:
     await check(fuzz_client, path, raw)
 
 
@@ -135,7 +136,7 @@ paths = st.sampled_from(["/v2/models/scale/infer", "/v1/models/scale:predict"])
 @FUZZ
 @given(body=v2_bodies() | v1_bodies(), junk=st.binary(min_size=1, max_size=4), where=st.integers(0, 10_000))
 async def test_invalid_utf8_inside_strings_never_5xx(
-    fuzz_client: TestClient, body: dict[str, Any], junk: bytes, where: int
+    fuzz_client: Client, body: dict[str, Any], junk: bytes, where: int
 ) -> None:
     raw = json.dumps(body).encode()
     quotes = [i for i, c in enumerate(raw) if c == ord('"')]
@@ -147,7 +148,7 @@ async def test_invalid_utf8_inside_strings_never_5xx(
 
 @FUZZ
 @given(dims=st.integers(20, 100), datatype=st.sampled_from(["FP32", "BYTES", "INT64"]))
-async def test_shapes_of_many_dimensions_never_5xx(fuzz_client: TestClient, dims: int, datatype: str) -> None:
+async def test_shapes_of_many_dimensions_never_5xx(fuzz_client: Client, dims: int, datatype: str) -> None:
     value: Any = "a" if datatype == "BYTES" else 1
     body = {"inputs": [{"name": "x", "shape": [1] * dims, "datatype": datatype, "data": [value]}]}
     await check(fuzz_client, "/v2/models/scale/infer", json.dumps(body).encode())
@@ -160,7 +161,7 @@ async def test_shapes_of_many_dimensions_never_5xx(fuzz_client: TestClient, dims
     path=paths,
 )
 async def test_corrupt_compressed_bodies_never_5xx(
-    fuzz_client: TestClient, raw: bytes, encoding: str, path: str
+    fuzz_client: Client, raw: bytes, encoding: str, path: str
 ) -> None:
     await check(fuzz_client, path, raw, {"Content-Encoding": encoding})
 
@@ -168,7 +169,7 @@ async def test_corrupt_compressed_bodies_never_5xx(
 @FUZZ
 @given(body=v2_bodies(), cut=st.integers(1, 60), encoding=st.sampled_from(["gzip", "deflate", "br"]))
 async def test_truncated_compressed_bodies_never_5xx(
-    fuzz_client: TestClient, body: dict[str, Any], cut: int, encoding: str
+    fuzz_client: Client, body: dict[str, Any], cut: int, encoding: str
 ) -> None:
     raw = json.dumps(body).encode()
     if encoding == "br":

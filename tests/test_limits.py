@@ -21,7 +21,7 @@ from app.serving.dataplane import effective_timeout_s
 from app.serving.lifecycle import begin_drain
 from app.serving.state import REGISTRY, ModelEntry
 from app.settings import Settings
-from tests.conftest import eventually
+from tests.conftest import Client, MakeClient, eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
@@ -43,8 +43,8 @@ async def error_of(resp: Any) -> str:
     return str(body["error"])
 
 
-async def test_items_per_request_cap_both_protocols(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_items_per_request=3)
+async def test_items_per_request_cap_both_protocols(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_items_per_request=3)
     assert (await client.post(V2, json=v2_body(3))).status == 200
     resp = await client.post(V2, json=v2_body(4))
     assert resp.status == 413
@@ -54,8 +54,8 @@ async def test_items_per_request_cap_both_protocols(make_client, scale_repo: Pat
     assert resp.status == 413 and "at most 3" in await error_of(resp)
 
 
-async def test_string_bytes_cap_counts_utf8_bytes(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_string_bytes=8)
+async def test_string_bytes_cap_counts_utf8_bytes(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_string_bytes=8)
     ok = await client.post(V2, json=v2_body(2, ["héllo", "12345678"]))  # 6 and 8 bytes
     assert ok.status == 200, await ok.text()
     resp = await client.post(V2, json=v2_body(2, ["ok", "ééééé"]))  # 10 bytes, 5 characters
@@ -66,8 +66,8 @@ async def test_string_bytes_cap_counts_utf8_bytes(make_client, scale_repo: Path)
     assert resp.status == 413
 
 
-async def test_json_depth_cap_before_decoding(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_json_depth=6)
+async def test_json_depth_cap_before_decoding(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_json_depth=6)
     assert (await client.post(V2, json=v2_body(1))).status == 200  # depth 4
     deep = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [[[[[1]]]]]}]}
     resp = await client.post(V2, json=deep)
@@ -78,9 +78,9 @@ async def test_json_depth_cap_before_decoding(make_client, scale_repo: Path) -> 
     assert resp.status == 400 and "SCORING_MAX_JSON_DEPTH" in await error_of(resp)
 
 
-async def test_deep_json_past_the_recursion_limit_is_a_400_not_a_500(make_client, scale_repo: Path) -> None:
+async def test_deep_json_past_the_recursion_limit_is_a_400_not_a_500(make_client: MakeClient, scale_repo: Path) -> None:
     # A depth limit above Python's recursion limit leaves msgspec's RecursionError as the guard.
-    client = await make_client(scale_repo, max_json_depth=1_000_000)
+    client: Client = await make_client(scale_repo, max_json_depth=1_000_000)
     for path in (V1, V2):
         body = b'{"inputs": ' + b"[" * 50_000 + b"]" * 50_000 + b"}"
         resp = await client.post(path, data=body, headers=JSON)
@@ -99,14 +99,14 @@ def test_json_depth_ignores_brackets_inside_strings() -> None:
         check_json_depth(b"[[[1]]]", 2)
 
 
-async def test_body_size_cap_is_a_json_413(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_request_bytes=4096)
+async def test_body_size_cap_is_a_json_413(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_request_bytes=4096)
     resp = await client.post(V2, data=b" " * 5000, headers=JSON)
     assert resp.status == 413 and "too large" in await error_of(resp)
 
 
-async def test_header_limits_431_and_the_parser_backstop(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_header_bytes=512, max_headers=12)
+async def test_header_limits_431_and_the_parser_backstop(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_header_bytes=512, max_headers=12)
     assert (await client.get("/v2/health/live", headers={"X-Big": "a" * 400})).status == 200
     resp = await client.get("/v2/health/live", headers={"X-Big": "a" * 600})
     assert resp.status == 431 and "'X-Big'" in await error_of(resp)
@@ -118,6 +118,12 @@ async def test_header_limits_431_and_the_parser_backstop(make_client, scale_repo
     # Over twice the limit, aiohttp's parser refuses the header before the app sees it.
     resp = await client.get("/v2/health/live", headers={"X-Big": "a" * 1100})
     assert resp.status == 400
+
+
+def port_of(client: Client) -> int:
+    """The TCP port the in-process server listens on."""
+    assert client.port is not None
+    return client.port
 
 
 async def raw_requests(port: int, count: int) -> list[str]:
@@ -139,23 +145,23 @@ async def raw_requests(port: int, count: int) -> list[str]:
     return seen
 
 
-async def test_requests_per_connection_cap(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_requests_per_connection=3)
-    assert await raw_requests(client.port, 5) == ["keep-alive", "keep-alive", "close"]
-    unlimited = await make_client(scale_repo, max_requests_per_connection=0)
-    assert await raw_requests(unlimited.port, 5) == ["keep-alive"] * 5
+async def test_requests_per_connection_cap(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_requests_per_connection=3)
+    assert await raw_requests(port_of(client), 5) == ["keep-alive", "keep-alive", "close"]
+    unlimited: Client = await make_client(scale_repo, max_requests_per_connection=0)
+    assert await raw_requests(port_of(unlimited), 5) == ["keep-alive"] * 5
 
 
-async def test_draining_serves_but_closes_every_connection(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
-    assert await raw_requests(client.port, 2) == ["keep-alive", "keep-alive"]
+async def test_draining_serves_but_closes_every_connection(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
+    assert await raw_requests(port_of(client), 2) == ["keep-alive", "keep-alive"]
     begin_drain(client.app, "test")
     assert client.app[REGISTRY].draining
     assert (await client.get("/v2/health/ready")).status == 503
     resp = await client.post(V2, json=v2_body(1))  # requests that still arrive are served
     assert resp.status == 200 and resp.headers["Connection"] == "close"
     assert json.loads(await resp.text())["outputs"][0]["data"] == [2.0, 4.0]
-    assert await raw_requests(client.port, 2) == ["close"]
+    assert await raw_requests(port_of(client), 2) == ["close"]
 
 
 # --- request bodies: time limit, aborted uploads, undecodable bodies ----------------------
@@ -195,10 +201,10 @@ async def exchange(port: int, data: bytes, timeout_s: float = 30.0) -> tuple[int
     ids=["stalled", "huge-content-length", "huge-chunk"],
 )
 async def test_a_body_too_slow_is_408_and_the_connection_closes(
-    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture, data: bytes
+    make_client: MakeClient, scale_repo: Path, caplog: pytest.LogCaptureFixture, data: bytes
 ) -> None:
-    client = await make_client(scale_repo, **SLOW)
-    status, response = await exchange(client.port, data)  # returns: the server closed it
+    client: Client = await make_client(scale_repo, **SLOW)
+    status, response = await exchange(port_of(client), data)  # returns: the server closed it
     assert status == 408 and b"Connection: close" in response
     assert b"request body too slow" in response
     m = await (await client.get("/metrics")).text()
@@ -206,8 +212,8 @@ async def test_a_body_too_slow_is_408_and_the_connection_closes(
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
-async def test_a_body_at_the_minimum_rate_is_read(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, **SLOW)
+async def test_a_body_at_the_minimum_rate_is_read(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, **SLOW)
     body = json.dumps(v2_body(1)).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
     try:
@@ -224,9 +230,9 @@ async def test_a_body_at_the_minimum_rate_is_read(make_client, scale_repo: Path)
 
 
 async def test_an_aborted_upload_is_not_a_server_error(
-    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture
+    make_client: MakeClient, scale_repo: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    client = await make_client(scale_repo)
+    client: Client = await make_client(scale_repo)
     for _ in range(5):
         _, writer = await asyncio.open_connection("127.0.0.1", client.port)
         writer.write(raw_post(b'{"inputs": [', length=5000))
@@ -252,33 +258,33 @@ async def test_an_aborted_upload_is_not_a_server_error(
     ],
 )
 async def test_a_corrupt_compressed_body_is_400(
-    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture, encoding: bytes, body: bytes
+    make_client: MakeClient, scale_repo: Path, caplog: pytest.LogCaptureFixture, encoding: bytes, body: bytes
 ) -> None:
-    client = await make_client(scale_repo)
-    status, response = await exchange(client.port, raw_post(body, b"Content-Encoding: " + encoding))
+    client: Client = await make_client(scale_repo)
+    status, response = await exchange(port_of(client), raw_post(body, b"Content-Encoding: " + encoding))
     assert status == 400 and b"request body cannot be decoded" in response
     assert "Traceback" not in caplog.text
 
 
 async def test_what_the_parser_refuses_is_its_400_without_a_traceback(
-    make_client, scale_repo: Path, caplog: pytest.LogCaptureFixture
+    make_client: MakeClient, scale_repo: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     # zstd without backports.zstd, refused with the headers; a deflate body cut short, seen
     # at the end of the message: aiohttp's parser answers both before the app runs (a
     # plain-text 400, like the header backstop above), and its traceback is demoted.
-    client = await make_client(scale_repo)
+    client: Client = await make_client(scale_repo)
     truncated = zlib.compress(json.dumps(v2_body(1)).encode())[:-4]
     for data in (
         raw_post(b"(\xb5/\xfd", b"Content-Encoding: zstd"),
         raw_post(truncated, b"Content-Encoding: deflate"),
     ):
-        status, _ = await exchange(client.port, data)
+        status, _ = await exchange(port_of(client), data)
         assert status == 400
     assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_invalid_utf8_and_too_many_dimensions_are_400(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_invalid_utf8_and_too_many_dimensions_are_400(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     text = b'{"inputs":[{"name":"tag","shape":[1],"datatype":"BYTES","data":["\xff\xfe"]}]}'
     for path in (V2, V1):
         body = text if path == V2 else b'{"instances":[{"x":[1,2],"tag":"\xff"}]}'
@@ -305,11 +311,11 @@ def test_effective_timeout_clips_to_the_model_then_the_server_maximum(tmp_path: 
     assert effective_timeout_s(settings, entry, None) == 0.5  # the default is clipped too
 
 
-async def test_a_huge_client_deadline_is_clipped(make_client, tmp_path: Path) -> None:
+async def test_a_huge_client_deadline_is_clipped(make_client: MakeClient, tmp_path: Path) -> None:
     gate = threading.Event()
     ScaleHandler.GATES["clip"] = gate
     write_scale_model(tmp_path, "scale", hang_on=7.0, hang_gate="clip")
-    client = await make_client(tmp_path, max_request_timeout_ms=200, hung_inference_s=0)
+    client: Client = await make_client(tmp_path, max_request_timeout_ms=200, hung_inference_s=0)
     stuck = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [7.0, 7.0]}]}
     try:
         resp = await client.post(V2, json=stuck, headers={"X-Request-Timeout-Ms": "1e308"})
@@ -321,8 +327,8 @@ async def test_a_huge_client_deadline_is_clipped(make_client, tmp_path: Path) ->
         gate.set()
 
 
-async def test_overload_is_refused_before_the_body_is_decoded(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, request_timeout_ms=1000)
+async def test_overload_is_refused_before_the_body_is_decoded(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, request_timeout_ms=1000)
     batcher = client.app[REGISTRY].get("scale").batcher
     assert batcher is not None
     batcher.rate.observe(1, 10.0)  # 0.1 items/s: one item takes 10 s, past any default deadline

@@ -20,14 +20,16 @@ from openapi_spec_validator import validate
 from app.http.openapi import main as openapi_main
 from app.http.openapi import render
 from app.http.routes import OPENAPI
+from tests.conftest import Client, MakeClient
 from tests.server import ROOT, Gunicorn
 from tests.toy_models import write_scale_model
 
 SPEC_PATH = ROOT / "app" / "openapi.json"
 
 
-def spec() -> dict:
-    return json.loads(SPEC_PATH.read_text())
+def spec() -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(SPEC_PATH.read_text())
+    return document
 
 
 def test_document_is_valid_openapi_3() -> None:
@@ -46,10 +48,10 @@ def validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator({**schema, "components": spec()["components"]})
 
 
-async def test_real_answers_validate_against_their_documented_schemas(make_client, scale_repo: Path) -> None:
+async def test_real_answers_validate_against_their_documented_schemas(make_client: MakeClient, scale_repo: Path) -> None:
     """Every documented 200 JSON answer of the in-process app matches the schema generated from
     the msgspec types, so the types and the handlers cannot drift apart."""
-    client = await make_client(scale_repo)
+    client: Client = await make_client(scale_repo)
     x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
     bodies = {
         "/v2/models/{name}/infer": {"inputs": [x], "id": "a"},
@@ -74,8 +76,8 @@ async def test_real_answers_validate_against_their_documented_schemas(make_clien
     assert checked == len(spec()["paths"]) - 2  # all but /metrics and /openapi.json
 
 
-async def test_served_at_openapi_json_and_covers_every_route(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_served_at_openapi_json_and_covers_every_route(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     resp = await client.get("/openapi.json")
     assert resp.status == 200 and resp.content_type == "application/json"
     assert await resp.read() == OPENAPI == SPEC_PATH.read_bytes()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.observability.metrics import METRICS
-from tests.conftest import eventually, wait_ready
+from tests.conftest import Client, MakeClient, eventually, wait_ready
 from tests.toy_models import ScaleHandler, TinyRanker, write_scale_model
 
 V2_INFER = "/v2/models/scale/infer"
@@ -25,8 +25,8 @@ def v2_body(x: list[list[float]], **extra: Any) -> dict[str, Any]:
     }
 
 
-async def test_v2_server_and_model_metadata(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_v2_server_and_model_metadata(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     meta = await (await client.get("/v2")).json()
     assert meta["name"] == "scoring-server" and meta["worker"]["device"] == "cpu"
     resp = await client.get("/v2/models/scale")
@@ -41,8 +41,8 @@ async def test_v2_server_and_model_metadata(make_client, scale_repo: Path) -> No
     assert (await client.get("/v2/health/ready")).status == 200
 
 
-async def test_v2_infer_flat_and_nested_data_echoes_id(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_v2_infer_flat_and_nested_data_echoes_id(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     nested = await client.post(V2_INFER, json=v2_body([[1, 2], [3, 4]], id="req-7"))
     assert nested.status == 200, await nested.text()
     body = await nested.json()
@@ -55,8 +55,8 @@ async def test_v2_infer_flat_and_nested_data_echoes_id(make_client, scale_repo: 
     assert "id" not in body2
 
 
-async def test_v2_requested_outputs_and_bytes_input(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_v2_requested_outputs_and_bytes_input(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     body = v2_body([[1, 1], [2, 2]], outputs=[{"name": "tag_length"}])
     body["inputs"].append({"name": "tag", "shape": [2], "datatype": "BYTES", "data": ["abc", "héllo"]})
     out = await (await client.post(V2_INFER, json=body)).json()
@@ -64,8 +64,8 @@ async def test_v2_requested_outputs_and_bytes_input(make_client, scale_repo: Pat
     assert out["outputs"][0]["data"] == [3, 6] and out["outputs"][0]["datatype"] == "INT64"
 
 
-async def test_v1_models_and_predict(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_v1_models_and_predict(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     assert await (await client.get("/v1/models")).json() == {"models": ["scale"]}
     assert await (await client.get("/v1/models/scale")).json() == {"name": "scale", "ready": True}
     resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2], [3, 4]]})
@@ -153,8 +153,15 @@ async def test_v1_models_and_predict(make_client, scale_repo: Path) -> None:
         ("/v1/models/scale:predict", {"predictions": []}, 400, "instances"),
     ],
 )
-async def test_bad_input_gets_a_clear_4xx(make_client, scale_repo, path, payload, status, fragment) -> None:
-    client = await make_client(scale_repo)
+async def test_bad_input_gets_a_clear_4xx(
+    make_client: MakeClient,
+    scale_repo: Path,
+    path: str,
+    payload: bytes | dict[str, Any],
+    status: int,
+    fragment: str,
+) -> None:
+    client: Client = await make_client(scale_repo)
     if isinstance(payload, bytes):
         resp = await client.post(path, data=payload, headers={"Content-Type": "application/json"})
     else:
@@ -166,8 +173,8 @@ async def test_bad_input_gets_a_clear_4xx(make_client, scale_repo, path, payload
     assert resp.headers["X-Request-Id"]
 
 
-async def test_wrong_content_type_is_415(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_wrong_content_type_is_415(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     resp = await client.post(
         V2_INFER, data=b"x=1", headers={"Content-Type": "application/x-www-form-urlencoded"}
     )
@@ -177,33 +184,33 @@ async def test_wrong_content_type_is_415(make_client, scale_repo: Path) -> None:
     assert resp.status == 415
 
 
-async def test_oversized_body_is_413(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, max_request_bytes=4096)
+async def test_oversized_body_is_413(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, max_request_bytes=4096)
     big = v2_body([[1.0, 2.0]] * 1000)
     resp = await client.post(V2_INFER, json=big)
     assert resp.status == 413
     assert "too large" in (await resp.json())["error"]
 
 
-async def test_unknown_route_and_method_are_json(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_unknown_route_and_method_are_json(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     resp = await client.get("/v3/nothing")
     assert resp.status == 404 and "error" in await resp.json()
     resp = await client.get(V2_INFER)
     assert resp.status == 405 and "error" in await resp.json()
 
 
-async def test_request_id_is_accepted_and_echoed(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_request_id_is_accepted_and_echoed(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     resp = await client.get("/v2/health/live", headers={"X-Request-Id": "abc-123"})
     assert resp.headers["X-Request-Id"] == "abc-123"
     resp = await client.get("/v2/health/live", headers={"X-Request-Id": "bad id\twith spaces"})
     assert resp.headers["X-Request-Id"] != "bad id\twith spaces"
 
 
-async def test_model_failure_is_500_naming_model_and_request(make_client, tmp_path: Path) -> None:
+async def test_model_failure_is_500_naming_model_and_request(make_client: MakeClient, tmp_path: Path) -> None:
     write_scale_model(tmp_path, "scale", fail_on=13.0)
-    client = await make_client(tmp_path)
+    client: Client = await make_client(tmp_path)
     resp = await client.post(V2_INFER, json=v2_body([[13, 13]]), headers={"X-Request-Id": "r-13"})
     assert resp.status == 500
     error = (await resp.json())["error"]
@@ -211,20 +218,20 @@ async def test_model_failure_is_500_naming_model_and_request(make_client, tmp_pa
     assert (await client.post(V2_INFER, json=v2_body([[1, 1]]))).status == 200
 
 
-async def test_timeout_header_gives_504(make_client, tmp_path: Path) -> None:
+async def test_timeout_header_gives_504(make_client: MakeClient, tmp_path: Path) -> None:
     write_scale_model(tmp_path, "scale", delay_ms=300.0, max_queue_delay_ms=0.0)
-    client = await make_client(tmp_path)
+    client: Client = await make_client(tmp_path)
     resp = await client.post(V2_INFER, json=v2_body([[1, 1]]), headers={"X-Request-Timeout-Ms": "50"})
     assert resp.status == 504
     resp = await client.post(V2_INFER, json=v2_body([[1, 1]], parameters={"timeout": 50_000}))
     assert resp.status == 504
 
 
-async def test_readiness_is_503_until_warmup_then_200(make_client, tmp_path: Path) -> None:
+async def test_readiness_is_503_until_warmup_then_200(make_client: MakeClient, tmp_path: Path) -> None:
     gate = threading.Event()
     ScaleHandler.GATES["ready-test"] = gate
     write_scale_model(tmp_path, "scale", load_gate="ready-test")
-    client = await make_client(tmp_path, wait=False)
+    client: Client = await make_client(tmp_path, wait=False)
     resp = await client.get("/v2/health/ready")
     assert resp.status == 503 and (await resp.json())["ready"] is False
     assert (await client.get("/v2/models/scale/ready")).status == 503
@@ -249,12 +256,12 @@ async def test_readiness_is_503_until_warmup_then_200(make_client, tmp_path: Pat
     assert (await client.post(V2_INFER, json=v2_body([[1, 1]]))).status == 200
 
 
-async def test_failed_model_load_keeps_readiness_503_with_the_error(make_client, tmp_path: Path) -> None:
+async def test_failed_model_load_keeps_readiness_503_with_the_error(make_client: MakeClient, tmp_path: Path) -> None:
     folder = write_scale_model(tmp_path, "scale")
     (folder / "model.toml").write_text(
         (folder / "model.toml").read_text().replace("tests.toy_models:ScaleHandler", "tests.toy_models:Nope")
     )
-    client = await make_client(tmp_path, wait=False)
+    client: Client = await make_client(tmp_path, wait=False)
     async def failed() -> dict[str, Any] | None:
         body: dict[str, Any] = await (await client.get("/v2/health/ready")).json()
         return body if "error" in body else None
@@ -264,8 +271,8 @@ async def test_failed_model_load_keeps_readiness_503_with_the_error(make_client,
 
 
 @pytest.mark.parametrize("name", ["ranker-pt2", "ranker-ts"])
-async def test_tensor_models_match_in_process_outputs(make_client, tensor_repo: Path, name: str) -> None:
-    client = await make_client(tensor_repo)
+async def test_tensor_models_match_in_process_outputs(make_client: MakeClient, tensor_repo: Path, name: str) -> None:
+    client: Client = await make_client(tensor_repo)
     features = np.random.default_rng(0).normal(size=(5, 4)).astype(np.float32)
     expected = TinyRanker().eval()(torch.from_numpy(features)).detach().numpy()
     body = {

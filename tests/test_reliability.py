@@ -8,6 +8,7 @@ import logging
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -15,22 +16,22 @@ from app.server.worker import SiblingStates
 from app.serving.executor import InferenceThread
 from app.serving.lifecycle import begin_drain
 from app.serving.state import LIFECYCLE, REGISTRY
-from tests.conftest import eventually
+from tests.conftest import Client, MakeClient, eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
 
 
 
-def body(x: float) -> dict:
+def body(x: float) -> dict[str, Any]:
     return {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [x, x]}]}
 
 
 async def test_hung_batch_is_reported_and_stops_the_worker(
-    make_client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make_client: MakeClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=1.5)
-    client = await make_client(tmp_path, hung_inference_s=0.3)
+    client: Client = await make_client(tmp_path, hung_inference_s=0.3)
     stops: list[str] = []
     client.app[LIFECYCLE].stop = stops.append
     with caplog.at_level(logging.ERROR, logger="app.serving.lifecycle"):
@@ -48,17 +49,17 @@ async def test_hung_batch_is_reported_and_stops_the_worker(
 
 
 async def test_watchdog_in_process_without_a_process_manager(
-    make_client, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    make_client: MakeClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=0.6)
-    client = await make_client(tmp_path, hung_inference_s=0.2)
+    client: Client = await make_client(tmp_path, hung_inference_s=0.2)
     with caplog.at_level(logging.WARNING, logger="app.serving.lifecycle"):
         assert (await client.post(V2, json=body(7.0))).status == 200
     assert "nothing restarts this process" in caplog.text
 
 
-async def test_fast_batches_never_trip_the_watchdog(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo, hung_inference_s=0.2)
+async def test_fast_batches_never_trip_the_watchdog(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, hung_inference_s=0.2)
     lifecycle = client.app[LIFECYCLE]
     for _ in range(5):
         assert (await client.post(V2, json=body(1.0))).status == 200
@@ -68,7 +69,7 @@ async def test_fast_batches_never_trip_the_watchdog(make_client, scale_repo: Pat
     assert (await client.get("/v2/health/live")).status == 200
 
 
-async def test_a_long_batch_of_one_model_does_not_hold_another(make_client, tmp_path: Path) -> None:
+async def test_a_long_batch_of_one_model_does_not_hold_another(make_client: MakeClient, tmp_path: Path) -> None:
     """Each model has its own inference thread: while "big" runs a batch that does not end
     until the test says so, "small" answers every request (with one shared thread, all of
     them would wait for the gate and get 504)."""
@@ -76,7 +77,7 @@ async def test_a_long_batch_of_one_model_does_not_hold_another(make_client, tmp_
     ScaleHandler.GATES["isolation"] = gate
     write_scale_model(tmp_path, "big", hang_on=7.0, hang_gate="isolation")
     write_scale_model(tmp_path, "small", max_batch_size=16, queue_capacity=256)
-    client = await make_client(tmp_path, hung_inference_s=0)
+    client: Client = await make_client(tmp_path, hung_inference_s=0)
     try:
         long = asyncio.ensure_future(client.post("/v2/models/big/infer", json=body(7.0)))
         big = client.app[REGISTRY].get("big").batcher
@@ -93,8 +94,8 @@ async def test_a_long_batch_of_one_model_does_not_hold_another(make_client, tmp_
     assert (await long).status == 200
 
 
-async def test_a_draining_worker_still_serves_what_reaches_it(make_client, scale_repo: Path) -> None:
-    client = await make_client(scale_repo)
+async def test_a_draining_worker_still_serves_what_reaches_it(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo)
     begin_drain(client.app, "test")
     resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2]]})
     assert resp.status == 200 and resp.headers["Connection"] == "close"
@@ -110,7 +111,12 @@ def test_inference_thread_runs_in_order_and_never_blocks_exit() -> None:
     with pytest.raises(ZeroDivisionError):
         failing.result(5)
     gate, running = threading.Event(), threading.Event()
-    stuck = executor.submit(lambda: (running.set(), gate.wait()))
+
+    def stuck_call() -> bool:
+        running.set()
+        return gate.wait()
+
+    stuck = executor.submit(stuck_call)
     queued = executor.submit(order.append, 99)
     assert running.wait(5)
     start = time.monotonic()

@@ -8,7 +8,7 @@ at least every ``timeout``; ``handle_exit``/``handle_quit``/``handle_abort``) wi
 aiohttp and asyncio names only. ``run()`` builds the app with the app factory, an
 ``aiohttp.web.AppRunner``, its own accept loop (:mod:`app.server.listener`, gunicorn's
 ``backlog`` stays as the master set it) and the balancing among siblings
-(:mod:`app.server.balance`, :mod:`app.server.loadtable`).
+(:mod:`app.server.membership`).
 
 **Drain** (SIGTERM from a HUP reload, a ``kill``, a full stop; a ``max_requests`` recycle;
 the app's own request after a hung batch):
@@ -37,7 +37,7 @@ recycle, a HUP reload) starts listening only once its models are warm
 (readiness 503 until warm).
 
 **Worker states** (:mod:`app.server.states`) for the above; **load** for balancing
-(:mod:`app.server.loadtable`).
+(:mod:`app.server.membership`, :mod:`app.server.loadtable`).
 """
 
 from __future__ import annotations
@@ -50,17 +50,15 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from gunicorn.workers.base import Worker
 
 from app.server import loadtable
 from app.server.listener import Listener, ssl_context
+from app.server.membership import Membership
 from app.server.states import DRAINING, LOADING, READY, STOPPING, SiblingStates, states_dir
-
-if TYPE_CHECKING:
-    from app.server.cluster import Cluster
 
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
@@ -100,9 +98,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
-        self._cluster: Cluster | None = None
-        self._table: loadtable.LoadTable | None = None
-        self._slot: int | None = None
+        self._membership = Membership(None, os.getpid())  # no balancing until init_process
         self._draining = False
         self._serving = threading.Event()
         self._stopped: asyncio.Event | None = None
@@ -121,13 +117,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         asyncio.set_event_loop(self.loop)
         run_dir = os.environ.get("SCORING_RUN_DIR")
         self._states = SiblingStates(states_dir(run_dir) if run_dir else None, os.getpid(), self.ppid)
-        if run_dir:
-            try:
-                self._table = loadtable.LoadTable(run_dir)
-                self._slot = self._table.claim(os.getpid())
-            except (OSError, RuntimeError) as exc:
-                log.warning("no load table in %s (%s): this worker does not balance", run_dir, exc)
-                self._table = None
+        self._membership = Membership(run_dir, os.getpid())
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
@@ -157,7 +147,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         try:
             self.loop.run_until_complete(self._serve())
         finally:
-            self._release_slot()
+            self._membership.release()
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
         sys.exit(self.exit_code)
@@ -177,7 +167,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self.alive = False
         self.exit_code = 1
         self.cfg.worker_abort(self)
-        self._release_slot()
+        self._membership.release()
         sys.exit(1)
 
     # --- boot ---------------------------------------------------------------------
@@ -209,8 +199,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
         server = runner.server
         assert server is not None
-        cluster = await self._join_siblings(server)
-        balancer = cluster.balancer if cluster is not None else None
+        balancer = await self._membership.join(app, server)
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
@@ -225,21 +214,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await self._tick_until_stopped()
         self._listener.stop()
         await runner.cleanup()
-        if cluster is not None:
-            await cluster.close()
-
-    async def _join_siblings(self, server: web.Server) -> Cluster | None:
-        from app.server.cluster import Cluster, count_items, enabled
-
-        assert self._app is not None
-        run_dir = os.environ.get("SCORING_RUN_DIR")
-        if self._table is None or self._slot is None or not run_dir or not enabled(self._app):
-            count_items(self._app)
-            return None
-        cluster = Cluster(self._app, server, self._table, self._slot, run_dir)
-        await cluster.start()
-        self._cluster = cluster
-        return cluster
+        await self._membership.close()
 
     def _attach(self, app: web.Application) -> None:
         from app.serving.state import LIFECYCLE
@@ -254,8 +229,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
 
     async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
         """Shed this connection when a less-loaded sibling should take it (app.server.balance)."""
-        cluster = self._cluster
-        if cluster is not None and cluster.shed_now(self._draining):
+        if self._membership.shed_now(self._draining):
             response.headers["Connection"] = "close"
             response.force_close()
 
@@ -315,24 +289,16 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 await asyncio.wait_for(stopped.wait(), _TICK_S)
 
     def _publish_load(self, state: int) -> None:
-        cluster, listener = self._cluster, self._listener
-        if cluster is None:
-            if self._table is not None and self._slot is not None:
-                self._table.set_state(self._slot, state)
-                self._table.beat(self._slot)
-            return
-        cluster.tick(state)
-        if listener is not None and listener.listening and listener.paused and cluster.balancer.may_accept():
+        self._membership.tick(state)
+        balancer, listener = self._membership.balancer, self._listener
+        if listener is not None and listener.listening and listener.paused and (
+            balancer is not None and balancer.may_accept()
+        ):
             listener.resume()
 
     def _wake(self) -> None:
         if self._stopped is not None:
             self._stopped.set()
-
-    def _release_slot(self) -> None:
-        if self._table is not None and self._slot is not None:
-            self._table.release(self._slot, os.getpid())
-            self._slot = None
 
     # --- drain --------------------------------------------------------------------
 
@@ -353,8 +319,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         begin_drain(self._app, reason)
         assert self._states is not None
         self._states.publish(DRAINING)
-        if self._table is not None and self._slot is not None:
-            self._table.set_state(self._slot, loadtable.DRAINING)
+        self._membership.draining()
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
