@@ -16,7 +16,7 @@ build than dataclasses; nothing is validated on construction).
 from __future__ import annotations
 
 import math
-import os
+import random
 import re
 from typing import Any
 
@@ -36,11 +36,12 @@ _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 def request_id(*candidates: str) -> str:
     """The first candidate that is a sane request id (1-128 of ``[A-Za-z0-9._:-]``), else a
-    new one: 128 random bits as 32 hex digits (a UUID4's entropy without building a UUID)."""
+    new one: 128 random bits as 32 hex digits. An id names a request in logs and errors; it is
+    no secret, so it comes from ``random`` (reseeded in each forked worker), not a syscall."""
     for candidate in candidates:
         if candidate and _VALID_REQUEST_ID.match(candidate):
             return candidate
-    return os.urandom(16).hex()
+    return f"{random.getrandbits(128):032x}"
 
 _DEFAULT_LIMITS = RequestLimits()
 

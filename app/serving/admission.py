@@ -131,11 +131,13 @@ class ItemCosts:
         self.each: int | None = None
         #: Cumulative bytes, int64 ``[B + 1]``, when some input is BYTES, else None.
         self.cumulative: np.ndarray | None = None
-        if any(arr.dtype == object for arr in inputs.values()):
-            self.cumulative = cumulative_costs(inputs)
-        else:
-            size = max(1, len(next(iter(inputs.values()))))
-            self.each = sum(arr.nbytes for arr in inputs.values()) // size
+        total = 0
+        for arr in inputs.values():
+            if arr.dtype.hasobject:
+                self.cumulative = cumulative_costs(inputs)
+                return
+            total += arr.nbytes
+        self.each = total // max(1, len(next(iter(inputs.values()))))
 
     def largest(self) -> int:
         """The bytes of the costliest item."""

@@ -183,10 +183,11 @@ class DynamicBatcher:
 
         Its size is not known yet: it is taken as the smallest of the last requests (a model
         under a storm of 64-item requests refuses the next one as if it had 64 items; one
-        smaller request lowers the bar for those after it). With nothing queued there is no
-        storm to refuse cheaply: the full admission after decoding judges the request.
+        smaller request lowers the bar for those after it). With less than a full batch queued
+        there is no storm to refuse cheaply (decoding what waits costs at most one batch): the
+        full admission after decoding judges the request.
         """
-        if not self._queued_items:
+        if self._queued_items < self.max_batch_size:
             return None
         return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
 
