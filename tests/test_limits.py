@@ -18,7 +18,7 @@ import pytest
 from app.models.repository import read_config
 from app.protocols.limits import check_json_depth
 from app.serving.dataplane import effective_timeout_s
-from app.serving.lifecycle import begin_drain
+from app.serving.lifecycle import EXECUTORS, begin_drain
 from app.serving.state import REGISTRY, ModelEntry
 from app.settings import Settings
 from tests.conftest import Client, MakeClient, eventually
@@ -331,12 +331,27 @@ async def test_overload_is_refused_before_the_body_is_decoded(make_client: MakeC
     client: Client = await make_client(scale_repo, request_timeout_ms=1000)
     batcher = client.app[REGISTRY].get("scale").batcher
     assert batcher is not None
+    # An idle model: the request is decoded and judged in full (early refusal waits for a
+    # storm: a full batch queued), so malformed JSON is the client's 400.
+    resp = await client.post(V2, data=b"{not json at all", headers=JSON)
+    assert resp.status == 400
+    # Hold the inference thread and queue one full batch (one item per request).
+    held = threading.Event()
+    client.app[EXECUTORS]["scale"].submit(held.wait, 30)
+    one = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
+    first = asyncio.create_task(client.post(V2, json=one))  # runs (and waits) first
+    await eventually(lambda: batcher.running_batch is not None)
+    queued = [asyncio.create_task(client.post(V2, json=one)) for _ in range(batcher.max_batch_size)]
+    await eventually(lambda: batcher.queued_items == batcher.max_batch_size)
     batcher.rate.observe(1, 10.0)  # 0.1 items/s: one item takes 10 s, past any default deadline
     resp = await client.post(V2, data=b"{not json at all", headers=JSON)
     assert resp.status == 503 and "cannot take another request" in await error_of(resp)
-    assert resp.headers["Retry-After"] == "1"  # nothing queued: the backlog is small
+    assert int(resp.headers["Retry-After"]) >= 1
     # A deadline the work fits is judged by the full admission, after decoding: the 400.
     resp = await client.post(V2, data=b"{not json at all", headers={**JSON, "X-Request-Timeout-Ms": "60000"})
     assert resp.status == 400
+    held.set()
+    for task in [first, *queued]:
+        (await task).release()
     m = await (await client.get("/metrics")).text()
     assert 'scoring_rejected_total{model="scale",reason="admission",version="1"} 1.0' in m
