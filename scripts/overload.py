@@ -12,8 +12,9 @@ scenario:
 2. overloads it: ``connections`` closed-loop clients for ``--duration-s`` seconds. The
    clients are adversarial: they resend at once after any answer, ignoring Retry-After;
 3. reports goodput (200s/s) against the capacity, the count of every status (503
-   admission/queue refusals, 504 deadlines), the p50/p99 latency of the 200s and the p99 of
-   the 503s, and the workers' RSS before and after (psutil).
+   admission/queue refusals, 504 deadlines), the p50/p99 latency of the 200s and of the 503s
+   (from the request's send: a reconnect after the server closed the connection is timed
+   apart, with the count of reconnects), and the workers' RSS before and after (psutil).
 
 Scenarios (``--scenarios``, comma-separated):
 
@@ -82,6 +83,8 @@ class Tally:
 
     latencies: dict[int, list[float]] = field(default_factory=dict)
     errors: Counter[str] = field(default_factory=Counter)
+    #: Seconds each (re)connect took (after the server closed a connection), not in latencies.
+    connects: list[float] = field(default_factory=list)
 
     @classmethod
     def of(cls, answers: list[harness.Answer]) -> Tally:
@@ -152,6 +155,7 @@ async def drive(
     the others resend at once."""
     bodies = {m: body(scenario.items, m, text_chars) for m in scenario.models}
     conns = [harness.Connection(port) for _ in range(connections)]
+    connects: list[float] = []
     start = time.perf_counter()
     stop_at = start + seconds
 
@@ -162,6 +166,8 @@ async def drive(
         try:
             if not conn.usable():
                 await conn.open()
+                connects.append(time.perf_counter() - began)
+                began = time.perf_counter()  # an answer's latency runs from its request
             status, headers, _ = await asyncio.wait_for(
                 conn.request("POST", f"/v2/models/{model}/infer", bodies[model]), 60
             )
@@ -178,7 +184,9 @@ async def drive(
     answers = await harness.closed_loop(request, connections, stop_at)
     for conn in conns:
         conn.close()
-    return Tally.of(answers), time.perf_counter() - start
+    tally = Tally.of(answers)
+    tally.connects = connects[connections:]  # the first connect of each client is no reconnect
+    return tally, time.perf_counter() - start
 
 
 async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
@@ -208,7 +216,12 @@ async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse
         "wire_errors": dict(load.errors),
         "ok_p50_ms": load.p(200, 50),
         "ok_p99_ms": load.p(200, 99),
+        "rejected_p50_ms": load.p(503, 50),
         "rejected_p99_ms": load.p(503, 99),
+        "reconnects": len(load.connects),
+        "reconnect_p99_ms": (
+            round(harness.percentiles(load.connects, (99,))[0] * 1000, 1) if load.connects else None
+        ),
         "rss_start_mib": rss_start,
         "rss_end_mib": rss_end,
         "rss_max_growth": round(max(growth), 3) if growth else None,
@@ -261,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{r['scenario']}: capacity {r['capacity_rps']} req/s, goodput {r['goodput_rps']} req/s "
             f"({r['goodput_of_capacity']}), statuses {r['statuses']}, wire errors {r['wire_errors']}, "
-            f"200 p50/p99 {r['ok_p50_ms']}/{r['ok_p99_ms']} ms, 503 p99 {r['rejected_p99_ms']} ms, "
+            f"200 p50/p99 {r['ok_p50_ms']}/{r['ok_p99_ms']} ms, 503 p50/p99 {r['rejected_p50_ms']}/"
+            f"{r['rejected_p99_ms']} ms, {r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
             f"RSS {r['rss_start_mib']} -> {r['rss_end_mib']} MiB"
         )
     if args.json:

@@ -152,6 +152,30 @@ async def test_requests_per_connection_cap(make_client: MakeClient, scale_repo: 
     assert await raw_requests(port_of(unlimited), 5) == ["keep-alive"] * 5
 
 
+async def test_a_client_that_ignores_retry_after_pays_a_reconnect(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, request_timeout_ms=1000)
+    batcher = client.app[REGISTRY].get("scale").batcher
+    assert batcher is not None
+    batcher.rate.observe(1, 10.0)  # one item takes 10 s: every request is refused (503)
+    body = json.dumps(v2_body(1)).encode()
+    request = (
+        f"POST {V2} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
+    reader, writer = await asyncio.open_connection("127.0.0.1", port_of(client))
+    seen = []
+    try:
+        for _ in range(2):  # the second at once, inside the first one's Retry-After
+            writer.write(request)
+            head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
+            await reader.readexactly(int(head.split("content-length:")[1].split("\r\n")[0]))
+            seen.append((int(head.split()[1]), "close" if "connection: close" in head else "keep-alive"))
+        assert await reader.read() == b""  # the server closed the connection
+    finally:
+        writer.close()
+    assert seen == [(503, "keep-alive"), (503, "close")]
+
+
 async def test_draining_serves_but_closes_every_connection(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo)
     assert await raw_requests(port_of(client), 2) == ["keep-alive", "keep-alive"]

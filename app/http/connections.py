@@ -9,7 +9,12 @@ it) when
   closing, and sees a reset);
 - the connection has served ``max_requests_per_connection`` requests (nginx's
   ``keepalive_requests``): long-lived clients spread over workers again, and no
-  connection lives forever.
+  connection lives forever;
+- it is a 503 to a client that ignored the ``Retry-After`` of the previous 503 on the same
+  connection: under overload a client that resends at once would otherwise cost the server
+  a whole request (its body read, its refusal written) every round trip, thousands a second,
+  and take the CPU the models need. The first 503 keeps the connection; an impatient client
+  pays a reconnect for each further try. Measured in docs/reliability.md (overload).
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). Runs as an ``on_response_prepare`` signal, so it sees every
@@ -20,6 +25,7 @@ worker's ``max_requests`` recycling (``app.server.worker``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import weakref
 
 from aiohttp import web
@@ -28,11 +34,14 @@ from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS
 
 #: Requests answered per connection, keyed by its transport (gone with the connection).
 _PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
+#: Per connection, the loop time until which its last 503 asked the client to wait.
+_RETRY_AFTER = web.AppKey("retry_after_per_connection", weakref.WeakKeyDictionary)
 
 
 def setup_connections(app: web.Application) -> None:
     """Install the keep-alive policy on ``app``."""
     app[_PER_CONNECTION] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
+    app[_RETRY_AFTER] = weakref.WeakKeyDictionary[asyncio.BaseTransport, float]()
     app.on_response_prepare.append(_on_response_prepare)
 
 
@@ -42,14 +51,31 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
     if app[REGISTRY].draining:
         _close_after(response)
         return
-    cap = app[SETTINGS].max_requests_per_connection
     transport = request.transport
+    if response.status == 503 and transport is not None and _impatient(app, transport, response):
+        _close_after(response)
+        return
+    cap = app[SETTINGS].max_requests_per_connection
     if cap and transport is not None:
         counts = app[_PER_CONNECTION]
         served = counts.get(transport, 0) + 1
         counts[transport] = served
         if served >= cap:
             _close_after(response)
+
+
+def _impatient(app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse) -> bool:
+    """Whether this 503 answers a client that came back before the ``Retry-After`` of the
+    previous 503 on its connection; records this one's."""
+    retry_after = response.headers.get("Retry-After")
+    if retry_after is None:
+        return False
+    now = asyncio.get_running_loop().time()
+    waits = app[_RETRY_AFTER]
+    impatient = now < waits.get(transport, 0.0)
+    with contextlib.suppress(ValueError):
+        waits[transport] = now + float(retry_after)
+    return impatient
 
 
 def _close_after(response: web.StreamResponse) -> None:
