@@ -72,7 +72,7 @@ def _impatient(app: web.Application, transport: asyncio.BaseTransport, response:
         return False
     now = asyncio.get_running_loop().time()
     waits = app[_RETRY_AFTER]
-    impatient = now < waits.get(transport, 0.0)
+    impatient: bool = now < waits.get(transport, 0.0)
     with contextlib.suppress(ValueError):
         waits[transport] = now + float(retry_after)
     return impatient
