@@ -144,7 +144,7 @@ class ServerMetrics:
             ["pid"], multiprocess_mode="liveall", registry=r,
         )  # fmt: skip
         self.worker_items = Counter(
-            "scoring_worker_items", "Inference items answered by one worker (any outcome).",
+            "scoring_worker_items", "Inference items one worker computed (counted per batch).",
             ["pid"], registry=r,
         )  # fmt: skip
         self.scattered = Counter(
@@ -232,8 +232,10 @@ class BatchMetrics:
         self._items = metrics.batch_size.labels(model, version)
         self._requests = metrics.batch_requests.labels(model, version)
         self._depth = metrics.queue_depth.labels(model, version)
+        self._worker_items = metrics.worker_items.labels(str(os.getpid()))
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
+        self._worker_items.inc(items)
         self._items.observe(items)
         self._requests.observe(requests)
         self._queue.observe(queue_s)

@@ -62,15 +62,7 @@ class Cluster:
             (lambda _pid: shed.inc()) if shed is not None else None,
         )
         registry = app[REGISTRY]
-        items_done = metrics.worker_items.labels(label) if metrics is not None else None
-        balancer = self.balancer
-
-        def on_load(delta: int) -> None:
-            balancer.add_items(delta)
-            if delta < 0 and items_done is not None:
-                items_done.inc(-delta)
-
-        registry.on_load = on_load
+        registry.on_load = self.balancer.add_items
         self.peers = PeerClient(self.run_dir)
         self._internal: web.AppRunner | None = None
         self._load_gauge = metrics.worker_load_items.labels(label) if metrics is not None else None
@@ -122,20 +114,6 @@ class Cluster:
             self._internal = None
         socket_path(self.run_dir, self.pid).unlink(missing_ok=True)
         await self.peers.close()
-
-
-def count_items(app: web.Application) -> None:
-    """Without balancing: still count the items each worker answers (``scoring_worker_items``)."""
-    metrics = app.get(METRICS)
-    if metrics is None:
-        return
-    items_done = metrics.worker_items.labels(str(os.getpid()))
-
-    def on_load(delta: int) -> None:
-        if delta < 0:
-            items_done.inc(-delta)
-
-    app[REGISTRY].on_load = on_load
 
 
 def enabled(app: web.Application) -> bool:

@@ -59,12 +59,11 @@ class Membership:
         return self.cluster.balancer if self.cluster is not None else None
 
     async def join(self, app: web.Application, server: web.Server) -> Balancer | None:
-        """Join the cluster (after the app's startup: its registry exists), or only count the
-        items the worker answers when it does not balance. Returns the balancer, or None."""
-        from app.server.cluster import Cluster, count_items, enabled
+        """Join the cluster (after the app's startup: its registry exists) when the worker
+        balances. Returns the balancer, or None."""
+        from app.server.cluster import Cluster, enabled
 
         if self.table is None or self.slot is None or not self.run_dir or not enabled(app):
-            count_items(app)
             return None
         cluster = Cluster(app, server, self.table, self.slot, self.run_dir)
         await cluster.start()
