@@ -32,12 +32,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from app.errors import (
-    ClientDisconnected,
     DeadlineExceeded,
     InferenceFailed,
     InsufficientStorage,
@@ -48,6 +46,7 @@ from app.errors import (
 )
 from app.models.segment import Segment, outputs_between
 from app.serving.admission import ItemCosts, ServiceRate
+from app.serving.chunks import Chunk, ChunkQueue, QueuedRequest, Tensors, assemble, concat
 from app.serving.observer import BatchObserver, NullObserver, RunningBatch
 
 log = logging.getLogger(__name__)
@@ -59,32 +58,8 @@ ADMISSION_HEADROOM = 0.8
 #: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
 _RECENT_REQUESTS = 32
 
-Tensors = dict[str, np.ndarray]
 #: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
 BatchFn = Callable[[Mapping[str, np.ndarray]], list[Segment]]
-
-
-@dataclass(eq=False)
-class _Request:
-    inputs: Mapping[str, np.ndarray]
-    size: int
-    deadline: float  # loop.time() seconds
-    arrival: float
-    request_id: str
-    is_disconnected: Callable[[], bool] | None
-    future: asyncio.Future[Tensors]
-    costs: ItemCosts | None  # input bytes per item; None without a batch cost bound
-    queued: int = 0  # items still waiting in the queue
-    pending: int = 0  # items not yet computed
-    parts: list[tuple[int, Tensors]] = field(default_factory=list)
-    dead: bool = False
-
-
-@dataclass(eq=False)
-class _Chunk:
-    request: _Request
-    start: int
-    stop: int
 
 
 class DynamicBatcher:
@@ -125,14 +100,13 @@ class DynamicBatcher:
         self.rate = ServiceRate()
         self._recent_sizes: deque[int] = deque(maxlen=_RECENT_REQUESTS)
         self._observer: BatchObserver = observer or NullObserver()
-        self._queue: deque[_Chunk] = deque()
-        self._queued_items = 0
+        self._queue = ChunkQueue()
         self._reported_depth = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         # (loop.time() at start, items, requests) of the batch running now; read by the
         # hung-inference watchdog (app.serving.lifecycle), so the hot path only stores a tuple.
-        self._running: tuple[float, int, dict[int, _Request]] | None = None
+        self._running: tuple[float, int, dict[int, QueuedRequest]] | None = None
 
     @property
     def running_batch(self) -> RunningBatch | None:
@@ -146,7 +120,7 @@ class DynamicBatcher:
     @property
     def queued_items(self) -> int:
         """Items waiting in the queue (excludes the batch now running)."""
-        return self._queued_items
+        return self._queue.items
 
     def start(self) -> None:
         """Start the batch-forming task on the running event loop."""
@@ -160,8 +134,8 @@ class DynamicBatcher:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        while self._queue:
-            self._fail(self._queue.popleft().request, QueueFull(f"model {self.model} is unloading"))
+        for request in self._queue.requests():
+            self._fail(request, QueueFull(f"model {self.model} is unloading"))
 
     def backlog_s(self, now: float, more: int = 0) -> float:
         """Expected seconds until the work already here, and ``more`` items after it, is done
@@ -172,7 +146,7 @@ class DynamicBatcher:
         if self._running is not None:
             started, items, _ = self._running
             rest = max(0.0, started + self.rate.seconds_for(items) - now)
-        queued = self._queued_items + more
+        queued = self._queue.items + more
         return rest + self.rate.seconds_for(queued, math.ceil(queued / self.max_batch_size)) + (
             self.max_queue_delay_s
         )
@@ -187,16 +161,16 @@ class DynamicBatcher:
         there is no storm to refuse cheaply (decoding what waits costs at most one batch): the
         full admission after decoding judges the request.
         """
-        if self._queued_items < self.max_batch_size:
+        if self._queue.items < self.max_batch_size:
             return None
         return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
 
     def _refusal(self, size: int, timeout_s: float, what: str) -> QueueFull | None:
         """The 503 for ``size`` more items due within ``timeout_s`` (counted), or None."""
         now = asyncio.get_running_loop().time()
-        if self._queued_items + size > self.queue_capacity:
+        if self._queue.items + size > self.queue_capacity:
             reason = "queue_full"
-            message = f"model {self.model} queue is full ({self._queued_items}/{self.queue_capacity} items)"
+            message = f"model {self.model} queue is full ({self._queue.items}/{self.queue_capacity} items)"
         else:
             expected_s = self.backlog_s(now, more=size)
             if expected_s <= ADMISSION_HEADROOM * timeout_s:
@@ -268,7 +242,7 @@ class DynamicBatcher:
             raise refusal
         loop = asyncio.get_running_loop()
         now = loop.time()
-        request = _Request(
+        request = QueuedRequest(
             inputs=inputs,
             size=size,
             deadline=now + timeout_s,
@@ -280,9 +254,8 @@ class DynamicBatcher:
             queued=size,
             pending=size,
         )
-        self._queue.append(_Chunk(request, 0, size))
-        self._queued_items += size
-        if self._queued_items - self._reported_depth >= self.max_batch_size:
+        self._queue.put(request)
+        if self._queue.items - self._reported_depth >= self.max_batch_size:
             self._report_depth()  # a backlog builds up behind a running batch
         self._wakeup.set()
         try:
@@ -302,59 +275,23 @@ class DynamicBatcher:
 
     # --- internals -----------------------------------------------------------
 
-    def _discard(self, request: _Request) -> None:
-        """Forget a request's queued items (lazily removed from the deque)."""
-        if not request.dead:
-            request.dead = True
-            if request.queued:  # it expired or its client left while queued
-                self._queued_items -= request.queued
-                request.queued = 0
-                self._report_depth()
+    def _discard(self, request: QueuedRequest) -> None:
+        """Forget a request: its queued items no longer count."""
+        if self._queue.forget(request):  # it expired or its client left while queued
+            self._report_depth()
 
-    def _fail(self, request: _Request, error: ScoringError) -> None:
+    def _fail(self, request: QueuedRequest, error: ScoringError) -> None:
         if not request.future.done():
             request.future.set_exception(error)
         self._discard(request)
 
-    def _live_head(self) -> _Chunk | None:
-        while self._queue and self._queue[0].request.dead:
-            self._queue.popleft()
-        return self._queue[0] if self._queue else None
+    def _drop(self, request: QueuedRequest, error: ScoringError, reason: str | None) -> None:
+        if reason is not None:
+            self._observer.rejected(reason)
+        self._fail(request, error)
 
-    def _take(self, now: float) -> list[_Chunk]:
-        """Pop up to ``max_batch_size`` items and ``max_batch_bytes`` of input of live
-        requests, splitting the last chunk."""
-        taken: list[_Chunk] = []
-        room = self.max_batch_size
-        budget = float(self.max_batch_bytes) if self.max_batch_bytes is not None else math.inf
-        while room > 0 and (chunk := self._live_head()) is not None:
-            request = chunk.request
-            if request.is_disconnected is not None and request.is_disconnected():
-                self._observer.rejected("disconnected")
-                self._fail(request, ClientDisconnected(f"client of request {request.request_id} left"))
-                continue
-            if now >= request.deadline:
-                # Counted by infer(), which answers the 504.
-                self._fail(request, DeadlineExceeded(f"request {request.request_id} expired in queue"))
-                continue
-            size = min(chunk.stop - chunk.start, room)
-            costs = request.costs
-            if costs is not None and budget != math.inf:
-                size = min(size, costs.items_within(chunk.start, chunk.stop, budget))
-                if size == 0 and taken:
-                    break  # the next item would take the batch over its cost bound
-                size = max(size, 1)  # admission refuses an item over the bound alone
-                budget -= costs.between(chunk.start, chunk.start + size)
-            if size == chunk.stop - chunk.start:
-                self._queue.popleft()
-                part = chunk
-            else:
-                part = _Chunk(request, chunk.start, chunk.start + size)
-                chunk.start += size
-            taken.append(part)
-            room -= size
-            request.queued -= size
-            self._queued_items -= size
+    def _take(self, now: float) -> list[Chunk]:
+        taken = self._queue.take(now, self.max_batch_size, self.max_batch_bytes, self._drop)
         self._report_depth()
         return taken
 
@@ -362,20 +299,20 @@ class DynamicBatcher:
         """Tell the observer the queue depth: once per batch formed, when items leave it early,
         and when it has grown by a whole batch since (not on every request: the gauge is a
         shared-memory write in multiprocess mode)."""
-        self._reported_depth = self._queued_items
-        self._observer.queue_depth(self._queued_items)
+        self._reported_depth = self._queue.items
+        self._observer.queue_depth(self._queue.items)
 
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            head = self._live_head()
+            head = self._queue.head()
             if head is None:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             # The delay runs from the arrival of the batch's first item, not from now.
             close_at = head.request.arrival + self.max_queue_delay_s
-            while self._queued_items < self.max_batch_size:
+            while self._queue.items < self.max_batch_size:
                 remaining = close_at - loop.time()
                 if remaining <= 0:
                     break
@@ -391,9 +328,9 @@ class DynamicBatcher:
                 continue
             await self._execute(chunks, now)
 
-    async def _execute(self, chunks: list[_Chunk], formed_at: float) -> None:
+    async def _execute(self, chunks: list[Chunk], formed_at: float) -> None:
         loop = asyncio.get_running_loop()
-        inputs = _concat(chunks)
+        inputs = concat(chunks)
         items = sum(c.stop - c.start for c in chunks)
         requests = {id(c.request): c.request for c in chunks}
         queue_s = formed_at - min(r.arrival for r in requests.values())
@@ -424,7 +361,7 @@ class DynamicBatcher:
             self._deliver(chunk, outputs_between(segments, offset, offset + size))
             offset += size
 
-    def _deliver(self, chunk: _Chunk, outputs: Tensors | None) -> None:
+    def _deliver(self, chunk: Chunk, outputs: Tensors | None) -> None:
         request = chunk.request
         if request.future.done():
             return
@@ -441,17 +378,5 @@ class DynamicBatcher:
         request.parts.append((chunk.start, outputs))
         request.pending -= chunk.stop - chunk.start
         if request.pending == 0:
-            parts = sorted(request.parts, key=lambda p: p[0])
-            if len(parts) == 1:
-                result = parts[0][1]
-            else:
-                result = {k: np.concatenate([p[1][k] for p in parts]) for k in parts[0][1]}
-            request.future.set_result(result)
+            request.future.set_result(assemble(request.parts))
 
-
-def _concat(chunks: list[_Chunk]) -> Tensors:
-    first = chunks[0]
-    if len(chunks) == 1 and first.start == 0 and first.stop == first.request.size:
-        return dict(first.request.inputs)
-    names = first.request.inputs.keys()
-    return {n: np.concatenate([c.request.inputs[n][c.start : c.stop] for c in chunks]) for n in names}
