@@ -85,6 +85,8 @@ class Tally:
     errors: Counter[str] = field(default_factory=Counter)
     #: Seconds each (re)connect took (after the server closed a connection), not in latencies.
     connects: list[float] = field(default_factory=list)
+    #: Per HTTP status, the server's own time for each answer (its ``Server-Timing: app;dur``).
+    server_s: dict[int, list[float]] = field(default_factory=dict)
 
     @classmethod
     def of(cls, answers: list[harness.Answer]) -> Tally:
@@ -156,6 +158,7 @@ async def drive(
     bodies = {m: body(scenario.items, m, text_chars) for m in scenario.models}
     conns = [harness.Connection(port) for _ in range(connections)]
     connects: list[float] = []
+    server_s: dict[int, list[float]] = {}
     start = time.perf_counter()
     stop_at = start + seconds
 
@@ -175,6 +178,9 @@ async def drive(
             conn.close()
             return harness.Answer(0, time.perf_counter() - began, type(exc).__name__)
         error = "" if status == 200 else f"HTTP {status}"
+        timing = headers.get("server-timing", "")
+        if timing.startswith("app;dur="):
+            server_s.setdefault(status, []).append(float(timing[8:]) / 1000)
         answer = harness.Answer(status, time.perf_counter() - began, error)
         if polite and status == 503:
             wait = float(headers.get("retry-after", "1"))
@@ -186,6 +192,7 @@ async def drive(
         conn.close()
     tally = Tally.of(answers)
     tally.connects = connects[connections:]  # the first connect of each client is no reconnect
+    tally.server_s = server_s
     return tally, time.perf_counter() - start
 
 
@@ -218,6 +225,9 @@ async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse
         "ok_p99_ms": load.p(200, 99),
         "rejected_p50_ms": load.p(503, 50),
         "rejected_p99_ms": load.p(503, 99),
+        "rejected_server_p99_ms": (
+            round(harness.percentiles(load.server_s[503], (99,))[0] * 1000, 1) if 503 in load.server_s else None
+        ),
         "reconnects": len(load.connects),
         "reconnect_p99_ms": (
             round(harness.percentiles(load.connects, (99,))[0] * 1000, 1) if load.connects else None
@@ -275,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['scenario']}: capacity {r['capacity_rps']} req/s, goodput {r['goodput_rps']} req/s "
             f"({r['goodput_of_capacity']}), statuses {r['statuses']}, wire errors {r['wire_errors']}, "
             f"200 p50/p99 {r['ok_p50_ms']}/{r['ok_p99_ms']} ms, 503 p50/p99 {r['rejected_p50_ms']}/"
-            f"{r['rejected_p99_ms']} ms, {r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
+            f"{r['rejected_p99_ms']} ms (server's own p99 {r['rejected_server_p99_ms']} ms), {r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
             f"RSS {r['rss_start_mib']} -> {r['rss_end_mib']} MiB"
         )
     if args.json:

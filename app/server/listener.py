@@ -20,6 +20,10 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+#: While paused for balancing, how often the decision is looked at again, seconds. (Waiting
+#: for the worker's tick, 50 ms and more under load, left clients that had just connected in
+#: the kernel's queue for up to 150 ms when every worker had paused at once.)
+RECHECK_S = 0.005
 #: How long a TLS handshake may take, seconds (asyncio's default is 60).
 SSL_HANDSHAKE_TIMEOUT_S = 10.0
 
@@ -55,6 +59,7 @@ class Listener:
         self.paused = True  # until start()
         self.pauses = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._recheck: asyncio.TimerHandle | None = None
 
     def start(self) -> None:
         """Start accepting."""
@@ -73,6 +78,9 @@ class Listener:
 
     def resume(self) -> None:
         """Accept again."""
+        if self._recheck is not None:
+            self._recheck.cancel()
+            self._recheck = None
         if self.listening and self.paused:
             for sock in self.sockets:
                 self.loop.add_reader(sock.fileno(), self._on_readable, sock)
@@ -82,6 +90,9 @@ class Listener:
         """Stop accepting for good (the sockets stay open: the master owns them)."""
         self.pause()
         self.listening = False
+        if self._recheck is not None:
+            self._recheck.cancel()
+            self._recheck = None
 
     def _on_readable(self, sock: socket.socket) -> None:
         try:
@@ -92,6 +103,7 @@ class Listener:
         if not accept:
             log.debug("balance: a sibling is less loaded, pausing accepts")
             self.pause()
+            self._recheck = self.loop.call_later(RECHECK_S, self._look_again)
             return
         try:
             conn, _ = sock.accept()
@@ -107,6 +119,21 @@ class Listener:
         task = self.loop.create_task(self._connect(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def _look_again(self) -> None:
+        """Paused by the balance: resume once it allows, looking every ``RECHECK_S``."""
+        self._recheck = None
+        if not (self.listening and self.paused):
+            return
+        try:
+            accept = self.may_accept()
+        except Exception:
+            log.exception("balancing check failed; accepting")
+            accept = True
+        if accept:
+            self.resume()
+        else:
+            self._recheck = self.loop.call_later(RECHECK_S, self._look_again)
 
     async def _connect(self, conn: socket.socket) -> None:
         try:
