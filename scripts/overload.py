@@ -103,8 +103,12 @@ class Tally:
         return len(self.latencies.get(status, []))
 
     def p(self, status: int, q: float) -> float | None:
-        values = self.latencies.get(status)
-        return round(harness.percentiles(values, (q,))[0] * 1000, 1) if values else None
+        return ms_p(self.latencies.get(status, []), q)
+
+
+def ms_p(seconds: list[float], q: float) -> float | None:
+    """The ``q``-th percentile of ``seconds`` in ms (1 decimal); None when empty."""
+    return round(harness.percentiles(seconds, (q,))[0] * 1000, 1) if seconds else None
 
 
 def text(chars: int) -> str:
@@ -225,13 +229,9 @@ async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse
         "ok_p99_ms": load.p(200, 99),
         "rejected_p50_ms": load.p(503, 50),
         "rejected_p99_ms": load.p(503, 99),
-        "rejected_server_p99_ms": (
-            round(harness.percentiles(load.server_s[503], (99,))[0] * 1000, 1) if 503 in load.server_s else None
-        ),
+        "rejected_server_p99_ms": ms_p(load.server_s.get(503, []), 99),
         "reconnects": len(load.connects),
-        "reconnect_p99_ms": (
-            round(harness.percentiles(load.connects, (99,))[0] * 1000, 1) if load.connects else None
-        ),
+        "reconnect_p99_ms": ms_p(load.connects, 99),
         "rss_start_mib": rss_start,
         "rss_end_mib": rss_end,
         "rss_max_growth": round(max(growth), 3) if growth else None,
@@ -285,7 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['scenario']}: capacity {r['capacity_rps']} req/s, goodput {r['goodput_rps']} req/s "
             f"({r['goodput_of_capacity']}), statuses {r['statuses']}, wire errors {r['wire_errors']}, "
             f"200 p50/p99 {r['ok_p50_ms']}/{r['ok_p99_ms']} ms, 503 p50/p99 {r['rejected_p50_ms']}/"
-            f"{r['rejected_p99_ms']} ms (server's own p99 {r['rejected_server_p99_ms']} ms), {r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
+            f"{r['rejected_p99_ms']} ms (server's own p99 {r['rejected_server_p99_ms']} ms), "
+            f"{r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
             f"RSS {r['rss_start_mib']} -> {r['rss_end_mib']} MiB"
         )
     if args.json:

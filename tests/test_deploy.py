@@ -371,9 +371,10 @@ def _served_get_paths() -> set[str]:
     return {r.path for r in routes if isinstance(r, web.RouteDef) and r.method == "GET"}
 
 
-def _effective_port(container: dict[str, Any]) -> int:
+def _effective_port(container: dict[str, Any], name: str = "port") -> int:
+    """The port the server in ``container`` binds: ``port`` (HTTP) or ``grpc_port``."""
     env = {**parse_dockerfile().env, **_env_list(container)}
-    return int(env.get("SCORING_PORT", Settings.model_fields["port"].default))
+    return int(env.get(f"SCORING_{name.upper()}", Settings.model_fields[name].default))
 
 
 def _probe_port(container: dict[str, Any], port: int | str) -> int:
@@ -414,7 +415,11 @@ def test_probes_hit_served_paths_on_the_served_port() -> None:
             assert get["path"] in served, f"{_rel(path)}: {get['path']} is not a route"
             assert _probe_port(container, get["port"]) == _effective_port(container), _rel(path)
             checked += 1
-        assert [p["containerPort"] for p in container["ports"]] == [_effective_port(container)]
+        ports = {p.get("name", "http"): p["containerPort"] for p in container["ports"]}
+        assert ports["http" if "http" in ports else next(iter(ports))] == _effective_port(container)
+        if "grpc" in ports:  # the KServe V2 gRPC port, where the server binds it
+            assert ports["grpc"] == _effective_port(container, "grpc_port"), _rel(path)
+        assert len(ports) <= 2, _rel(path)
     assert checked >= 6
 
 

@@ -89,11 +89,13 @@ class FakeBalancer:
         return self._siblings
 
 
-def entry() -> ModelEntry:
-    return cast(
-        ModelEntry,
-        SimpleNamespace(config=SimpleNamespace(name="scale", version="1", scatter=True, max_batch_size=8)),
-    )
+def entry(backlog_s: float | None = None) -> ModelEntry:
+    """A model entry; with ``backlog_s``, a batcher whose backlog is that many seconds."""
+    batcher = None
+    if backlog_s is not None:
+        batcher = SimpleNamespace(backlog_s=lambda now, more=0: backlog_s, max_queue_delay_s=0.0)
+    config = SimpleNamespace(name="scale", version="1", scatter=True, max_batch_size=8)
+    return cast(ModelEntry, SimpleNamespace(config=config, batcher=batcher))
 
 
 def live_sibling() -> Load:
@@ -155,6 +157,13 @@ async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
     forward = forwarder(tmp_path, 0, counted)
     assert await forward(entry(), INPUTS, 5.0, "rid", run_here) is None
     assert counted == []
+
+
+async def test_a_busy_worker_keeps_a_request_whose_wait_here_is_shorter_than_the_hop(tmp_path: Path) -> None:
+    counted: list[tuple[str, str]] = []
+    forward = forwarder(tmp_path, 4, counted)  # clearly busier than its sibling, as above
+    assert await forward(entry(backlog_s=0.001), INPUTS, 5.0, "rid", run_here) is None
+    assert counted == []  # a fast model's 1 ms backlog: the hop would cost more than it saves
 
 
 async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:
