@@ -20,13 +20,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
@@ -37,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from scripts import harness  # noqa: E402
+from scripts.benchmark import server  # noqa: E402
 
 URL_PATH = "/v2/models/feed-ranker/infer"
 #: 32 different one-item feed-ranker requests, cycled.
@@ -57,41 +55,11 @@ BODIES = [
 ]
 
 
-def start(checkout: Path, tmp: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """gunicorn from ``checkout`` on a free loopback port, ready; (process, base URL)."""
-    port = harness.free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": str(checkout),
-        "SCORING_HOST": harness.HOST,
-        "SCORING_PORT": str(port),
-        "SCORING_GRPC_PORT": str(harness.free_port()),
-        "SCORING_RUN_DIR": str(tmp / f"run-{port}"),
-        "SCORING_MODEL_REPOSITORY": str(checkout / "model_repository"),
-        "SCORING_MODELS": "feed-ranker",
-        "SCORING_WORKERS": "2",
-        "SCORING_ACCESS_LOG": "",
-        "SCORING_LOG_LEVEL": "warning",
-    }
-    with open(tmp / f"gunicorn-{port}.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "gunicorn", "-c", "gunicorn.conf.py"],
-            cwd=checkout,
-            env=env,
-            stdout=log,
-            stderr=log,
-        )
-    url = f"http://{harness.HOST}:{port}"
-
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/v2/health/ready", timeout=1) as resp:
-                return bool(resp.status == 200)
-        except OSError:
-            return False
-
-    harness.poll(ready, 300, what=f"{checkout} ready")
-    return proc, url
+def start(checkout: Path, tmp: Path) -> harness.Gunicorn:
+    """gunicorn from ``checkout`` (2 workers, its feed-ranker) on a free loopback port, ready."""
+    srv = server(tmp, checkout / "model_repository", "feed-ranker", 2, root=checkout)
+    srv.wait_ready(300, count=2)
+    return srv
 
 
 async def drive(url: str, connections: int, seconds: float) -> tuple[float, float]:
@@ -113,15 +81,10 @@ async def drive(url: str, connections: int, seconds: float) -> tuple[float, floa
 
 def measure(checkout: Path, seconds: float) -> dict[str, float]:
     """One round on one checkout: p50 ms at c = 1, items/s at c = 64."""
-    with tempfile.TemporaryDirectory() as tmp:
-        proc, url = start(checkout, Path(tmp))
-        try:
-            asyncio.run(drive(url, 8, 2.0))  # warm both workers
-            _, p50 = asyncio.run(drive(url, 1, seconds))
-            rate, _ = asyncio.run(drive(url, 64, seconds))
-        finally:
-            proc.terminate()
-            proc.wait(60)
+    with tempfile.TemporaryDirectory() as tmp, start(checkout, Path(tmp)) as srv:
+        asyncio.run(drive(srv.url, 8, 2.0))  # warm both workers
+        _, p50 = asyncio.run(drive(srv.url, 1, seconds))
+        rate, _ = asyncio.run(drive(srv.url, 64, seconds))
     return {"c1_p50_ms": round(p50, 3), "c64_items_per_s": round(rate, 1)}
 
 

@@ -128,10 +128,16 @@ def in_process(model_dir: Path, items: int, seconds: float) -> dict[str, float]:
 
 
 def server(
-    tmp: Path, repo: Path, model: str, workers: int, env: dict[str, str] | None = None
+    tmp: Path,
+    repo: Path,
+    model: str,
+    workers: int,
+    env: dict[str, str] | None = None,
+    root: Path = ROOT,
 ) -> harness.Gunicorn:
     """gunicorn on 127.0.0.1 serving ``model`` of repository ``repo``; ``SCORING_*`` settings of
-    this environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``), ``env`` over them."""
+    this environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``), ``env`` over them;
+    ``root``: the checkout whose server runs (``harness.Gunicorn``)."""
     settings = {
         "SCORING_MODEL_REPOSITORY": str(repo),
         "SCORING_MODELS": model,
@@ -140,7 +146,7 @@ def server(
         "SCORING_LOG_LEVEL": "warning",
         **(env or {}),
     }
-    return harness.Gunicorn(tmp, settings, clean_env=False)
+    return harness.Gunicorn(tmp, settings, clean_env=False, root=root)
 
 
 async def drive(

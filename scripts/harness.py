@@ -139,6 +139,8 @@ class Gunicorn:
         headers: sent with every :meth:`get` / :meth:`post`.
         clean_env: drop inherited ``SCORING_*``, ``GPU_STAT_*``, ``PROMETHEUS_*`` and
             ``CUDA_VISIBLE_DEVICES`` first (tests); False lets them through (benchmarks).
+        root: the checkout to run (working directory and ``PYTHONPATH``; default this one;
+            another commit's worktree for ``scripts/bench_ab.py``).
     """
 
     def __init__(
@@ -151,6 +153,7 @@ class Gunicorn:
         context: ssl.SSLContext | None = None,
         headers: dict[str, str] | None = None,
         clean_env: bool = True,
+        root: Path = ROOT,
     ) -> None:
         self.port = free_port()
         self.grpc_port = free_port()
@@ -171,7 +174,7 @@ class Gunicorn:
             "SCORING_PORT": str(self.port),
             "SCORING_GRPC_PORT": str(self.grpc_port),
             "SCORING_RUN_DIR": str(self.run_dir),
-            "PYTHONPATH": str(ROOT),
+            "PYTHONPATH": str(root),
             "HF_HUB_OFFLINE": "1",
             **(env or {}),
         }
@@ -181,7 +184,7 @@ class Gunicorn:
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         command = [sys.executable, "-m", "gunicorn", "-c", str(config), "--pid", str(self.pidfile)]
         self.proc = subprocess.Popen(
-            [*command, *(args or [])], cwd=ROOT, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
+            [*command, *(args or [])], cwd=root, env=full_env, stdout=self._log, stderr=subprocess.STDOUT
         )
 
     def log(self) -> str:

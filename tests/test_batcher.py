@@ -99,8 +99,7 @@ async def test_requests_within_the_max_queue_delay_share_a_batch(executor: Threa
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=10_000)
     first = asyncio.create_task(b.infer(items(1), timeout_s=20))
-    for _ in range(5):  # the batcher runs, sees one item, and waits for more
-        await asyncio.sleep(0)
+    await eventually(lambda: b.holding)  # the batcher has seen one item and waits for more
     assert rec.batches == [] and b.queued_items == 1
     out = await b.infer(items(2, 3, 4, 5, 6, 7, 8), timeout_s=20)  # fills the batch: it closes
     assert (await first)["y"][0, 0] == 2.0 and out["y"][:, 0].tolist() == [4, 6, 8, 10, 12, 14, 16]

@@ -242,10 +242,9 @@ async def test_a_body_at_the_minimum_rate_is_read(make_client: MakeClient, scale
     reader, writer = await asyncio.open_connection("127.0.0.1", client.port)
     try:
         writer.write(raw_post(b"", b"Connection: close", length=len(body)))
-        for i in range(0, len(body), 40):  # in pieces, each after the server has read the last
+        for i in range(0, len(body), 40):  # in pieces, each flushed to the socket
             writer.write(body[i : i + 40])
             await writer.drain()
-            await asyncio.sleep(0)
         async with asyncio.timeout(30):
             response = await reader.read()
     finally:

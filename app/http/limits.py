@@ -212,9 +212,8 @@ def refuse_early(request: web.Request) -> None:
         entry = request.app[REGISTRY].get(name, request.match_info.get("version"))
     except ModelNotFound:
         return  # the handler answers 404
-    batcher = entry.batcher
-    if batcher is None or batcher.queued_items < batcher.max_batch_size:
-        return  # less than a batch queued: no storm to refuse before decoding
+    if entry.batcher is None or not entry.batcher.backlogged:
+        return  # no storm to refuse before decoding (skips reading the deadline header)
     requested: float | None = None
     header = request.headers.get(TIMEOUT_HEADER)
     if header is not None:

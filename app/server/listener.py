@@ -94,13 +94,15 @@ class Listener:
             self._recheck.cancel()
             self._recheck = None
 
-    def _on_readable(self, sock: socket.socket) -> None:
+    def _balance_allows(self) -> bool:
         try:
-            accept = self.may_accept()
+            return self.may_accept()
         except Exception:  # balancing is advisory: never stop serving over it
             log.exception("balancing check failed; accepting")
-            accept = True
-        if not accept:
+            return True
+
+    def _on_readable(self, sock: socket.socket) -> None:
+        if not self._balance_allows():
             log.debug("balance: a sibling is less loaded, pausing accepts")
             self.pause()
             self._recheck = self.loop.call_later(RECHECK_S, self._look_again)
@@ -125,12 +127,7 @@ class Listener:
         self._recheck = None
         if not (self.listening and self.paused):
             return
-        try:
-            accept = self.may_accept()
-        except Exception:
-            log.exception("balancing check failed; accepting")
-            accept = True
-        if accept:
+        if self._balance_allows():
             self.resume()
         else:
             self._recheck = self.loop.call_later(RECHECK_S, self._look_again)

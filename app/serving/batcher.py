@@ -104,6 +104,8 @@ class DynamicBatcher:
         self._reported_depth = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        #: True while a batch is open, waiting up to the max queue delay for more items.
+        self.holding = False
         # (loop.time() at start, items, requests) of the batch running now; read by the
         # hung-inference watchdog (app.serving.lifecycle), so the hot path only stores a tuple.
         self._running: tuple[float, int, dict[int, QueuedRequest]] | None = None
@@ -161,9 +163,15 @@ class DynamicBatcher:
         there is no storm to refuse cheaply (decoding what waits costs at most one batch): the
         full admission after decoding judges the request.
         """
-        if self._queue.items < self.max_batch_size:
+        if not self.backlogged:
             return None
         return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
+
+    @property
+    def backlogged(self) -> bool:
+        """A full batch (``max_batch_size`` items) or more is queued: the only state in which
+        :meth:`refuse_early` refuses anything."""
+        return self._queue.items >= self.max_batch_size
 
     def _refusal(self, size: int, timeout_s: float, what: str) -> QueueFull | None:
         """The 503 for ``size`` more items due within ``timeout_s`` (counted), or None."""
@@ -312,6 +320,7 @@ class DynamicBatcher:
                 continue
             # The delay runs from the arrival of the batch's first item, not from now.
             close_at = head.request.arrival + self.max_queue_delay_s
+            self.holding = True
             while self._queue.items < self.max_batch_size:
                 remaining = close_at - loop.time()
                 if remaining <= 0:
@@ -322,6 +331,7 @@ class DynamicBatcher:
                         await self._wakeup.wait()
                 except TimeoutError:
                     break
+            self.holding = False
             now = loop.time()
             chunks = self._take(now)
             if not chunks:
