@@ -4,6 +4,7 @@ isolation between models, requests served while draining, the worker's sibling v
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import logging
 import threading
 import time
@@ -14,13 +15,12 @@ import pytest
 
 from app.server.worker import SiblingStates
 from app.serving.executor import InferenceThread
-from app.serving.lifecycle import begin_drain
+from app.serving.lifecycle import EXECUTORS, begin_drain
 from app.serving.state import LIFECYCLE, REGISTRY
 from tests.conftest import Client, MakeClient, eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
-
 
 
 def body(x: float) -> dict[str, Any]:
@@ -69,7 +69,9 @@ async def test_fast_batches_never_trip_the_watchdog(make_client: MakeClient, sca
     assert (await client.get("/v2/health/live")).status == 200
 
 
-async def test_a_long_batch_of_one_model_does_not_hold_another(make_client: MakeClient, tmp_path: Path) -> None:
+async def test_a_long_batch_of_one_model_does_not_hold_another(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
     """Each model has its own inference thread: while "big" runs a batch that does not end
     until the test says so, "small" answers every request (with one shared thread, all of
     them would wait for the gate and get 504)."""
@@ -94,7 +96,9 @@ async def test_a_long_batch_of_one_model_does_not_hold_another(make_client: Make
     assert (await long).status == 200
 
 
-async def test_a_draining_worker_still_serves_what_reaches_it(make_client: MakeClient, scale_repo: Path) -> None:
+async def test_a_draining_worker_still_serves_what_reaches_it(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
     client: Client = await make_client(scale_repo)
     begin_drain(client.app, "test")
     resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2]]})
@@ -129,6 +133,47 @@ def test_inference_thread_runs_in_order_and_never_blocks_exit() -> None:
     stuck.result(5)
     executor._thread.join(5)
     assert not executor.alive and 99 not in order
+
+
+def test_inference_thread_initializer_runs_on_the_thread_and_its_failure_reaches_callers() -> None:
+    seen: list[str] = []
+    executor = InferenceThread(
+        name="inference:init", initializer=lambda: seen.append(threading.current_thread().name)
+    )
+    assert executor.submit(lambda: seen[:]).result(5) == ["inference:init"]
+    executor.shutdown()
+
+    def broken() -> None:
+        raise OSError("no device")
+
+    failed = InferenceThread(initializer=broken)
+    with pytest.raises(OSError, match="no device"):
+        failed.submit(int, "1").result(5)
+    failed.shutdown()
+
+
+def openmp_max_threads() -> int:
+    """``omp_get_max_threads()`` of the calling thread, from the OpenMP runtime torch loaded
+    (an OpenMP ICV: per thread, and what MKL's sgemm sizes its team by)."""
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtime = next(line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line)
+    return int(ctypes.CDLL(runtime).omp_get_max_threads())
+
+
+async def test_the_inference_thread_runs_with_the_workers_torch_threads(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
+    """torch.set_num_threads is per thread for OpenMP: the inference thread must set it
+    itself, or every worker's sgemm forks a team of one thread per core under load (on the
+    2-core VM that halved the feed-ranker's throughput at c = 64)."""
+    import torch
+
+    client: Client = await make_client(scale_repo, torch_threads=1)
+    assert (await client.post(V2, json=body(1.0))).status == 200
+    executor = client.app[EXECUTORS]["scale"]
+    # OpenMP first: torch.get_num_threads() itself lazily sets up a new thread's count.
+    assert executor.submit(openmp_max_threads).result(5) == 1
+    assert executor.submit(torch.get_num_threads).result(5) == 1
 
 
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

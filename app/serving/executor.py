@@ -26,9 +26,12 @@ class InferenceThread(Executor):
 
     Args:
         name: the thread's name (shows in py-spy dumps and logs).
+        initializer: called once on the thread before any work, like
+            ``ThreadPoolExecutor``'s; if it raises, every call submitted raises that exception.
     """
 
-    def __init__(self, name: str = "inference") -> None:
+    def __init__(self, name: str = "inference", initializer: Callable[[], None] | None = None) -> None:
+        self._initializer = initializer
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._shutdown = False
         self._lock = threading.Lock()
@@ -66,12 +69,21 @@ class InferenceThread(Executor):
         return self._thread.is_alive()
 
     def _run(self) -> None:
+        failure: BaseException | None = None
+        if self._initializer is not None:
+            try:
+                self._initializer()
+            except BaseException as exc:
+                failure = exc
         while True:
             work = self._queue.get()
             if work is None:
                 return
             future, fn, args, kwargs = work
             if not future.set_running_or_notify_cancel():
+                continue
+            if failure is not None:
+                future.set_exception(failure)
                 continue
             try:
                 result = fn(*args, **kwargs)

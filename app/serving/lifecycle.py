@@ -38,6 +38,7 @@ import os
 import signal
 import time
 from collections.abc import AsyncIterator
+from functools import partial
 
 import torch
 from aiohttp import web
@@ -78,7 +79,14 @@ def resolve_device(setting: str) -> torch.device:
 def _executor(app: web.Application, model: str) -> InferenceThread:
     executors = app[EXECUTORS]
     if model not in executors:
-        executors[model] = InferenceThread(name=f"inference:{model}")
+        threads = app[SETTINGS].effective_torch_threads(app[SETTINGS].workers)
+        # torch.set_num_threads sets OpenMP's thread count for the calling thread only (an
+        # OpenMP ICV is per thread): set it on the inference thread too, or MKL's sgemm there
+        # forks an OpenMP team of one thread per core in every worker, whose barrier
+        # spin-waits burned more CPU than the model itself (docs/benchmarks.md, 2026-11-23).
+        executors[model] = InferenceThread(
+            name=f"inference:{model}", initializer=partial(torch.set_num_threads, threads)
+        )
     return executors[model]
 
 
