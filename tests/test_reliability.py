@@ -154,9 +154,15 @@ def test_inference_thread_initializer_runs_on_the_thread_and_its_failure_reaches
 
 def openmp_max_threads() -> int:
     """``omp_get_max_threads()`` of the calling thread, from the OpenMP runtime torch loaded
-    (an OpenMP ICV: per thread, and what MKL's sgemm sizes its team by)."""
+    (an OpenMP ICV: per thread, and what MKL's sgemm sizes its team by). Other wheels bring
+    their own copy (scikit-learn's, once sentence-transformers is imported): torch's is the
+    one under ``torch/lib``."""
     maps = Path("/proc/self/maps").read_text().splitlines()
-    runtime = next(line.split()[-1] for line in maps if "libgomp" in line or "libiomp" in line)
+    runtime = next(
+        line.split()[-1]
+        for line in maps
+        if "/torch/lib/" in line and ("libgomp" in line or "libiomp" in line)
+    )
     return int(ctypes.CDLL(runtime).omp_get_max_threads())
 
 
