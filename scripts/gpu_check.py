@@ -1,0 +1,356 @@
+#!/usr/bin/env python
+"""Acceptance checks on a real GPU machine: NVML, binding, CUDA serving, GPU load.
+
+Run on a machine with an NVIDIA GPU (nothing here is faked):
+
+    python scripts/gpu_check.py --repository model_repository --out gpu_check.json
+
+1. ``python -m gpu_stat --json`` through each NVML binding (nvidia-ml-py, py3nvml): the
+   same GPUs, and torch's ``cuda:0`` is NVML's first one (UUIDs compared).
+2. For ``SCORING_MAX_PROCESSES_PER_GPU`` = 1 and 2 (workers = GPUs x that): gunicorn
+   serving the repository on the real NVML. Every worker's ``GET /v2`` says ``device
+   cuda:0`` and names the GPU UUID it leased; NVML lists every worker's pid as a compute
+   process and not the master's; the master maps no CUDA library; every model answers the
+   CPU's numbers (in this process, same weights) within ``--atol``; after ``kill -9`` of a
+   worker and after a HUP reload the (GPU, slot) layout is whole again.
+3. Served load, per model, at the last layout: closed-loop clients at each
+   ``--concurrency`` for ``--duration`` s (``benchmark.drive``), with NVML's GPU
+   utilisation sampled every 0.2 s (percent of time a kernel ran; nvmlDeviceGetUtilizationRates).
+
+Each check is recorded with its evidence in one JSON report; the exit status is 1 if
+any failed. Traffic goes to 127.0.0.1 only and every phase stops by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from app.models.repository import read_config  # noqa: E402
+from scripts import benchmark, harness  # noqa: E402
+
+#: Libraries that only a process using CUDA maps. Not ``libcuda.so``: the driver's NVML
+#: library maps it at ``nvmlInit`` (seen with driver 580.159.04), in the master too, and
+#: that makes no CUDA context (NVML lists no master pid; the forked workers use CUDA).
+CUDA_RUNTIME_LIBRARIES = ("libcudart", "libtorch_cuda", "libcublas")
+
+
+class Report:
+    """The checks' outcomes: ``check(name, ok, **evidence)`` records and prints one."""
+
+    def __init__(self) -> None:
+        self.checks: list[dict[str, Any]] = []
+        self.figures: dict[str, Any] = {}
+
+    def check(self, name: str, ok: bool, **evidence: Any) -> bool:
+        self.checks.append({"check": name, "ok": bool(ok), **evidence})
+        print(f"{'PASS' if ok else 'FAIL'} {name} {json.dumps(evidence, default=str)[:600]}", flush=True)
+        return bool(ok)
+
+    @property
+    def failed(self) -> list[str]:
+        return [c["check"] for c in self.checks if not c["ok"]]
+
+
+def gpu_stat_json(backend: str) -> list[dict[str, Any]]:
+    """``python -m gpu_stat --json`` with ``GPU_STAT_NVML_BACKEND=backend``."""
+    env = {**os.environ, "GPU_STAT_NVML_BACKEND": backend}
+    command = [sys.executable, "-m", "gpu_stat", "--json"]
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, check=True)
+    return list(json.loads(out.stdout))
+
+
+def nvml_compute_pids() -> dict[str, set[int]]:
+    """GPU UUID -> pids NVML lists as compute processes on it (nvidia-ml-py)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        found: dict[str, set[int]] = {}
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(handle)
+            found[uuid if isinstance(uuid, str) else uuid.decode()] = {
+                p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+            }
+        return found
+    finally:
+        pynvml.nvmlShutdown()
+
+
+@contextmanager
+def utilisation_sampler(period_s: float = 0.2) -> Iterator[list[int]]:
+    """Samples every GPU's ``utilization.gpu`` (%, NVML) each ``period_s`` into the list
+    yielded, until the block ends; the list holds the mean over the GPUs per sample."""
+    import pynvml
+
+    samples: list[int] = []
+    stop = threading.Event()
+    pynvml.nvmlInit()
+    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
+    def run() -> None:
+        while not stop.wait(period_s):
+            rates = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
+            samples.append(int(sum(rates) / len(rates)))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join()
+        pynvml.nvmlShutdown()
+
+
+def cpu_reference(repo: Path, models: list[str], bodies: dict[str, dict[str, Any]]) -> dict[str, np.ndarray]:
+    """Each model's first output for its parity body, computed on the CPU in this process."""
+    import torch
+
+    from app.models.runner import ModelRunner
+
+    reference = {}
+    for name in models:
+        runner = ModelRunner(read_config(repo / name))
+        runner.load(torch.device("cpu"))
+        inputs = {}
+        for tensor in bodies[name]["inputs"]:
+            if tensor["datatype"] == "BYTES":
+                arr = np.array([s.encode() for s in tensor["data"]], dtype=object)
+            else:
+                arr = np.array(tensor["data"], dtype=np.float32)
+            inputs[tensor["name"]] = arr.reshape(tensor["shape"])
+        outputs = runner.forward(inputs)
+        reference[name] = {k: np.asarray(v, dtype=np.float32) for k, v in outputs.items()}
+    return reference  # type: ignore[return-value]
+
+
+def served_outputs(srv: harness.Gunicorn, name: str, body: dict[str, Any]) -> dict[str, np.ndarray]:
+    status, _, answer = srv.post(f"/v2/models/{name}/infer", body)
+    if status != 200:
+        raise AssertionError(f"{name}: HTTP {status}: {answer}")
+    return {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"]) for o in answer["outputs"]}
+
+
+def bindings(srv: harness.Gunicorn, workers: int) -> dict[int, dict[str, Any]]:
+    """pid -> ``GET /v2``'s ``worker`` for ``workers`` distinct live workers (asks until each answered)."""
+    seen: dict[int, dict[str, Any]] = {}
+
+    def all_answered() -> bool:
+        live = {w.pid for w in srv.workers()}
+        worker = srv.get("/v2")[2]["worker"]
+        seen[worker["pid"]] = worker
+        for pid in list(seen):
+            if pid not in live:
+                del seen[pid]
+        return len(seen) >= workers
+
+    harness.poll(all_answered, 120, f"GET /v2 from {workers} workers", diagnostics=srv.log_tail)
+    return seen
+
+
+def check_layout(report: Report, srv: harness.Gunicorn, workers: int, per_gpu: int, when: str) -> None:
+    """The binding checks of one moment: devices, UUIDs, slots, NVML's process lists, the master."""
+    seen = bindings(srv, workers)
+    layout = sorted((w["binding"]["gpu_uuid"], int(w["binding"]["slot"])) for w in seen.values())
+    report.check(
+        f"per_gpu={per_gpu} {when}: every worker serves on cuda:0 of its leased GPU, one per slot",
+        all(w["device"] == "cuda:0" and w["binding"]["device"] == "cuda:0" for w in seen.values())
+        and len(set(layout)) == workers
+        and all(n == per_gpu for n in _count(u for u, _ in layout).values()),
+        layout=layout,
+        devices={pid: w["device"] for pid, w in seen.items()},
+    )
+    listed = nvml_compute_pids()
+
+    def workers_listed() -> bool:
+        listed.update(nvml_compute_pids())
+        return all(pid in listed.get(w["binding"]["gpu_uuid"], set()) for pid, w in seen.items())
+
+    with suppress(AssertionError):
+        harness.poll(workers_listed, 10, "NVML to list the workers", interval_s=0.2)
+    master_maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
+    report.check(
+        f"per_gpu={per_gpu} {when}: NVML lists every worker on its GPU and not the master",
+        workers_listed() and all(srv.proc.pid not in pids for pids in listed.values()),
+        nvml={u: sorted(p) for u, p in listed.items()},
+        workers=sorted(seen),
+        master=srv.proc.pid,
+    )
+    report.check(
+        f"per_gpu={per_gpu} {when}: the master maps neither the CUDA runtime nor torch",
+        not any(lib in master_maps for lib in CUDA_RUNTIME_LIBRARIES),
+        cuda_mapped=sorted({line.split()[-1] for line in master_maps.splitlines() if "cuda" in line}),
+    )
+
+
+def _count(items: Iterator[str] | Any) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item] = counts.get(item, 0) + 1
+    return counts
+
+
+def parity_bodies(repo: Path, models: list[str]) -> dict[str, dict[str, Any]]:
+    rng = random.Random(7)
+    return {
+        name: json.loads(benchmark.payload(name, read_config(repo / name).inputs, 16, rng)) for name in models
+    }
+
+
+def check_parity(
+    report: Report, srv: harness.Gunicorn, bodies: dict[str, Any], reference: dict[str, Any], atol: float
+) -> None:
+    for name, body in bodies.items():
+        got = served_outputs(srv, name, body)
+        diffs = {k: float(np.max(np.abs(got[k] - v))) for k, v in reference[name].items()}
+        ok = max(diffs.values()) <= atol
+        report.check(f"{name}: CUDA answers match the CPU (atol {atol:g})", ok, max_abs_diff=diffs)
+
+
+def wait_whole(srv: harness.Gunicorn, workers: int) -> None:
+    srv.wait_workers(workers, 120)
+    srv.wait_ready(300, count=workers)
+
+
+def kill_one_and_wait(srv: harness.Gunicorn, workers: int) -> None:
+    """``kill -9`` of the oldest worker; wait until its replacement is ready."""
+    victim = srv.workers()[0].pid
+    os.kill(victim, signal.SIGKILL)
+    harness.poll(lambda: victim not in {w.pid for w in srv.workers()}, 30, "the killed worker to go")
+    wait_whole(srv, workers)
+
+
+def hup_and_wait(srv: harness.Gunicorn, workers: int) -> None:
+    """HUP; wait until no worker from before is left and ``workers`` are ready."""
+    before = {w.pid for w in srv.workers()}
+    srv.proc.send_signal(signal.SIGHUP)
+    harness.poll(
+        lambda: not before & {w.pid for w in srv.workers()} and len(srv.ready_workers()) == workers,
+        300,
+        "HUP to replace every worker",
+        diagnostics=srv.log_tail,
+    )
+
+
+def load_phase(
+    report: Report,
+    srv: harness.Gunicorn,
+    repo: Path,
+    models: list[str],
+    levels: list[int],
+    seconds: float,
+    items: int,
+) -> dict[str, Any]:
+    """Closed-loop load per model and level with NVML utilisation sampled during each level."""
+    figures: dict[str, Any] = {}
+    for name in models:
+        config = read_config(repo / name)
+        rng = random.Random(1)
+        bodies = [benchmark.payload(name, config.inputs, items, rng) for _ in range(256)]
+        url = f"{srv.url}/v2/models/{name}/infer"
+        asyncio.run(benchmark.drive(url, bodies, items, levels[0], 2.0))  # connections, caches
+        rows = []
+        for c in levels:
+            with utilisation_sampler() as util:
+                row = asyncio.run(benchmark.drive(url, bodies, items, c, seconds))
+            row["gpu_util_mean_pct"] = float(np.mean(util)) if util else float("nan")
+            row["gpu_util_samples"] = len(util)
+            print(f"load {name} items={items}: {row}", flush=True)
+            rows.append(row)
+        figures[name] = rows
+        report.check(f"{name}: load ran without errors", all(r["errors"] == 0 for r in rows), rows=rows)
+    return figures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    parser.add_argument("--models", default="feed-ranker,all-MiniLM-L6-v2")
+    parser.add_argument("--per-gpu", default="1,2", help="SCORING_MAX_PROCESSES_PER_GPU values to check")
+    parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
+    parser.add_argument("--items", type=int, default=8, help="items per request in the load phase")
+    parser.add_argument("--atol", type=float, default=1e-3)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    import torch
+
+    report = Report()
+    models = args.models.split(",")
+    repo = args.repository.resolve()
+    report.figures["torch"] = torch.__version__
+    report.figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+    views = {b: gpu_stat_json(b) for b in ("nvidia-ml-py", "py3nvml")}
+    uuids = {b: [g["uuid"] for g in v] for b, v in views.items()}
+    torch_uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid) if torch.cuda.is_available() else None
+    report.check(
+        "gpu_stat --json: both NVML bindings list the same GPUs, the first is torch's cuda:0",
+        bool(uuids["nvidia-ml-py"])
+        and uuids["nvidia-ml-py"] == uuids["py3nvml"]
+        and uuids["py3nvml"][0] == torch_uuid,
+        uuids=uuids,
+        torch_cuda0=torch_uuid,
+        gpu_stat=views["nvidia-ml-py"],
+    )
+    gpus = len(uuids["nvidia-ml-py"])
+
+    bodies = parity_bodies(repo, models)
+    reference = cpu_reference(repo, models, bodies)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    for per_gpu in [int(p) for p in args.per_gpu.split(",")]:
+        workers = gpus * per_gpu
+        env = {
+            "SCORING_MODEL_REPOSITORY": str(repo),
+            "SCORING_MODELS": ",".join(models),
+            "SCORING_MAX_PROCESSES_PER_GPU": str(per_gpu),
+            "SCORING_ACCESS_LOG": "",
+            "SCORING_LOG_LEVEL": "info",
+        }
+        with tempfile.TemporaryDirectory() as tmp, harness.Gunicorn(Path(tmp), env) as srv:
+            started = time.monotonic()
+            wait_whole(srv, workers)
+            report.figures[f"boot_s_per_gpu_{per_gpu}"] = round(time.monotonic() - started, 1)
+            check_layout(report, srv, workers, per_gpu, "at start")
+            check_parity(report, srv, bodies, reference, args.atol)
+            report.figures[f"load_per_gpu_{per_gpu}"] = load_phase(
+                report, srv, repo, models, levels, args.duration, args.items
+            )
+            kill_one_and_wait(srv, workers)
+            check_layout(report, srv, workers, per_gpu, "after kill -9 of a worker")
+            hup_and_wait(srv, workers)
+            check_layout(report, srv, workers, per_gpu, "after HUP")
+            check_parity(report, srv, bodies, reference, args.atol)
+            report.figures[f"log_tail_per_gpu_{per_gpu}"] = srv.log_tail(3000)
+    result = {"date": time.strftime("%Y-%m-%d"), "failed": report.failed, **report.figures}
+    result["checks"] = report.checks
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    print(json.dumps({"failed": report.failed}), flush=True)
+    return 1 if report.failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
