@@ -61,6 +61,15 @@ class Settings(BaseSettings):
         description="Requests served on one keep-alive connection before the server answers "
         "with Connection: close (nginx's keepalive_requests); 0 = no cap.",
     )
+    impatient_hold_ms: float = Field(
+        35.0,
+        ge=0,
+        le=1000,
+        description="A 503 to a client that came back on the same connection before the "
+        "previous 503's Retry-After had passed is held this long before it is sent (and "
+        "closes the connection): a client that resends at once then costs the server at most "
+        "one refusal per hold, not one per round trip; 0 = no hold. Milliseconds.",
+    )
     drain_grace_s: float = Field(
         1.0,
         ge=0,

@@ -132,14 +132,15 @@ def body(items: int, model: str, text_chars: int) -> bytes:
 
 
 def server(args: argparse.Namespace, tmp: Path) -> harness.Gunicorn:
-    """gunicorn on a free loopback port with ``--workers`` workers serving the repository."""
+    """gunicorn on a free loopback port with ``--workers`` workers serving the repository;
+    ``SCORING_*`` settings of this environment pass through (e.g. ``SCORING_IMPATIENT_HOLD_MS``)."""
     env = {
         "SCORING_WORKERS": str(args.workers),
         "SCORING_MODEL_REPOSITORY": str(args.repository),
         "SCORING_ACCESS_LOG": "",
         "SCORING_TORCH_THREADS": str(args.torch_threads),
     }
-    return harness.Gunicorn(tmp, env)
+    return harness.Gunicorn(tmp, env, clean_env=False)
 
 
 def rss_mib(srv: harness.Gunicorn) -> dict[int, float]:

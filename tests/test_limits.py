@@ -9,6 +9,7 @@ import json
 import logging
 import math
 import threading
+import time
 import zlib
 from pathlib import Path
 from typing import Any
@@ -152,8 +153,10 @@ async def test_requests_per_connection_cap(make_client: MakeClient, scale_repo: 
     assert await raw_requests(port_of(unlimited), 5) == ["keep-alive"] * 5
 
 
-async def test_a_client_that_ignores_retry_after_pays_a_reconnect(make_client: MakeClient, scale_repo: Path) -> None:
-    client: Client = await make_client(scale_repo, request_timeout_ms=1000)
+async def _refused_twice(client: Client) -> tuple[list[tuple[int, str]], float, bytes]:
+    """Two refused requests back to back on one connection (the second inside the first's
+    Retry-After): [(status, connection header)], the second answer's seconds, and what the
+    connection gives after them within 0.5 s (b"" once the server closed it)."""
     batcher = client.app[REGISTRY].get("scale").batcher
     assert batcher is not None
     batcher.rate.observe(1, 10.0)  # one item takes 10 s: every request is refused (503)
@@ -165,15 +168,38 @@ async def test_a_client_that_ignores_retry_after_pays_a_reconnect(make_client: M
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(client))
     seen = []
     try:
-        for _ in range(2):  # the second at once, inside the first one's Retry-After
+        for _ in range(2):
+            sent = time.perf_counter()
             writer.write(request)
             head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
             await reader.readexactly(int(head.split("content-length:")[1].split("\r\n")[0]))
+            took = time.perf_counter() - sent
             seen.append((int(head.split()[1]), "close" if "connection: close" in head else "keep-alive"))
-        assert await reader.read() == b""  # the server closed the connection
+        try:
+            after = await asyncio.wait_for(reader.read(), 0.5)
+        except TimeoutError:
+            after = b"(open)"
     finally:
         writer.close()
+    return seen, took, after
+
+
+async def test_a_client_that_ignores_retry_after_is_held(make_client: MakeClient, scale_repo: Path) -> None:
+    client: Client = await make_client(scale_repo, request_timeout_ms=1000, impatient_hold_ms=200.0)
+    seen, took, after = await _refused_twice(client)
+    # the impatient 503 waits out the hold and keeps the connection (no reconnect to pay)
+    assert seen == [(503, "keep-alive"), (503, "keep-alive")]
+    assert took >= 0.2
+    assert after == b"(open)"
+
+
+async def test_without_a_hold_an_impatient_client_pays_a_reconnect(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
+    client: Client = await make_client(scale_repo, request_timeout_ms=1000, impatient_hold_ms=0.0)
+    seen, _, after = await _refused_twice(client)
     assert seen == [(503, "keep-alive"), (503, "close")]
+    assert after == b""  # the server closed the connection
 
 
 async def test_draining_serves_but_closes_every_connection(make_client: MakeClient, scale_repo: Path) -> None:
