@@ -66,9 +66,10 @@ class Settings(BaseSettings):
         ge=0,
         le=1000,
         description="A 503 to a client that came back on the same connection before the "
-        "previous 503's Retry-After had passed is held this long before it is sent (and "
-        "closes the connection): a client that resends at once then costs the server at most "
-        "one refusal per hold, not one per round trip; 0 = no hold. Milliseconds.",
+        "previous 503's Retry-After had passed is held this long before it is sent, on a "
+        "connection kept open: a client that resends at once then costs the server at most "
+        "one refusal per hold, not one per round trip; 0 = no hold (such a 503 closes the "
+        "connection instead). Milliseconds.",
     )
     drain_grace_s: float = Field(
         1.0,

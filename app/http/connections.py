@@ -24,7 +24,7 @@ to one refusal per hold, which a reconnect did not (a fresh connection's first 5
 held, so closing halved the effect). The first 503 on a connection, and every 503 to a
 client that waits as asked, is sent at once. Source: the tarpit idea (delay, not refuse
 harder), as in nginx's ``limit_req ... delay``. Measured in docs/reliability.md (overload):
-adversarial MiniLM goodput 0.53-0.60 -> 0.70-0.74 of capacity, 503 p99 75-115 -> 43-48 ms.
+adversarial MiniLM goodput 0.53-0.60 -> 0.72-0.87 of capacity, 503 p99 75-115 -> 45-48 ms.
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). Runs as an ``on_response_prepare`` signal, so it sees every
