@@ -34,6 +34,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -45,6 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app.models.repository import read_config  # noqa: E402
+from gpu_stat import query_gpus  # noqa: E402
 from scripts import benchmark, harness  # noqa: E402
 
 #: Libraries that only a process using CUDA maps. Not ``libcuda.so``: the driver's NVML
@@ -79,38 +81,21 @@ def gpu_stat_json(backend: str) -> list[dict[str, Any]]:
 
 
 def nvml_compute_pids() -> dict[str, set[int]]:
-    """GPU UUID -> pids NVML lists as compute processes on it (nvidia-ml-py)."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    try:
-        found: dict[str, set[int]] = {}
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = pynvml.nvmlDeviceGetUUID(handle)
-            found[uuid if isinstance(uuid, str) else uuid.decode()] = {
-                p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
-            }
-        return found
-    finally:
-        pynvml.nvmlShutdown()
+    """GPU UUID -> pids NVML lists as compute processes on it (``gpu_stat``, every GPU)."""
+    return {g.uuid: {p.pid for p in g.processes or ()} for g in query_gpus(respect_visible_devices=False)}
 
 
 @contextmanager
-def utilisation_sampler(period_s: float = 0.2) -> Iterator[list[int]]:
-    """Samples every GPU's ``utilization.gpu`` (%, NVML) each ``period_s`` into the list
-    yielded, until the block ends; the list holds the mean over the GPUs per sample."""
-    import pynvml
-
-    samples: list[int] = []
+def utilisation_sampler(period_s: float = 0.2) -> Iterator[list[float]]:
+    """Samples NVML's ``utilization.gpu`` (%, ``gpu_stat``) each ``period_s`` into the list
+    yielded, until the block ends; one value per sample, the mean over the GPUs."""
+    samples: list[float] = []
     stop = threading.Event()
-    pynvml.nvmlInit()
-    handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
 
     def run() -> None:
         while not stop.wait(period_s):
-            rates = [pynvml.nvmlDeviceGetUtilizationRates(h).gpu for h in handles]
-            samples.append(int(sum(rates) / len(rates)))
+            rates = [g.utilization_percent or 0 for g in query_gpus(respect_visible_devices=False)]
+            samples.append(sum(rates) / max(1, len(rates)))
 
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
@@ -119,16 +104,17 @@ def utilisation_sampler(period_s: float = 0.2) -> Iterator[list[int]]:
     finally:
         stop.set()
         thread.join()
-        pynvml.nvmlShutdown()
 
 
-def cpu_reference(repo: Path, models: list[str], bodies: dict[str, dict[str, Any]]) -> dict[str, np.ndarray]:
-    """Each model's first output for its parity body, computed on the CPU in this process."""
+def cpu_reference(
+    repo: Path, models: list[str], bodies: dict[str, dict[str, Any]]
+) -> dict[str, dict[str, np.ndarray]]:
+    """Each model's outputs for its parity body, computed on the CPU in this process."""
     import torch
 
     from app.models.runner import ModelRunner
 
-    reference = {}
+    reference: dict[str, dict[str, np.ndarray]] = {}
     for name in models:
         runner = ModelRunner(read_config(repo / name))
         runner.load(torch.device("cpu"))
@@ -141,7 +127,7 @@ def cpu_reference(repo: Path, models: list[str], bodies: dict[str, dict[str, Any
             inputs[tensor["name"]] = arr.reshape(tensor["shape"])
         outputs = runner.forward(inputs)
         reference[name] = {k: np.asarray(v, dtype=np.float32) for k, v in outputs.items()}
-    return reference  # type: ignore[return-value]
+    return reference
 
 
 def served_outputs(srv: harness.Gunicorn, name: str, body: dict[str, Any]) -> dict[str, np.ndarray]:
@@ -151,32 +137,15 @@ def served_outputs(srv: harness.Gunicorn, name: str, body: dict[str, Any]) -> di
     return {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"]) for o in answer["outputs"]}
 
 
-def bindings(srv: harness.Gunicorn, workers: int) -> dict[int, dict[str, Any]]:
-    """pid -> ``GET /v2``'s ``worker`` for ``workers`` distinct live workers (asks until each answered)."""
-    seen: dict[int, dict[str, Any]] = {}
-
-    def all_answered() -> bool:
-        live = {w.pid for w in srv.workers()}
-        worker = srv.get("/v2")[2]["worker"]
-        seen[worker["pid"]] = worker
-        for pid in list(seen):
-            if pid not in live:
-                del seen[pid]
-        return len(seen) >= workers
-
-    harness.poll(all_answered, 120, f"GET /v2 from {workers} workers", diagnostics=srv.log_tail)
-    return seen
-
-
 def check_layout(report: Report, srv: harness.Gunicorn, workers: int, per_gpu: int, when: str) -> None:
     """The binding checks of one moment: devices, UUIDs, slots, NVML's process lists, the master."""
-    seen = bindings(srv, workers)
+    seen = srv.answering_workers(workers, 120)
     layout = sorted((w["binding"]["gpu_uuid"], int(w["binding"]["slot"])) for w in seen.values())
     report.check(
         f"per_gpu={per_gpu} {when}: every worker serves on cuda:0 of its leased GPU, one per slot",
         all(w["device"] == "cuda:0" and w["binding"]["device"] == "cuda:0" for w in seen.values())
         and len(set(layout)) == workers
-        and all(n == per_gpu for n in _count(u for u, _ in layout).values()),
+        and set(Counter(u for u, _ in layout).values()) == {per_gpu},
         layout=layout,
         devices={pid: w["device"] for pid, w in seen.items()},
     )
@@ -201,13 +170,6 @@ def check_layout(report: Report, srv: harness.Gunicorn, workers: int, per_gpu: i
         not any(lib in master_maps for lib in CUDA_RUNTIME_LIBRARIES),
         cuda_mapped=sorted({line.split()[-1] for line in master_maps.splitlines() if "cuda" in line}),
     )
-
-
-def _count(items: Iterator[str] | Any) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for item in items:
-        counts[item] = counts.get(item, 0) + 1
-    return counts
 
 
 def parity_bodies(repo: Path, models: list[str]) -> dict[str, dict[str, Any]]:

@@ -237,6 +237,22 @@ class Gunicorn:
         states = self.worker_states()
         return bool(states) and all(state == READY for state in states.values())
 
+    def answering_workers(self, count: int, timeout_s: float = 60.0) -> dict[int, dict[str, Any]]:
+        """pid -> ``GET /v2``'s ``worker`` document of ``count`` distinct live workers: asks
+        until that many answered (bounded; answers of workers that died meanwhile are dropped)."""
+        seen: dict[int, dict[str, Any]] = {}
+
+        def all_answered() -> bool:
+            worker = self.get("/v2")[2]["worker"]
+            seen[worker["pid"]] = worker
+            live = {w.pid for w in self.workers()}
+            for pid in [p for p in seen if p not in live]:
+                del seen[pid]
+            return len(seen) >= count
+
+        poll(all_answered, timeout_s, f"GET /v2 from {count} workers", diagnostics=self.log_tail)
+        return seen
+
     def _alive(self) -> None:
         if self.proc.poll() is not None:
             raise AssertionError(f"gunicorn exited {self.proc.returncode}:\n{self.log_tail()}")

@@ -60,19 +60,6 @@ def start(
     return Gunicorn(tmp, full, args)
 
 
-def bindings(srv: Gunicorn, workers: int) -> dict[int, dict[str, Any]]:
-    """pid -> ``GET /v2``'s ``worker`` of ``workers`` distinct workers (asks until each answered)."""
-    seen: dict[int, dict[str, Any]] = {}
-
-    def all_answered() -> bool:
-        worker = srv.get("/v2")[2]["worker"]
-        seen[worker["pid"]] = worker
-        return len(seen) >= workers
-
-    wait_for(all_answered, 60, f"GET /v2 from {workers} workers", srv)
-    return seen
-
-
 def balanced(srv: Gunicorn, workers: int, per_gpu: int) -> dict[int, tuple[str, int]]:
     wait_for(lambda: len(leases(srv)) == workers == len(srv.workers()), 90, f"{workers} leases", srv)
     held = leases(srv)
@@ -90,7 +77,7 @@ def test_four_gpus_two_each_bound_in_parallel(tmp_path: Path) -> None:
         assert srv.ready_workers() == set(), srv.worker_states()
         assert {u for u, _ in held.values()} == {gpu_uuid(i) for i in range(4)}
         srv.wait_ready()
-        worker = next(iter(bindings(srv, 1).values()))
+        worker = next(iter(srv.answering_workers(1).values()))
         pid = worker["pid"]
         assert (worker["binding"]["gpu_uuid"], int(worker["binding"]["slot"])) == held[pid]
         # the binding names the GPU; the fake GPUs do not exist for torch, so models run on the CPU
@@ -155,7 +142,7 @@ def test_reload_and_recycling_keep_every_gpu_at_capacity(tmp_path: Path, recycle
         held = balanced(srv, 4, 2)  # every live worker holds a lease: none fell back to the CPU
         srv.wait_ready()
         if recycle == "hup":  # (with max_requests=10 these requests would recycle them again)
-            for pid, worker in bindings(srv, 4).items():  # each serves from the slot it leased
+            for pid, worker in srv.answering_workers(4).items():  # each serves from the slot it leased
                 assert (worker["binding"]["gpu_uuid"], int(worker["binding"]["slot"])) == held[pid]
 
 
