@@ -11,13 +11,13 @@ from aiohttp.typedefs import Middleware
 
 from app.binding import BINDING, WorkerBinding
 from app.grpc.server import grpc_ctx
-from app.http.auth import API_KEYS, ApiKeys, auth_middleware
+from app.http.auth import API_KEYS, ApiKeys, authorizer
 from app.http.connections import setup_connections
 from app.http.extensions import routes as extension_routes
-from app.http.limits import body_middleware, header_limits_middleware, parser_limits, quiet_parser_errors
+from app.http.limits import limits_middleware, parser_limits, quiet_parser_errors
 from app.http.metrics import gpu_metrics_ctx, metrics_handler, metrics_middleware
 from app.http.middleware import error_middleware
-from app.http.routes import routes
+from app.http.routes import inference_routes, routes
 from app.observability.metrics import METRICS, create_metrics
 from app.protocols.limits import RequestLimits
 from app.serving.lifecycle import models_ctx, on_shutdown, resolve_device
@@ -46,17 +46,13 @@ async def create_app(settings: Settings | None = None) -> web.Application:
     settings = settings or Settings()
     quiet_parser_errors()
     # Outermost first: metrics see the status the error middleware chose; the error
-    # middleware renders what the header check and the key check raise.
+    # middleware renders what the edge's checks raise (headers, API key, body, early refusal).
     middlewares: list[Middleware] = [error_middleware]
     if settings.metrics_enabled:
         middlewares.insert(0, metrics_middleware)
-    middlewares.append(header_limits_middleware(settings.max_header_bytes, settings.max_headers))
     keys = ApiKeys.from_settings(settings)
-    if keys.enabled:
-        middlewares.append(auth_middleware(keys, metrics_open=not settings.metrics_auth))
-    middlewares.append(
-        body_middleware(settings.body_timeout_s, settings.min_body_rate_bytes_s, settings.body_grace_s)
-    )
+    authorize = authorizer(keys, metrics_open=not settings.metrics_auth) if keys.enabled else None
+    middlewares.append(limits_middleware(settings, authorize))
     app = web.Application(
         middlewares=middlewares,
         client_max_size=settings.max_request_bytes,
@@ -72,7 +68,8 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         max_json_depth=settings.max_json_depth,
     )
     app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
-    app.add_routes(extension_routes)  # first: /v2/models/stats is not a model's metadata
+    app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
+    app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata
     app.add_routes(routes)
     if settings.metrics_enabled:
         app[METRICS] = create_metrics()

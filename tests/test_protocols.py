@@ -25,6 +25,24 @@ def v2_body(x: list[list[float]], **extra: Any) -> dict[str, Any]:
     }
 
 
+async def test_the_inference_routes_are_tried_first(make_client: MakeClient, scale_repo: Path) -> None:
+    """aiohttp tries the resources under one static prefix in the order they were added: the
+    inference POSTs go before the metadata, readiness, config and statistics routes, and a
+    GET of those paths still resolves (405 with Allow), as do the routes behind them."""
+    client = await make_client(scale_repo)
+    order = [r.canonical for r in client.app.router.resources()]
+    assert order[:3] == [
+        "/v2/models/{name}/infer",
+        "/v2/models/{name}/versions/{version}/infer",
+        "/v1/models/{name}:predict",
+    ]
+    wrong_method = await client.get(V2_INFER)
+    assert wrong_method.status == 405 and wrong_method.headers["Allow"] == "POST"
+    assert (await client.get("/v2/models/stats")).status == 200
+    assert (await client.get("/v2/models/scale")).status == 200
+    assert (await client.post(V2_INFER, json=v2_body([[1.0, 2.0]]))).status == 200
+
+
 async def test_v2_server_and_model_metadata(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo)
     meta = await (await client.get("/v2")).json()

@@ -266,8 +266,8 @@ class InferenceServicer:
         (``protocol="grpc"``, ``code`` = the gRPC status name)."""
         if self.metrics is None:
             return await work
-        in_flight = self.metrics.in_flight.labels(*labels)
-        in_flight.inc()
+        recorded = self.metrics.for_requests(*labels, "grpc")
+        recorded.in_flight.inc()
         start = time.perf_counter()
         code = grpc.StatusCode.INTERNAL.name
         try:
@@ -281,9 +281,7 @@ class InferenceServicer:
             code = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
             raise
         finally:
-            in_flight.dec()
-            self.metrics.request_seconds.labels(*labels, "grpc").observe(time.perf_counter() - start)
-            self.metrics.requests.labels(*labels, "grpc", code).inc()
+            recorded.answered(code, time.perf_counter() - start)
 
 
 def _message(document: dict[str, Any], message: MessageT) -> MessageT:

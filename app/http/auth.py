@@ -31,7 +31,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from app.errors import Unauthorized
 from app.settings import Settings
@@ -148,13 +147,16 @@ def _is_open(request: web.Request, metrics_open: bool) -> bool:
     return path.startswith(_HEALTH_PREFIX) or path == "/" or (metrics_open and path == "/metrics")
 
 
-def auth_middleware(keys: ApiKeys, metrics_open: bool) -> Middleware:
-    """A middleware that refuses requests without a valid key (``Unauthorized``, 401)."""
+def authorizer(keys: ApiKeys, metrics_open: bool) -> Callable[[web.Request], None]:
+    """The API key check ``app.http.limits.limits_middleware`` runs after the header limits
+    and before reading the body. Health paths (and ``/metrics`` when ``metrics_open``) are open.
 
-    @web.middleware
-    async def check_api_key(request: web.Request, handler: Handler) -> web.StreamResponse:
+    Raises (from the returned check):
+        Unauthorized: 401, no valid key presented.
+    """
+
+    def authorize(request: web.Request) -> None:
         if not _is_open(request, metrics_open) and not keys.check(presented_key(request)):
             raise Unauthorized("unauthorized")
-        return await handler(request)
 
-    return check_api_key
+    return authorize

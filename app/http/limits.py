@@ -1,4 +1,5 @@
-"""Header limits, in two tiers; and a time limit on request bodies.
+"""The edge's request checks: header limits, in two tiers; the API key; a time limit on
+request bodies; early refusal under overload.
 
 aiohttp's HTTP parser refuses a request line or header field longer than
 ``max_line_size``/``max_field_size`` and more than ``max_headers`` fields while it reads
@@ -11,7 +12,7 @@ limit) gets the parser's plain-text 400.
 
 Bodies: aiohttp's server has no read timeout for a request body, so a client that sends
 headers and then trickles (or never sends) its body holds a connection and a handler
-forever. :func:`body_middleware` reads the body itself (``request.read()`` keeps it, so the
+forever. :func:`limits_middleware` reads the body itself (``request.read()`` keeps it, so the
 handler's own ``read()`` returns it) under an ``asyncio.timeout`` whose deadline a timer
 moves with the bytes received: ``start + grace + received / min_rate``, never past
 ``start + body_timeout_s``. Past it the client gets 408 and the connection is closed. A
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from aiohttp import web
@@ -63,61 +65,72 @@ def parser_limits(settings: Settings) -> dict[str, Any]:
     }
 
 
-def header_limits_middleware(max_bytes: int, max_headers: int) -> Middleware:
-    """A middleware that answers 431 (``HeaderFieldsTooLarge``) when the request line or a
-    header field (name + value) is longer than ``max_bytes``, or there are more than
-    ``max_headers`` fields."""
+def check_headers(request: web.Request, max_bytes: int, max_headers: int) -> None:
+    """Refuse a request line or a header field (name + value) longer than ``max_bytes``, or
+    more than ``max_headers`` fields.
 
-    @web.middleware
-    async def check_headers(request: web.Request, handler: Handler) -> web.StreamResponse:
-        raw = request.raw_headers
-        if len(raw) > max_headers:
+    Raises:
+        HeaderFieldsTooLarge: 431.
+    """
+    raw = request.raw_headers
+    if len(raw) > max_headers:
+        raise HeaderFieldsTooLarge(
+            f"request has {len(raw)} header fields; the server accepts at most {max_headers} "
+            "(SCORING_MAX_HEADERS)"
+        )
+    if len(request.raw_path) + _REQUEST_LINE_OVERHEAD > max_bytes:
+        raise HeaderFieldsTooLarge(
+            f"request line is longer than {max_bytes} bytes (SCORING_MAX_HEADER_BYTES)"
+        )
+    for name, value in raw:
+        if len(name) + len(value) > max_bytes:
+            shown = name.decode("latin-1")[:64]
             raise HeaderFieldsTooLarge(
-                f"request has {len(raw)} header fields; the server accepts at most {max_headers} "
-                "(SCORING_MAX_HEADERS)"
+                f"header field {shown!r} is {len(name) + len(value)} bytes; the server accepts "
+                f"at most {max_bytes} per field (SCORING_MAX_HEADER_BYTES)"
             )
-        if len(request.raw_path) + _REQUEST_LINE_OVERHEAD > max_bytes:
-            raise HeaderFieldsTooLarge(
-                f"request line is longer than {max_bytes} bytes (SCORING_MAX_HEADER_BYTES)"
-            )
-        for name, value in raw:
-            if len(name) + len(value) > max_bytes:
-                shown = name.decode("latin-1")[:64]
-                raise HeaderFieldsTooLarge(
-                    f"header field {shown!r} is {len(name) + len(value)} bytes; the server accepts "
-                    f"at most {max_bytes} per field (SCORING_MAX_HEADER_BYTES)"
-                )
-        return await handler(request)
-
-    return check_headers
 
 
 #: How often the body timer looks at the bytes received, seconds.
 _BODY_TICK_S = 0.5
 
 
-def body_middleware(timeout_s: float, min_rate_bytes_s: float, grace_s: float) -> Middleware:
-    """A middleware that reads each request body within ``timeout_s`` seconds and, after
-    ``grace_s`` seconds, at no less than ``min_rate_bytes_s`` bytes/s on average.
+def limits_middleware(
+    settings: Settings, authorize: Callable[[web.Request], None] | None = None
+) -> Middleware:
+    """The checks a request passes at the edge, in this order, in one middleware (one layer
+    per request on the hot path):
 
-    Once the body is read, an inference request is judged by :func:`refuse_early` before
-    its handler decodes it.
+    1. header limits (:func:`check_headers`, ``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``);
+    2. ``authorize`` (the API key, ``app.http.auth.authorizer``), when keys are configured,
+       so that no body is read for a client without a key;
+    3. the body, read within ``body_timeout_s`` and, after ``body_grace_s``, at no less than
+       ``min_body_rate_bytes_s`` bytes/s on average;
+    4. for an inference request, :func:`refuse_early` before its handler decodes the body.
 
     Raises (to the error middleware):
-        RequestTimeout: too slow (408, the connection closes).
-        QueueFull: refused early (503 + Retry-After).
+        HeaderFieldsTooLarge: 431.
+        Unauthorized: 401 (raised by ``authorize``).
+        RequestTimeout: the body is too slow (408, the connection closes).
         ClientDisconnected: the client left mid-body (499).
         InvalidInput: the body's chunked framing or content encoding is corrupt (400).
+        QueueFull: refused early (503 + Retry-After).
     """
+    max_bytes, max_headers = settings.max_header_bytes, settings.max_headers
+    timeout_s, grace_s = settings.body_timeout_s, settings.body_grace_s
+    min_rate = settings.min_body_rate_bytes_s
 
     @web.middleware
-    async def read_body(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def request_limits(request: web.Request, handler: Handler) -> web.StreamResponse:
+        check_headers(request, max_bytes, max_headers)
+        if authorize is not None:
+            authorize(request)
         if request.body_exists:
-            await _read_within(request, timeout_s, min_rate_bytes_s, grace_s)
+            await _read_within(request, timeout_s, min_rate, grace_s)
             refuse_early(request)
         return await handler(request)
 
-    return read_body
+    return request_limits
 
 
 async def _read_within(request: web.Request, timeout_s: float, min_rate: float, grace_s: float) -> None:

@@ -51,10 +51,9 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     protocol = _inference_protocol(request)
     if protocol is None:
         return await handler(request)
-    metrics = request.app[METRICS]
     model, version = _model_labels(request)
-    in_flight = metrics.in_flight.labels(model, version)
-    in_flight.inc()
+    recorded = request.app[METRICS].for_requests(model, version, protocol)
+    recorded.in_flight.inc()
     start = time.perf_counter()
     code = 500
     try:
@@ -68,9 +67,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         code = 499  # the client went away (nginx's code; nothing was sent)
         raise
     finally:
-        in_flight.dec()
-        metrics.request_seconds.labels(model, version, protocol).observe(time.perf_counter() - start)
-        metrics.requests.labels(model, version, protocol, str(code)).inc()
+        recorded.answered(code, time.perf_counter() - start)
 
 
 async def metrics_handler(request: web.Request) -> web.Response:

@@ -51,7 +51,22 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     start = time.perf_counter()
     rid = new_or_given_id(request.headers.get(REQUEST_ID_HEADER, ""))
     request[REQUEST_ID] = rid
-    response = await _respond(request, handler, rid)
+    try:
+        response = await handler(request)
+    except ScoringError as exc:
+        response = _domain_error(exc, rid)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        response = _http_error(exc, rid)
+    except UnicodeDecodeError as exc:
+        message = f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
+        response = json_error(400, message, {REQUEST_ID_HEADER: rid})
+    except Exception:
+        log.exception("request %s %s %s failed", rid, request.method, request.path)
+        response = json_error(500, f"internal server error (request id {rid})", {REQUEST_ID_HEADER: rid})
+    else:
+        response.headers[REQUEST_ID_HEADER] = rid
     if not response.prepared:
         # The access log reads it: aiohttp's own request time has the loop clock's
         # resolution, which is 1 ms under uvloop.
@@ -59,36 +74,25 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     return response
 
 
-async def _respond(request: web.Request, handler: Handler, rid: str) -> web.StreamResponse:
-    try:
-        response = await handler(request)
-    except ScoringError as exc:
-        headers = {**exc.headers, REQUEST_ID_HEADER: rid}
-        if exc.retry_after_s is not None:
-            headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
-        if exc.status >= 500:
-            # Overload answers (503) are counted in metrics; a line each would flood the log.
-            level = logging.DEBUG if exc.status == 503 else logging.WARNING
-            log.log(level, "request %s: %d %s", rid, exc.status, exc.message)
-        response = json_error(exc.status, exc.message, headers)
-        if headers.get("Connection") == "close":
-            response.force_close()
-        return response
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
-        if exc.status == 413:
-            message = f"request body too large: {message}"
-        headers = {REQUEST_ID_HEADER: rid}
-        if "Allow" in exc.headers:
-            headers["Allow"] = exc.headers["Allow"]
-        return json_error(exc.status, message, headers)
-    except UnicodeDecodeError as exc:
-        message = f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
-        return json_error(400, message, {REQUEST_ID_HEADER: rid})
-    except Exception:
-        log.exception("request %s %s %s failed", rid, request.method, request.path)
-        return json_error(500, f"internal server error (request id {rid})", {REQUEST_ID_HEADER: rid})
-    response.headers[REQUEST_ID_HEADER] = rid
+def _domain_error(exc: ScoringError, rid: str) -> web.Response:
+    headers = {**exc.headers, REQUEST_ID_HEADER: rid}
+    if exc.retry_after_s is not None:
+        headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
+    if exc.status >= 500:
+        # Overload answers (503) are counted in metrics; a line each would flood the log.
+        level = logging.DEBUG if exc.status == 503 else logging.WARNING
+        log.log(level, "request %s: %d %s", rid, exc.status, exc.message)
+    response = json_error(exc.status, exc.message, headers)
+    if headers.get("Connection") == "close":
+        response.force_close()
     return response
+
+
+def _http_error(exc: web.HTTPException, rid: str) -> web.Response:
+    message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
+    if exc.status == 413:
+        message = f"request body too large: {message}"
+    headers = {REQUEST_ID_HEADER: rid}
+    if "Allow" in exc.headers:
+        headers["Allow"] = exc.headers["Allow"]
+    return json_error(exc.status, message, headers)

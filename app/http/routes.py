@@ -6,6 +6,7 @@ code never runs here (it runs on the inference thread).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from importlib import resources
 from typing import Any
 
@@ -29,6 +30,10 @@ _BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-str
 OPENAPI = resources.files("app").joinpath("openapi.json").read_bytes()
 
 routes = web.RouteTableDef()
+#: The inference POSTs, added to the router before every other table (``app.main``): aiohttp
+#: tries the resources that share a static prefix (``/v2/models``) in the order they were
+#: added, one coroutine each, so the hot path goes first (2 tries per request instead of 10).
+inference_routes = web.RouteTableDef()
 
 
 def _json(body: Any, status: int = 200) -> web.Response:
@@ -71,15 +76,17 @@ def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None)
     return dataplane.effective_timeout_s(request.app[SETTINGS], entry, from_body)
 
 
-async def _infer(
+def _infer(
     request: web.Request, entry: ModelEntry, inputs: dict[str, np.ndarray], timeout_s: float
-) -> dict[str, np.ndarray]:
+) -> Awaitable[dict[str, np.ndarray]]:
+    """``dataplane.infer`` for an HTTP request (its id; its connection tells whether the client
+    left). Await it at once."""
     transport = request.transport
 
     def disconnected() -> bool:
         return transport is None or transport.is_closing()
 
-    return await dataplane.infer(
+    return dataplane.infer(
         request.app[REGISTRY],
         entry,
         inputs,
@@ -148,8 +155,8 @@ async def model_ready(request: web.Request) -> web.Response:
     return _model_readiness(registry, entry)
 
 
-@routes.post("/v2/models/{name}/infer")
-@routes.post("/v2/models/{name}/versions/{version}/infer")
+@inference_routes.post("/v2/models/{name}/versions/{version}/infer")
+@inference_routes.post("/v2/models/{name}/infer")  # innermost: added first
 async def infer(request: web.Request) -> web.Response:
     """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
     may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
@@ -200,7 +207,7 @@ async def v1_model(request: web.Request) -> web.Response:
     return _model_readiness(registry, entry)
 
 
-@routes.post("/v1/models/{name:[^/:]+}:predict")
+@inference_routes.post("/v1/models/{name:[^/:]+}:predict")
 async def v1_predict(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
     registry = request.app[REGISTRY]

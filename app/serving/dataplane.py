@@ -9,11 +9,12 @@ for every protocol. Source: KServe's ``DataPlane`` (kserve/protocol/dataplane.py
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 import numpy as np
 
-from app.serving.state import ModelEntry, ModelRegistry
+from app.serving.state import ModelEntry, ModelRegistry, Spread
 from app.settings import Settings
 
 
@@ -60,7 +61,7 @@ def refuse_early(entry: ModelEntry, timeout_s: float) -> None:
             raise refusal
 
 
-async def infer(
+def infer(
     registry: ModelRegistry,
     entry: ModelEntry,
     inputs: dict[str, np.ndarray],
@@ -70,7 +71,7 @@ async def infer(
     is_disconnected: Callable[[], bool] | None = None,
     forwarded: bool = False,
     pinned: bool = False,
-) -> dict[str, np.ndarray]:
+) -> Awaitable[dict[str, np.ndarray]]:
     """Run one inference request through ``entry``'s dynamic batcher, or, when it is large and
     sibling workers are ready, in shards on them and here, or, when it is ``pinned`` and this
     worker is clearly busier than a sibling, whole on that sibling (``registry.spread``).
@@ -89,9 +90,10 @@ async def infer(
             (app.server.forward). HTTP leaves it False (it sheds connections instead).
 
     Returns:
-        One array per model output, ``[B, ...]``, in the request's item order.
+        An awaitable (await it at once) of one array per model output, ``[B, ...]``, in the
+        request's item order. A plain function, so the common path costs no extra coroutine.
 
-    Raises:
+    Raises (when awaited):
         ModelNotReady, QueueFull, DeadlineExceeded, InferenceFailed, InsufficientStorage:
             see :meth:`app.serving.batcher.DynamicBatcher.infer` (mapped to HTTP/gRPC codes
             by each front end's one error mapping); a shard's error on a sibling is raised
@@ -101,17 +103,31 @@ async def infer(
     if spread is not None and not forwarded and entry.ready:
         items = len(next(iter(inputs.values())))
         if spread.considers(entry, items, pinned):
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + timeout_s
 
             async def run_here(arrays: dict[str, np.ndarray], shard_s: float) -> dict[str, np.ndarray]:
                 return await _run_here(registry, entry, arrays, shard_s, request_id, is_disconnected)
 
-            outputs = await spread(entry, inputs, timeout_s, request_id, run_here, pinned=pinned)
-            if outputs is not None:
-                return outputs
-            timeout_s = max(0.0, deadline - loop.time())
-    return await _run_here(registry, entry, inputs, timeout_s, request_id, is_disconnected)
+            return _spread(spread, entry, inputs, timeout_s, request_id, run_here, pinned)
+    # The common path: the batcher's coroutine itself, no extra layer (this is per request).
+    return _run_here(registry, entry, inputs, timeout_s, request_id, is_disconnected)
+
+
+async def _spread(
+    spread: Spread,
+    entry: ModelEntry,
+    inputs: dict[str, np.ndarray],
+    timeout_s: float,
+    request_id: str,
+    run_here: Callable[[dict[str, np.ndarray], float], Coroutine[Any, Any, dict[str, np.ndarray]]],
+    pinned: bool,
+) -> dict[str, np.ndarray]:
+    """``spread`` (scatter, or forward when ``pinned``); here, whole, if it declines."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    outputs = await spread(entry, inputs, timeout_s, request_id, run_here, pinned=pinned)
+    if outputs is not None:
+        return outputs
+    return await run_here(inputs, max(0.0, deadline - loop.time()))
 
 
 async def _run_here(
