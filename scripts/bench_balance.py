@@ -41,12 +41,28 @@ from scripts.benchmark import drive, payload, server  # noqa: E402
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
 
 
-def items_per_worker(srv: harness.Gunicorn) -> dict[str, float]:
-    """Items answered per worker pid (``scoring_worker_items_total`` in /metrics)."""
+def scrape(srv: harness.Gunicorn) -> str:
+    """The server's ``/metrics`` text; SystemExit on an HTTP error."""
     status, _, text = srv.get("/metrics", timeout=10)
     if status != 200:
         raise SystemExit(f"/metrics: HTTP {status}")
-    return harness.worker_items(str(text))
+    return str(text)
+
+
+def items_per_worker(srv: harness.Gunicorn) -> dict[str, float]:
+    """Items answered per worker pid (``scoring_worker_items_total`` in /metrics)."""
+    return harness.worker_items(scrape(srv))
+
+
+def balance_parser(doc: str | None, levels: str, levels_help: str) -> argparse.ArgumentParser:
+    """The options of both balancing benchmarks (this one and ``bench_grpc_balance``): the
+    server's, the concurrency levels, seconds per level, items per request of each model."""
+    parser = harness.benchmark_parser(doc, models=f"{MINILM},{RANKER}", torch_threads=1)
+    parser.add_argument("--levels", default=levels, help=levels_help)
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
+    parser.add_argument("--items", type=int, default=8, help="MiniLM items per request")
+    parser.add_argument("--ranker-items", type=int, default=1, help="feed-ranker items per request")
+    return parser
 
 
 def bodies(repo: Path, model: str, items: int, count: int = 32) -> list[bytes]:
@@ -131,17 +147,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--torch-threads", type=int, default=1)
-    parser.add_argument("--levels", default="1,2,4,8,16,64", help="connection counts")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
-    parser.add_argument("--items", type=int, default=8, help="MiniLM items per request")
-    parser.add_argument("--ranker-items", type=int, default=1, help="feed-ranker items per request")
-    parser.add_argument("--models", default=f"{MINILM},{RANKER}")
+    parser = balance_parser(__doc__, "1,2,4,8,16,64", "connection counts")
     parser.add_argument("--large-items", type=int, default=256)
     parser.add_argument("--large-repeats", type=int, default=5, help="0 skips the large-request figure")
     parser.add_argument("--no-balance", action="store_true", help="SCORING_BALANCE=0 (the comparison)")

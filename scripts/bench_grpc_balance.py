@@ -20,7 +20,6 @@ Each level stops by itself after ``--duration`` seconds; traffic goes to 127.0.0
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -40,22 +39,15 @@ sys.path.insert(0, str(ROOT))
 from app.models.repository import read_config  # noqa: E402
 from app.protocols.binary import tensor_bytes  # noqa: E402
 from scripts import harness  # noqa: E402
+from scripts.bench_balance import MINILM, balance_parser, scrape  # noqa: E402
 from scripts.benchmark import payload, server  # noqa: E402
 
-MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
 _FORWARDED_LINE = re.compile(r"^scoring_forwarded_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
-
-
-def metrics(srv: harness.Gunicorn) -> str:
-    status, _, text = srv.get("/metrics")
-    if status != 200:
-        raise SystemExit(f"/metrics: HTTP {status}")
-    return str(text)
 
 
 def counts(srv: harness.Gunicorn) -> tuple[dict[str, float], float]:
     """Items answered per worker pid, and requests forwarded (all workers)."""
-    text = metrics(srv)
+    text = scrape(srv)
     return harness.worker_items(text), sum(float(n) for n in _FORWARDED_LINE.findall(text))
 
 
@@ -165,17 +157,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--torch-threads", type=int, default=1)
-    parser.add_argument("--levels", default="1,2,4,8,16", help="calls in flight on the one channel")
-    parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
-    parser.add_argument("--items", type=int, default=8, help="MiniLM items per request")
-    parser.add_argument("--ranker-items", type=int, default=1, help="feed-ranker items per request")
-    parser.add_argument("--models", default=f"{MINILM},{RANKER}")
+    parser = balance_parser(__doc__, "1,2,4,8,16", "calls in flight on the one channel")
     parser.add_argument("--balance", default="on,off", help="on, off or on,off")
     parser.add_argument("--out", type=Path, default=Path("bench_grpc_balance.json"))
     args = parser.parse_args()

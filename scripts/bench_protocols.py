@@ -111,12 +111,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     """Parse arguments, start the server, measure, write the results."""
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--model", default="feed-ranker")
-    parser.add_argument("--workers", type=int, default=2)
+    parser = harness.benchmark_parser(__doc__, model="feed-ranker")
     parser.add_argument("--items", type=int, default=8, help="items (rows) per request: perf_analyzer -b")
     parser.add_argument("--concurrency", default="1,8,64")
     parser.add_argument("--protocols", default="http-json,http-binary,grpc")

@@ -21,7 +21,6 @@ p50/p99 latency, throughput) and its dynamic batcher guide.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -180,12 +179,7 @@ async def drive(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--model", default="feed-ranker")
-    parser.add_argument("--workers", type=int, default=2)
+    parser = harness.benchmark_parser(__doc__, model="feed-ranker")
     parser.add_argument("--concurrency", default="1,4,16,64")
     parser.add_argument("--items", type=int, default=1, help="items (rows) per request")
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")

@@ -19,6 +19,7 @@ goes to 127.0.0.1 only.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -416,3 +417,42 @@ def worker_shares(before: Mapping[str, float], after: Mapping[str, float]) -> di
 def machine() -> dict[str, Any]:
     """Where a benchmark ran: CPU count, platform and Python version, for its JSON record."""
     return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
+
+
+def benchmark_parser(
+    doc: str | None,
+    *,
+    model: str | None = None,
+    models: str | None = None,
+    workers: int = 2,
+    torch_threads: int | None = None,
+) -> argparse.ArgumentParser:
+    """The argument parser of a script that starts the server: ``doc`` (the script's docstring)
+    as its help, and the options such scripts share: ``--repository`` (the model repository;
+    default: the demo one), ``--workers`` (default ``workers``), and, where a default is given,
+    ``--model`` (one model), ``--models`` (comma-separated) and ``--torch-threads``."""
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
+    if model is not None:
+        parser.add_argument("--model", default=model)
+    if models is not None:
+        parser.add_argument("--models", default=models)
+    parser.add_argument("--workers", type=int, default=workers)
+    if torch_threads is not None:
+        parser.add_argument("--torch-threads", type=int, default=torch_threads)
+    return parser
+
+
+def comma_list(known: Iterable[str]) -> Callable[[str], list[str]]:
+    """An argparse ``type``: a comma-separated list of values, each one of ``known`` (argparse
+    reports any other as a usage error)."""
+    allowed = list(known)
+
+    def parse(text: str) -> list[str]:
+        values = [v for v in text.split(",") if v]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {allowed}")
+        return values
+
+    return parse

@@ -240,13 +240,8 @@ async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--torch-threads", type=int, default=1)
-    parser.add_argument("--scenarios", type=lambda s: s.split(","), default=list(SCENARIOS))
+    parser = harness.benchmark_parser(__doc__, torch_threads=1)
+    parser.add_argument("--scenarios", type=harness.comma_list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--duration-s", type=float, default=20.0, help="overload per scenario")
     parser.add_argument("--capacity-s", type=float, default=10.0, help="unloaded measurement per scenario")
     parser.add_argument("--capacity-connections", type=int, default=0, help="clients for the capacity")
@@ -265,11 +260,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="clients wait Retry-After after a 503 (default: adversarial, they resend at once)",
     )
     parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args(argv)
-    unknown = set(args.scenarios) - set(SCENARIOS)
-    if unknown:
-        parser.error(f"unknown scenarios {sorted(unknown)}; choose from {sorted(SCENARIOS)}")
-    return args
+    return parser.parse_args(argv)
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:

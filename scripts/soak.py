@@ -338,25 +338,15 @@ def _tcp_connections(pid: int) -> list[Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--model", default="feed-ranker")
-    parser.add_argument("--workers", type=int, default=2)
+    parser = harness.benchmark_parser(__doc__, model="feed-ranker", torch_threads=1)
     parser.add_argument("--concurrency", type=int, default=8, help="clients, one connection each")
     parser.add_argument("--items", type=int, default=1, help="items per request")
     parser.add_argument("--phase-s", type=float, default=10.0, help="length of each phase, at least")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--graceful-timeout-s", type=int, default=30)
-    parser.add_argument("--torch-threads", type=int, default=1)
-    parser.add_argument("--phases", type=lambda s: s.split(","), default=list(PHASES))
+    parser.add_argument("--phases", type=harness.comma_list(PHASES), default=list(PHASES))
     parser.add_argument("--json", type=Path, help="write the results here")
-    args = parser.parse_args(argv)
-    unknown = set(args.phases) - set(PHASES)
-    if unknown:
-        parser.error(f"unknown phases {sorted(unknown)}; choose from {PHASES}")
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:

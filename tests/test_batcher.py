@@ -76,16 +76,25 @@ def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> DynamicBatc
     return batcher
 
 
+async def start_held(
+    b: DynamicBatcher, rec: Recorder, inputs: dict[str, np.ndarray], timeout_s: float
+) -> asyncio.Task[dict[str, np.ndarray]]:
+    """Hold the model (``rec.gate``), send ``inputs`` and return once their batch runs: the
+    requests sent next queue behind it. ``rec.gate.set()`` lets it finish."""
+    rec.gate.clear()
+    task = asyncio.create_task(b.infer(inputs, timeout_s=timeout_s))
+    await asyncio.to_thread(rec.started.wait, 5)
+    return task
+
+
 def items(*values: float) -> dict[str, np.ndarray]:
     return {"x": np.array([[v, v] for v in values], dtype=np.float32)}
 
 
 async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()  # hold the first batch so the rest queue up
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=5)
-    first = asyncio.create_task(b.infer(items(0), timeout_s=5))
-    await asyncio.to_thread(rec.started.wait, 5)
+    first = await start_held(b, rec, items(0), timeout_s=5)  # hold the first batch so the rest queue up
     rest = [asyncio.create_task(b.infer(items(v), timeout_s=5)) for v in range(1, 11)]
     await eventually(lambda: b.queued_items == 10)
     rec.gate.set()
@@ -136,10 +145,8 @@ async def test_large_request_is_split_and_reassembled_in_order(executor: ThreadP
 
 async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()
     b = make(executor, rec, max_batch_size=2, queue_capacity=4, max_queue_delay_ms=0)
-    running = asyncio.create_task(b.infer(items(0, 0), timeout_s=5))
-    await asyncio.to_thread(rec.started.wait, 5)
+    running = await start_held(b, rec, items(0, 0), timeout_s=5)
     queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), timeout_s=5))
     await eventually(lambda: b.queued_items == 4)
     with pytest.raises(QueueFull) as info:
@@ -159,10 +166,8 @@ async def test_request_larger_than_the_queue_is_invalid(executor: ThreadPoolExec
 
 async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()
     b = make(executor, rec, max_batch_size=1, max_queue_delay_ms=0)
-    blocker = asyncio.create_task(b.infer(items(0), timeout_s=5))
-    await asyncio.to_thread(rec.started.wait, 5)
+    blocker = await start_held(b, rec, items(0), timeout_s=5)
     with pytest.raises(DeadlineExceeded):
         await b.infer(items(99), timeout_s=0.05)
     assert b.queued_items == 0
@@ -175,10 +180,8 @@ async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExe
 
 async def test_disconnected_client_items_never_reach_the_model(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
-    blocker = asyncio.create_task(b.infer(items(0), timeout_s=5))
-    await asyncio.to_thread(rec.started.wait, 5)
+    blocker = await start_held(b, rec, items(0), timeout_s=5)
     gone = asyncio.create_task(b.infer(items(42), timeout_s=5, is_disconnected=lambda: True))
     stays = asyncio.create_task(b.infer(items(7), timeout_s=5, is_disconnected=lambda: False))
     await eventually(lambda: b.queued_items == 2)
@@ -280,11 +283,9 @@ def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[Dyn
 
 async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()
     b, counts = observed(executor, rec, max_batch_size=4)
     b.rate.observe(10, 1.0)  # a known service rate: 10 items/s, as seeded from warmup
-    running = asyncio.create_task(b.infer(items(0), timeout_s=60))
-    await asyncio.to_thread(rec.started.wait, 5)
+    running = await start_held(b, rec, items(0), timeout_s=60)
     queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 2 s of work
     await eventually(lambda: b.queued_items == 20)
     assert b.backlog_s(asyncio.get_running_loop().time()) >= 2.0
@@ -336,10 +337,8 @@ def test_slow_small_batches_raise_the_overhead_not_the_cost_per_item() -> None:
 
 async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()
     b, counts = observed(executor, rec, max_batch_size=1)
-    blocker = asyncio.create_task(b.infer(items(0), timeout_s=30))
-    await asyncio.to_thread(rec.started.wait, 5)
+    blocker = await start_held(b, rec, items(0), timeout_s=30)
     expiring = [asyncio.create_task(b.infer(items(9), timeout_s=0.01)) for _ in range(5)]
     done, _ = await asyncio.wait(expiring)
     rec.gate.set()
@@ -380,12 +379,10 @@ def test_cumulative_costs_count_bytes_per_item() -> None:
 
 async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    rec.gate.clear()
     b, counts = observed(executor, rec, max_batch_size=4)
     b.rate.observe(10, 1.0)  # 10 items/s
     assert b.refuse_early(timeout_s=0.5) is None  # nothing queued, 1 item: 0.1 s
-    running = asyncio.create_task(b.infer(items(0), timeout_s=60))
-    await asyncio.to_thread(rec.started.wait, 5)
+    running = await start_held(b, rec, items(0), timeout_s=60)
     queued = asyncio.create_task(b.infer(items(*range(1, 11)), timeout_s=60))  # 1 s queued
     await eventually(lambda: b.queued_items == 10)
     # The smallest recent request has 1 item: 1.1 s and more, over 80 % of 1 s.
