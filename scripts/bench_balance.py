@@ -41,19 +41,6 @@ from scripts.benchmark import drive, payload, server  # noqa: E402
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
 
 
-def scrape(srv: harness.Gunicorn) -> str:
-    """The server's ``/metrics`` text; SystemExit on an HTTP error."""
-    status, _, text = srv.get("/metrics", timeout=10)
-    if status != 200:
-        raise SystemExit(f"/metrics: HTTP {status}")
-    return str(text)
-
-
-def items_per_worker(srv: harness.Gunicorn) -> dict[str, float]:
-    """Items answered per worker pid (``scoring_worker_items_total`` in /metrics)."""
-    return harness.worker_items(scrape(srv))
-
-
 def balance_parser(doc: str | None, levels: str, levels_help: str) -> argparse.ArgumentParser:
     """The options of both balancing benchmarks (this one and ``bench_grpc_balance``): the
     server's, the concurrency levels, seconds per level, items per request of each model."""
@@ -81,9 +68,9 @@ def levels_for(
         asyncio.run(drive(srv.url + url_model, data, items, 2, min(2.0, seconds)))  # warm up
         rows = []
         for c in levels:
-            before = items_per_worker(srv)
+            before = harness.worker_items(srv.scrape())
             row = asyncio.run(drive(srv.url + url_model, data, items, c, seconds))
-            row["worker_share"] = harness.worker_shares(before, items_per_worker(srv))
+            row["worker_share"] = harness.worker_shares(before, harness.worker_items(srv.scrape()))
             rows.append(row)
             print(f"{model} c={c}: {row}", flush=True)
     return {"model": model, "items_per_request": items, "workers": workers, "levels": rows}

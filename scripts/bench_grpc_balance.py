@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT))
 from app.models.repository import read_config  # noqa: E402
 from app.protocols.binary import tensor_bytes  # noqa: E402
 from scripts import harness  # noqa: E402
-from scripts.bench_balance import MINILM, balance_parser, scrape  # noqa: E402
+from scripts.bench_balance import MINILM, balance_parser  # noqa: E402
 from scripts.benchmark import payload, server  # noqa: E402
 
 _FORWARDED_LINE = re.compile(r"^scoring_forwarded_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -47,7 +47,7 @@ _FORWARDED_LINE = re.compile(r"^scoring_forwarded_requests_total\{[^}]*\} ([0-9.
 
 def counts(srv: harness.Gunicorn) -> tuple[dict[str, float], float]:
     """Items answered per worker pid, and requests forwarded (all workers)."""
-    text = scrape(srv)
+    text = srv.scrape()
     return harness.worker_items(text), sum(float(n) for n in _FORWARDED_LINE.findall(text))
 
 

@@ -203,6 +203,12 @@ class Gunicorn:
             "GET", self.url + path, headers={**self.headers, **(headers or {})}, context=self.context, **kw
         )
 
+    def scrape(self) -> str:
+        """This server's ``/metrics`` text (every worker's figures); AssertionError unless 200."""
+        status, _, text = self.get("/metrics", timeout=10)
+        assert status == 200, f"/metrics: HTTP {status}"
+        return str(text)
+
     def post(
         self, path: str, body: Any, headers: dict[str, str] | None = None, **kw: Any
     ) -> tuple[int, dict[str, str], Any]:
@@ -424,12 +430,11 @@ def benchmark_parser(
     *,
     model: str | None = None,
     models: str | None = None,
-    workers: int = 2,
     torch_threads: int | None = None,
 ) -> argparse.ArgumentParser:
     """The argument parser of a script that starts the server: ``doc`` (the script's docstring)
     as its help, and the options such scripts share: ``--repository`` (the model repository;
-    default: the demo one), ``--workers`` (default ``workers``), and, where a default is given,
+    default: the demo one), ``--workers`` (default 2), and, where a default is given,
     ``--model`` (one model), ``--models`` (comma-separated) and ``--torch-threads``."""
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
@@ -437,7 +442,7 @@ def benchmark_parser(
         parser.add_argument("--model", default=model)
     if models is not None:
         parser.add_argument("--models", default=models)
-    parser.add_argument("--workers", type=int, default=workers)
+    parser.add_argument("--workers", type=int, default=2)
     if torch_threads is not None:
         parser.add_argument("--torch-threads", type=int, default=torch_threads)
     return parser

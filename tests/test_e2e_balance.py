@@ -30,9 +30,7 @@ BODY = {"inputs": [{"name": "x", "shape": [ITEMS, 2], "datatype": "FP32", "data"
 
 def items_per_worker(srv: Gunicorn) -> dict[int, float]:
     """Items answered per worker pid, from /metrics (scoring_worker_items_total)."""
-    status, _, text = srv.get("/metrics")
-    assert status == 200
-    return {int(pid): n for pid, n in harness.worker_items(text).items()}
+    return {int(pid): n for pid, n in harness.worker_items(srv.scrape()).items()}
 
 
 async def closed_loop(
