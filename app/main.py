@@ -20,6 +20,7 @@ from app.http.middleware import error_middleware
 from app.http.routes import inference_routes, routes
 from app.observability.metrics import METRICS, create_metrics
 from app.protocols.limits import RequestLimits
+from app.serving.dataplane import DATAPLANE, DataPlane
 from app.serving.lifecycle import models_ctx, on_shutdown, resolve_device
 from app.serving.state import (
     LIFECYCLE,
@@ -67,6 +68,7 @@ async def create_app(settings: Settings | None = None) -> web.Application:
         max_string_bytes=settings.max_string_bytes,
         max_json_depth=settings.max_json_depth,
     )
+    app[DATAPLANE] = DataPlane(app[REGISTRY], settings, app[LIMITS])
     app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
     app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata

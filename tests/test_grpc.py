@@ -22,10 +22,10 @@ from app.grpc.errors import outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
-from app.grpc.servicer import InferenceServicer
 from app.observability.metrics import METRICS
 from app.protocols.binary import deserialize_bytes
-from app.protocols.infer import InferRequest
+from app.protocols.infer import earliest, parameters_timeout_s
+from app.serving.dataplane import DATAPLANE
 from app.serving.state import REGISTRY
 from tests.conftest import Client
 
@@ -266,11 +266,11 @@ async def test_deadline_is_the_earlier_of_grpc_and_the_timeout_parameter(
     make_client: Callable[..., Any], scale_repo: Path, remaining: Any, timeout_us: Any, expected: float
 ) -> None:
     http = await make_client(scale_repo, request_timeout_ms=10_000)
-    servicer = InferenceServicer(http.server.app)
-    entry = http.server.app[REGISTRY].get("scale")
+    plane = http.server.app[DATAPLANE]
+    entry = plane.registry.get("scale")
     params = {} if timeout_us is None else {"timeout": timeout_us}
-    request = InferRequest(model_name="scale", inputs=[], parameters=params)
-    assert servicer.timeout_s(entry, request, FakeContext(remaining)) == pytest.approx(expected)
+    requested = earliest(FakeContext(remaining).time_remaining(), parameters_timeout_s(params))
+    assert plane.timeout_s(entry, requested) == pytest.approx(expected)
 
 
 def test_every_domain_error_has_one_status(caplog: pytest.LogCaptureFixture) -> None:

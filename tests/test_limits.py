@@ -17,10 +17,10 @@ from typing import Any
 import pytest
 
 from app.models.repository import read_config
-from app.protocols.limits import check_json_depth
-from app.serving.dataplane import effective_timeout_s
+from app.protocols.limits import RequestLimits, check_json_depth
+from app.serving.dataplane import DataPlane
 from app.serving.lifecycle import EXECUTORS, begin_drain
-from app.serving.state import REGISTRY, ModelEntry
+from app.serving.state import REGISTRY, ModelEntry, ModelRegistry
 from app.settings import Settings
 from tests.conftest import Client, MakeClient, eventually
 from tests.toy_models import ScaleHandler, write_scale_model
@@ -350,14 +350,15 @@ async def test_invalid_utf8_and_too_many_dimensions_are_400(make_client: MakeCli
 def test_effective_timeout_clips_to_the_model_then_the_server_maximum(tmp_path: Path) -> None:
     entry = ModelEntry(read_config(write_scale_model(tmp_path, "scale")))
     settings = Settings(model_repository=tmp_path, request_timeout_ms=2000, max_request_timeout_ms=5000)
-    assert effective_timeout_s(settings, entry, None) == 2.0
-    assert effective_timeout_s(settings, entry, 3.0) == 3.0
+    plane = DataPlane(ModelRegistry(), settings, RequestLimits())
+    assert plane.timeout_s(entry, None) == 2.0
+    assert plane.timeout_s(entry, 3.0) == 3.0
     for huge in (60.0, 1e308, math.inf):
-        assert effective_timeout_s(settings, entry, huge) == 5.0
-    assert effective_timeout_s(settings, entry, math.nan) == 2.0  # none given
+        assert plane.timeout_s(entry, huge) == 5.0
+    assert plane.timeout_s(entry, math.nan) == 2.0  # none given
     entry.config.max_timeout_ms = 500.0
-    assert effective_timeout_s(settings, entry, 1e308) == 0.5
-    assert effective_timeout_s(settings, entry, None) == 0.5  # the default is clipped too
+    assert plane.timeout_s(entry, 1e308) == 0.5
+    assert plane.timeout_s(entry, None) == 0.5  # the default is clipped too
 
 
 async def test_a_huge_client_deadline_is_clipped(make_client: MakeClient, tmp_path: Path) -> None:

@@ -28,7 +28,13 @@ from app.errors import InvalidInput
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.models.repository import ModelConfig, TensorSpec
 from app.protocols.binary import decode_raw, tensor_bytes
-from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
+from app.protocols.infer import (
+    InferInput,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    parameters_timeout_s,
+)
 from app.protocols.limits import RequestLimits
 
 _LENGTH = struct.Struct("<I")
@@ -175,13 +181,15 @@ def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> 
                 )
         inputs.append(InferInput(tensor.name, tensor.datatype, shape, data, parameters(tensor.parameters)))
     outputs = [RequestedOutput(o.name, parameters=parameters(o.parameters)) for o in message.outputs]
+    request_parameters = parameters(message.parameters)
     return InferRequest(
         model_name=message.model_name,
         model_version=message.model_version or None,
         inputs=inputs,
         id=message.id or None,
-        parameters=parameters(message.parameters),
+        parameters=request_parameters,
         outputs=outputs or None,
+        timeout_s=parameters_timeout_s(request_parameters),
     )
 
 

@@ -6,9 +6,9 @@ the API key (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, a
 headers; ServerLive and ServerReady are open like the HTTP health probes), counts the
 response for ``max_requests``, and maps every exception to a status through
 :mod:`app.grpc.errors`. ModelInfer decodes the message into the shared
-:class:`app.protocols.infer.InferRequest`, validates it against the model with the same
-limits as HTTP, and awaits :func:`app.serving.dataplane.infer`, the one inference entry
-point (dynamic batching, balancing among sibling workers).
+:class:`app.protocols.infer.InferRequest`, hands it to the data plane
+(:class:`app.serving.dataplane.DataPlane`: validation with the same limits as HTTP, admission,
+balancing among sibling workers, dynamic batching) and encodes the response it returns.
 
 Deadline of a ModelInfer: the earlier of the gRPC deadline (``context.time_remaining()``)
 and the request's ``timeout`` parameter (microseconds, Triton's); with neither, the model's
@@ -36,8 +36,8 @@ from app.grpc.generated import grpc_service_pb2 as pb
 from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.observability.metrics import METRICS
 from app.protocols import infer, triton, v2
-from app.serving import dataplane
-from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, ModelEntry
+from app.serving.dataplane import DATAPLANE
+from app.serving.state import LIFECYCLE, REGISTRY
 
 Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
@@ -86,8 +86,7 @@ class InferenceServicer:
     def __init__(self, app: web.Application) -> None:
         self.app = app
         self.registry = app[REGISTRY]
-        self.settings = app[SETTINGS]
-        self.limits = app[LIMITS]
+        self.plane = app[DATAPLANE]
         self.lifecycle = app[LIFECYCLE]
         self.keys = app.get(API_KEYS)
         self.metrics = app.get(METRICS)
@@ -234,32 +233,19 @@ class InferenceServicer:
     async def _infer(
         self, message: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
-        entry = self.registry.get(message.model_name, message.model_version or None)
-        config = entry.config
-        request = codec.decode_request(message, config, self.limits)
-        inputs = infer.validate_inputs(config, request, self.limits)
-        infer.requested_outputs(config, request)  # an unknown output fails before inference
-        outputs = await dataplane.infer(
-            self.registry,
-            entry,
-            inputs,
-            timeout_s=self.timeout_s(entry, request, context),
+        plane = self.plane
+        deadline_s = context.time_remaining()  # None without a gRPC deadline
+        entry = plane.admit(message.model_name, message.model_version or None, deadline_s)
+        request = codec.decode_request(message, entry.config, plane.limits)
+        request.timeout_s = infer.earliest(deadline_s, request.timeout_s)
+        response = await plane.infer(
+            request,
             request_id=rid,
+            entry=entry,
             is_disconnected=context.cancelled,
             pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
         )
-        response = infer.build_response(config, request, outputs)
         return codec.encode_response(response, raw=bool(message.raw_input_contents))
-
-    def timeout_s(self, entry: ModelEntry, request: infer.InferRequest, context: Context) -> float:
-        """The earlier of the gRPC deadline (``context.time_remaining()``, None without one)
-        and the request's ``timeout`` parameter, else the model's or server's default; seconds.
-
-        Raises:
-            InvalidInput: the ``timeout`` parameter is not a positive number.
-        """
-        limits = [t for t in (context.time_remaining(), request.timeout_s()) if t is not None]
-        return min(limits) if limits else dataplane.default_timeout_s(self.settings, entry)
 
     async def _observed(self, labels: tuple[str, str], work: Awaitable[Reply]) -> Reply:
         """Count and time one ModelInfer in the Prometheus metrics, labelled (model, version)

@@ -1,8 +1,10 @@
-"""Keep-alive policy: which responses close their connection.
+"""Keep-alive policy: the one place that decides which responses close their connection.
 
 A response carries ``Connection: close`` (and the server closes the connection after
 it) when
 
+- the error it answers says so (a 408: the body came too slowly, the rest of it may still
+  arrive and cannot be told from a next request);
 - the worker is draining: clients move to another worker *after* a complete response,
   instead of finding their idle keep-alive connection closed under them when the
   worker stops (the race in which a client sends on a connection the server is
@@ -12,7 +14,9 @@ it) when
   connection lives forever;
 - it is a 503 to a client that ignored the ``Retry-After`` of the previous 503 on the same
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
-  each further try).
+  each further try);
+- the balance among sibling workers says a less-loaded sibling should take this connection
+  (``WorkerLifecycle.shed``, installed by the gunicorn worker: ``app.server.balance``).
 
 **Holding impatient clients.** Under overload a client that resends at once after a 503
 costs the server a whole request (its body read, its refusal written) every round trip,
@@ -57,8 +61,9 @@ def setup_connections(app: web.Application) -> None:
 
 async def _on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
     app = request.app
-    app[LIFECYCLE].responses += 1
-    if app[REGISTRY].draining:
+    lifecycle = app[LIFECYCLE]
+    lifecycle.responses += 1
+    if response.headers.get("Connection") == "close" or app[REGISTRY].draining:
         _close_after(response)
         return
     transport = request.transport
@@ -76,6 +81,10 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         counts[transport] = served
         if served >= cap:
             _close_after(response)
+            return
+    shed = lifecycle.shed
+    if shed is not None and shed():
+        _close_after(response)
 
 
 def _impatient(app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse) -> bool:

@@ -1,5 +1,5 @@
 """The edge's request checks: header limits, in two tiers; the API key; a time limit on
-request bodies; early refusal under overload.
+request bodies. (Early refusal under overload is the data plane's: ``DataPlane.admit``.)
 
 aiohttp's HTTP parser refuses a request line or header field longer than
 ``max_line_size``/``max_field_size`` and more than ``max_headers`` fields while it reads
@@ -38,10 +38,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from app.errors import ClientDisconnected, HeaderFieldsTooLarge, InvalidInput, ModelNotFound, RequestTimeout
-from app.http.routes import TIMEOUT_HEADER
-from app.serving import dataplane
-from app.serving.state import REGISTRY, SETTINGS
+from app.errors import ClientDisconnected, HeaderFieldsTooLarge, InvalidInput, RequestTimeout
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -105,8 +102,7 @@ def limits_middleware(
     2. ``authorize`` (the API key, ``app.http.auth.authorizer``), when keys are configured,
        so that no body is read for a client without a key;
     3. the body, read within ``body_timeout_s`` and, after ``body_grace_s``, at no less than
-       ``min_body_rate_bytes_s`` bytes/s on average;
-    4. for an inference request, :func:`refuse_early` before its handler decodes the body.
+       ``min_body_rate_bytes_s`` bytes/s on average.
 
     Raises (to the error middleware):
         HeaderFieldsTooLarge: 431.
@@ -114,7 +110,6 @@ def limits_middleware(
         RequestTimeout: the body is too slow (408, the connection closes).
         ClientDisconnected: the client left mid-body (499).
         InvalidInput: the body's chunked framing or content encoding is corrupt (400).
-        QueueFull: refused early (503 + Retry-After).
     """
     max_bytes, max_headers = settings.max_header_bytes, settings.max_headers
     timeout_s, grace_s = settings.body_timeout_s, settings.body_grace_s
@@ -127,7 +122,6 @@ def limits_middleware(
             authorize(request)
         if request.body_exists:
             await _read_within(request, timeout_s, min_rate, grace_s)
-            refuse_early(request)
         return await handler(request)
 
     return request_limits
@@ -206,32 +200,3 @@ def quiet_parser_errors() -> None:
         logger = logging.getLogger(name)
         if _PARSER_ERRORS not in logger.filters:
             logger.addFilter(_PARSER_ERRORS)
-
-
-def refuse_early(request: web.Request) -> None:
-    """Refuse an inference request under overload before its body is decoded
-    (``dataplane.refuse_early``): a refusal then costs the read, not the JSON decoding, which
-    for a 96 KB MiniLM request is most of its cost. The deadline judged is the
-    ``X-Request-Timeout-Ms`` header's, else the model's default (clipped as always); a V2
-    ``parameters.timeout`` in the body is seen only by the full admission after decoding.
-
-    Raises:
-        QueueFull: 503 + Retry-After.
-    """
-    name = request.match_info.get("name")
-    if request.method != "POST" or name is None:
-        return
-    try:
-        entry = request.app[REGISTRY].get(name, request.match_info.get("version"))
-    except ModelNotFound:
-        return  # the handler answers 404
-    if entry.batcher is None or not entry.batcher.backlogged:
-        return  # no storm to refuse before decoding (skips reading the deadline header)
-    requested: float | None = None
-    header = request.headers.get(TIMEOUT_HEADER)
-    if header is not None:
-        try:
-            requested = float(header) / 1000.0
-        except ValueError:
-            return  # the handler answers 400
-    dataplane.refuse_early(entry, dataplane.effective_timeout_s(request.app[SETTINGS], entry, requested))

@@ -5,8 +5,8 @@ Every error body is the Open Inference Protocol's ``{"error": "<message>"}``
 status; aiohttp's own HTTP errors (404 no route, 405, 413 body too large) are
 re-rendered as JSON; a body that is not valid UTF-8 (``UnicodeDecodeError`` from the JSON
 decoder) is the client's 400; anything else is logged with the request id and answered
-with a 500 that names the request id and no traceback. An error whose headers say
-``Connection: close`` (408, a body too slow) closes the connection.
+with a 500 that names the request id and no traceback. An error's own headers go on its
+response (a 408 says ``Connection: close``: ``app.http.connections`` then closes it).
 """
 
 from __future__ import annotations
@@ -82,10 +82,7 @@ def _domain_error(exc: ScoringError, rid: str) -> web.Response:
         # Overload answers (503) are counted in metrics; a line each would flood the log.
         level = logging.DEBUG if exc.status == 503 else logging.WARNING
         log.log(level, "request %s: %d %s", rid, exc.status, exc.message)
-    response = json_error(exc.status, exc.message, headers)
-    if headers.get("Connection") == "close":
-        response.force_close()
-    return response
+    return json_error(exc.status, exc.message, headers)
 
 
 def _http_error(exc: web.HTTPException, rid: str) -> web.Response:

@@ -1,28 +1,28 @@
 """HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, health.
 
-Handlers only parse, look up the model, await its batcher and encode; model
+The inference handlers only decode the body into an inference request, hand it to the data
+plane (:class:`app.serving.dataplane.DataPlane`) and encode the response it returns; model
 code never runs here (it runs on the inference thread).
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-import numpy as np
 import orjson
 from aiohttp import web
 
 from app import SERVER_NAME, __version__
 from app.binding import BINDING
-from app.errors import InvalidInput, UnsupportedMediaType
+from app.errors import UnsupportedMediaType
 from app.http.middleware import request_id
 from app.protocols import triton, v1, v2
 from app.protocols.binary import HEADER_LENGTH, attach_binary, split_body
-from app.protocols.infer import build_response, requested_outputs, validate_inputs
-from app.serving import dataplane
-from app.serving.state import LIFECYCLE, LIMITS, REGISTRY, SETTINGS, ModelEntry, ModelRegistry
+from app.protocols.infer import earliest, header_timeout_s
+from app.serving.dataplane import DATAPLANE
+from app.serving.state import LIFECYCLE, REGISTRY, ModelEntry, ModelRegistry
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
@@ -61,39 +61,14 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()
 
 
-def _timeout_s(request: web.Request, entry: ModelEntry, from_body: float | None) -> float:
-    """Deadline in seconds: the request's own (header or body), else the model's, else default;
-    clipped to the model's or the server's maximum (``dataplane.effective_timeout_s``)."""
-    header = request.headers.get(TIMEOUT_HEADER)
-    if header is not None:
-        try:
-            value = float(header)
-        except ValueError:
-            raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds") from None
-        if not value > 0 or value == float("inf"):
-            raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of milliseconds")
-        return dataplane.effective_timeout_s(request.app[SETTINGS], entry, value / 1000.0)
-    return dataplane.effective_timeout_s(request.app[SETTINGS], entry, from_body)
-
-
-def _infer(
-    request: web.Request, entry: ModelEntry, inputs: dict[str, np.ndarray], timeout_s: float
-) -> Awaitable[dict[str, np.ndarray]]:
-    """``dataplane.infer`` for an HTTP request (its id; its connection tells whether the client
-    left). Await it at once."""
+def _disconnected(request: web.Request) -> Callable[[], bool]:
+    """True once the client of ``request`` has gone (its queued items are then dropped)."""
     transport = request.transport
 
     def disconnected() -> bool:
         return transport is None or transport.is_closing()
 
-    return dataplane.infer(
-        request.app[REGISTRY],
-        entry,
-        inputs,
-        timeout_s=timeout_s,
-        request_id=request_id(request),
-        is_disconnected=disconnected,
-    )
+    return disconnected
 
 
 # --- Open Inference Protocol (KServe V2) ---------------------------------------------
@@ -160,17 +135,18 @@ async def model_ready(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
     may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
-    registry = request.app[REGISTRY]
-    entry = registry.get(request.match_info["name"], request.match_info.get("version"))
-    body = await _read_body(request)
-    limits = request.app[LIMITS]
-    head, binary = split_body(body, request.headers.get(HEADER_LENGTH))
-    parsed = v2.decode_request(head, entry.config.name, entry.config.version, limits)
-    attach_binary(parsed, binary, limits)
-    inputs = validate_inputs(entry.config, parsed, limits)
-    requested_outputs(entry.config, parsed)  # unknown outputs fail before the model runs
-    outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, parsed.timeout_s()))
-    payload, header_length = v2.encode_response(build_response(entry.config, parsed, outputs))
+    plane = request.app[DATAPLANE]
+    deadline_s = header_timeout_s(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
+    entry = plane.admit(request.match_info["name"], request.match_info.get("version"), deadline_s)
+    config = entry.config
+    head, binary = split_body(await _read_body(request), request.headers.get(HEADER_LENGTH))
+    parsed = v2.decode_request(head, config.name, config.version, plane.limits)
+    attach_binary(parsed, binary, plane.limits)
+    parsed.timeout_s = earliest(deadline_s, parsed.timeout_s)
+    response = await plane.infer(
+        parsed, request_id=request_id(request), entry=entry, is_disconnected=_disconnected(request)
+    )
+    payload, header_length = v2.encode_response(response)
     if header_length is None:
         return web.Response(body=payload, content_type="application/json")
     return web.Response(
@@ -210,13 +186,15 @@ async def v1_model(request: web.Request) -> web.Response:
 @inference_routes.post("/v1/models/{name:[^/:]+}:predict")
 async def v1_predict(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
-    registry = request.app[REGISTRY]
-    entry = registry.get(request.match_info["name"])
-    body = await _read_body(request)
-    limits = request.app[LIMITS]
-    inputs = validate_inputs(entry.config, v1.decode_request(entry.config, body, limits), limits)
-    outputs = await _infer(request, entry, inputs, _timeout_s(request, entry, None))
-    return web.Response(body=v1.encode_response(entry.config, outputs), content_type="application/json")
+    plane = request.app[DATAPLANE]
+    deadline_s = header_timeout_s(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
+    entry = plane.admit(request.match_info["name"], None, deadline_s)
+    parsed = v1.decode_request(entry.config, await _read_body(request), plane.limits)
+    parsed.timeout_s = deadline_s
+    response = await plane.infer(
+        parsed, request_id=request_id(request), entry=entry, is_disconnected=_disconnected(request)
+    )
+    return web.Response(body=v1.encode_response(response), content_type="application/json")
 
 
 @routes.get("/openapi.json")

@@ -1,11 +1,16 @@
 """One inference request type for every protocol front end (HTTP V2 JSON, V2 JSON + binary,
 KServe V1, gRPC), validated against a model the same way, and one response type.
 
-A front end decodes its wire format into an :class:`InferRequest`, calls
-:func:`validate_inputs` to get ``dict[str, np.ndarray]`` (``[B, *item_shape]`` per input),
-awaits :func:`app.serving.dataplane.infer`, and hands the outputs to :func:`build_response`,
-which picks the outputs asked for and whether each should travel as binary; the front end
-then encodes the :class:`InferResponse` in its own wire format.
+A front end decodes its wire format into an :class:`InferRequest` and hands it to the data
+plane (:meth:`app.serving.dataplane.DataPlane.infer`), which validates it
+(:func:`validate_inputs`: ``dict[str, np.ndarray]``, ``[B, *item_shape]`` per input), runs it
+and builds the :class:`InferResponse` (:func:`build_response`: the outputs asked for, each
+marked binary or not); the front end then encodes that response in its own wire format.
+
+Deadlines: every protocol's ways of naming one (HTTP ``X-Request-Timeout-Ms``, V2
+``parameters.timeout`` in microseconds, a gRPC deadline) are parsed here, by
+:func:`header_timeout_s`, :func:`parameters_timeout_s` and :func:`earliest`, into
+:attr:`InferRequest.timeout_s`; the data plane clips it to the model's maximum.
 
 Source: KServe's ``InferRequest``/``InferInput``/``InferResponse``
 (kserve/kserve ``python/kserve/kserve/protocol/infer_type.py``), reduced to what the
@@ -104,18 +109,48 @@ class InferRequest(msgspec.Struct):
     outputs: list[RequestedOutput] | None = None
     binary_data_output: bool = False
 
-    def timeout_s(self) -> float | None:
-        """``parameters.timeout`` (microseconds, Triton's convention) in seconds, or None.
+    #: The earliest deadline the client named, seconds from when the request arrived
+    #: (:func:`earliest` of the transport's and ``parameters.timeout``); None = none named.
+    timeout_s: float | None = None
 
-        Raises:
-            InvalidInput: the timeout is not a positive number.
-        """
-        value = self.parameters.get("timeout")
-        if value is None:
-            return None
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise InvalidInput("parameters.timeout must be a positive number of microseconds")
-        return float(value) / 1e6
+
+def header_timeout_s(value: str | None, header: str = "X-Request-Timeout-Ms") -> float | None:
+    """A deadline header in milliseconds (``X-Request-Timeout-Ms``) as seconds; None when absent.
+
+    Raises:
+        InvalidInput: not a positive finite number.
+    """
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise InvalidInput(f"{header} must be a number of milliseconds") from None
+    if not 0 < ms < math.inf:
+        raise InvalidInput(f"{header} must be a positive number of milliseconds")
+    return ms / 1000.0
+
+
+def parameters_timeout_s(parameters: dict[str, Any]) -> float | None:
+    """``parameters.timeout`` (microseconds, Triton's convention) as seconds; None when absent.
+
+    Raises:
+        InvalidInput: not a positive finite number.
+    """
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidInput("parameters.timeout must be a positive number of microseconds")
+    return float(value) / 1e6
+
+
+def earliest(*timeouts_s: float | None) -> float | None:
+    """The shortest of the deadlines given (seconds), None when none is: a client that names a
+    deadline twice (a header and a body parameter, a gRPC deadline and a parameter) gets the
+    earlier one."""
+    given = [t for t in timeouts_s if t is not None]
+    return min(given) if given else None
 
 
 class OutputTensor(msgspec.Struct):
@@ -204,10 +239,11 @@ def validate_inputs(
 
 
 def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
-    """Names of the outputs to return: the request's ``outputs`` or all, in model order.
+    """Names of the outputs to return: the request's ``outputs`` in its order, or all in model
+    order.
 
     Raises:
-        InvalidInput: an unknown output name.
+        InvalidInput: an unknown output name, or one asked for twice.
     """
     names = [s.name for s in config.outputs]
     if not request.outputs:
@@ -216,23 +252,22 @@ def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
     unknown = [n for n in wanted if n not in names]
     if unknown:
         raise InvalidInput(f"outputs: unknown output(s) {unknown}; model {config.name} has {names}")
+    if len(set(wanted)) != len(wanted):
+        twice = sorted({n for n in wanted if wanted.count(n) > 1})
+        raise InvalidInput(f"outputs: {twice} asked for more than once")
     return wanted
 
 
 def build_response(
-    config: ModelConfig, request: InferRequest, outputs: dict[str, np.ndarray]
+    config: ModelConfig, request: InferRequest, outputs: dict[str, np.ndarray], wanted: list[str]
 ) -> InferResponse:
-    """The response to ``request``: the outputs it asked for (all by default), in its order,
-    each marked binary when the request wants it so (per output ``binary_data``, else the
-    request's ``binary_data_output``).
-
-    Raises:
-        InvalidInput: the request names an unknown output.
-    """
+    """The response to ``request``: the outputs ``wanted`` (:func:`requested_outputs`), in that
+    order, each marked binary when the request wants it so (per output ``binary_data``, else
+    the request's ``binary_data_output``)."""
     datatypes = {s.name: s.datatype for s in config.outputs}
     binary = {o.name: o.binary_data for o in request.outputs or ()}
     tensors = []
-    for name in requested_outputs(config, request):
+    for name in wanted:
         wants = binary.get(name)
         tensors.append(
             OutputTensor(

@@ -22,7 +22,7 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.infer import InferInput, InferRequest
+from app.protocols.infer import InferInput, InferRequest, InferResponse
 from app.protocols.limits import RequestLimits, decode_json
 
 
@@ -97,12 +97,14 @@ def _row(value: np.ndarray) -> Any:
     return value
 
 
-def encode_response(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
-    """``{"predictions": [...]}`` as JSON bytes, one entry per instance."""
-    names = [s.name for s in config.outputs]
-    batch = len(outputs[names[0]])
-    if len(names) == 1:
-        predictions: list[Any] = [_row(outputs[names[0]][i]) for i in range(batch)]
+def encode_response(response: InferResponse) -> bytes:
+    """``{"predictions": [...]}`` as JSON bytes, one entry per instance: the single output's
+    row, or an object keyed by output name when the response has several outputs."""
+    outputs = response.outputs
+    batch = len(outputs[0].array)
+    if len(outputs) == 1:
+        only = outputs[0].array
+        predictions: list[Any] = [_row(only[i]) for i in range(batch)]
     else:
-        predictions = [{n: _row(outputs[n][i]) for n in names} for i in range(batch)]
+        predictions = [{o.name: _row(o.array[i]) for o in outputs} for i in range(batch)]
     return orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY)

@@ -18,7 +18,13 @@ from app.datatypes import DATATYPES
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.binary import response_document
-from app.protocols.infer import InferInput, InferRequest, InferResponse, RequestedOutput
+from app.protocols.infer import (
+    InferInput,
+    InferRequest,
+    InferResponse,
+    RequestedOutput,
+    parameters_timeout_s,
+)
 from app.protocols.limits import RequestLimits, decode_json
 
 _DATATYPES = sorted(DATATYPES)
@@ -118,8 +124,9 @@ def decode_request(
     :func:`app.protocols.binary.attach_binary` to fill.
 
     Raises:
-        InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, or a
-            field of the wrong type (the message names the JSON path, e.g. ``$.inputs[0].shape``).
+        InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, a field
+            of the wrong type (the message names the JSON path, e.g. ``$.inputs[0].shape``),
+            or a ``parameters.timeout`` that is not a positive number of microseconds.
     """
     wire = decode_json(_decoder, body, limits.max_json_depth, "inference request")
     parameters = wire.parameters or {}
@@ -138,6 +145,7 @@ def decode_request(
         parameters=parameters,
         outputs=outputs,
         binary_data_output=bool(_flag(parameters, "binary_data_output", "parameters")),
+        timeout_s=parameters_timeout_s(parameters),
     )
 
 

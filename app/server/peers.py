@@ -3,7 +3,7 @@ directory, and the client that sends shards to it.
 
 The endpoint (``POST /internal/shard``, msgpack per :mod:`app.server.wire`) is served by a
 second ``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700),
-never on the TCP listener. It runs the shard through :func:`app.serving.dataplane.infer` with
+never on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
 ``forwarded=True`` (a shard is never split or forwarded again) and the sender's request id and
 remaining deadline; API keys were checked by the worker that received the request.
 Imported by the worker only (it imports the serving layer, hence torch).
@@ -22,8 +22,8 @@ from aiohttp import web
 
 from app import errors
 from app.server import wire
-from app.serving.dataplane import infer
-from app.serving.state import REGISTRY, SETTINGS
+from app.serving.dataplane import DATAPLANE
+from app.serving.state import SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +51,10 @@ async def _handle_shard(request: web.Request) -> web.Response:
     try:
         shard = wire.decode_request(await request.read())
         inputs = {name: wire.from_tensor(t) for name, t in shard.inputs.items()}
-        registry = request.app[_MAIN][REGISTRY]
-        entry = registry.get(shard.model, shard.version)
-        outputs = await infer(
-            registry, entry, inputs, timeout_s=shard.timeout_s, request_id=shard.request_id, forwarded=True
+        plane = request.app[_MAIN][DATAPLANE]
+        entry = plane.registry.get(shard.model, shard.version)
+        outputs = await plane.run(
+            entry, inputs, timeout_s=shard.timeout_s, request_id=shard.request_id, forwarded=True
         )
         reply = wire.ShardResponse(outputs={name: wire.to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:

@@ -221,17 +221,17 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
 
         assert self._states is not None
         self._app = app
-        app[LIFECYCLE].stop = self.stop_gracefully
-        app[LIFECYCLE].defer_listening = self._states.others_serving
-        app.on_response_prepare.append(self._on_response_prepare)
+        lifecycle = app[LIFECYCLE]
+        lifecycle.stop = self.stop_gracefully
+        lifecycle.defer_listening = self._states.others_serving
+        lifecycle.shed = self._shed_now
         app.on_shutdown.append(self._cancel_tasks)
         self._states.publish(LOADING)
 
-    async def _on_response_prepare(self, request: web.Request, response: web.StreamResponse) -> None:
-        """Shed this connection when a less-loaded sibling should take it (app.server.balance)."""
-        if self._membership.shed_now(self._draining):
-            response.headers["Connection"] = "close"
-            response.force_close()
+    def _shed_now(self) -> bool:
+        """Whether a less-loaded sibling should take the connection of the response being
+        prepared (app.server.balance; app.http.connections asks)."""
+        return self._membership.shed_now(self._draining)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self.loop is not None

@@ -162,6 +162,9 @@ class WorkerLifecycle:
     #: True while another worker of the server serves: this one then starts listening only
     #: once its models are warm. Blocking (reads sibling state files): call it off the loop.
     defer_listening: Callable[[], bool] | None = None
+    #: True when the response being prepared should close its connection so that a less-loaded
+    #: sibling worker takes it (app.server.balance); asked by app.http.connections.
+    shed: Callable[[], bool] | None = None
 
     def request_stop(self, reason: str) -> bool:
         """Ask the worker process to drain and exit; False when nothing can stop it."""
