@@ -35,13 +35,12 @@ import os
 import shutil
 import signal
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from app.http.auth import read_key_file
 from app.observability.logconfig import log_config
-from app.server.states import BINDING, BOOTING, SiblingStates, states_dir
+from app.server import loadtable, rundir
 from app.settings import Settings
 from gpu_stat import backend_name
 from gpu_stat.binding import (
@@ -59,7 +58,11 @@ _log = logging.getLogger("gunicorn.error")
 #: gunicorn halts the whole server on those; on 75 it logs the exit and forks a new worker.
 BIND_FAILED_EXIT = EXIT_BIND_TIMEOUT
 
-_run_dir = _settings.run_dir or Path(tempfile.gettempdir()) / f"scoring-server-{os.getpid()}"
+try:
+    # Private to this user: a fresh mkdtemp folder, or the one named, checked (app.server.rundir).
+    _run_dir = rundir.prepare(_settings.run_dir)
+except (OSError, rundir.RunDirError) as _exc:
+    raise SystemExit(f"SCORING_RUN_DIR: {_exc}") from None
 # A HUP reload runs this file again in the same master, which now finds SCORING_RUN_DIR set
 # (below): remember that the directory is the default one, so that on_exit still removes it.
 _DEFAULT_RUN_DIR_ENV = "SCORING_SERVER_DEFAULT_RUN_DIR"
@@ -123,10 +126,12 @@ control_socket = str(_run_dir / "gunicorn.ctl")
 
 
 def on_starting(server: Any) -> None:
-    """Master, once: create the run directory, empty the metrics folder, say how the worker
-    count was chosen."""
-    _run_dir.mkdir(parents=True, exist_ok=True)
-    _metrics_dir.mkdir(parents=True, exist_ok=True)
+    """Master, once: make the metrics folder (private) and empty it, say how the worker count
+    was chosen."""
+    if _metrics_dir.parent == _run_dir:
+        rundir.private_subdir(_run_dir, _metrics_dir.name)
+    else:
+        _metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     for stale in _metrics_dir.glob("*.db"):  # a previous server's samples would add up with ours
         stale.unlink()
     # A previous server's load table and shard sockets (app.server.loadtable, app.server.peers).
@@ -174,28 +179,36 @@ def post_fork(server: Any, worker: Any) -> None:
     # would live on holding its slot. A booting worker has nothing to drain: let it die.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
-    # Draining siblings wait for a booting worker, not for one still waiting for a GPU slot.
-    state = SiblingStates(states_dir(_run_dir), os.getpid(), server.pid)
-    state.publish(BINDING)
+    # The worker's slot in the load table, its one state record (app.server.loadtable):
+    # draining siblings wait for a booting worker, not for one still waiting for a GPU slot.
+    table = loadtable.LoadTable(_run_dir)
+    slot = table.claim(os.getpid(), loadtable.BINDING)
     try:
         bind_worker(_policy, heartbeat=worker.notify)
     except BindTimeout as exc:
         worker.log.error("worker %d: %s; exiting with status %d", os.getpid(), exc, BIND_FAILED_EXIT)
         sys.exit(BIND_FAILED_EXIT)
-    state.publish(BOOTING)
+    table.set_state(slot, loadtable.BOOTING)
+    table.close()
     os.environ["SCORING_EXIT_ON_LOAD_FAILURE"] = "1"
     os.environ["SCORING_TORCH_THREADS"] = str(_settings.effective_torch_threads(server.cfg.workers))
 
 
 def child_exit(server: Any, worker: Any) -> None:
-    """Master, after a worker exited (however it died): drop its live gauges from /metrics.
-
-    Its counters and histograms stay in the folder, so totals never go backwards.
+    """Master, after a worker exited (however it died): drop its live gauges from /metrics and
+    free its load table slot. Its counters and histograms stay in the folder, so totals never
+    go backwards.
     """
     from prometheus_client import multiprocess
 
     multiprocess.mark_process_dead(worker.pid, str(_metrics_dir))
-    (states_dir(_run_dir) / str(worker.pid)).unlink(missing_ok=True)
+    try:
+        table = loadtable.LoadTable(_run_dir)
+    except OSError as exc:
+        server.log.warning("cannot free the load table slot of worker %d: %s", worker.pid, exc)
+        return
+    table.release_pid(worker.pid)
+    table.close()
 
 
 def on_exit(server: Any) -> None:

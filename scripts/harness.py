@@ -3,8 +3,8 @@ bounded poll, a closed-loop load driver and latency percentiles (numpy).
 
 - :class:`Gunicorn` runs ``gunicorn -c gunicorn.conf.py`` on 127.0.0.1 (a free port, a run
   directory of its own) as a child process, logs to a file, and tells readiness from the
-  worker state files ``<run dir>/workers/<pid>`` (``ready`` = warm and listening; written by
-  ``app.server.worker.SiblingStates``), not from log text.
+  workers' states in the load table ``<run dir>/load`` (``ready`` = warm and listening;
+  ``app.server.loadtable``), not from log text.
 - :func:`poll` is the one "wait until, bounded" helper; it fails with a diagnostic.
 - :func:`closed_loop` runs N clients that each send the next request when the previous one
   is answered (Triton perf_analyzer's "concurrency" mode); :func:`post` is one timed request.
@@ -47,8 +47,6 @@ from gpu_stat.family import live_children
 
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
-#: The worker state files' directory under the run directory (app.server.worker.STATES_DIR).
-STATES_DIR = "workers"
 READY = "ready"
 #: Environment a launched server does not inherit unless asked (``clean_env=False``).
 _SERVER_ENV_PREFIXES = ("SCORING_", "GPU_STAT_", "PROMETHEUS_")
@@ -226,14 +224,19 @@ class Gunicorn:
         return workers
 
     def worker_states(self) -> dict[int, str]:
-        """pid -> published state of every live worker ("" where it has written none yet)."""
-        states = {}
-        for worker in self.workers():
-            try:
-                states[worker.pid] = (self.run_dir / STATES_DIR / str(worker.pid)).read_text().strip()
-            except OSError:
-                states[worker.pid] = ""
-        return states
+        """pid -> published state of every live worker (``app.server.loadtable``'s state names;
+        "" where it has no slot yet)."""
+        from app.server.loadtable import STATE_NAMES, LoadTable
+
+        try:
+            table = LoadTable(self.run_dir, readonly=True)
+        except OSError:
+            return {worker.pid: "" for worker in self.workers()}
+        try:
+            published = {load.pid: STATE_NAMES[load.state] for load in table.snapshot() if load.pid > 0}
+        finally:
+            table.close()
+        return {worker.pid: published.get(worker.pid, "") for worker in self.workers()}
 
     def ready_workers(self) -> set[int]:
         """Pids of the live workers whose state file says ``ready``."""

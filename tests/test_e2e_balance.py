@@ -150,7 +150,11 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
     scratch = tmp_path / "tmp"
     scratch.mkdir()
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "PROMETHEUS_"))}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SCORING_", "PROMETHEUS_")) and k != "XDG_RUNTIME_DIR"
+    }
     env.update(
         TMPDIR=str(scratch), PYTHONPATH=str(ROOT), SCORING_HOST="127.0.0.1", SCORING_PORT=str(port),
         SCORING_MODEL_REPOSITORY=str(repo), SCORING_WORKERS="1", SCORING_TORCH_THREADS="1",
@@ -162,7 +166,6 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
             cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
         )  # fmt: skip
     try:
-        run_dir = scratch / f"scoring-server-{proc.pid}"
 
         def ready() -> bool:
             try:
@@ -172,7 +175,8 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
 
         tail = lambda: log.read_text(errors="replace")[-4000:]  # noqa: E731
         poll(ready, 120, "the server ready", diagnostics=tail)
-        assert run_dir.is_dir()
+        (run_dir,) = scratch.glob("scoring-server-*")  # mkdtemp's: a name no one could guess
+        assert run_dir.stat().st_mode & 0o777 == 0o700
         listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
         assert listening.split()[2] == "77", listening  # LISTEN Recv-Q Send-Q(backlog) ...
         before = psutil.Process(proc.pid).children()
@@ -230,9 +234,12 @@ def test_a_large_request_is_scattered_over_both_workers_and_gathered_in_order(tm
 def _both_live(srv: Gunicorn) -> bool:
     from app.server.loadtable import LoadTable
 
-    table = LoadTable(srv.log_path.parent / f"run-{srv.port}")
+    table = LoadTable(srv.log_path.parent / f"run-{srv.port}", readonly=True)
     now = time.monotonic()
-    return sum(load.live(now) for load in table.snapshot()) == 2
+    try:
+        return sum(load.live(now) for load in table.snapshot()) == 2
+    finally:
+        table.close()
 
 
 def test_a_sibling_stopped_mid_scatter_costs_a_504_at_the_deadline_not_a_hang(tmp_path: Path) -> None:

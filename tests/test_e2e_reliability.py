@@ -4,7 +4,6 @@ load beside a healthy worker, TLS with API keys, aborted and slow uploads, and a
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import ipaddress
 import json
@@ -177,18 +176,8 @@ def test_failed_model_load_in_a_replacement_leaves_the_healthy_worker_serving(tm
         assert set(statuses) == {200} and len(statuses) > 10, statuses
         assert srv.proc.poll() is None and healthy.is_running()
         marker.unlink()
-        states = srv.log_path.parent / f"run-{srv.port}" / "workers"  # app.server.worker's state files
-
-        def ready_workers() -> set[int]:
-            ready = set()
-            for worker in srv.workers():
-                with contextlib.suppress(OSError):  # a crashing worker's file comes and goes
-                    if (states / str(worker.pid)).read_text() == "ready":
-                        ready.add(worker.pid)
-            return ready
-
-        wait_for(lambda: len(ready_workers()) == 2, 60, "two ready workers", srv)
-        assert healthy.pid in ready_workers()
+        wait_for(lambda: len(srv.ready_workers()) == 2, 60, "two ready workers", srv)
+        assert healthy.pid in srv.ready_workers()
 
 
 def test_short_soak_has_no_failed_request_but_the_killed_workers(tmp_path: Path) -> None:

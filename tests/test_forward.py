@@ -1,4 +1,4 @@
-"""Forwarding of whole requests on pinned (gRPC) connections (app.server.forward): the decision,
+"""Forwarding of whole requests on pinned (gRPC) connections (app.server.router): the decision,
 deterministic on fake load table entries, and the forward itself against a real sibling
 endpoint stand-in on a Unix socket (answers, unreachable, stalled)."""
 
@@ -16,12 +16,11 @@ import pytest
 from aiohttp import web
 
 from app import errors
-from app.server import wire
+from app.server import peers as wire
 from app.server.balance import Balancer
-from app.server.forward import Forwarder, pick_target
 from app.server.loadtable import BOOTING, DRAINING, READY, Load
 from app.server.peers import PATH, PeerClient, socket_path
-from app.server.scatter import Scatter
+from app.server.router import Router, pick_target
 from app.serving.state import ModelEntry
 
 NOW = 100.5
@@ -78,7 +77,7 @@ def test_power_of_two_choices_among_more_siblings() -> None:
 
 
 class FakeBalancer:
-    """What the Forwarder reads of app.server.balance.Balancer."""
+    """What the Router reads of app.server.balance.Balancer."""
 
     def __init__(self, items: int, siblings: list[Load]) -> None:
         self.ready = True
@@ -124,9 +123,9 @@ async def served(tmp_path: Path, handler: Any) -> web.AppRunner:
     return runner
 
 
-def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -> Forwarder:
+def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -> Router:
     balancer = cast(Balancer, FakeBalancer(items_here, [live_sibling()]))
-    return Forwarder(balancer, PeerClient(tmp_path), lambda m, v: counted.append((m, v)))
+    return Router(balancer, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
 
 
 async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Path) -> None:
@@ -141,7 +140,7 @@ async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Pa
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)
     try:
-        out = await forward(entry(), INPUTS, 5.0, "rid-7", run_here)
+        out = await forward(entry(), INPUTS, 5.0, "rid-7", run_here, pinned=True)
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -155,14 +154,14 @@ async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Pa
 async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 0, counted)
-    assert await forward(entry(), INPUTS, 5.0, "rid", run_here) is None
+    assert await forward(entry(), INPUTS, 5.0, "rid", run_here, pinned=True) is None
     assert counted == []
 
 
 async def test_a_busy_worker_keeps_a_request_whose_wait_here_is_shorter_than_the_hop(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)  # clearly busier than its sibling, as above
-    assert await forward(entry(backlog_s=0.001), INPUTS, 5.0, "rid", run_here) is None
+    assert await forward(entry(backlog_s=0.001), INPUTS, 5.0, "rid", run_here, pinned=True) is None
     assert counted == []  # a fast model's 1 ms backlog: the hop would cost more than it saves
 
 
@@ -170,7 +169,7 @@ async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_pa
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)  # no socket at the sibling's path
     try:
-        out = await forward(entry(), INPUTS, 5.0, "rid", run_here)
+        out = await forward(entry(), INPUTS, 5.0, "rid", run_here, pinned=True)
     finally:
         await forward.peers.close()
     assert out is not None and np.array_equal(out["y"], -INPUTS["x"])
@@ -184,7 +183,7 @@ async def test_a_sibling_with_a_full_queue_sends_the_request_back_here(tmp_path:
     runner = await served(tmp_path, full)
     forward = forwarder(tmp_path, 4, [])
     try:
-        out = await forward(entry(), INPUTS, 5.0, "rid", run_here)
+        out = await forward(entry(), INPUTS, 5.0, "rid", run_here, pinned=True)
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -203,7 +202,7 @@ async def test_a_stalled_sibling_costs_deadline_exceeded_not_a_hang(tmp_path: Pa
     try:
         with pytest.raises(errors.DeadlineExceeded, match="did not answer"):
             # the outer bound only keeps a regression from hanging the suite
-            await asyncio.wait_for(forward(entry(), INPUTS, 0.2, "rid", run_here), 30)
+            await asyncio.wait_for(forward(entry(), INPUTS, 0.2, "rid", run_here, pinned=True), 30)
     finally:
         never.set()
         await forward.peers.close()
@@ -211,21 +210,22 @@ async def test_a_stalled_sibling_costs_deadline_exceeded_not_a_hang(tmp_path: Pa
     assert forward.pending == {}
 
 
-async def test_scatter_forwards_only_pinned_requests(tmp_path: Path) -> None:
-    """The spread hook: HTTP (not pinned) never forwards; gRPC (pinned) does when busy."""
+async def test_the_router_forwards_only_pinned_requests(tmp_path: Path) -> None:
+    """HTTP (not pinned) never forwards; gRPC (pinned) does when busy."""
 
     async def answer(shard: wire.ShardRequest) -> wire.ShardResponse:
         return wire.ShardResponse(outputs={"y": wire.to_tensor(2 * wire.from_tensor(shard.inputs["x"]))})
 
     runner = await served(tmp_path, answer)
     counted: list[tuple[str, str]] = []
-    forward = forwarder(tmp_path, 4, counted)
-    spread = Scatter(forward.balancer, forward.peers, forwarder=forward)
+    router = forwarder(tmp_path, 4, counted)
     try:
-        assert await spread(entry(), INPUTS, 5.0, "http", run_here) is None
-        out = await spread(entry(), INPUTS, 5.0, "grpc", run_here, pinned=True)
+        assert not router.considers(entry(), 3, pinned=False)
+        assert router.considers(entry(), 3, pinned=True)
+        assert await router(entry(), INPUTS, 5.0, "http", run_here) is None
+        out = await router(entry(), INPUTS, 5.0, "grpc", run_here, pinned=True)
     finally:
-        await forward.peers.close()
+        await router.peers.close()
         await runner.cleanup()
     assert out is not None and np.array_equal(out["y"], 2 * INPUTS["x"])
     assert counted == [("scale", "1")]

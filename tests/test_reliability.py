@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,8 @@ from typing import Any
 
 import pytest
 
-from app.server.worker import SiblingStates
+from app.server import loadtable
+from app.server.siblings import Siblings
 from app.serving.executor import InferenceThread
 from app.serving.lifecycle import EXECUTORS, begin_drain
 from app.serving.state import LIFECYCLE, REGISTRY
@@ -182,24 +184,23 @@ async def test_the_inference_thread_runs_with_the_workers_torch_threads(
     assert executor.submit(torch.get_num_threads).result(5) == 1
 
 
-def test_sibling_states_drive_drain_and_recycling(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    states = SiblingStates(tmp_path / "workers", pid=10, ppid=1)
-    views = iter(
-        [
-            {},
-            {11: "binding"},
-            {11: "booting"},
-            {11: "loading", 12: "draining"},
-            {11: "ready"},
-            {11: "draining"},
-        ]
-    )
-    monkeypatch.setattr(states, "siblings", lambda: next(views))
+def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
+    from app.server.loadtable import BINDING, BOOTING, DRAINING, LOADING, READY
+
+    views = [[], [BINDING], [BOOTING], [LOADING, DRAINING], [READY], [DRAINING]]
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none
     # is ready; one still waiting for a GPU slot may need ours
-    assert [states.replacement_booting() for _ in range(4)] == [False, False, True, True]
+    assert [loadtable.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
     # may_recycle: another worker is ready (or there is none)
-    assert states.may_recycle() is True
-    assert states.may_recycle() is False
-    states.publish("ready")
-    assert (tmp_path / "workers" / "10").read_text() == "ready"
+    assert [loadtable.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
+    # others_serving: a new worker waits for its models before it listens
+    assert [loadtable.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
+        False, False, True, True,
+    ]  # fmt: skip
+    # the states come from the one record, the load table, of live processes only
+    siblings = Siblings(str(tmp_path), os.getpid())
+    assert siblings.table is not None and siblings.slot is not None
+    siblings.publish(READY)
+    assert siblings.table.states() == {os.getpid(): READY}
+    siblings.release()
+    assert siblings.table.states() == {}

@@ -1,5 +1,5 @@
-"""Scatter/gather pieces: the shard wire format (app.server.wire) and shard planning
-(app.server.scatter), deterministic and in-process."""
+"""Scatter/gather pieces: the shard wire format (app.server.peers) and shard planning
+(app.server.router), deterministic and in-process."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from app import errors
-from app.server import wire
+from app.server import peers as wire
 from app.server.loadtable import DRAINING, READY, Load
-from app.server.scatter import pick_siblings, shard_bounds
+from app.server.router import pick_siblings, shard_bounds
 
 
 def test_tensors_round_trip_without_pickle() -> None:

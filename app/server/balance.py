@@ -107,6 +107,8 @@ class Balancer:
         self.ready = False
         self._count_connections = connections
         self._on_shed = on_shed
+        #: Called at the end of every tick (the balancing gauges).
+        self.on_tick: Callable[[], object] | None = None
         self._last_shed = 0.0
         self._next_check = 0.0
         self._changed = time.monotonic()  # last change of ``items``
@@ -142,6 +144,8 @@ class Balancer:
         self.table.set_connections(self.slot, self.connections)
         self.table.set_state(self.slot, state)
         self.table.beat(self.slot)
+        if self.on_tick is not None:
+            self.on_tick()
 
     def me(self) -> Load:
         """This worker's load as siblings see it."""

@@ -1,25 +1,34 @@
-"""The workers' load, published in shared memory: ``<run dir>/load``.
+"""The one record of every worker's state and load, in shared memory: ``<run dir>/load``.
 
 One fixed-size slot per worker in an mmap'd file; a worker writes its own slot (a
 ``struct.pack_into`` on the mmap: no system call, no lock) and reads its siblings'
-(``struct.unpack_from``: a few hundred ns per look, ``scripts/bench_loadtable.py``). No master,
+(``struct.unpack_from``: a few hundred ns per look, ``benchmarks/bench_loadtable.py``). No master,
 no lock and no system call on the hot path. Layout (little endian)::
 
-    header   16 bytes: magic b"SCLOAD01", slots in use (u32), reserved (u32)
+    header   16 bytes: magic b"SCLOAD02", slots in use (u32), reserved (u32)
     slot k   32 bytes at 16 + 32 k: pid (i32), generation (u32), state (i32),
              items (i32: items queued + in flight), connections (i32: open HTTP connections),
              recent (i32: items queued + in flight averaged over ~0.1 s, in 1/1000 items),
              heartbeat (f64: time.monotonic(), seconds)
 
+**States**, in a worker's order of life: ``BINDING`` (forked, waiting for a GPU slot;
+``gunicorn.conf.py``'s ``post_fork`` claims the slot), ``BOOTING`` (bound, importing),
+``LOADING`` (the app exists, models load), ``READY`` (warm and listening), ``DRAINING``
+(unready, still accepting), ``STOPPING`` (listener closed, finishing requests). The workers
+coordinate boot, drain and recycling through them (:func:`others_serving`,
+:func:`replacement_booting`, :func:`may_recycle`), and balance through the load fields
+(``app.server.balance``).
+
 Slots are claimed, not assigned by rank: a CPU worker's rank (``gpu_stat.binding``) is its
 index among the live siblings, which a HUP reload gives to a new worker while the old one
 with the same rank still serves. A worker claims, under ``flock`` of the file (once, at
-boot), the first slot that is empty or whose pid is dead; it frees its slot at exit. A
-SIGKILLed worker leaves its slot behind: readers ignore it once its heartbeat is older than
-``STALE_S`` (a stopped worker too), and the next claim reuses it.
+fork), the first slot that is empty or whose pid is dead; the master frees it when the
+worker exits (``child_exit``), the worker itself too. A SIGKILLed worker's slot is freed by the
+master; readers ignore a slot whose heartbeat is older than ``STALE_S`` (a stopped worker).
 
 Values are advisory: a reader may see a slot mid-write (each field is one aligned store, so
 a field is never torn, but two fields may come from two writes). Balancing tolerates that.
+The file is opened without following links, in the run directory (``app.server.rundir``).
 """
 
 from __future__ import annotations
@@ -30,13 +39,16 @@ import mmap
 import os
 import struct
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
 import psutil
 
+from app.server import rundir
+
 FILE_NAME = "load"
-MAGIC = b"SCLOAD01"
+MAGIC = b"SCLOAD02"
 MAX_SLOTS = 256
 _HEADER = struct.Struct("<8sII")
 _SLOT = struct.Struct("<iIiiiid")
@@ -44,22 +56,22 @@ _FIELD = struct.Struct("<i")
 _TIME = struct.Struct("<d")
 _STATE_AT, _ITEMS_AT, _CONNECTIONS_AT, _RECENT_AT, _HEARTBEAT_AT = 8, 12, 16, 20, 24
 SIZE = _HEADER.size + MAX_SLOTS * _SLOT.size
-
-#: A slot whose heartbeat is older than this (seconds) is ignored: its worker is dead or stopped.
+#: A slot whose heartbeat is older than this (seconds) is not live: its worker is stopped.
 STALE_S = 1.0
 
-# Slot states.
-EMPTY, BOOTING, READY, DRAINING = 0, 1, 2, 3
+# Slot states, in a worker's order of life.
+EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING, STOPPING = range(7)
+STATE_NAMES = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
 
 
 class Load(NamedTuple):
-    """One worker's published load.
+    """One worker's published state and load.
 
     Attributes:
         slot: its index in the table.
         pid: its process id.
         generation: bumped at every claim of the slot (a restarted worker is a new generation).
-        state: EMPTY, BOOTING, READY or DRAINING.
+        state: EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING or STOPPING.
         items: inference items queued + in flight (admitted, not yet answered).
         connections: open HTTP connections (idle keep-alive ones included).
         recent: items queued + in flight, averaged over the last ~0.1 s (app.server.balance).
@@ -84,16 +96,23 @@ class LoadTable:
     """The mmap'd table of a run directory (created on first open).
 
     Args:
-        run_dir: the server's run directory (``SCORING_RUN_DIR``; 0700, local disk).
+        run_dir: the server's run directory (``SCORING_RUN_DIR``; private: ``app.server.rundir``).
+        readonly: only look (monitoring, tests): the file must exist; nothing is written.
 
     Raises:
-        OSError: the file cannot be created or mapped.
+        OSError: the file cannot be created, opened or mapped, or it is a link.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, readonly: bool = False) -> None:
         self.path = Path(run_dir) / FILE_NAME
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        if readonly:
+            self._fd = rundir.open_private(self.path, os.O_RDONLY)
+            if os.fstat(self._fd).st_size < SIZE:
+                os.close(self._fd)
+                raise OSError(f"{self.path}: not a load table (too short)")
+            self._map = mmap.mmap(self._fd, SIZE, access=mmap.ACCESS_READ)
+            return
+        self._fd = rundir.open_private(self.path, os.O_RDWR | os.O_CREAT)
         with self._locked():
             if os.fstat(self._fd).st_size < SIZE:
                 os.ftruncate(self._fd, SIZE)
@@ -101,7 +120,7 @@ class LoadTable:
         self._map = mmap.mmap(self._fd, SIZE)
 
     @contextlib.contextmanager
-    def _locked(self):  # type: ignore[no-untyped-def]
+    def _locked(self) -> Iterator[None]:
         fcntl.flock(self._fd, fcntl.LOCK_EX)
         try:
             yield
@@ -113,35 +132,49 @@ class LoadTable:
         """How many slots have ever been claimed (readers look at these only)."""
         return int(_HEADER.unpack_from(self._map, 0)[1])
 
-    def claim(self, pid: int) -> int:
+    def claim(self, pid: int, state: int = BOOTING) -> int:
         """Take the first empty slot, or one whose pid is dead (a SIGKILLed worker's), for
-        ``pid``; state BOOTING. Returns the slot index.
+        ``pid``, in ``state``; a slot ``pid`` already holds is kept. Returns the slot index.
 
         Raises:
             RuntimeError: all ``MAX_SLOTS`` slots belong to live processes.
         """
         with self._locked():
             in_use = self.slots_in_use
+            held = next((s for s in range(in_use) if self.read(s).pid == pid), None)
+            if held is not None:
+                _FIELD.pack_into(self._map, _offset(held) + _STATE_AT, state)
+                return held
             for slot in range(MAX_SLOTS):
                 if slot < in_use:
                     old = self.read(slot)
-                    if old.pid not in (0, pid) and _alive(old.pid):
+                    if old.pid != 0 and _alive(old.pid):
                         continue
                     generation = old.generation + 1
                 else:
                     generation = 1
-                _SLOT.pack_into(self._map, _offset(slot), pid, generation, BOOTING, 0, 0, 0, time.monotonic())
+                _SLOT.pack_into(self._map, _offset(slot), pid, generation, state, 0, 0, 0, time.monotonic())
                 if slot >= in_use:
                     _HEADER.pack_into(self._map, 0, MAGIC, slot + 1, 0)
                 return slot
         raise RuntimeError(f"{self.path}: all {MAX_SLOTS} slots belong to live workers")
 
+    def slot_of(self, pid: int) -> int | None:
+        """The slot ``pid`` holds, or None."""
+        return next((s.slot for s in self.snapshot() if s.pid == pid), None)
+
     def release(self, slot: int, pid: int) -> None:
-        """Free ``slot`` if ``pid`` still holds it (at a worker's exit)."""
+        """Free ``slot`` if ``pid`` still holds it (at a worker's exit; idempotent)."""
         with self._locked():
-            if self.read(slot).pid == pid:
-                generation = self.read(slot).generation
-                _SLOT.pack_into(self._map, _offset(slot), 0, generation, EMPTY, 0, 0, 0, 0.0)
+            old = self.read(slot)
+            if old.pid == pid:
+                _SLOT.pack_into(self._map, _offset(slot), 0, old.generation, EMPTY, 0, 0, 0, 0.0)
+
+    def release_pid(self, pid: int) -> None:
+        """Free the slot of ``pid``, wherever it is (the master, after the worker exited)."""
+        slot = self.slot_of(pid)
+        if slot is not None:
+            self.release(slot, pid)
 
     # --- hot path: one store or one load each ----------------------------------------
 
@@ -158,7 +191,7 @@ class LoadTable:
         _FIELD.pack_into(self._map, _offset(slot) + _RECENT_AT, min(int(recent * 1000), 2**31 - 1))
 
     def set_state(self, slot: int, state: int) -> None:
-        """Publish BOOTING, READY or DRAINING."""
+        """Publish one of the states (module docstring)."""
         _FIELD.pack_into(self._map, _offset(slot) + _STATE_AT, state)
 
     def beat(self, slot: int, now: float | None = None) -> None:
@@ -174,10 +207,37 @@ class LoadTable:
         """Every claimed slot (empty and stale ones included; see :meth:`Load.live`)."""
         return [self.read(slot) for slot in range(min(self.slots_in_use, MAX_SLOTS))]
 
+    def states(self) -> dict[int, int]:
+        """pid -> state of every slot held by a live process."""
+        return {s.pid: s.state for s in self.snapshot() if s.pid > 0 and _alive(s.pid)}
+
     def close(self) -> None:
         """Unmap and close the file."""
         self._map.close()
         os.close(self._fd)
+
+
+# --- coordination among siblings: pure functions of the other workers' states -------------
+
+
+def others_serving(others: Iterator[int] | list[int]) -> bool:
+    """Another worker accepts requests (ready, or draining but still listening): a new worker
+    then listens only once its models are warm."""
+    return any(s in (READY, DRAINING) for s in others)
+
+
+def replacement_booting(others: Iterator[int] | list[int]) -> bool:
+    """No other worker is ready and one is bound and still booting or loading: a draining
+    worker keeps serving meanwhile (a HUP reload with slow boots)."""
+    states = set(others)
+    return READY not in states and bool(states & {BOOTING, LOADING})
+
+
+def may_recycle(others: Iterator[int] | list[int]) -> bool:
+    """Another worker is ready, or there is no other worker at all: a worker past
+    ``max_requests`` may drain now."""
+    states = list(others)
+    return not states or READY in states
 
 
 def _offset(slot: int) -> int:
@@ -185,6 +245,7 @@ def _offset(slot: int) -> int:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
     try:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:

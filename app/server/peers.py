@@ -1,27 +1,34 @@
 """Shards between sibling workers: each worker's internal endpoint on a Unix socket in the run
 directory, and the client that sends shards to it.
 
-The endpoint (``POST /internal/shard``, msgpack per :mod:`app.server.wire`) is served by a
+The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a
 second ``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700),
 never on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
 ``forwarded=True`` (a shard is never split or forwarded again) and the sender's request id and
 remaining deadline; API keys were checked by the worker that received the request.
 Imported by the worker only (it imports the serving layer, hence torch).
+
+**Wire format**: msgpack (msgspec), no pickle. A numeric tensor travels as its dtype string
+(``"<f4"``), shape and raw bytes; a BYTES tensor (a numpy object array of ``bytes``/``str``) as
+its shape and the list of its elements. Decoding accepts numeric dtypes only for raw buffers
+(never ``object``), checks the buffer size against the shape, and copies into a writable array.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import msgspec
 import numpy as np
 from aiohttp import web
 
 from app import errors
-from app.server import wire
 from app.serving.dataplane import DATAPLANE
 from app.serving.state import SETTINGS
 
@@ -32,6 +39,118 @@ PATH = "/internal/shard"
 #: Beyond the shard's deadline, how long the sender waits for the sibling's own 504, seconds.
 REPLY_GRACE_S = 0.25
 _MAIN = web.AppKey("main_app", web.Application)
+
+
+#: numpy dtype kinds a raw buffer may carry: bool, signed, unsigned, float, complex.
+_RAW_KINDS = frozenset("biufc")
+
+
+class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
+    """One array: ``dtype`` (numpy ``dtype.str``, or ``"object"``), ``shape``, and either
+    ``data`` (raw little/big-endian bytes) or ``items`` (object arrays, row-major)."""
+
+    dtype: str
+    shape: list[int]
+    data: bytes | None = None
+    items: list[Any] | None = None  # bytes or str (checked when decoded)
+
+
+class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A shard of an inference request sent to a sibling's internal endpoint.
+
+    ``timeout_s``: what is left of the original deadline, seconds.
+    """
+
+    model: str
+    version: str
+    request_id: str
+    timeout_s: float
+    inputs: dict[str, Tensor]
+
+
+class ShardResponse(msgspec.Struct, forbid_unknown_fields=True):
+    """The outputs of a shard, or the name and message of the :mod:`app.errors` class it raised."""
+
+    outputs: dict[str, Tensor] | None = None
+    error: str | None = None
+    message: str = ""
+    retry_after_s: float | None = None
+
+
+#: The errors a shard may report back, by class name (anything else is InferenceFailed).
+ERRORS: dict[str, type[errors.ScoringError]] = {
+    cls.__name__: cls
+    for cls in (
+        errors.InvalidInput, errors.ModelNotFound, errors.PayloadTooLarge, errors.ClientDisconnected,
+        errors.InferenceFailed, errors.ServiceUnavailable, errors.ModelNotReady, errors.QueueFull,
+        errors.DeadlineExceeded, errors.InsufficientStorage,
+    )
+}  # fmt: skip
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(ShardRequest)
+_response_decoder = msgspec.msgpack.Decoder(ShardResponse)
+
+
+def to_tensor(array: np.ndarray) -> Tensor:
+    """Encode ``array`` (any shape; numeric, or object of bytes/str)."""
+    shape = list(array.shape)
+    if array.dtype == object:
+        return Tensor("object", shape, items=list(array.ravel()))
+    return Tensor(array.dtype.str, shape, data=np.ascontiguousarray(array).tobytes())
+
+
+def from_tensor(tensor: Tensor) -> np.ndarray:
+    """Decode a :class:`Tensor`.
+
+    Raises:
+        InvalidInput: an unknown or object dtype for raw data, or a size that does not match.
+    """
+    if any(d < 0 for d in tensor.shape):
+        raise errors.InvalidInput(f"negative dimension in shape {tensor.shape}")
+    count = math.prod(tensor.shape)
+    if tensor.dtype == "object":
+        items = tensor.items
+        if items is None or len(items) != count or not all(isinstance(i, (bytes, str)) for i in items):
+            raise errors.InvalidInput("object tensor: items are not bytes/str matching its shape")
+        out = np.empty(count, dtype=object)
+        out[:] = items
+        return out.reshape(tensor.shape)
+    try:
+        dtype = np.dtype(tensor.dtype)
+    except TypeError as exc:
+        raise errors.InvalidInput(f"unknown dtype {tensor.dtype!r}") from exc
+    if dtype.kind not in _RAW_KINDS or tensor.data is None or len(tensor.data) != count * dtype.itemsize:
+        raise errors.InvalidInput(f"tensor of dtype {tensor.dtype!r} does not match its shape or data")
+    return np.frombuffer(tensor.data, dtype=dtype).reshape(tensor.shape).copy()
+
+
+def encode(message: ShardRequest | ShardResponse) -> bytes:
+    """msgpack bytes of a request or response."""
+    return _encoder.encode(message)
+
+
+def decode_request(body: bytes) -> ShardRequest:
+    """Raises InvalidInput on anything but a well-formed :class:`ShardRequest`."""
+    try:
+        return _request_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise errors.InvalidInput(f"bad shard request: {exc}") from exc
+
+
+def decode_response(body: bytes) -> ShardResponse:
+    """Raises InferenceFailed on anything but a well-formed :class:`ShardResponse`."""
+    try:
+        return _response_decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise errors.InferenceFailed(f"bad shard response from a sibling worker: {exc}") from exc
+
+
+def raise_error(response: ShardResponse) -> None:
+    """Re-raise the error a sibling reported, as the same :mod:`app.errors` class."""
+    if response.error is not None:
+        cls = ERRORS.get(response.error, errors.InferenceFailed)
+        raise cls(response.message, retry_after_s=response.retry_after_s)
 
 
 def socket_path(run_dir: str | os.PathLike[str], pid: int) -> Path:
@@ -49,22 +168,22 @@ def internal_app(main: web.Application) -> web.Application:
 
 async def _handle_shard(request: web.Request) -> web.Response:
     try:
-        shard = wire.decode_request(await request.read())
-        inputs = {name: wire.from_tensor(t) for name, t in shard.inputs.items()}
+        shard = decode_request(await request.read())
+        inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
         plane = request.app[_MAIN][DATAPLANE]
         entry = plane.registry.get(shard.model, shard.version)
         outputs = await plane.run(
             entry, inputs, timeout_s=shard.timeout_s, request_id=shard.request_id, forwarded=True
         )
-        reply = wire.ShardResponse(outputs={name: wire.to_tensor(a) for name, a in outputs.items()})
+        reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:
-        reply = wire.ShardResponse(
+        reply = ShardResponse(
             error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s
         )
     except Exception as exc:  # the model raised something unmapped: report, do not 500 the socket
         log.exception("shard %s failed", request.headers.get("X-Request-Id", "?"))
-        reply = wire.ShardResponse(error="InferenceFailed", message=f"sibling worker: {exc!r}")
-    return web.Response(body=wire.encode(reply), content_type="application/msgpack")
+        reply = ShardResponse(error="InferenceFailed", message=f"sibling worker: {exc!r}")
+    return web.Response(body=encode(reply), content_type="application/msgpack")
 
 
 class PeerUnavailable(Exception):
@@ -108,9 +227,9 @@ class PeerClient:
             DeadlineExceeded: no answer within ``timeout_s`` (a stalled sibling).
             ScoringError: the error the sibling's own run raised (same class).
         """
-        body = wire.encode(
-            wire.ShardRequest(
-                model, version, request_id, timeout_s, {name: wire.to_tensor(a) for name, a in inputs.items()}
+        body = encode(
+            ShardRequest(
+                model, version, request_id, timeout_s, {name: to_tensor(a) for name, a in inputs.items()}
             )
         )
         timeout = aiohttp.ClientTimeout(total=timeout_s + REPLY_GRACE_S)
@@ -128,10 +247,10 @@ class PeerClient:
         except aiohttp.ClientError as exc:
             self._forget(pid)
             raise PeerUnavailable(f"sibling worker {pid}: {exc}") from exc
-        reply = wire.decode_response(raw)
-        wire.raise_error(reply)
+        reply = decode_response(raw)
+        raise_error(reply)
         assert reply.outputs is not None
-        return {name: wire.from_tensor(t) for name, t in reply.outputs.items()}
+        return {name: from_tensor(t) for name, t in reply.outputs.items()}
 
     def _forget(self, pid: int) -> None:
         session = self._sessions.pop(pid, None)

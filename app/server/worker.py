@@ -8,7 +8,7 @@ at least every ``timeout``; ``handle_exit``/``handle_quit``/``handle_abort``) wi
 aiohttp and asyncio names only. ``run()`` builds the app with the app factory, an
 ``aiohttp.web.AppRunner``, its own accept loop (:mod:`app.server.listener`, gunicorn's
 ``backlog`` stays as the master set it) and the balancing among siblings
-(:mod:`app.server.membership`).
+(:mod:`app.server.siblings`).
 
 **Drain** (SIGTERM from a HUP reload, a ``kill``, a full stop; a ``max_requests`` recycle;
 the app's own request after a hung batch):
@@ -36,8 +36,8 @@ recycle, a HUP reload) starts listening only once its models are warm
 (``WorkerLifecycle.defer_listening``). The first workers of a server listen at once
 (readiness 503 until warm).
 
-**Worker states** (:mod:`app.server.states`) for the above; **load** for balancing
-(:mod:`app.server.membership`, :mod:`app.server.loadtable`).
+**Worker states and load** for the above and for balancing: one record, the load table
+(:mod:`app.server.loadtable`), through :class:`app.server.siblings.Siblings`.
 """
 
 from __future__ import annotations
@@ -57,13 +57,12 @@ from gunicorn.workers.base import Worker
 
 from app.server import loadtable
 from app.server.listener import Listener, ssl_context
-from app.server.membership import Membership
-from app.server.states import DRAINING, LOADING, READY, STOPPING, SiblingStates, states_dir
+from app.server.siblings import Siblings
 
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
 
-__all__ = ["ScoringUVLoopWebWorker", "ScoringWebWorker", "SiblingStates", "states_dir"]
+__all__ = ["ScoringUVLoopWebWorker", "ScoringWebWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ log = logging.getLogger(__name__)
 _TICK_S = 0.05
 #: A gap between two ticks longer than this is logged as a stall, seconds.
 _STALL_S = 2.0
-#: How often it looks at its siblings' state files (psutil, file reads: off the loop).
+#: How often it looks at its siblings' states for recycling (psutil reads /proc: off the loop).
 _STATES_EVERY = 4
 #: Between stopping the listener and the shutdown: time for the last accepted connections
 #: to deliver their first request.
@@ -98,11 +97,10 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
-        self._membership = Membership(None, os.getpid())  # no balancing until init_process
+        self._siblings = Siblings(None, os.getpid())  # alone until init_process
         self._draining = False
         self._serving = threading.Event()
         self._stopped: asyncio.Event | None = None
-        self._states: SiblingStates | None = None
         self._recycle_after = 0
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -115,9 +113,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     def init_process(self) -> None:
         self.loop = self.new_loop()
         asyncio.set_event_loop(self.loop)
-        run_dir = os.environ.get("SCORING_RUN_DIR")
-        self._states = SiblingStates(states_dir(run_dir) if run_dir else None, os.getpid(), self.ppid)
-        self._membership = Membership(run_dir, os.getpid())
+        self._siblings = Siblings(os.environ.get("SCORING_RUN_DIR"), os.getpid())
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
@@ -147,7 +143,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         try:
             self.loop.run_until_complete(self._serve())
         finally:
-            self._membership.release()
+            self._siblings.release()
             self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
         sys.exit(self.exit_code)
@@ -167,7 +163,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self.alive = False
         self.exit_code = 1
         self.cfg.worker_abort(self)
-        self._membership.release()
+        self._siblings.release()
         sys.exit(1)
 
     # --- boot ---------------------------------------------------------------------
@@ -199,7 +195,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
         server = runner.server
         assert server is not None
-        balancer = await self._membership.join(app, server)
+        balancer = await self._siblings.join(app, server)
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
@@ -214,24 +210,23 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await self._tick_until_stopped()
         self._listener.stop()
         await runner.cleanup()
-        await self._membership.close()
+        await self._siblings.close()
 
     def _attach(self, app: web.Application) -> None:
         from app.serving.state import LIFECYCLE
 
-        assert self._states is not None
         self._app = app
         lifecycle = app[LIFECYCLE]
         lifecycle.stop = self.stop_gracefully
-        lifecycle.defer_listening = self._states.others_serving
+        lifecycle.defer_listening = self._siblings.others_serving
         lifecycle.shed = self._shed_now
         app.on_shutdown.append(self._cancel_tasks)
-        self._states.publish(LOADING)
+        self._siblings.publish(loadtable.LOADING)
 
     def _shed_now(self) -> bool:
         """Whether a less-loaded sibling should take the connection of the response being
         prepared (app.server.balance; app.http.connections asks)."""
-        return self._membership.shed_now(self._draining)
+        return self._siblings.shed_now(self._draining)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self.loop is not None
@@ -250,8 +245,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         recycle at max_requests, stop when the master is gone."""
         from app.serving.state import LIFECYCLE, REGISTRY
 
-        assert self._app is not None and self._states is not None and self._stopped is not None
-        app, states, stopped = self._app, self._states, self._stopped
+        assert self._app is not None and self._stopped is not None
+        app, siblings, stopped = self._app, self._siblings, self._stopped
         pid = os.getpid()
         ticks = 0
         loop = asyncio.get_running_loop()
@@ -265,9 +260,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             last = now
             registry = app.get(REGISTRY)
             ready = registry is not None and registry.ready and not self._draining
-            if ready:
-                states.publish(READY)
-            state = loadtable.READY if ready else loadtable.DRAINING if self._draining else loadtable.BOOTING
+            state = loadtable.READY if ready else loadtable.DRAINING if self._draining else loadtable.LOADING
             self._publish_load(state)
             if self.ppid != os.getppid():
                 self.log.info("worker %s: parent changed, shutting down", pid)
@@ -279,7 +272,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 and self._recycle_after
                 and served >= self._recycle_after
                 and ticks % _STATES_EVERY == 0
-                and await _off_loop(states.may_recycle)
+                and await _off_loop(siblings.may_recycle)
             ):
                 self.log.info(
                     "worker %s: %d responses (max_requests %d), recycling", pid, served, self._recycle_after
@@ -289,8 +282,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 await asyncio.wait_for(stopped.wait(), _TICK_S)
 
     def _publish_load(self, state: int) -> None:
-        self._membership.tick(state)
-        balancer, listener = self._membership.balancer, self._listener
+        self._siblings.tick(state)
+        balancer, listener = self._siblings.balancer, self._listener
         if listener is not None and listener.listening and listener.paused and (
             balancer is not None and balancer.may_accept()
         ):
@@ -317,9 +310,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         from app.serving.lifecycle import begin_drain
 
         begin_drain(self._app, reason)
-        assert self._states is not None
-        self._states.publish(DRAINING)
-        self._membership.draining()
+        self._siblings.publish(loadtable.DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
@@ -327,14 +318,14 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     async def _hold_then_stop(self, reason: str) -> None:
         from app.serving.state import SETTINGS
 
-        assert self._app is not None and self._states is not None
+        assert self._app is not None
         settings = self._app[SETTINGS]
         loop = asyncio.get_running_loop()
         started = loop.time()
         await asyncio.sleep(settings.drain_grace_s)
         waited = False
         while loop.time() - started < settings.drain_max_hold_s and await _off_loop(
-            self._states.replacement_booting
+            self._siblings.replacement_booting
         ):
             waited = True
             await asyncio.sleep(_TICK_S * 2)
@@ -352,14 +343,13 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._stop()
 
     def _stop(self) -> None:
-        if self._states is not None:
-            self._states.publish(STOPPING)
+        self._siblings.publish(loadtable.STOPPING)
         self.alive = False
         self._wake()
 
 
 async def _off_loop(check: Callable[[], bool]) -> bool:
-    """Run a sibling check (psutil, small file reads) on a helper thread."""
+    """Run a sibling check (psutil reads /proc) on a helper thread."""
     return await asyncio.get_running_loop().run_in_executor(None, check)
 
 

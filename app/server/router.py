@@ -1,0 +1,271 @@
+"""Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
+
+The data plane asks :meth:`Router.considers` of every request (one cheap condition) and awaits
+the router only for the requests it considers; the router then makes one of two choices:
+
+- **Scatter/gather** (large requests): a request with more items than its model's
+  ``max_batch_size`` (``scatter = true`` in ``model.toml``, the default) is cut into contiguous
+  shards, one per worker that takes part (this one and its least-loaded live siblings, at most
+  one shard per ``max_batch_size`` items, none to a sibling that already has a full batch);
+  the shards run in parallel, this worker's own through its batcher and the others' through
+  their internal endpoints (:mod:`app.server.peers`), and the outputs are concatenated in item
+  order. A sibling that cannot be reached costs nothing but time: its shard runs here; one that
+  stalls costs the request a 504 at its deadline (never a hang); any shard's error is the
+  request's error, and the other shards are cancelled.
+- **Forwarding** (requests on pinned connections): a gRPC client sends every call of a channel
+  over one long-lived HTTP/2 connection, which stays on the worker that accepted it; unlike
+  HTTP/1.1 keep-alive it cannot be shed one response at a time (``Connection: close``), only
+  aged out (``grpc_max_connection_age_s``: the kernel re-places it on reconnect, blind to
+  load). So a request that arrives on such a *pinned* connection and is not split is forwarded
+  whole to a sibling when this worker is clearly busier than that sibling
+  (:func:`pick_target`: power of two choices among the live ready siblings, two drawn at
+  random and the one with fewer items kept, as Ray Serve's request router does; Mitzenmacher,
+  "The Power of Two Choices in Randomized Load Balancing"). An idle worker never forwards (no
+  hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave while
+  it would wait less than ``MIN_WAIT_S`` here (the model's backlog): for a model whose batches
+  take a fraction of a millisecond the hop costs more CPU on both workers than the wait it
+  saves. The sibling's items count at least what this worker has forwarded to it and not yet
+  had answered (the table lags the hop). A sibling that cannot be reached, whose queue is full
+  or whose copy of the model is not ready (a HUP reload in progress) costs nothing but time:
+  the request runs here.
+
+A shard or forwarded request keeps its request id and remaining deadline and is never split or
+forwarded again there (``forwarded=True``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import random
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import numpy as np
+
+from app import errors
+from app.server.balance import Balancer, clearly_busier
+from app.server.loadtable import Load
+from app.server.peers import PeerClient, PeerUnavailable
+from app.serving.state import ModelEntry
+
+log = logging.getLogger(__name__)
+
+#: Forward only when a request would wait at least this long here, seconds.
+MIN_WAIT_S = 0.005
+
+Arrays = dict[str, np.ndarray]
+LocalRun = Callable[[Arrays, float], Coroutine[Any, Any, Arrays]]
+
+
+def splits(entry: ModelEntry, items: int) -> bool:
+    """Whether a request of ``items`` items to ``entry`` is cut into shards: ``scatter`` on and
+    more items than one batch holds."""
+    return entry.config.scatter and items > entry.config.max_batch_size
+
+
+def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
+    """``shards`` contiguous, near-equal ``[start, stop)`` ranges covering ``range(items)``."""
+    cuts = [round(i * items / shards) for i in range(shards + 1)]
+    return [(cuts[i], cuts[i + 1]) for i in range(shards)]
+
+
+def pick_siblings(siblings: list[Load], items: int, max_batch_size: int, now: float) -> list[Load]:
+    """The least-loaded live siblings that take a shard: at most one shard per
+    ``max_batch_size`` items, this worker keeping one. A sibling with a full batch (or more)
+    already queued or running is saturated: a shard would only wait there."""
+    wanted = math.ceil(items / max(1, max_batch_size)) - 1
+    free = (s for s in siblings if s.live(now) and s.items < max_batch_size)
+    live = sorted(free, key=lambda s: (s.recent, s.items, s.connections))
+    return live[: max(0, wanted)]
+
+
+def pick_target(
+    mine: int,
+    siblings: Sequence[Load],
+    now: float,
+    pending: dict[int, int] | None = None,
+    rng: random.Random | None = None,
+) -> Load | None:
+    """The sibling a pinned request should go to, or None to run it here (module docstring).
+
+    Args:
+        mine: this worker's items queued + in flight (before this request).
+        siblings: the other slots of the load table (dead, stale and unready ones are skipped).
+        now: ``time.monotonic()``, seconds.
+        pending: items this worker forwarded per sibling pid, not yet answered.
+        rng: the random source of the two choices (tests pass a seeded one).
+    """
+    if mine < 1:
+        return None
+    pending = pending or {}
+    live = [s for s in siblings if s.live(now)]
+    if len(live) > 2:
+        live = (rng or random).sample(live, 2)
+
+    def load(s: Load) -> tuple[int, float]:
+        return (max(s.items, pending.get(s.pid, 0)), s.recent)
+
+    best = min(live, key=load, default=None)
+    if best is None or not clearly_busier(mine, load(best)[0]):
+        return None
+    return best
+
+
+class Router:
+    """The ``ModelRegistry.spread`` hook of :meth:`app.serving.dataplane.DataPlane.run`.
+
+    Args:
+        balancer: this worker's view of the load table (its own items, readiness, siblings).
+        peers: the client of the siblings' internal endpoints.
+        on_scatter: called with (model, version, shards sent to siblings) per scattered request.
+        on_forward: called with (model, version) per request sent whole to a sibling (one
+            refused there and run here included).
+        forward: forward pinned requests (False: scatter only).
+        rng: the random source of the two choices.
+    """
+
+    def __init__(
+        self,
+        balancer: Balancer,
+        peers: PeerClient,
+        *,
+        on_scatter: Callable[[str, str, int], None] | None = None,
+        on_forward: Callable[[str, str], None] | None = None,
+        forward: bool = True,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.balancer = balancer
+        self.peers = peers
+        self.on_scatter = on_scatter
+        self.on_forward = on_forward
+        self.forward = forward
+        self.rng = rng or random.Random()
+        self.pending: dict[int, int] = {}  # items forwarded per sibling pid, not yet answered
+
+    def considers(self, entry: ModelEntry, items: int, pinned: bool) -> bool:
+        """Whether a request of ``items`` items may leave this worker: split (:func:`splits`)
+        or forwarded whole (``pinned``), and only while this worker is ready. Cheap: the
+        request path asks it of every request."""
+        return self.balancer.ready and ((pinned and self.forward) or splits(entry, items))
+
+    async def __call__(
+        self,
+        entry: ModelEntry,
+        inputs: Arrays,
+        timeout_s: float,
+        request_id: str,
+        local: LocalRun,
+        *,
+        pinned: bool = False,
+    ) -> Arrays | None:
+        """The request's outputs, or None when it should run here whole.
+
+        Raises:
+            DeadlineExceeded: a sibling did not answer within ``timeout_s`` (it stalled).
+            ScoringError: a sibling's run failed (same class as there).
+        """
+        items = len(next(iter(inputs.values())))
+        if splits(entry, items):
+            siblings = pick_siblings(
+                self.balancer.siblings(), items, entry.config.max_batch_size, time.monotonic()
+            )
+            if siblings:
+                return await self._scatter(entry, inputs, timeout_s, request_id, local, siblings)
+        if pinned and self.forward:
+            return await self._forward(entry, inputs, timeout_s, request_id, local)
+        return None
+
+    async def _scatter(
+        self,
+        entry: ModelEntry,
+        inputs: Arrays,
+        timeout_s: float,
+        request_id: str,
+        local: LocalRun,
+        siblings: list[Load],
+    ) -> Arrays:
+        config = entry.config
+        items = len(next(iter(inputs.values())))
+        bounds = shard_bounds(items, len(siblings) + 1)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        log.debug(
+            "balance: request %s (%d items of %s) in %d shards, to pids %s",
+            request_id, items, config.name, len(bounds), [s.pid for s in siblings],
+        )  # fmt: skip
+        if self.on_scatter is not None:
+            self.on_scatter(config.name, config.version, len(siblings))
+
+        def part(i: int) -> Arrays:
+            start, stop = bounds[i]
+            return {name: array[start:stop] for name, array in inputs.items()}
+
+        async def remote(i: int, sibling: Load) -> Arrays:
+            shard = part(i)
+            try:
+                return await self.peers.infer(
+                    sibling.pid, config.name, config.version, shard,
+                    timeout_s=max(0.0, deadline - loop.time()), request_id=request_id,
+                )  # fmt: skip
+            except PeerUnavailable as exc:
+                log.info("request %s: shard %d runs here (%s)", request_id, i, exc)
+                return await local(shard, max(0.0, deadline - loop.time()))
+
+        tasks: list[asyncio.Task[Arrays]] = [loop.create_task(local(part(0), timeout_s))]
+        tasks += [loop.create_task(remote(i + 1, s)) for i, s in enumerate(siblings)]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for task in tasks:
+                task.cancel()
+            raise
+        try:
+            return {name: np.concatenate([r[name] for r in results]) for name in results[0]}
+        except (KeyError, ValueError) as exc:
+            raise errors.InferenceFailed(f"request {request_id}: shards disagree on outputs: {exc}") from exc
+
+    async def _forward(
+        self, entry: ModelEntry, inputs: Arrays, timeout_s: float, request_id: str, local: LocalRun
+    ) -> Arrays | None:
+        batcher = entry.batcher
+        if batcher is not None:
+            wait = batcher.backlog_s(asyncio.get_running_loop().time()) - batcher.max_queue_delay_s
+            if wait < MIN_WAIT_S:
+                return None  # the hop would cost more than the wait it saves
+        mine = self.balancer.items
+        target = pick_target(mine, self.balancer.siblings(), time.monotonic(), self.pending, self.rng)
+        config = entry.config
+        if target is None:
+            log.debug("balance: request %s runs here (%d items here)", request_id, mine)
+            return None
+        items = len(next(iter(inputs.values())))
+        log.debug(
+            "balance: forwarding request %s (%d items of %s) to pid %d (%d items there, %d here)",
+            request_id, items, config.name, target.pid, target.items, mine,
+        )  # fmt: skip
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        self.pending[target.pid] = self.pending.get(target.pid, 0) + items
+        if self.on_forward is not None:
+            self.on_forward(config.name, config.version)
+        try:
+            outputs = await self.peers.infer(
+                target.pid, config.name, config.version, inputs, timeout_s=timeout_s, request_id=request_id
+            )
+        except (PeerUnavailable, errors.ServiceUnavailable, errors.ModelNotFound) as exc:  # nothing ran there
+            log.info("request %s: runs here, not on pid %d (%s)", request_id, target.pid, exc)
+            refused = True
+        else:
+            refused = False
+        finally:
+            left = self.pending.get(target.pid, 0) - items
+            if left > 0:
+                self.pending[target.pid] = left
+            else:
+                self.pending.pop(target.pid, None)
+        if refused:
+            return await local(inputs, max(0.0, deadline - loop.time()))
+        return outputs
