@@ -293,7 +293,7 @@ def _bind(
                         rank,
                         warn=True,
                     ), None
-                policy.run_dir.joinpath(LEASE_DIR).mkdir(parents=True, exist_ok=True)
+                policy.run_dir.joinpath(LEASE_DIR).mkdir(mode=0o700, parents=True, exist_ok=True)
         first = False
         if chosen is not None:
             attempt = assess(

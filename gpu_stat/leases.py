@@ -40,7 +40,7 @@ def probe_leases(lease_dir: Path) -> dict[str, dict[int, int | None]]:
         if match is None:
             continue
         try:
-            fd = os.open(lease_dir / name, os.O_RDONLY | os.O_CLOEXEC)
+            fd = os.open(lease_dir / name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError:
             continue
         try:
@@ -58,8 +58,12 @@ def probe_leases(lease_dir: Path) -> dict[str, dict[int, int | None]]:
 
 
 def try_lock(path: Path) -> int | None:
-    """An exclusive lock on ``path`` (created if needed), or None if someone holds it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    """An exclusive lock on ``path`` (created if needed), or None if someone holds it.
+
+    Raises:
+        OSError: ``ELOOP`` when ``path`` is a link (never followed), or the usual open errors.
+    """
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
