@@ -35,12 +35,14 @@ import os
 import shutil
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 from app.http.auth import read_key_file
 from app.observability.logconfig import log_config
 from app.server import loadtable, rundir
+from app.server.worker import RestartBackoff, wait_before_booting
 from app.settings import Settings
 from gpu_stat import backend_name
 from gpu_stat.binding import (
@@ -170,15 +172,31 @@ def _backend() -> str:
         return f"unavailable ({exc})"
 
 
+#: Workers that keep dying before they are ready are forked more and more slowly.
+_restarts = RestartBackoff()
+
+
+def pre_fork(server: Any, worker: Any) -> None:
+    """Master, before each fork: how long the new worker waits before it boots (a worker that
+    keeps crashing while it boots is not forked again a few times a second)."""
+    worker.boot_delay_s = _restarts.delay_s(time.monotonic())
+    if worker.boot_delay_s:
+        server.log.warning(
+            "workers keep exiting before they are ready: the next one boots in %.0f s", worker.boot_delay_s
+        )
+
+
 def post_fork(server: Any, worker: Any) -> None:
-    """Worker, before the app is imported: bind to a GPU slot. The app, in this process, reads
-    the binding from ``gpu_stat.binding.current_binding()``; torch picks the device ("auto")."""
+    """Worker, before the app is imported: wait out a restart backoff, then bind to a GPU slot.
+    The app, in this process, reads the binding from ``gpu_stat.binding.current_binding()``;
+    torch picks the device ("auto")."""
     # Until the worker installs its own handlers (init_process, after this hook) it still has
     # the master's, which only queue the signal for the master's loop: a SIGTERM sent now, say
     # by a HUP reload while this worker waits for a GPU slot, would be lost and the worker
     # would live on holding its slot. A booting worker has nothing to drain: let it die.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
+    wait_before_booting(getattr(worker, "boot_delay_s", 0.0), worker.notify)
     # The worker's slot in the load table, its one state record (app.server.loadtable):
     # draining siblings wait for a booting worker, not for one still waiting for a GPU slot.
     table = loadtable.LoadTable(_run_dir)
@@ -190,7 +208,6 @@ def post_fork(server: Any, worker: Any) -> None:
         sys.exit(BIND_FAILED_EXIT)
     table.set_state(slot, loadtable.BOOTING)
     table.close()
-    os.environ["SCORING_EXIT_ON_LOAD_FAILURE"] = "1"
     os.environ["SCORING_TORCH_THREADS"] = str(_settings.effective_torch_threads(server.cfg.workers))
 
 
@@ -207,6 +224,9 @@ def child_exit(server: Any, worker: Any) -> None:
     except OSError as exc:
         server.log.warning("cannot free the load table slot of worker %d: %s", worker.pid, exc)
         return
+    slot = table.slot_of(worker.pid)
+    if slot is not None and table.read(slot).state < loadtable.READY:
+        _restarts.exited_early(time.monotonic())  # it exited before it ever served
     table.release_pid(worker.pid)
     table.close()
 

@@ -269,15 +269,26 @@ class Settings(BaseSettings):
     bind_timeout_s: float = Field(
         60.0, gt=0, description="How long a worker waits for a free GPU slot before exiting."
     )
-    exit_on_load_failure: bool = Field(
+    strict_readiness: bool = Field(
         False,
-        description="Exit the worker (status 1) when a model fails to load; "
-        "gunicorn.conf.py turns it on for workers.",
+        description="Readiness (GET /v2/health/ready) needs every model of the repository warm "
+        "(Triton's --strict-readiness); false: every model that can load is warm and at least "
+        "one is, while the others are reported unavailable with their reason.",
+    )
+    model_load_retry_max_s: float = Field(
+        300.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A model that fails to load stays unavailable (503 with its reason) while the "
+        "others serve, and its load is retried in the worker after 2 s, then twice as long each "
+        "time, at most this many seconds apart; 0 = never retried (until a reload).",
     )
     run_dir: Path | None = Field(
         None,
-        description="Per-server run directory (GPU leases); default: a folder in the "
-        "temp dir named after the gunicorn master's pid.",
+        description="Per-server run directory (GPU leases, load table, shard sockets, metrics "
+        "files): made private (0700) if it does not exist, refused unless it is a directory of "
+        "this user closed to others; default: a fresh one (mkdtemp) in $XDG_RUNTIME_DIR or the "
+        "temp dir.",
     )
 
     @field_validator("model_repository", mode="after")

@@ -68,8 +68,8 @@ async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
     registry = app[REGISTRY]
 
     async def warm() -> bool:
-        if registry.load_error:
-            raise AssertionError(registry.load_error)
+        if registry.failures():
+            raise AssertionError(registry.failures())
         return registry.ready
 
     await eventually(warm, timeout_s)

@@ -15,7 +15,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import zlib
@@ -156,8 +155,9 @@ def test_tls_with_api_keys_and_a_hung_batch_that_recycles_its_worker(tmp_path: P
 
 
 def test_failed_model_load_in_a_replacement_leaves_the_healthy_worker_serving(tmp_path: Path) -> None:
-    """SIGKILL one of two workers; its replacement cannot load its model (exits 1, again and
-    again) while the other worker keeps serving; once the cause is gone the next one serves."""
+    """SIGKILL one of two workers; its replacement cannot load its model: it does not exit (no
+    restart loop) and stays off the listener, retrying, while the other worker serves every
+    request; once the cause is gone its retry makes it ready and it serves too."""
     repo = tmp_path / "repo"
     marker = tmp_path / "break-the-model"
     write_scale_model(repo, "scale", fail_load_if_exists=str(marker))
@@ -166,18 +166,17 @@ def test_failed_model_load_in_a_replacement_leaves_the_healthy_worker_serving(tm
         victim, healthy = srv.wait_workers(2)
         marker.touch()
         victim.send_signal(signal.SIGKILL)
-        statuses = []
-        deadline = time.monotonic() + 60
-        while "exited with code 1" not in srv.log() and time.monotonic() < deadline:
-            statuses.append(srv.post(V2, body(1.0))[0])
-            time.sleep(0.02)
-        log = srv.log()
-        assert "simulated load failure" in log and "model load failed, worker cannot become ready" in log, log
-        assert set(statuses) == {200} and len(statuses) > 10, statuses
-        assert srv.proc.poll() is None and healthy.is_running()
+        replacement = wait_for(
+            lambda: next((w for w in srv.workers() if w.pid not in (victim.pid, healthy.pid)), None),
+            60, "a replacement worker", srv,
+        )  # fmt: skip
+        wait_for(lambda: "simulated load failure" in srv.log(), 60, "the replacement's failed load", srv)
+        statuses = [srv.post(V2, body(1.0))[0] for _ in range(30)]
+        assert set(statuses) == {200}, statuses  # the replacement does not listen: not ready
+        assert srv.ready_workers() == {healthy.pid}
         marker.unlink()
-        wait_for(lambda: len(srv.ready_workers()) == 2, 60, "two ready workers", srv)
-        assert healthy.pid in srv.ready_workers()
+        wait_for(lambda: srv.ready_workers() == {healthy.pid, replacement.pid}, 60, "the retried load", srv)
+        assert replacement.is_running() and "exited with code" not in srv.log()
 
 
 def test_short_soak_has_no_failed_request_but_the_killed_workers(tmp_path: Path) -> None:
@@ -243,3 +242,15 @@ def test_aborted_and_slow_uploads_are_not_server_errors(tmp_path: Path) -> None:
         log = srv.log()
     assert 'code="500"' not in metrics
     assert "Traceback" not in log and '" 500 ' not in log, log
+
+
+def test_a_worker_that_keeps_crashing_while_it_boots_is_restarted_with_a_backoff(tmp_path: Path) -> None:
+    """A worker that dies while loading (a native crash: SIGKILL) is replaced, but not a few
+    times a second: from the second early exit each new worker waits 1, 2, 4... s first."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", crash_on_load=1)
+    with Gunicorn(tmp_path, env(repo, SCORING_WORKERS="1")) as srv:
+        wait_for(lambda: "the next one boots in 4 s" in srv.log(), 90, "a growing restart delay", srv)
+        log = srv.log()
+        assert "the next one boots in 1 s" in log and "the next one boots in 2 s" in log, log
+        assert srv.proc.poll() is None  # the master keeps going

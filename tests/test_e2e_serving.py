@@ -5,14 +5,16 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
-from tests.server import Gunicorn
+from tests.server import Gunicorn, wait_for
 from tests.toy_models import TinyRanker, write_scale_model, write_tensor_model
+
+BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
 
 pytestmark = pytest.mark.e2e
 
@@ -132,18 +134,28 @@ def test_readiness_is_503_until_warmup_on_gunicorn(tmp_path: Path) -> None:
         assert srv.get("/v2/health/live")[0] == 200
 
 
-def test_failed_model_load_exits_the_worker_without_halting_the_server(tmp_path: Path) -> None:
+def test_a_model_that_cannot_load_leaves_the_worker_up_retrying_until_it_can(tmp_path: Path) -> None:
+    """The only model fails to load: the worker stays (no exit, no restart loop), readiness is
+    503 with the reason, and once the cause is gone its retry makes the same worker ready."""
     repo = tmp_path / "repo"
-    folder = write_scale_model(repo, "broken")
-    (folder / "model.toml").write_text(
-        (folder / "model.toml").read_text().replace("ScaleHandler", "MissingHandler")
-    )
+    marker = tmp_path / "break-the-model"
+    marker.touch()
+    write_scale_model(repo, "scale", fail_load_if_exists=str(marker))
     with Gunicorn(tmp_path, {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1"}) as srv:
-        first = srv.wait_workers(1)[0].pid
-        psutil.Process(first).wait(60)  # the worker exits on its own
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "cannot import handler" not in srv.log():
-            time.sleep(0.05)
-        assert "cannot import handler 'tests.toy_models:MissingHandler'" in srv.log()
-        assert srv.proc.poll() is None  # the master keeps running and forks a new worker
-        assert srv.wait_workers(1)[0].pid != first
+        worker = srv.wait_workers(1)[0].pid
+
+        def unready_with_reason() -> dict[str, Any] | None:
+            try:
+                status, _, body = srv.get("/v2/health/ready", timeout=5)
+            except OSError:
+                return None
+            return body if status == 503 and "unavailable" in body else None
+
+        body = wait_for(unready_with_reason, 60, "readiness 503 naming the model", srv)
+        assert "simulated load failure" in body["unavailable"]["scale/1"]
+        status, _, error = srv.post("/v2/models/scale/infer", BODY)
+        assert status == 503 and "unavailable" in error["error"]
+        marker.unlink()
+        wait_for(lambda: srv.get("/v2/health/ready")[0] == 200, 60, "the retried load", srv)
+        assert [w.pid for w in srv.workers()] == [worker] and "exited with code" not in srv.log()
+        assert srv.post("/v2/models/scale/infer", BODY)[0] == 200

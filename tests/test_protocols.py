@@ -282,10 +282,10 @@ async def test_failed_model_load_keeps_readiness_503_with_the_error(make_client:
     client: Client = await make_client(tmp_path, wait=False)
     async def failed() -> dict[str, Any] | None:
         body: dict[str, Any] = await (await client.get("/v2/health/ready")).json()
-        return body if "error" in body else None
+        return body if "unavailable" in body else None
 
     body = await eventually(failed)
-    assert body["ready"] is False and "cannot import handler" in body["error"]
+    assert body["ready"] is False and "cannot import handler" in body["unavailable"]["scale/1"]
 
 
 @pytest.mark.parametrize("name", ["ranker-pt2", "ranker-ts"])

@@ -16,6 +16,7 @@ import pytest
 
 from app.server import loadtable
 from app.server.siblings import Siblings
+from app.server.worker import RestartBackoff
 from app.serving.executor import InferenceThread
 from app.serving.lifecycle import EXECUTORS, begin_drain
 from app.serving.state import LIFECYCLE, REGISTRY
@@ -204,3 +205,16 @@ def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
     assert siblings.table.states() == {os.getpid(): READY}
     siblings.release()
     assert siblings.table.states() == {}
+
+
+def test_workers_that_keep_dying_while_they_boot_are_forked_more_and_more_slowly() -> None:
+    backoff = RestartBackoff(window_s=120.0, first_s=1.0, max_s=60.0)
+    assert backoff.delay_s(0.0) == 0.0
+    backoff.exited_early(0.0)
+    assert backoff.delay_s(1.0) == 0.0  # a lone crash is replaced at once
+    delays = []
+    for t in range(1, 10):
+        backoff.exited_early(float(t))
+        delays.append(backoff.delay_s(float(t)))
+    assert delays == [1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 60.0, 60.0, 60.0]
+    assert backoff.delay_s(500.0) == 0.0  # quiet for the window: forgiven

@@ -3,6 +3,8 @@ controllable handler that records what it sees (batch sizes, items)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Mapping
@@ -48,6 +50,7 @@ class ScaleHandler:
 
     parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
+    ``crash_on_load`` (the worker process SIGKILLs itself while loading),
     ``delay_ms`` per batch (not for warmup batches, whose tags are all ``b"warmup"``: those
     sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
     ``fail_on`` (x value that raises), ``hang_on`` (x value that
@@ -69,6 +72,8 @@ class ScaleHandler:
         marker = self.params.get("fail_load_if_exists")
         if marker and Path(marker).exists():
             raise RuntimeError(f"simulated load failure ({marker} exists)")
+        if self.params.get("crash_on_load"):  # a native crash: the process dies at once
+            os.kill(os.getpid(), signal.SIGKILL)
         self.BATCHES[self.name] = []
 
     def preprocess(self, inputs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
@@ -172,3 +177,42 @@ def write_tensor_model(repo: Path, name: str, fmt: str) -> TinyRanker:
         torch.jit.save(torch.jit.script(model), str(folder / file))
     (folder / "model.toml").write_text(TENSOR_TOML.format(name=name, fmt=fmt, file=file))
     return model
+
+
+def write_broken_models(repo: Path) -> dict[str, str]:
+    """Write one model folder per way a careless operator breaks a model into ``repo``; returns
+    the name each is reported under -> a piece of the reason it is reported with."""
+    expected: dict[str, str] = {}
+
+    def scale(folder: str, replace: tuple[str, str] = ("", ""), name: str | None = None) -> Path:
+        path = write_scale_model(repo, folder)
+        text = (path / "model.toml").read_text()
+        if name is not None:
+            text = text.replace(f'name = "{folder}"', f'name = "{name}"')
+        (path / "model.toml").write_text(text.replace(*replace) if replace[0] else text)
+        return path
+
+    scale("syntax", ("max_batch_size =", "max_batch_size = = "))
+    expected["syntax"] = "syntax/model.toml"
+    scale("pathlike", name="../../escape")
+    expected["pathlike"] = "must be 1-128 of letters"
+    scale("twin-a", name="twin")
+    scale("twin-b", name="twin")
+    expected["twin"] = "declared by several folders (twin-a, twin-b)"
+    scale("no-import", ("tests.toy_models:ScaleHandler", "local_handler:Handler"))
+    (repo / "no-import" / "local_handler.py").write_text("import a_module_that_does_not_exist\n")
+    expected["no-import/1"] = "cannot import handler"
+    scale("raises-on-import", ("tests.toy_models:ScaleHandler", "local_handler:Handler"))
+    (repo / "raises-on-import" / "local_handler.py").write_text("raise RuntimeError('broken on import')\n")
+    expected["raises-on-import/1"] = "broken on import"
+    for folder, problem in (("missing-weights", "missing"), ("truncated-weights", "truncated"), ("escape", "..")):
+        path = repo / folder
+        path.mkdir(parents=True)
+        file = "../../../etc/hostname" if problem == ".." else "model.pt2"
+        if problem == "truncated":
+            (path / file).write_bytes(b"PK\x03\x04 not a whole archive")
+        (path / "model.toml").write_text(TENSOR_TOML.format(name=folder, fmt="torch_export", file=file))
+    expected["missing-weights/1"] = "weights file missing-weights/model.pt2 not found"
+    expected["truncated-weights/1"] = "cannot load truncated-weights/model.pt2"
+    expected["escape"] = "must be inside the model's folder"
+    return expected

@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
 from app.binding import BINDING
-from app.errors import InvalidInput, ModelNotFound, ScoringError, Unauthorized
+from app.errors import InvalidInput, ModelNotReady, ScoringError, Unauthorized
 from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
@@ -147,8 +147,12 @@ class InferenceServicer:
     async def ModelReady(
         self, request: pb.ModelReadyRequest, context: Context, rid: str
     ) -> pb.ModelReadyResponse:
-        """Model readiness; NOT_FOUND for an unknown model or version."""
-        entry = self.registry.get(request.name, request.version or None)
+        """Model readiness (false for a model that cannot be served); NOT_FOUND for an unknown
+        model or version."""
+        try:
+            entry = self.registry.get(request.name, request.version or None)
+        except ModelNotReady:
+            return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=entry.ready and not self.registry.draining)
 
     async def ServerMetadata(
@@ -205,16 +209,8 @@ class InferenceServicer:
         """Every model version with its state (READY, LOADING, UNAVAILABLE + reason); only the
         ready ones when ``ready`` is set. ``repository_name`` is ignored (one repository)."""
         reply = pb.RepositoryIndexResponse()
-        for entry in self.registry.entries():
-            state, reason = "READY", ""
-            if not entry.ready:
-                state, reason = (
-                    ("UNAVAILABLE", self.registry.load_error) if self.registry.load_error else ("LOADING", "")
-                )
-            if state == "READY" or not request.ready:
-                reply.models.add(
-                    **triton.repository_entry(entry.config.name, entry.config.version, state, reason)
-                )
+        for row in self.registry.index(request.ready):
+            reply.models.add(**triton.repository_entry(*row))
         return reply
 
     # --- inference -----------------------------------------------------------------------
@@ -226,8 +222,8 @@ class InferenceServicer:
         try:
             entry = self.registry.get(request.model_name, request.model_version or None)
             labels = (entry.config.name, entry.config.version)
-        except ModelNotFound:
-            labels = ("", "")  # counted as HTTP counts an unknown model's 404
+        except ScoringError:
+            labels = ("", "")  # counted as HTTP counts an unknown or unavailable model's 404 / 503
         return await self._observed(labels, self._infer(request, context, rid))
 
     async def _infer(

@@ -69,15 +69,5 @@ async def repository_index(request: web.Request) -> web.Response:
         if not isinstance(parsed, dict) or not isinstance(parsed.get("ready", False), bool):
             raise InvalidInput('repository index request: expected {"ready": true|false}')
         only_ready = parsed.get("ready", False)
-    registry = request.app[REGISTRY]
-    index = []
-    for entry in registry.entries():
-        if entry.ready:
-            state, reason = "READY", ""
-        elif registry.load_error:
-            state, reason = "UNAVAILABLE", registry.load_error
-        else:
-            state, reason = "LOADING", ""
-        if state == "READY" or not only_ready:
-            index.append(triton.repository_entry(entry.config.name, entry.config.version, state, reason))
-    return _json(index)
+    rows = request.app[REGISTRY].index(only_ready)
+    return _json([triton.repository_entry(*row) for row in rows])

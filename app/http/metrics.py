@@ -15,7 +15,7 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app.binding import BINDING
-from app.errors import ModelNotFound
+from app.errors import ScoringError
 from app.observability.gpu import poll_gpus
 from app.observability.metrics import METRICS
 from app.serving.state import REGISTRY as MODELS
@@ -39,7 +39,7 @@ def _model_labels(request: web.Request) -> tuple[str, str]:
     info = request.match_info
     try:
         config = request.app[MODELS].get(info["name"], info.get("version")).config
-    except (ModelNotFound, KeyError):
+    except (ScoringError, KeyError):  # unknown, or unavailable: answered 404 / 503
         return "", ""
     return config.name, config.version
 

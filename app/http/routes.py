@@ -99,11 +99,14 @@ async def live(request: web.Request) -> web.Response:
 
 @routes.get("/v2/health/ready")
 async def ready(request: web.Request) -> web.Response:
-    """Readiness: 200 once every model is loaded and warm; 503 while loading or draining."""
+    """Readiness: 200 once every model that can load is warm (every model with
+    ``SCORING_STRICT_READINESS``); 503 while loading or draining. Models that cannot be served
+    are listed under ``unavailable`` with their reason."""
     registry = request.app[REGISTRY]
     body: dict[str, Any] = {"ready": registry.ready}
-    if registry.load_error:
-        body["error"] = registry.load_error
+    failures = registry.failures()
+    if failures:
+        body["unavailable"] = failures
     return _json(body, 200 if registry.ready else 503)
 
 

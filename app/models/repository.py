@@ -12,11 +12,18 @@ Each model folder holds its weights and a ``model.toml``::
 Tensor shapes in ``model.toml`` are *per item*: the batch dimension is implied
 (as in Triton's ``config.pbtxt`` with ``max_batch_size > 0``); ``-1`` marks a
 variable dimension. README.md ("Model repository") documents every field.
+
+One broken model never stops the others: :func:`scan` returns the models it could read and,
+apart, the folders it could not, each with its reason (Triton's UNAVAILABLE model state).
+Reasons name files relative to the repository (:func:`scrub_paths`): they are shown by
+readiness and the repository index, which must not disclose the server's file system.
 """
 
 from __future__ import annotations
 
+import re
 import tomllib
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,6 +35,10 @@ from app.errors import ModelLoadError
 
 CONFIG_FILE = "model.toml"
 ModelFormat = Literal["torch_export", "torchscript", "handler"]
+#: A model name or version: a safe single path component.
+_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
+#: ``module:Class``, the module a dotted name (no path tricks: it may name a file in the folder).
+_HANDLER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za-z_][A-Za-z0-9_]*$")
 
 #: V2 ``platform`` reported in model metadata for each format.
 PLATFORMS: dict[str, str] = {
@@ -104,11 +115,35 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         """The input spec called ``name``, or None."""
         return next((s for s in self.inputs if s.name == name), None)
 
+    @property
+    def where(self) -> str:
+        """This model's ``model.toml`` as named in messages: ``<folder>/model.toml``."""
+        return f"{self.path.name}/{CONFIG_FILE}"
+
+    def weights_path(self) -> Path:
+        """``file`` inside the model's folder.
+
+        Raises:
+            ModelLoadError: no ``file``, or one that leads out of the folder (``..``, an
+                absolute path, a link to elsewhere).
+        """
+        if not self.file:
+            raise ModelLoadError(f"{self.where}: format {self.format!r} needs file = '<weights file>'")
+        folder = self.path.resolve()
+        path = (folder / self.file).resolve()
+        if not path.is_relative_to(folder):
+            raise ModelLoadError(f"{self.where}: file {self.file!r} must be inside the model's folder")
+        return path
+
     def validate(self) -> None:
         """Cross-field checks; raises ``ModelLoadError`` with the file and field named."""
-        where = f"{self.path / CONFIG_FILE}"
-        if not self.name or "/" in self.name or ":" in self.name:
-            raise ModelLoadError(f"{where}: name {self.name!r} must be non-empty without '/' or ':'")
+        where = self.where
+        if not _NAME.match(self.name) or self.name in (".", ".."):
+            raise ModelLoadError(
+                f"{where}: name {self.name!r} must be 1-128 of letters, digits, '.', '_', '-'"
+            )
+        if self.version and not _NAME.match(self.version):
+            raise ModelLoadError(f"{where}: version {self.version!r} must be letters, digits, '.', '_', '-'")
         if not self.inputs or not self.outputs:
             raise ModelLoadError(f"{where}: a model needs at least one input and one output")
         for kind, specs in (("inputs", self.inputs), ("outputs", self.outputs)):
@@ -118,10 +153,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             for s in specs:
                 s.validate(f"{where} {kind}.{s.name}")
         if self.format == "handler":
-            if not self.handler or ":" not in self.handler:
-                raise ModelLoadError(f"{where}: format 'handler' needs handler = 'module:Class'")
-        elif not self.file:
-            raise ModelLoadError(f"{where}: format {self.format!r} needs file = '<weights file>'")
+            if not self.handler or not _HANDLER.match(self.handler):
+                raise ModelLoadError(
+                    f"{where}: format 'handler' needs handler = 'module:Class' (a dotted module name)"
+                )
+        else:
+            self.weights_path()
         if self.max_batch_size < 1:
             raise ModelLoadError(f"{where}: max_batch_size must be >= 1")
         if self.max_queue_delay_ms < 0:
@@ -140,48 +177,93 @@ def read_config(model_dir: Path) -> ModelConfig:
     """Parse and validate ``model_dir/model.toml``.
 
     Raises:
-        ModelLoadError: missing file, TOML syntax error, unknown or mistyped field.
+        ModelLoadError: missing file, TOML syntax error, unknown or mistyped field, or a value
+            that fails validation (the message names ``<folder>/model.toml``).
     """
     path = model_dir / CONFIG_FILE
+    where = f"{model_dir.name}/{CONFIG_FILE}"
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError as exc:
-        raise ModelLoadError(f"{path}: not found") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
+        raise ModelLoadError(f"{where}: not found") from exc
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ModelLoadError(f"{where}: {exc}") from exc
     try:
         config = msgspec.convert(raw, ModelConfig)
     except msgspec.ValidationError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
+        raise ModelLoadError(f"{where}: {exc}") from exc
     config.path = model_dir.resolve()
     config.validate()
     return config
 
 
-def scan(repository: Path, names: tuple[str, ...] = ()) -> list[ModelConfig]:
-    """Read the config of every model folder in ``repository`` (or only ``names``).
+@dataclass(frozen=True)
+class Unavailable:
+    """A model folder that could not be served, and why (no absolute paths in ``reason``)."""
+
+    name: str
+    reason: str
+    version: str = ""
+
+
+@dataclass(frozen=True)
+class Scan:
+    """What :func:`scan` found: the models it could read, and the folders it could not."""
+
+    configs: list[ModelConfig]
+    unavailable: list[Unavailable]
+
+
+def scan(repository: Path, names: tuple[str, ...] = ()) -> Scan:
+    """Read the config of every model folder in ``repository`` (or only those of ``names``).
+
+    A folder whose ``model.toml`` cannot be read or fails validation, and every folder of a
+    model version declared twice, is listed as unavailable (by folder name, or model name for
+    a duplicate) with its reason; the others are returned.
 
     Raises:
-        ModelLoadError: the repository is missing or empty, a named model is
-            absent, two folders declare the same model name and version, or a
-            config is invalid.
+        ModelLoadError: the repository is missing or holds no model folder at all, or a
+            model named in ``names`` is in no folder.
     """
     if not repository.is_dir():
         raise ModelLoadError(f"model repository {repository} is not a directory")
-    configs = [read_config(d) for d in sorted(repository.iterdir()) if (d / CONFIG_FILE).is_file()]
+    folders = [d for d in sorted(repository.iterdir()) if (d / CONFIG_FILE).is_file()]
+    if not folders:
+        raise ModelLoadError(f"model repository {repository} holds no folder with a {CONFIG_FILE}")
+    configs: list[ModelConfig] = []
+    unavailable: list[Unavailable] = []
+    for folder in folders:
+        try:
+            configs.append(read_config(folder))
+        except ModelLoadError as exc:
+            unavailable.append(Unavailable(folder.name, scrub_paths(str(exc), repository)))
     if names:
-        missing = set(names) - {c.name for c in configs}
+        known = {c.name for c in configs} | {u.name for u in unavailable}
+        missing = set(names) - known
         if missing:
             raise ModelLoadError(
-                f"model(s) {sorted(missing)} not in repository {repository} "
-                f"(found {sorted(c.name for c in configs)})"
+                f"model(s) {sorted(missing)} not in repository {repository} (found {sorted(known)})"
             )
         configs = [c for c in configs if c.name in names]
-    if not configs:
-        raise ModelLoadError(f"model repository {repository} holds no folder with a {CONFIG_FILE}")
-    seen: set[tuple[str, str]] = set()
+        unavailable = [u for u in unavailable if u.name in names]
+    declared: dict[tuple[str, str], list[ModelConfig]] = {}
     for c in configs:
-        if (c.name, c.version) in seen:
-            raise ModelLoadError(f"model {c.name} version {c.version} is declared twice")
-        seen.add((c.name, c.version))
-    return configs
+        declared.setdefault((c.name, c.version), []).append(c)
+    for (name, version), same in declared.items():
+        if len(same) > 1:
+            folders_named = ", ".join(c.path.name for c in same)
+            reason = f"model {name} version {version} is declared by several folders ({folders_named})"
+            unavailable.append(Unavailable(name, reason, version))
+    return Scan([c for c in configs if len(declared[(c.name, c.version)]) == 1], unavailable)
+
+
+#: An absolute path (a run of non-space characters starting with "/").
+_ABSOLUTE = re.compile(r"(?<![\w.])/[^\s'\"(),:]+")
+
+
+def scrub_paths(text: str, repository: Path) -> str:
+    """``text`` with the server's file system hidden: paths inside ``repository`` made
+    relative to it, any other absolute path reduced to ``…/<last component>``."""
+    for root in {str(repository), str(repository.resolve())}:
+        text = text.replace(root.rstrip("/") + "/", "")
+    return _ABSOLUTE.sub(lambda m: "…/" + m.group(0).rstrip("/").rsplit("/", 1)[-1], text)

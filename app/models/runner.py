@@ -45,7 +45,8 @@ def resolve_handler(config: ModelConfig) -> Handler:
     a model repository is trusted like the server's own code.
 
     Raises:
-        ModelLoadError: module or class not found, or the class lacks a hook.
+        ModelLoadError: module or class not found, the module raised while importing, or the
+            class lacks a hook.
     """
     if config.format == "torch_export":
         return TorchExportHandler()
@@ -65,8 +66,11 @@ def resolve_handler(config: ModelConfig) -> Handler:
         else:
             module = importlib.import_module(module_name)
         cls = getattr(module, class_name)
-    except (ImportError, AttributeError) as exc:
-        raise ModelLoadError(f"model {config.name}: cannot import handler {config.handler!r}: {exc}") from exc
+    except Exception as exc:  # a handler module may raise anything while it imports
+        shown = exc if isinstance(exc, (ImportError, AttributeError)) else f"{type(exc).__name__}: {exc}"
+        raise ModelLoadError(
+            f"model {config.name}: cannot import handler {config.handler!r}: {shown}"
+        ) from exc
     handler = cls()
     missing = [h for h in ("load", "preprocess", "predict", "postprocess") if not hasattr(handler, h)]
     if missing:

@@ -34,19 +34,20 @@ class _TensorHandler:
         """Load ``config.path / config.file`` onto ``device``.
 
         Raises:
-            ModelLoadError: the file is missing or is not a loadable archive.
+            ModelLoadError: the file is missing, outside the model's folder, or not a
+                loadable archive.
         """
-        assert config.file is not None
-        path = config.path / config.file
+        path = config.weights_path()
+        shown = f"{config.path.name}/{config.file}"
         if not path.is_file():
-            raise ModelLoadError(f"model {config.name}: weights file {path} not found")
+            raise ModelLoadError(f"model {config.name}: weights file {shown} not found")
         self._device = device
         self._input_names = [s.name for s in config.inputs]
         self._output_names = [s.name for s in config.outputs]
         try:
             self._module = self._load_module(str(path), device)
         except Exception as exc:
-            raise ModelLoadError(f"model {config.name}: cannot load {path}: {exc}") from exc
+            raise ModelLoadError(f"model {config.name}: cannot load {shown}: {exc}") from exc
 
     def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[torch.Tensor]:
         """numpy [B, ...] per input -> tensors on the device (pinned, async copy on CUDA)."""

@@ -49,6 +49,8 @@ import os
 import signal
 import sys
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -62,7 +64,7 @@ from app.server.siblings import Siblings
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
 
-__all__ = ["ScoringUVLoopWebWorker", "ScoringWebWorker"]
+__all__ = ["RestartBackoff", "ScoringUVLoopWebWorker", "ScoringWebWorker", "wait_before_booting"]
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +101,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._listener: Listener | None = None
         self._siblings = Siblings(None, os.getpid())  # alone until init_process
         self._draining = False
+        self._aborted = False
         self._serving = threading.Event()
         self._stopped: asyncio.Event | None = None
         self._recycle_after = 0
@@ -144,7 +147,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             self.loop.run_until_complete(self._serve())
         finally:
             self._siblings.release()
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            if not self._aborted:  # an abort leaves generators mid-await: nothing to finish
+                self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
         sys.exit(self.exit_code)
 
@@ -159,9 +163,10 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._wake()
 
     def handle_abort(self, sig: int, frame: Any) -> None:
-        """SIGABRT (gunicorn's timeout, or a failed model load): exit with status 1 at once."""
+        """SIGABRT (gunicorn's timeout): exit with status 1 at once."""
         self.alive = False
         self.exit_code = 1
+        self._aborted = True
         self.cfg.worker_abort(self)
         self._siblings.release()
         sys.exit(1)
@@ -346,6 +351,48 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._siblings.publish(loadtable.STOPPING)
         self.alive = False
         self._wake()
+
+
+class RestartBackoff:
+    """The master's brake on a worker that keeps dying while it boots.
+
+    gunicorn forks a replacement at once, whatever killed the last one; a worker that crashes
+    while it boots (a segfault in a native library, an import that fails, a GPU that is gone)
+    would be forked again and again, a few times a second, each time paying the import of
+    torch. A worker that exited before it was ready is an *early exit*; with ``n`` of them in
+    the last ``window_s`` seconds, the next worker waits ``min(max_s, first_s * 2 ** (n - 2))``
+    seconds before it boots (none for a single one: a lone crash is replaced at once).
+    Source: systemd's ``RestartSec``/``StartLimitBurst`` and Kubernetes' CrashLoopBackOff.
+
+    Args:
+        window_s: how far back early exits count, seconds.
+        first_s: the delay after the second early exit, seconds.
+        max_s: the longest delay, seconds.
+    """
+
+    def __init__(self, window_s: float = 120.0, first_s: float = 1.0, max_s: float = 60.0) -> None:
+        self.window_s, self.first_s, self.max_s = window_s, first_s, max_s
+        self._exits: deque[float] = deque(maxlen=64)
+
+    def exited_early(self, now: float) -> None:
+        """Record a worker that exited before it was ready (``now``: ``time.monotonic()``)."""
+        self._exits.append(now)
+
+    def delay_s(self, now: float) -> float:
+        """How long the next worker should wait before it boots, seconds."""
+        recent = sum(1 for t in self._exits if now - t <= self.window_s)
+        if recent < 2:
+            return 0.0
+        return float(min(self.max_s, self.first_s * 2 ** (recent - 2)))
+
+
+def wait_before_booting(delay_s: float, notify: Callable[[], None]) -> None:
+    """Sleep ``delay_s`` seconds in a forked worker (``post_fork``), notifying gunicorn so its
+    ``timeout`` does not kill the waiting worker."""
+    end = time.monotonic() + delay_s
+    while (left := end - time.monotonic()) > 0:
+        notify()
+        time.sleep(min(1.0, left))
 
 
 async def _off_loop(check: Callable[[], bool]) -> bool:

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
+from app.errors import ModelNotReady
 from app.protocols.infer import (
     InferRequest,
     InferResponse,
@@ -98,9 +99,12 @@ class DataPlane:
 
         Raises:
             ModelNotFound: unknown model or version (404).
+            ModelNotReady: the model is unavailable (it could not be loaded: 503 with why).
             QueueFull: refused early (503 + Retry-After).
         """
         entry = self.registry.get(name, version)
+        if entry.error is not None:
+            raise ModelNotReady(f"model {entry.config.name!r} is unavailable: {entry.error}")
         batcher = entry.batcher
         if batcher is not None and batcher.backlogged:
             refusal = batcher.refuse_early(self.timeout_s(entry, requested_s))

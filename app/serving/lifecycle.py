@@ -12,9 +12,12 @@ after a crash, a recycle, a HUP reload), startup instead waits for the models
 before the worker listens, so no request waits for a load while a warm worker
 could answer it. Cleanup stops the batchers and frees the models.
 
-A model that fails to load leaves readiness at 503 with the error in its body;
-under gunicorn (``exit_on_load_failure``) the worker then exits with status 1,
-which gunicorn logs and answers with a new worker, without halting the others.
+A model that fails to load (or whose ``model.toml`` cannot be read) is *unavailable*: its
+requests get 503 with the reason, readiness and the repository index name it with its
+reason (no absolute paths), and the other models serve (Triton's behaviour). The worker does
+not exit (no restart loop): it retries the load after 2 s, then twice as long each time, up
+to ``SCORING_MODEL_LOAD_RETRY_MAX_S`` apart, so a cause that goes away (device memory held by
+another process, a weights file still being copied) heals by itself.
 
 Draining (:func:`begin_drain`, called by the gunicorn worker at SIGTERM and by
 ``on_shutdown`` otherwise) turns readiness 503 at once; requests that still reach the
@@ -35,7 +38,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import time
 from collections.abc import AsyncIterator
 from functools import partial
@@ -45,7 +47,7 @@ from aiohttp import web
 
 from app.binding import BINDING
 from app.errors import ModelLoadError
-from app.models.repository import scan
+from app.models.repository import scan, scrub_paths
 from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import METRICS
 from app.serving.batcher import DynamicBatcher
@@ -100,38 +102,116 @@ def _timed_batch(runner: ModelRunner) -> tuple[int, float]:
     return items, time.perf_counter() - start
 
 
+#: The first wait before a failed model load is retried, seconds (then doubled each time).
+FIRST_RETRY_S = 2.0
+#: The retry tasks of models that failed to load.
+RETRIES = web.AppKey("model_load_retries", set[asyncio.Task[None]])
+
+
 async def _load_all(app: web.Application, device: torch.device) -> None:
     registry = app[REGISTRY]
-    settings = app[SETTINGS]
-    loop = asyncio.get_running_loop()
-    metrics = app.get(METRICS)
-    models = []
+    for name, reason in registry.unavailable.items():
+        log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
+    loaded = False
     for entry in registry.entries():
-        executor = _executor(app, entry.config.name)
-        runner = ModelRunner(entry.config)
-        await loop.run_in_executor(executor, runner.load, device)
-        await loop.run_in_executor(executor, runner.warmup)
-        seed = await loop.run_in_executor(executor, _timed_batch, runner)
-        observer: BatchObserver = entry.stats
-        if metrics is not None:
-            config = entry.config
-            metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
-            observer = FanOut(entry.stats, metrics.observer(config.name, config.version))
-        _start_batching(entry, runner, executor, observer, settings.max_batch_bytes).rate.observe(*seed)
-        figures = describe(runner)
-        models.append(figures)
-        log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
+        loaded = await _try_load(app, entry, device) or loaded
     # Now that the models hold their CUDA context, check through NVML that it is on the
     # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
     worker = app[BINDING]
-    if worker.binding.gpu_uuid is not None:
-        await loop.run_in_executor(None, verify_binding, worker.binding)
+    if loaded and worker.binding.gpu_uuid is not None:
+        await asyncio.get_running_loop().run_in_executor(None, verify_binding, worker.binding)
     binding = worker.describe()["binding"]
+    models = [describe(e.runner) for e in registry.entries() if e.runner is not None]
     log.info(
-        "worker %d ready: binding %s, models %s",
-        worker.pid, binding, models,
+        "worker %d %s: binding %s, models %s%s",
+        worker.pid, "ready" if registry.ready else "not ready", binding, models,
+        f", unavailable {sorted(registry.failures())}" if registry.failures() else "",
         extra={"event": "worker_ready", "binding": binding, "models": models},
     )  # fmt: skip
+
+
+async def _try_load(app: web.Application, entry: ModelEntry, device: torch.device) -> bool:
+    """Load, warm up and start batching one model; on failure mark it unavailable (its reason,
+    scrubbed of absolute paths), wake its waiters and schedule a retry. True when it serves."""
+    try:
+        await _load(app, entry, device)
+        return True
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:
+        config = entry.config
+        message = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+        entry.error = scrub_paths(message, app[SETTINGS].model_repository)
+        entry.settled.set()  # requests waiting for it get 503 with the reason now
+        retry_max_s = app[SETTINGS].model_load_retry_max_s
+        log.error(
+            "model %s v%s unavailable, the other models serve: %s%s",
+            config.name, config.version, message,
+            "" if retry_max_s else " (not retried: SCORING_MODEL_LOAD_RETRY_MAX_S=0)",
+            exc_info=None if isinstance(exc, ModelLoadError) else exc,
+            extra={"event": "model_unavailable", "model": config.name, "version": config.version},
+        )  # fmt: skip
+        if retry_max_s and not any(t.get_name() == _retry_name(entry) for t in app[RETRIES]):
+            task = asyncio.get_running_loop().create_task(
+                _retry(app, entry, device, retry_max_s), name=_retry_name(entry)
+            )
+            app[RETRIES].add(task)
+            task.add_done_callback(app[RETRIES].discard)
+        return False
+
+
+def _retry_name(entry: ModelEntry) -> str:
+    return f"retry-load:{entry.config.name}/{entry.config.version}"
+
+
+async def _retry(app: web.Application, entry: ModelEntry, device: torch.device, max_s: float) -> None:
+    """Retry a failed load after FIRST_RETRY_S, then twice as long each time, up to ``max_s``."""
+    wait_s = min(FIRST_RETRY_S, max_s)
+    while entry.error is not None and not app[REGISTRY].draining:
+        await asyncio.sleep(wait_s)
+        try:
+            await _load(app, entry, device)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            message = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
+            entry.error = scrub_paths(message, app[SETTINGS].model_repository)
+            wait_s = min(wait_s * 2, max_s)
+            log.warning(
+                "model %s v%s still unavailable (next try in %.0f s): %s",
+                entry.config.name, entry.config.version, wait_s, message,
+            )  # fmt: skip
+            continue
+        log.info("model %s v%s loaded on retry", entry.config.name, entry.config.version)
+
+
+async def _load(app: web.Application, entry: ModelEntry, device: torch.device) -> None:
+    """Load, warm up and time one model on its inference thread, then start its batcher.
+
+    Raises:
+        Exception: whatever the load or warmup raised (the half-loaded model is freed first).
+    """
+    settings = app[SETTINGS]
+    loop = asyncio.get_running_loop()
+    metrics = app.get(METRICS)
+    executor = _executor(app, entry.config.name)
+    runner = ModelRunner(entry.config)
+    try:
+        await loop.run_in_executor(executor, runner.load, device)
+        await loop.run_in_executor(executor, runner.warmup)
+        seed = await loop.run_in_executor(executor, _timed_batch, runner)
+    except BaseException:
+        await loop.run_in_executor(executor, runner.close)
+        raise
+    observer: BatchObserver = entry.stats
+    if metrics is not None:
+        config = entry.config
+        metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
+        observer = FanOut(entry.stats, metrics.observer(config.name, config.version))
+    entry.error = None
+    _start_batching(entry, runner, executor, observer, settings.max_batch_bytes).rate.observe(*seed)
+    figures = describe(runner)
+    log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
 
 
 def _start_batching(
@@ -159,33 +239,22 @@ def _start_batching(
     return batcher
 
 
-async def _load_in_background(app: web.Application, device: torch.device) -> None:
-    try:
-        await _load_all(app, device)
-    except asyncio.CancelledError:
-        raise
-    except Exception as exc:
-        message = str(exc) if isinstance(exc, ModelLoadError) else repr(exc)
-        app[REGISTRY].fail(message)
-        log.error("model load failed, worker cannot become ready: %s", message, exc_info=exc)
-        if app[SETTINGS].exit_on_load_failure:
-            # SIGABRT makes gunicorn's aiohttp worker exit with status 1: the
-            # arbiter replaces this worker and keeps the healthy ones (3 and 4 halt it).
-            os.kill(os.getpid(), signal.SIGABRT)
-
-
 async def models_ctx(app: web.Application) -> AsyncIterator[None]:
     """``cleanup_ctx``: inference threads, background model loading, hung-inference watchdog;
     unload on cleanup (skipped when an inference thread is stuck or still loading)."""
     settings = app[SETTINGS]
     registry = app[REGISTRY]
-    for config in scan(settings.model_repository, settings.model_names):
+    found = scan(settings.model_repository, settings.model_names)
+    for config in found.configs:
         registry.add(config)
+    registry.unavailable.update({u.name: u.reason for u in found.unavailable})
+    registry.strict = settings.strict_readiness
     device = resolve_device(settings.device)
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
     app[EXECUTORS] = {}
+    app[RETRIES] = set()
     loop = asyncio.get_running_loop()
-    task = loop.create_task(_load_in_background(app, device))
+    task = loop.create_task(_load_all(app, device))
     app[LOAD_TASK] = task
     watchdog = None
     if settings.hung_inference_s > 0:
@@ -195,25 +264,28 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
     finally:
         registry.draining = True
-        loaded = task.done() and not task.cancelled()
-        for pending in (task, watchdog):
-            if pending is not None:
-                pending.cancel()
-        await asyncio.gather(*(t for t in (task, watchdog) if t is not None), return_exceptions=True)
+        loaded = task.done() and not task.cancelled() and not any(
+            e.error is None and not e.ready for e in registry.entries()
+        )
+        pending = [t for t in (task, watchdog, *app[RETRIES]) if t is not None]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
         await _release(app, loaded)
 
 
 async def _defer_listening(app: web.Application, load: asyncio.Task[None]) -> None:
-    """While another worker serves, keep this one off the listener until its models are warm
-    (or its load failed, or it is asked to stop). The gunicorn worker's boot heartbeat keeps
-    gunicorn informed meanwhile."""
+    """While another worker serves, keep this one off the listener until it is ready (every
+    model that can load is warm), or it is asked to stop. A replacement whose models cannot load
+    so stays off the listener, retrying, while its siblings serve. The gunicorn worker's boot
+    heartbeat keeps gunicorn informed meanwhile."""
     defer = app[LIFECYCLE].defer_listening
     if defer is None:
         return
     loop = asyncio.get_running_loop()
     registry = app[REGISTRY]
     waited = False
-    while not load.done() and not registry.draining and await loop.run_in_executor(None, defer):
+    while not registry.ready and not registry.draining and await loop.run_in_executor(None, defer):
         waited = True
         await asyncio.sleep(0.1)
     if waited:

@@ -33,11 +33,21 @@ class ModelEntry:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     #: This worker's Triton-style statistics of the model (fed by its batcher).
     stats: ModelStats = field(default_factory=ModelStats)
+    #: Why the model could not be loaded (no absolute paths), while it is unavailable; None
+    #: while it loads or once it is ready. Loading is retried (``app.serving.lifecycle``).
+    error: str | None = None
 
     @property
     def ready(self) -> bool:
         """True once loaded, warmed up and batching."""
         return self.batcher is not None
+
+    @property
+    def state(self) -> str:
+        """Triton's model state: ``READY``, ``LOADING`` or ``UNAVAILABLE``."""
+        if self.ready:
+            return "READY"
+        return "UNAVAILABLE" if self.error is not None else "LOADING"
 
 
 class Spread(Protocol):
@@ -67,7 +77,12 @@ class ModelRegistry:
     """The models of the repository this worker serves, by name and version."""
 
     models: dict[str, dict[str, ModelEntry]] = field(default_factory=dict)
-    load_error: str | None = None
+    #: Models of the repository that cannot be served at all (a ``model.toml`` that could not be
+    #: read, a version declared twice): name -> reason (no absolute paths).
+    unavailable: dict[str, str] = field(default_factory=dict)
+    #: Readiness needs every model of the repository warm (Triton's ``--strict-readiness``);
+    #: False: every model that can load has, and at least one is warm.
+    strict: bool = False
     draining: bool = False
     #: Called with +items at admission and -items at completion of every inference request
     #: (the gunicorn worker publishes its load with it; app.server.balance).
@@ -96,25 +111,42 @@ class ModelRegistry:
 
         Raises:
             ModelNotFound: unknown name or version (the message lists what exists).
+            ModelNotReady: a model of the repository that cannot be served (its reason; 503).
         """
         if version is None:
             latest = self.latest.get(name)
             if latest is None:
-                raise ModelNotFound(f"model {name!r} not found; available: {sorted(self.models)}")
+                raise self._missing(name)
             return latest
         versions = self.models.get(name)
         if versions is None:
-            raise ModelNotFound(f"model {name!r} not found; available: {sorted(self.models)}")
+            raise self._missing(name)
         entry = versions.get(version)
         if entry is None:
             raise ModelNotFound(f"model {name!r} has no version {version!r}; available: {sorted(versions)}")
         return entry
 
-    def fail(self, message: str) -> None:
-        """Record a load failure and wake every request waiting for a model."""
-        self.load_error = message
+    def _missing(self, name: str) -> ModelNotFound | ModelNotReady:
+        reason = self.unavailable.get(name)
+        if reason is not None:
+            return ModelNotReady(f"model {name!r} is unavailable: {reason}")
+        return ModelNotFound(f"model {name!r} not found; available: {sorted(self.models)}")
+
+    def index(self, only_ready: bool = False) -> list[tuple[str, str, str, str]]:
+        """The repository index (Triton's): ``(name, version, state, reason)`` of every model,
+        state ``READY``, ``LOADING`` or ``UNAVAILABLE`` (reason: why); only the ready ones when
+        ``only_ready``. A folder whose ``model.toml`` could not be read has version ""."""
+        rows = [(e.config.name, e.config.version, e.state, e.error or "") for e in self.entries()]
+        rows += [(name, "", "UNAVAILABLE", reason) for name, reason in sorted(self.unavailable.items())]
+        return [row for row in rows if row[2] == "READY" or not only_ready]
+
+    def failures(self) -> dict[str, str]:
+        """Every model that cannot be served now, ``name`` or ``name/version`` -> reason."""
+        failed = dict(self.unavailable)
         for entry in self.entries():
-            entry.settled.set()
+            if entry.error is not None:
+                failed[f"{entry.config.name}/{entry.config.version}"] = entry.error
+        return failed
 
     async def wait_ready(self, entry: ModelEntry, timeout_s: float) -> ModelEntry:
         """``entry`` once it is warm; a request that reaches a worker still loading waits.
@@ -125,22 +157,30 @@ class ModelRegistry:
         serves the requests that reach it (readiness is what turns traffic away).
 
         Raises:
-            ModelNotReady: the load failed, the model is not warm within ``timeout_s``
-                seconds, or the worker is draining before it ever got warm (503 + Retry-After).
+            ModelNotReady: the model is unavailable (its load failed: the reason, no
+                Retry-After), not warm within ``timeout_s`` seconds, or the worker is draining
+                before it ever got warm (503 + Retry-After).
         """
-        if not entry.ready and not self.draining and self.load_error is None:
+        if not entry.ready and not self.draining and entry.error is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(entry.settled.wait(), timeout_s)
         if not entry.ready:
-            reason = (self.load_error and "load failed") or ("draining" if self.draining else "loading")
+            if entry.error is not None:
+                raise ModelNotReady(f"model {entry.config.name!r} is unavailable: {entry.error}")
+            reason = "draining" if self.draining else "loading"
             raise ModelNotReady(f"model {entry.config.name!r} is not ready ({reason})", retry_after_s=1)
         return entry
 
     @property
     def ready(self) -> bool:
-        """Server readiness: every model warm and not draining (and the models known)."""
+        """Server readiness: not draining, and every model warm (:attr:`strict`), or else every
+        model that can load warm and at least one of them."""
+        if self.draining:
+            return False
         entries = self.entries()
-        return not self.draining and bool(entries) and all(e.ready for e in entries)
+        if self.strict:
+            return bool(entries) and not self.unavailable and all(e.ready for e in entries)
+        return any(e.ready for e in entries) and all(e.ready or e.error is not None for e in entries)
 
 
 @dataclass(eq=False)
