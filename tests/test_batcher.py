@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from tests.toy_models import ScaleHandler, write_scale_model
 
 
 class Recorder:
-    """run_batch double: y = 2x, records batches; can block, fail or be slow."""
+    """BatchRunner double: y = 2x, records batches; can block, fail or be slow."""
 
     def __init__(self, delay_s: float = 0.0, fail_on: float | None = None) -> None:
         self.batches: list[list[float]] = []
@@ -44,7 +44,7 @@ class Recorder:
         self.gate.set()
         self.started = threading.Event()
 
-    def __call__(self, inputs: Mapping[str, np.ndarray]) -> list[Segment]:
+    def run_batch(self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()) -> list[Segment]:
         x = inputs["x"]
         self.started.set()
         assert self.gate.wait(10)
@@ -211,9 +211,7 @@ async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
     config = read_config(write_scale_model(tmp_path, "oom", max_batch_size=8, oom_above=2))
     runner = ModelRunner(config)
     runner.load(torch.device("cpu"))
-    b = DynamicBatcher(
-        "oom", runner.run_batch, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64
-    )
+    b = DynamicBatcher("oom", runner, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64)
     b.start()
     tag = np.array([[b""]], dtype=object)
     reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, timeout_s=5) for v in range(8)]
@@ -242,7 +240,7 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
             segs.append(Segment(start, len(x), {"y": x[start:] * 2}))
         return segs
 
-    b = DynamicBatcher("m", run, executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
+    b = DynamicBatcher("m", Runs(run), executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
     b.start()
     results = await asyncio.gather(
         b.infer(items(1), timeout_s=5),
@@ -257,6 +255,16 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
     await b.stop()
 
 
+class Runs:
+    """A BatchRunner of a plain function."""
+
+    def __init__(self, fn: Callable[[Mapping[str, np.ndarray]], list[Segment]]) -> None:
+        self.fn = fn
+
+    def run_batch(self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()) -> list[Segment]:
+        return self.fn(inputs)
+
+
 class Counts:
     """BatchObserver double: rejections by reason."""
 
@@ -264,6 +272,9 @@ class Counts:
         self.rejections: dict[str, int] = {}
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
+        pass
+
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
         pass
 
     def rejected(self, reason: str) -> None:

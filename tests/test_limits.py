@@ -5,12 +5,14 @@ depth, header fields, body time (408), undecodable bodies (400), aborted uploads
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import math
 import threading
 import time
 import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -157,9 +159,6 @@ async def _refused_twice(client: Client) -> tuple[list[tuple[int, str]], float, 
     """Two refused requests back to back on one connection (the second inside the first's
     Retry-After): [(status, connection header)], the second answer's seconds, and what the
     connection gives after them within 0.5 s (b"" once the server closed it)."""
-    batcher = client.app[REGISTRY].get("scale").batcher
-    assert batcher is not None
-    batcher.rate.observe(1, 10.0)  # one item takes 10 s: every request is refused (503)
     body = json.dumps(v2_body(1)).encode()
     request = (
         f"POST {V2} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -184,9 +183,36 @@ async def _refused_twice(client: Client) -> tuple[list[tuple[int, str]], float, 
     return seen, took, after
 
 
+@contextlib.asynccontextmanager
+async def busy(client: Client) -> AsyncIterator[None]:
+    """The model held on a batch of one item with a full batch queued behind it, at 0.1 s per
+    item: a new request (1 s deadline) would wait ~1 s, past the 0.8 s admission headroom,
+    though alone it would take 0.1 s: refused with 503 + Retry-After."""
+    batcher = client.app[REGISTRY].get("scale").batcher
+    assert batcher is not None
+    held = threading.Event()
+    client.app[EXECUTORS]["scale"].submit(held.wait, 30)
+    one = v2_body(1)
+    tasks = [asyncio.create_task(client.post(V2, json=one, headers={"X-Request-Timeout-Ms": "30000"}))]
+    await eventually(lambda: batcher.running_batch is not None)
+    tasks += [
+        asyncio.create_task(client.post(V2, json=one, headers={"X-Request-Timeout-Ms": "30000"}))
+        for _ in range(batcher.max_batch_size)
+    ]
+    await eventually(lambda: batcher.queued_items == batcher.max_batch_size)
+    batcher.rate.item_s, batcher.rate.overhead_s = 0.1, 0.0
+    try:
+        yield
+    finally:
+        held.set()
+        for task in tasks:
+            (await task).release()
+
+
 async def test_a_client_that_ignores_retry_after_is_held(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo, request_timeout_ms=1000, impatient_hold_ms=200.0)
-    seen, took, after = await _refused_twice(client)
+    async with busy(client):
+        seen, took, after = await _refused_twice(client)
     # the impatient 503 waits out the hold and keeps the connection (no reconnect to pay)
     assert seen == [(503, "keep-alive"), (503, "keep-alive")]
     assert took >= 0.2
@@ -197,7 +223,8 @@ async def test_without_a_hold_an_impatient_client_pays_a_reconnect(
     make_client: MakeClient, scale_repo: Path
 ) -> None:
     client: Client = await make_client(scale_repo, request_timeout_ms=1000, impatient_hold_ms=0.0)
-    seen, _, after = await _refused_twice(client)
+    async with busy(client):
+        seen, _, after = await _refused_twice(client)
     assert seen == [(503, "keep-alive"), (503, "close")]
     assert after == b""  # the server closed the connection
 
@@ -393,7 +420,7 @@ async def test_overload_is_refused_before_the_body_is_decoded(make_client: MakeC
     await eventually(lambda: batcher.running_batch is not None)
     queued = [asyncio.create_task(client.post(V2, json=one)) for _ in range(batcher.max_batch_size)]
     await eventually(lambda: batcher.queued_items == batcher.max_batch_size)
-    batcher.rate.observe(1, 10.0)  # 0.1 items/s: one item takes 10 s, past any default deadline
+    batcher.rate.item_s, batcher.rate.overhead_s = 0.1, 0.0  # alone 0.1 s; queued behind: ~1 s
     resp = await client.post(V2, data=b"{not json at all", headers=JSON)
     assert resp.status == 503 and "cannot take another request" in await error_of(resp)
     assert int(resp.headers["Retry-After"]) >= 1

@@ -129,12 +129,13 @@ def test_inference_thread_runs_in_order_and_never_blocks_exit() -> None:
     start = time.monotonic()
     executor.shutdown(wait=False, cancel_futures=True)
     assert time.monotonic() - start < 1 and queued.cancelled() and not stuck.done()
-    assert executor._thread.daemon  # a stuck call does not keep the process alive
+    assert all(t.daemon for t in executor._threads)  # a stuck call does not keep the process alive
     with pytest.raises(RuntimeError):
         executor.submit(order.append, 1)
     gate.set()
     stuck.result(5)
-    executor._thread.join(5)
+    for thread in executor._threads:
+        thread.join(5)
     assert not executor.alive and 99 not in order
 
 

@@ -35,11 +35,24 @@ Outputs:
     Truncation length; default the folder's (``sentence_bert_config.json``).
 ``dtype`` (str)
     Weight dtype: ``"float32"`` (default), ``"float16"`` or ``"bfloat16"``; outputs are float32.
+    Half precision is for GPUs (docs/benchmarks.md states its accuracy against float32).
+``attn_implementation`` (str)
+    The attention kernel transformers uses: ``"sdpa"`` (PyTorch's scaled-dot-product
+    attention: flash / memory-efficient kernels on a GPU; the default where available) or
+    ``"eager"``.
+
+Threads (``app.models.base``): ``item_costs`` (the tokens of each item's text and query, the
+cost ``max_batch_tokens`` counts; it refuses invalid UTF-8) runs on the prepare threads, beside
+``preprocess``; it tokenises with a tokenizer of its own per thread (a Hugging Face tokenizer
+used by two threads at once raises "Already borrowed"), and ``preprocess`` takes a lock around
+the model's own tokenizer.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
+import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +68,8 @@ from transformers.utils import logging as transformers_logging
 __all__ = ["EmbeddingOutputs", "EncodedBatch", "SentenceEmbeddingHandler", "resolve_model_dir"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_PARAMETERS = ("model_dir", "model_package", "max_seq_length", "dtype")
+_PARAMETERS = ("model_dir", "model_package", "max_seq_length", "dtype", "attn_implementation")
+_ATTENTION = ("sdpa", "eager")
 
 
 class TensorSpecLike(Protocol):
@@ -200,6 +214,11 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
         raise ValueError(f"parameters.max_seq_length must be a positive integer, got {max_seq_length!r}")
     if parameters.get("dtype", "float32") not in _DTYPES:
         raise ValueError(f"parameters.dtype must be one of {list(_DTYPES)}, got {parameters['dtype']!r}")
+    attention = parameters.get("attn_implementation")
+    if attention is not None and attention not in _ATTENTION:
+        raise ValueError(
+            f"parameters.attn_implementation must be one of {list(_ATTENTION)}, got {attention!r}"
+        )
 
 
 class SentenceEmbeddingHandler:
@@ -211,6 +230,8 @@ class SentenceEmbeddingHandler:
     def __init__(self) -> None:
         self._device = torch.device("cpu")
         self._model: SentenceTransformer | None = None
+        self._tokenizing = threading.Lock()  # the model's own tokenizer, in preprocess
+        self._local = threading.local()  # a tokenizer per prepare thread, in item_costs
 
     @property
     def model(self) -> SentenceTransformer:
@@ -242,11 +263,11 @@ class SentenceEmbeddingHandler:
         path = resolve_model_dir(parameters, config.path)
         # A worker logs one line per model load; transformers' per-load progress bar is noise.
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        model_kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
+        if "attn_implementation" in parameters:
+            model_kwargs["attn_implementation"] = parameters["attn_implementation"]
         model = SentenceTransformer(
-            str(path),
-            device=str(device),
-            local_files_only=True,
-            model_kwargs={"dtype": _DTYPES[parameters.get("dtype", "float32")]},
+            str(path), device=str(device), local_files_only=True, model_kwargs=model_kwargs
         )
         model.eval()
         max_seq_length = parameters.get("max_seq_length")
@@ -268,6 +289,48 @@ class SentenceEmbeddingHandler:
         self._device = device
         self._model = model
 
+    def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
+        """The tokens each item makes the model run, int64 ``[B]``: its text's and, when it has
+        one, its query's, special tokens included, each truncated to ``max_seq_length``.
+
+        Raises:
+            ValueError: naming the input and item, for invalid UTF-8 or a wrong shape.
+        """
+        texts, queries = self._texts(inputs)
+        tokenizer = getattr(self._local, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._local.tokenizer = copy.deepcopy(self.model.tokenizer)
+        strings = texts + [q for q in queries if q]
+        lengths = tokenizer(
+            strings,
+            truncation=True,
+            max_length=self.max_seq_length,
+            return_attention_mask=False,
+            return_token_type_ids=False,
+            return_length=True,
+        )["length"]
+        costs = np.asarray(lengths[: len(texts)], dtype=np.int64)
+        with_query = np.flatnonzero([bool(q) for q in queries])
+        costs[with_query] += np.asarray(lengths[len(texts) :], dtype=np.int64)
+        return costs
+
+    def _texts(self, inputs: Mapping[str, npt.NDArray[Any]]) -> tuple[list[str], list[str]]:
+        """The items' texts and queries ("" where none), decoded.
+
+        Raises:
+            ValueError: invalid UTF-8, a wrong shape, or a ``query`` of another length.
+        """
+        if "text" not in inputs:
+            raise ValueError("required input 'text' is missing")
+        texts = _decode_texts("text", np.asarray(inputs["text"]))
+        query_array = inputs.get("query")
+        queries = (
+            _decode_texts("query", np.asarray(query_array)) if query_array is not None else [""] * len(texts)
+        )
+        if len(queries) != len(texts):
+            raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
+        return texts, queries
+
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> EncodedBatch:
         """Decode, deduplicate and tokenise the batch; move the tensors to the device.
 
@@ -279,19 +342,12 @@ class SentenceEmbeddingHandler:
                 whose length differs from ``text``'s.
         """
         model = self.model
-        if "text" not in inputs:
-            raise ValueError("required input 'text' is missing")
-        texts = _decode_texts("text", np.asarray(inputs["text"]))
-        query_array = inputs.get("query")
-        queries = (
-            _decode_texts("query", np.asarray(query_array)) if query_array is not None else [""] * len(texts)
-        )
-        if len(queries) != len(texts):
-            raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
+        texts, queries = self._texts(inputs)
         rows: dict[str, int] = {}
         text_index = [rows.setdefault(t, len(rows)) for t in texts]
         query_index = [rows.setdefault(q, len(rows)) if q else -1 for q in queries]
-        features = model.preprocess(list(rows))
+        with self._tokenizing:
+            features = model.preprocess(list(rows))
         return EncodedBatch(
             features={k: self._to_device(v) for k, v in features.items() if isinstance(v, torch.Tensor)},
             text_index=self._to_device(torch.tensor(text_index, dtype=torch.int64)),

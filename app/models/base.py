@@ -1,24 +1,47 @@
-"""The handler contract: how the server talks to a model.
+"""The handler contract: how the server talks to a model, and which thread runs what.
 
 A handler is a class referenced from ``model.toml`` as ``handler = "module:Class"``
 (the module may also be a ``.py`` file inside the model's folder). The server
-creates one instance per worker with no arguments and calls, always on the
-worker's single inference thread:
+creates one instance per worker with no arguments and calls:
 
-``load(device, config)``
+``load(device, config)``  -- the model's *inference thread*, once
     Load weights onto ``device`` (``cpu`` or ``cuda:0`` after GPU binding).
-``preprocess(inputs)``
+``item_costs(inputs)``  -- optional; a *prepare thread*, once per request, before its items
+    join the queue (several may run at once, and beside ``preprocess``)
+    ``inputs`` as for ``preprocess`` but one request's items. Returns int64 ``[B]``: what
+    each item costs the model, in the unit the model's ``max_batch_tokens`` counts (tokens
+    for a text model); batches are then formed by that cost, items of similar cost together
+    (small padding), and admission reasons in it. Raises ``ValueError`` (or
+    ``UnicodeError``) for an item the model cannot take: that request alone gets a 400 /
+    INVALID_ARGUMENT with the message, before it can share a batch with anyone.
+``preprocess(inputs)``  -- a *prepare thread* (staged pipeline) or the inference thread
     ``inputs`` maps every declared input name to a numpy array whose axis 0 is
     the batch (B items, 1 <= B <= max_batch_size); BYTES inputs are ``object``
     arrays of ``bytes``; optional inputs a request omitted are filled with
-    ``b""`` (BYTES) or zeros. Returns whatever ``predict`` takes.
-``predict(batch)``
-    Runs the model; the server wraps it in ``torch.inference_mode()``.
-``postprocess(outputs)``
-    Returns one numpy array per declared output, axis 0 = the B items.
+    ``b""`` (BYTES) or zeros. Returns whatever ``predict`` takes (device tensors: the
+    copy to the device belongs here). May run while ``predict`` runs the previous batch.
+``predict(batch)``  -- the inference thread only, one batch at a time, in batch order
+    Runs the model; the server wraps it in ``torch.inference_mode()``. On a GPU it should only
+    launch work (no ``.cpu()``, no ``.item()``): the server waits for the device elsewhere.
+``postprocess(outputs)``  -- a *finish thread* (staged pipeline) or the inference thread
+    Returns one numpy array per declared output, axis 0 = the B items (the copy back to the
+    host belongs here). May run while ``predict`` runs the next batch.
 
-Source: TorchServe's ``BaseHandler`` (initialize/preprocess/inference/postprocess)
-and LitServe's ``LitAPI`` (setup/decode_request/predict/encode_response).
+Which of these may run at once: with the staged pipeline (``pipeline`` in ``model.toml``; on
+by default on a GPU) ``item_costs``, ``preprocess`` of batch N+1, ``predict`` of batch N and
+``postprocess`` of batch N-1 run on different threads at the same time; ``predict`` never
+runs twice at once. A handler whose ``preprocess`` or ``item_costs`` share a non-thread-safe
+object (a Hugging Face tokenizer: "Already borrowed") keeps one per thread. Without the
+pipeline every call but ``item_costs`` runs on the inference thread in turn.
+
+A ``preprocess`` (or ``predict``) that raises on a batch of several requests is run again
+per request, so only the requests whose items it cannot take fail (400 for a ``ValueError``
+of ``preprocess``, else 500).
+
+Source: TorchServe's ``BaseHandler`` (initialize/preprocess/inference/postprocess),
+LitServe's ``LitAPI`` (setup/decode_request/predict/encode_response), and the staged data
+paths of text-embeddings-inference and Infinity (tokenise, forward and postprocess on
+separate workers; batches formed by a token budget).
 """
 
 from __future__ import annotations
@@ -45,3 +68,10 @@ class Handler(Protocol):
     def predict(self, batch: Any) -> Any: ...
 
     def postprocess(self, outputs: Any) -> Mapping[str, np.ndarray]: ...
+
+
+@runtime_checkable
+class CostedHandler(Handler, Protocol):
+    """A handler that prices its items (``item_costs``; see the module docstring)."""
+
+    def item_costs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray: ...

@@ -81,7 +81,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     ``max_timeout_ms`` (the cap on a client's deadline; None = the server's
     ``max_request_timeout_ms``) in milliseconds, ``queue_capacity`` in items (rows),
     ``max_batch_size`` in items, ``max_batch_bytes`` (the most input bytes in one batch;
-    None = the server's ``max_batch_bytes``) in bytes.
+    None = the server's ``max_batch_bytes``) in bytes, ``max_batch_tokens`` in the cost unit
+    of the handler's ``item_costs`` (tokens), padding included.
     """
 
     name: str
@@ -97,6 +98,14 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     timeout_ms: float | None = None
     max_timeout_ms: float | None = None
     max_batch_bytes: int | None = None
+    #: Most tokens in one batch, padding included (items x the longest item's cost), for a
+    #: handler that prices its items (``item_costs``); None = no bound (TEI's name).
+    max_batch_tokens: int | None = None
+    #: The staged pipeline (prepare / forward / finish on three threads): "on", "off", or
+    #: "auto" = on for a CUDA device, off on the CPU (where the stages share the same cores).
+    pipeline: Literal["auto", "on", "off"] = "auto"
+    #: Threads that run ``item_costs`` and ``preprocess``; 0 = 1 on the CPU, else 2.
+    prepare_threads: int = 0
     warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1])
     allow_non_finite: bool = False
     #: Split a request with more than ``max_batch_size`` items into shards that run in
@@ -165,7 +174,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ModelLoadError(f"{where}: max_queue_delay_ms must be >= 0")
         if self.queue_capacity < self.max_batch_size:
             raise ModelLoadError(f"{where}: queue_capacity must be >= max_batch_size")
-        for key in ("timeout_ms", "max_timeout_ms", "max_batch_bytes"):
+        if self.prepare_threads < 0:
+            raise ModelLoadError(f"{where}: prepare_threads must be >= 0")
+        for key in ("timeout_ms", "max_timeout_ms", "max_batch_bytes", "max_batch_tokens"):
             value = getattr(self, key)
             if value is not None and not 0 < value < float("inf"):
                 raise ModelLoadError(f"{where}: {key} must be a finite number > 0")

@@ -1,26 +1,35 @@
-"""ModelRunner: one loaded model on one device, called from the inference thread.
+"""ModelRunner: one loaded model on one device, and the stages a batch goes through.
 
-``run_batch`` is the only thing the batcher calls per batch. It runs the
-handler's preprocess -> predict -> postprocess under ``torch.inference_mode()``
-and, when the device runs out of memory, halves the batch and retries each half
-(recursively), so only an item that fails alone is reported as too large.
+A batch goes through three stages (:meth:`ModelRunner.prepare`, :meth:`~ModelRunner.predict`,
+:meth:`~ModelRunner.finish`: the handler's ``preprocess`` -> ``predict`` -> ``postprocess``,
+each under ``torch.inference_mode()``). The batcher runs them on three threads (the staged
+pipeline: the GPU never waits for the CPU work of the next or previous batch) or all three on
+the inference thread (:meth:`ModelRunner.run_batch`). On a CUDA device each stage runs on a
+CUDA stream of its own (copies in, kernels, copies out), ordered by events, so the copies of
+one batch overlap the kernels of another (:class:`Streams`).
+
+:meth:`ModelRunner.run_batch` is also where failures stay contained: when the device runs out
+of memory it halves the batch and retries each half (recursively), so only an item that fails
+alone is reported as too large; when the handler raises on a batch of several requests it runs
+each request's items alone, so only the requests the handler cannot take fail.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import logging
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from app.datatypes import NUMPY_DTYPES
-from app.errors import ModelLoadError
+from app.errors import InferenceFailed, InvalidInput, ModelLoadError, ScoringError
 from app.models.base import Handler
 from app.models.repository import ModelConfig, TensorSpec
 from app.models.segment import Segment
@@ -83,20 +92,75 @@ def synthetic_inputs(specs: list[TensorSpec], batch_size: int) -> dict[str, np.n
     return {s.name: s.filled(batch_size, text=b"warmup", variable_dim=8) for s in specs}
 
 
+class Streams:
+    """The CUDA streams of the three stages, and the events that order them (None on the CPU).
+
+    ``prepare`` copies to the device on the copy stream and records ``ready``; ``predict``
+    makes the compute stream wait for it, launches the kernels and records ``done``;
+    ``finish`` makes the copy-back stream wait for ``done`` and copies to the host. Tensors
+    stay referenced (by the batch in flight) until ``finish`` has synchronised, so the caching
+    allocator never hands their memory to another stream too early.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.copy_in = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.compute = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.copy_out = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+
+    def on(self, stream: Any) -> Any:
+        """A context manager making ``stream`` current (nothing on the CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def mark(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` now (None on the CPU)."""
+        if stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def after(stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` (device-side; the host does not block)."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+
+class Staged:
+    """A batch between stages: the handler's own object, and the event that says it is ready."""
+
+    __slots__ = ("event", "value")
+
+    def __init__(self, value: Any, event: Any) -> None:
+        self.value = value
+        self.event = event
+
+
 class ModelRunner:
-    """A model's handler plus its config; all methods run on the inference thread."""
+    """A model's handler plus its config; the stages run on the threads the batcher gives them
+    (module docstring)."""
 
     def __init__(self, config: ModelConfig, handler: Handler | None = None) -> None:
         self.config = config
         self.handler: Handler = handler if handler is not None else resolve_handler(config)
         self.device = torch.device("cpu")
+        self.streams = Streams(self.device)
         self.load_seconds = 0.0
         self.warmup_seconds = 0.0
+        self._item_costs = getattr(self.handler, "item_costs", None)
+
+    @property
+    def prices_items(self) -> bool:
+        """Whether the handler prices its items (``item_costs``): batches are then formed by
+        ``max_batch_tokens`` and admission reasons in that cost."""
+        return self._item_costs is not None
 
     def load(self, device: torch.device) -> None:
         """Load onto ``device``; raises ``ModelLoadError`` (with the cause) on failure."""
         start = time.perf_counter()
         self.device = device
+        self.streams = Streams(device)
         try:
             self.handler.load(device, self.config)
         except ModelLoadError:
@@ -136,39 +200,100 @@ class ModelRunner:
                     f"model.toml declares [batch, *{spec.shape}]"
                 )
 
-    def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Run one batch as is: inputs [B, ...] per input name -> outputs [B, ...] per output
-        (numpy, the dtypes ``model.toml`` declares), under ``torch.inference_mode()``.
+    # --- per request --------------------------------------------------------------------
+
+    def item_costs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray | None:
+        """What each of one request's items costs the model (int64 ``[B]``, >= 1), from the
+        handler's ``item_costs``; None when it does not price its items. Runs on a prepare
+        thread, before the request's items join the queue.
 
         Raises:
-            Exception: whatever the handler raised, device out-of-memory included.
+            InvalidInput: the handler refused an item (its ``ValueError``/``UnicodeError``).
+            InferenceFailed: the handler raised anything else, or returned a wrong shape.
         """
-        with torch.inference_mode():
+        if self._item_costs is None:
+            return None
+        size = len(next(iter(inputs.values())))
+        try:
+            costs = np.asarray(self._item_costs(inputs), dtype=np.int64).reshape(-1)
+        except (ValueError, UnicodeError) as exc:
+            raise InvalidInput(f"model {self.config.name}: {exc}") from None
+        except Exception as exc:
+            log.exception("model %s: item_costs failed", self.config.name)
+            raise InferenceFailed(f"model {self.config.name} could not price the request: {exc!r}") from exc
+        if costs.shape != (size,):
+            raise InferenceFailed(
+                f"model {self.config.name}: item_costs gave {costs.shape[0]} costs for {size} items"
+            )
+        return np.maximum(costs, 1)
+
+    # --- the three stages of a batch ------------------------------------------------------
+
+    def prepare(self, inputs: Mapping[str, np.ndarray]) -> Staged:
+        """Stage 1 (a prepare thread): ``preprocess``, on the copy stream."""
+        streams = self.streams
+        with torch.inference_mode(), streams.on(streams.copy_in):
             batch = self.handler.preprocess(inputs)
-            raw = self.handler.predict(batch)
-            outputs = self.handler.postprocess(raw)
+            return Staged(batch, streams.mark(streams.copy_in))
+
+    def predict(self, prepared: Staged) -> Staged:
+        """Stage 2 (the inference thread): ``predict``, on the compute stream once the inputs
+        are on the device; returns without waiting for the device."""
+        streams = self.streams
+        with torch.inference_mode(), streams.on(streams.compute):
+            streams.after(streams.compute, prepared.event)
+            raw = self.handler.predict(prepared.value)
+            return Staged(raw, streams.mark(streams.compute))
+
+    def finish(self, predicted: Staged) -> dict[str, np.ndarray]:
+        """Stage 3 (a finish thread): ``postprocess`` once the kernels are done, on the
+        copy-back stream: numpy arrays of the declared dtypes, ``[B, ...]`` per output."""
+        streams = self.streams
+        with torch.inference_mode(), streams.on(streams.copy_out):
+            streams.after(streams.copy_out, predicted.event)
+            outputs = self.handler.postprocess(predicted.value)
+            if streams.copy_out is not None:
+                streams.copy_out.synchronize()
         return {
             s.name: np.asarray(outputs[s.name], dtype=NUMPY_DTYPES[s.datatype]) for s in self.config.outputs
         }
 
-    def run_batch(self, inputs: Mapping[str, np.ndarray]) -> list[Segment]:
-        """Run one batch, halving it on device out-of-memory errors.
-
-        Returns segments covering items [0, B) in order; a segment whose
-        ``outputs`` is None is a single item that does not fit in memory alone.
+    def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The three stages in turn on this thread: inputs [B, ...] per input name -> outputs
+        [B, ...] per output (numpy, the dtypes ``model.toml`` declares).
 
         Raises:
-            Exception: whatever the handler raised, other than out-of-memory.
+            Exception: whatever the handler raised, device out-of-memory included.
         """
-        return self._run_split(inputs, 0)
+        return self.finish(self.predict(self.prepare(inputs)))
 
-    def _run_split(self, inputs: Mapping[str, np.ndarray], offset: int) -> list[Segment]:
+    def run_batch(
+        self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()
+    ) -> list[Segment]:
+        """Run one batch on this thread, halving it on device out-of-memory errors and, when the
+        handler raises on a batch of several requests (``groups``: each request's items
+        ``[start, stop)``), running each request's items alone.
+
+        Returns:
+            Segments covering items [0, B) in order; a segment's ``outputs`` is None when its
+            items failed: ``error`` says why (None: one item that does not fit in memory alone).
+        """
+        return self._run_split(inputs, 0, groups)
+
+    def _run_split(
+        self, inputs: Mapping[str, np.ndarray], offset: int, groups: Sequence[tuple[int, int]] = ()
+    ) -> list[Segment]:
         batch_size = len(next(iter(inputs.values())))
+        stage = "preprocess"
         try:
-            return [Segment(offset, offset + batch_size, self.forward(inputs))]
+            prepared = self.prepare(inputs)
+            stage = "predict"
+            return [Segment(offset, offset + batch_size, self.finish(self.predict(prepared)))]
         except Exception as exc:
             if not is_out_of_memory(exc):
-                raise
+                if len(groups) > 1:
+                    return self._run_alone(inputs, offset, groups)
+                return [Segment(offset, offset + batch_size, None, error=self.failure(exc, stage))]
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         if batch_size == 1:
@@ -185,6 +310,29 @@ class ModelRunner:
         return self._run_split({k: v[:half] for k, v in inputs.items()}, offset) + self._run_split(
             {k: v[half:] for k, v in inputs.items()}, offset + half
         )
+
+    def _run_alone(
+        self, inputs: Mapping[str, np.ndarray], offset: int, groups: Sequence[tuple[int, int]]
+    ) -> list[Segment]:
+        log.warning(
+            "model %s: a batch of %d requests failed; running each request alone",
+            self.config.name, len(groups),
+        )  # fmt: skip
+        segments: list[Segment] = []
+        for start, stop in groups:
+            part = {k: v[start:stop] for k, v in inputs.items()}
+            segments += self._run_split(part, offset + start)
+        return segments
+
+    def failure(self, exc: BaseException, stage: str) -> ScoringError:
+        """The error the requests of a failed batch get: 400 for a ``ValueError`` (or
+        ``UnicodeError``, ``TypeError``) of ``preprocess`` (the handler cannot take these
+        items), else 500 naming the model (the traceback goes to the log)."""
+        if stage == "preprocess" and isinstance(exc, (ValueError, UnicodeError, TypeError)):
+            log.info("model %s: preprocess refused items: %s", self.config.name, exc)
+            return InvalidInput(f"model {self.config.name} cannot take these items: {exc}")
+        log.error("model %s failed in %s", self.config.name, stage, exc_info=exc)
+        return InferenceFailed(f"model {self.config.name} failed on the batch: {type(exc).__name__}")
 
     def close(self) -> None:
         """Drop the handler's references so device memory can be freed."""

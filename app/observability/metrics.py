@@ -104,6 +104,12 @@ class ServerMetrics:
             "scoring_batch_requests", "Requests with items in a batch run.",
             model, buckets=BATCH_BUCKETS, registry=r,
         )  # fmt: skip
+        self.tokens = Counter(
+            "scoring_batch_tokens", "Tokens of the items a priced model (item_costs) ran: kind="
+            '"real" their own, kind="padded" what the padded batches computed; padded / real is '
+            "the padding waste (1 = none).",
+            [*model, "kind"], registry=r,
+        )  # fmt: skip
         self.queue_depth = Gauge(
             "scoring_queue_depth",
             "Items waiting in the batch queue (all workers), as of the last batch formed.",
@@ -266,6 +272,8 @@ class BatchMetrics:
         self._requests = metrics.batch_requests.labels(model, version)
         self._depth = metrics.queue_depth.labels(model, version)
         self._worker_items = metrics.worker_items.labels(str(os.getpid()))
+        self._real_tokens = metrics.tokens.labels(model, version, "real")
+        self._padded_tokens = metrics.tokens.labels(model, version, "padded")
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
         self._worker_items.inc(items)
@@ -273,6 +281,10 @@ class BatchMetrics:
         self._requests.observe(requests)
         self._queue.observe(queue_s)
         self._compute.observe(compute_s)
+
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
+        self._real_tokens.inc(real_tokens)
+        self._padded_tokens.inc(padded_tokens)
 
     def rejected(self, reason: str) -> None:
         self._metrics.rejected.labels(*self._labels, reason).inc()

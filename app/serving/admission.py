@@ -53,8 +53,9 @@ class ServiceRate:
         self.item_s: float | None = None
         self.overhead_s = 0.0
 
-    def observe(self, items: int, seconds: float) -> None:
-        """Record one batch of ``items`` that took ``seconds``, hop and loop lag included."""
+    def observe(self, items: float, seconds: float) -> None:
+        """Record one batch of ``items`` (its cost: items, or padded tokens for a model that
+        prices its items) that took ``seconds``."""
         if items < 1 or seconds <= 0:
             return
         d = self._decay

@@ -1,10 +1,27 @@
 """Dynamic batching of inference requests across clients, per model per worker.
 
 Requests put their items (rows along axis 0) on a bounded queue. A batch closes
-when it holds ``max_batch_size`` items or when ``max_queue_delay`` has passed
+when it holds ``max_batch_size`` items (or as many tokens as ``max_batch_tokens``
+allows, for a model that prices its items) or when ``max_queue_delay`` has passed
 since the *first item of that batch* arrived; a request's items may be split
-across batches and are reassembled in order. Batches run one at a time on the
-model's own inference thread, never on the event loop.
+across batches and are reassembled in order. How a deep queue is cut into batches
+of similar cost, and why no request waits long for it: :mod:`app.serving.chunks`.
+
+**Where a batch runs.** Serially, all three stages on the model's inference thread
+(``run_batch``: the CPU default, where stages would only share the same cores), or
+through the **staged pipeline** (a CUDA device's default): ``preprocess`` on a prepare
+thread, ``predict`` on the inference thread, ``postprocess`` on a finish thread, so that
+while batch N runs on the device, batch N+1 is prepared and batch N-1 copied back and
+finished. One batch at a time is prepared ahead of the one running, so batches still
+grow under load (items wait for the next batch while one runs). A batch whose stage
+fails, or that runs out of device memory, runs again serially on the inference thread,
+where out-of-memory halves it and a handler's failure on a batch of several requests
+is retried per request (``ModelRunner.run_batch``): one request's bad items fail that
+request only.
+
+**Pricing.** A model whose handler prices its items (``item_costs``: tokens) has each
+request priced on a prepare thread before its items join the queue; a handler that
+refuses an item fails that request alone (400) before it can share a batch.
 
 Backpressure: the queue holds at most ``queue_capacity`` items; a request that
 does not fit fails at once with :class:`~app.errors.QueueFull` (503 +
@@ -12,26 +29,33 @@ Retry-After). Deadlines: a request whose deadline passes gets
 :class:`~app.errors.DeadlineExceeded` (504) and its queued items are dropped;
 so are the items of a client that disconnected, before any compute is spent.
 
-Admission by time (:mod:`app.serving.admission`): a request whose expected wait plus
-service, at the model's measured rate, does not fit its deadline is refused at once with
-``QueueFull`` (503 + Retry-After = the backlog in seconds). Batch cost: a batch holds at most
-``max_batch_bytes`` of input, so one batch of huge items cannot hold the model for tens of
-seconds; an item that alone exceeds it is refused (413).
+Admission by time (:mod:`app.serving.admission`), in the model's own cost unit (tokens
+for a priced model, padding included, else items): a request whose expected wait plus
+service, at the measured rate, does not fit its deadline is refused at once with
+``QueueFull`` (503 + Retry-After = the backlog in seconds), unless it could not finish
+even on an idle model (then 504 at once: retrying would not help). An idle model admits
+every request: a rate measured under a past overload never keeps refusing once the load
+has gone. Batch byte bound: a batch holds at most ``max_batch_bytes`` of input; an item
+that alone exceeds it is refused (413).
 
 Source: Triton's dynamic batcher (``max_queue_delay_microseconds``,
-``preferred_batch_size``) and TorchServe's ``batch_size``/``max_batch_delay``.
+``preferred_batch_size``), TorchServe's ``batch_size``/``max_batch_delay``,
+text-embeddings-inference's token budget and Infinity's staged model worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import math
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -46,7 +70,16 @@ from app.errors import (
 )
 from app.models.segment import Segment, outputs_between
 from app.serving.admission import ItemCosts, ServiceRate
-from app.serving.chunks import Chunk, ChunkQueue, QueuedRequest, Tensors, assemble, concat
+from app.serving.chunks import (
+    Budget,
+    Chunk,
+    ChunkQueue,
+    QueuedRequest,
+    Tensors,
+    assemble,
+    concat,
+    sort_by_cost,
+)
 from app.serving.observer import BatchObserver, NullObserver, RunningBatch
 
 log = logging.getLogger(__name__)
@@ -57,9 +90,38 @@ log = logging.getLogger(__name__)
 ADMISSION_HEADROOM = 0.8
 #: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
 _RECENT_REQUESTS = 32
+#: Batches formed and not yet finished, at most (staged pipeline): one preparing, one
+#: running, one finishing.
+_IN_FLIGHT = 3
 
-#: Runs one batch on the inference thread: inputs [B, ...] -> result segments.
-BatchFn = Callable[[Mapping[str, np.ndarray]], list[Segment]]
+
+class BatchRunner(Protocol):
+    """What the batcher runs (``app.models.runner.ModelRunner``): one batch serially, with
+    out-of-memory halving and per-request retries (``groups``: each request's items)."""
+
+    def run_batch(
+        self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()
+    ) -> list[Segment]: ...
+
+
+class StagedRunner(BatchRunner, Protocol):
+    """A runner whose batches can go through the staged pipeline."""
+
+    def prepare(self, inputs: Mapping[str, np.ndarray]) -> Any: ...
+
+    def predict(self, prepared: Any) -> Any: ...
+
+    def finish(self, predicted: Any) -> dict[str, np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class Threads:
+    """The threads of one model: its inference thread, and for the staged pipeline and item
+    pricing a prepare pool and a finish thread (None: the inference thread does that work)."""
+
+    inference: Executor
+    prepare: Executor | None = None
+    finish: Executor | None = None
 
 
 class DynamicBatcher:
@@ -67,61 +129,82 @@ class DynamicBatcher:
 
     Args:
         model: name used in messages and logs.
-        run_batch: called on ``executor`` with inputs [B, ...] per input name.
-        executor: the model's inference thread.
+        runner: runs batches (``app.models.runner.ModelRunner``).
+        threads: the model's inference thread (an ``Executor`` alone is taken as it) and, for
+            the pipeline and pricing, its prepare and finish threads.
         max_batch_size: most items in one batch.
         max_queue_delay_ms: longest wait for more items after a batch's first item arrived, ms.
         queue_capacity: most items queued (not yet in a running batch): the memory bound.
         max_batch_bytes: most input bytes in one batch (the batch cost bound); None = no bound.
+        max_batch_tokens: most tokens in one batch, padding included (priced models); None =
+            no bound.
+        item_costs: prices one request's items (int64 ``[B]``; raises ``InvalidInput`` for an
+            item the model cannot take); None = the model does not price its items.
+        pipelined: run batches through the staged pipeline (``runner`` must be staged and
+            ``threads`` must have prepare and finish threads).
         observer: receives batch and rejection events.
     """
 
     def __init__(
         self,
         model: str,
-        run_batch: BatchFn,
-        executor: Executor,
+        runner: BatchRunner,
+        threads: Threads | Executor,
         *,
         max_batch_size: int,
         max_queue_delay_ms: float,
         queue_capacity: int,
         max_batch_bytes: int | None = None,
+        max_batch_tokens: int | None = None,
+        item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | None] | None = None,
+        pipelined: bool = False,
         observer: BatchObserver | None = None,
     ) -> None:
         if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
             raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
         self.model = model
-        self._run_batch = run_batch
-        self._executor = executor
+        self._runner = runner
+        self._threads = threads if isinstance(threads, Threads) else Threads(threads)
+        if pipelined and (self._threads.prepare is None or self._threads.finish is None):
+            raise ValueError("the staged pipeline needs prepare and finish threads")
+        self.pipelined = pipelined
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_ms / 1000.0
         self.queue_capacity = queue_capacity
         self.max_batch_bytes = max_batch_bytes
+        self.max_batch_tokens = max_batch_tokens
+        self._item_costs = item_costs
+        #: The model's batch cost, per cost unit (tokens for a priced model, else items).
         self.rate = ServiceRate()
-        self._recent_sizes: deque[int] = deque(maxlen=_RECENT_REQUESTS)
+        #: Padded / real tokens of recent batches (a priced model's padding waste; 1 = none).
+        self.padding = 1.0
+        self._recent: deque[tuple[int, int]] = deque(maxlen=_RECENT_REQUESTS)  # (items, cost)
         self._observer: BatchObserver = observer or NullObserver()
         self._queue = ChunkQueue()
         self._reported_depth = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._batches: set[asyncio.Task[None]] = set()
+        self._ahead = asyncio.Semaphore(1)  # one batch prepared ahead of the one running
+        self._in_flight = asyncio.Semaphore(_IN_FLIGHT)
         #: True while a batch is open, waiting up to the max queue delay for more items.
         self.holding = False
-        # (loop.time() at start, items, requests) of the batch running now; read by the
-        # hung-inference watchdog (app.serving.lifecycle), so the hot path only stores a tuple.
-        self._running: tuple[float, int, dict[int, QueuedRequest]] | None = None
+        # (loop.time() at start, items, cost, requests) of the batches on the inference thread,
+        # oldest first; read by the hung-inference watchdog (app.serving.lifecycle) and
+        # admission, so the hot path only appends and pops a tuple.
+        self._running: deque[tuple[float, int, float, dict[int, QueuedRequest]]] = deque()
 
     @property
     def running_batch(self) -> RunningBatch | None:
-        """The batch this model is running on the inference thread, or None."""
-        running = self._running
-        if running is None:
+        """The oldest batch this model is running on the inference thread, or None."""
+        if not self._running:
             return None
-        started, items, requests = running
+        started, items, _, requests = self._running[0]
         return RunningBatch(started, items, tuple(r.request_id for r in requests.values()))
 
     @property
     def queued_items(self) -> int:
-        """Items waiting in the queue (excludes the batch now running)."""
+        """Items waiting in the queue (excludes the batches running)."""
         return self._queue.items
 
     def start(self) -> None:
@@ -130,32 +213,41 @@ class DynamicBatcher:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"batcher:{self.model}")
 
     async def stop(self) -> None:
-        """Stop forming batches; requests still queued fail with 503."""
-        if self._task is not None:
-            self._task.cancel()
+        """Stop forming batches; requests still queued or in a batch fail with 503."""
+        tasks = [t for t in (self._task, *self._batches) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
             with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+                await task
+        self._task = None
         for request in self._queue.requests():
             self._fail(request, QueueFull(f"model {self.model} is unloading"))
 
-    def backlog_s(self, now: float, more: int = 0) -> float:
-        """Expected seconds until the work already here, and ``more`` items after it, is done
-        at the measured batch cost: the rest of the running batch, the queued items (and
-        ``more``) in full batches of ``max_batch_size``, and one max queue delay. ``now`` is
-        ``loop.time()``."""
-        rest = 0.0
-        if self._running is not None:
-            started, items, _ = self._running
-            rest = max(0.0, started + self.rate.seconds_for(items) - now)
-        queued = self._queue.items + more
-        return rest + self.rate.seconds_for(queued, math.ceil(queued / self.max_batch_size)) + (
-            self.max_queue_delay_s
-        )
+    # --- admission -------------------------------------------------------------------
 
-    def refuse_early(self, timeout_s: float) -> QueueFull | None:
-        """The refusal a request would get whatever its size, judged before its body is
-        decoded (so a refusal under overload costs no decoding), or None.
+    def backlog_s(self, now: float, more_items: int = 0, more_cost: float = 0.0) -> float:
+        """Expected seconds until the work already here, and ``more_items`` items costing
+        ``more_cost`` after it, is done at the measured rate: the rest of the running batches,
+        the queued items (and the new ones) in full batches, padded as recent batches were,
+        and one max queue delay. ``now`` is ``loop.time()``."""
+        rest = 0.0
+        for i, (started, _, running_cost, _) in enumerate(self._running):
+            if i == 0:  # the one on the device now; the others wait behind it
+                rest = max(0.0, started + self.rate.seconds_for(running_cost) - now)
+            else:
+                rest += self.rate.seconds_for(running_cost)
+        items = self._queue.items + more_items
+        cost = (self._queue.cost + more_cost) * self.padding
+        batches = math.ceil(items / self.max_batch_size)
+        if self.max_batch_tokens and self._item_costs is not None:
+            batches = max(batches, math.ceil(cost / self.max_batch_tokens))
+        return rest + self.rate.seconds_for(cost, batches) + self.max_queue_delay_s
+
+    def refuse_early(self, timeout_s: float) -> ScoringError | None:
+        """The refusal (503, or 504 when even alone it could not finish) a request would get
+        whatever its size, judged before its body is decoded (so a refusal under overload
+        costs no decoding), or None.
 
         Its size is not known yet: it is taken as the smallest of the last requests (a model
         under a storm of 64-item requests refuses the next one as if it had 64 items; one
@@ -165,7 +257,8 @@ class DynamicBatcher:
         """
         if not self.backlogged:
             return None
-        return self._refusal(min(self._recent_sizes, default=1), timeout_s, "another request")
+        items, cost = min(self._recent, default=(1, 1))
+        return self._refusal(items, cost, timeout_s, "another request")
 
     @property
     def backlogged(self) -> bool:
@@ -173,28 +266,43 @@ class DynamicBatcher:
         :meth:`refuse_early` refuses anything."""
         return self._queue.items >= self.max_batch_size
 
-    def _refusal(self, size: int, timeout_s: float, what: str) -> QueueFull | None:
-        """The 503 for ``size`` more items due within ``timeout_s`` (counted), or None."""
+    def _refusal(self, items: int, cost: float, timeout_s: float, what: str) -> ScoringError | None:
+        """The refusal of ``items`` more items costing ``cost``, due within ``timeout_s`` (counted):
+        503 when the queue is full or the backlog would not let them finish in time, 504 when
+        they could not finish even alone; None = admitted."""
         now = asyncio.get_running_loop().time()
-        if self._queue.items + size > self.queue_capacity:
-            reason = "queue_full"
+        if self._queue.items + items > self.queue_capacity:
+            self._observer.rejected("queue_full")
             message = f"model {self.model} queue is full ({self._queue.items}/{self.queue_capacity} items)"
-        else:
-            expected_s = self.backlog_s(now, more=size)
-            if expected_s <= ADMISSION_HEADROOM * timeout_s:
-                return None
-            reason = "admission"
-            message = (
-                f"model {self.model} cannot take {what} within its deadline ({timeout_s * 1000:.0f} ms; "
-                f"expected {expected_s * 1000:.0f} ms at {self.rate.items_per_s or 0:.0f} items/s and "
-                f"{self.rate.overhead_s * 1000:.1f} ms per batch)"
+            return QueueFull(message, retry_after_s=self.retry_after_s(now))
+        if not self._queue.items and not self._running:
+            return None  # idle: nothing to wait for, and a stale rate must not refuse
+        budget_s = ADMISSION_HEADROOM * timeout_s
+        expected_s = self.backlog_s(now, more_items=items, more_cost=cost)
+        if expected_s <= budget_s:
+            return None
+        alone_s = self.rate.seconds_for(cost * self.padding)
+        unit = "tokens" if self._item_costs is not None else "items"
+        if alone_s > budget_s:
+            self._observer.rejected("deadline")
+            return DeadlineExceeded(
+                f"model {self.model} cannot finish {what} within its deadline ({timeout_s * 1000:.0f} ms) "
+                f"even alone (expected {alone_s * 1000:.0f} ms for {cost:.0f} {unit})"
             )
-        self._observer.rejected(reason)
-        return QueueFull(message, retry_after_s=self.retry_after_s(now))
+        self._observer.rejected("admission")
+        per_s = 1 / self.rate.item_s if self.rate.item_s else 0
+        return QueueFull(
+            f"model {self.model} cannot take {what} within its deadline ({timeout_s * 1000:.0f} ms; "
+            f"expected {expected_s * 1000:.0f} ms at {per_s:.0f} {unit}/s and "
+            f"{self.rate.overhead_s * 1000:.1f} ms per batch)",
+            retry_after_s=self.retry_after_s(now),
+        )
 
     def retry_after_s(self, now: float) -> int:
         """Seconds a rejected client should wait: the backlog, rounded up, at least 1."""
         return max(1, math.ceil(self.backlog_s(now)))
+
+    # --- a request -------------------------------------------------------------------
 
     async def infer(
         self,
@@ -204,7 +312,7 @@ class DynamicBatcher:
         request_id: str = "-",
         is_disconnected: Callable[[], bool] | None = None,
     ) -> Tensors:
-        """Queue one request's items and wait for its outputs.
+        """Price and queue one request's items and wait for its outputs.
 
         Args:
             inputs: one array per model input, all with the same axis-0 length B >= 1.
@@ -217,12 +325,15 @@ class DynamicBatcher:
             One array per model output, axis 0 = the request's B items in order.
 
         Raises:
-            InvalidInput: B is 0 or more than the queue capacity.
-            PayloadTooLarge: one item alone is over ``max_batch_bytes`` (413).
+            InvalidInput: B is 0 or more than the queue capacity, or the model refused an item
+                (its ``item_costs``).
+            PayloadTooLarge: one item alone is over ``max_batch_bytes`` or ``max_batch_tokens``
+                (413).
             QueueFull: the queue cannot take B more items, or the expected wait plus service
                 at the measured rate does not fit ``ADMISSION_HEADROOM * timeout_s``
                 (503 + Retry-After).
-            DeadlineExceeded: ``timeout_s`` passed first (504).
+            DeadlineExceeded: ``timeout_s`` passed first, or the request could not finish in
+                time even on an idle model (504).
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
         """
@@ -234,52 +345,80 @@ class DynamicBatcher:
                 f"request has {size} items; model {self.model} accepts at most "
                 f"{self.queue_capacity} per request"
             )
-        self._recent_sizes.append(size)
-        costs: ItemCosts | None = None
-        if self.max_batch_bytes is not None:
-            costs = ItemCosts(inputs)
-            largest = costs.largest()
-            if largest > self.max_batch_bytes:
-                raise PayloadTooLarge(
-                    f"an item of request {request_id} has {largest} bytes of input; model "
-                    f"{self.model} runs at most {self.max_batch_bytes} bytes in one batch "
-                    "(model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
-                )
-        refusal = self._refusal(size, timeout_s, f"request {request_id}")
-        if refusal is not None:
-            raise refusal
         loop = asyncio.get_running_loop()
-        now = loop.time()
-        request = QueuedRequest(
-            inputs=inputs,
-            size=size,
-            deadline=now + timeout_s,
-            arrival=now,
-            request_id=request_id,
-            is_disconnected=is_disconnected,
-            future=loop.create_future(),
-            costs=costs,
-            queued=size,
-            pending=size,
-        )
-        self._queue.put(request)
-        if self._queue.items - self._reported_depth >= self.max_batch_size:
-            self._report_depth()  # a backlog builds up behind a running batch
-        self._wakeup.set()
+        arrival = loop.time()
+        deadline = arrival + timeout_s
+        request: QueuedRequest | None = None
         try:
             # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
             # deadline. The 504 is counted here only, once per request, whoever saw it first.
-            async with asyncio.timeout_at(request.deadline):
+            async with asyncio.timeout_at(deadline):
+                tokens = None
+                if self._item_costs is not None:
+                    tokens = await loop.run_in_executor(self._threads.prepare, self._item_costs, inputs)
+                if tokens is not None:
+                    inputs, tokens, order = sort_by_cost(inputs, tokens)
+                    self._check_tokens(tokens, request_id)
+                else:
+                    order = None
+                costs = self._check_bytes(inputs, request_id)
+                cost = int(tokens.sum()) if tokens is not None else size
+                self._recent.append((size, cost))
+                refusal = self._refusal(size, cost, timeout_s, f"request {request_id}")
+                if refusal is not None:
+                    raise refusal
+                request = QueuedRequest(
+                    inputs=inputs,
+                    size=size,
+                    deadline=deadline,
+                    arrival=arrival,
+                    request_id=request_id,
+                    is_disconnected=is_disconnected,
+                    future=loop.create_future(),
+                    costs=costs,
+                    tokens=tokens,
+                    order=order,
+                    pending=size,
+                )
+                self._queue.put(request)
+                if self._queue.items - self._reported_depth >= self.max_batch_size:
+                    self._report_depth()  # a backlog builds up behind a running batch
+                self._wakeup.set()
                 return await request.future
-        except (TimeoutError, DeadlineExceeded):
+        except TimeoutError:
             self._observer.rejected("deadline")
             raise DeadlineExceeded(
                 f"model {self.model}: request {request_id} did not finish within {timeout_s * 1000:.0f} ms"
             ) from None
+        except DeadlineExceeded:
+            if request is not None:
+                self._observer.rejected("deadline")
+            raise
         finally:
-            if not request.future.done():
-                request.future.cancel()
-            self._discard(request)
+            if request is not None:
+                if not request.future.done():
+                    request.future.cancel()
+                self._discard(request)
+
+    def _check_bytes(self, inputs: Mapping[str, np.ndarray], request_id: str) -> ItemCosts | None:
+        if self.max_batch_bytes is None:
+            return None
+        costs = ItemCosts(inputs)
+        largest = costs.largest()
+        if largest > self.max_batch_bytes:
+            raise PayloadTooLarge(
+                f"an item of request {request_id} has {largest} bytes of input; model "
+                f"{self.model} runs at most {self.max_batch_bytes} bytes in one batch "
+                "(model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
+            )
+        return costs
+
+    def _check_tokens(self, tokens: np.ndarray, request_id: str) -> None:
+        if self.max_batch_tokens is not None and int(tokens[-1]) > self.max_batch_tokens:
+            raise PayloadTooLarge(
+                f"an item of request {request_id} costs {int(tokens[-1])} tokens; model {self.model} "
+                f"runs at most {self.max_batch_tokens} in one batch (model.toml max_batch_tokens)"
+            )
 
     # --- internals -----------------------------------------------------------
 
@@ -299,7 +438,12 @@ class DynamicBatcher:
         self._fail(request, error)
 
     def _take(self, now: float) -> list[Chunk]:
-        taken = self._queue.take(now, self.max_batch_size, self.max_batch_bytes, self._drop)
+        budget = Budget(
+            self.max_batch_size,
+            float(self.max_batch_bytes) if self.max_batch_bytes is not None else math.inf,
+            float(self.max_batch_tokens) if self.max_batch_tokens is not None else math.inf,
+        )
+        taken = self._queue.take(now, budget, self._drop)
         self._report_depth()
         return taken
 
@@ -313,8 +457,14 @@ class DynamicBatcher:
     async def _loop(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
+            if self.pipelined:
+                await self._in_flight.acquire()
+                await self._ahead.acquire()
             head = self._queue.head()
             if head is None:
+                if self.pipelined:
+                    self._ahead.release()
+                    self._in_flight.release()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
@@ -334,48 +484,111 @@ class DynamicBatcher:
             self.holding = False
             now = loop.time()
             chunks = self._take(now)
-            if not chunks:
+            if not self.pipelined:
+                if chunks:
+                    await self._execute(Batch(chunks, now))
                 continue
-            await self._execute(chunks, now)
+            if not chunks:
+                self._ahead.release()
+                self._in_flight.release()
+                continue
+            task = loop.create_task(self._staged(Batch(chunks, now)))
+            self._batches.add(task)
+            task.add_done_callback(self._batches.discard)
 
-    async def _execute(self, chunks: list[Chunk], formed_at: float) -> None:
+    async def _execute(self, batch: Batch) -> None:
+        """Run ``batch`` serially on the inference thread (out-of-memory halving, per-request
+        retries) and deliver its outputs."""
         loop = asyncio.get_running_loop()
-        inputs = concat(chunks)
-        items = sum(c.stop - c.start for c in chunks)
-        requests = {id(c.request): c.request for c in chunks}
-        queue_s = formed_at - min(r.arrival for r in requests.values())
+        entry = (loop.time(), batch.items, batch.cost, batch.requests)
+        self._running.append(entry)
         start = time.perf_counter()
-        self._running = (loop.time(), items, requests)
         try:
-            segments = await loop.run_in_executor(self._executor, self._run_batch, inputs)
+            segments = await loop.run_in_executor(
+                self._threads.inference, self._runner.run_batch, batch.inputs, batch.groups
+            )
         except Exception as exc:
-            ids = ", ".join(r.request_id for r in requests.values())
-            log.exception("model %s failed on a batch of %d items (requests %s)", self.model, items, ids)
-            for r in requests.values():
-                self._fail(
-                    r,
-                    InferenceFailed(
-                        f"model {self.model} failed on the batch holding request {r.request_id}: "
-                        f"{type(exc).__name__}"
-                    ),
-                )
+            self._fail_batch(batch, exc)
             return
         finally:
-            self._running = None
-        compute_s = time.perf_counter() - start
-        self.rate.observe(items, compute_s)
-        self._observer.batch_done(items, len(requests), queue_s, compute_s)
+            self._running.remove(entry)
+        self._done(batch, segments, time.perf_counter() - start)
+
+    async def _staged(self, batch: Batch) -> None:
+        """Run ``batch`` through the staged pipeline: prepare (prepare thread), predict (the
+        inference thread, in batch order: the next batch forms only once this one is handed to
+        it), finish (finish thread); on any failure, run it serially instead."""
+        runner: Any = self._runner
+        threads = self._threads
+        loop = asyncio.get_running_loop()
+        released = False
+        entry = None
+        try:
+            start = time.perf_counter()
+            try:
+                prepared = await loop.run_in_executor(threads.prepare, runner.prepare, batch.inputs)
+                entry = (loop.time(), batch.items, batch.cost, batch.requests)
+                self._running.append(entry)
+                predicting = loop.run_in_executor(threads.inference, runner.predict, prepared)
+                self._ahead.release()
+                released = True
+                predicted = await predicting
+                outputs = await loop.run_in_executor(threads.finish, runner.finish, predicted)
+            except Exception as exc:
+                if entry is not None:
+                    self._running.remove(entry)
+                    entry = None
+                if not released:
+                    self._ahead.release()
+                    released = True
+                log.info("model %s: a pipelined batch failed (%r); running it serially", self.model, exc)
+                await self._execute(batch)
+                return
+            self._done(batch, [Segment(0, batch.items, outputs)], time.perf_counter() - start)
+        except asyncio.CancelledError:
+            for request in batch.requests.values():
+                self._fail(request, QueueFull(f"model {self.model} is unloading"))
+            raise
+        finally:
+            if entry is not None:
+                self._running.remove(entry)
+            if not released:
+                self._ahead.release()
+            self._in_flight.release()
+
+    def _fail_batch(self, batch: Batch, exc: Exception) -> None:
+        ids = ", ".join(r.request_id for r in batch.requests.values())
+        log.exception("model %s failed on a batch of %d items (requests %s)", self.model, batch.items, ids)
+        for r in batch.requests.values():
+            self._fail(
+                r,
+                InferenceFailed(
+                    f"model {self.model} failed on the batch holding request {r.request_id}: "
+                    f"{type(exc).__name__}"
+                ),
+            )
+
+    def _done(self, batch: Batch, segments: list[Segment], compute_s: float) -> None:
+        self.rate.observe(batch.cost, compute_s)
+        if batch.real_tokens:
+            self.padding += 0.2 * (batch.cost / batch.real_tokens - self.padding)
+            self._observer.padding(batch.real_tokens, int(batch.cost))
+        self._observer.batch_done(batch.items, len(batch.requests), batch.queue_s, compute_s)
         offset = 0
-        for chunk in chunks:
+        for chunk in batch.chunks:
             size = chunk.stop - chunk.start
             self._deliver(chunk, outputs_between(segments, offset, offset + size))
             offset += size
 
-    def _deliver(self, chunk: Chunk, outputs: Tensors | None) -> None:
+    def _deliver(self, chunk: Chunk, outputs: Tensors | Segment) -> None:
         request = chunk.request
         if request.future.done():
             return
-        if outputs is None:
+        if isinstance(outputs, Segment):
+            error = outputs.error
+            if error is not None:
+                self._fail(request, type(error)(f"{error.message} (request {request.request_id})"))
+                return
             self._observer.rejected("out_of_memory")
             self._fail(
                 request,
@@ -388,5 +601,26 @@ class DynamicBatcher:
         request.parts.append((chunk.start, outputs))
         request.pending -= chunk.stop - chunk.start
         if request.pending == 0:
-            request.future.set_result(assemble(request.parts))
+            request.future.set_result(assemble(request))
 
+
+class Batch:
+    """One batch formed from ``chunks`` at loop time ``formed_at``: its inputs, its requests and
+    their item ranges within it, its size and cost (padded tokens for a priced model)."""
+
+    __slots__ = ("chunks", "cost", "groups", "inputs", "items", "queue_s", "real_tokens", "requests")
+
+    def __init__(self, chunks: list[Chunk], formed_at: float) -> None:
+        self.chunks = chunks
+        self.inputs = concat(chunks)
+        self.requests = {id(c.request): c.request for c in chunks}
+        self.queue_s = formed_at - min(r.arrival for r in self.requests.values())
+        sizes = [c.stop - c.start for c in chunks]
+        self.items = sum(sizes)
+        edges = np.cumsum([0, *sizes]).tolist()
+        self.groups = list(itertools.pairwise(edges))
+        priced = [(c.request.tokens, c) for c in chunks if c.request.tokens is not None]
+        self.real_tokens = sum(int(t[c.start : c.stop].sum()) for t, c in priced)
+        # what a padded batch computes: every item as long as the longest (tokens ascend per chunk)
+        longest = max((int(t[c.stop - 1]) for t, c in priced), default=0)
+        self.cost = float(longest * self.items) if priced else float(self.items)

@@ -1,8 +1,9 @@
 """A model's inference thread, as a ``concurrent.futures.Executor`` (one per model per worker,
-created by ``app.serving.lifecycle``).
+created by ``app.serving.lifecycle``), and its prepare and finish threads (the same class with
+``threads`` daemon threads).
 
-Like ``ThreadPoolExecutor(max_workers=1)``, with one difference that matters when a model
-hangs: the thread is a *daemon*. ``ThreadPoolExecutor`` joins its threads when the
+Like ``ThreadPoolExecutor(max_workers=threads)``, with one difference that matters when a
+model hangs: the threads are *daemons*. ``ThreadPoolExecutor`` joins its threads when the
 interpreter exits, so a worker whose model never returns could never exit, and only a
 SIGKILL would free its GPU. With a daemon thread the worker drains, exits and is replaced,
 and the stuck call dies with the process.
@@ -25,18 +26,26 @@ class InferenceThread(Executor):
     """Runs submitted calls one at a time, in order, on one daemon thread.
 
     Args:
-        name: the thread's name (shows in py-spy dumps and logs).
-        initializer: called once on the thread before any work, like
+        name: the thread's name (shows in py-spy dumps and logs); ``name-<i>`` with several.
+        initializer: called once on each thread before any work, like
             ``ThreadPoolExecutor``'s; if it raises, every call submitted raises that exception.
+        threads: how many threads take calls from the queue (1: calls run in order, one at
+            a time; more: in order of submission, several at once).
     """
 
-    def __init__(self, name: str = "inference", initializer: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, name: str = "inference", initializer: Callable[[], None] | None = None, threads: int = 1
+    ) -> None:
         self._initializer = initializer
         self._queue: queue.SimpleQueue[_Work | None] = queue.SimpleQueue()
         self._shutdown = False
         self._lock = threading.Lock()
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [
+            threading.Thread(target=self._run, name=name if threads == 1 else f"{name}-{i}", daemon=True)
+            for i in range(max(1, threads))
+        ]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
         """Queue ``fn(*args, **kwargs)``; raises RuntimeError after ``shutdown``."""
@@ -59,14 +68,16 @@ class InferenceThread(Executor):
                         break
                     if work is not None:
                         work[0].cancel()
-            self._queue.put(None)
+            for _ in self._threads:
+                self._queue.put(None)
         if wait:
-            self._thread.join()
+            for thread in self._threads:
+                thread.join()
 
     @property
     def alive(self) -> bool:
-        """True while the thread runs (it ends after ``shutdown`` and the queued calls)."""
-        return self._thread.is_alive()
+        """True while a thread runs (they end after ``shutdown`` and the queued calls)."""
+        return any(thread.is_alive() for thread in self._threads)
 
     def _run(self) -> None:
         failure: BaseException | None = None

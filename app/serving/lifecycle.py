@@ -50,7 +50,7 @@ from app.errors import ModelLoadError
 from app.models.repository import scan, scrub_paths
 from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import METRICS
-from app.serving.batcher import DynamicBatcher
+from app.serving.batcher import DynamicBatcher, Threads
 from app.serving.executor import InferenceThread
 from app.serving.observer import BatchObserver, RunningBatch
 from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS, ModelEntry
@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 
 #: One inference thread per model name (its versions share it), created at startup.
 EXECUTORS = web.AppKey("inference_executors", dict[str, InferenceThread])
+#: Per model name, its prepare pool and finish thread (staged pipeline, item pricing).
+STAGE_POOLS = web.AppKey("stage_pools", dict[str, tuple[InferenceThread, InferenceThread]])
 LOAD_TASK = web.AppKey("model_load_task", asyncio.Task)
 
 
@@ -85,21 +87,55 @@ def _executor(app: web.Application, model: str) -> InferenceThread:
         # torch.set_num_threads sets OpenMP's thread count for the calling thread only (an
         # OpenMP ICV is per thread): set it on the inference thread too, or MKL's sgemm there
         # forks an OpenMP team of one thread per core in every worker, whose barrier
-        # spin-waits burned more CPU than the model itself (docs/benchmarks.md, 2026-11-23).
+        # spin-waits burned more CPU than the model itself (docs/benchmarks.md).
         executors[model] = InferenceThread(
             name=f"inference:{model}", initializer=partial(torch.set_num_threads, threads)
         )
     return executors[model]
 
 
-def _timed_batch(runner: ModelRunner) -> tuple[int, float]:
+def _threads(
+    app: web.Application, runner: ModelRunner, inference: InferenceThread, pipelined: bool
+) -> Threads:
+    """The model's threads: its inference thread and, when it prices its items or runs the
+    staged pipeline, a prepare pool (``prepare_threads``: 1 on the CPU, else 2) and a finish
+    thread, torch-threaded like the inference thread. Made once per model name (its versions
+    share them) and shut down with the inference threads."""
+    config = runner.config
+    if not pipelined and not runner.prices_items:
+        return Threads(inference)
+    pools = app[STAGE_POOLS]
+    if config.name not in pools:
+        torch_threads = app[SETTINGS].effective_torch_threads(app[SETTINGS].workers)
+        count = config.prepare_threads or (1 if runner.device.type == "cpu" else 2)
+        init = partial(torch.set_num_threads, torch_threads)
+        pools[config.name] = (
+            InferenceThread(name=f"prepare:{config.name}", initializer=init, threads=count),
+            InferenceThread(name=f"finish:{config.name}", initializer=init),
+        )
+    prepare, finish = pools[config.name]
+    return Threads(inference, prepare, finish if pipelined else None)
+
+
+def pipelined(config_value: str, device: torch.device) -> bool:
+    """Whether a model runs the staged pipeline: ``pipeline`` "on"/"off", or "auto" = on a CUDA
+    device only (on the CPU the three stages would share the same cores and only add hand-offs)."""
+    if config_value == "auto":
+        return device.type == "cuda"
+    return config_value == "on"
+
+
+def _timed_batch(runner: ModelRunner) -> tuple[float, float]:
     """One batch of the largest warmup size, timed (after warmup, so no first-call costs):
-    (items, seconds), the seed of the batcher's service rate."""
+    (its cost: items, or padded tokens for a priced model; seconds), the seed of the batcher's
+    service rate."""
     items = max(runner.config.warmup_batch_sizes)
     inputs = synthetic_inputs(runner.config.inputs, items)
+    costs = runner.item_costs(inputs)
     start = time.perf_counter()
     runner.run_batch(inputs)
-    return items, time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    return (float(costs.max()) * items if costs is not None else float(items)), seconds
 
 
 #: The first wait before a failed model load is retried, seconds (then doubled each time).
@@ -209,12 +245,14 @@ async def _load(app: web.Application, entry: ModelEntry, device: torch.device) -
         metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
         observer = FanOut(entry.stats, metrics.observer(config.name, config.version))
     entry.error = None
-    _start_batching(entry, runner, executor, observer, settings.max_batch_bytes).rate.observe(*seed)
+    batcher = _start_batching(app, entry, runner, executor, observer, settings.max_batch_bytes)
+    batcher.rate.observe(*seed)
     figures = describe(runner)
     log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
 
 
 def _start_batching(
+    app: web.Application,
     entry: ModelEntry,
     runner: ModelRunner,
     executor: InferenceThread,
@@ -223,14 +261,18 @@ def _start_batching(
 ) -> DynamicBatcher:
     config = entry.config
     entry.runner = runner
+    staged = pipelined(config.pipeline, runner.device)
     batcher = DynamicBatcher(
         config.name,
-        runner.run_batch,
-        executor,
+        runner,
+        _threads(app, runner, executor, staged),
         max_batch_size=config.max_batch_size,
         max_queue_delay_ms=config.max_queue_delay_ms,
         queue_capacity=config.queue_capacity,
         max_batch_bytes=config.max_batch_bytes or max_batch_bytes,
+        max_batch_tokens=config.max_batch_tokens,
+        item_costs=runner.item_costs if runner.prices_items else None,
+        pipelined=staged,
         observer=observer,
     )
     batcher.start()
@@ -252,6 +294,7 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
     device = resolve_device(settings.device)
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
     app[EXECUTORS] = {}
+    app[STAGE_POOLS] = {}
     app[RETRIES] = set()
     loop = asyncio.get_running_loop()
     task = loop.create_task(_load_all(app, device))
@@ -306,7 +349,7 @@ async def _release(app: web.Application, loaded: bool) -> None:
         # daemon threads die with the process, and so does the device memory they hold.
         why = f"an inference thread is stuck ({hung})" if hung else "models were still loading"
         log.warning("exiting without unloading models: %s", why)
-        for executor in executors.values():
+        for executor in (*executors.values(), *(t for pools in app[STAGE_POOLS].values() for t in pools)):
             executor.shutdown(wait=False, cancel_futures=True)
         return
     loop = asyncio.get_running_loop()
@@ -314,7 +357,7 @@ async def _release(app: web.Application, loaded: bool) -> None:
         if entry.runner is not None:
             await loop.run_in_executor(executors[entry.config.name], entry.runner.close)
             entry.runner = None
-    for executor in executors.values():
+    for executor in (*executors.values(), *(t for pools in app[STAGE_POOLS].values() for t in pools)):
         await loop.run_in_executor(None, executor.shutdown)
 
 

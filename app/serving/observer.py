@@ -12,6 +12,10 @@ class BatchObserver(Protocol):
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
 
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
+        """A priced model's batch: its items' own tokens and what it computed (padding included)."""
+        ...
+
     def rejected(self, reason: str) -> None: ...
 
     def queue_depth(self, items: int) -> None: ...
@@ -21,6 +25,9 @@ class NullObserver:
     """Ignores every event (a batcher without metrics)."""
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
+        pass
+
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
         pass
 
     def rejected(self, reason: str) -> None:

@@ -76,6 +76,9 @@ class ModelStats:
         self.compute_infer.add(requests, requests * compute_s)
         self.batches.setdefault(items, Duration()).add(1, compute_s)
 
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
+        """Not recorded here (Prometheus has the counters)."""
+
     def rejected(self, reason: str) -> None:
         """One request was refused or dropped (``reason``: queue_full, deadline, ...)."""
         self.fail.add(1, 0.0)
@@ -127,6 +130,11 @@ class FanOut:
         """See :meth:`BatchObserver.batch_done`."""
         for o in self.observers:
             o.batch_done(items, requests, queue_s, compute_s)
+
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
+        """See :meth:`BatchObserver.padding`."""
+        for o in self.observers:
+            o.padding(real_tokens, padded_tokens)
 
     def rejected(self, reason: str) -> None:
         """See :meth:`BatchObserver.rejected`."""
