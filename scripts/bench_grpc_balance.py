@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from app.models.repository import read_config  # noqa: E402
-from app.protocols.binary import tensor_bytes  # noqa: E402
+from app.protocols.tensors import tensor_bytes  # noqa: E402
 from scripts import harness  # noqa: E402
 from scripts.bench_balance import MINILM, balance_parser  # noqa: E402
 from scripts.benchmark import payload, server  # noqa: E402

@@ -14,7 +14,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from app.errors import InvalidInput, PayloadTooLarge
-from app.protocols import binary, v2
+from app.models.repository import read_config
+from app.protocols import binary, tensors, v2
+from app.protocols.infer import RawData, validate_inputs
 from app.protocols.limits import RequestLimits
 from tests.conftest import Client, MakeClient
 from tests.test_fuzz import FUZZ
@@ -53,17 +55,17 @@ def split_response(raw: bytes, header_length: str | None) -> tuple[dict[str, Any
 def test_bytes_round_trip_and_every_bad_length() -> None:
     values = [b"", b"a", "héllo".encode(), b"\x00\xff" * 10]
     raw = bytes_tensor(values)
-    out = binary.deserialize_bytes(memoryview(raw), 4, "t", 1000)
+    out = tensors.deserialize_bytes(memoryview(raw), 4, "t", 1000)
     assert out.dtype == object and list(out) == values
-    assert binary.serialize_bytes(out) == raw
+    assert tensors.serialize_bytes(out) == raw
     with pytest.raises(InvalidInput, match="ends inside element 4"):
-        binary.deserialize_bytes(memoryview(raw), 5, "t", 1000)
+        tensors.deserialize_bytes(memoryview(raw), 5, "t", 1000)
     with pytest.raises(InvalidInput, match="bytes left after 3"):
-        binary.deserialize_bytes(memoryview(raw), 3, "t", 1000)
+        tensors.deserialize_bytes(memoryview(raw), 3, "t", 1000)
     with pytest.raises(InvalidInput, match="declares 4294967295 bytes"):
-        binary.deserialize_bytes(memoryview(b"\xff\xff\xff\xff"), 1, "t", 2**33)
+        tensors.deserialize_bytes(memoryview(b"\xff\xff\xff\xff"), 1, "t", 2**33)
     with pytest.raises(PayloadTooLarge, match="SCORING_MAX_STRING_BYTES"):
-        binary.deserialize_bytes(memoryview(raw), 4, "t", 5)
+        tensors.deserialize_bytes(memoryview(raw), 4, "t", 5)
 
 
 @pytest.mark.parametrize(
@@ -77,18 +79,19 @@ def test_split_body_rejects_bad_header_lengths(value: str, fragment: str) -> Non
         binary.split_body(b"0123456789", value)
 
 
-def test_attach_binary_reads_numbers_with_frombuffer_and_checks_sizes() -> None:
+def test_attach_binary_keeps_views_and_validation_decodes_with_frombuffer(tmp_path: Path) -> None:
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     body, headers = binary_body({"inputs": [x_input(3)]}, x.tobytes())
     head, rest = binary.split_body(body, headers[HEADER])
     request = v2.decode_request(head, "scale")
-    binary.attach_binary(request, rest, RequestLimits())
-    data = request.inputs[0].data
-    assert isinstance(data, np.ndarray) and data.dtype == np.float32 and data.flags.writeable
-    np.testing.assert_array_equal(data.reshape(3, 2), x)
+    binary.attach_binary(request, rest)
+    assert isinstance(request.inputs[0].data, RawData)  # nothing decoded yet
+    config = read_config(write_scale_model(tmp_path, "scale"))
+    data = validate_inputs(config, request, RequestLimits())["x"]
+    assert data.dtype == np.float32 and data.flags.writeable
+    np.testing.assert_array_equal(data, x)
     with pytest.raises(PayloadTooLarge, match="3 items"):
-        request = v2.decode_request(head, "scale")
-        binary.attach_binary(request, rest, RequestLimits(max_items=2))
+        validate_inputs(config, request, RequestLimits(max_items=2))
 
 
 # --- through the app -----------------------------------------------------------------------
@@ -165,7 +168,7 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
 @pytest.mark.parametrize(
     ("header", "chunks", "declared", "status", "fragment"),
     [
-        ({"inputs": [x_input(2, 15)]}, [X2], None, 400, "15 bytes of data != 4 elements"),
+        ({"inputs": [x_input(2, 15)]}, [X2[:-1]], None, 400, "15 bytes of data != 4 elements"),
         ({"inputs": [x_input(2, 17)]}, [X2], None, 400, "runs past the body"),
         ({"inputs": [x_input(2, -1)]}, [X2], None, 400, "non-negative integer"),
         ({"inputs": [x_input(2, 2**62)]}, [X2], None, 400, "runs past the body"),
@@ -179,8 +182,8 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
         ({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32"}]}, [], None, 400, "no data"),
         ({"inputs": [{**x_input(2), "shape": [2**40, 2]}]}, [X2], None, 413, "items"),
         ({"inputs": [{**x_input(2), "shape": [-2, 2]}]}, [X2], None, 400, "non-negative"),
-        ({"inputs": [{**x_input(2), "datatype": "FP64"}]}, [X2], None, 400, "of FP64 (32 bytes)"),
-        ({"inputs": [{**x_input(2), "datatype": "BF16"}]}, [X2], None, 400, "not supported"),
+        ({"inputs": [{**x_input(2), "datatype": "FP64"}]}, [X2], None, 400, "FP64 but model scale expects FP32"),
+        ({"inputs": [{**x_input(2), "datatype": "BF16"}]}, [X2], None, 400, "BF16 but model scale expects FP32"),
         (
             {"inputs": [{**x_input(2), "parameters": {"shared_memory_region": "r"}}]},
             [X2],
@@ -190,7 +193,7 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
         ),
         (
             {"inputs": [x_input(2), TAG_OK]},
-            [X2, bytes_tensor([b"abcdef", b"ab"])],
+            [X2, bytes_tensor([b"abcdef", b"ab"])[:14]],
             None,
             400,
             "declares 2 bytes",
@@ -211,10 +214,10 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
         ),
         (  # a huge declared BYTES shape is refused before anything is allocated for it
             {"inputs": [x_input(2), {**TAG_OK, "shape": [1, 2**40]}]},
-            [X2, bytes_tensor([b"abcdef", b"ab"])],
+            [X2, bytes_tensor([b"abcdef", b"ab"])[:14]],
             None,
             400,
-            "cannot hold",
+            "holds more than the 64 elements",
         ),
         (
             {"inputs": [x_input(2)], "parameters": {"binary_data_output": "yes"}},

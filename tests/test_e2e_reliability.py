@@ -4,10 +4,12 @@ load beside a healthy worker, TLS with API keys, aborted and slow uploads, and a
 
 from __future__ import annotations
 
+import asyncio
 import datetime
 import ipaddress
 import json
 import os
+import resource
 import signal
 import socket
 import ssl
@@ -15,6 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 import zlib
@@ -23,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from scripts.harness import Connection
 from tests.server import ROOT, Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
@@ -254,3 +258,82 @@ def test_a_worker_that_keeps_crashing_while_it_boots_is_restarted_with_a_backoff
         log = srv.log()
         assert "the next one boots in 1 s" in log and "the next one boots in 2 s" in log, log
         assert srv.proc.poll() is None  # the master keeps going
+
+
+def test_stopping_the_server_under_load_resets_no_request(tmp_path: Path) -> None:
+    """SIGTERM to the master while 4 keep-alive clients send back to back: every request sent
+    is answered; a client that reconnects after the drain's ``Connection: close`` is refused
+    (it knows nothing was sent), never reset after sending (the last worker closes its copy
+    of the listening socket once it has taken what the kernel queued)."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", max_queue_delay_ms=0.0)
+    payload = json.dumps(body(1.0)).encode()
+    with Gunicorn(tmp_path, env(repo, SCORING_WORKERS="2")) as srv:
+        srv.wait_ready(60, count=2)
+
+        async def load() -> tuple[int, int, list[str]]:
+            stopped = asyncio.Event()
+            answered, refused, failures = [0], [0], []
+
+            async def client() -> None:
+                conn = Connection(srv.port)
+                while not stopped.is_set():
+                    if not conn.usable():
+                        try:
+                            await asyncio.wait_for(conn.open(), 2)
+                        except (OSError, TimeoutError):
+                            refused[0] += 1
+                            conn.close()
+                            await asyncio.sleep(0.05)
+                            continue
+                    try:
+                        status, _, _ = await asyncio.wait_for(conn.request("POST", V2, payload), 30)
+                    except (OSError, asyncio.IncompleteReadError, TimeoutError) as exc:
+                        failures.append(repr(exc))
+                        conn.close()
+                        continue
+                    answered[0] += 1
+                    if status != 200:
+                        failures.append(f"HTTP {status}")
+                conn.close()
+
+            clients = [asyncio.create_task(client()) for _ in range(4)]
+            await asyncio.sleep(2)
+            srv.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(srv.proc.wait, 60)
+            await asyncio.sleep(0.5)
+            stopped.set()
+            await asyncio.gather(*clients)
+            return answered[0], refused[0], failures
+
+        answered, refused, failures = asyncio.run(load())
+    assert srv.proc.returncode == 0
+    assert failures == [] and answered > 50 and refused > 0, (answered, refused, failures)
+
+
+def test_out_of_file_descriptors_the_worker_pauses_and_recovers(tmp_path: Path) -> None:
+    """A worker at its file limit under a flood of connections: a couple of log lines (not one
+    per accept attempt), no core burnt spinning, and it answers again once they close."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale")
+    with Gunicorn(tmp_path, env(repo, SCORING_WORKERS="1")) as srv:
+        srv.wait_ready(60)
+        (worker,) = srv.workers()
+        limit = worker.num_fds() + 16
+        resource.prlimit(worker.pid, resource.RLIMIT_NOFILE, (limit, limit))
+        before = srv.log().count("accept failed")
+        flood = []
+        try:
+            for _ in range(64):
+                flood.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+            worker.cpu_percent(None)
+            time.sleep(3)
+            busy = worker.cpu_percent(None)
+            log = srv.log()
+            assert log.count("accept failed") - before == 1, log[-3000:]
+            assert busy < 50, busy  # paused, not spinning on accept()
+        finally:
+            for sock in flood:
+                sock.close()
+        wait_for(lambda: srv.post(V2, body(1.0), timeout=10)[0] == 200, 30, "answers again", srv)
+        assert "accepting again after" in srv.log()

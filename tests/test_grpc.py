@@ -23,8 +23,8 @@ from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
 from app.observability.metrics import METRICS
-from app.protocols.binary import deserialize_bytes
 from app.protocols.infer import earliest, parameters_timeout_s
+from app.protocols.tensors import deserialize_bytes
 from app.serving.dataplane import DATAPLANE
 from app.serving.state import REGISTRY
 from tests.conftest import Client

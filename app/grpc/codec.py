@@ -4,9 +4,9 @@ A ``ModelInferRequest`` carries each input's data either as ``raw_input_contents
 ``bytes`` per input, in input order: little-endian row-major elements, BYTES elements as a
 4-byte little-endian length then the bytes; what tritonclient.grpc and kserve send by
 default) or as typed ``contents`` (the repeated field of the datatype). Raw data become
-arrays with ``numpy.frombuffer`` (no per-element Python objects); every size is checked
-against the declared shape before anything is allocated, so a hostile message costs at
-most a scan of its own bytes.
+arrays with ``numpy.frombuffer`` (no per-element Python objects) in validation, after the
+tensor's name, datatype, shape and element count are checked against the model, so a hostile
+message costs at most a scan of its own bytes.
 
 The response mirrors the request: raw inputs get ``raw_output_contents`` (Triton always
 answers raw), typed inputs get typed ``contents``.
@@ -17,8 +17,6 @@ Triton's ``grpc_service.proto``; KServe's ``InferRequest.from_grpc`` / ``to_grpc
 
 from __future__ import annotations
 
-import math
-import struct
 from typing import Any
 
 import numpy as np
@@ -26,18 +24,17 @@ import numpy as np
 from app.datatypes import NUMPY_DTYPES
 from app.errors import InvalidInput
 from app.grpc.generated import grpc_service_pb2 as pb
-from app.models.repository import ModelConfig, TensorSpec
-from app.protocols.binary import decode_raw, tensor_bytes
+from app.models.repository import ModelConfig
 from app.protocols.infer import (
     InferInput,
     InferRequest,
     InferResponse,
+    RawData,
     RequestedOutput,
     parameters_timeout_s,
 )
 from app.protocols.limits import RequestLimits
-
-_LENGTH = struct.Struct("<I")
+from app.protocols.tensors import check_elements, check_shape, tensor_bytes
 
 #: Datatype -> the ``InferTensorContents`` field that carries it (FP16 travels raw only).
 CONTENTS_FIELD = {
@@ -78,31 +75,6 @@ def _set_parameter(target: Any, key: str, value: Any) -> None:
         param.string_param = str(value)
 
 
-def _shape(dims: Any, where: str) -> list[int]:
-    shape = [int(d) for d in dims]
-    if any(d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {shape} must be non-negative integers")
-    return shape
-
-
-def raw_to_array(
-    raw: bytes, datatype: str, shape: list[int], where: str, limits: RequestLimits
-) -> np.ndarray:
-    """One input's raw contents -> a flat array of ``datatype`` with ``prod(shape)`` elements;
-    the layout of Triton's binary tensor data, decoded by :func:`app.protocols.binary.decode_raw`.
-
-    Raises:
-        InvalidInput: the byte count does not match ``shape`` x the datatype's size, or
-            malformed BYTES elements (a length past the end, too few or too many elements).
-        PayloadTooLarge: more than ``limits.max_items`` items, or a BYTES element longer than
-            ``limits.max_string_bytes``.
-    """
-    if datatype == "BYTES" and math.prod(shape) * _LENGTH.size > len(raw):
-        # each element needs its 4-byte length: refused before an element array is allocated
-        raise InvalidInput(f"{where}: {len(raw)} bytes cannot hold {math.prod(shape)} BYTES elements")
-    return decode_raw(datatype, shape, raw, where, limits)
-
-
 def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
     """One input's typed ``contents`` -> a flat array of ``datatype``.
 
@@ -131,31 +103,18 @@ def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
     return np.asarray(values, dtype=dtype)
 
 
-def _check_size(shape: list[int], spec: TensorSpec | None, limits: RequestLimits, where: str) -> None:
-    """Bound the work of converting a tensor before doing it: at most ``max_items`` items, and
-    for a model input of fixed item shape at most ``max_items`` x its elements per item (any
-    valid request passes; a BYTES tensor declared ``[1, 4000000]`` is refused unparsed)."""
-    if shape:
-        limits.check_items(shape[0], where)
-    if spec is not None and spec.shape and all(d >= 0 for d in spec.shape):
-        most = limits.max_items * math.prod(spec.shape)
-        if math.prod(shape) > most:
-            raise InvalidInput(
-                f"{where}: shape {shape} holds more than the {most} elements of "
-                f"{limits.max_items} items of shape {list(spec.shape)}"
-            )
-
-
 def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> InferRequest:
-    """A ``ModelInferRequest`` for model ``config`` -> :class:`InferRequest` with array data
-    (not yet validated against the model: :func:`app.protocols.infer.validate_inputs` does that).
+    """A ``ModelInferRequest`` for model ``config`` -> :class:`InferRequest`: raw contents as
+    :class:`~app.protocols.infer.RawData` (decoded by validation, once the tensor fits the
+    model: :func:`app.protocols.infer.validate_inputs`), typed contents as arrays (converted
+    only for a known input, after its element count is checked).
 
     Raises:
         InvalidInput: raw contents whose count differs from the inputs', raw and typed data
-            mixed, an unknown datatype, a negative dimension, more elements than the model's
-            ``max_items`` items can hold, or data that do not match the declared shape.
-        PayloadTooLarge: more than ``limits.max_items`` items, or a raw BYTES element longer
-            than ``limits.max_string_bytes``.
+            mixed, an unknown datatype, a malformed shape (negative, over ``MAX_DIMS``
+            dimensions), more elements than ``max_items`` items of the input hold, or typed
+            contents of another datatype's field.
+        PayloadTooLarge: more than ``limits.max_items`` items.
     """
     raw = message.raw_input_contents
     if raw and len(raw) != len(message.inputs):
@@ -167,18 +126,19 @@ def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> 
         where = f"inputs[{i}] ({tensor.name!r})"
         if tensor.datatype not in NUMPY_DTYPES:
             raise InvalidInput(f"{where}: unknown datatype {tensor.datatype!r}")
-        shape = _shape(tensor.shape, where)
-        _check_size(shape, config.input(tensor.name), limits, where)
+        shape = check_shape(list(tensor.shape), where)
+        data: np.ndarray | RawData
         if raw:
             if tensor.HasField("contents"):
                 raise InvalidInput(f"{where}: both contents and raw_input_contents given; send one")
-            data = raw_to_array(raw[i], tensor.datatype, shape, where, limits)
+            data = RawData(raw[i])
         else:
-            data = contents_to_array(tensor.contents, tensor.datatype, where)
-            if data.size != math.prod(shape):
-                raise InvalidInput(
-                    f"{where}: shape {shape} needs {math.prod(shape)} elements, contents has {data.size}"
-                )
+            spec = config.input(tensor.name)
+            if spec is None or spec.datatype != tensor.datatype:
+                data = _UNREAD  # validation refuses the name or the datatype before any data
+            else:
+                check_elements(shape, spec, limits.max_items, where)
+                data = contents_to_array(tensor.contents, tensor.datatype, where)
         inputs.append(InferInput(tensor.name, tensor.datatype, shape, data, parameters(tensor.parameters)))
     outputs = [RequestedOutput(o.name, parameters=parameters(o.parameters)) for o in message.outputs]
     request_parameters = parameters(message.parameters)
@@ -191,6 +151,10 @@ def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> 
         outputs=outputs or None,
         timeout_s=parameters_timeout_s(request_parameters),
     )
+
+
+#: The data of a tensor that validation refuses before reading (unknown input, other datatype).
+_UNREAD = np.empty(0)
 
 
 def _fill_contents(contents: Any, datatype: str, array: np.ndarray) -> None:

@@ -144,7 +144,7 @@ async def infer(request: web.Request) -> web.Response:
     config = entry.config
     head, binary = split_body(await _read_body(request), request.headers.get(HEADER_LENGTH))
     parsed = v2.decode_request(head, config.name, config.version, plane.limits)
-    attach_binary(parsed, binary, plane.limits)
+    attach_binary(parsed, binary)
     parsed.timeout_s = earliest(deadline_s, parsed.timeout_s)
     response = await plane.infer(
         parsed, request_id=request_id(request), entry=entry, is_disconnected=_disconnected(request)

@@ -14,20 +14,16 @@ client's ``tritonclient/http/_utils.py`` (``_get_inference_request``). No aiohtt
 
 from __future__ import annotations
 
-import struct
 from typing import Any
 
 import numpy as np
 
-from app.datatypes import NUMPY_DTYPES
-from app.errors import InvalidInput, PayloadTooLarge
-from app.protocols.infer import InferRequest, InferResponse
-from app.protocols.limits import RequestLimits
+from app.errors import InvalidInput
+from app.protocols.infer import InferRequest, InferResponse, RawData
+from app.protocols.tensors import tensor_bytes
 
 #: Request and response header: length in bytes of the JSON part at the start of the body.
 HEADER_LENGTH = "Inference-Header-Content-Length"
-_LENGTH = struct.Struct("<I")
-_DEFAULT_LIMITS = RequestLimits()
 
 
 def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
@@ -64,111 +60,16 @@ def _declared_size(parameters: dict[str, Any], where: str) -> int | None:
     return size
 
 
-def deserialize_bytes(buffer: memoryview, count: int, where: str, max_string_bytes: int) -> np.ndarray:
-    """BYTES binary data (4-byte little-endian length, then the bytes, per element) -> an
-    ``object`` array of ``count`` ``bytes``.
-
-    Raises:
-        InvalidInput: a length runs past the buffer, or the buffer holds more or fewer than
-            ``count`` elements.
-        PayloadTooLarge: an element longer than ``max_string_bytes``.
-    """
-    offset, end = 0, len(buffer)
-    if count * 4 > end:  # before allocating: a declared shape may be huge
-        raise InvalidInput(
-            f"{where}: shape declares {count} BYTES elements; {end} bytes cannot hold that many "
-            "4-byte length prefixes"
-        )
-    out = np.empty(count, dtype=object)
-    for i in range(count):
-        if end - offset < 4:
-            raise InvalidInput(f"{where}: binary BYTES data ends inside element {i} of {count}")
-        (length,) = _LENGTH.unpack_from(buffer, offset)
-        offset += 4
-        if length > end - offset:
-            raise InvalidInput(
-                f"{where}: binary BYTES element {i} declares {length} bytes, only {end - offset} remain"
-            )
-        if length > max_string_bytes:
-            raise PayloadTooLarge(
-                f"{where}: element {i} is {length} bytes; the server accepts at most "
-                f"{max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
-            )
-        out[i] = bytes(buffer[offset : offset + length])
-        offset += length
-    if offset != end:
-        raise InvalidInput(f"{where}: {end - offset} bytes left after {count} BYTES elements")
-    return out
-
-
-def serialize_bytes(array: np.ndarray) -> bytes:
-    """An ``object``/bytes/str array -> BYTES binary data (length-prefixed, row-major)."""
-    parts: list[bytes] = []
-    for value in array.ravel():
-        data = value if isinstance(value, bytes) else str(value).encode("utf-8")
-        parts.append(_LENGTH.pack(len(data)))
-        parts.append(data)
-    return b"".join(parts)
-
-
-def decode_raw(
-    datatype: str, shape: list[int] | None, raw: memoryview | bytes, where: str, limits: RequestLimits
-) -> np.ndarray:
-    """One tensor's raw bytes (binary tensor data, or gRPC ``raw_input_contents``) -> a flat
-    array of ``datatype`` with ``prod(shape)`` elements: fixed-size datatypes through
-    ``numpy.frombuffer`` (one copy into a writable array; torch warns on read-only ones), BYTES
-    as length-prefixed strings into an ``object`` array of ``bytes``.
-
-    Raises:
-        InvalidInput: a bad shape, an unknown datatype, a size that is not ``prod(shape)``
-            elements, or malformed BYTES lengths.
-        PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
-            ``limits.max_string_bytes``.
-    """
-    if shape is None or any((not isinstance(d, int)) or d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {shape} must be non-negative integers")
-    if shape:
-        limits.check_items(shape[0], where)
-    count = 1
-    for d in shape:
-        count *= d
-    view = memoryview(raw)
-    if datatype == "BYTES":
-        return deserialize_bytes(view, count, where, limits.max_string_bytes)
-    dtype = NUMPY_DTYPES.get(datatype)
-    if dtype is None:
-        raise InvalidInput(f"{where}: datatype {datatype!r} is not supported")
-    if len(view) != count * dtype.itemsize:
-        raise InvalidInput(
-            f"{where}: {len(view)} bytes of data != {count} elements of {datatype} "
-            f"({count * dtype.itemsize} bytes) for shape {shape}"
-        )
-    if datatype == "BOOL":
-        flags: np.ndarray = np.frombuffer(view, dtype=np.uint8) != 0
-        return flags
-    return np.frombuffer(view, dtype=dtype.newbyteorder("<")).astype(dtype)
-
-
-def tensor_bytes(array: np.ndarray, datatype: str) -> bytes:
-    """An output array -> its raw bytes (binary tensor data, or gRPC ``raw_output_contents``):
-    little-endian row-major elements, BYTES length-prefixed."""
-    if datatype == "BYTES":
-        return serialize_bytes(array)
-    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
-
-
-def attach_binary(request: InferRequest, binary: memoryview, limits: RequestLimits = _DEFAULT_LIMITS) -> None:
-    """Fill the ``data`` of every input that declares ``parameters.binary_data_size`` from
-    ``binary``, in input order: fixed-size datatypes are read with ``numpy.frombuffer`` (one
-    copy, no per-element Python objects), BYTES become an ``object`` array of ``bytes``.
+def attach_binary(request: InferRequest, binary: memoryview) -> None:
+    """Give every input that declares ``parameters.binary_data_size`` its part of ``binary``, in
+    input order, as :class:`~app.protocols.infer.RawData` (a view: nothing is copied or
+    decoded here; validation decodes it once the tensor's name, datatype and size are known to
+    fit the model: :func:`app.protocols.infer.validate_inputs`).
 
     Raises:
         InvalidInput: a declared size is not a non-negative integer; sizes do not add up to
-            the binary part's length; a size is not a whole number of elements or does not
-            match the tensor's shape; an input has both ``data`` and binary data, or neither;
+            the binary part's length; an input has both ``data`` and binary data, or neither;
             shared-memory parameters (not supported).
-        PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
-            ``limits.max_string_bytes``.
     """
     offset = 0
     for i, tensor in enumerate(request.inputs):
@@ -186,9 +87,8 @@ def attach_binary(request: InferRequest, binary: memoryview, limits: RequestLimi
             raise InvalidInput(
                 f"{where}: binary_data_size {size} runs past the body ({len(binary) - offset} bytes left)"
             )
-        chunk = binary[offset : offset + size]
+        tensor.data = RawData(binary[offset : offset + size])
         offset += size
-        tensor.data = decode_raw(tensor.datatype, tensor.shape, chunk, where, limits)
     if offset != len(binary):
         raise InvalidInput(
             f"the body has {len(binary) - offset} bytes after the JSON header and the inputs' "

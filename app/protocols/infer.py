@@ -32,7 +32,14 @@ from app.datatypes import NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig
 from app.protocols.limits import RequestLimits
-from app.protocols.tensors import check_against_spec, complete_inputs, to_array
+from app.protocols.tensors import (
+    check_against_spec,
+    check_elements,
+    check_shape,
+    complete_inputs,
+    decode_raw,
+    to_array,
+)
 
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
 #: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
@@ -51,6 +58,14 @@ def request_id(*candidates: str) -> str:
 _DEFAULT_LIMITS = RequestLimits()
 
 
+class RawData(msgspec.Struct):
+    """A tensor's data as raw bytes, not yet decoded (binary tensor data, gRPC
+    ``raw_input_contents``): little-endian row-major elements, BYTES length-prefixed.
+    :func:`validate_inputs` decodes it once its name, datatype and size fit the model."""
+
+    data: memoryview | bytes
+
+
 class InferInput(msgspec.Struct):
     """One input tensor of a request.
 
@@ -59,17 +74,18 @@ class InferInput(msgspec.Struct):
         datatype: Open Inference Protocol datatype name (``"FP32"``, ``"BYTES"``...).
         shape: the tensor's shape, batch dimension first; None = infer it from nested ``data``
             (KServe V1 bodies carry no shape).
-        data: either JSON values (flat or nested row-major lists; BYTES as ``str``), or a numpy
-            array already of ``datatype``'s dtype (binary tensor data, gRPC raw contents;
-            BYTES as an ``object`` array of ``bytes``), any shape with ``prod(shape)`` elements;
-            None until a binary part fills it (:func:`app.protocols.binary.attach_binary`).
+        data: JSON values (flat or nested row-major lists; BYTES as ``str``), raw bytes
+            (:class:`RawData`: binary tensor data, gRPC raw contents), or a numpy array already
+            of ``datatype``'s dtype (gRPC typed contents; BYTES as an ``object`` array of
+            ``bytes``), any shape with ``prod(shape)`` elements; None until a binary part
+            fills it (:func:`app.protocols.binary.attach_binary`).
         parameters: the tensor's ``parameters`` as sent.
     """
 
     name: str
     datatype: str
     shape: list[int] | None
-    data: list[Any] | np.ndarray | None
+    data: list[Any] | np.ndarray | RawData | None
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
@@ -173,16 +189,13 @@ class InferResponse(msgspec.Struct):
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
-def _typed_array(tensor: InferInput, where: str, limits: RequestLimits) -> np.ndarray:
-    """An array already of the tensor's dtype (binary or gRPC raw data), reshaped to its shape."""
+def _typed_array(tensor: InferInput, shape: list[int], where: str, limits: RequestLimits) -> np.ndarray:
+    """An array already of the tensor's dtype (gRPC typed contents), reshaped to ``shape``."""
     arr = tensor.data
     assert isinstance(arr, np.ndarray)
-    shape = tensor.shape if tensor.shape is not None else list(arr.shape)
-    if any((not isinstance(d, int)) or d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {list(shape)} must be non-negative integers")
     expected = math.prod(shape)
     if arr.size != expected:
-        raise InvalidInput(f"{where}: shape {list(shape)} needs {expected} elements, data has {arr.size}")
+        raise InvalidInput(f"{where}: shape {shape} needs {expected} elements, data has {arr.size}")
     if tensor.datatype == "BYTES":
         longest = max((len(v) for v in arr.ravel()), default=0)
         if longest > limits.max_string_bytes:
@@ -198,23 +211,29 @@ def _typed_array(tensor: InferInput, where: str, limits: RequestLimits) -> np.nd
 def validate_inputs(
     config: ModelConfig, request: InferRequest, limits: RequestLimits = _DEFAULT_LIMITS
 ) -> dict[str, np.ndarray]:
-    """Validate the request's tensors against ``config``.
+    """Validate the request's tensors against ``config``, each in this order: its shape (at
+    most ``MAX_DIMS`` non-negative dimensions, at most ``limits.max_items`` items), its name
+    (a model input, once), its datatype, its element count against the input's spec (all
+    before any per-element work, so a hostile tensor costs a few comparisons), and only then
+    its data, decoded or converted and checked against the spec.
 
     Returns:
         One array ``[B, *item_shape]`` per model input (omitted optional inputs filled),
         all with the same B >= 1.
 
     Raises:
-        InvalidInput: unknown/missing/duplicate input, wrong datatype or shape, element count
-            mismatch, non-finite floats where the model forbids them.
+        InvalidInput: a malformed shape, unknown/missing/duplicate input, wrong datatype or
+            shape, element count mismatch, malformed raw data, non-finite floats where the
+            model forbids them.
         PayloadTooLarge: more than ``limits.max_items`` items, or a string longer than
             ``limits.max_string_bytes``.
     """
     arrays: dict[str, np.ndarray] = {}
     for i, tensor in enumerate(request.inputs):
         where = f"inputs[{i}] ({tensor.name!r})"
-        if tensor.shape:  # checked before any data is converted
-            limits.check_items(tensor.shape[0], where)
+        shape = check_shape(tensor.shape, where) if tensor.shape is not None else None
+        if shape:
+            limits.check_items(shape[0], where)
         if tensor.name in arrays:
             raise InvalidInput(f"{where}: input given twice")
         spec = config.input(tensor.name)
@@ -226,12 +245,21 @@ def validate_inputs(
             raise InvalidInput(
                 f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
             )
-        if tensor.data is None:
+        data = tensor.data
+        if data is None:
             raise InvalidInput(f"{where}: no data: give data or parameters.binary_data_size")
-        if isinstance(tensor.data, np.ndarray):
-            arr = _typed_array(tensor, where, limits)
+        if shape is not None:
+            check_elements(shape, spec, limits.max_items, where)
+        if isinstance(data, RawData):
+            if shape is None:
+                raise InvalidInput(f"{where}: raw data needs a shape")
+            arr = decode_raw(tensor.datatype, shape, data.data, where, limits.max_string_bytes).reshape(shape)
+        elif isinstance(data, np.ndarray):
+            arr = _typed_array(tensor, shape if shape is not None else list(data.shape), where, limits)
         else:
-            arr = to_array(tensor.data, tensor.datatype, tensor.shape, where, limits.max_string_bytes)
+            if shape is not None and shape and len(data) > math.prod(shape):
+                raise InvalidInput(f"{where}: shape {shape} needs {math.prod(shape)} elements, data has more")
+            arr = to_array(data, tensor.datatype, shape, where, limits.max_string_bytes)
         arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
     if not arrays and all(s.optional for s in config.inputs):
         raise InvalidInput(f"inputs: empty; model {config.name} takes {[s.name for s in config.inputs]}")

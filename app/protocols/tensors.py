@@ -1,13 +1,19 @@
-"""Convert and validate one tensor of JSON data against a model's input spec.
+"""Convert one tensor's data, JSON values or raw bytes, and check it against a model's input spec.
 
 Shapes: a request tensor is ``[B, *item_shape]`` where ``item_shape`` matches
 the spec's per-item shape (``-1`` = any). A spec of per-item shape ``[1]``
 also accepts ``[B]`` (a plain list of B values), the common way to send texts.
+
+Raw bytes are Triton's layout (binary tensor data, gRPC ``raw_input_contents``): little-endian
+row-major elements; a BYTES element is a 4-byte little-endian length, then that many bytes.
+Source: triton-inference-server ``docs/protocol/extension_binary_data.md``; the Open Inference
+Protocol's gRPC "raw_input_contents".
 """
 
 from __future__ import annotations
 
 import math
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,8 +23,51 @@ from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig, TensorSpec
 
-#: Most dimensions of a request tensor (numpy 1.x allows 32 and 2.x 64; no model needs more).
+#: Most dimensions of a request tensor, whatever the protocol (numpy 1.x allows 32 and 2.x 64;
+#: no model needs more).
 MAX_DIMS = 32
+_LENGTH = struct.Struct("<I")
+
+
+def check_shape(shape: Any, where: str) -> list[int]:
+    """``shape`` as a list of non-negative ints of at most ``MAX_DIMS`` dimensions.
+
+    Raises:
+        InvalidInput: anything else (numpy itself refuses more than 64 dimensions with an
+            error no client should see).
+    """
+    if not isinstance(shape, (list, tuple)) or any(
+        isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
+    ):
+        raise InvalidInput(f"{where}: shape {list(shape) if isinstance(shape, (list, tuple)) else shape} "
+                           "must be non-negative integers")
+    if len(shape) > MAX_DIMS:
+        raise InvalidInput(f"{where}: shape has {len(shape)} dimensions; at most {MAX_DIMS}")
+    return list(shape)
+
+
+def check_elements(shape: Sequence[int], spec: TensorSpec, max_items: int, where: str) -> None:
+    """Bound the work of converting a tensor before doing any: at most ``max_items`` items and,
+    for an input of fixed item shape, at most ``max_items`` x its elements per item (any valid
+    request passes; a BYTES tensor declared ``[1, 4000000]`` is refused before its first
+    element is read).
+
+    Raises:
+        PayloadTooLarge: more than ``max_items`` items.
+        InvalidInput: more elements than ``max_items`` items of the spec's shape hold.
+    """
+    if shape and shape[0] > max_items:
+        raise PayloadTooLarge(
+            f"{where}: {shape[0]} items in one request; the server accepts at most "
+            f"{max_items} (SCORING_MAX_ITEMS_PER_REQUEST)"
+        )
+    if spec.shape and all(d >= 0 for d in spec.shape):
+        most = max_items * math.prod(spec.shape)
+        if math.prod(shape) > most:
+            raise InvalidInput(
+                f"{where}: shape {list(shape)} holds more than the {most} elements of "
+                f"{max_items} items of shape {list(spec.shape)}"
+            )
 
 
 def _flatten_strings(data: Any, where: str, max_bytes: int | None) -> list[bytes]:
@@ -68,10 +117,8 @@ def to_array(
             does not match ``shape``, or integers out of the datatype's range.
         PayloadTooLarge: a BYTES element longer than ``max_string_bytes``.
     """
-    if shape is not None and any((not isinstance(d, int)) or d < 0 for d in shape):
-        raise InvalidInput(f"{where}: shape {list(shape)} must be non-negative integers")
-    if shape is not None and len(shape) > MAX_DIMS:
-        raise InvalidInput(f"{where}: shape has {len(shape)} dimensions; at most {MAX_DIMS}")
+    if shape is not None:
+        shape = check_shape(shape, where)
     if datatype == "BYTES":
         flat = _flatten_strings(data, where, max_string_bytes)
         if shape is None:
@@ -157,3 +204,90 @@ def complete_inputs(config: ModelConfig, arrays: dict[str, np.ndarray], where: s
         raise InvalidInput(f"{where}: inputs disagree on the batch size: {sizes}")
     batch = next(iter(sizes.values()))
     return {s.name: arrays[s.name] if s.name in arrays else s.filled(batch) for s in config.inputs}
+
+
+def deserialize_bytes(buffer: memoryview, count: int, where: str, max_string_bytes: int) -> np.ndarray:
+    """BYTES binary data (4-byte little-endian length, then the bytes, per element) -> an
+    ``object`` array of ``count`` ``bytes``.
+
+    Raises:
+        InvalidInput: a length runs past the buffer, or the buffer holds more or fewer than
+            ``count`` elements.
+        PayloadTooLarge: an element longer than ``max_string_bytes``.
+    """
+    offset, end = 0, len(buffer)
+    if count * 4 > end:  # before allocating: a declared shape may be huge
+        raise InvalidInput(
+            f"{where}: shape declares {count} BYTES elements; {end} bytes cannot hold that many "
+            "4-byte length prefixes"
+        )
+    out = np.empty(count, dtype=object)
+    for i in range(count):
+        if end - offset < 4:
+            raise InvalidInput(f"{where}: binary BYTES data ends inside element {i} of {count}")
+        (length,) = _LENGTH.unpack_from(buffer, offset)
+        offset += 4
+        if length > end - offset:
+            raise InvalidInput(
+                f"{where}: binary BYTES element {i} declares {length} bytes, only {end - offset} remain"
+            )
+        if length > max_string_bytes:
+            raise PayloadTooLarge(
+                f"{where}: element {i} is {length} bytes; the server accepts at most "
+                f"{max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
+            )
+        out[i] = bytes(buffer[offset : offset + length])
+        offset += length
+    if offset != end:
+        raise InvalidInput(f"{where}: {end - offset} bytes left after {count} BYTES elements")
+    return out
+
+
+def serialize_bytes(array: np.ndarray) -> bytes:
+    """An ``object``/bytes/str array -> BYTES binary data (length-prefixed, row-major)."""
+    parts: list[bytes] = []
+    for value in array.ravel():
+        data = value if isinstance(value, bytes) else str(value).encode("utf-8")
+        parts.append(_LENGTH.pack(len(data)))
+        parts.append(data)
+    return b"".join(parts)
+
+
+def decode_raw(
+    datatype: str, shape: Sequence[int], raw: memoryview | bytes, where: str, max_string_bytes: int
+) -> np.ndarray:
+    """One tensor's raw bytes (binary tensor data, or gRPC ``raw_input_contents``) -> a flat
+    array of ``datatype`` with ``prod(shape)`` elements: fixed-size datatypes through
+    ``numpy.frombuffer`` (one copy into a writable array; torch warns on read-only ones), BYTES
+    as length-prefixed strings into an ``object`` array of ``bytes``. ``shape`` has been
+    checked (:func:`check_shape`, :func:`check_elements`).
+
+    Raises:
+        InvalidInput: an unknown datatype, a size that is not ``prod(shape)`` elements, or
+            malformed BYTES lengths.
+        PayloadTooLarge: a string longer than ``max_string_bytes``.
+    """
+    count = math.prod(shape)
+    view = memoryview(raw)
+    if datatype == "BYTES":
+        return deserialize_bytes(view, count, where, max_string_bytes)
+    dtype = NUMPY_DTYPES.get(datatype)
+    if dtype is None:
+        raise InvalidInput(f"{where}: datatype {datatype!r} is not supported")
+    if len(view) != count * dtype.itemsize:
+        raise InvalidInput(
+            f"{where}: {len(view)} bytes of data != {count} elements of {datatype} "
+            f"({count * dtype.itemsize} bytes) for shape {list(shape)}"
+        )
+    if datatype == "BOOL":
+        flags: np.ndarray = np.frombuffer(view, dtype=np.uint8) != 0
+        return flags
+    return np.frombuffer(view, dtype=dtype.newbyteorder("<")).astype(dtype)
+
+
+def tensor_bytes(array: np.ndarray, datatype: str) -> bytes:
+    """An output array -> its raw bytes (binary tensor data, or gRPC ``raw_output_contents``):
+    little-endian row-major elements, BYTES length-prefixed."""
+    if datatype == "BYTES":
+        return serialize_bytes(array)
+    return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()

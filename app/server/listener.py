@@ -7,11 +7,27 @@ and can only be stopped by closing the socket; here the worker watches each sock
 balancing decision between two accepts) and hands it to aiohttp with
 ``loop.connect_accepted_socket``. Pausing (a busier sibling, nginx's ``accept_mutex`` idea)
 removes the reader: the kernel then hands new connections to the siblings that still accept.
+
+**Out of file descriptors.** ``accept`` failing with EMFILE/ENFILE (or ENOBUFS/ENOMEM) leaves
+the connection in the kernel's queue, so the socket stays readable: retrying at once would spin
+a core and write a warning per try. The listener instead pauses for ``RESOURCE_PAUSE_S``
+(doubling while it lasts, up to 1 s), logs the first failure of an episode and, when accepting
+works again, how many failed meanwhile (nginx: "accept() failed (24: Too many open files)" and
+a pause of ``accept_mutex_delay``; uvicorn likewise sleeps).
+
+**At the end of a drain** (:meth:`Listener.stop` with ``close``) the worker takes every
+connection the kernel has already queued, then closes its own copy of the listening sockets:
+when the master has closed its copy (a full stop), the last worker's copy is what keeps the
+port listening, and connections completed into a queue nobody will accept are reset when the
+worker exits, after the client sent its request; closed, the port refuses new connections
+at once (the client knows nothing was sent). During a HUP reload or a recycle the master's copy
+keeps the port listening for the other workers.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import socket
 import ssl
@@ -26,6 +42,12 @@ log = logging.getLogger(__name__)
 RECHECK_S = 0.005
 #: How long a TLS handshake may take, seconds (asyncio's default is 60).
 SSL_HANDSHAKE_TIMEOUT_S = 10.0
+#: The first pause after ``accept`` ran out of a resource (file descriptors), seconds; doubled
+#: while it lasts, up to ``RESOURCE_PAUSE_MAX_S``.
+RESOURCE_PAUSE_S = 0.05
+RESOURCE_PAUSE_MAX_S = 1.0
+#: ``accept`` errors that mean "out of a resource": the connection stays queued meanwhile.
+_OUT_OF_RESOURCES = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class Listener:
@@ -58,6 +80,9 @@ class Listener:
         self.listening = False
         self.paused = True  # until start()
         self.pauses = 0
+        #: ``accept`` calls that failed for want of a resource in the current episode.
+        self.starved = 0
+        self._starved_pause_s = RESOURCE_PAUSE_S
         self._tasks: set[asyncio.Task[None]] = set()
         self._recheck: asyncio.TimerHandle | None = None
 
@@ -86,13 +111,22 @@ class Listener:
                 self.loop.add_reader(sock.fileno(), self._on_readable, sock)
             self.paused = False
 
-    def stop(self) -> None:
-        """Stop accepting for good (the sockets stay open: the master owns them)."""
+    def stop(self, close: bool = False) -> None:
+        """Stop accepting for good; with ``close``, first take the connections already queued
+        and then close this process's copy of the sockets (module docstring)."""
         self.pause()
         self.listening = False
         if self._recheck is not None:
             self._recheck.cancel()
             self._recheck = None
+        if not close:
+            return
+        for sock in self.sockets:
+            if sock.fileno() < 0:
+                continue
+            while self._accept(sock, final=True):
+                pass
+            sock.close()
 
     def _balance_allows(self) -> bool:
         try:
@@ -107,13 +141,24 @@ class Listener:
             self.pause()
             self._recheck = self.loop.call_later(RECHECK_S, self._look_again)
             return
+        self._accept(sock)
+
+    def _accept(self, sock: socket.socket, final: bool = False) -> bool:
+        """Accept one connection and hand it to aiohttp; False when there was none (or it could
+        not be taken). ``final``: the last accepts of a drain (no pause on failure)."""
         try:
             conn, _ = sock.accept()
         except (BlockingIOError, InterruptedError):
-            return  # a sibling took it
-        except OSError as exc:  # EMFILE, ENOBUFS, ...: the connection waits in the queue
-            log.warning("accept failed: %s", exc)
-            return
+            return False  # a sibling took it
+        except OSError as exc:
+            if exc.errno in _OUT_OF_RESOURCES and not final:
+                self._starve(exc)
+            elif not final:
+                log.warning("accept failed: %s", exc)
+            return False
+        if self.starved:
+            log.warning("accepting again after %d accept() failures for want of resources", self.starved)
+            self.starved, self._starved_pause_s = 0, RESOURCE_PAUSE_S
         conn.setblocking(False)
         if conn.family in (socket.AF_INET, socket.AF_INET6):
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -121,6 +166,20 @@ class Listener:
         task = self.loop.create_task(self._connect(conn))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return True
+
+    def _starve(self, exc: OSError) -> None:
+        """Out of file descriptors (or buffers): pause, and say so once per episode."""
+        if not self.starved:
+            log.warning(
+                "accept failed (%s): pausing accepts, retrying every %.2f-%.0f s until it works "
+                "(connections wait in the kernel's queue; raise the file limit, `ulimit -n`)",
+                exc.strerror or exc, RESOURCE_PAUSE_S, RESOURCE_PAUSE_MAX_S,
+            )  # fmt: skip
+        self.starved += 1
+        self.pause()
+        self._recheck = self.loop.call_later(self._starved_pause_s, self._look_again)
+        self._starved_pause_s = min(RESOURCE_PAUSE_MAX_S, self._starved_pause_s * 2)
 
     def _look_again(self) -> None:
         """Paused by the balance: resume once it allows, looking every ``RECHECK_S``."""

@@ -213,7 +213,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             self._listener.start()
         self._serving.set()  # the tick notifies gunicorn from now on
         await self._tick_until_stopped()
-        self._listener.stop()
+        self._listener.stop(close=True)
         await runner.cleanup()
         await self._siblings.close()
 
@@ -343,7 +343,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         # their request: the shutdown (next) closes every connection that has no request in
         # progress, and one whose request has not been read yet would close unanswered.
         if self._listener is not None:
-            self._listener.stop()
+            self._listener.stop(close=True)
             await asyncio.sleep(_LAST_ACCEPTS_S)
         self._stop()
 

@@ -184,6 +184,7 @@ class DynamicBatcher:
         self._reported_depth = 0
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
         self._batches: set[asyncio.Task[None]] = set()
         self._ahead = asyncio.Semaphore(1)  # one batch prepared ahead of the one running
         self._in_flight = asyncio.Semaphore(_IN_FLIGHT)
@@ -214,6 +215,7 @@ class DynamicBatcher:
 
     async def stop(self) -> None:
         """Stop forming batches; requests still queued or in a batch fail with 503."""
+        self._stopped = True
         tasks = [t for t in (self._task, *self._batches) if t is not None]
         for task in tasks:
             task.cancel()
@@ -364,6 +366,8 @@ class DynamicBatcher:
                 costs = self._check_bytes(inputs, request_id)
                 cost = int(tokens.sum()) if tokens is not None else size
                 self._recent.append((size, cost))
+                if self._stopped:
+                    raise QueueFull(f"model {self.model} is unloading")
                 refusal = self._refusal(size, cost, timeout_s, f"request {request_id}")
                 if refusal is not None:
                     raise refusal
