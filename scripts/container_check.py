@@ -63,6 +63,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -105,6 +106,8 @@ READ_ONLY = ("/", "/opt/scoring-server", "/models", "/run")
 WRITABLE = ("/tmp", "/dev/shm")
 TEXTS = ["A man is eating food.", "The stock market fell sharply today."]
 QUERY = "I like cooking and good food"
+#: Report lines wrap here.
+REPORT_WIDTH = 100
 INSTALL_HINT = "apt-get install -y podman runc mmdebstrap  # rootless: also uidmap slirp4netns fuse-overlayfs"
 
 
@@ -339,6 +342,15 @@ class Check:
     ok: bool
     detail: str
 
+    def lines(self) -> list[str]:
+        """``  PASS  name  detail``, wrapped at ``REPORT_WIDTH``."""
+        head = f"  {'PASS' if self.ok else 'FAIL'}  {self.name:<16} "
+        wrapped = textwrap.wrap(
+            self.detail, REPORT_WIDTH, initial_indent=head, subsequent_indent=" " * len(head),
+            break_on_hyphens=False,
+        )  # fmt: skip
+        return wrapped or [head.rstrip()]
+
 
 @dataclass
 class Report:
@@ -348,7 +360,7 @@ class Report:
 
     def add(self, name: str, ok: bool, detail: str) -> bool:
         self.checks.append(Check(name, ok, detail))
-        print(f"  {'PASS' if ok else 'FAIL'}  {name:<16} {detail}", flush=True)
+        print("\n".join(self.checks[-1].lines()), flush=True)
         return ok
 
     @contextlib.contextmanager
@@ -356,7 +368,7 @@ class Report:
         """Run a check's code; an exception becomes its FAIL line."""
         try:
             yield
-        except (CheckError, AssertionError, OSError, subprocess.TimeoutExpired, ValueError, KeyError) as exc:
+        except Exception as exc:  # any error (a client library's too) is this check's FAIL
             self.add(name, False, f"{type(exc).__name__}: {exc}".strip()[:2000])
 
     @property
@@ -436,12 +448,25 @@ class Load:
     ok_before: int = 0
     ok_during: int = 0
     refused: int = 0
-    failures: list[str] = field(default_factory=list)
+    failures: list[tuple[str, float | None]] = field(default_factory=list)  # (what, s after stop)
     stop_started: float | None = None
 
-    def since_stop(self) -> str:
-        """When, relative to the start of ``podman stop`` (a prefix for a failure)."""
-        return "" if self.stop_started is None else f"stop+{time.monotonic() - self.stop_started:.2f} s "
+    def fail(self, what: str) -> None:
+        since = None if self.stop_started is None else time.monotonic() - self.stop_started
+        self.failures.append((what, since))
+
+    def failure_summary(self) -> str:
+        """Each distinct failure once: ``N x what (stop+a..b s)``."""
+        parts = []
+        for what in dict.fromkeys(w for w, _ in self.failures):
+            times = [s for w, s in self.failures if w == what and s is not None]
+            count = sum(1 for w, _ in self.failures if w == what)
+            when = " (before podman stop)"
+            if times:
+                first, last = min(times), max(times)
+                when = f" (stop+{first:.1f}{f'..{last:.1f}' if last - first >= 0.05 else ''} s)"
+            parts.append(f"{count} x {what}{when}")
+        return "; ".join(parts)
 
 
 async def drain_under_load(
@@ -458,7 +483,9 @@ async def drain_under_load(
             if not conn.usable():
                 try:
                     await asyncio.wait_for(conn.open(), 2)
-                except (OSError, TimeoutError):
+                except (OSError, TimeoutError) as exc:
+                    if load.stop_started is None:  # the server should be accepting
+                        load.fail(f"connect: {type(exc).__name__}: {exc}")
                     load.refused += 1  # never sent
                     conn.close()
                     await asyncio.sleep(0.05)
@@ -466,11 +493,11 @@ async def drain_under_load(
             try:
                 status, _, payload = await asyncio.wait_for(conn.request("POST", path, body), 30)
             except (OSError, asyncio.IncompleteReadError, ValueError, TimeoutError) as exc:
-                load.failures.append(f"{load.since_stop()}{type(exc).__name__}: {exc}")
+                load.fail(f"{type(exc).__name__}: {exc}")
                 conn.close()
                 continue
             if status != 200 or b"click_probability" not in payload:
-                load.failures.append(f"{load.since_stop()}HTTP {status}: {payload[:200]!r}")
+                load.fail(f"HTTP {status}: {payload[:200]!r}")
             elif load.stop_started is None:
                 load.ok_before += 1
             else:
@@ -603,7 +630,8 @@ def run_checks(podman: Podman, args: argparse.Namespace, report: Report, expecte
         counts = count_requests(text)
         # Any worker answers for all of them (Prometheus multiprocess files in /dev/shm).
         ok = status == 200 and "\nscoring_queue_depth{" in text and sum(counts.values()) >= 4
-        report.add("metrics", ok, f"HTTP {status}, {series} scoring_ samples, requests by protocol {counts}")
+        by_protocol = ", ".join(f"{k} {v:.0f}" for k, v in sorted(counts.items()))
+        report.add("metrics", ok, f"HTTP {status}, {series} scoring_ samples, requests: {by_protocol}")
 
     with report.step("non-root"):
         top = podman.out("top", name, "huser", "pid", "args")
@@ -611,12 +639,16 @@ def run_checks(podman: Podman, args: argparse.Namespace, report: Report, expecte
         status_1 = podman.out("exec", name, "cat", "/proc/1/status")
         ids = dict(re.findall(r"^(Uid|Gid|CapEff):\s*(.*)$", status_1, re.M))
         uid_ok = users and all(u == str(IMAGE_UID) for u in users)
-        pid1_ok = ids.get("Uid", "").split() == [str(IMAGE_UID)] * 4 and int(ids.get("CapEff", "1"), 16) == 0
+        # /proc/<pid>/status: real, effective, saved and filesystem ids; CapEff in hex.
+        uids, gids = set(ids.get("Uid", "?").split()), set(ids.get("Gid", "?").split())
+        capabilities = int(ids.get("CapEff", "1"), 16)
+        pid1_ok = uids == gids == {str(IMAGE_UID)} and capabilities == 0
         detail = (
-            f"{len(users)} processes, host uids {sorted(set(users))}; PID 1 Uid {ids.get('Uid', '?')}, "
-            f"Gid {ids.get('Gid', '?')}, CapEff {ids.get('CapEff', '?')}"
+            f"{len(users)} processes, host uids {' '.join(sorted(set(users)))}; PID 1: uids "
+            f"{' '.join(sorted(uids))}, gids {' '.join(sorted(gids))}, "
+            f"effective capabilities {capabilities:#x}"
         )
-        report.add("non-root", bool(uid_ok and pid1_ok), " ".join(detail.split()))
+        report.add("non-root", bool(uid_ok and pid1_ok), detail)
 
     with report.step("read-only root"):
         refused: list[str] = []
@@ -651,7 +683,7 @@ def run_checks(podman: Podman, args: argparse.Namespace, report: Report, expecte
             f"stop took {seconds:.1f} s (-t {stop_timeout}), exit status {exit_code}"
         )
         if load.failures:
-            detail += f"; first failures: {load.failures[:3]}"
+            detail += f"; failures: {load.failure_summary()}"
         report.add("drain on stop", ok, detail)
 
 
@@ -691,16 +723,20 @@ def format_report(report: Report, total_s: float) -> str:
     lines = [f"container check of {report.image}: {'PASS' if report.passed else 'FAIL'}"]
     m = figures.get("machine", {})
     if m:
-        lines.append(
-            f"  machine: {m['cpus']} CPUs, {m['platform']}, podman {m['podman']} "
+        lines += textwrap.wrap(
+            f"{m['cpus']} CPUs, {m['platform']}, podman {m['podman']} "
             f"({'rootless' if m['rootless'] else 'rootful'}, cgroups {m['cgroups']}, {m['storage']}), "
-            f"{m['runtime']}"
+            f"{m['runtime']}",
+            REPORT_WIDTH,
+            initial_indent="  machine: ",
+            subsequent_indent=" " * 11,
         )
     if "image_mb" in figures:
-        built = f", built in {figures['build_s']:.0f} s" if "build_s" in figures else ""
-        lines.append(f"  image: {figures['image_mb']:.0f} MB, torch {figures.get('torch', '?')}{built}")
+        steps = (("base made", "base_s"), ("built", "build_s"))
+        made = "".join(f"; {what} in {figures[key]:.0f} s" for what, key in steps if key in figures)
+        lines.append(f"  image: {figures['image_mb']:.0f} MB, torch {figures.get('torch', '?')}{made}")
     for check in report.checks:
-        lines.append(f"  {'PASS' if check.ok else 'FAIL'}  {check.name:<16} {check.detail}")
+        lines += check.lines()
     lines.append(f"  total: {total_s:.0f} s")
     return "\n".join(lines)
 
