@@ -6,6 +6,9 @@
 #   CPU only:       docker build -t scoring-server:0.1.0-cpu \
 #                     --build-arg BASE=python:3.12-slim \
 #                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#   podman:         podman build --format docker ... (the OCI format drops the HEALTHCHECK)
+#   Build + check:  scripts/container_check.py (CPU image with podman, from a local Debian base and
+#                   this machine's pip sources; then runs it read-only and checks it; docs/deploy.md)
 #   Run:            docker run --gpus all --shm-size=1g --stop-timeout 45 -p 8080:8080 scoring-server:0.1.0
 #   Own models:     docker run ... -v /srv/model-repository:/models:ro scoring-server:0.1.0
 #
@@ -35,6 +38,15 @@ ARG TORCH_VERSION=2.13.0
 ARG EXTRAS=demo
 # true: bake the repository's model_repository/ (demo models) into /models.
 ARG DEMO_MODELS=true
+# Where pip finds packages: empty = pip's defaults (PyPI). pip reads these build arguments as
+# its own environment variables, in this stage only (the runtime stage does not declare them).
+# URLs work with any builder; a local index, wheel folder or CA file must be mounted into the
+# build at the path named (podman build --volume HOST:PATH:ro). scripts/container_check.py
+# fills all four from the machine's pip configuration.
+ARG PIP_INDEX_URL=
+ARG PIP_EXTRA_INDEX_URL=
+ARG PIP_FIND_LINKS=
+ARG PIP_CERT=
 RUN python3 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --no-cache-dir --upgrade pip \

@@ -2,6 +2,10 @@
 
 Static checks (no network, no Docker, no cluster):
 
+- the Dockerfile's entry point, defaults and build arguments; ``scripts/container_check.py``
+  (which builds and checks the image with podman, too slow for the suite) hands the build
+  this machine's pip sources as those arguments and read-only mounts;
+
 - every Kubernetes manifest, and every kustomization rendered with ``kubectl kustomize``
   where kubectl is installed, validates against the Kubernetes JSON schemas
   (``kubernetes_validate``, strict: unknown fields are errors);
@@ -40,6 +44,7 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from app.settings import ENV_PREFIX, Settings
+from scripts import container_check
 from scripts.harness import free_port, poll
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,6 +255,62 @@ def test_dockerfile_base_is_a_build_arg_and_torch_comes_first() -> None:
     package_at = next(i for i, r in enumerate(runs) if re.search(r"pip install [^&]*\"\.", r))
     assert torch_at < package_at, "torch (pinned, CPU or CUDA index) before the package"
     assert "-c " in runs[package_at], "the package install must keep the pinned torch"
+
+
+def test_dockerfile_pip_sources_are_empty_build_args() -> None:
+    """pip reads the build stage's PIP_* build arguments as its own variables: empty (PyPI) by
+    default, and never in the runtime stage's environment."""
+    instructions = _instructions(DOCKERFILE.read_text(encoding="utf-8"))
+    declared = dict(a.partition("=")[::2] for w, a in instructions if w == "ARG")
+    for name in container_check.PIP_SOURCES.values():
+        assert declared.get(name) == "", f"ARG {name}= (empty: pip's default index) is missing"
+    assert not [k for k in parse_dockerfile().env if k.startswith("PIP_")]
+
+
+def test_container_check_hands_the_build_the_pip_sources(tmp_path: Path) -> None:
+    """``pip config list`` output -> build arguments, with local folders mounted read-only."""
+    index = tmp_path / "pypi" / "simple"
+    wheels = tmp_path / "wheels"
+    index.mkdir(parents=True)
+    wheels.mkdir()
+    cert = tmp_path / "ca.pem"
+    cert.write_text("", encoding="utf-8")
+    listed = "\n".join(
+        [
+            "global.index-url='https://global.invalid/simple'",
+            "install.index-url='https://install.invalid/simple'",
+            f"global.extra-index-url='file://{index} https://extra.invalid/simple'",
+            "global.find-links='/ignored'",
+            f":env:.find-links='{wheels}'",
+            f"global.cert='{cert}'",
+            ":env:.default-timeout='180'",
+        ]
+    )
+    config = container_check.parse_pip_config(listed)
+    assert config["index-url"] == "https://install.invalid/simple", "[install] over [global]"
+    assert config["find-links"] == str(wheels), "PIP_* variables over the files"
+    sources = container_check.build_sources(config, torch_index_url="https://torch.invalid/cpu")
+    assert sources.args == {
+        "PIP_INDEX_URL": "https://install.invalid/simple",
+        # an index folder's parent is mounted: its pages link to ../../files/
+        "PIP_EXTRA_INDEX_URL": "file:///mnt/pip/0/simple https://extra.invalid/simple",
+        "PIP_FIND_LINKS": "/mnt/pip/1",
+        "PIP_CERT": "/mnt/pip/2",
+        "TORCH_INDEX_URL": "https://torch.invalid/cpu",
+    }
+    assert sources.volumes == [
+        (str(index.parent), "/mnt/pip/0"),
+        (str(wheels), "/mnt/pip/1"),
+        (str(cert), "/mnt/pip/2"),
+    ]
+    assert sources.podman_args()[-2:] == ["--volume", f"{cert}:/mnt/pip/2:ro"]
+    assert container_check.build_sources({}).podman_args() == [], "no pip configuration: PyPI"
+
+
+def test_container_check_names_the_packages_it_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert container_check.main(["--no-build", "--runtime", "no-such-oci-runtime"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-oci-runtime" in err and "apt-get install -y podman runc" in err
 
 
 def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
