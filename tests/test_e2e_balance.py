@@ -17,8 +17,17 @@ import aiohttp
 import psutil
 import pytest
 
-from scripts import harness
-from tests.server import ROOT, Gunicorn, free_port, http, poll, wait_for
+from app.server.loadtable import LoadTable
+from tests.support.gunicorn import (
+    ROOT,
+    Gunicorn,
+    free_port,
+    http,
+    poll,
+    wait_for,
+    worker_items,
+    worker_shares,
+)
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +38,8 @@ BODY = {"inputs": [{"name": "x", "shape": [ITEMS, 2], "datatype": "FP32", "data"
 
 
 def items_per_worker(srv: Gunicorn) -> dict[int, float]:
-    """Items answered per worker pid, from /metrics (scoring_worker_items_total)."""
-    return {int(pid): n for pid, n in harness.worker_items(srv.scrape()).items()}
+    """Items computed per worker pid, from one /metrics scrape."""
+    return worker_items(srv.scrape())
 
 
 async def closed_loop(
@@ -55,10 +64,11 @@ async def closed_loop(
 
 
 def shares(before: dict[int, float], after: dict[int, float], pids: list[int]) -> dict[int, float]:
-    done = {pid: after.get(pid, 0.0) - before.get(pid, 0.0) for pid in pids}
-    total = sum(done.values())
-    assert total > 0, (before, after)
-    return {pid: n / total for pid, n in done.items()}
+    """Each of ``pids``' share of the items computed between the two scrapes (every one of
+    them named, and some items computed)."""
+    share = worker_shares(before, {pid: after.get(pid, 0.0) for pid in pids})
+    assert sum(share.values()) > 0, (before, after)
+    return share
 
 
 def env(repo: Path, workers: int, **extra: str) -> dict[str, str]:
@@ -228,11 +238,12 @@ def test_a_large_request_is_scattered_over_both_workers_and_gathered_in_order(tm
 
 
 def _both_live(srv: Gunicorn) -> bool:
-    from app.server.loadtable import LoadTable
-
-    table = LoadTable(srv.log_path.parent / f"run-{srv.port}")
-    now = time.monotonic()
-    return sum(load.live(now) for load in table.snapshot()) == 2
+    table = LoadTable(srv.run_dir)
+    try:
+        now = time.monotonic()
+        return sum(load.live(now) for load in table.snapshot()) == 2
+    finally:
+        table.close()
 
 
 def test_a_sibling_stopped_mid_scatter_costs_a_504_at_the_deadline_not_a_hang(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.demo_repo import MINILM, RANKER, demo_repository
-from tests.server import Gunicorn
+from tests.support.gunicorn import Gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

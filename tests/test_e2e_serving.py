@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from tests.server import Gunicorn
+from tests.support.gunicorn import Gunicorn
 from tests.toy_models import TinyRanker, write_scale_model, write_tensor_model
 
 pytestmark = pytest.mark.e2e

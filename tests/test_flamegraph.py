@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.fake_gpus import unused_pid
-from tests.scripts import load_script
+from tests.support.tools import load_tool
 
-fg = load_script("flamegraph", "flamegraph")
+fg = load_tool("flamegraph")
 
 
 def fake_proc(tmp_path: Path, procs: dict[int, tuple[str, int, int]], scope: int | None = None,

@@ -1,30 +1,22 @@
-"""What the scripts and the end-to-end tests share: a gunicorn launcher, a port picker, one
-bounded poll, a closed-loop load driver and latency percentiles (numpy).
+"""A real gunicorn server on 127.0.0.1 as a child process, and the helpers around it.
 
-- :class:`Gunicorn` runs ``gunicorn -c gunicorn.conf.py`` on 127.0.0.1 (a free port, a run
-  directory of its own) as a child process, logs to a file, and tells readiness from the
-  worker state files ``<run dir>/workers/<pid>`` (``ready`` = warm and listening; written by
+- :class:`Gunicorn` runs ``gunicorn -c gunicorn.conf.py`` (a free port, a run directory of its
+  own), logs to a file, and tells readiness from the worker state files
+  ``<run dir>/workers/<pid>`` (``ready`` = warm and listening; written by
   ``app.server.worker.SiblingStates``), not from log text.
-- :func:`poll` is the one "wait until, bounded" helper; it fails with a diagnostic.
-- :func:`closed_loop` runs N clients that each send the next request when the previous one
-  is answered (Triton perf_analyzer's "concurrency" mode); :func:`post` is one timed request.
-- :func:`percentiles` is ``numpy.percentile`` (linear interpolation) in ms, NaN when empty.
-- :class:`Connection` is one raw HTTP/1.1 keep-alive connection that knows its local port
-  (the soak and overload clients: exact accounting of what a killed worker held, headers
-  such as Retry-After).
+- :func:`poll` is the one "wait until, bounded" helper; it fails with a diagnostic, and
+  :func:`wait_for` is it with a server's log tail as the diagnostic.
+- :func:`http` is one blocking request; :func:`free_port` picks a port.
 
-Used by ``tests/server.py`` and every script in ``scripts/`` that starts a server. Traffic
+The end-to-end tests use it, and so do the measurement harnesses of ``benchmarks/``. Traffic
 goes to 127.0.0.1 only.
 """
 
 from __future__ import annotations
 
-import argparse
-import asyncio
 import contextlib
 import json
 import os
-import platform
 import re
 import signal
 import socket
@@ -34,28 +26,24 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Self, TypeVar
 
-import aiohttp
-import numpy as np
 import psutil
 
 from gpu_stat.family import live_children
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
 #: The worker state files' directory under the run directory (app.server.worker.STATES_DIR).
 STATES_DIR = "workers"
 READY = "ready"
 #: Environment a launched server does not inherit unless asked (``clean_env=False``).
 _SERVER_ENV_PREFIXES = ("SCORING_", "GPU_STAT_", "PROMETHEUS_")
-JSON_HEADERS = {"Content-Type": "application/json"}
 
 T = TypeVar("T")
-R = TypeVar("R")
+_WORKER_ITEMS = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 
 
 def free_port(host: str = HOST) -> int:
@@ -89,13 +77,23 @@ def poll(
         time.sleep(interval_s)
 
 
-def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 95, 99)) -> list[float]:
-    """``numpy.percentile`` of ``values`` at each of ``qs`` (0-100, linear interpolation);
-    NaN for every q when ``values`` is empty."""
-    array = np.fromiter(values, dtype=np.float64)
-    if array.size == 0:
-        return [float("nan")] * len(qs)
-    return [float(v) for v in np.percentile(array, qs)]
+def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, srv: Gunicorn) -> T:
+    """:func:`poll` that fails with ``srv``'s log tail."""
+    return poll(predicate, timeout_s, what, diagnostics=srv.log_tail)
+
+
+def worker_items(metrics_text: str) -> dict[int, float]:
+    """Items computed per worker pid, from a ``/metrics`` scrape (``scoring_worker_items_total``)."""
+    return {int(pid): float(n) for pid, n in _WORKER_ITEMS.findall(metrics_text)}
+
+
+def worker_shares(before: Mapping[int, float], after: Mapping[int, float]) -> dict[int, float]:
+    """Each worker's share (0-1, 3 decimals) of the items computed between two
+    :func:`worker_items` scrapes, by pid in ascending order; a worker that computed none shows 0,
+    and every share is 0 when none computed any."""
+    done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+    total = sum(done.values()) or 1.0
+    return {pid: round(n / total, 3) for pid, n in sorted(done.items())}
 
 
 def http(
@@ -121,7 +119,8 @@ def http(
         with urllib.request.urlopen(req, timeout=timeout, context=context) as resp:
             status, rh, raw = resp.status, dict(resp.headers), resp.read()
     except urllib.error.HTTPError as exc:
-        status, rh, raw = exc.code, dict(exc.headers), exc.read()
+        with exc:  # the error is the response: close it like one
+            status, rh, raw = exc.code, dict(exc.headers), exc.read()
     try:
         return status, rh, json.loads(raw)
     except ValueError:
@@ -133,15 +132,18 @@ class Gunicorn:
 
     Args:
         tmp: a folder for the log, the pid file and the run directory.
-        env: extra environment (``SCORING_*`` settings) over the defaults below.
+        env: extra environment (``SCORING_*`` settings) over everything else.
         args: extra gunicorn command-line arguments.
         config: the gunicorn config file (default: the repository's ``gunicorn.conf.py``).
         context: serve over TLS (``SCORING_CERTFILE``/``SCORING_KEYFILE`` in ``env``) and trust it.
         headers: sent with every :meth:`get` / :meth:`post`.
         clean_env: drop inherited ``SCORING_*``, ``GPU_STAT_*``, ``PROMETHEUS_*`` and
             ``CUDA_VISIBLE_DEVICES`` first (tests); False lets them through (benchmarks).
+        torch_threads: ``SCORING_TORCH_THREADS`` of every worker unless ``env`` names it (one
+            per worker by default, so that tests on a shared machine do not oversubscribe it);
+            None leaves it to the environment or the server's default (cores / workers).
         root: the checkout to run (working directory and ``PYTHONPATH``; default this one;
-            another commit's worktree for ``scripts/bench_ab.py``).
+            another commit's checkout for ``benchmarks/regression.py``).
     """
 
     def __init__(
@@ -154,6 +156,7 @@ class Gunicorn:
         context: ssl.SSLContext | None = None,
         headers: dict[str, str] | None = None,
         clean_env: bool = True,
+        torch_threads: int | None = 1,
         root: Path = ROOT,
     ) -> None:
         self.port = free_port()
@@ -169,8 +172,10 @@ class Gunicorn:
             for k, v in os.environ.items()
             if not clean_env or (not k.startswith(_SERVER_ENV_PREFIXES) and k != "CUDA_VISIBLE_DEVICES")
         }
+        threads = {} if torch_threads is None else {"SCORING_TORCH_THREADS": str(torch_threads)}
         full_env = {
             **inherited,
+            **threads,
             "SCORING_HOST": HOST,
             "SCORING_PORT": str(self.port),
             "SCORING_GRPC_PORT": str(self.grpc_port),
@@ -304,160 +309,3 @@ class Gunicorn:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-@dataclass(frozen=True)
-class Answer:
-    """One request as a client saw it: HTTP ``status`` (0 = no answer), ``latency_s``, and
-    ``error`` ("" when the status is 200)."""
-
-    status: int
-    latency_s: float
-    error: str = ""
-
-
-async def post(
-    session: aiohttp.ClientSession, url: str, body: bytes, headers: Mapping[str, str] = JSON_HEADERS
-) -> Answer:
-    """POST ``body`` and read the whole answer; a connection error or timeout is status 0."""
-    start = time.perf_counter()
-    status, error = 0, ""
-    try:
-        async with session.post(url, data=body, headers=headers) as resp:
-            await resp.read()
-            status = resp.status
-            if status != 200:
-                error = f"HTTP {status}"
-    except (aiohttp.ClientError, TimeoutError) as exc:
-        error = f"{type(exc).__name__}: {exc}"
-    return Answer(status, time.perf_counter() - start, error)
-
-
-async def closed_loop(request: Callable[[int], Awaitable[R]], concurrency: int, until: float) -> list[R]:
-    """``concurrency`` clients; client ``i`` awaits ``request(i)`` back to back until
-    ``time.perf_counter()`` passes ``until`` (no request starts after it). Every result, in
-    completion order."""
-    results: list[R] = []
-
-    async def client(i: int) -> None:
-        while time.perf_counter() < until:
-            results.append(await request(i))
-
-    await asyncio.gather(*(client(i) for i in range(concurrency)))
-    return results
-
-
-class Connection:
-    """One HTTP/1.1 keep-alive connection to ``host:port``, behaving like a pooling client
-    library (urllib3, aiohttp, httpx): reuse it while :meth:`usable`, :meth:`open` a new one
-    after a ``Connection: close`` answer or an EOF, never retry. ``local_port`` is the client
-    end's port (0 before :meth:`open`), so a server-side connection list can be matched.
-    Errors on the wire raise ``OSError``, ``asyncio.IncompleteReadError`` or ``ValueError``."""
-
-    def __init__(self, port: int, host: str = HOST) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.local_port = 0
-
-    def usable(self) -> bool:
-        """Open, and the server has not closed it (no EOF seen)."""
-        return (
-            self.writer is not None
-            and self.reader is not None
-            and not self.reader.at_eof()
-            and not self.writer.is_closing()
-        )
-
-    async def open(self) -> None:
-        """Close any current connection and open a new one."""
-        self.close()
-        self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        self.local_port = self.writer.get_extra_info("sockname")[1]
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-    async def request(self, method: str, path: str, body: bytes = b"") -> tuple[int, dict[str, str], bytes]:
-        """Send one request (a JSON ``body``) and read the whole answer: (status, headers with
-        lower-case names, body bytes). Closes the connection after ``Connection: close``."""
-        assert self.reader is not None and self.writer is not None, "open() first"
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-            f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
-        )
-        self.writer.write(head.encode() + body)
-        await self.writer.drain()
-        raw = await self.reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        status = int(lines[0].split()[1])
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                name, value = line.split(":", 1)
-                headers[name.strip().lower()] = value.strip()
-        payload = await self.reader.readexactly(int(headers.get("content-length", "0")))
-        if headers.get("connection", "").lower() == "close":
-            self.close()
-        return status, headers, payload
-
-
-_WORKER_ITEMS = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
-
-
-def worker_items(metrics_text: str) -> dict[str, float]:
-    """Items answered per worker pid, from a ``/metrics`` scrape (``scoring_worker_items_total``)."""
-    return {pid: float(n) for pid, n in _WORKER_ITEMS.findall(metrics_text)}
-
-
-def worker_shares(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str, float]:
-    """Each worker's share (0-1, 3 decimals) of the items answered between two
-    :func:`worker_items` scrapes, by pid; a worker that answered none shows 0."""
-    done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
-    total = sum(done.values()) or 1.0
-    return {pid: round(n / total, 3) for pid, n in sorted(done.items())}
-
-
-def machine() -> dict[str, Any]:
-    """Where a benchmark ran: CPU count, platform and Python version, for its JSON record."""
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()}
-
-
-def benchmark_parser(
-    doc: str | None,
-    *,
-    model: str | None = None,
-    models: str | None = None,
-    torch_threads: int | None = None,
-) -> argparse.ArgumentParser:
-    """The argument parser of a script that starts the server: ``doc`` (the script's docstring)
-    as its help, and the options such scripts share: ``--repository`` (the model repository;
-    default: the demo one), ``--workers`` (default 2), and, where a default is given,
-    ``--model`` (one model), ``--models`` (comma-separated) and ``--torch-threads``."""
-    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    if model is not None:
-        parser.add_argument("--model", default=model)
-    if models is not None:
-        parser.add_argument("--models", default=models)
-    parser.add_argument("--workers", type=int, default=2)
-    if torch_threads is not None:
-        parser.add_argument("--torch-threads", type=int, default=torch_threads)
-    return parser
-
-
-def comma_list(known: Iterable[str]) -> Callable[[str], list[str]]:
-    """An argparse ``type``: a comma-separated list of values, each one of ``known`` (argparse
-    reports any other as a usage error)."""
-    allowed = list(known)
-
-    def parse(text: str) -> list[str]:
-        values = [v for v in text.split(",") if v]
-        unknown = sorted(set(values) - set(allowed))
-        if unknown:
-            raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {allowed}")
-        return values
-
-    return parse
