@@ -4,7 +4,6 @@ load beside a healthy worker, TLS with API keys, aborted and slow uploads, and a
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import ipaddress
 import json
@@ -16,7 +15,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 import zlib
@@ -167,28 +165,20 @@ def test_failed_model_load_in_a_replacement_leaves_the_healthy_worker_serving(tm
         victim, healthy = srv.wait_workers(2)
         marker.touch()
         victim.send_signal(signal.SIGKILL)
-        statuses = []
-        deadline = time.monotonic() + 60
-        while "exited with code 1" not in srv.log() and time.monotonic() < deadline:
+        statuses: list[int] = []
+
+        def replacement_failed() -> bool:  # meanwhile the healthy worker answers every request
             statuses.append(srv.post(V2, body(1.0))[0])
-            time.sleep(0.02)
+            return "exited with code 1" in srv.log()
+
+        wait_for(replacement_failed, 60, "a replacement to fail its model load", srv)
         log = srv.log()
         assert "simulated load failure" in log and "model load failed, worker cannot become ready" in log, log
         assert set(statuses) == {200} and len(statuses) > 10, statuses
         assert srv.proc.poll() is None and healthy.is_running()
         marker.unlink()
-        states = srv.log_path.parent / f"run-{srv.port}" / "workers"  # app.server.worker's state files
-
-        def ready_workers() -> set[int]:
-            ready = set()
-            for worker in srv.workers():
-                with contextlib.suppress(OSError):  # a crashing worker's file comes and goes
-                    if (states / str(worker.pid)).read_text() == "ready":
-                        ready.add(worker.pid)
-            return ready
-
-        wait_for(lambda: len(ready_workers()) == 2, 60, "two ready workers", srv)
-        assert healthy.pid in ready_workers()
+        wait_for(lambda: len(srv.ready_workers()) == 2, 60, "two ready workers", srv)
+        assert healthy.pid in srv.ready_workers()
 
 
 def test_short_soak_has_no_failed_request_but_the_killed_workers(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from tests.support.gunicorn import Gunicorn
+from tests.support.gunicorn import Gunicorn, wait_for
 from tests.toy_models import TinyRanker, write_scale_model, write_tensor_model
 
 pytestmark = pytest.mark.e2e
@@ -115,19 +115,15 @@ def test_readiness_is_503_until_warmup_on_gunicorn(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     write_scale_model(repo, "slow", load_delay_s=2.0)
     with Gunicorn(tmp_path, {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1"}) as srv:
-        seen = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                status = srv.get("/v2/health/ready", timeout=5)[0]
-            except OSError:
-                time.sleep(0.05)
-                continue
-            seen.append(status)
-            if status == 200:
-                break
-            time.sleep(0.05)
-        assert 503 in seen and seen[-1] == 200, (seen, srv.log())
+        seen: list[int] = []
+
+        def ready() -> bool:
+            with contextlib.suppress(OSError):  # not listening yet
+                seen.append(srv.get("/v2/health/ready", timeout=5)[0])
+            return seen[-1:] == [200]
+
+        wait_for(ready, 60, "readiness 200", srv)
+        assert 503 in seen, (seen, srv.log())
         assert seen.index(200) > seen.index(503)
         assert srv.get("/v2/health/live")[0] == 200
 
@@ -141,9 +137,7 @@ def test_failed_model_load_exits_the_worker_without_halting_the_server(tmp_path:
     with Gunicorn(tmp_path, {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1"}) as srv:
         first = srv.wait_workers(1)[0].pid
         psutil.Process(first).wait(60)  # the worker exits on its own
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and "cannot import handler" not in srv.log():
-            time.sleep(0.05)
+        wait_for(lambda: "cannot import handler" in srv.log(), 60, "the load failure logged", srv)
         assert "cannot import handler 'tests.toy_models:MissingHandler'" in srv.log()
         assert srv.proc.poll() is None  # the master keeps running and forks a new worker
         assert srv.wait_workers(1)[0].pid != first
