@@ -12,8 +12,8 @@ a run, and a raw HTTP/1.1 keep-alive connection.
   soak and overload clients: exact accounting of what a killed worker held, headers such as
   Retry-After).
 
-It imports nothing of the server or of the tests, so ``scripts/loadtest.py`` drives a server
-with it too.
+It imports nothing of the tests, and of the server only the gRPC stubs (in :func:`drive_grpc`),
+so ``scripts/loadtest.py`` drives a server with it too.
 """
 
 from __future__ import annotations

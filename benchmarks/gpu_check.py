@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Acceptance checks on a real GPU machine: NVML, binding, CUDA serving, GPU load.
 
 Run on a machine with an NVIDIA GPU (nothing here is faked):

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Overload: goodput, rejection latency and worker memory of a real gunicorn server driven
 far past its capacity (docs/reliability.md, *Overload figures*).
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Reliability soak: steady load on a real gunicorn server while it reloads, recycles,
 drains and loses a worker; counts every failed request.
 
@@ -20,8 +19,8 @@ Each phase runs steady load before and after its event, and waits until all work
 ready again. Phases 1-3 must have zero failed requests; phase 4 exactly the requests the
 killed worker held. Exit status 0 when both hold, 1 otherwise.
 
-The clients are :class:`benchmarks.driver.Connection`, a minimal HTTP/1.1 keep-alive client, one connection
-each, behaving like a pooling client library (urllib3, aiohttp, httpx): it reuses its
+The clients are :class:`benchmarks.driver.Connection`, a minimal HTTP/1.1 keep-alive client,
+one connection each, behaving like a pooling client library (urllib3, aiohttp, httpx): it reuses its
 connection, opens a new one after a ``Connection: close`` response, discards a connection
 the server has closed (EOF seen) before sending on it, and never retries a request. A failed
 request is any error on the wire (reset, EOF before a complete response, a 30 s timeout) or
