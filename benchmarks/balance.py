@@ -145,7 +145,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--large-items", type=int, default=256)
     parser.add_argument("--large-repeats", type=int, default=5, help="0 skips the large-request figure")
     parser.add_argument("--no-balance", action="store_true", help="SCORING_BALANCE=0 (the comparison)")
-    parser.add_argument("--out", type=Path, default=Path("balance.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/balance.json"),
+        help="JSON record; the tables go beside it (.md)",
+    )
     args = parser.parse_args(argv)
 
     os.environ["SCORING_TORCH_THREADS"] = str(args.torch_threads)

@@ -71,7 +71,12 @@ def run(
 def main(argv: list[str] | None = None) -> None:
     parser = balance_parser(__doc__, "1,2,4,8,16", "calls in flight on the one channel")
     parser.add_argument("--balance", type=server.comma_list(("on", "off")), default=["on", "off"])
-    parser.add_argument("--out", type=Path, default=Path("grpc-balance.json"))
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path("out/grpc-balance.json"),
+        help="JSON record; the tables go beside it (.md)",
+    )
     args = parser.parse_args(argv)
 
     os.environ["SCORING_TORCH_THREADS"] = str(args.torch_threads)
