@@ -35,15 +35,25 @@ from benchmarks.server import MINILM, RANKER
 from tests.support.gunicorn import worker_items, worker_shares
 
 
-def balance_parser(doc: str | None, levels: str, levels_help: str) -> argparse.ArgumentParser:
+def balance_parser(doc: str | None, levels: str, levels_help: str, out: str) -> argparse.ArgumentParser:
     """The options of both balancing benchmarks (this one and :mod:`benchmarks.grpc_balance`):
-    the server's, the concurrency levels, seconds per level, items per request of each model."""
+    the server's, the concurrency levels, seconds per level, items per request of each model,
+    and where the record goes (``out`` by default)."""
     parser = server.parser(doc, models=f"{MINILM},{RANKER}", torch_threads=1)
     parser.add_argument("--levels", type=server.levels, default=server.levels(levels), help=levels_help)
     parser.add_argument("--duration", type=float, default=10.0, help="seconds per level")
     parser.add_argument("--items", type=int, default=8, help="MiniLM items per request")
     parser.add_argument("--ranker-items", type=int, default=1, help="feed-ranker items per request")
+    parser.add_argument("--out", type=Path, default=Path(out), help="JSON record; tables beside it (.md)")
     return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """``parser``'s arguments; every server started afterwards runs ``--torch-threads`` per
+    worker (``SCORING_TORCH_THREADS``)."""
+    args = parser.parse_args(argv)
+    os.environ["SCORING_TORCH_THREADS"] = str(args.torch_threads)
+    return args
 
 
 def items_for(args: argparse.Namespace, model: str) -> int:
@@ -141,19 +151,11 @@ def markdown(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = balance_parser(__doc__, "1,2,4,8,16,64", "connection counts")
+    parser = balance_parser(__doc__, "1,2,4,8,16,64", "connection counts", "out/balance.json")
     parser.add_argument("--large-items", type=int, default=256)
     parser.add_argument("--large-repeats", type=int, default=5, help="0 skips the large-request figure")
     parser.add_argument("--no-balance", action="store_true", help="SCORING_BALANCE=0 (the comparison)")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out/balance.json"),
-        help="JSON record; the tables go beside it (.md)",
-    )
-    args = parser.parse_args(argv)
-
-    os.environ["SCORING_TORCH_THREADS"] = str(args.torch_threads)
+    args = parse(parser, argv)
     os.environ["SCORING_BALANCE"] = "0" if args.no_balance else "1"
     runs = [
         levels_for(args.repository, model, items_for(args, model), args.workers, args.levels, args.duration)
@@ -164,10 +166,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     if args.large_repeats > 0 and MINILM in args.models:
         result["large"] = large_request(args.repository, args.large_items, args.large_repeats)
-    report.write_json(args.out, result)
-    table = markdown(result)
-    report.write_text(args.out.with_suffix(".md"), table)
-    print(table)
+    report.publish(args.out, result, markdown(result))
 
 
 if __name__ == "__main__":

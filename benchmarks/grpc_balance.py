@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import driver, payloads, report, server
-from benchmarks.balance import balance_parser, items_for, levels_markdown
+from benchmarks.balance import balance_parser, items_for, levels_markdown, parse
 from tests.support.gunicorn import Gunicorn, worker_items, worker_shares
 
 _FORWARDED_LINE = re.compile(r"^scoring_forwarded_requests_total\{[^}]*\} ([0-9.e+]+)$", re.M)
@@ -69,35 +69,18 @@ def run(
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = balance_parser(__doc__, "1,2,4,8,16", "calls in flight on the one channel")
+    levels = "calls in flight on the one channel"
+    parser = balance_parser(__doc__, "1,2,4,8,16", levels, "out/grpc-balance.json")
     parser.add_argument("--balance", type=server.comma_list(("on", "off")), default=["on", "off"])
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path("out/grpc-balance.json"),
-        help="JSON record; the tables go beside it (.md)",
-    )
-    args = parser.parse_args(argv)
-
-    os.environ["SCORING_TORCH_THREADS"] = str(args.torch_threads)
+    args = parse(parser, argv)
     runs = [
-        run(
-            args.repository,
-            model,
-            items_for(args, model),
-            args.workers,
-            mode == "on",
-            args.levels,
-            args.duration,
-        )
-        for model in args.models
+        run(args.repository, m, items_for(args, m), args.workers, mode == "on", args.levels, args.duration)
+        for m in args.models
         for mode in args.balance
     ]
     result = report.record(torch_threads=args.torch_threads, duration_s=args.duration, runs=runs)
-    report.write_json(args.out, result)
-    table = levels_markdown(result, " over one gRPC channel", "calls in flight", forwarded=True)
-    report.write_text(args.out.with_suffix(".md"), table)
-    print(table)
+    tables = levels_markdown(result, " over one gRPC channel", "calls in flight", forwarded=True)
+    report.publish(args.out, result, tables)
 
 
 if __name__ == "__main__":

@@ -62,6 +62,14 @@ def write_text(path: Path | None, text: str) -> None:
         path.write_text(text + "\n")
 
 
+def publish(path: Path, result: Mapping[str, Any], tables: str) -> None:
+    """Write ``result`` as JSON to ``path`` and ``tables`` beside it (``.md``), and print the
+    tables."""
+    write_json(path, result)
+    write_text(path.with_suffix(".md"), tables)
+    print(tables)
+
+
 def table(header: Sequence[str], rows: Iterable[Sequence[object]], align: str) -> str:
     """A Markdown table: ``header``, then one line per row (cells as ``str()``); ``align`` has
     one letter per column, ``l`` (text) or ``r`` (numbers).
