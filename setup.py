@@ -62,6 +62,7 @@ setup(
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
             "py3nvml>=0.2.7",
+            "pyperf>=2.6",  # benchmarks/loadtable.py
             "ruff>=0.5",
             "mypy>=1.10",
         ],

@@ -103,7 +103,7 @@ class Settings(BaseSettings):
     )
     uvloop: bool = Field(
         False,
-        description="Run workers on uvloop (aiohttp's GunicornUVLoopWebWorker). Off by default: "
+        description="Run workers on uvloop (app.server.worker.ScoringUVLoopWebWorker). Off by default: "
         "uvloop drops a SIGTERM that arrives while a worker boots, so a reload can leave an "
         "old worker holding its GPU slot (docs/architecture.md).",
     )

@@ -78,7 +78,7 @@ import numpy.typing as npt
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from scripts.harness import HOST, Connection, free_port, http, poll  # noqa: E402
+from benchmarks.driver import HOST, Connection, free_port, http, poll  # noqa: E402
 
 DEFAULT_TAG = "localhost/scoring-server:0.1.0-cpu"
 DEFAULT_BASE = "localhost/scoring-base:bookworm"

@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Load test a running scoring server: throughput and latency percentiles, CSV and PNG plots.
 
-Drives one model of a server that is already running (``scripts/serve``) with real payloads
-built from the model's metadata (``GET /v2/models/{name}``): sentences for ``BYTES`` inputs
-(all-MiniLM-L6-v2), random numbers for numeric ones (feed-ranker). Two modes, each level
-bounded in time:
+Drives one model of a server that is already running (``scripts/serve``) with payloads built
+from the model's metadata (``GET /v2/models/{name}``) by ``benchmarks.payloads``: headline-like
+texts for ``BYTES`` inputs (all-MiniLM-L6-v2), random numbers for numeric ones (feed-ranker).
+Two modes, each level bounded in time:
 
 - closed loop, ``--concurrency 1,2,4,8,16``: that many clients, each sending its next request
   when the previous one is answered (throughput vs latency as load grows);
@@ -24,7 +24,9 @@ Writes to ``--out``: ``summary.csv`` (one row per level), ``history.csv`` (per s
 (needs matplotlib). Percentiles are numpy's (linear interpolation between order statistics).
 
 Source: the closed/open-loop distinction and per-level reporting follow Triton's
-perf_analyzer and locust's CSV reports (``stats.csv``, ``stats_history.csv``).
+perf_analyzer and locust's CSV reports (``stats.csv``, ``stats_history.csv``). The requests and
+the closed loop are the benchmarks' own (``benchmarks.driver``, ``benchmarks.payloads``), so a
+load test and a benchmark send the same thing the same way.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import csv
-import json
 import math
 import random
 import sys
@@ -44,28 +45,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from scripts import harness
+from benchmarks import driver, payloads
 
 LOCAL_HOSTS = frozenset({"127.0.0.1", "localhost", "::1"})
-
-SENTENCES = (
-    "How do I reset my password on the mobile app?",
-    "The quarterly report shows revenue grew eight percent year over year.",
-    "Best hiking trails near the lake with a view of the mountains",
-    "A quick recipe for vegetable soup that takes less than thirty minutes",
-    "Why does my laptop battery drain so fast when the screen is off?",
-    "The museum opens a new exhibition on early photography next week.",
-    "Compare the fuel efficiency of hybrid and electric family cars",
-    "Local football club signs a young striker from the second division",
-    "Tips for sleeping better during a heat wave",
-    "The central bank left interest rates unchanged on Thursday.",
-    "How to write unit tests for asynchronous Python code",
-    "Five houseplants that survive in low light and need little water",
-    "Traffic on the ring road is delayed by roadworks near the airport.",
-    "What is the difference between a virus and a bacterial infection?",
-    "Review: the new noise cancelling headphones are light but pricey",
-    "Volunteers planted two thousand trees along the river this weekend.",
-)
 
 
 # --- pure parts ---------------------------------------------------------------------------
@@ -148,7 +130,7 @@ def summarize(mode: str, level: float, records: Iterable[Record], window: Window
     counted = [r for r in records if r.counted]
     ok = [r for r in counted if r.status == 200]
     lat = [r.latency_s * 1000 for r in ok]
-    p50, p90, p95, p99 = harness.percentiles(lat, (50, 90, 95, 99))
+    p50, p90, p95, p99 = driver.percentiles(lat, (50, 90, 95, 99))
     seconds = window.stop_s - window.measured_from_s
     span = max(seconds, 1e-9)
     return Summary(
@@ -183,7 +165,7 @@ def history(
     for index in sorted(buckets):
         batch = buckets[index]
         lat = [r.latency_s * 1000 for r in batch if r.status == 200]
-        p50, p95, p99 = harness.percentiles(lat, (50, 95, 99))
+        p50, p95, p99 = driver.percentiles(lat, (50, 95, 99))
         rows.append(
             {
                 "time_s": index * bucket_s,
@@ -220,55 +202,22 @@ def write_csv(path: Path, rows: Sequence[dict[str, Any]]) -> None:
         writer.writerows({k: cell(v) for k, v in row.items()} for row in rows)
 
 
-def _value(datatype: str, rng: random.Random) -> Any:
-    if datatype == "BYTES":
-        return rng.choice(SENTENCES)
-    if datatype == "BOOL":
-        return rng.random() < 0.5
-    if datatype.startswith(("INT", "UINT")):
-        return rng.randrange(0, 10)
-    return round(rng.gauss(0.0, 1.0), 5)
-
-
 def build_payload(
     metadata: dict[str, Any], protocol: str, batch: int, names: Sequence[str], rng: random.Random
 ) -> bytes:
-    """A request body of ``batch`` items for the inputs ``names`` (empty = every input).
-
-    V2: ``{"inputs": [{"name", "shape", "datatype", "data"}]}``; V1: ``{"instances": [...]}``,
-    one value per instance for a single input, else one object per instance.
+    """A request body of ``batch`` items for the inputs ``names`` (empty = every input), V2 or
+    V1 JSON (``benchmarks.payloads``).
 
     Raises:
         ValueError: an input name the model does not have.
     """
-    specs = {s["name"]: s for s in metadata["inputs"]}
+    specs = {s.name: s for s in payloads.inputs_of_metadata(metadata)}
     chosen = list(names) or list(specs)
     unknown = [n for n in chosen if n not in specs]
     if unknown:
         raise ValueError(f"model {metadata['name']} has no input {unknown}; it has {sorted(specs)}")
-    item_shapes = {n: [d if d > 0 else 1 for d in specs[n]["shape"][1:]] for n in chosen}
-
-    def item(name: str) -> Any:
-        shape, datatype = item_shapes[name], specs[name]["datatype"]
-        count = math.prod(shape)
-        values = [_value(datatype, rng) for _ in range(count)]
-        return values[0] if shape == [1] else values
-
-    if protocol == "v1":
-        if len(chosen) == 1:
-            instances = [item(chosen[0]) for _ in range(batch)]
-        else:
-            instances = [{n: item(n) for n in chosen} for _ in range(batch)]
-        return json.dumps({"instances": instances}).encode()
-    tensors = []
-    for n in chosen:
-        data: list[Any] = []
-        for _ in range(batch):
-            value = item(n)
-            data.extend(value if isinstance(value, list) else [value])
-        shape = [batch, *item_shapes[n]]
-        tensors.append({"name": n, "shape": shape, "datatype": specs[n]["datatype"], "data": data})
-    return json.dumps({"inputs": tensors}).encode()
+    request = payloads.tensors([specs[n] for n in chosen], batch, rng)
+    return payloads.v1_json(request) if protocol == "v1" else payloads.v2_json(request)
 
 
 def endpoint(base: str, protocol: str, model: str, version: str | None) -> str:
@@ -296,7 +245,7 @@ class Run:
 
 
 async def _send(session: Any, run: Run, level: float, scheduled: float, counted: bool) -> Record:
-    answer = await harness.post(session, run.url, random.choice(run.payloads))
+    answer = await driver.post(session, run.url, random.choice(run.payloads))
     return Record(level, scheduled, run.now() - scheduled, answer.status, run.items, counted, answer.error)
 
 
@@ -313,7 +262,7 @@ async def closed_loop(session: Any, run: Run, concurrency: int) -> tuple[list[Re
         begin = run.now()
         return _send(session, run, concurrency, begin, begin >= window.measured_from_s)
 
-    return await harness.closed_loop(one, concurrency, run.t0 + window.stop_s), window
+    return await driver.closed_loop(one, concurrency, run.t0 + window.stop_s), window
 
 
 async def open_loop(session: Any, run: Run, rate: float, max_outstanding: int) -> tuple[list[Record], Window]:

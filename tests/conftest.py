@@ -52,7 +52,7 @@ async def eventually(check: Callable[[], T | None], timeout_s: float = ...) -> T
 async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
     """Call ``check`` (a state the code exposes; a plain predicate or a coroutine function)
     every 10 ms until it returns something true, and return it; the async twin of
-    ``scripts.harness.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
+    ``tests.support.gunicorn.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
     async with asyncio.timeout(timeout_s):
         while True:
             result = check()

@@ -19,7 +19,7 @@ from app.http.auth import API_KEYS, KEY_FILE_RECHECK_S, ApiKeys, read_key_file
 from app.settings import Settings
 from tests.conftest import MakeClient
 from tests.fake_gpus import write_unavailable
-from tests.server import ROOT
+from tests.support.gunicorn import ROOT
 
 V2 = "/v2/models/scale/infer"
 BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]}

@@ -470,7 +470,8 @@ class Master:
         self.events: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.waiting: set[int] = set()
         self._pending: list[dict[str, Any]] = []
-        threading.Thread(target=self._read, daemon=True).start()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -524,6 +525,7 @@ class Master:
         self._next(lambda e: e == {"event": "gone", "pid": pid})
 
     def close(self) -> str:
+        """Stop the master (its workers with it), close its pipes; its log."""
         if self.proc.poll() is None:
             try:
                 self._send("quit")
@@ -531,6 +533,10 @@ class Master:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._reader.join(EVENT_TIMEOUT_S)  # it stops at the end of the master's output
+        for pipe in (self.proc.stdin, self.proc.stdout):
+            if pipe is not None:
+                pipe.close()
         return self.log_path.read_text()
 
 

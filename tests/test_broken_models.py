@@ -13,7 +13,7 @@ import pytest
 
 from app.serving.state import REGISTRY
 from tests.conftest import Client, MakeClient, eventually
-from tests.server import Gunicorn
+from tests.support.gunicorn import Gunicorn
 from tests.toy_models import write_broken_models, write_scale_model
 
 V2 = "/v2/models/{}/infer"

@@ -44,8 +44,10 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from app.settings import ENV_PREFIX, Settings
-from scripts import container_check
-from scripts.harness import free_port, poll
+from tests.support.gunicorn import free_port, poll
+from tests.support.tools import load_tool
+
+container_check = load_tool("container_check.py")
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -367,7 +369,7 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
     for rel in needed:
         assert (ROOT / rel).exists(), f"the image build needs {rel}, which does not exist"
         assert not _dockerignored(rel, patterns), f".dockerignore excludes {rel}"
-    for rel in (".venv", ".git", "tests", "model_repository/feed-ranker/model.pt2"):
+    for rel in (".venv", ".git", "tests", "benchmarks", "model_repository/feed-ranker/model.pt2"):
         assert _dockerignored(rel, patterns), f".dockerignore should exclude {rel}"
 
 

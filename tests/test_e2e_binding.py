@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from tests.fake_gpus import gpu, gpu_uuid, unused_pids, write_fake, write_unavailable
-from tests.server import Gunicorn, wait_for
+from tests.support.gunicorn import Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e

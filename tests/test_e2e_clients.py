@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests.demo_repo import MINILM, RANKER, demo_repository
-from tests.server import Gunicorn
+from tests.support.gunicorn import Gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -116,19 +116,19 @@ def test_kserve_rest_client_v2_defaults(server: Gunicorn, model: str) -> None:
     from kserve import InferenceRESTClient, InferInput, InferRequest, RESTConfig
 
     async def run() -> dict[str, np.ndarray]:
-        client = InferenceRESTClient(RESTConfig(protocol="v2"))
-        base = server.url
-        assert await client.is_server_live(base) and await client.is_server_ready(base)
-        assert await client.is_model_ready(base, model)
-        data = FEATURES if model == RANKER else TEXTS
-        tensor = InferInput(
-            "features" if model == RANKER else "text",
-            list(data.shape),
-            "FP32" if model == RANKER else "BYTES",
-        )
-        tensor.set_data_from_numpy(data)  # binary_data=True: the default
-        response = await client.infer(base, InferRequest(model, [tensor]), model_name=model)
-        return {o.name: o.as_numpy() for o in response.outputs}
+        async with InferenceRESTClient(RESTConfig(protocol="v2")) as client:  # closes its connections
+            base = server.url
+            assert await client.is_server_live(base) and await client.is_server_ready(base)
+            assert await client.is_model_ready(base, model)
+            data = FEATURES if model == RANKER else TEXTS
+            tensor = InferInput(
+                "features" if model == RANKER else "text",
+                list(data.shape),
+                "FP32" if model == RANKER else "BYTES",
+            )
+            tensor.set_data_from_numpy(data)  # binary_data=True: the default
+            response = await client.infer(base, InferRequest(model, [tensor]), model_name=model)
+            return {o.name: o.as_numpy() for o in response.outputs}
 
     assert_same(asyncio.run(run()), json_outputs(server, model))
 
@@ -140,12 +140,12 @@ def test_kserve_rest_client_v1_defaults(server: Gunicorn, model: str) -> None:
     instances: list[Any] = FEATURES.tolist() if model == RANKER else SENTENCES
 
     async def run() -> tuple[dict[str, Any], dict[str, Any]]:
-        client = InferenceRESTClient(RESTConfig(protocol="v1"))
-        assert await client.is_server_live(server.url)
-        assert await client.is_model_ready(server.url, model)
-        by_instances = await client.infer(server.url, {"instances": instances}, model_name=model)
-        by_inputs = await client.infer(server.url, {"inputs": instances}, model_name=model)
-        return by_instances, by_inputs
+        async with InferenceRESTClient(RESTConfig(protocol="v1")) as client:  # closes its connections
+            assert await client.is_server_live(server.url)
+            assert await client.is_model_ready(server.url, model)
+            by_instances = await client.infer(server.url, {"instances": instances}, model_name=model)
+            by_inputs = await client.infer(server.url, {"inputs": instances}, model_name=model)
+            return by_instances, by_inputs
 
     by_instances, by_inputs = asyncio.run(run())
     assert by_instances == by_inputs

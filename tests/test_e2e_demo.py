@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.server import ROOT, Gunicorn
+from tests.support.gunicorn import ROOT, Gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

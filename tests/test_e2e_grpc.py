@@ -6,7 +6,6 @@ never loads grpc. A SIGTERM drains gRPC like HTTP."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import signal
 import subprocess
@@ -21,7 +20,8 @@ import pytest
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from tests.server import ROOT, Gunicorn, wait_for
+from tests.support.gunicorn import ROOT, Gunicorn, wait_for
+from tests.support.tools import load_tool
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -37,13 +37,7 @@ INPUTS = {
 
 
 def export_ranker(repo: Path) -> None:
-    spec = importlib.util.spec_from_file_location(
-        "export_ranking_model", ROOT / "scripts" / "export_ranking_model.py"
-    )
-    assert spec is not None and spec.loader is not None
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    script.export(repo / RANKER, "torch_export", seed=0)
+    load_tool("export_ranking_model.py").export(repo / RANKER, "torch_export", seed=0)
 
 
 def serve(tmp: Path, model: str, workers: int) -> Gunicorn:

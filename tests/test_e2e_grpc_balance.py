@@ -17,7 +17,7 @@ import pytest
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from tests.server import Gunicorn, wait_for
+from tests.support.gunicorn import Gunicorn, wait_for
 from tests.test_e2e_balance import _both_live, items_per_worker, shares
 from tests.toy_models import write_scale_model
 

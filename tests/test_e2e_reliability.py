@@ -1,6 +1,6 @@
 """End to end on real gunicorn: slow boot, SIGTERM drain, hung inference, a failing model
 load beside a healthy worker, TLS with API keys, aborted and slow uploads, and a short soak
-(scripts/soak.py)."""
+(benchmarks/soak.py)."""
 
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ from typing import Any
 
 import pytest
 
-from scripts.harness import Connection
-from tests.server import ROOT, Gunicorn, wait_for
+from benchmarks.driver import Connection
+from tests.support.gunicorn import ROOT, Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -187,7 +187,7 @@ def test_short_soak_has_no_failed_request_but_the_killed_workers(tmp_path: Path)
     repo = tmp_path / "repo"
     write_scale_model(repo, "scale", max_queue_delay_ms=1.0)
     out = tmp_path / "soak.json"
-    cmd = [sys.executable, "scripts/soak.py", "--repository", str(repo), "--model", "scale",
+    cmd = [sys.executable, "-m", "benchmarks.soak", "--repository", str(repo), "--model", "scale",
            "--phase-s", "2", "--warmup-s", "0.5", "--concurrency", "4", "--json", str(out)]  # fmt: skip
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.server import Gunicorn, wait_for
+from tests.support.gunicorn import Gunicorn, wait_for
 from tests.toy_models import TinyRanker, write_scale_model, write_tensor_model
 
 BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
@@ -117,19 +117,15 @@ def test_readiness_is_503_until_warmup_on_gunicorn(tmp_path: Path) -> None:
     repo = tmp_path / "repo"
     write_scale_model(repo, "slow", load_delay_s=2.0)
     with Gunicorn(tmp_path, {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1"}) as srv:
-        seen = []
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                status = srv.get("/v2/health/ready", timeout=5)[0]
-            except OSError:
-                time.sleep(0.05)
-                continue
-            seen.append(status)
-            if status == 200:
-                break
-            time.sleep(0.05)
-        assert 503 in seen and seen[-1] == 200, (seen, srv.log())
+        seen: list[int] = []
+
+        def ready() -> bool:
+            with contextlib.suppress(OSError):  # not listening yet
+                seen.append(srv.get("/v2/health/ready", timeout=5)[0])
+            return seen[-1:] == [200]
+
+        wait_for(ready, 60, "readiness 200", srv)
+        assert 503 in seen, (seen, srv.log())
         assert seen.index(200) > seen.index(503)
         assert srv.get("/v2/health/live")[0] == 200
 

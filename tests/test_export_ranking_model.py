@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 import tomllib
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "export_ranking_model.py"
+from tests.support.tools import load_tool
+
 REPOSITORY = Path(__file__).resolve().parents[1] / "model_repository"
 
 
-def _load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("export_ranking_model", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-script = _load_script()
+script = load_tool("export_ranking_model.py")
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from tests.fake_gpus import unused_pid
-from tests.scripts import load_script
+from tests.support.tools import load_tool
 
-fg = load_script("flamegraph", "flamegraph")
+fg = load_tool("flamegraph")
 
 
 def fake_proc(tmp_path: Path, procs: dict[int, tuple[str, int, int]], scope: int | None = None,
@@ -58,14 +58,14 @@ for c in children:
 @pytest.fixture
 def master() -> Iterator[tuple[int, list[int]]]:
     """A real process with two children, like a gunicorn master: (its pid, the children's)."""
-    proc = subprocess.Popen(
+    with subprocess.Popen(  # leaving the block closes both pipes and waits
         [sys.executable, "-c", MASTER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None and proc.stdin is not None
-    children = [int(pid) for pid in proc.stdout.readline().split()]
-    yield proc.pid, children
-    proc.stdin.close()
-    proc.wait(30)
+    ) as proc:
+        assert proc.stdout is not None and proc.stdin is not None
+        children = [int(pid) for pid in proc.stdout.readline().split()]
+        yield proc.pid, children
+        proc.stdin.close()  # at EOF the master kills its children and exits
+        proc.wait(30)
 
 
 def test_workers_are_the_children_of_the_master_in_the_pid_file(
@@ -151,28 +151,17 @@ def test_real_recording_shows_the_busy_function(
 ) -> None:
     fg.find_py_spy()  # py-spy is a test dependency (setup.py)
     code = "def spin_here():\n    while True:\n        sum(range(1000))\nprint('ready', flush=True)\nspin_here()\n"
-    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
-    try:
-        if fg.ptrace_problem([child.pid]):
-            pytest.skip("ptrace is not allowed on this machine")  # a host setting, not our code
-        assert child.stdout is not None and child.stdout.readline() == "ready\n"  # interpreter up
-        argv = [
-            "--pid",
-            str(child.pid),
-            "--duration",
-            "1",
-            "--out",
-            str(tmp_path),
-            "--name",
-            "spin",
-            "--format",
-            fmt,
-        ]
-        rc = fg.main(argv)
-        assert rc == 0, capsys.readouterr().err
-    finally:
-        child.kill()
-        child.wait()
+    # leaving the block closes the pipe and waits for the child
+    with subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True) as child:
+        try:
+            if fg.ptrace_problem([child.pid]):
+                pytest.skip("ptrace is not allowed on this machine")  # a host setting, not our code
+            assert child.stdout is not None and child.stdout.readline() == "ready\n"  # interpreter up
+            argv = ["--pid", str(child.pid), "--duration", "1", "--out", str(tmp_path), "--name", "spin"]
+            rc = fg.main([*argv, "--format", fmt])
+            assert rc == 0, capsys.readouterr().err
+        finally:
+            child.kill()
     if fmt == "flamegraph":
         assert "spin_here" in (tmp_path / "spin.svg").read_text()
     else:

@@ -19,7 +19,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 
 from app.grpc.generated import grpc_service_pb2 as pb
-from tests.server import ROOT
+from tests.support.gunicorn import ROOT
 
 Fields = dict[str, tuple[int, int, int, str]]
 

@@ -1,14 +1,12 @@
-"""scripts/loadtest.py and scripts/harness.py: percentiles, the closed loop, polling,
-summaries, CSV, payloads the server accepts, a short run."""
+"""scripts/loadtest.py: levels and target checks, summaries, CSV, payloads the server accepts,
+a short run against an in-process app."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import csv
 import math
 import random
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,35 +16,11 @@ import pytest
 from app.models.repository import read_config
 from app.protocols import v1, v2
 from app.protocols.infer import validate_inputs
-from scripts import harness
-from tests.scripts import load_script
-from tests.server import ROOT
+from benchmarks import payloads
+from tests.support.gunicorn import ROOT
+from tests.support.tools import load_tool
 
-lt = load_script("loadtest", "loadtest.py")
-
-
-def test_percentiles_are_numpys_and_nan_when_empty() -> None:
-    values = [4.0, 1.0, 3.0, 2.0]
-    assert harness.percentiles(values, (0, 50, 90, 100)) == [1.0, 2.5, 3.7, 4.0]
-    assert all(math.isnan(v) for v in harness.percentiles([], (50, 99)))
-
-
-async def test_closed_loop_starts_no_request_after_the_deadline() -> None:
-    until = time.perf_counter() + 1.0
-
-    async def request(client: int) -> int:  # answered only once the deadline has passed
-        await asyncio.sleep(until - time.perf_counter() + 0.01)
-        return client
-
-    assert sorted(await harness.closed_loop(request, 3, until)) == [0, 1, 2]
-    assert await harness.closed_loop(request, 3, time.perf_counter() - 1) == []
-
-
-def test_poll_returns_the_value_and_fails_with_diagnostics() -> None:
-    values = iter([0, "", "done"])
-    assert harness.poll(lambda: next(values), 5, "a value", interval_s=0) == "done"
-    with pytest.raises(AssertionError, match=r"waiting for never(.|\n)*the log tail"):
-        harness.poll(lambda: False, 0.01, "never", interval_s=0.001, diagnostics=lambda: "the log tail")
+lt = load_tool("loadtest.py")
 
 
 def test_levels_and_target_are_checked() -> None:
@@ -108,7 +82,7 @@ def test_payloads_are_accepted_by_the_servers_decoders(model: str, protocol: str
     first = config.inputs[0]
     assert arrays[first.name].shape[0] == 3
     if first.datatype == "BYTES":
-        assert arrays[first.name].ravel()[0].decode() in lt.SENTENCES
+        assert arrays[first.name].ravel()[0].decode().split("; ")[0] in payloads.HEADLINES
     with pytest.raises(ValueError, match="no input"):
         lt.build_payload(metadata, protocol, 1, ["nope"], random.Random(0))
 

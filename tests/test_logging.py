@@ -17,7 +17,7 @@ from gunicorn.glogging import CONFIG_DEFAULTS
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.observability.logconfig import JsonFormatter, log_config
-from tests.server import ROOT, Gunicorn, wait_for
+from tests.support.gunicorn import ROOT, Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
 

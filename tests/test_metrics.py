@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +21,7 @@ from app.serving.state import REGISTRY
 from gpu_stat.binding import BindingPolicy, bind_worker, release_binding
 from tests.conftest import eventually
 from tests.fake_gpus import GIB, gpu, gpu_uuid, write_fake
-from tests.server import Gunicorn, wait_for
+from tests.support.gunicorn import Gunicorn, wait_for
 from tests.toy_models import ScaleHandler, write_scale_model
 
 Samples = list[tuple[str, dict[str, str], float]]
@@ -127,6 +129,38 @@ async def test_metrics_can_be_turned_off(make_client: Callable[..., Any], scale_
     client = await make_client(scale_repo, metrics_enabled=False)
     assert (await client.get("/metrics")).status == 404
     assert (await client.post("/v2/models/scale/infer", json=v2_body(1))).status == 200
+
+
+MODE_CHECK = """
+import os, sys
+from app.observability import metrics
+print(metrics.multiprocess_dir())
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+try:
+    metrics.multiprocess_dir()
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("set_before", [True, False], ids=["set before", "set after"])
+def test_the_multiprocess_directory_must_be_set_before_prometheus_client_is_imported(
+    tmp_path: Path, set_before: bool
+) -> None:
+    """prometheus_client picks in-process values or files at its first import: a directory
+    named only after that would collect nothing of this process, so it is refused."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if set_before:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", MODE_CHECK, str(tmp_path)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    first, *rest = done.stdout.splitlines()
+    if set_before:
+        assert (first, rest) == (str(tmp_path), [])
+    else:
+        assert first == "None" and "was set after prometheus_client was imported" in rest[0]
 
 
 async def test_bound_gpu_memory_and_utilisation_come_from_nvml(

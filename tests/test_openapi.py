@@ -21,7 +21,7 @@ from app.http.openapi import main as openapi_main
 from app.http.openapi import render
 from app.http.routes import OPENAPI
 from tests.conftest import Client, MakeClient
-from tests.server import ROOT, Gunicorn
+from tests.support.gunicorn import ROOT, Gunicorn
 from tests.toy_models import write_scale_model
 
 SPEC_PATH = ROOT / "app" / "openapi.json"

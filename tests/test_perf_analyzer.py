@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.demo_repo import MINILM, RANKER, demo_repository
-from tests.server import ROOT, Gunicorn
+from tests.support.gunicorn import ROOT, Gunicorn
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

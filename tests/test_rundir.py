@@ -15,7 +15,7 @@ import pytest
 from app.server import loadtable, rundir
 from app.server.siblings import Siblings
 from gpu_stat.leases import try_lock
-from tests.server import ROOT, free_port
+from tests.support.gunicorn import ROOT, free_port
 
 
 def test_the_default_is_a_fresh_private_folder_with_an_unguessable_name(

@@ -22,23 +22,24 @@ metric names follow Prometheus' naming guide (base units, ``_total``, ``_info``)
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Mapping, Sequence
 
-from aiohttp import web
-from prometheus_client import (
-    REGISTRY,
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    generate_latest,
-    values,
-)
-from prometheus_client.multiprocess import MultiProcessCollector
-
-import gpu_stat
-
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
+# prometheus_client decides once, when it is first imported, whether samples stay in the
+# process or go to files under PROMETHEUS_MULTIPROC_DIR (its "Multiprocess Mode" documentation:
+# the variable must be set before). Where this module makes that first import, what the
+# variable was then is what prometheus_client saw; None where it was imported before this module.
+_DIR_AT_FIRST_IMPORT: str | None = (
+    None if "prometheus_client" in sys.modules else os.environ.get(ENV_MULTIPROC_DIR, "")
+)
+
+from aiohttp import web  # noqa: E402 - after the look at sys.modules above
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
+from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
+
+import gpu_stat  # noqa: E402
+
 #: Seconds; dense from 0.5 ms to 100 ms, where a batched model's latency lives, up to 10 s.
 LATENCY_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.025, 0.05, 0.075,
@@ -51,18 +52,20 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
 def multiprocess_dir() -> str | None:
     """The multiprocess directory, or None for in-process collection.
 
+    Where something imported ``prometheus_client`` before this module (the gunicorn master's
+    ``child_exit`` hook does, after setting the variable), the variable is trusted as it is.
+
     Raises:
-        RuntimeError: the variable is set but ``prometheus_client`` was imported
-            before it was, so samples would stay in this process.
+        RuntimeError: the variable is set but was not when this module first imported
+            ``prometheus_client``, so samples would stay in this process.
     """
     path = os.environ.get(ENV_MULTIPROC_DIR)
-    in_files = values.ValueClass is not values.MutexValue
-    if path and not in_files:
+    if path and _DIR_AT_FIRST_IMPORT == "":
         raise RuntimeError(
             f"{ENV_MULTIPROC_DIR}={path} was set after prometheus_client was imported; "
             "set it before (gunicorn.conf.py does) so every worker's metrics reach /metrics"
         )
-    return path if path and in_files else None
+    return path or None
 
 
 class ServerMetrics:
@@ -141,7 +144,7 @@ class ServerMetrics:
             "scoring_worker_binding_info", "1 per live worker, labelled with its GPU binding.",
             ["pid", "device", "gpu", "gpu_uuid", "slot"], multiprocess_mode="liveall", registry=r,
         )  # fmt: skip
-        # --- balancing among sibling workers (app.server.balance; issue 10) ---
+        # --- balancing among sibling workers (app.server.balance) ---
         self.worker_load_items = Gauge(
             "scoring_worker_load_items", "Inference items queued + in flight in one worker.",
             ["pid"], multiprocess_mode="liveall", registry=r,

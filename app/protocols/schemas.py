@@ -2,7 +2,7 @@
 
 The OpenAPI description (``app/openapi.json``) takes its component schemas from these types
 and from the request/response types of :mod:`app.protocols.v2` and :mod:`app.protocols.v1`
-(``scripts/openapi.py`` generates it; ``tests/test_openapi.py`` checks that the file is current
+(``python -m app.http.openapi`` generates it; ``tests/test_openapi.py`` checks that the file is current
 and that real answers validate against it). Field names follow the Open Inference Protocol
 and Triton's extensions (sources in :mod:`app.protocols.triton`).
 """

@@ -3,7 +3,7 @@
 Source: the Open Inference Protocol REST spec ("Inference Request JSON Object",
 "Inference Response JSON Object", "Tensor Data"). Request ``parameters`` may
 carry ``timeout`` in microseconds (Triton's convention). The msgspec structs here are the
-wire shapes (and the OpenAPI schemas, ``scripts/openapi.py``); decoding yields the
+wire shapes (and the OpenAPI schemas, ``python -m app.http.openapi``); decoding yields the
 protocol-neutral :class:`app.protocols.infer.InferRequest`.
 """
 

@@ -2,7 +2,7 @@
 
 One fixed-size slot per worker in an mmap'd file; a worker writes its own slot (a
 ``struct.pack_into`` on the mmap: no system call, no lock) and reads its siblings'
-(``struct.unpack_from``: a few hundred ns per look, ``benchmarks/bench_loadtable.py``). No master,
+(``struct.unpack_from``: a few hundred ns per look, ``python -m benchmarks.loadtable``). No master,
 no lock and no system call on the hot path. Layout (little endian)::
 
     header   16 bytes: magic b"SCLOAD02", slots in use (u32), reserved (u32)

@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """Acceptance checks on a real GPU machine: NVML, binding, CUDA serving, GPU load.
 
 Run on a machine with an NVIDIA GPU (nothing here is faked):
 
-    python scripts/gpu_check.py --repository model_repository --out gpu_check.json
+    python -m benchmarks.gpu_check --repository model_repository --out gpu_check.json
 
 1. ``python -m gpu_stat --json`` through each NVML binding (nvidia-ml-py, py3nvml): the
    same GPUs, and torch's ``cuda:0`` is NVML's first one (UUIDs compared).
@@ -14,7 +13,7 @@ Run on a machine with an NVIDIA GPU (nothing here is faked):
    CPU's numbers (in this process, same weights) within ``--atol``; after ``kill -9`` of a
    worker and after a HUP reload the (GPU, slot) layout is whole again.
 3. Served load, per model, at the last layout: closed-loop clients at each
-   ``--concurrency`` for ``--duration`` s (``benchmark.drive``), with NVML's GPU
+   ``--concurrency`` for ``--duration`` s (:func:`benchmarks.driver.drive`), with NVML's GPU
    utilisation sampled every 0.2 s (percent of time a kernel ran; nvmlDeviceGetUtilizationRates).
 
 Each check is recorded with its evidence in one JSON report; the exit status is 1 if
@@ -42,12 +41,12 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from app.models.repository import read_config  # noqa: E402
-from gpu_stat import query_gpus  # noqa: E402
-from scripts import benchmark, harness  # noqa: E402
+from app.models.repository import read_config
+from benchmarks import driver, payloads, server
+from benchmarks.driver import poll
+from benchmarks.report import record, write_json
+from gpu_stat import query_gpus
+from tests.support.gunicorn import ROOT, Gunicorn
 
 #: Libraries that only a process using CUDA maps. Not ``libcuda.so``: the driver's NVML
 #: library maps it at ``nvmlInit`` (seen with driver 580.159.04), in the master too, and
@@ -106,38 +105,30 @@ def utilisation_sampler(period_s: float = 0.2) -> Iterator[list[float]]:
         thread.join()
 
 
-def cpu_reference(
-    repo: Path, models: list[str], bodies: dict[str, dict[str, Any]]
-) -> dict[str, dict[str, np.ndarray]]:
-    """Each model's outputs for its parity body, computed on the CPU in this process."""
+def cpu_reference(repo: Path, bodies: dict[str, list[payloads.Tensor]]) -> dict[str, dict[str, np.ndarray]]:
+    """Each model's outputs for its parity request, computed on the CPU in this process."""
     import torch
 
     from app.models.runner import ModelRunner
 
     reference: dict[str, dict[str, np.ndarray]] = {}
-    for name in models:
+    for name, request in bodies.items():
         runner = ModelRunner(read_config(repo / name))
         runner.load(torch.device("cpu"))
-        inputs = {}
-        for tensor in bodies[name]["inputs"]:
-            if tensor["datatype"] == "BYTES":
-                arr = np.array([s.encode() for s in tensor["data"]], dtype=object)
-            else:
-                arr = np.array(tensor["data"], dtype=np.float32)
-            inputs[tensor["name"]] = arr.reshape(tensor["shape"])
-        outputs = runner.forward(inputs)
+        outputs = runner.forward({t.name: t.array for t in request})
         reference[name] = {k: np.asarray(v, dtype=np.float32) for k, v in outputs.items()}
     return reference
 
 
-def served_outputs(srv: harness.Gunicorn, name: str, body: dict[str, Any]) -> dict[str, np.ndarray]:
-    status, _, answer = srv.post(f"/v2/models/{name}/infer", body)
+def served_outputs(srv: Gunicorn, name: str, request: list[payloads.Tensor]) -> dict[str, np.ndarray]:
+    """``name``'s outputs for ``request``, served over V2 JSON."""
+    status, _, answer = srv.post(f"/v2/models/{name}/infer", payloads.v2_json(request))
     if status != 200:
         raise AssertionError(f"{name}: HTTP {status}: {answer}")
     return {o["name"]: np.asarray(o["data"], dtype=np.float32).reshape(o["shape"]) for o in answer["outputs"]}
 
 
-def check_layout(report: Report, srv: harness.Gunicorn, workers: int, per_gpu: int, when: str) -> None:
+def check_layout(report: Report, srv: Gunicorn, workers: int, per_gpu: int, when: str) -> None:
     """The binding checks of one moment: devices, UUIDs, slots, NVML's process lists, the master."""
     seen = srv.answering_workers(workers, 120)
     layout = sorted((w["binding"]["gpu_uuid"], int(w["binding"]["slot"])) for w in seen.values())
@@ -156,7 +147,7 @@ def check_layout(report: Report, srv: harness.Gunicorn, workers: int, per_gpu: i
         return all(pid in listed.get(w["binding"]["gpu_uuid"], set()) for pid, w in seen.items())
 
     with suppress(AssertionError):
-        harness.poll(workers_listed, 10, "NVML to list the workers", interval_s=0.2)
+        poll(workers_listed, 10, "NVML to list the workers", interval_s=0.2)
     master_maps = Path(f"/proc/{srv.proc.pid}/maps").read_text()
     report.check(
         f"per_gpu={per_gpu} {when}: NVML lists every worker on its GPU and not the master",
@@ -172,15 +163,14 @@ def check_layout(report: Report, srv: harness.Gunicorn, workers: int, per_gpu: i
     )
 
 
-def parity_bodies(repo: Path, models: list[str]) -> dict[str, dict[str, Any]]:
+def parity_bodies(repo: Path, models: list[str]) -> dict[str, list[payloads.Tensor]]:
+    """16 items per model, the same for the CPU reference and the served answer."""
     rng = random.Random(7)
-    return {
-        name: json.loads(benchmark.payload(name, read_config(repo / name).inputs, 16, rng)) for name in models
-    }
+    return {name: payloads.tensors(payloads.inputs_of(repo, name), 16, rng) for name in models}
 
 
 def check_parity(
-    report: Report, srv: harness.Gunicorn, bodies: dict[str, Any], reference: dict[str, Any], atol: float
+    report: Report, srv: Gunicorn, bodies: dict[str, Any], reference: dict[str, Any], atol: float
 ) -> None:
     for name, body in bodies.items():
         got = served_outputs(srv, name, body)
@@ -189,24 +179,24 @@ def check_parity(
         report.check(f"{name}: CUDA answers match the CPU (atol {atol:g})", ok, max_abs_diff=diffs)
 
 
-def wait_whole(srv: harness.Gunicorn, workers: int) -> None:
+def wait_whole(srv: Gunicorn, workers: int) -> None:
     srv.wait_workers(workers, 120)
     srv.wait_ready(300, count=workers)
 
 
-def kill_one_and_wait(srv: harness.Gunicorn, workers: int) -> None:
+def kill_one_and_wait(srv: Gunicorn, workers: int) -> None:
     """``kill -9`` of the oldest worker; wait until its replacement is ready."""
     victim = srv.workers()[0].pid
     os.kill(victim, signal.SIGKILL)
-    harness.poll(lambda: victim not in {w.pid for w in srv.workers()}, 30, "the killed worker to go")
+    poll(lambda: victim not in {w.pid for w in srv.workers()}, 30, "the killed worker to go")
     wait_whole(srv, workers)
 
 
-def hup_and_wait(srv: harness.Gunicorn, workers: int) -> None:
+def hup_and_wait(srv: Gunicorn, workers: int) -> None:
     """HUP; wait until no worker from before is left and ``workers`` are ready."""
     before = {w.pid for w in srv.workers()}
     srv.proc.send_signal(signal.SIGHUP)
-    harness.poll(
+    poll(
         lambda: not before & {w.pid for w in srv.workers()} and len(srv.ready_workers()) == workers,
         300,
         "HUP to replace every worker",
@@ -216,7 +206,7 @@ def hup_and_wait(srv: harness.Gunicorn, workers: int) -> None:
 
 def load_phase(
     report: Report,
-    srv: harness.Gunicorn,
+    srv: Gunicorn,
     repo: Path,
     models: list[str],
     levels: list[int],
@@ -226,15 +216,13 @@ def load_phase(
     """Closed-loop load per model and level with NVML utilisation sampled during each level."""
     figures: dict[str, Any] = {}
     for name in models:
-        config = read_config(repo / name)
-        rng = random.Random(1)
-        bodies = [benchmark.payload(name, config.inputs, items, rng) for _ in range(256)]
+        bodies = payloads.v2_bodies(repo, name, items, 256, seed=1)
         url = f"{srv.url}/v2/models/{name}/infer"
-        asyncio.run(benchmark.drive(url, bodies, items, levels[0], 2.0))  # connections, caches
+        asyncio.run(driver.drive(url, bodies, items, levels[0], 2.0))  # connections, caches
         rows = []
         for c in levels:
             with utilisation_sampler() as util:
-                row = asyncio.run(benchmark.drive(url, bodies, items, c, seconds))
+                row = asyncio.run(driver.drive(url, bodies, items, c, seconds))
             row["gpu_util_mean_pct"] = float(np.mean(util)) if util else float("nan")
             row["gpu_util_samples"] = len(util)
             print(f"load {name} items={items}: {row}", flush=True)
@@ -248,10 +236,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repository", type=Path, default=ROOT / "model_repository")
-    parser.add_argument("--models", default="feed-ranker,all-MiniLM-L6-v2")
-    parser.add_argument("--per-gpu", default="1,2", help="SCORING_MAX_PROCESSES_PER_GPU values to check")
-    parser.add_argument("--concurrency", default="1,8,64")
+    parser.add_argument("--repository", type=Path, default=server.DEMO_REPOSITORY)
+    parser.add_argument("--models", type=server.comma_list(), default=[server.RANKER, server.MINILM])
+    parser.add_argument(
+        "--per-gpu", type=server.levels, default=[1, 2], help="SCORING_MAX_PROCESSES_PER_GPU values"
+    )
+    parser.add_argument("--concurrency", type=server.levels, default=[1, 8, 64])
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     parser.add_argument("--items", type=int, default=8, help="items per request in the load phase")
     parser.add_argument("--atol", type=float, default=1e-3)
@@ -260,7 +250,7 @@ def main() -> int:
     import torch
 
     report = Report()
-    models = args.models.split(",")
+    models = args.models
     repo = args.repository.resolve()
     report.figures["torch"] = torch.__version__
     report.figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
@@ -280,9 +270,9 @@ def main() -> int:
     gpus = len(uuids["nvidia-ml-py"])
 
     bodies = parity_bodies(repo, models)
-    reference = cpu_reference(repo, models, bodies)
-    levels = [int(c) for c in args.concurrency.split(",")]
-    for per_gpu in [int(p) for p in args.per_gpu.split(",")]:
+    reference = cpu_reference(repo, bodies)
+    levels = args.concurrency
+    for per_gpu in args.per_gpu:
         workers = gpus * per_gpu
         env = {
             "SCORING_MODEL_REPOSITORY": str(repo),
@@ -291,7 +281,7 @@ def main() -> int:
             "SCORING_ACCESS_LOG": "",
             "SCORING_LOG_LEVEL": "info",
         }
-        with tempfile.TemporaryDirectory() as tmp, harness.Gunicorn(Path(tmp), env) as srv:
+        with tempfile.TemporaryDirectory() as tmp, Gunicorn(Path(tmp), env, torch_threads=None) as srv:
             started = time.monotonic()
             wait_whole(srv, workers)
             report.figures[f"boot_s_per_gpu_{per_gpu}"] = round(time.monotonic() - started, 1)
@@ -306,10 +296,8 @@ def main() -> int:
             check_layout(report, srv, workers, per_gpu, "after HUP")
             check_parity(report, srv, bodies, reference, args.atol)
             report.figures[f"log_tail_per_gpu_{per_gpu}"] = srv.log_tail(3000)
-    result = {"date": time.strftime("%Y-%m-%d"), "failed": report.failed, **report.figures}
-    result["checks"] = report.checks
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    result = record(failed=report.failed, **report.figures, checks=report.checks)
+    write_json(args.out, result)
     print(json.dumps({"failed": report.failed}), flush=True)
     return 1 if report.failed else 0
 

@@ -1,6 +1,5 @@
-#!/usr/bin/env python
 """Overload: goodput, rejection latency and worker memory of a real gunicorn server driven
-far past its capacity (issue 12; the figures go in docs/reliability.md).
+far past its capacity (docs/reliability.md, *Overload figures*).
 
 Starts ``gunicorn -c gunicorn.conf.py`` on 127.0.0.1 (a free port, a temporary run
 directory) with ``--workers`` workers serving the repository's models, then for each
@@ -22,21 +21,20 @@ Scenarios (``--scenarios``, comma-separated):
 - ``one-item-512``: one item per request, 512 connections, half on each model
   (feed-ranker and all-MiniLM-L6-v2).
 
-    python scripts/overload.py --json overload.json                 # the figures (quiet machine)
-    python scripts/overload.py --duration-s 3 --capacity-s 2        # a smoke run
-    python scripts/overload.py --honour-retry-after                 # clients that back off
+    python -m benchmarks.overload --json overload.json            # the figures (quiet machine)
+    python -m benchmarks.overload --duration-s 3 --capacity-s 2   # a smoke run
+    python -m benchmarks.overload --honour-retry-after            # clients that back off
 
-The clients are ``harness.Connection`` (HTTP/1.1 keep-alive, one connection each) in
-``harness.closed_loop``. The
-issue's targets: goodput >= 70 % of capacity, every rejection a 503 in under 50 ms p99,
-worker RSS within 10 % from start to end.
+The clients are :class:`benchmarks.driver.Connection` (HTTP/1.1 keep-alive, one connection
+each) in :func:`benchmarks.driver.closed_loop`. Targets: goodput >= 70 % of capacity, every
+rejection a 503 in under 50 ms p99, worker RSS within 10 % from start to end.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import json
+import random
 import sys
 import tempfile
 import time
@@ -45,17 +43,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scripts import harness  # noqa: E402
-
-MINILM = "all-MiniLM-L6-v2"
-RANKER = "feed-ranker"
-WORDS = ["an", "overload", "test", "sentence", "about", "scoring", "servers", "and", "the", "requests"]
+from benchmarks import driver, payloads, report, server
+from benchmarks.server import MINILM, RANKER
+from tests.support.gunicorn import Gunicorn
 
 
 @dataclass(frozen=True)
@@ -89,7 +81,7 @@ class Tally:
     server_s: dict[int, list[float]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, answers: list[harness.Answer]) -> Tally:
+    def of(cls, answers: list[driver.Answer]) -> Tally:
         """Group answers (status 0 = a wire error named by ``Answer.error``)."""
         tally = cls()
         for answer in answers:
@@ -107,43 +99,27 @@ class Tally:
 
 
 def ms_p(seconds: list[float], q: float) -> float | None:
-    """The ``q``-th percentile of ``seconds`` in ms (1 decimal); None when empty."""
-    return round(harness.percentiles(seconds, (q,))[0] * 1000, 1) if seconds else None
+    """The ``q``-th percentile (:func:`benchmarks.driver.percentiles`) of ``seconds`` in ms,
+    1 decimal; None (JSON null) when empty."""
+    return round(driver.percentiles(seconds, (q,))[0] * 1000, 1) if seconds else None
 
 
-def text(chars: int) -> str:
-    """An English-like text of about ``chars`` characters."""
-    words = (WORDS * (chars // 60 + 1))[: max(1, chars // 6)]
-    return " ".join(words)[:chars]
+def body(repository: Path, items: int, model: str, text_chars: int) -> bytes:
+    """A V2 inference request of ``items`` items for ``model`` (MiniLM texts of ``text_chars``
+    characters, no query)."""
+    inputs = payloads.inputs_of(repository, model, query=False)
+    return payloads.v2_json(payloads.tensors(inputs, items, random.Random(0), payloads.text_of(text_chars)))
 
 
-def body(items: int, model: str, text_chars: int) -> bytes:
-    """A V2 inference request of ``items`` items for one of the demo models (MiniLM texts of
-    ``text_chars`` characters)."""
-    if model == MINILM:
-        inputs = [
-            {"name": "text", "shape": [items, 1], "datatype": "BYTES", "data": [text(text_chars)] * items}
-        ]
-    else:
-        rng = np.random.default_rng(0)
-        features = rng.random(items * 32).round(4).tolist()
-        inputs = [{"name": "features", "shape": [items, 32], "datatype": "FP32", "data": features}]
-    return json.dumps({"inputs": inputs}).encode()
+def start(args: argparse.Namespace, tmp: Path) -> Gunicorn:
+    """gunicorn on a free loopback port with ``--workers`` workers serving every model of the
+    repository; ``SCORING_*`` settings of this environment pass through (e.g.
+    ``SCORING_IMPATIENT_HOLD_MS``)."""
+    env = {"SCORING_TORCH_THREADS": str(args.torch_threads), "SCORING_LOG_LEVEL": "info"}
+    return server.start(tmp, args.repository, "", args.workers, env)
 
 
-def server(args: argparse.Namespace, tmp: Path) -> harness.Gunicorn:
-    """gunicorn on a free loopback port with ``--workers`` workers serving the repository;
-    ``SCORING_*`` settings of this environment pass through (e.g. ``SCORING_IMPATIENT_HOLD_MS``)."""
-    env = {
-        "SCORING_WORKERS": str(args.workers),
-        "SCORING_MODEL_REPOSITORY": str(args.repository),
-        "SCORING_ACCESS_LOG": "",
-        "SCORING_TORCH_THREADS": str(args.torch_threads),
-    }
-    return harness.Gunicorn(tmp, env, clean_env=False)
-
-
-def rss_mib(srv: harness.Gunicorn) -> dict[int, float]:
+def rss_mib(srv: Gunicorn) -> dict[int, float]:
     """Each live worker's resident memory, MiB."""
     out = {}
     for worker in srv.workers():
@@ -155,19 +131,23 @@ def rss_mib(srv: harness.Gunicorn) -> dict[int, float]:
 
 
 async def drive(
-    port: int, scenario: Scenario, connections: int, seconds: float, text_chars: int, polite: bool = False
+    srv: Gunicorn,
+    bodies: dict[str, bytes],
+    scenario: Scenario,
+    connections: int,
+    seconds: float,
+    polite: bool = False,
 ) -> tuple[Tally, float]:
-    """``connections`` closed-loop clients (one ``harness.Connection`` each) for ``seconds``;
-    (outcomes, seconds elapsed). ``polite`` clients wait ``Retry-After`` seconds after a 503;
-    the others resend at once."""
-    bodies = {m: body(scenario.items, m, text_chars) for m in scenario.models}
-    conns = [harness.Connection(port) for _ in range(connections)]
+    """``connections`` closed-loop clients (one :class:`benchmarks.driver.Connection` each) for
+    ``seconds``, sending ``bodies[model]``; (outcomes, seconds elapsed). ``polite`` clients wait
+    ``Retry-After`` seconds after a 503; the others resend at once."""
+    conns = [driver.Connection(srv.port) for _ in range(connections)]
     connects: list[float] = []
     server_s: dict[int, list[float]] = {}
     start = time.perf_counter()
     stop_at = start + seconds
 
-    async def request(cid: int) -> harness.Answer:
+    async def request(cid: int) -> driver.Answer:
         model = scenario.models[cid % len(scenario.models)]
         conn = conns[cid]
         began = time.perf_counter()
@@ -181,18 +161,18 @@ async def drive(
             )
         except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             conn.close()
-            return harness.Answer(0, time.perf_counter() - began, type(exc).__name__)
+            return driver.Answer(0, time.perf_counter() - began, type(exc).__name__)
         error = "" if status == 200 else f"HTTP {status}"
         timing = headers.get("server-timing", "")
         if timing.startswith("app;dur="):
             server_s.setdefault(status, []).append(float(timing[8:]) / 1000)
-        answer = harness.Answer(status, time.perf_counter() - began, error)
+        answer = driver.Answer(status, time.perf_counter() - began, error)
         if polite and status == 503:
             wait = float(headers.get("retry-after", "1"))
             await asyncio.sleep(min(wait, max(0.0, stop_at - time.perf_counter())))
         return answer
 
-    answers = await harness.closed_loop(request, connections, stop_at)
+    answers = await driver.closed_loop(request, connections, stop_at)
     for conn in conns:
         conn.close()
     tally = Tally.of(answers)
@@ -201,15 +181,15 @@ async def drive(
     return tally, time.perf_counter() - start
 
 
-async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
+async def run_scenario(srv: Gunicorn, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
+    """Capacity, then overload, of one scenario: every figure of its row."""
+    bodies = {m: body(args.repository, scenario.items, m, args.text_chars) for m in scenario.models}
     clients = args.capacity_connections or scenario.capacity_connections
-    base, base_s = await drive(srv.port, scenario, clients, args.capacity_s, args.text_chars)
+    base, base_s = await drive(srv, bodies, scenario, clients, args.capacity_s)
     capacity = base.count(200) / base_s
     rss_start = rss_mib(srv)
     connections = args.connections or scenario.connections
-    load, load_s = await drive(
-        srv.port, scenario, connections, args.duration_s, args.text_chars, args.honour_retry_after
-    )
+    load, load_s = await drive(srv, bodies, scenario, connections, args.duration_s, args.honour_retry_after)
     rss_end = rss_mib(srv)
     goodput = load.count(200) / load_s
     growth = [rss_end[p] / rss_start[p] - 1 for p in rss_start if p in rss_end]
@@ -240,8 +220,8 @@ async def run_scenario(srv: harness.Gunicorn, scenario: Scenario, args: argparse
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = harness.benchmark_parser(__doc__, torch_threads=1)
-    parser.add_argument("--scenarios", type=harness.comma_list(SCENARIOS), default=list(SCENARIOS))
+    parser = server.parser(__doc__, torch_threads=1)
+    parser.add_argument("--scenarios", type=server.comma_list(SCENARIOS), default=list(SCENARIOS))
     parser.add_argument("--duration-s", type=float, default=20.0, help="overload per scenario")
     parser.add_argument("--capacity-s", type=float, default=10.0, help="unloaded measurement per scenario")
     parser.add_argument("--capacity-connections", type=int, default=0, help="clients for the capacity")
@@ -264,7 +244,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 async def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory(prefix="overload-") as tmp, server(args, Path(tmp)) as srv:
+    with tempfile.TemporaryDirectory(prefix="overload-") as tmp, start(args, Path(tmp)) as srv:
         srv.wait_ready(300, count=args.workers)
         return [await run_scenario(srv, SCENARIOS[name], args) for name in args.scenarios]
 
@@ -281,9 +261,8 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
             f"RSS {r['rss_start_mib']} -> {r['rss_end_mib']} MiB"
         )
-    if args.json:
-        command = " ".join(["python", "scripts/overload.py", *(argv if argv is not None else sys.argv[1:])])
-        args.json.write_text(json.dumps({"command": command, "results": results}, indent=2) + "\n")
+    command = " ".join(["python -m benchmarks.overload", *(argv if argv is not None else sys.argv[1:])])
+    report.write_json(args.json, report.record(command=command, results=results))
     return 0
 
 

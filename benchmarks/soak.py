@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Reliability soak: steady load on a real gunicorn server while it reloads, recycles,
 drains and loses a worker; counts every failed request.
 
@@ -20,16 +19,16 @@ Each phase runs steady load before and after its event, and waits until all work
 ready again. Phases 1-3 must have zero failed requests; phase 4 exactly the requests the
 killed worker held. Exit status 0 when both hold, 1 otherwise.
 
-The clients are ``harness.Connection``, a minimal HTTP/1.1 keep-alive client, one connection
-each, behaving like a pooling client library (urllib3, aiohttp, httpx): it reuses its
+The clients are :class:`benchmarks.driver.Connection`, a minimal HTTP/1.1 keep-alive client,
+one connection each, behaving like a pooling client library (urllib3, aiohttp, httpx): it reuses its
 connection, opens a new one after a ``Connection: close`` response, discards a connection
 the server has closed (EOF seen) before sending on it, and never retries a request. A failed
 request is any error on the wire (reset, EOF before a complete response, a 30 s timeout) or
 a status other than 200. Knowing each connection's local port is what makes the SIGKILL
 accounting exact.
 
-    python scripts/soak.py                                   # feed-ranker, 2 workers, 10 s phases
-    python scripts/soak.py --repository /tmp/repo --model scale --phase-s 3 --json soak.json
+    python -m benchmarks.soak                                 # feed-ranker, 2 workers, 10 s phases
+    python -m benchmarks.soak --repository /tmp/repo --model scale --phase-s 3 --json soak.json
 
 The feed-ranker's ``model.pt2`` is made by ``scripts/export_ranking_model.py``.
 """
@@ -38,8 +37,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
+import random
 import signal
 import sys
 import tempfile
@@ -49,14 +48,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scripts import harness  # noqa: E402
-from scripts.harness import HOST, Connection  # noqa: E402
+from benchmarks import driver, payloads, report, server
+from benchmarks.driver import Connection
+from tests.support.gunicorn import HOST, ROOT, Gunicorn
 
 REQUEST_TIMEOUT_S = 30.0
 PHASES = ("hup", "max_requests", "sigterm", "sigkill")
@@ -64,7 +60,7 @@ PHASES = ("hup", "max_requests", "sigterm", "sigkill")
 _WIRE_ERRORS = (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError, IndexError)
 
 CONFIG = """\
-# Written by scripts/soak.py: gunicorn.conf.py plus knobs the soak changes between reloads.
+# Written by benchmarks/soak.py: gunicorn.conf.py plus knobs the soak changes between reloads.
 import runpy as _runpy
 from pathlib import Path as _Path
 
@@ -90,7 +86,7 @@ class PhaseStats:
     notes: dict[str, Any] = field(default_factory=dict)
 
     def summary(self) -> dict[str, Any]:
-        p50, p99, top = harness.percentiles(self.latencies_ms or [0.0], (50, 99, 100))
+        p50, p99, top = driver.percentiles(self.latencies_ms or [0.0], (50, 99, 100))
         out = {k: v for k, v in asdict(self).items() if k not in ("latencies_ms", "failed_ports")}
         out.update(p50_ms=round(p50, 2), p99_ms=round(p99, 2), max_ms=round(top, 2))
         out["seconds"] = round(self.seconds, 1)
@@ -103,7 +99,7 @@ class Soak:
         self.tmp = Path(tempfile.mkdtemp(prefix="soak-"))
         self.knobs = self.tmp / "knobs"
         self.knobs.write_text("0 0")
-        self.server: harness.Gunicorn | None = None
+        self.server: Gunicorn | None = None
         self.stats: PhaseStats = PhaseStats("start")
         self.phases: list[PhaseStats] = []
         self.in_flight: dict[int, int] = {}  # client id -> local port of its request
@@ -113,7 +109,7 @@ class Soak:
 
     # --- server ------------------------------------------------------------------
 
-    def start_server(self) -> harness.Gunicorn:
+    def start_server(self) -> Gunicorn:
         config = self.tmp / "soak.conf.py"
         config.write_text(CONFIG.format(conf=str(ROOT / "gunicorn.conf.py"), knobs=str(self.knobs)))
         env = {
@@ -123,13 +119,11 @@ class Soak:
             "SCORING_ACCESS_LOG": "",
             "SCORING_GRACEFUL_TIMEOUT_S": str(self.args.graceful_timeout_s),
         }
-        if self.args.torch_threads:
-            env["SCORING_TORCH_THREADS"] = str(self.args.torch_threads)
-        self.server = harness.Gunicorn(self.tmp, env, config=config)
+        self.server = Gunicorn(self.tmp, env, config=config, torch_threads=self.args.torch_threads or None)
         return self.server
 
     @property
-    def srv(self) -> harness.Gunicorn:
+    def srv(self) -> Gunicorn:
         assert self.server is not None, "start_server() first"
         return self.server
 
@@ -161,27 +155,9 @@ class Soak:
 
     # --- load --------------------------------------------------------------------
 
-    async def prepare_body(self) -> None:
-        conn = Connection(self.srv.port)
-        await conn.open()
-        status, _, raw = await conn.request("GET", f"/v2/models/{self.args.model}")
-        conn.close()
-        if status != 200:
-            raise RuntimeError(f"model metadata: {status} {raw[:200]!r}")
-        meta = json.loads(raw)
-        rng = np.random.default_rng(0)
-        inputs = []
-        for spec in meta["inputs"]:
-            shape = [self.args.items, *(8 if d == -1 else d for d in spec["shape"][1:])]
-            count = int(np.prod(shape))
-            if spec["datatype"] == "BYTES":
-                data: list[Any] = ["a soak test sentence"] * count
-            elif spec["datatype"].startswith(("FP", "BF")):
-                data = rng.random(count).round(4).tolist()
-            else:
-                data = [1] * count
-            inputs.append({"name": spec["name"], "shape": shape, "datatype": spec["datatype"], "data": data})
-        self.body = json.dumps({"inputs": inputs}).encode()
+    def prepare_body(self) -> None:
+        inputs = payloads.inputs_of(self.args.repository, self.args.model)
+        self.body = payloads.v2_json(payloads.tensors(inputs, self.args.items, random.Random(0)))
         self.path = f"/v2/models/{self.args.model}/infer"
 
     async def client(self, cid: int) -> None:
@@ -279,7 +255,7 @@ class Soak:
         self.start_server()
         try:
             await self.wait_settled(set(), timeout_s=180)
-            await self.prepare_body()
+            self.prepare_body()
             clients = [asyncio.create_task(self.client(i)) for i in range(self.args.concurrency)]
             print(_row(None), flush=True)
             self.stats = PhaseStats("warmup")
@@ -338,13 +314,13 @@ def _tcp_connections(pid: int) -> list[Any]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = harness.benchmark_parser(__doc__, model="feed-ranker", torch_threads=1)
+    parser = server.parser(__doc__, model=server.RANKER, torch_threads=1)
     parser.add_argument("--concurrency", type=int, default=8, help="clients, one connection each")
     parser.add_argument("--items", type=int, default=1, help="items per request")
     parser.add_argument("--phase-s", type=float, default=10.0, help="length of each phase, at least")
     parser.add_argument("--warmup-s", type=float, default=3.0)
     parser.add_argument("--graceful-timeout-s", type=int, default=30)
-    parser.add_argument("--phases", type=harness.comma_list(PHASES), default=list(PHASES))
+    parser.add_argument("--phases", type=server.comma_list(PHASES), default=list(PHASES))
     parser.add_argument("--json", type=Path, help="write the results here")
     return parser.parse_args(argv)
 
@@ -353,14 +329,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     soak = Soak(args)
     status = asyncio.run(soak.run())
-    results = {
-        "command": " ".join(["python", "scripts/soak.py", *(argv if argv is not None else sys.argv[1:])]),
-        "workers": args.workers,
-        "concurrency": args.concurrency,
-        "model": args.model,
-        "phases": [p.summary() for p in soak.phases],
-        "passed": status == 0,
-    }
+    results = report.record(
+        command=" ".join(["python -m benchmarks.soak", *(argv if argv is not None else sys.argv[1:])]),
+        workers=args.workers,
+        concurrency=args.concurrency,
+        model=args.model,
+        phases=[p.summary() for p in soak.phases],
+        passed=status == 0,
+    )
     kill = next((p for p in soak.phases if p.name == "sigkill"), None)
     if kill is not None:
         print(
@@ -369,8 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{kill.notes['failed_on_victim_connections']} of the failures on those connections"
         )
     print("PASSED" if status == 0 else "FAILED", f"(server log: {soak.log_path})")
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    report.write_json(args.json, results)
     return status
 
 

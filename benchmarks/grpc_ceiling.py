@@ -1,5 +1,5 @@
 """The ceiling of grpcio's asyncio server on this machine: a no-op KServe V2 gRPC server, driven
-by perf_analyzer exactly as ``scripts/bench_protocols.py`` drives the real one.
+by perf_analyzer exactly as :mod:`benchmarks.protocols` drives the real one.
 
 The no-op server is one process with one ``grpc.aio`` server serving ``GRPCInferenceService``
 from the project's generated stubs; ModelInfer returns a fixed response (8 FP32 scores as
@@ -7,7 +7,7 @@ from the project's generated stubs; ModelInfer returns a fixed response (8 FP32 
 grpcio itself allows one worker process, with no decoding, batching or model: the real
 server's gRPC figures are read against it (docs/benchmarks.md, *Protocols*).
 
-    python scripts/bench_grpc_ceiling.py --out docs/benchmarks/grpc-ceiling-cpu.json
+    python -m benchmarks.grpc_ceiling --out docs/benchmarks/grpc-ceiling-cpu.json
 
 Traffic goes only to 127.0.0.1; every perf_analyzer run is bounded (``--timeout``), and the
 no-op server is stopped at the end.
@@ -17,22 +17,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import os
-import platform
 import socket
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from scripts import harness  # noqa: E402
-from scripts.bench_protocols import PERF_ANALYZER, run_level  # noqa: E402
+from benchmarks import report
+from benchmarks.driver import HOST, free_port, poll
+from benchmarks.protocols import PERF_ANALYZER, perf_analyzer_options, rows_table, run_level
+from tests.support.gunicorn import ROOT
 
 MODEL = "feed-ranker"
 
@@ -82,7 +77,7 @@ async def serve(port: int, items: int) -> None:
 
     server = grpc.aio.server()
     pb_grpc.add_GRPCInferenceServiceServicer_to_server(NoOp(), server)  # type: ignore[no-untyped-call]
-    server.add_insecure_port(f"{harness.HOST}:{port}")
+    server.add_insecure_port(f"{HOST}:{port}")
     await server.start()
     await server.wait_for_termination()
 
@@ -90,7 +85,7 @@ async def serve(port: int, items: int) -> None:
 def listening(port: int) -> bool:
     """True once something accepts TCP connections on 127.0.0.1:``port``."""
     try:
-        socket.create_connection((harness.HOST, port), timeout=1).close()
+        socket.create_connection((HOST, port), timeout=1).close()
     except OSError:
         return False
     return True
@@ -101,45 +96,34 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--items", type=int, default=8, help="items (rows) per request: perf_analyzer -b")
-    parser.add_argument("--concurrency", default="1,8,64")
-    parser.add_argument("--interval-ms", type=int, default=5000, help="perf_analyzer --measurement-interval")
-    parser.add_argument("--stability", type=float, default=999.0, help="perf_analyzer --stability-percentage")
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per perf_analyzer run")
+    perf_analyzer_options(parser, stability=999.0)
     parser.add_argument("--serve", type=int, metavar="PORT", help="run the no-op server on PORT (internal)")
     parser.add_argument("--out", type=Path, help="JSON file for the results")
-    parser.add_argument("--machine", default=f"{platform.node()} ({os.cpu_count()} CPUs, no GPU)")
     args = parser.parse_args(argv)
     if args.serve:
         asyncio.run(serve(args.serve, args.items))
         return
 
     subprocess.run([str(PERF_ANALYZER), "--setup"], check=True, stdout=subprocess.DEVNULL)
-    port = harness.free_port()
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, __file__, "--serve", str(port), "--items", str(args.items)]
-    proc = subprocess.Popen(cmd, env=env)
-    url = f"{harness.HOST}:{port}"
+    port = free_port()
+    cmd = [sys.executable, "-m", "benchmarks.grpc_ceiling", "--serve", str(port), "--items", str(args.items)]
+    url = f"{HOST}:{port}"
     rows = []
-    try:
-        harness.poll(lambda: listening(port), timeout_s=60, what=f"no-op gRPC server on {url}")
-        for c in (int(c) for c in args.concurrency.split(",")):
-            row = run_level(url, "grpc", MODEL, args.items, c, args)
-            print(f"no-op grpc.aio: {row}", flush=True)
-            rows.append(row)
-    finally:
-        proc.kill()
-        proc.wait()
-    result = {
-        "what": "no-op grpc.aio KServe V2 server, one process (scripts/bench_grpc_ceiling.py)",
-        "machine": args.machine,
-        "items_per_request": args.items,
-        "interval_ms": args.interval_ms,
-        "date": time.strftime("%Y-%m-%d"),
-        "rows": rows,
-    }
-    if args.out:
-        args.out.write_text(json.dumps(result, indent=2) + "\n")
+    with subprocess.Popen(cmd, cwd=ROOT) as proc:
+        try:
+            poll(lambda: listening(port), timeout_s=60, what=f"no-op gRPC server on {url}")
+            for c in args.concurrency:
+                row = run_level(url, "grpc", MODEL, c, args)
+                print(f"no-op grpc.aio: {row}", flush=True)
+                rows.append(row)
+        finally:
+            proc.kill()
+    result = report.record(
+        what="no-op grpc.aio KServe V2 server, one process (python -m benchmarks.grpc_ceiling)",
+        items_per_request=args.items, interval_ms=args.interval_ms, rows=rows,
+    )  # fmt: skip
+    print(rows_table({"grpc (no-op server)": rows}))
+    report.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,180 @@
+"""Request payloads for any model described by its inputs (``model.toml`` or ``GET
+/v2/models/{name}``), in every form the benchmarks send: the arrays themselves (in process),
+V2 JSON, KServe V1 JSON and a KServe V2 gRPC ``ModelInferRequest``.
+
+One builder, :func:`tensors`, makes the values: texts for BYTES inputs (two headlines and a
+number by default, so that no two items of a run are equal; or a text of a given length), and
+for numeric inputs standard normal numbers (integers 0-9, booleans at random). The demo models
+take ``features`` FP32 [32] (feed-ranker) and ``text`` BYTES [1] with an optional ``query``
+(all-MiniLM-L6-v2, which scores every text against :data:`QUERY`).
+
+It imports nothing of the tests, so ``scripts/loadtest.py`` builds its payloads with it too.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from app.datatypes import NUMPY_DTYPES
+from app.models.repository import TensorSpec, read_config
+
+HEADLINES = (
+    "Ten tips for a faster morning commute by bike",
+    "The city council approved the new park budget on Tuesday",
+    "How to cook perfect rice every single time",
+    "Local team wins the championship after a dramatic overtime",
+    "A beginner's guide to investing in index funds",
+    "Scientists discover a new species of deep sea fish",
+    "Why sleep matters more than you think for learning",
+    "The best hiking trails within two hours of the city",
+    "Stock markets rally as inflation cools for a third month",
+    "Simple stretches to relieve back pain at your desk",
+    "A review of the latest noise cancelling headphones",
+    "Five easy vegetarian dinners for busy weeknights",
+)
+#: What the input named ``query`` carries (all-MiniLM-L6-v2 scores each text against it).
+QUERY = "healthy cooking and outdoor sports"
+QUERY_INPUT = "query"
+_WORDS = ("an", "overload", "test", "sentence", "about", "scoring", "servers", "and", "the", "requests")
+
+#: Makes one text from a random source.
+TextSource = Callable[[random.Random], str]
+
+
+class Tensor(NamedTuple):
+    """One input of a request: ``array`` is ``[items, *item shape]`` (BYTES: an ``object``
+    array of ``bytes``, as the server holds them)."""
+
+    name: str
+    datatype: str
+    array: np.ndarray
+
+
+def distinct_text(rng: random.Random) -> str:
+    """A headline-like text (two headlines and a number): the items of a batch differ."""
+    return f"{rng.choice(HEADLINES)}; {rng.choice(HEADLINES).lower()} ({rng.randrange(10_000)})"
+
+
+def text_of(chars: int) -> TextSource:
+    """A source of one English-like text of ``chars`` characters (1,500: about 256 tokens,
+    MiniLM's ``max_seq_length``), the same for every item."""
+    words = (_WORDS * (chars // 60 + 1))[: max(1, chars // 6)]
+    text = " ".join(words)[:chars]
+    return lambda _rng: text
+
+
+def inputs_of(repository: Path, model: str, *, query: bool = True) -> list[TensorSpec]:
+    """The inputs a benchmark sends to ``model`` of ``repository``: every input of its
+    ``model.toml`` but the optional BYTES ones, except ``query`` where ``query`` is true
+    (MiniLM then scores every text against it, which costs a second embedding per item).
+
+    Raises:
+        ModelLoadError: the model's ``model.toml`` is missing or malformed.
+    """
+    return [
+        spec
+        for spec in read_config(repository / model).inputs
+        if not (spec.optional and spec.datatype == "BYTES" and (spec.name != QUERY_INPUT or not query))
+    ]
+
+
+def inputs_of_metadata(metadata: Mapping[str, Any]) -> list[TensorSpec]:
+    """The inputs of a ``GET /v2/models/{name}`` answer (shapes there carry the batch
+    dimension first)."""
+    return [TensorSpec(t["name"], t["datatype"], list(t["shape"][1:])) for t in metadata["inputs"]]
+
+
+def tensors(
+    inputs: Sequence[TensorSpec], items: int, rng: random.Random, text: TextSource = distinct_text
+) -> list[Tensor]:
+    """``items`` rows for each of ``inputs``, in order (-1 dimensions become 1). BYTES: the
+    input ``query`` gets :data:`QUERY`, others ``text(rng)`` per item; numbers come from a
+    numpy generator seeded from ``rng``."""
+    out = []
+    for spec in inputs:
+        shape = (items, *(1 if d == -1 else d for d in spec.shape))
+        if spec.datatype == "BYTES":
+            texts = [
+                (QUERY if spec.name == QUERY_INPUT else text(rng)).encode() for _ in range(np.prod(shape))
+            ]
+            array = np.empty(len(texts), dtype=object)
+            array[:] = texts
+            array = array.reshape(shape)
+        else:
+            numbers = np.random.default_rng(rng.randrange(1 << 30))
+            dtype = NUMPY_DTYPES[spec.datatype]
+            if dtype.kind == "b":
+                array = numbers.random(shape) < 0.5
+            elif dtype.kind in "iu":
+                array = numbers.integers(0, 10, size=shape).astype(dtype)
+            else:
+                array = numbers.normal(size=shape).astype(dtype)
+        out.append(Tensor(spec.name, spec.datatype, array))
+    return out
+
+
+def _plain(tensor: Tensor) -> np.ndarray:
+    """The tensor's values as JSON takes them (BYTES decoded to ``str``)."""
+    if tensor.datatype == "BYTES":
+        decoded: np.ndarray = np.vectorize(bytes.decode, otypes=[object])(tensor.array)
+        return decoded
+    return tensor.array
+
+
+def v2_json(request: Sequence[Tensor]) -> bytes:
+    """An Open Inference Protocol (V2) JSON body: flat row-major ``data``."""
+    inputs = [
+        {
+            "name": t.name,
+            "shape": list(t.array.shape),
+            "datatype": t.datatype,
+            "data": _plain(t).ravel().tolist(),
+        }
+        for t in request
+    ]
+    return json.dumps({"inputs": inputs}).encode()
+
+
+def v1_json(request: Sequence[Tensor]) -> bytes:
+    """A KServe V1 body, ``{"instances": [...]}``: per instance one value (a scalar where an
+    item is one element, else a nested list) for a single input, else an object of them."""
+    rows = {t.name: _plain(t) for t in request}
+
+    def item(name: str, i: int) -> Any:
+        row = rows[name][i]
+        return row.ravel().tolist()[0] if row.size == 1 else row.tolist()
+
+    items = len(request[0].array)
+    if len(request) == 1:
+        instances = [item(request[0].name, i) for i in range(items)]
+    else:
+        instances = [{name: item(name, i) for name in rows} for i in range(items)]
+    return json.dumps({"instances": instances}).encode()
+
+
+def grpc_request(model: str, request: Sequence[Tensor]) -> Any:
+    """A KServe V2 gRPC ``ModelInferRequest`` with raw input contents, as tritonclient sends it."""
+    from app.grpc.generated import grpc_service_pb2 as pb
+    from app.protocols.tensors import tensor_bytes
+
+    message = pb.ModelInferRequest(model_name=model)
+    for t in request:
+        message.inputs.add(name=t.name, datatype=t.datatype, shape=list(t.array.shape))
+        message.raw_input_contents.append(tensor_bytes(t.array, t.datatype))
+    return message
+
+
+def v2_bodies(
+    repository: Path, model: str, items: int, count: int, seed: int = 0, text: TextSource = distinct_text
+) -> list[bytes]:
+    """``count`` different V2 JSON bodies of ``items`` items for ``model`` of ``repository``
+    (:func:`inputs_of`), from a random source seeded with ``seed``."""
+    inputs = inputs_of(repository, model)
+    rng = random.Random(seed)
+    return [v2_json(tensors(inputs, items, rng, text)) for _ in range(count)]
