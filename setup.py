@@ -54,6 +54,7 @@ setup(
             "pytest-aiohttp>=1.0",
             "pytest-timeout>=2.3",
             "hypothesis>=6.100",
+            "h2>=4.1",  # tests/support/h2_peer.py: hostile HTTP/2 peers of the gRPC service
             "schemathesis>=4.0",
             "openapi-spec-validator>=0.7",
             "cryptography>=42",

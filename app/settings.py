@@ -142,6 +142,14 @@ class Settings(BaseSettings):
         "clients) after this many seconds, so a long-lived channel is placed again on a worker "
         "(SO_REUSEPORT); in-flight calls get grpc_grace_s to finish; 0 = never.",
     )
+    grpc_max_concurrent_streams: int = Field(
+        100,
+        ge=1,
+        le=2**31 - 1,
+        description="Most gRPC calls one connection may have open at once (HTTP/2 "
+        "SETTINGS_MAX_CONCURRENT_STREAMS; a client queues the rest): bounds what one connection "
+        "holds and arms grpcio's defences against HTTP/2 rapid reset (docs/reliability.md).",
+    )
     grpc_grace_s: float = Field(
         5.0,
         ge=0,

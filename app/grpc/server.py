@@ -36,14 +36,25 @@ log = logging.getLogger(__name__)
 
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
-    """grpcio channel arguments of the server: SO_REUSEPORT, the largest message accepted
-    = ``max_request_bytes`` (RESOURCE_EXHAUSTED above, from grpcio itself), and the connection
-    age after which a client is asked to reconnect (gRPC's ``MAX_CONNECTION_AGE``, the gRPC
-    load-balancing guide's advice for long-lived connections behind an L4 balancer)."""
+    """grpcio channel arguments of the server:
+
+    - ``grpc.so_reuseport``: every worker listens on the port (the kernel spreads connections);
+    - ``grpc.max_receive_message_length`` = ``max_request_bytes`` (RESOURCE_EXHAUSTED above,
+      from grpcio itself, before the message reaches Python);
+    - ``grpc.max_concurrent_streams`` = ``grpc_max_concurrent_streams``: the most calls one
+      connection may have open at once (announced in HTTP/2 SETTINGS; a client queues the
+      rest). It bounds what one connection can hold in memory (streams opened and never
+      finished, or whose answers the client never reads) and arms grpcio's own defences
+      against HTTP/2 rapid reset (CVE-2023-44487), which work against that bound;
+    - ``grpc.max_connection_age_ms`` (+ grace): a connection is asked to reconnect after a
+      while (gRPC's ``MAX_CONNECTION_AGE``, the gRPC load-balancing guide's advice for
+      long-lived connections behind an L4 balancer), so the kernel places it again.
+    """
     options: list[tuple[str, Any]] = [
         ("grpc.so_reuseport", 1),
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", -1),
+        ("grpc.max_concurrent_streams", settings.grpc_max_concurrent_streams),
     ]
     if settings.grpc_max_connection_age_s > 0:
         options.append(("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * 1000)))

@@ -94,10 +94,10 @@ class InferenceServicer:
     def handler(self, name: str) -> Callable[[bytes, Context], Awaitable[Message]]:
         """The grpcio behaviour of RPC ``name``: serialized request in, response message out.
 
-        Parses the request, assigns the request id (``ModelInferRequest.id`` when sane, else
-        ``x-request-id`` metadata, else a new one; returned as ``x-request-id`` trailing
-        metadata), checks the API key, counts the response, and maps any exception through
-        :func:`app.grpc.errors.outcome` (the one mapping).
+        Checks the API key (before the message is parsed), parses the request, assigns the
+        request id (``ModelInferRequest.id`` when sane, else ``x-request-id`` metadata, else a
+        new one; returned as ``x-request-id`` trailing metadata), counts the response, and maps
+        any exception through :func:`app.grpc.errors.outcome` (the one mapping).
         """
         method = getattr(self, name)
         request_type = getattr(pb, SERVICE.methods_by_name[name].input_type.name)
@@ -105,13 +105,14 @@ class InferenceServicer:
         async def rpc(raw: bytes, context: Context) -> Message:
             rid = ""
             try:
+                # The key first: a caller without one costs no parsing of its message.
+                if name not in _OPEN and not self.authorized(context):
+                    raise Unauthorized("unauthorized")
                 try:
                     request = request_type.FromString(raw)
                 except DecodeError as exc:
                     raise InvalidInput(f"malformed {request_type.__name__} message: {exc}") from None
                 rid = _request_id(context, getattr(request, "id", ""))
-                if name not in _OPEN and not self.authorized(context):
-                    raise Unauthorized("unauthorized")
                 reply: Message = await method(request, context, rid)
             except Exception as exc:
                 rid = rid or _request_id(context)
