@@ -53,7 +53,7 @@ def test_a_rapid_reset_flood_leaves_an_honest_client_served(tmp_path: Path) -> N
     worker an honest client uses: every honest call succeeds and its median stays low."""
     with serve(tmp_path) as srv:
         srv.wait_ready(60)
-        stop, latencies = threading.Event(), []
+        stop, latencies = threading.Event(), list[float]()
         honest = threading.Thread(target=honest_latencies, args=(srv, stop, latencies))
         honest.start()
         peers = [H2Peer(srv.grpc_port, INFER) for _ in range(4)]
@@ -88,7 +88,7 @@ def test_streams_per_connection_are_capped(tmp_path: Path) -> None:
         peer = H2Peer(srv.grpc_port, INFER, window=0)
         try:
             outcome = peer.open_and_hold(2_000, 2.0)
-            stop, latencies = threading.Event(), []
+            stop, latencies = threading.Event(), list[float]()
             honest = threading.Thread(target=honest_latencies, args=(srv, stop, latencies))
             honest.start()
             time.sleep(1.0)  # a second of honest calls beside the held streams
