@@ -34,11 +34,19 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web import RequestHandler
 
-from app.errors import ClientDisconnected, HeaderFieldsTooLarge, InvalidInput, RequestTimeout
+from app.errors import (
+    ClientDisconnected,
+    HeaderFieldsTooLarge,
+    InvalidInput,
+    RequestTimeout,
+    UnsupportedMediaType,
+)
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -60,6 +68,65 @@ def parser_limits(settings: Settings) -> dict[str, Any]:
         # cannot hold the connection past the body timeout.
         "lingering_time": 0,
     }
+
+
+#: The content codings aiohttp's parser decodes (a ``br`` or ``zstd`` body needs its library).
+CONTENT_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
+
+
+def check_content_encoding(value: str | None) -> None:
+    """Refuse a body in a content coding the server does not decode (aiohttp's parser passes
+    any other value through as if it were ``identity``: the model would get compressed bytes).
+
+    Raises:
+        UnsupportedMediaType: 415, naming the codings accepted.
+    """
+    if value is None:
+        return
+    coding = value.strip().lower()
+    if coding and coding not in CONTENT_CODINGS:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {value[:40]!r} is not supported; send the body as is, or as "
+            f"{', '.join(sorted(CONTENT_CODINGS - {'identity'}))}"
+        )
+
+
+class JsonParserErrors(RequestHandler):
+    """aiohttp's connection protocol, answering what its HTTP parser refuses before the app
+    runs as the server's other errors: ``{"error": ...}`` JSON, 431 for a request line or
+    header field over the parser's hard bound (twice ``SCORING_MAX_HEADER_BYTES``), 400 for
+    other malformed requests, and never an excerpt of what was sent (aiohttp's own answer is a
+    plain-text 400 that quotes the line). The connection still closes. The app's own errors
+    (500, 504) keep aiohttp's handling. The class adds no state: :func:`with_json_parser_errors`
+    turns a handler ``web.Server`` made into one."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not 400 <= status < 500 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        log.debug("malformed request refused: %s %s", status, type(exc).__name__)
+        if isinstance(exc, LineTooLong):
+            status, text = 431, "request line or a header field is too large (SCORING_MAX_HEADER_BYTES)"
+        else:
+            text = f"malformed HTTP request ({type(exc).__name__})"
+        body = orjson.dumps({"error": text})
+        response = web.Response(status=status, body=body, content_type="application/json")
+        response.force_close()
+        return response
+
+
+def with_json_parser_errors(handler: RequestHandler) -> RequestHandler:
+    """``handler`` (a connection's protocol, as ``web.Server()`` makes it) as a
+    :class:`JsonParserErrors`: the same object and state, the JSON answers to parser errors."""
+    handler.__class__ = JsonParserErrors
+    return handler
 
 
 def check_headers(request: web.Request, max_bytes: int, max_headers: int) -> None:
@@ -121,6 +188,7 @@ def limits_middleware(
         if authorize is not None:
             authorize(request)
         if request.body_exists:
+            check_content_encoding(request.headers.get("Content-Encoding"))
             await _read_within(request, timeout_s, min_rate, grace_s)
         return await handler(request)
 

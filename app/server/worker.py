@@ -201,10 +201,12 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         server = runner.server
         assert server is not None
         balancer = await self._siblings.join(app, server)
+        from app.http.limits import with_json_parser_errors
+
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
-            server,
+            lambda: with_json_parser_errors(server()),
             ssl_context(self.cfg) if self.cfg.is_ssl else None,
             may_accept=balancer.may_accept if balancer is not None else (lambda: True),
             accepted=balancer.accepted if balancer is not None else (lambda: None),
