@@ -30,7 +30,7 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -87,6 +87,17 @@ def payload(model: str, datatype_inputs: list[Any], items: int, rng: random.Rand
     return json.dumps({"inputs": inputs}).encode()
 
 
+def timed(call: Callable[[], object], seconds: float) -> list[float]:
+    """Seconds each ``call()`` took, called back to back for ``seconds`` (at least 5 calls)."""
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def in_process(model_dir: Path, items: int, seconds: float) -> dict[str, float]:
     """Ceiling figures: forward() latency at ``items`` and throughput at max batch size."""
     import torch
@@ -106,18 +117,8 @@ def in_process(model_dir: Path, items: int, seconds: float) -> dict[str, float]:
             arr = np.array([s.encode() for s in arr], dtype=object)
         batch[tensor["name"]] = arr.reshape(tensor["shape"])
     small = {k: v[:items] for k, v in batch.items()}
-
-    def timed(inputs: dict[str, np.ndarray]) -> list[float]:
-        times: list[float] = []
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline or len(times) < 5:
-            start = time.perf_counter()
-            runner.forward(inputs)
-            times.append(time.perf_counter() - start)
-        return times
-
-    lat = timed(small)
-    big = timed(batch)
+    lat = timed(lambda: runner.forward(small), seconds)
+    big = timed(lambda: runner.forward(batch), seconds)
     return {
         "torch_threads": torch.get_num_threads(),
         "latency_p50_ms": harness.percentiles([t * 1000 for t in lat], (50,))[0],
