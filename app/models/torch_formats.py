@@ -167,7 +167,7 @@ class _TensorHandler:
     @property
     def cuda_graph_batch_sizes(self) -> list[int]:
         """The batch sizes captured as CUDA graphs at load (empty: every batch runs eagerly)."""
-        return self._forward.sizes if isinstance(self._forward, GraphBuckets) else []
+        return list(self._forward.sizes) if isinstance(self._forward, GraphBuckets) else []
 
     def _load_module(self, path: str, device: torch.device) -> Any:
         raise NotImplementedError
