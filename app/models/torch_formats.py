@@ -7,9 +7,11 @@ serialized graph, ``torch.jit.load`` reads TorchScript code and tensors.
 
 On a CUDA device a model with ``cuda_graph_batch_sizes`` in its ``model.toml`` runs its
 batches as CUDA graphs captured at load, one per batch size (:class:`GraphBuckets`): one
-graph launch replaces the module's Python code and its kernel launches, which is most of the
-time a small model takes. Triton's ``optimization.cuda.graphs`` does the same for its
-TensorRT backend (captured per batch size at load, a batch padded up to the next size).
+graph launch replaces the module's Python code and its kernel launches, where a small model's
+time goes. Source: Triton's TensorRT backend captures graphs per batch size at load
+(``optimization.cuda.graphs``, ``graph_spec``) and, given a ``graph_lower_bound``, runs a
+smaller batch in a larger graph with its padding uninitialised (here the padding is zeros);
+PyTorch's CUDA Graphs notes for the capture itself.
 """
 
 from __future__ import annotations
