@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,12 @@ from app.errors import ModelLoadError
 from app.models.repository import ModelConfig, TensorSpec
 
 log = logging.getLogger(__name__)
+
+#: Held while a model's graphs are captured, and while a model's graphs are dropped: PyTorch
+#: allows one capture at a time in a process (``torch.cuda.graph``), and a device-wide
+#: synchronisation during another thread's capture would break it. Two models can load at once
+#: (a failed load retried beside another).
+_CAPTURING = threading.Lock()
 
 #: Eager runs of each batch size before its capture, on the capture stream: lazy
 #: initialisation (cuBLAS handles and workspaces, TorchScript's profiling runs) must not
@@ -142,7 +149,7 @@ class GraphBuckets:
         stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         stream.wait_stream(torch.cuda.current_stream(device))
         buckets = []
-        with torch.inference_mode(), torch.cuda.stream(stream):
+        with _CAPTURING, torch.inference_mode(), torch.cuda.stream(stream):
             for size in sorted(sizes, reverse=True):
                 inputs = [torch.from_numpy(spec.filled(size)).to(device) for spec in specs]
                 for _ in range(CAPTURE_WARMUP_RUNS):
@@ -224,10 +231,11 @@ class _TensorHandler:
         return self._forward(*batch)
 
     def close(self) -> None:
-        """Drop the module and its CUDA graphs once the device has run what they launched (a
-        graph's memory pool goes back to the allocator with it)."""
-        if self._device.type == "cuda":
-            torch.cuda.synchronize(self._device)
+        """Drop the module and its CUDA graphs, the graphs once the device has run what they
+        launched (their static tensors and memory pool go back to the allocator with them)."""
+        if isinstance(self._forward, GraphBuckets):
+            with _CAPTURING:
+                torch.cuda.synchronize(self._device)
         self._module = self._forward = None
 
     def postprocess(self, outputs: Any) -> dict[str, np.ndarray]:
