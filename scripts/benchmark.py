@@ -57,6 +57,9 @@ SENTENCES = [
     "Five easy vegetarian dinners for busy weeknights",
 ]
 QUERY = "healthy cooking and outdoor sports"
+#: The model.toml lines that batching "off" replaces (cuda_graph_batch_sizes goes: its sizes
+#: may exceed the new max_batch_size of 1).
+BATCHING_KEYS = ("max_batch_size", "max_queue_delay_ms", "warmup_batch_sizes", "cuda_graph_batch_sizes")
 
 
 def sentence(rng: random.Random) -> str:
@@ -215,7 +218,7 @@ def main() -> None:
                 lines = [
                     ln
                     for ln in text.splitlines()
-                    if not ln.startswith(("max_batch_size", "max_queue_delay_ms", "warmup_batch_sizes"))
+                    if not ln.startswith(BATCHING_KEYS)
                 ]
                 lines.insert(1, "max_batch_size = 1\nmax_queue_delay_ms = 0.0\nwarmup_batch_sizes = [1]")
                 toml.write_text("\n".join(lines) + "\n")
