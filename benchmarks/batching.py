@@ -25,7 +25,6 @@ import asyncio
 import random
 import shutil
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +32,9 @@ from app.models.repository import read_config
 from benchmarks import driver, payloads, report, server
 
 MODES = ("on", "off")
+#: The model.toml lines that batching "off" replaces (cuda_graph_batch_sizes goes: its sizes
+#: may exceed the new max_batch_size of 1).
+BATCHING_KEYS = ("max_batch_size", "max_queue_delay_ms", "warmup_batch_sizes", "cuda_graph_batch_sizes")
 
 
 def in_process(repository: Path, model: str, items: int, seconds: float) -> dict[str, Any]:
@@ -50,17 +52,8 @@ def in_process(repository: Path, model: str, items: int, seconds: float) -> dict
     big = {t.name: t.array for t in batch}
     small = {name: array[:items] for name, array in big.items()}
 
-    def timed(inputs: dict[str, Any]) -> list[float]:
-        times: list[float] = []
-        deadline = time.perf_counter() + seconds
-        while time.perf_counter() < deadline or len(times) < 5:
-            start = time.perf_counter()
-            runner.forward(inputs)
-            times.append(time.perf_counter() - start)
-        return times
-
-    latency = timed(small)
-    full = timed(big)
+    latency = driver.timed(lambda: runner.forward(small), seconds)
+    full = driver.timed(lambda: runner.forward(big), seconds)
     return {
         "torch_threads": torch.get_num_threads(),
         "latency_p50_ms": driver.percentiles([t * 1000 for t in latency], (50,))[0],
@@ -72,11 +65,7 @@ def in_process(repository: Path, model: str, items: int, seconds: float) -> dict
 def unbatched(folder: Path) -> None:
     """Turn dynamic batching off in the copied model folder: batches of one, no queue delay."""
     toml = folder / "model.toml"
-    lines = [
-        ln
-        for ln in toml.read_text().splitlines()
-        if not ln.startswith(("max_batch_size", "max_queue_delay_ms", "warmup_batch_sizes"))
-    ]
+    lines = [ln for ln in toml.read_text().splitlines() if not ln.startswith(BATCHING_KEYS)]
     lines.insert(1, "max_batch_size = 1\nmax_queue_delay_ms = 0.0\nwarmup_batch_sizes = [1]")
     toml.write_text("\n".join(lines) + "\n")
 

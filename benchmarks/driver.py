@@ -114,6 +114,17 @@ class Answer:
     error: str = ""
 
 
+def timed(call: Callable[[], object], seconds: float) -> list[float]:
+    """Seconds each ``call()`` took, called back to back for ``seconds`` (at least 5 calls)."""
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or len(times) < 5:
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return times
+
+
 def percentiles(values: Iterable[float], qs: Sequence[float] = (50, 90, 95, 99)) -> list[float]:
     """``numpy.percentile`` of ``values`` at each of ``qs`` (0-100, linear interpolation);
     NaN for every q when ``values`` is empty."""

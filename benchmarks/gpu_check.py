@@ -16,6 +16,8 @@ Run on a machine with an NVIDIA GPU (nothing here is faked):
    ``--concurrency`` for ``--duration`` s (:func:`benchmarks.driver.drive`), with NVML's GPU
    utilisation sampled every 0.2 s (percent of time a kernel ran; nvmlDeviceGetUtilizationRates).
 
+``tests/test_gpu.py`` runs checks 1 and 2 (``check_nvml``, ``check_binding``) as pytest tests.
+
 Each check is recorded with its evidence in one JSON report; the exit status is 1 if
 any failed. Traffic goes to 127.0.0.1 only and every phase stops by itself.
 """
@@ -69,6 +71,41 @@ class Report:
     @property
     def failed(self) -> list[str]:
         return [c["check"] for c in self.checks if not c["ok"]]
+
+
+def check_nvml(report: Report) -> int:
+    """``python -m gpu_stat --json`` through both NVML bindings: the same GPUs, the first is
+    torch's ``cuda:0`` (UUIDs compared). Returns how many GPUs nvidia-ml-py lists."""
+    import torch
+
+    views = {b: gpu_stat_json(b) for b in ("nvidia-ml-py", "py3nvml")}
+    uuids = {b: [g["uuid"] for g in v] for b, v in views.items()}
+    torch_uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid) if torch.cuda.is_available() else None
+    report.check(
+        "gpu_stat --json: both NVML bindings list the same GPUs, the first is torch's cuda:0",
+        bool(uuids["nvidia-ml-py"])
+        and uuids["nvidia-ml-py"] == uuids["py3nvml"]
+        and uuids["py3nvml"][0] == torch_uuid,
+        uuids=uuids,
+        torch_cuda0=torch_uuid,
+        gpu_stat=views["nvidia-ml-py"],
+    )
+    return len(uuids["nvidia-ml-py"])
+
+
+@contextmanager
+def serving(repo: Path, models: list[str], per_gpu: int) -> Iterator[Gunicorn]:
+    """gunicorn serving ``models`` of ``repo`` on the real NVML with
+    ``SCORING_MAX_PROCESSES_PER_GPU = per_gpu`` (stopped at the end of the block)."""
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(repo),
+        "SCORING_MODELS": ",".join(models),
+        "SCORING_MAX_PROCESSES_PER_GPU": str(per_gpu),
+        "SCORING_ACCESS_LOG": "",
+        "SCORING_LOG_LEVEL": "info",
+    }
+    with tempfile.TemporaryDirectory() as tmp, Gunicorn(Path(tmp), env, torch_threads=None) as srv:
+        yield srv
 
 
 def gpu_stat_json(backend: str) -> list[dict[str, Any]]:
@@ -204,6 +241,27 @@ def hup_and_wait(srv: Gunicorn, workers: int) -> None:
     )
 
 
+def check_binding(
+    report: Report,
+    srv: Gunicorn,
+    workers: int,
+    per_gpu: int,
+    bodies: dict[str, Any],
+    reference: dict[str, Any],
+    atol: float,
+) -> None:
+    """The binding checks of one ``per_gpu`` layout, its ``workers`` ready: the layout at start,
+    the CPU's numbers, the layout after ``kill -9`` of a worker and after a HUP reload, and the
+    CPU's numbers again."""
+    check_layout(report, srv, workers, per_gpu, "at start")
+    check_parity(report, srv, bodies, reference, atol)
+    kill_one_and_wait(srv, workers)
+    check_layout(report, srv, workers, per_gpu, "after kill -9 of a worker")
+    hup_and_wait(srv, workers)
+    check_layout(report, srv, workers, per_gpu, "after HUP")
+    check_parity(report, srv, bodies, reference, atol)
+
+
 def load_phase(
     report: Report,
     srv: Gunicorn,
@@ -255,46 +313,20 @@ def main() -> int:
     report.figures["torch"] = torch.__version__
     report.figures["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
 
-    views = {b: gpu_stat_json(b) for b in ("nvidia-ml-py", "py3nvml")}
-    uuids = {b: [g["uuid"] for g in v] for b, v in views.items()}
-    torch_uuid = "GPU-" + str(torch.cuda.get_device_properties(0).uuid) if torch.cuda.is_available() else None
-    report.check(
-        "gpu_stat --json: both NVML bindings list the same GPUs, the first is torch's cuda:0",
-        bool(uuids["nvidia-ml-py"])
-        and uuids["nvidia-ml-py"] == uuids["py3nvml"]
-        and uuids["py3nvml"][0] == torch_uuid,
-        uuids=uuids,
-        torch_cuda0=torch_uuid,
-        gpu_stat=views["nvidia-ml-py"],
-    )
-    gpus = len(uuids["nvidia-ml-py"])
-
+    gpus = check_nvml(report)
     bodies = parity_bodies(repo, models)
     reference = cpu_reference(repo, bodies)
     levels = args.concurrency
     for per_gpu in args.per_gpu:
         workers = gpus * per_gpu
-        env = {
-            "SCORING_MODEL_REPOSITORY": str(repo),
-            "SCORING_MODELS": ",".join(models),
-            "SCORING_MAX_PROCESSES_PER_GPU": str(per_gpu),
-            "SCORING_ACCESS_LOG": "",
-            "SCORING_LOG_LEVEL": "info",
-        }
-        with tempfile.TemporaryDirectory() as tmp, Gunicorn(Path(tmp), env, torch_threads=None) as srv:
+        with serving(repo, models, per_gpu) as srv:
             started = time.monotonic()
             wait_whole(srv, workers)
             report.figures[f"boot_s_per_gpu_{per_gpu}"] = round(time.monotonic() - started, 1)
-            check_layout(report, srv, workers, per_gpu, "at start")
-            check_parity(report, srv, bodies, reference, args.atol)
+            check_binding(report, srv, workers, per_gpu, bodies, reference, args.atol)
             report.figures[f"load_per_gpu_{per_gpu}"] = load_phase(
                 report, srv, repo, models, levels, args.duration, args.items
             )
-            kill_one_and_wait(srv, workers)
-            check_layout(report, srv, workers, per_gpu, "after kill -9 of a worker")
-            hup_and_wait(srv, workers)
-            check_layout(report, srv, workers, per_gpu, "after HUP")
-            check_parity(report, srv, bodies, reference, args.atol)
             report.figures[f"log_tail_per_gpu_{per_gpu}"] = srv.log_tail(3000)
     result = record(failed=report.failed, **report.figures, checks=report.checks)
     write_json(args.out, result)

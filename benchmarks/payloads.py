@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -67,6 +67,52 @@ def text_of(chars: int) -> TextSource:
     words = (_WORDS * (chars // 60 + 1))[: max(1, chars // 6)]
     text = " ".join(words)[:chars]
     return lambda _rng: text
+
+
+def vocabulary(tokens: Iterable[str]) -> list[str]:
+    """The whole words (ASCII letters, 2+ characters) among a WordPiece tokenizer's ``tokens``,
+    given in token-id order: BERT's vocabulary lists its words roughly by frequency."""
+    return [t for t in tokens if t.isascii() and t.isalpha() and len(t) > 1]
+
+
+def model_words(repository: Path, model: str = "all-MiniLM-L6-v2") -> list[str]:
+    """:func:`vocabulary` of a sentence-transformers model of ``repository``: the lines of the
+    ``vocab.txt`` in its model folder (``[parameters]`` ``model_dir`` or ``model_package``).
+
+    Raises:
+        ValueError, FileNotFoundError: the folder cannot be resolved or has no ``vocab.txt``.
+    """
+    from app.handlers.sentence_embedding import resolve_model_dir  # imports torch
+
+    config = read_config(repository / model)
+    folder = resolve_model_dir(config.parameters, config.path)
+    return vocabulary((folder / "vocab.txt").read_text(encoding="utf-8").splitlines())
+
+
+def feed_texts(words: Sequence[str], count: int = 1000, seed: int = 0) -> list[str]:
+    """``count`` texts of a feed's mixed lengths, the same for the same ``words`` and ``seed``:
+    every other one a title (5-15 words, capitalised), the others descriptions (40-200 words
+    in sentences of 6-20). Words are drawn with Zipf weights by their rank in ``words``
+    (frequent words often, rare ones now and then, as in running text)."""
+    rng = random.Random(seed)
+    weights = [1.0 / (rank + 1) for rank in range(len(words))]
+
+    def draw(n: int) -> list[str]:
+        return rng.choices(words, weights=weights, k=n)
+
+    texts = []
+    for i in range(count):
+        if i % 2 == 0:
+            texts.append(" ".join(draw(rng.randint(5, 15))).capitalize())
+            continue
+        left = rng.randint(40, 200)
+        sentences = []
+        while left > 0:
+            n = min(left, rng.randint(6, 20))
+            sentences.append(" ".join(draw(n)).capitalize() + ".")
+            left -= n
+        texts.append(" ".join(sentences))
+    return texts
 
 
 def inputs_of(repository: Path, model: str, *, query: bool = True) -> list[TensorSpec]:

@@ -107,6 +107,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: Threads that run ``item_costs`` and ``preprocess``; 0 = 1 on the CPU, else 2.
     prepare_threads: int = 0
     warmup_batch_sizes: list[int] = msgspec.field(default_factory=lambda: [1])
+    #: Batch sizes (ascending, each <= ``max_batch_size``) at which a ``torch_export`` or
+    #: ``torchscript`` model on a CUDA device is captured as one CUDA graph each at load; a
+    #: batch runs as the graph of the smallest size that holds it, padded with zeros. Empty =
+    #: off; ignored on the CPU (``app.models.torch_formats.GraphBuckets``).
+    cuda_graph_batch_sizes: list[int] = msgspec.field(default_factory=list)
     allow_non_finite: bool = False
     #: Split a request with more than ``max_batch_size`` items into shards that run in
     #: parallel on this worker and its ready siblings (scatter/gather; app.server.scatter).
@@ -182,6 +187,27 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ModelLoadError(f"{where}: {key} must be a finite number > 0")
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ModelLoadError(f"{where}: warmup_batch_sizes must lie in 1..max_batch_size")
+        self._validate_cuda_graphs()
+
+    def _validate_cuda_graphs(self) -> None:
+        sizes = self.cuda_graph_batch_sizes
+        if not sizes:
+            return
+        where = f"{self.where}: cuda_graph_batch_sizes"
+        if self.format == "handler":
+            raise ModelLoadError(f"{where} applies to torch_export and torchscript models, not handlers")
+        if sizes != sorted(set(sizes)):
+            raise ModelLoadError(f"{where} must be ascending without repeats, e.g. [1, 2, 4, 8], got {sizes}")
+        if sizes[0] < 1 or sizes[-1] > self.max_batch_size:
+            raise ModelLoadError(
+                f"{where} must lie in 1..max_batch_size ({self.max_batch_size}), got {sizes}"
+            )
+        variable = [s.name for s in self.inputs if -1 in s.shape]
+        if variable:
+            raise ModelLoadError(
+                f"{where}: a CUDA graph replays fixed shapes, but inputs {variable} have a variable (-1) "
+                "dimension"
+            )
 
 
 def read_config(model_dir: Path) -> ModelConfig:
