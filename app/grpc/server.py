@@ -34,6 +34,12 @@ from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
+#: Share of the streams a client resets that grpcio answers with a PING (its default: 1).
+PING_ON_RST_STREAM_PERCENT = 10
+#: How long a PING may go unanswered before grpcio closes the connection, ms (its default:
+#: 1 minute). A client's gRPC library answers PINGs in its transport, whatever its load.
+PING_TIMEOUT_MS = 5000
+
 
 def server_options(settings: Settings) -> list[tuple[str, Any]]:
     """grpcio channel arguments of the server:
@@ -46,6 +52,13 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
       rest). It bounds what one connection can hold in memory (streams opened and never
       finished, or whose answers the client never reads) and arms grpcio's own defences
       against HTTP/2 rapid reset (CVE-2023-44487), which work against that bound;
+    - ``grpc.http2.ping_on_rst_stream_percent`` = :data:`PING_ON_RST_STREAM_PERCENT` and
+      ``grpc.http2.ping_timeout_ms`` = :data:`PING_TIMEOUT_MS`: grpcio answers a share of the
+      streams a client resets with a PING (gRPC core's rapid-reset defence, grpc/grpc#34637),
+      and closes a connection whose PING goes unanswered for the timeout: a rapid-reset flood
+      that never reads its socket (grpcio soon stops reading it too) is disconnected. One
+      that reads and answers stays connected, at a cost in CPU that docs/reliability.md
+      measures;
     - ``grpc.max_connection_age_ms`` (+ grace): a connection is asked to reconnect after a
       while (gRPC's ``MAX_CONNECTION_AGE``, the gRPC load-balancing guide's advice for
       long-lived connections behind an L4 balancer), so the kernel places it again.
@@ -55,6 +68,8 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
         ("grpc.max_receive_message_length", settings.max_request_bytes),
         ("grpc.max_send_message_length", -1),
         ("grpc.max_concurrent_streams", settings.grpc_max_concurrent_streams),
+        ("grpc.http2.ping_on_rst_stream_percent", PING_ON_RST_STREAM_PERCENT),
+        ("grpc.http2.ping_timeout_ms", PING_TIMEOUT_MS),
     ]
     if settings.grpc_max_connection_age_s > 0:
         options.append(("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * 1000)))

@@ -19,7 +19,7 @@ import h2.errors
 import h2.events
 import h2.settings
 
-__all__ = ["H2Peer", "Outcome"]
+__all__ = ["H2Peer", "Outcome", "flood"]
 
 
 @dataclass
@@ -59,15 +59,22 @@ class H2Peer:
         })  # fmt: skip
         self.conn.initiate_connection()
         self.outcome = Outcome()
+        self.unsent = bytearray()
         self._flush()
 
     def _flush(self) -> None:
-        data = self.conn.data_to_send()
-        if data:
+        """Send what h2 has queued; when the server stops reading (a send times out) the rest
+        waits in :attr:`unsent` for the next call."""
+        self.unsent += self.conn.data_to_send()
+        while self.unsent and not self.outcome.closed:
             try:
-                self.sock.sendall(data)
+                sent = self.sock.send(self.unsent)
+            except TimeoutError:
+                return
             except OSError:
                 self.outcome.closed = True
+                return
+            del self.unsent[:sent]
 
     def _headers(self) -> list[tuple[str, str]]:
         return [
@@ -104,11 +111,17 @@ class H2Peer:
                     self.outcome.max_concurrent_streams = changed.new_value
         self._flush()
 
-    def rapid_reset(self, streams: int, seconds: float) -> Outcome:
+    def rapid_reset(self, streams: int, seconds: float, *, read: bool = True) -> Outcome:
         """Open a stream and cancel it at once (HEADERS then RST_STREAM CANCEL), ``streams``
-        times or for ``seconds``, whichever ends first; stop early once cut off."""
+        times or for ``seconds``, whichever ends first; stop early once cut off. ``read``:
+        take what the server sends now and then (acknowledging its PINGs, as h2 does); a peer
+        that never reads is the flood seen in the wild, which only writes."""
         end = time.monotonic() + seconds
+        self.sock.settimeout(0.5)
         while self.outcome.streams_opened < streams and time.monotonic() < end and not self.outcome.cut_off:
+            if len(self.unsent) > 1 << 20:  # the server has stopped reading us: wait on it
+                self._flush()
+                continue
             try:
                 stream = self.conn.get_next_available_stream_id()
                 self.conn.send_headers(stream, self._headers())
@@ -119,9 +132,11 @@ class H2Peer:
             self.outcome.streams_opened += 1
             if self.outcome.streams_opened % 50 == 0:
                 self._flush()
-                self.read()
+                if read:
+                    self.read()
         self._flush()
-        self.read(0.5)
+        if read:
+            self.read(0.5)
         return self.outcome
 
     def open_and_hold(self, streams: int, seconds: float) -> Outcome:
@@ -148,3 +163,16 @@ class H2Peer:
 
     def close(self) -> None:
         self.sock.close()
+
+
+def flood(port: int, path: str, seconds: float) -> tuple[Outcome, float, float]:
+    """A rapid-reset peer that never reads, for ``seconds``, on a connection of its own: what
+    the server did to it, and when (``time.time()``) the flood began and ended. Module-level,
+    so that a test can run it in a process of its own (``multiprocessing`` spawn), where it
+    does not share the test's interpreter lock with the honest client."""
+    peer = H2Peer(port, path)
+    began = time.time()
+    try:
+        return peer.rapid_reset(10**9, seconds, read=False), began, time.time()
+    finally:
+        peer.close()
