@@ -7,7 +7,8 @@ temporary run directory) with ``--workers`` workers serving ``--model`` from
 
 1. ``hup``: SIGHUP to the master (new workers start, the old ones drain);
 2. ``max_requests``: a reload that sets ``max_requests`` (sized from the measured rate so
-   each worker recycles within the phase, jitter 20%), until every worker has recycled,
+   each worker recycles within the phase, but lives at least twice as long as a worker takes
+   to boot; jitter 20%), until every worker has recycled,
    then a reload that turns it off again;
 3. ``sigterm``: SIGTERM to one worker (it drains; gunicorn forks a replacement);
 4. ``sigkill``: SIGKILL to one worker. The worker is first stopped (SIGSTOP) so that the
@@ -210,7 +211,11 @@ class Soak:
         done = sum(p.requests for p in self.phases) + self.stats.requests
         elapsed = sum(p.seconds for p in self.phases) or 1.0
         per_worker_s = done / elapsed / self.args.workers
-        limit = max(20, int(per_worker_s * self.args.phase_s / 3))
+        # A worker that reaches max_requests keeps serving until its replacement is ready, so
+        # it must live longer than a boot, or workers would recycle without end: at least twice
+        # the time the SIGHUP's new workers took to be ready (the hup phase), a third of a phase.
+        boot_s = max([float(p.notes.get("settled_s", 0.0)) for p in self.phases] + [1.0])
+        limit = max(20, int(per_worker_s * max(self.args.phase_s / 3, 2 * boot_s)))
         jitter = max(1, limit // 5)
         stats.event = f"reload, max_requests={limit} (+jitter {jitter}); every worker recycles; reload back"
         before = self.recycles()
