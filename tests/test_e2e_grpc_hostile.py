@@ -87,32 +87,30 @@ def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(tmp_p
 
 
 def test_a_rapid_reset_peer_that_answers_pings_leaves_an_honest_client_served(tmp_path: Path) -> None:
-    """Four peers that read and answer the server's PINGs (so no timeout cuts them off) open
-    and cancel streams as fast as they can on the worker an honest client uses: every honest
-    call succeeds and its median stays low (the stream cap keeps the reset streams' cost
-    bounded; without it the median reached 0.8 s)."""
+    """Two peers that read and answer the server's PINGs (so no timeout cuts them off), each in
+    a process of its own, open and cancel streams as fast as they can on the worker an honest
+    client uses: every honest call succeeds and its median stays far below what it was
+    without the stream cap and the PING options (0.3–0.8 s)."""
     with serve(tmp_path) as srv:
         srv.wait_ready(60)
         stop, calls = threading.Event(), list[tuple[float, float]]()
         honest = threading.Thread(target=honest_latencies, args=(srv, stop, calls))
         honest.start()
-        peers = [H2Peer(srv.grpc_port, INFER) for _ in range(4)]
+        spawn = multiprocessing.get_context("spawn")
         try:
-            attacks = [threading.Thread(target=p.rapid_reset, args=(1_000_000, 6.0)) for p in peers]
-            for attack in attacks:
-                attack.start()
-            for attack in attacks:
-                attack.join(30)
+            with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+                floods = [pool.submit(flood, srv.grpc_port, INFER, 6.0, True) for _ in range(2)]
+                results = [f.result(timeout=120) for f in floods]
         finally:
             stop.set()
             honest.join(30)
-            for peer in peers:
-                peer.close()
-        opened = sum(p.outcome.streams_opened for p in peers)
-        ok = [s for _, s in calls if s >= 0]
-        assert len(ok) == len(calls) > 20, (len(ok), len(calls))
+        began, ended = min(r[1] for r in results), max(r[2] for r in results)
+        during = [s for t, s in calls if began <= t <= ended]
+        ok = [s for s in during if s >= 0]
+        assert len(ok) == len(during) > 20, (len(ok), len(during))
         p50 = float(np.percentile(ok, 50)) * 1000
-        assert p50 < 50, f"honest p50 {p50:.1f} ms while {opened} streams were reset"
+        opened = [outcome.streams_opened for outcome, _, _ in results]
+        assert p50 < 100, f"honest p50 {p50:.1f} ms while the peers reset {opened} streams"
         assert srv.proc.poll() is None and len(srv.workers()) == 1
 
 

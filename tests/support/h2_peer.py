@@ -165,14 +165,15 @@ class H2Peer:
         self.sock.close()
 
 
-def flood(port: int, path: str, seconds: float) -> tuple[Outcome, float, float]:
-    """A rapid-reset peer that never reads, for ``seconds``, on a connection of its own: what
-    the server did to it, and when (``time.time()``) the flood began and ended. Module-level,
-    so that a test can run it in a process of its own (``multiprocessing`` spawn), where it
-    does not share the test's interpreter lock with the honest client."""
+def flood(port: int, path: str, seconds: float, read: bool = False) -> tuple[Outcome, float, float]:
+    """A rapid-reset peer for ``seconds`` on a connection of its own (``read``: see
+    ``H2Peer.rapid_reset``; the flood seen in the wild never reads): what the server did to
+    it, and when (``time.time()``) the flood began and ended. Module-level, so that a test can
+    run it in a process of its own (``multiprocessing`` spawn), where it does not share the
+    test's interpreter lock with the honest client."""
     peer = H2Peer(port, path)
     began = time.time()
     try:
-        return peer.rapid_reset(10**9, seconds, read=False), began, time.time()
+        return peer.rapid_reset(10**9, seconds, read=read), began, time.time()
     finally:
         peer.close()
