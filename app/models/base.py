@@ -14,6 +14,11 @@ creates one instance per worker with no arguments and calls:
     (small padding), and admission reasons in it. Raises ``ValueError`` (or
     ``UnicodeError``) for an item the model cannot take: that request alone gets a 400 /
     INVALID_ARGUMENT with the message, before it can share a batch with anyone.
+``batch_cost(costs)``  -- optional, with ``item_costs``; the event loop, once per batch formed
+    ``costs``: the ``item_costs`` of a batch's items, int64 ``[N]``. Returns what the batch
+    computes in that unit, padding included (an ``int``; it must be quick). Without it a
+    batch costs its costliest item times N (every item padded to the longest); a handler that
+    runs a batch in length groups (``app.handlers.sentence_embedding``) says what they cost.
 ``preprocess(inputs)``  -- a *prepare thread* (staged pipeline) or the inference thread
     ``inputs`` maps every declared input name to a numpy array whose axis 0 is
     the batch (B items, 1 <= B <= max_batch_size); BYTES inputs are ``object``

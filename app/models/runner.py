@@ -88,8 +88,17 @@ def resolve_handler(config: ModelConfig) -> Handler:
 
 
 def synthetic_inputs(specs: list[TensorSpec], batch_size: int) -> dict[str, np.ndarray]:
-    """Warmup inputs: zeros (numeric) or ``b"warmup"`` (BYTES), variable dims set to 8."""
-    return {s.name: s.filled(batch_size, text=b"warmup", variable_dim=8) for s in specs}
+    """Warmup inputs: zeros (numeric) or distinct short texts ``b"warmup item <i>"`` (BYTES:
+    distinct, so that a handler that encodes each distinct string once still computes every
+    item, and the service rate timed on them is not a single string's), variable dims 8."""
+    out = {}
+    for spec in specs:
+        array = spec.filled(batch_size, text=b"warmup", variable_dim=8)
+        if array.dtype == object:
+            flat = array.reshape(-1)
+            flat[:] = [b"warmup item %d" % i for i in range(flat.size)]
+        out[spec.name] = array
+    return out
 
 
 class Streams:
@@ -149,6 +158,7 @@ class ModelRunner:
         self.load_seconds = 0.0
         self.warmup_seconds = 0.0
         self._item_costs = getattr(self.handler, "item_costs", None)
+        self._batch_cost = getattr(self.handler, "batch_cost", None)
 
     @property
     def prices_items(self) -> bool:
@@ -226,6 +236,14 @@ class ModelRunner:
                 f"model {self.config.name}: item_costs gave {costs.shape[0]} costs for {size} items"
             )
         return np.maximum(costs, 1)
+
+    def batch_cost(self, costs: np.ndarray) -> float:
+        """What a batch of items costing ``costs`` (``item_costs``, int64 ``[N]``, N >= 1)
+        computes, padding included: the handler's ``batch_cost``, else every item padded to the
+        costliest (``max * N``). Runs on the event loop, once per batch."""
+        if self._batch_cost is not None:
+            return float(self._batch_cost(costs))
+        return float(costs.max()) * len(costs)
 
     # --- the three stages of a batch ------------------------------------------------------
 

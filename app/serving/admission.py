@@ -23,6 +23,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+#: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before
+#: its :attr:`ServiceRate.lag` moves.
+SETTLED_BATCHES = 8
+
 
 class ServiceRate:
     """A model's batch cost, fitted as ``t(n) = overhead_s + n * item_s`` seconds for a batch
@@ -38,9 +42,21 @@ class ServiceRate:
     not the cost of every item queued behind it.
 
     The first observation (the batch timed alone on the inference thread after warmup,
-    ``app.serving.lifecycle``) seeds ``item_s`` with no overhead. The slope is refitted only
-    while the recent batches differ enough in size to tell slope from intercept; otherwise the
-    last slope is kept and only the overhead moves.
+    ``app.serving.lifecycle``) seeds ``item_s`` with no overhead. Until :data:`SETTLED_BATCHES`
+    batches have been seen only the overhead moves: a slope through two or three batches
+    swings by several times (measured with MiniLM after boot: 0.91 ms per token for a model
+    that pays 0.33, so that its first requests were refused as unable to finish even alone).
+    After that the slope is refitted while the recent batches differ enough in size to tell
+    slope from intercept; otherwise the last slope is kept and only the overhead moves.
+
+    The fit follows a change of pace over several batches; :attr:`lag` follows a slowdown
+    within two: the ratio of a batch's time to the settled fit's prediction, raised at once
+    when two batches in a row were slower than it says (to the smaller of their two ratios,
+    so that one stalled batch does not move it) and brought back towards 1 by the others (by
+    ``weight``), multiplies every prediction. When an overload begins, the requests to refuse
+    take CPU from the model (measured with the load generator on the same two cores: the same
+    batches 1.5 times slower); admission must see that from the first slow batches, not ten
+    batches later.
 
     Args:
         weight: the weight of the newest batch, 0 < weight <= 1.
@@ -48,6 +64,11 @@ class ServiceRate:
 
     def __init__(self, weight: float = 0.2) -> None:
         self._decay = 1.0 - weight
+        self._weight = weight
+        #: Recent batches' time over the fit's prediction, >= 1 (see the class docstring).
+        self.lag = 1.0
+        self._batches = 0
+        self._last_ratio = 1.0
         # Weighted sums: count, n, t, n^2, n*t.
         self._s0 = self._sn = self._st = self._snn = self._snt = 0.0
         self.item_s: float | None = None
@@ -58,6 +79,15 @@ class ServiceRate:
         prices its items) that took ``seconds``."""
         if items < 1 or seconds <= 0:
             return
+        if self._batches >= SETTLED_BATCHES and self.item_s is not None:
+            ratio = seconds / (self.overhead_s + items * self.item_s)
+            sustained = min(ratio, self._last_ratio)
+            if sustained > self.lag:
+                self.lag = sustained
+            else:
+                self.lag = max(1.0, self.lag + self._weight * (min(ratio, self.lag) - self.lag))
+            self._last_ratio = ratio
+        self._batches += 1
         d = self._decay
         self._s0 = d * self._s0 + 1.0
         self._sn = d * self._sn + items
@@ -69,7 +99,8 @@ class ServiceRate:
             return
         mean_n, mean_t = self._sn / self._s0, self._st / self._s0
         var_n = self._snn / self._s0 - mean_n * mean_n
-        if var_n > (0.1 * mean_n) ** 2:  # sizes differ enough to separate slope and intercept
+        # settled, and sizes that differ enough to separate slope and intercept
+        if self._batches >= SETTLED_BATCHES and var_n > (0.1 * mean_n) ** 2:
             slope = (self._snt / self._s0 - mean_n * mean_t) / var_n
             if slope > 0:
                 self.item_s = slope
@@ -81,10 +112,11 @@ class ServiceRate:
         return 1.0 / self.item_s if self.item_s else None
 
     def seconds_for(self, items: float, batches: int = 1) -> float:
-        """Expected seconds for ``items`` items in ``batches`` batches; 0 while unknown or empty."""
+        """Expected seconds for ``items`` items in ``batches`` batches (the fit times
+        :attr:`lag`); 0 while unknown or empty."""
         if self.item_s is None or items <= 0:
             return 0.0
-        return batches * self.overhead_s + items * self.item_s
+        return self.lag * (batches * self.overhead_s + items * self.item_s)
 
 
 def cumulative_costs(inputs: Mapping[str, np.ndarray]) -> np.ndarray:

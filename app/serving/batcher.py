@@ -78,6 +78,7 @@ from app.serving.chunks import (
     Tensors,
     assemble,
     concat,
+    padded_to_longest,
     sort_by_cost,
 )
 from app.serving.observer import BatchObserver, NullObserver, RunningBatch
@@ -86,8 +87,12 @@ log = logging.getLogger(__name__)
 
 #: Admit a request only if it is expected to finish within this share of its deadline: the
 #: rate is measured on past batches, and the next ones may be slower (a burst of requests to
-#: refuse takes CPU, another model computes at the same time).
-ADMISSION_HEADROOM = 0.8
+#: refuse takes CPU, another model computes at the same time). Measured at the onset of an
+#: overload, load generator on the same two cores: the same batches 1.6 times slower, before
+#: the rate can see it. With 0.6, three 504s in the mixed-length overload; with 0.4, goodput
+#: 0.63 of capacity in the uniform one (a shorter queue parks fewer clients, and the others
+#: spend the CPU on refusals); 0.5 gave neither (docs/reliability.md, *Overload figures*).
+ADMISSION_HEADROOM = 0.5
 #: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
 _RECENT_REQUESTS = 32
 #: Batches formed and not yet finished, at most (staged pipeline): one preparing, one
@@ -140,6 +145,8 @@ class DynamicBatcher:
             no bound.
         item_costs: prices one request's items (int64 ``[B]``; raises ``InvalidInput`` for an
             item the model cannot take); None = the model does not price its items.
+        batch_cost: what a batch of priced items computes, padding included, from their
+            costs (int64 ``[N]``); None = the costliest item times N.
         pipelined: run batches through the staged pipeline (``runner`` must be staged and
             ``threads`` must have prepare and finish threads).
         observer: receives batch and rejection events.
@@ -157,6 +164,7 @@ class DynamicBatcher:
         max_batch_bytes: int | None = None,
         max_batch_tokens: int | None = None,
         item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | None] | None = None,
+        batch_cost: Callable[[np.ndarray], float] | None = None,
         pipelined: bool = False,
         observer: BatchObserver | None = None,
     ) -> None:
@@ -174,6 +182,7 @@ class DynamicBatcher:
         self.max_batch_bytes = max_batch_bytes
         self.max_batch_tokens = max_batch_tokens
         self._item_costs = item_costs
+        self._batch_cost = batch_cost or padded_to_longest
         #: The model's batch cost, per cost unit (tokens for a priced model, else items).
         self.rate = ServiceRate()
         #: Padded / real tokens of recent batches (a priced model's padding waste; 1 = none).
@@ -232,19 +241,24 @@ class DynamicBatcher:
         """Expected seconds until the work already here, and ``more_items`` items costing
         ``more_cost`` after it, is done at the measured rate: the rest of the running batches,
         the queued items (and the new ones) in full batches, padded as recent batches were,
-        and one max queue delay. ``now`` is ``loop.time()``."""
-        rest = 0.0
+        and one max queue delay. A batch running longer than expected stretches what waits
+        behind it by the same factor (the slowdown an overload brings shows there a batch
+        before :attr:`ServiceRate.lag` can see it). ``now`` is ``loop.time()``."""
+        rest, overdue = 0.0, 1.0
         for i, (started, _, running_cost, _) in enumerate(self._running):
+            expected_s = self.rate.seconds_for(running_cost)
             if i == 0:  # the one on the device now; the others wait behind it
-                rest = max(0.0, started + self.rate.seconds_for(running_cost) - now)
+                rest = max(0.0, started + expected_s - now)
+                if expected_s > 0:  # slower than expected so far: so will the rest be
+                    overdue = max(1.0, (now - started) / expected_s)
             else:
-                rest += self.rate.seconds_for(running_cost)
+                rest += expected_s * overdue
         items = self._queue.items + more_items
         cost = (self._queue.cost + more_cost) * self.padding
         batches = math.ceil(items / self.max_batch_size)
         if self.max_batch_tokens and self._item_costs is not None:
             batches = max(batches, math.ceil(cost / self.max_batch_tokens))
-        return rest + self.rate.seconds_for(cost, batches) + self.max_queue_delay_s
+        return rest + overdue * self.rate.seconds_for(cost, batches) + self.max_queue_delay_s
 
     def refuse_early(self, timeout_s: float) -> ScoringError | None:
         """The refusal (503, or 504 when even alone it could not finish) a request would get
@@ -446,6 +460,7 @@ class DynamicBatcher:
             self.max_batch_size,
             float(self.max_batch_bytes) if self.max_batch_bytes is not None else math.inf,
             float(self.max_batch_tokens) if self.max_batch_tokens is not None else math.inf,
+            self._batch_cost,
         )
         taken = self._queue.take(now, budget, self._drop)
         self._report_depth()
@@ -490,13 +505,13 @@ class DynamicBatcher:
             chunks = self._take(now)
             if not self.pipelined:
                 if chunks:
-                    await self._execute(Batch(chunks, now))
+                    await self._execute(Batch(chunks, now, self._batch_cost))
                 continue
             if not chunks:
                 self._ahead.release()
                 self._in_flight.release()
                 continue
-            task = loop.create_task(self._staged(Batch(chunks, now)))
+            task = loop.create_task(self._staged(Batch(chunks, now, self._batch_cost)))
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
 
@@ -610,11 +625,17 @@ class DynamicBatcher:
 
 class Batch:
     """One batch formed from ``chunks`` at loop time ``formed_at``: its inputs, its requests and
-    their item ranges within it, its size and cost (padded tokens for a priced model)."""
+    their item ranges within it, its size and cost (for a priced model ``batch_cost`` of its
+    items' costs: the padded tokens it computes; else its items)."""
 
     __slots__ = ("chunks", "cost", "groups", "inputs", "items", "queue_s", "real_tokens", "requests")
 
-    def __init__(self, chunks: list[Chunk], formed_at: float) -> None:
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        formed_at: float,
+        batch_cost: Callable[[np.ndarray], float] = padded_to_longest,
+    ) -> None:
         self.chunks = chunks
         self.inputs = concat(chunks)
         self.requests = {id(c.request): c.request for c in chunks}
@@ -623,8 +644,6 @@ class Batch:
         self.items = sum(sizes)
         edges = np.cumsum([0, *sizes]).tolist()
         self.groups = list(itertools.pairwise(edges))
-        priced = [(c.request.tokens, c) for c in chunks if c.request.tokens is not None]
-        self.real_tokens = sum(int(t[c.start : c.stop].sum()) for t, c in priced)
-        # what a padded batch computes: every item as long as the longest (tokens ascend per chunk)
-        longest = max((int(t[c.stop - 1]) for t, c in priced), default=0)
-        self.cost = float(longest * self.items) if priced else float(self.items)
+        priced = [c.request.tokens[c.start : c.stop] for c in chunks if c.request.tokens is not None]
+        self.real_tokens = sum(int(t.sum()) for t in priced)
+        self.cost = batch_cost(np.concatenate(priced)) if priced else float(self.items)

@@ -9,26 +9,32 @@ and of their cost still waiting, which the batcher's admission and memory bound 
 
 **Batches formed by cost.** A model whose handler prices its items (``item_costs``: tokens for
 a text model) has each request's items sorted by cost when it arrives (the permutation is
-undone on the way out) and cut into chunks by *length class* (``class_width`` tokens each), one
-FIFO queue per class. A batch is anchored on the oldest waiting chunk: it takes that chunk's
-class first (oldest first), then fills up from the shorter classes (which pad up to the
-batch's longest item at no extra length) and last from the longer ones, as long as the batch
-stays within ``max_batch_size`` items, ``max_batch_tokens`` (items x the longest item's tokens:
-what a padded batch computes) and ``max_batch_bytes``. So a deep queue runs in batches of
-similar lengths (little padding), a shallow one in one batch as before, and no request is
-passed over for long: every batch takes the oldest chunk, so a chunk waits at most for the
-batches that take the chunks queued before it. Models that do not price their items queue in
-one class: plain FIFO. Source: text-embeddings-inference's ``max_batch_tokens``
-(``core/src/queue.rs``) and Infinity's length-sorted batches (``inference/queue.py``).
+undone on the way out). Requests queue in arrival order, whole, and a batch takes the oldest
+first, as long as it stays within ``max_batch_size`` items, ``max_batch_tokens`` (what the
+batch computes, padding included: the handler's ``batch_cost`` of its items' costs, else every
+item padded to the longest) and ``max_batch_bytes``; only the last request taken is split,
+where it exceeds the batch. No request is ever passed over, and the backlog ahead of a new
+request is exactly what admission counts (``app.serving.admission``). Items of different
+lengths are kept apart *within* a batch instead: the handler runs them in length groups
+(``app.handlers.sentence_embedding.length_groups``: strings sorted by length and cut where a
+separate call costs less than the padding it saves), which is where a request mixing titles
+and descriptions saves its padding.
+
+Why not queues per length class, with batches of similar lengths taken across requests
+(Infinity sorts its queue by length)? Tried here: a request whose longest item was long was
+taken only once it was the oldest, while shorter requests that arrived after it filled the
+batches; under overload its wait was up to four times what admission expected, so admitted
+requests expired (504), and a request split over several batches had parts computed for
+nothing when its last part came too late. Source: text-embeddings-inference's
+``max_batch_tokens`` (``core/src/queue.rs``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import math
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,14 +81,11 @@ class QueuedRequest:
 
 @dataclass(eq=False)
 class Chunk:
-    """Items ``[start, stop)`` of ``request``, in length class ``cls``; ``seq`` orders chunks by
-    arrival (the oldest waiting chunk anchors the next batch)."""
+    """Items ``[start, stop)`` of ``request``."""
 
     request: QueuedRequest
     start: int
     stop: int
-    cls: int = 0
-    seq: int = 0
 
 
 #: Called for a request dropped while queued: (request, the error it gets, the rejection reason
@@ -90,15 +93,21 @@ class Chunk:
 Drop = Callable[[QueuedRequest, ScoringError, "str | None"], None]
 
 
+def padded_to_longest(costs: np.ndarray) -> float:
+    """A batch's cost when every item is padded to the costliest: ``max * N`` (0 when empty)."""
+    return float(costs.max()) * len(costs) if len(costs) else 0.0
+
+
 @dataclass
 class Budget:
-    """What one batch may still hold: items, input bytes, tokens (padding included)."""
+    """What one batch may still hold: items, input bytes, and tokens as ``batch_cost`` counts
+    them (padding included) over every priced item taken."""
 
     items: int
     bytes: float = math.inf
     tokens: float = math.inf
-    longest: int = 0  # the longest item's cost taken so far (priced models)
-    count: int = 0
+    batch_cost: Callable[[np.ndarray], float] = padded_to_longest
+    taken: list[np.ndarray] = field(default_factory=list)  # the costs of the items taken
 
     def fit(self, request: QueuedRequest, start: int, stop: int) -> int:
         """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit."""
@@ -108,63 +117,47 @@ class Budget:
             n = min(n, costs.items_within(start, start + n, self.bytes))
         tokens = request.tokens
         if tokens is not None and self.tokens != math.inf and n > 0:
-            # tokens ascend within a request: taking k items makes the batch k items longer and
-            # its longest item max(longest, tokens[start + k - 1])
-            k = np.arange(1, n + 1)
-            padded = (self.count + k) * np.maximum(self.longest, tokens[start : start + n])
-            n = int(np.searchsorted(padded > self.tokens, True))
+            # the most items whose batch costs at most the budget (a batch's cost grows with its
+            # items): a binary search over how many to take
+            fits, low, high = 0, 1, n
+            while low <= high:
+                k = (low + high) // 2
+                if self.batch_cost(np.concatenate([*self.taken, tokens[start : start + k]])) <= self.tokens:
+                    fits, low = k, k + 1
+                else:
+                    high = k - 1
+            n = fits
         return n
 
     def take(self, request: QueuedRequest, start: int, stop: int) -> None:
         """Account for items ``[start, stop)`` of ``request`` joining the batch."""
         self.items -= stop - start
-        self.count += stop - start
         if request.costs is not None and self.bytes != math.inf:
             self.bytes -= request.costs.between(start, stop)
         if request.tokens is not None:
-            self.longest = max(self.longest, int(request.tokens[stop - 1]))
+            self.taken.append(request.tokens[start:stop])
 
 
 class ChunkQueue:
-    """The waiting chunks of one model, by length class, oldest first.
+    """The waiting requests of one model (as chunks), oldest first."""
 
-    Args:
-        class_width: tokens per length class for priced models (module docstring).
-    """
-
-    def __init__(self, class_width: int = 16) -> None:
-        self.class_width = max(1, class_width)
-        self._classes: dict[int, deque[Chunk]] = {0: deque()}
-        self._seq = 0
+    def __init__(self) -> None:
+        self._chunks: deque[Chunk] = deque()
         #: Items waiting (excludes the batch running and the items of dead requests).
         self.items = 0
         #: Their cost (tokens for priced models, else items).
         self.cost = 0
 
     def put(self, request: QueuedRequest) -> None:
-        """Queue all of ``request``'s items (its ``tokens`` already sorted ascending)."""
+        """Queue all of ``request``'s items (its ``tokens``, if priced, sorted ascending)."""
         request.queued, request.queued_cost = request.size, request.cost
         self.items += request.size
         self.cost += request.queued_cost
-        tokens = request.tokens
-        if tokens is None:
-            self._append(Chunk(request, 0, request.size))
-            return
-        classes = (tokens - 1) // self.class_width
-        bounds = np.flatnonzero(np.diff(classes)) + 1
-        edges = [0, *bounds.tolist(), request.size]
-        # the longest class first: it anchors the request's first batch (the rest pad up to it)
-        for start, stop in reversed(list(itertools.pairwise(edges))):
-            self._append(Chunk(request, start, stop, int(classes[start])))
-
-    def _append(self, chunk: Chunk) -> None:
-        chunk.seq = self._seq
-        self._seq += 1
-        self._classes.setdefault(chunk.cls, deque()).append(chunk)
+        self._chunks.append(Chunk(request, 0, request.size))
 
     def forget(self, request: QueuedRequest) -> bool:
         """Mark ``request`` dead; True when some of its items were still waiting (they no
-        longer count; their chunks are dropped when they reach the head of their class)."""
+        longer count; its chunk is dropped when it reaches the head of the queue)."""
         if request.dead:
             return False
         request.dead = True
@@ -177,66 +170,48 @@ class ChunkQueue:
 
     def head(self) -> Chunk | None:
         """The oldest chunk of a live request, or None."""
-        best: Chunk | None = None
-        for chunks in self._classes.values():
-            while chunks and chunks[0].request.dead:
-                chunks.popleft()
-            if chunks and (best is None or chunks[0].seq < best.seq):
-                best = chunks[0]
-        return best
+        chunks = self._chunks
+        while chunks and chunks[0].request.dead:
+            chunks.popleft()
+        return chunks[0] if chunks else None
 
     def requests(self) -> list[QueuedRequest]:
         """Every request with a chunk queued, emptying the queue (the batcher stops)."""
-        out = {id(c.request): c.request for chunks in self._classes.values() for c in chunks}
-        for chunks in self._classes.values():
-            chunks.clear()
+        out = {id(c.request): c.request for c in self._chunks}
+        self._chunks.clear()
         return list(out.values())
 
     def take(self, now: float, budget: Budget, drop: Drop) -> list[Chunk]:
-        """A batch: chunks of live requests within ``budget``, anchored on the oldest (module
-        docstring), splitting the last one taken from a class. Requests whose client left or
-        whose deadline passed (``now``, loop seconds) are dropped on the way with ``drop``."""
+        """A batch: the oldest chunks of live requests within ``budget``, splitting the last one
+        taken where it exceeds it. Requests whose client left or whose deadline passed (``now``,
+        loop seconds) are dropped on the way with ``drop``."""
         taken: list[Chunk] = []
-        while (anchor := self.head()) is not None and _expired(anchor.request, now, drop):
-            continue
-        if anchor is None:
-            return taken
-        for cls in self._visit_order(anchor.cls):
-            chunks = self._classes[cls]
-            while budget.items > 0 and chunks:
-                chunk = chunks[0]
-                request = chunk.request
-                if request.dead or _expired(request, now, drop):
-                    chunks.popleft()
-                    continue
-                n = budget.fit(request, chunk.start, chunk.stop)
-                if n == 0 and not taken:
-                    n = 1  # an item over a budget alone still runs (admission refuses it first)
-                if n == 0:
-                    break  # the next item would take the batch over a budget
-                if n == chunk.stop - chunk.start:
-                    chunks.popleft()
-                    part = chunk
-                else:
-                    part = Chunk(request, chunk.start, chunk.start + n, chunk.cls, chunk.seq)
-                    chunk.start += n
-                budget.take(request, part.start, part.stop)
-                taken.append(part)
-                cost = request.cost_between(part.start, part.stop)
-                request.queued -= n
-                request.queued_cost -= cost
-                self.items -= n
-                self.cost -= cost
-            if budget.items <= 0:
-                break
+        chunks = self._chunks
+        while budget.items > 0 and chunks:
+            chunk = chunks[0]
+            request = chunk.request
+            if request.dead or _expired(request, now, drop):
+                chunks.popleft()
+                continue
+            n = budget.fit(request, chunk.start, chunk.stop)
+            if n == 0 and not taken:
+                n = 1  # an item over a budget alone still runs (admission refuses it first)
+            if n == 0:
+                break  # the next item would take the batch over a budget
+            if n == chunk.stop - chunk.start:
+                chunks.popleft()
+                part = chunk
+            else:
+                part = Chunk(request, chunk.start, chunk.start + n)
+                chunk.start += n
+            budget.take(request, part.start, part.stop)
+            taken.append(part)
+            cost = request.cost_between(part.start, part.stop)
+            request.queued -= n
+            request.queued_cost -= cost
+            self.items -= n
+            self.cost -= cost
         return taken
-
-    def _visit_order(self, anchor: int) -> Iterator[int]:
-        """The anchor's class, then the shorter classes (longest first), then the longer ones."""
-        known = sorted(self._classes)
-        yield anchor
-        yield from (c for c in reversed(known) if c < anchor)
-        yield from (c for c in known if c > anchor)
 
 
 def _expired(request: QueuedRequest, now: float, drop: Drop) -> bool:

@@ -135,7 +135,7 @@ def _timed_batch(runner: ModelRunner) -> tuple[float, float]:
     start = time.perf_counter()
     runner.run_batch(inputs)
     seconds = time.perf_counter() - start
-    return (float(costs.max()) * items if costs is not None else float(items)), seconds
+    return (runner.batch_cost(costs) if costs is not None else float(items)), seconds
 
 
 #: The first wait before a failed model load is retried, seconds (then doubled each time).
@@ -272,6 +272,7 @@ def _start_batching(
         max_batch_bytes=config.max_batch_bytes or max_batch_bytes,
         max_batch_tokens=config.max_batch_tokens,
         item_costs=runner.item_costs if runner.prices_items else None,
+        batch_cost=runner.batch_cost,
         pipelined=staged,
         observer=observer,
     )
