@@ -18,8 +18,14 @@ scenario:
 Scenarios (``--scenarios``, comma-separated):
 
 - ``minilm-64``: all-MiniLM-L6-v2, 64 texts per request, 96 connections;
+- ``mixed-8``: all-MiniLM-L6-v2, 8 feed texts per request of mixed length (titles of 5-15
+  words, descriptions of 40-200: :func:`benchmarks.payloads.feed_texts`), the feed's query,
+  only ``score`` asked for, 64 connections (capacity at 4): items that differ in cost;
 - ``one-item-512``: one item per request, 512 connections, half on each model
   (feed-ranker and all-MiniLM-L6-v2).
+
+After the overload, the capacity connections again for ``--recovery-s`` seconds: the
+statuses of each second (admission must not stay poisoned by the burst).
 
     python -m benchmarks.overload --json overload.json            # the figures (quiet machine)
     python -m benchmarks.overload --duration-s 3 --capacity-s 2   # a smoke run
@@ -61,10 +67,13 @@ class Scenario:
     items: int
     connections: int
     capacity_connections: int
+    #: Feed texts of mixed length (``payloads.feed_texts``) instead of ``--text-chars`` each.
+    mixed: bool = False
 
 
 SCENARIOS = {
     "minilm-64": Scenario("minilm-64", (MINILM,), 64, 96, 8),
+    "mixed-8": Scenario("mixed-8", (MINILM,), 8, 64, 4, mixed=True),
     "one-item-512": Scenario("one-item-512", (RANKER, MINILM), 1, 512, 64),
 }
 
@@ -104,11 +113,16 @@ def ms_p(seconds: list[float], q: float) -> float | None:
     return round(driver.percentiles(seconds, (q,))[0] * 1000, 1) if seconds else None
 
 
-def body(repository: Path, items: int, model: str, text_chars: int) -> bytes:
-    """A V2 inference request of ``items`` items for ``model`` (MiniLM texts of ``text_chars``
-    characters, no query)."""
+def bodies_of(repository: Path, scenario: Scenario, model: str, text_chars: int) -> list[bytes]:
+    """The V2 inference requests the clients of ``scenario`` send to ``model`` (in turn):
+    ``items`` items each, MiniLM texts of ``text_chars`` characters and no query, or for a
+    mixed scenario 250 requests of mixed-length feed texts with the feed's query."""
+    if scenario.mixed:
+        texts = payloads.feed_texts(payloads.model_words(repository), 250 * scenario.items)
+        return payloads.feed_bodies(texts, scenario.items)
     inputs = payloads.inputs_of(repository, model, query=False)
-    return payloads.v2_json(payloads.tensors(inputs, items, random.Random(0), payloads.text_of(text_chars)))
+    tensors = payloads.tensors(inputs, scenario.items, random.Random(0), payloads.text_of(text_chars))
+    return [payloads.v2_json(tensors)]
 
 
 def start(args: argparse.Namespace, tmp: Path) -> Gunicorn:
@@ -132,24 +146,26 @@ def rss_mib(srv: Gunicorn) -> dict[int, float]:
 
 async def drive(
     srv: Gunicorn,
-    bodies: dict[str, bytes],
+    bodies: dict[str, list[bytes]],
     scenario: Scenario,
     connections: int,
     seconds: float,
     polite: bool = False,
 ) -> tuple[Tally, float]:
     """``connections`` closed-loop clients (one :class:`benchmarks.driver.Connection` each) for
-    ``seconds``, sending ``bodies[model]``; (outcomes, seconds elapsed). ``polite`` clients wait
-    ``Retry-After`` seconds after a 503; the others resend at once."""
+    ``seconds``, sending the ``bodies[model]`` in turn; (outcomes, seconds elapsed). ``polite``
+    clients wait ``Retry-After`` seconds after a 503; the others resend at once."""
     conns = [driver.Connection(srv.port) for _ in range(connections)]
     connects: list[float] = []
     server_s: dict[int, list[float]] = {}
     start = time.perf_counter()
     stop_at = start + seconds
+    next_body = {m: driver.cycling(bodies[m], connections) for m in scenario.models}
 
     async def request(cid: int) -> driver.Answer:
         model = scenario.models[cid % len(scenario.models)]
         conn = conns[cid]
+        body = next_body[model](cid)
         began = time.perf_counter()
         try:
             if not conn.usable():
@@ -157,7 +173,7 @@ async def drive(
                 connects.append(time.perf_counter() - began)
                 began = time.perf_counter()  # an answer's latency runs from its request
             status, headers, _ = await asyncio.wait_for(
-                conn.request("POST", f"/v2/models/{model}/infer", bodies[model]), 60
+                conn.request("POST", f"/v2/models/{model}/infer", body), 60
             )
         except (TimeoutError, OSError, asyncio.IncompleteReadError) as exc:
             conn.close()
@@ -183,7 +199,7 @@ async def drive(
 
 async def run_scenario(srv: Gunicorn, scenario: Scenario, args: argparse.Namespace) -> dict[str, Any]:
     """Capacity, then overload, of one scenario: every figure of its row."""
-    bodies = {m: body(args.repository, scenario.items, m, args.text_chars) for m in scenario.models}
+    bodies = {m: bodies_of(args.repository, scenario, m, args.text_chars) for m in scenario.models}
     clients = args.capacity_connections or scenario.capacity_connections
     base, base_s = await drive(srv, bodies, scenario, clients, args.capacity_s)
     capacity = base.count(200) / base_s
@@ -191,6 +207,10 @@ async def run_scenario(srv: Gunicorn, scenario: Scenario, args: argparse.Namespa
     connections = args.connections or scenario.connections
     load, load_s = await drive(srv, bodies, scenario, connections, args.duration_s, args.honour_retry_after)
     rss_end = rss_mib(srv)
+    recovery = []
+    for _ in range(round(args.recovery_s)):
+        after, _ = await drive(srv, bodies, scenario, clients, 1.0)
+        recovery.append({str(s): after.count(s) for s in sorted(after.latencies)} | dict(after.errors))
     goodput = load.count(200) / load_s
     growth = [rss_end[p] / rss_start[p] - 1 for p in rss_start if p in rss_end]
     return {
@@ -216,6 +236,7 @@ async def run_scenario(srv: Gunicorn, scenario: Scenario, args: argparse.Namespa
         "rss_start_mib": rss_start,
         "rss_end_mib": rss_end,
         "rss_max_growth": round(max(growth), 3) if growth else None,
+        "recovery_statuses_per_s": recovery,
     }
 
 
@@ -225,6 +246,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--duration-s", type=float, default=20.0, help="overload per scenario")
     parser.add_argument("--capacity-s", type=float, default=10.0, help="unloaded measurement per scenario")
     parser.add_argument("--capacity-connections", type=int, default=0, help="clients for the capacity")
+    parser.add_argument(
+        "--recovery-s", type=float, default=4.0, help="capacity clients after the overload, in 1 s windows"
+    )
     parser.add_argument(
         "--connections", type=int, default=0, help="overload clients (default: the scenario's)"
     )
@@ -259,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
             f"200 p50/p99 {r['ok_p50_ms']}/{r['ok_p99_ms']} ms, 503 p50/p99 {r['rejected_p50_ms']}/"
             f"{r['rejected_p99_ms']} ms (server's own p99 {r['rejected_server_p99_ms']} ms), "
             f"{r['reconnects']} reconnects (p99 {r['reconnect_p99_ms']} ms), "
-            f"RSS {r['rss_start_mib']} -> {r['rss_end_mib']} MiB"
+            f"RSS {r['rss_start_mib']} -> {r['rss_end_mib']} MiB, "
+            f"then each second {r['recovery_statuses_per_s']}"
         )
     command = " ".join(["python -m benchmarks.overload", *(argv if argv is not None else sys.argv[1:])])
     report.write_json(args.json, report.record(command=command, results=results))

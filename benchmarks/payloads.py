@@ -187,6 +187,27 @@ def v2_json(request: Sequence[Tensor]) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
+def feed_bodies(
+    texts: Sequence[str], items: int, *, query: str | None = QUERY, outputs: Sequence[str] = ("score",)
+) -> list[bytes]:
+    """V2 JSON requests for all-MiniLM-L6-v2, ``items`` of ``texts`` each in order (the last
+    partial group dropped): ``text`` BYTES ``[items, 1]``, ``query`` (the same ``query`` for
+    every item, none when None) and the ``outputs`` asked for by name (all when empty)."""
+    bodies = []
+    for start in range(0, len(texts) - items + 1, items):
+        group = list(texts[start : start + items])
+        shape = [items, 1]
+        inputs: list[dict[str, Any]] = [{"name": "text", "shape": shape, "datatype": "BYTES", "data": group}]
+        if query is not None:
+            queries = [query] * items
+            inputs.append({"name": QUERY_INPUT, "shape": shape, "datatype": "BYTES", "data": queries})
+        request: dict[str, Any] = {"inputs": inputs}
+        if outputs:
+            request["outputs"] = [{"name": name} for name in outputs]
+        bodies.append(json.dumps(request).encode())
+    return bodies
+
+
 def v1_json(request: Sequence[Tensor]) -> bytes:
     """A KServe V1 body, ``{"instances": [...]}``: per instance one value (a scalar where an
     item is one element, else a nested list) for a single input, else an object of them."""
