@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.support.gunicorn import Gunicorn
-from tests.support.h2_peer import H2Peer, flood
+from tests.support.gunicorn import Gunicorn, wait_for
+from tests.support.h2_peer import H2Peer, Outcome, flood
 from tests.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -55,6 +55,27 @@ def serve(tmp_path: Path, **env: str) -> Gunicorn:
     return Gunicorn(tmp_path, {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1", **env})
 
 
+def floods_beside_honest(
+    srv: Gunicorn, seconds: float, read: bool
+) -> tuple[list[tuple[Outcome, float, float]], list[float]]:
+    """Two rapid-reset peers (:func:`tests.support.h2_peer.flood`), each in a spawned process
+    of its own for ``seconds``, beside an honest client: the peers' results and the seconds
+    of each honest call that began while they ran (-1 where it failed)."""
+    stop, calls = threading.Event(), list[tuple[float, float]]()
+    honest = threading.Thread(target=honest_latencies, args=(srv, stop, calls))
+    honest.start()
+    spawn = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(2, mp_context=spawn) as pool:
+            floods = [pool.submit(flood, srv.grpc_port, INFER, seconds, read) for _ in range(2)]
+            results = [f.result(timeout=120) for f in floods]
+    finally:
+        stop.set()
+        honest.join(30)
+    began, ended = min(r[1] for r in results), max(r[2] for r in results)
+    return results, [s for t, s in calls if began <= t <= ended]
+
+
 def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(tmp_path: Path) -> None:
     """Two peers, each in a process of its own, open and cancel streams as fast as they can
     (CVE-2023-44487) without ever reading, on the worker an honest client uses: grpcio stops
@@ -62,19 +83,7 @@ def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(tmp_p
     (``app.grpc.server.PING_TIMEOUT_MS``); every honest call meanwhile succeeds, p99 < 50 ms."""
     with serve(tmp_path) as srv:
         srv.wait_ready(60)
-        stop, calls = threading.Event(), list[tuple[float, float]]()
-        honest = threading.Thread(target=honest_latencies, args=(srv, stop, calls))
-        honest.start()
-        spawn = multiprocessing.get_context("spawn")
-        try:
-            with ProcessPoolExecutor(2, mp_context=spawn) as pool:
-                floods = [pool.submit(flood, srv.grpc_port, INFER, 9.0) for _ in range(2)]
-                results = [f.result(timeout=120) for f in floods]
-        finally:
-            stop.set()
-            honest.join(30)
-        began, ended = min(r[1] for r in results), max(r[2] for r in results)
-        during = [s for t, s in calls if began <= t <= ended]
+        results, during = floods_beside_honest(srv, 9.0, read=False)
         ok = [s for s in during if s >= 0]
         assert len(ok) == len(during) > 50, (len(ok), len(during))
         p99 = float(np.percentile(ok, 99)) * 1000
@@ -93,19 +102,7 @@ def test_a_rapid_reset_peer_that_answers_pings_leaves_an_honest_client_served(tm
     without the stream cap and the PING options (0.3–0.8 s)."""
     with serve(tmp_path) as srv:
         srv.wait_ready(60)
-        stop, calls = threading.Event(), list[tuple[float, float]]()
-        honest = threading.Thread(target=honest_latencies, args=(srv, stop, calls))
-        honest.start()
-        spawn = multiprocessing.get_context("spawn")
-        try:
-            with ProcessPoolExecutor(2, mp_context=spawn) as pool:
-                floods = [pool.submit(flood, srv.grpc_port, INFER, 6.0, True) for _ in range(2)]
-                results = [f.result(timeout=120) for f in floods]
-        finally:
-            stop.set()
-            honest.join(30)
-        began, ended = min(r[1] for r in results), max(r[2] for r in results)
-        during = [s for t, s in calls if began <= t <= ended]
+        results, during = floods_beside_honest(srv, 6.0, read=True)
         ok = [s for s in during if s >= 0]
         assert len(ok) == len(during) > 20, (len(ok), len(during))
         p50 = float(np.percentile(ok, 50)) * 1000
@@ -129,7 +126,7 @@ def test_streams_per_connection_are_capped(tmp_path: Path) -> None:
             stop, calls = threading.Event(), list[tuple[float, float]]()
             honest = threading.Thread(target=honest_latencies, args=(srv, stop, calls))
             honest.start()
-            time.sleep(1.0)  # a second of honest calls beside the held streams
+            wait_for(lambda: len(calls) >= 20 or None, 30, "20 honest calls beside the held streams", srv)
             stop.set()
             honest.join(30)
             grown = worker.memory_info().rss - before

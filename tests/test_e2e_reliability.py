@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 
 from benchmarks.driver import Connection
+from tests.conftest import eventually
 from tests.support.gunicorn import ROOT, Gunicorn, wait_for
 from tests.toy_models import write_scale_model
 
@@ -298,10 +299,10 @@ def test_stopping_the_server_under_load_resets_no_request(tmp_path: Path) -> Non
                 conn.close()
 
             clients = [asyncio.create_task(client()) for _ in range(4)]
-            await asyncio.sleep(2)
+            await eventually(lambda: answered[0] >= 100 or None, 30)  # under load
             srv.proc.send_signal(signal.SIGTERM)
             await asyncio.to_thread(srv.proc.wait, 60)
-            await asyncio.sleep(0.5)
+            await eventually(lambda: refused[0] > 0 or None, 10)  # the clients saw the port close
             stopped.set()
             await asyncio.gather(*clients)
             return answered[0], refused[0], failures
@@ -326,8 +327,9 @@ def test_out_of_file_descriptors_the_worker_pauses_and_recovers(tmp_path: Path) 
         try:
             for _ in range(64):
                 flood.append(socket.create_connection(("127.0.0.1", srv.port), timeout=5))
+            wait_for(lambda: srv.log().count("accept failed") > before or None, 30, "the EMFILE log line", srv)
             worker.cpu_percent(None)
-            time.sleep(3)
+            time.sleep(2)  # the window the worker's CPU share is measured over, not a wait
             busy = worker.cpu_percent(None)
             log = srv.log()
             assert log.count("accept failed") - before == 1, log[-3000:]

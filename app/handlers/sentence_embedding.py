@@ -208,6 +208,15 @@ def length_groups(lengths: npt.ArrayLike, overhead_tokens: float) -> list[npt.ND
     return [order[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
 
 
+def _distinct(texts: list[str], queries: list[str]) -> tuple[list[str], list[int], list[int]]:
+    """The distinct strings among ``texts`` and non-empty ``queries``, in first-seen order, and
+    for each item the row of its text and of its query (-1: none): what is encoded once."""
+    rows: dict[str, int] = {}
+    text_rows = [rows.setdefault(t, len(rows)) for t in texts]
+    query_rows = [rows.setdefault(q, len(rows)) if q else -1 for q in queries]
+    return list(rows), text_rows, query_rows
+
+
 def padded_tokens(lengths: npt.ArrayLike, overhead_tokens: float) -> int:
     """Tokens the forward calls of :func:`length_groups` compute, padding included; items of
     0 tokens (strings priced already, see ``item_costs``) compute nothing."""
@@ -412,15 +421,15 @@ class SentenceEmbeddingHandler:
         Raises:
             ValueError: naming the input and item, for invalid UTF-8 or a wrong shape.
         """
-        texts, queries = self._texts(inputs)
-        rows: dict[str, int] = {}
-        new_text = [len(rows) == rows.setdefault(t, len(rows)) for t in texts]
-        new_query = [bool(q) and len(rows) == rows.setdefault(q, len(rows)) for q in queries]
-        lengths = np.asarray(self._lengths(list(rows)), dtype=np.int64)
-        costs = np.zeros(len(texts), dtype=np.int64)
-        costs[new_text] = lengths[[rows[t] for t, new in zip(texts, new_text, strict=True) if new]]
-        with_query = np.flatnonzero(new_query)
-        costs[with_query] += lengths[[rows[queries[i]] for i in with_query]]
+        strings, text_rows, query_rows = _distinct(*self._texts(inputs))
+        lengths = self._lengths(strings)
+        costs = np.zeros(len(text_rows), dtype=np.int64)
+        priced: set[int] = set()
+        for item, rows in enumerate(zip(text_rows, query_rows, strict=True)):
+            for row in rows:
+                if row >= 0 and row not in priced:
+                    priced.add(row)
+                    costs[item] += lengths[row]
         return costs
 
     def batch_cost(self, costs: npt.NDArray[np.int64]) -> int:
@@ -475,11 +484,7 @@ class SentenceEmbeddingHandler:
                 whose length differs from ``text``'s.
         """
         model = self.model
-        texts, queries = self._texts(inputs)
-        rows: dict[str, int] = {}
-        text_rows = [rows.setdefault(t, len(rows)) for t in texts]
-        query_rows = [rows.setdefault(q, len(rows)) if q else -1 for q in queries]
-        strings = list(rows)
+        strings, text_rows, query_rows = _distinct(*self._texts(inputs))
         groups = length_groups(self._lengths(strings), self.call_overhead_tokens)
         # position[r]: where distinct string r lands in the groups' rows, concatenated
         position = np.empty(len(strings), dtype=np.int64)
