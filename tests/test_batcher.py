@@ -313,6 +313,23 @@ async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: Th
     await b.stop()
 
 
+async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b, _ = observed(executor, rec, max_batch_size=4)
+    b.rate.observe(1, 0.0005)  # a fast model: 0.5 ms per item
+    now = asyncio.get_running_loop().time()
+    running = await start_held(b, rec, items(0), timeout_s=60)
+    queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 10 ms of work
+    await eventually(lambda: b.queued_items == 20)
+    # 10 ms late (a thread waiting two switch intervals for the interpreter lock): no stretch
+    assert b.backlog_s(now + 0.010) < 0.030
+    # a second late: it needs about as much again, and what waits is stretched by that ratio
+    assert b.backlog_s(now + 1.0) > 1.0 + 20 * 0.0005 * 40
+    rec.gate.set()
+    await asyncio.gather(running, queued)
+    await b.stop()
+
+
 async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecutor) -> None:
     b, _ = observed(executor, Recorder(), max_batch_size=4)
     assert b.rate.items_per_s is None and b.rate.seconds_for(100) == 0.0  # unknown: admit

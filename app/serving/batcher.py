@@ -93,6 +93,12 @@ log = logging.getLogger(__name__)
 #: 0.63 of capacity in the uniform one (a shorter queue parks fewer clients, and the others
 #: spend the CPU on refusals); 0.5 gave neither (docs/reliability.md, *Overload figures*).
 ADMISSION_HEADROOM = 0.5
+#: How far past its expected time a running batch may be before what waits behind it is
+#: stretched (:meth:`DynamicBatcher.backlog_s`): a thread waiting for the interpreter lock
+#: waits 5 ms switch intervals, so a fast model's 0.5 ms batch can take 10 ms beside a busy
+#: event loop. Stretching by that ratio (20x) refused the feed-ranker at 64 gRPC connections
+#: with 512 items queued (expected 520 ms at 36,444 items/s).
+OVERDUE_SLACK_S = 0.02
 #: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
 _RECENT_REQUESTS = 32
 #: Batches formed and not yet finished, at most (staged pipeline): one preparing, one
@@ -241,16 +247,20 @@ class DynamicBatcher:
         """Expected seconds until the work already here, and ``more_items`` items costing
         ``more_cost`` after it, is done at the measured rate: the rest of the running batches,
         the queued items (and the new ones) in full batches, padded as recent batches were,
-        and one max queue delay. A batch running longer than expected stretches what waits
-        behind it by the same factor (the slowdown an overload brings shows there a batch
-        before :attr:`ServiceRate.lag` can see it). ``now`` is ``loop.time()``."""
+        and one max queue delay. A batch running longer than expected (beyond
+        :data:`OVERDUE_SLACK_S`) stretches what waits behind it by the same factor (the
+        slowdown an overload brings shows there a batch before :attr:`ServiceRate.lag` can see
+        it), and is itself taken to need as much again as it has overrun. ``now`` is
+        ``loop.time()``."""
         rest, overdue = 0.0, 1.0
         for i, (started, _, running_cost, _) in enumerate(self._running):
             expected_s = self.rate.seconds_for(running_cost)
             if i == 0:  # the one on the device now; the others wait behind it
-                rest = max(0.0, started + expected_s - now)
-                if expected_s > 0:  # slower than expected so far: so will the rest be
-                    overdue = max(1.0, (now - started) / expected_s)
+                elapsed_s = now - started
+                # past its time it is taken to need as much again as it has overrun
+                rest = abs(expected_s - elapsed_s)
+                # slower than expected so far: so will the rest be
+                overdue = max(1.0, elapsed_s / (expected_s + OVERDUE_SLACK_S))
             else:
                 rest += expected_s * overdue
         items = self._queue.items + more_items
