@@ -21,6 +21,7 @@ from app.errors import (
     InferenceFailed,
     InsufficientStorage,
     InvalidInput,
+    ModelLoadError,
     PayloadTooLarge,
     QueueFull,
 )
@@ -28,7 +29,7 @@ from app.models.repository import read_config
 from app.models.runner import ModelRunner
 from app.models.segment import Segment
 from app.serving.admission import SETTLED_BATCHES, ServiceRate, cumulative_costs, items_within
-from app.serving.batcher import DynamicBatcher
+from app.serving.batcher import GATHER_IDLE_TURNS, DynamicBatcher
 from tests.conftest import eventually
 from tests.toy_models import ScaleHandler, write_scale_model
 
@@ -313,6 +314,37 @@ async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: Th
     await b.stop()
 
 
+async def late(b: DynamicBatcher, value: float, turns: int) -> dict[str, np.ndarray]:
+    """A request that reaches the batcher ``turns`` event-loop turns from now (as a gRPC call
+    or an HTTP body already read takes a few turns to reach the queue)."""
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    return await b.infer(items(value), timeout_s=5)
+
+
+@pytest.mark.parametrize(("gather_turns", "batches"), [(32, [[1.0, 2.0]]), (0, [[1.0], [2.0]])])
+async def test_a_partial_batch_waits_a_few_loop_turns_for_requests_on_their_way(
+    executor: ThreadPoolExecutor, gather_turns: int, batches: list[list[float]]
+) -> None:
+    rec = Recorder()
+    b, _ = observed(executor, rec, max_batch_size=4, gather_turns=gather_turns)
+    await asyncio.gather(b.infer(items(1), timeout_s=5), late(b, 2, 3))
+    assert rec.batches == batches
+    await b.stop()
+
+
+async def test_gathering_stops_after_idle_loop_turns(executor: ThreadPoolExecutor) -> None:
+    rec = Recorder()
+    b, _ = observed(executor, rec, max_batch_size=4, gather_turns=32)
+    # one request alone waits GATHER_IDLE_TURNS turns, not 32; one due later runs apart
+    await asyncio.gather(b.infer(items(1), timeout_s=5), late(b, 2, 3 * GATHER_IDLE_TURNS))
+    assert rec.batches == [[1.0], [2.0]]
+    # a full batch closes at once
+    await asyncio.gather(*(b.infer(items(v), timeout_s=5) for v in (3, 4, 5, 6)), late(b, 7, 2))
+    assert rec.batches[2] == [3.0, 4.0, 5.0, 6.0]
+    await b.stop()
+
+
 async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b, _ = observed(executor, rec, max_batch_size=4)
@@ -458,3 +490,14 @@ async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadP
     rec.gate.set()
     await asyncio.gather(running, queued)
     await b.stop()
+
+
+def test_gather_turns_is_read_from_model_toml(tmp_path: Path) -> None:
+    write_scale_model(tmp_path, "scale")
+    toml = tmp_path / "scale" / "model.toml"
+    assert read_config(tmp_path / "scale").gather_turns == 32  # the default
+    toml.write_text("gather_turns = 0\n" + toml.read_text())
+    assert read_config(tmp_path / "scale").gather_turns == 0
+    toml.write_text(toml.read_text().replace("gather_turns = 0", "gather_turns = -1"))
+    with pytest.raises(ModelLoadError, match="gather_turns must be >= 0"):
+        read_config(tmp_path / "scale")

@@ -94,6 +94,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     outputs: list[TensorSpec]
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
+    #: Event-loop turns a partial batch waits, after the max queue delay, for requests already
+    #: on their way (app.serving.batcher.DynamicBatcher._gather); 0 = none.
+    gather_turns: int = 32
     queue_capacity: int = 1024
     timeout_ms: float | None = None
     max_timeout_ms: float | None = None
@@ -177,6 +180,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ModelLoadError(f"{where}: max_batch_size must be >= 1")
         if self.max_queue_delay_ms < 0:
             raise ModelLoadError(f"{where}: max_queue_delay_ms must be >= 0")
+        if self.gather_turns < 0:
+            raise ModelLoadError(f"{where}: gather_turns must be >= 0")
         if self.queue_capacity < self.max_batch_size:
             raise ModelLoadError(f"{where}: queue_capacity must be >= max_batch_size")
         if self.prepare_threads < 0:

@@ -3,7 +3,9 @@
 Requests put their items (rows along axis 0) on a bounded queue. A batch closes
 when it holds ``max_batch_size`` items (or as many tokens as ``max_batch_tokens``
 allows, for a model that prices its items) or when ``max_queue_delay`` has passed
-since the *first item of that batch* arrived; a request's items may be split
+since the *first item of that batch* arrived and the event loop has gone round a few
+times more (``gather_turns``: the requests already on their way join it, a wait that
+is microseconds on an idle worker and grows with its load); a request's items may be split
 across batches and are reassembled in order. How a deep queue is cut into batches
 of similar cost, and why no request waits long for it: :mod:`app.serving.chunks`.
 
@@ -99,6 +101,11 @@ ADMISSION_HEADROOM = 0.5
 #: event loop. Stretching by that ratio (20x) refused the feed-ranker at 64 gRPC connections
 #: with 512 items queued (expected 520 ms at 36,444 items/s).
 OVERDUE_SLACK_S = 0.02
+#: Gathering (:meth:`DynamicBatcher._gather`) stops after this many event-loop turns in a row
+#: that queued no request (an idle loop turns in ~3 µs: one client alone waits ~10 µs) ...
+GATHER_IDLE_TURNS = 4
+#: ... and this long after it began, seconds, whatever the load.
+GATHER_MAX_S = 0.002
 #: Requests whose sizes :meth:`DynamicBatcher.refuse_early` remembers.
 _RECENT_REQUESTS = 32
 #: Batches formed and not yet finished, at most (staged pipeline): one preparing, one
@@ -145,6 +152,8 @@ class DynamicBatcher:
             the pipeline and pricing, its prepare and finish threads.
         max_batch_size: most items in one batch.
         max_queue_delay_ms: longest wait for more items after a batch's first item arrived, ms.
+        gather_turns: event-loop turns a partial batch may wait after that for requests
+            already on their way (:meth:`_gather`); 0 = none.
         queue_capacity: most items queued (not yet in a running batch): the memory bound.
         max_batch_bytes: most input bytes in one batch (the batch cost bound); None = no bound.
         max_batch_tokens: most tokens in one batch, padding included (priced models); None =
@@ -173,6 +182,7 @@ class DynamicBatcher:
         batch_cost: Callable[[np.ndarray], float] | None = None,
         pipelined: bool = False,
         observer: BatchObserver | None = None,
+        gather_turns: int = 0,
     ) -> None:
         if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
             raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
@@ -184,6 +194,7 @@ class DynamicBatcher:
         self.pipelined = pipelined
         self.max_batch_size = max_batch_size
         self.max_queue_delay_s = max_queue_delay_ms / 1000.0
+        self.gather_turns = max(0, gather_turns)
         self.queue_capacity = queue_capacity
         self.max_batch_bytes = max_batch_bytes
         self.max_batch_tokens = max_batch_tokens
@@ -510,6 +521,8 @@ class DynamicBatcher:
                         await self._wakeup.wait()
                 except TimeoutError:
                     break
+            if self.gather_turns:
+                await self._gather(loop)
             self.holding = False
             now = loop.time()
             chunks = self._take(now)
@@ -524,6 +537,32 @@ class DynamicBatcher:
             task = loop.create_task(self._staged(Batch(chunks, now, self._batch_cost)))
             self._batches.add(task)
             task.add_done_callback(self._batches.discard)
+
+    async def _gather(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Before a partial batch closes, let the event loop go round up to
+        :attr:`gather_turns` times so that requests already on their way join it: stop at a
+        full batch, after :data:`GATHER_IDLE_TURNS` turns in a row that queued nothing, or
+        :data:`GATHER_MAX_S` after it began.
+
+        A turn costs a few microseconds on an idle loop, so one client alone waits ~10 µs;
+        under load a turn is the time the loop takes to run what is ready (decoding other
+        requests, answering others), so the wait grows with the load, and so do the batches.
+        grpc.aio takes one new call from the gRPC core per loop turn (its server awaits each
+        ``request_call`` in turn), so without gathering a busy worker's gRPC calls reached the
+        queue one at a time and ran as batches of 1.2 requests (docs/benchmarks.md, *Protocols*).
+        """
+        give_up = loop.time() + GATHER_MAX_S
+        turns = idle = 0
+        while (
+            turns < self.gather_turns
+            and idle < GATHER_IDLE_TURNS
+            and self._queue.items < self.max_batch_size
+            and loop.time() < give_up
+        ):
+            seen = self._queue.items
+            await asyncio.sleep(0)
+            turns += 1
+            idle = 0 if self._queue.items > seen else idle + 1
 
     async def _execute(self, batch: Batch) -> None:
         """Run ``batch`` serially on the inference thread (out-of-memory halving, per-request

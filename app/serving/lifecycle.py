@@ -268,6 +268,7 @@ def _start_batching(
         _threads(app, runner, executor, staged),
         max_batch_size=config.max_batch_size,
         max_queue_delay_ms=config.max_queue_delay_ms,
+        gather_turns=config.gather_turns,
         queue_capacity=config.queue_capacity,
         max_batch_bytes=config.max_batch_bytes or max_batch_bytes,
         max_batch_tokens=config.max_batch_tokens,
