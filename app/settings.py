@@ -150,6 +150,15 @@ class Settings(BaseSettings):
         "SETTINGS_MAX_CONCURRENT_STREAMS; a client queues the rest): bounds what one connection "
         "holds and arms grpcio's defences against HTTP/2 rapid reset (docs/reliability.md).",
     )
+    grpc_servers: int = Field(
+        4,
+        ge=1,
+        le=64,
+        description="grpc.aio servers per worker, all on grpc_port (SO_REUSEPORT: the kernel "
+        "spreads connections over every worker's servers). grpc.aio takes one new call per "
+        "server per event-loop turn, so a busy worker with one server lets calls in one at a time "
+        "(docs/benchmarks.md, Protocols); calls of one connection always reach one server.",
+    )
     grpc_grace_s: float = Field(
         5.0,
         ge=0,

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks import report, server
-from tests.support.gunicorn import HOST
+from tests.support.gunicorn import HOST, worker_items, worker_shares
 
 PERF_ANALYZER = server.ROOT / "scripts" / "perf_analyzer"
 #: Protocol -> perf_analyzer arguments beyond the URL.
@@ -79,15 +79,23 @@ def run_level(
 
 
 def rows_table(rows: dict[str, list[dict[str, Any]]]) -> str:
-    """Protocol, concurrency, items/s, p50 and p99 ms per measured level."""
-    lines = [
-        (p, r["concurrency"], "failed", "", "")
-        if "error" in r
-        else (p, r["concurrency"], f"{r['items_per_s']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}")
-        for p, levels in rows.items()
-        for r in levels
-    ]
-    return report.table(("protocol", "concurrency", "items/s", "p50 ms", "p99 ms"), lines, "lrrrr")
+    """Protocol, concurrency, items/s, p50 and p99 ms per measured level, and each worker's share
+    of the items where the run measured it (perf_analyzer's counts include its warm-up)."""
+    shares = any("worker_share" in r for levels in rows.values() for r in levels)
+
+    def share(r: dict[str, Any]) -> tuple[str, ...]:
+        return (" / ".join(f"{100 * s:.0f} %" for s in r.get("worker_share", ())),) if shares else ()
+
+    def figures(r: dict[str, Any]) -> tuple[str, ...]:
+        if "error" in r:
+            return ("failed", "", "")
+        return (f"{r['items_per_s']:.0f}", f"{r['p50_ms']:.2f}", f"{r['p99_ms']:.2f}")
+
+    lines = [(p, r["concurrency"], *figures(r), *share(r)) for p, levels in rows.items() for r in levels]
+    header = ("protocol", "concurrency", "items/s", "p50 ms", "p99 ms")
+    if shares:
+        return report.table((*header, "share of items per worker"), lines, "lrrrrl")
+    return report.table(header, lines, "lrrrr")
 
 
 def markdown(result: dict[str, Any]) -> str:
@@ -137,7 +145,9 @@ def main(argv: list[str] | None = None) -> None:
                     continue
             rows = []
             for c in args.concurrency:
+                before = worker_items(srv.scrape())
                 row = run_level(url, protocol, args.model, c, args)
+                row["worker_share"] = list(worker_shares(before, worker_items(srv.scrape())).values())
                 print(f"{protocol}: {row}", flush=True)
                 rows.append(row)
             result["protocols"][protocol] = rows
