@@ -20,6 +20,7 @@ import pytest
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.settings import Settings
 from tests.support.gunicorn import ROOT, Gunicorn, wait_for
 from tests.support.tools import load_tool
 from tests.toy_models import write_scale_model
@@ -119,6 +120,11 @@ def test_every_worker_listens_and_the_master_has_no_grpc(ranker: Gunicorn) -> No
     assert "cygrpc" not in master_maps  # grpcio's core, loaded by `import grpc`
     for worker in workers:
         assert "cygrpc" in Path(f"/proc/{worker.pid}/maps").read_text()
+        # SCORING_GRPC_SERVERS (default 4) grpc.aio servers, each with its own listener on the port
+        listening = [
+            c for c in worker.connections("tcp") if c.status == "LISTEN" and c.laddr.port == ranker.grpc_port
+        ]
+        assert len(listening) == Settings().grpc_servers == 4
     assert "Traceback" not in ranker.log()
 
 
