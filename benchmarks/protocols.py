@@ -84,7 +84,7 @@ def rows_table(rows: dict[str, list[dict[str, Any]]]) -> str:
     shares = any("worker_share" in r for levels in rows.values() for r in levels)
 
     def share(r: dict[str, Any]) -> tuple[str, ...]:
-        return (" / ".join(f"{100 * s:.0f} %" for s in r.get("worker_share", ())),) if shares else ()
+        return (report.shares(r.get("worker_share", {})),) if shares else ()
 
     def figures(r: dict[str, Any]) -> tuple[str, ...]:
         if "error" in r:
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             for c in args.concurrency:
                 before = worker_items(srv.scrape())
                 row = run_level(url, protocol, args.model, c, args)
-                row["worker_share"] = list(worker_shares(before, worker_items(srv.scrape())).values())
+                row["worker_share"] = worker_shares(before, worker_items(srv.scrape()))
                 print(f"{protocol}: {row}", flush=True)
                 rows.append(row)
             result["protocols"][protocol] = rows

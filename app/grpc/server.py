@@ -135,8 +135,7 @@ async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
         for _ in range(settings.grpc_servers - 1):  # on the port the first one bound
             servers.append((await start_server(app, settings.grpc_host, port))[0])
     except BaseException:
-        for started in servers:
-            await started.stop(None)
+        await asyncio.gather(*(s.stop(None) for s in servers))
         raise
     log.info(
         "worker %d: gRPC listening on %s", os.getpid(), _address(settings.grpc_host, port),
