@@ -69,7 +69,17 @@ class Settings(BaseSettings):
         "previous 503's Retry-After had passed is held this long before it is sent, on a "
         "connection kept open: a client that resends at once then costs the server at most "
         "one refusal per hold, not one per round trip; 0 = no hold (such a 503 closes the "
-        "connection instead). Milliseconds.",
+        "connection instead). Each further such 503 in a row on the connection is held twice "
+        "as long, up to impatient_hold_max_ms. Milliseconds.",
+    )
+    impatient_hold_max_ms: float = Field(
+        280.0,
+        ge=0,
+        le=10000,
+        description="The longest hold of a 503 to a client that keeps resending before "
+        "Retry-After (the hold doubles from impatient_hold_ms with each such 503 in a row on "
+        "a connection, and starts again once the connection gets any other answer or the "
+        "client waits as asked); never shorter than impatient_hold_ms. Milliseconds.",
     )
     drain_grace_s: float = Field(
         1.0,

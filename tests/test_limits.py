@@ -155,32 +155,49 @@ async def test_requests_per_connection_cap(make_client: MakeClient, scale_repo: 
     assert await raw_requests(port_of(unlimited), 5) == ["keep-alive"] * 5
 
 
-async def _refused_twice(client: Client) -> tuple[list[tuple[int, str]], float, bytes]:
-    """Two refused requests back to back on one connection (the second inside the first's
-    Retry-After): [(status, connection header)], the second answer's seconds, and what the
-    connection gives after them within 0.5 s (b"" once the server closed it)."""
+def _infer_bytes() -> bytes:
+    """One raw HTTP/1.1 inference request for the scale model."""
     body = json.dumps(v2_body(1)).encode()
-    request = (
+    head = (
         f"POST {V2} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
-    ).encode() + body
+    )
+    return head.encode() + body
+
+
+LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
+
+
+async def _on_one_connection(client: Client, requests: list[bytes]) -> tuple[list[tuple[int, str, float]], bytes]:
+    """``requests`` sent back to back on one connection, each as soon as the previous answer
+    came: [(status, connection header, seconds to the answer)], and what the connection gives
+    after them within 0.5 s (b"" once the server closed it)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port_of(client))
     seen = []
     try:
-        for _ in range(2):
+        for request in requests:
             sent = time.perf_counter()
             writer.write(request)
             head = (await reader.readuntil(b"\r\n\r\n")).decode().lower()
             await reader.readexactly(int(head.split("content-length:")[1].split("\r\n")[0]))
             took = time.perf_counter() - sent
-            seen.append((int(head.split()[1]), "close" if "connection: close" in head else "keep-alive"))
+            status = int(head.split()[1])
+            seen.append((status, "close" if "connection: close" in head else "keep-alive", took))
         try:
             after = await asyncio.wait_for(reader.read(), 0.5)
         except TimeoutError:
             after = b"(open)"
     finally:
         writer.close()
-    return seen, took, after
+    return seen, after
+
+
+async def _refused_twice(client: Client) -> tuple[list[tuple[int, str]], float, bytes]:
+    """Two refused requests back to back on one connection (the second inside the first's
+    Retry-After): [(status, connection header)], the second answer's seconds, and what the
+    connection gives after them within 0.5 s (b"" once the server closed it)."""
+    seen, after = await _on_one_connection(client, [_infer_bytes()] * 2)
+    return [(status, conn) for status, conn, _ in seen], seen[-1][2], after
 
 
 @contextlib.asynccontextmanager
@@ -217,6 +234,26 @@ async def test_a_client_that_ignores_retry_after_is_held(make_client: MakeClient
     assert seen == [(503, "keep-alive"), (503, "keep-alive")]
     assert took >= 0.2
     assert after == b"(open)"
+
+
+async def test_a_client_that_keeps_ignoring_retry_after_is_held_longer_each_time(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
+    client: Client = await make_client(
+        scale_repo, request_timeout_ms=1000, impatient_hold_ms=100.0, impatient_hold_max_ms=200.0
+    )
+    infer = _infer_bytes()
+    async with busy(client):
+        seen, after = await _on_one_connection(client, [infer] * 4 + [LIVE, infer])
+    statuses = [status for status, _, _ in seen]
+    assert statuses == [503, 503, 503, 503, 200, 503]
+    assert all(conn == "keep-alive" for _, conn, _ in seen) and after == b"(open)"
+    first, once, twice, capped, _, again = (took for _, _, took in seen)
+    assert first < 0.1  # the first refusal is sent at once
+    assert once >= 0.1 and twice >= 0.2  # held 100 ms, then twice as long
+    assert 0.2 <= capped < 0.35  # 200 ms at most, not 400
+    # another answer on the connection (here a 200) ends the streak: held 100 ms again
+    assert 0.1 <= again < 0.19
 
 
 async def test_without_a_hold_an_impatient_client_pays_a_reconnect(

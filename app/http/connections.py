@@ -25,10 +25,13 @@ client came back on the same connection before the previous 503's ``Retry-After`
 passed) is *held* for ``impatient_hold_ms`` (35 ms) before it is sent, and the connection
 stays open: a held refusal costs an idle timer, not CPU, and it bounds each such connection
 to one refusal per hold, which a reconnect did not (a fresh connection's first 503 is never
-held, so closing halved the effect). The first 503 on a connection, and every 503 to a
-client that waits as asked, is sent at once. Source: the tarpit idea (delay, not refuse
-harder), as in nginx's ``limit_req ... delay``. Measured in docs/reliability.md (overload):
-adversarial MiniLM goodput 0.53-0.60 -> 0.72-0.87 of capacity, 503 p99 75-115 -> 45-48 ms.
+held, so closing halved the effect). A client that keeps doing it has each further 503 in a
+row held twice as long, up to ``impatient_hold_max_ms`` (280 ms: 35, 70, 140, 280, 280 ...),
+the exponential backoff it was asked for and did not do; the streak ends when the connection
+gets any other answer or the client waits as asked. The first 503 on a connection, and every
+503 to a client that waits as asked, is sent at once. Source: the tarpit idea (delay, not
+refuse harder), as in nginx's ``limit_req ... delay``, with gRPC's retry backoff (doubling
+up to a cap). Measured in docs/reliability.md (overload).
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). Runs as an ``on_response_prepare`` signal, so it sees every
@@ -50,12 +53,15 @@ from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS
 _PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
 #: Per connection, the loop time until which its last 503 asked the client to wait.
 _RETRY_AFTER = web.AppKey("retry_after_per_connection", weakref.WeakKeyDictionary)
+#: Per connection, how many 503s in a row answered a client that came back too early.
+_STREAK = web.AppKey("impatient_streak_per_connection", weakref.WeakKeyDictionary)
 
 
 def setup_connections(app: web.Application) -> None:
     """Install the keep-alive policy on ``app``."""
     app[_PER_CONNECTION] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
     app[_RETRY_AFTER] = weakref.WeakKeyDictionary[asyncio.BaseTransport, float]()
+    app[_STREAK] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
     app.on_response_prepare.append(_on_response_prepare)
 
 
@@ -67,13 +73,14 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         _close_after(response)
         return
     transport = request.transport
-    if response.status == 503 and transport is not None and _impatient(app, transport, response):
-        hold_s = app[SETTINGS].impatient_hold_ms / 1000
-        if hold_s:
-            await asyncio.sleep(hold_s)
-        else:
-            _close_after(response)
-        return
+    if transport is not None:
+        hold_s = _impatient_hold_s(app, transport, response)
+        if hold_s is not None:
+            if hold_s:
+                await asyncio.sleep(hold_s)
+            else:
+                _close_after(response)
+            return
     cap = app[SETTINGS].max_requests_per_connection
     if cap and transport is not None:
         counts = app[_PER_CONNECTION]
@@ -87,18 +94,34 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         _close_after(response)
 
 
-def _impatient(app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse) -> bool:
-    """Whether this 503 answers a client that came back before the ``Retry-After`` of the
-    previous 503 on its connection; records this one's."""
-    retry_after = response.headers.get("Retry-After")
+def _impatient_hold_s(
+    app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse
+) -> float | None:
+    """How long to hold this response, seconds: None unless it is a 503 to a client that came
+    back before the ``Retry-After`` of the previous 503 on its connection; else
+    ``impatient_hold_ms`` doubled for each such 503 before it in a row, at most
+    ``impatient_hold_max_ms`` (0 = no hold: close instead). Records this 503's
+    ``Retry-After`` and the streak; any other answer ends the streak."""
+    streaks = app[_STREAK]
+    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
     if retry_after is None:
-        return False
+        if streaks:
+            streaks.pop(transport, None)
+        return None
     now = asyncio.get_running_loop().time()
     waits = app[_RETRY_AFTER]
-    impatient: bool = now < waits.get(transport, 0.0)
+    impatient = now < waits.get(transport, 0.0)
     with contextlib.suppress(ValueError):
         waits[transport] = now + float(retry_after)
-    return impatient
+    if not impatient:
+        streaks.pop(transport, None)
+        return None
+    streak = streaks.get(transport, 0)
+    streaks[transport] = streak + 1
+    settings = app[SETTINGS]
+    base_ms = settings.impatient_hold_ms
+    hold_ms = min(base_ms * 2 ** min(streak, 16), max(base_ms, settings.impatient_hold_max_ms))
+    return float(hold_ms) / 1000
 
 
 def _close_after(response: web.StreamResponse) -> None:
