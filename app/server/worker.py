@@ -57,7 +57,7 @@ from typing import Any
 from aiohttp import web
 from gunicorn.workers.base import Worker
 
-from app.server import loadtable
+from app.server import eventloop, loadtable
 from app.server.listener import Listener, ssl_context
 from app.server.siblings import Siblings
 
@@ -110,8 +110,9 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     # --- gunicorn's contract ------------------------------------------------------
 
     def new_loop(self) -> asyncio.AbstractEventLoop:
-        """The worker's event loop (asyncio's; uvloop's in the subclass)."""
-        return asyncio.new_event_loop()
+        """The worker's event loop: asyncio's, on a selector that looks at the sockets again
+        after the process was stopped (:mod:`app.server.eventloop`); uvloop's in the subclass."""
+        return eventloop.new_event_loop()
 
     def init_process(self) -> None:
         self.loop = self.new_loop()
