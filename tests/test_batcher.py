@@ -409,6 +409,23 @@ def test_a_young_fit_keeps_its_seed_slope() -> None:
     assert rate.item_s == pytest.approx(0.00033, rel=0.15)
 
 
+def test_one_stalled_batch_does_not_become_the_cost_per_item() -> None:
+    """Batches of 1-4 ms and one of 260 ms for 104 items (the feed-ranker under gRPC load, its
+    inference thread descheduled): through that one point a least-squares slope read 3.5 ms
+    per item, and admission refused requests it would have answered in 30 ms."""
+    rate = ServiceRate()
+    rate.observe(64, 0.002)
+    for n in (24, 72, 40, 64, 48, 96, 32, 56) * 4:  # t(n) = 1.5 ms + 10 us per item
+        rate.observe(n, 0.0015 + n * 0.00001)
+    before = rate.seconds_for(512, 8)
+    rate.observe(104, 0.26)
+    assert rate.items_per_s is not None and rate.items_per_s > 10_000  # it serves 100,000
+    assert rate.seconds_for(512, 8) < 2 * before
+    for n in (112, 32, 40, 24, 48):  # what followed it: normal batches
+        rate.observe(n, 0.0015 + n * 0.00001)
+    assert rate.seconds_for(512, 8) < 1.5 * before
+
+
 def test_lag_follows_a_sustained_slowdown_not_one_stalled_batch() -> None:
     """Once settled, one batch five times slower than predicted (a stall) leaves the
     estimate alone; two in a row 1.6 times slower (an overload taking CPU from the model)

@@ -26,6 +26,9 @@ import numpy as np
 #: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before
 #: its :attr:`ServiceRate.lag` moves.
 SETTLED_BATCHES = 8
+#: Once settled, a batch enters the fit as at most this many times the fit's prediction
+#: (:attr:`ServiceRate.lag` still sees its whole time).
+OUTLIER_RATIO = 4.0
 
 
 class ServiceRate:
@@ -48,6 +51,15 @@ class ServiceRate:
     that pays 0.33, so that its first requests were refused as unable to finish even alone).
     After that the slope is refitted while the recent batches differ enough in size to tell
     slope from intercept; otherwise the last slope is kept and only the overhead moves.
+
+    Once settled, a batch enters the fit as at most :data:`OUTLIER_RATIO` times what the fit
+    predicted for it. A batch of a few milliseconds can stall for hundreds (the inference
+    thread descheduled, or waiting for the GIL behind a busy event loop: measured with the
+    feed-ranker under gRPC load, batches of 1-4 ms and one of 260 ms for 104 items), and a
+    least-squares slope through one such point read 3.5 ms per item for a model that pays a
+    few microseconds: admission then refused requests it would have answered in 30 ms. A
+    sustained slowdown still moves the fit (by up to four times per batch, at the weight of
+    the newest batch), and :attr:`lag` at once.
 
     The fit follows a change of pace over several batches; :attr:`lag` follows a slowdown
     within two: the ratio of a batch's time to the settled fit's prediction, raised at once
@@ -80,13 +92,15 @@ class ServiceRate:
         if items < 1 or seconds <= 0:
             return
         if self._batches >= SETTLED_BATCHES and self.item_s is not None:
-            ratio = seconds / (self.overhead_s + items * self.item_s)
+            predicted = self.overhead_s + items * self.item_s
+            ratio = seconds / predicted
             sustained = min(ratio, self._last_ratio)
             if sustained > self.lag:
                 self.lag = sustained
             else:
                 self.lag = max(1.0, self.lag + self._weight * (min(ratio, self.lag) - self.lag))
             self._last_ratio = ratio
+            seconds = min(seconds, OUTLIER_RATIO * predicted)
         self._batches += 1
         d = self._decay
         self._s0 = d * self._s0 + 1.0
@@ -101,7 +115,9 @@ class ServiceRate:
         var_n = self._snn / self._s0 - mean_n * mean_n
         # settled, and sizes that differ enough to separate slope and intercept
         if self._batches >= SETTLED_BATCHES and var_n > (0.1 * mean_n) ** 2:
-            slope = (self._snt / self._s0 - mean_n * mean_t) / var_n
+            # no steeper than the line through the origin and the mean: an intercept < 0
+            # would say the slope overshoots
+            slope = min((self._snt / self._s0 - mean_n * mean_t) / var_n, mean_t / mean_n)
             if slope > 0:
                 self.item_s = slope
         self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
