@@ -2,10 +2,13 @@
 alternating rounds.
 
 Starts gunicorn (2 workers, the feed-ranker alone, V2 JSON, one item per request) from each
-checkout in turn, ``--rounds`` times (baseline, then this checkout, then baseline, ...), and
-drives each with the same closed-loop client (:func:`benchmarks.driver.drive`): ``--seconds`` at
-one connection (p50 latency, ms) and at 64 (items/s). Alternating rounds spread the machine's
-drift over both sides; the medians are compared. Each server runs with its own checkout on
+checkout in turn, ``--rounds`` times, the side that goes first alternating from round to round
+(baseline then this checkout, this checkout then baseline, ...), and drives each with the same
+closed-loop client (:func:`benchmarks.driver.drive`): ``--seconds`` at one connection (p50
+latency, ms) and at 64 (items/s). Alternating rounds and orders spread the machine's drift over
+both sides (with the baseline always first, a machine slowing through the run made this
+checkout look 8 % slower at c = 64 in one run and 1.4 % in a run the other way round);
+the medians are compared. Each server runs with its own checkout on
 ``PYTHONPATH`` and its own ``gunicorn.conf.py``, so only the server differs.
 
     git worktree add /tmp/baseline <commit>        # the checkout to compare with
@@ -57,8 +60,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     sides = {"baseline": args.baseline.resolve(), "this tree": server.ROOT}
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
-    for _ in range(args.rounds):
-        for name, checkout in sides.items():
+    for turn in range(args.rounds):
+        order = list(sides.items()) if turn % 2 == 0 else list(reversed(sides.items()))
+        for name, checkout in order:
             rounds[name].append(measure(checkout, args.seconds))
             print(name, rounds[name][-1], flush=True)
     medians = {
