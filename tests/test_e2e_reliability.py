@@ -24,6 +24,7 @@ import zlib
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from benchmarks.driver import Connection
@@ -369,6 +370,7 @@ def test_a_request_sent_to_a_stopped_worker_is_answered_after_it_resumes(tmp_pat
             reader.read(length)
             worker.send_signal(signal.SIGSTOP)
             try:
+                wait_for(lambda: worker.status() == psutil.STATUS_STOPPED, 10, "the worker stopped", srv)
                 # The stimulus, not a synchronisation: the stop outlasts the 1 s keep-alive.
                 time.sleep(1.5)
                 sock.sendall(post)

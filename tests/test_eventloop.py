@@ -10,9 +10,17 @@ import signal
 import socket
 import time
 
+import psutil
 import pytest
 
 from app.server.eventloop import ResumingSelector
+from benchmarks.driver import poll
+
+
+def _waiting_in_epoll(pid: int) -> bool:
+    """The process's (single) thread sleeps in ``epoll_wait`` (its kernel wait channel)."""
+    with open(f"/proc/{pid}/wchan") as wchan:
+        return "epoll" in wchan.read()
 
 
 def _select_across_a_stop(selector_class: type[selectors.BaseSelector]) -> bytes:
@@ -36,13 +44,12 @@ def _select_across_a_stop(selector_class: type[selectors.BaseSelector]) -> bytes
             os._exit(0)
     try:
         assert os.read(report_r, 1) == b"r"
-        # The stimulus, not a synchronisation: the child is stopped while it waits in select
-        # (it spends all but microseconds of every 50 ms there), and stays stopped well past
-        # the wait's timeout.
-        time.sleep(0.1)
+        child = psutil.Process(pid)
+        poll(lambda: _waiting_in_epoll(pid), 5, "the child waiting in epoll_wait", interval_s=0.001)
         os.kill(pid, signal.SIGSTOP)
-        time.sleep(0.05)
+        poll(lambda: child.status() == psutil.STATUS_STOPPED, 5, "the child stopped", interval_s=0.001)
         theirs.send(b"request")
+        # The stimulus, not a synchronisation: the stop outlasts the child's 50 ms timeout.
         time.sleep(0.2)
         os.kill(pid, signal.SIGCONT)
         return os.read(report_r, 1)
@@ -58,8 +65,8 @@ def _select_across_a_stop(selector_class: type[selectors.BaseSelector]) -> bytes
 @pytest.mark.skipif(not hasattr(selectors, "EpollSelector"), reason="the stop/EINTR path is Linux's")
 def test_the_default_selector_loses_what_arrived_during_a_stop() -> None:
     # The premise of ResumingSelector: Python retries the interrupted wait, finds its timeout
-    # gone, and returns no events although the socket is readable. (Three tries: a child that
-    # happened to be off the CPU between two waits when stopped would see the data.)
+    # gone, and returns no events although the socket is readable. (Three tries: a child
+    # whose wait ended between the check and the stop would see the data.)
     assert b"-" in b"".join(_select_across_a_stop(selectors.DefaultSelector) for _ in range(3))
 
 
