@@ -390,22 +390,26 @@ class SentenceEmbeddingHandler:
 
     def _measure_call_overhead(self) -> float:
         """What one forward call costs beyond its tokens, in tokens: the intercept over the slope
-        of the time of two calls (:data:`_CALIBRATION`), best of three each; ``inf`` where the
-        larger call is no slower (a GPU at these sizes)."""
-        timings = []
+        of the time of two calls (:data:`_CALIBRATION`), best of five each, the two taken in
+        turn after one warm-up call each (so that a machine slowing down or speeding up during
+        the measurement weighs on both alike); ``inf`` where the larger call is no slower (a GPU
+        at these sizes)."""
+        calls = []
         for strings, tokens in _CALIBRATION:
-            features = self.model.preprocess(["word " * (tokens - 2)] * strings)
-            features = self._on_device(features)
-            runs = []
-            with torch.inference_mode():
-                for _ in range(4):
+            features = self._on_device(self.model.preprocess(["word " * (tokens - 2)] * strings))
+            calls.append((float(features["attention_mask"].numel()), features))
+        best = [math.inf] * len(calls)
+        with torch.inference_mode():
+            for round_ in range(6):
+                for i, (_, features) in enumerate(calls):
                     began = time.perf_counter()
                     self.model(dict(features))
                     if self._device.type == "cuda":
                         torch.cuda.synchronize(self._device)
-                    runs.append(time.perf_counter() - began)
-            timings.append((float(features["attention_mask"].numel()), min(runs[1:])))
-        (n1, t1), (n2, t2) = timings
+                    if round_:  # the first round warms up
+                        best[i] = min(best[i], time.perf_counter() - began)
+        (n1, _), (n2, _) = calls
+        t1, t2 = best
         per_token = (t2 - t1) / (n2 - n1)
         if per_token <= 0:
             return math.inf
