@@ -1,39 +1,26 @@
-"""Shared fixtures: toy model repositories and an in-process app."""
+"""The environment of in-process tests, the shared fixtures (defined in tests/support/fixtures.py)
+and the skip of the ``gpu``-marked tests without a CUDA device."""
 
 from __future__ import annotations
 
-import asyncio
-import inspect
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable
-from pathlib import Path
-from typing import Any, TypeVar, overload
 
 import pytest
-from aiohttp import web
-from aiohttp.test_utils import TestClient
 
-from app.serving.state import REGISTRY
-from app.settings import Settings
-from tests.toy_models import write_scale_model, write_tensor_model
+from tests.support.fixtures import make_client, scale_repo, tensor_repo
+
+__all__ = ["make_client", "scale_repo", "tensor_repo"]
 
 # In-process apps record metrics into a registry of their own: a PROMETHEUS_MULTIPROC_DIR
 # inherited from the environment (the Docker image sets one) must go before anything imports
-# prometheus_client, which picks its mode at import (app.main imports it: below, lazily).
+# prometheus_client, which picks its mode at import (app.main imports it: in make_client, lazily).
 os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
-# In-process apps serve no gRPC unless a test starts it (tests/test_grpc.py binds 127.0.0.1:0).
+# In-process apps serve no gRPC unless a test starts it (tests/unit/test_grpc.py binds 127.0.0.1:0).
 os.environ["SCORING_GRPC_PORT"] = "0"
-
-AiohttpClient = Callable[..., Any]
-#: The in-process test client of an app made by ``create_app``.
-Client = TestClient[web.Request, web.Application]
-#: ``make_client(repo, *, wait=True, **settings) -> Client``.
-MakeClient = Callable[..., Any]
-T = TypeVar("T")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Skip the ``gpu``-marked tests (tests/test_gpu.py) where torch sees no CUDA device: they
+    """Skip the ``gpu``-marked tests (tests/gpu/) where torch sees no CUDA device: they
     check what only a real GPU can show, and a CPU machine (CI) has nothing to check them on."""
     import torch
 
@@ -41,72 +28,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return
     skip = pytest.mark.skip(reason="needs a CUDA device: torch.cuda.is_available() is False")
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # not the keyword: tests/gpu/ names one
             item.add_marker(skip)
-
-
-@pytest.fixture(scope="session")
-def tensor_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A repository with the same tiny ranker as .pt2 and TorchScript."""
-    repo = tmp_path_factory.mktemp("tensor_repo")
-    write_tensor_model(repo, "ranker-pt2", "torch_export")
-    write_tensor_model(repo, "ranker-ts", "torchscript")
-    return repo
-
-
-@overload
-async def eventually(check: Callable[[], Awaitable[T | None]], timeout_s: float = ...) -> T: ...
-
-
-@overload
-async def eventually(check: Callable[[], T | None], timeout_s: float = ...) -> T: ...
-
-
-async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
-    """Call ``check`` (a state the code exposes; a plain predicate or a coroutine function)
-    every 10 ms until it returns something true, and return it; the async twin of
-    ``tests.support.gunicorn.poll`` for in-process tests. Raises TimeoutError after ``timeout_s``."""
-    async with asyncio.timeout(timeout_s):
-        while True:
-            result = check()
-            if inspect.isawaitable(result):
-                result = await result
-            if result:
-                return result
-            await asyncio.sleep(0.01)
-
-
-async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
-    """Wait (bounded) until every model of the in-process app is warm."""
-    registry = app[REGISTRY]
-
-    async def warm() -> bool:
-        if registry.failures():
-            raise AssertionError(registry.failures())
-        return registry.ready
-
-    await eventually(warm, timeout_s)
-
-
-@pytest.fixture
-async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[..., Any]]:
-    """Start the app on a repository with the given settings; waits for readiness."""
-
-    from app.main import create_app
-
-    async def make(
-        repo: Path, *, wait: bool = True, **settings: Any
-    ) -> TestClient[web.Request, web.Application]:
-        app = await create_app(Settings(model_repository=repo, device="cpu", **settings))
-        client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
-        if wait:
-            await wait_ready(app)
-        return client
-
-    yield make
-
-
-@pytest.fixture
-def scale_repo(tmp_path: Path) -> Path:
-    write_scale_model(tmp_path)
-    return tmp_path

@@ -1,0 +1,942 @@
+"""Deployment artefacts: Dockerfile, Kubernetes and KServe manifests, systemd unit.
+
+Static checks (no network, no Docker, no cluster):
+
+- the Dockerfile's entry point, defaults and build arguments; ``scripts/container_check.py``
+  (which builds and checks the image with podman, too slow for the suite) hands the build
+  this machine's pip sources as those arguments and read-only mounts;
+
+- every Kubernetes manifest, and every kustomization rendered with ``kubectl kustomize``
+  where kubectl is installed, validates against the Kubernetes JSON schemas
+  (``kubernetes_validate``, strict: unknown fields are errors);
+- KServe and Prometheus Operator resources, which those schemas lack, are checked for
+  their structure here, and their pod parts as core Kubernetes objects;
+- probe paths are routes the server serves, probe ports the port it binds;
+- every ``SCORING_*`` variable set anywhere is a field of ``app.settings.Settings`` and
+  its value validates;
+- shutdown budgets fit: grace period > preStop sleep + graceful drain.
+
+End to end (``e2e``): the Dockerfile's ENTRYPOINT + CMD with its ENV, run on this
+machine (no Docker) on 127.0.0.1 against a freshly exported feed-ranker repository.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+from kubernetes_validate import utils as kv_utils
+
+from app.settings import ENV_PREFIX, Settings
+from tests.support.gunicorn import ROOT, free_port, poll
+from tests.support.tools import load_tool
+
+container_check = load_tool("container_check.py")
+
+DEPLOY = ROOT / "deploy"
+KUBERNETES = DEPLOY / "kubernetes"
+KSERVE = DEPLOY / "kserve"
+DOCKERFILE = ROOT / "Dockerfile"
+DOCKERIGNORE = ROOT / ".dockerignore"
+SYSTEMD_UNIT = DEPLOY / "systemd" / "scoring-server.service"
+
+#: Oldest Kubernetes the manifests target (PDB unhealthyPodEvictionPolicy is GA in 1.31)
+#: and the newest the installed kubernetes-validate knows.
+KUBERNETES_VERSIONS = ("1.31", kv_utils.major_minor(kv_utils.latest_version()))
+KUSTOMIZE_KINDS = frozenset({"Kustomization", "Component"})
+KSERVE_GROUP = "serving.kserve.io"
+KSERVE_PROTOCOLS = frozenset({"v1", "v2", "grpc-v1", "grpc-v2"})
+KSERVE_STORAGE_MOUNT = "/mnt/models"
+HEALTH_READY = "/v2/health/ready"
+HEALTH_LIVE = "/v2/health/live"
+METRICS_PATH = "/metrics"
+QUEUE_METRIC = "scoring_queue_items"
+KUBECTL = shutil.which("kubectl")
+
+
+# --- loading ----------------------------------------------------------------------------
+
+
+def _yaml_docs(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [doc for doc in yaml.safe_load_all(f) if doc]
+
+
+def _manifest_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.yaml") if p.name not in ("kustomization.yaml",))
+
+
+def _kustomization_dirs() -> list[Path]:
+    return sorted(p.parent for p in KUBERNETES.rglob("kustomization.yaml"))
+
+
+def _all_docs() -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path in _manifest_files(DEPLOY) for doc in _yaml_docs(path)]
+
+
+def _docs_of_kind(kind: str) -> list[tuple[Path, dict[str, Any]]]:
+    return [(path, doc) for path, doc in _all_docs() if doc.get("kind") == kind]
+
+
+def _rel(path: Path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict[str, Any]]]:
+    """Every kustomization under deploy/kubernetes rendered by ``kubectl kustomize``."""
+    if KUBECTL is None:
+        pytest.skip("kubectl not installed: kustomizations not rendered")
+    out: dict[str, list[dict[str, Any]]] = {}
+    for directory in _kustomization_dirs():
+        result = subprocess.run(
+            [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=60
+        )
+        assert result.returncode == 0, f"kubectl kustomize {_rel(directory)}:\n{result.stderr}"
+        out[_rel(directory)] = [d for d in yaml.safe_load_all(result.stdout) if d]
+    return out
+
+
+# --- Dockerfile -------------------------------------------------------------------------
+
+
+@dataclass
+class ImageConfig:
+    """What a Dockerfile's final stage runs with (inherited from parent stages)."""
+
+    env: dict[str, str] = field(default_factory=dict)
+    entrypoint: list[str] | str | None = None
+    cmd: list[str] | str | None = None
+    healthcheck: list[str] | str | None = None
+    user: str | None = None
+    workdir: str | None = None
+    runs: list[str] = field(default_factory=list)
+    copies: list[str] = field(default_factory=list)
+    base: str = ""
+
+
+def _instructions(text: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs; continuation lines joined, comment lines dropped."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in text.splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        line = pending + line
+        pending = ""
+        word, _, rest = line.partition(" ")
+        out.append((word.upper(), rest.strip()))
+    assert not pending, "Dockerfile ends inside a continuation line"
+    return out
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
+
+
+def _parse_env(args: str, env: dict[str, str]) -> dict[str, str]:
+    tokens = shlex.split(args)
+    if "=" not in tokens[0]:  # legacy form: ENV KEY value with spaces
+        return {tokens[0]: _expand(args.split(None, 1)[1], env)}
+    pairs = {}
+    for token in tokens:
+        key, sep, value = token.partition("=")
+        assert sep, f"ENV {args!r}: {token!r} is not KEY=VALUE"
+        pairs[key] = _expand(value, env)
+    return pairs
+
+
+def _exec_or_shell(args: str) -> list[str] | str:
+    return json.loads(args) if args.startswith("[") else args
+
+
+def parse_dockerfile(path: Path = DOCKERFILE) -> ImageConfig:
+    """The final stage's configuration, following ``FROM <stage>`` chains."""
+    stages: dict[str, ImageConfig] = {}
+    current: ImageConfig | None = None
+    for word, args in _instructions(path.read_text(encoding="utf-8")):
+        if word == "FROM":
+            tokens = [t for t in args.split() if not t.startswith("--")]
+            image, name = tokens[0], tokens[2] if len(tokens) >= 3 else None
+            parent = stages.get(image)
+            current = ImageConfig(
+                env=dict(parent.env) if parent else {},
+                entrypoint=parent.entrypoint if parent else None,
+                cmd=parent.cmd if parent else None,
+                healthcheck=parent.healthcheck if parent else None,
+                user=parent.user if parent else None,
+                workdir=parent.workdir if parent else None,
+                runs=list(parent.runs) if parent else [],
+                copies=list(parent.copies) if parent else [],
+                base=parent.base if parent else image,
+            )
+            if name:
+                stages[name] = current
+            continue
+        if current is None:
+            assert word == "ARG", f"{word} before the first FROM"
+            continue
+        if word == "ENV":
+            current.env.update(_parse_env(args, current.env))
+        elif word == "ENTRYPOINT":
+            current.entrypoint = _exec_or_shell(args)
+            current.cmd = None  # Docker: a new ENTRYPOINT drops the inherited CMD
+        elif word == "CMD":
+            current.cmd = _exec_or_shell(args)
+        elif word == "HEALTHCHECK":
+            match = re.match(r"^(?:--\S+\s+)*CMD\s+(.*)$", args)
+            current.healthcheck = _exec_or_shell(match.group(1)) if match else args
+        elif word == "USER":
+            current.user = args
+        elif word == "WORKDIR":
+            current.workdir = args
+        elif word == "RUN":
+            current.runs.append(args)
+        elif word == "COPY":
+            current.copies.append(args)
+    assert current is not None, "Dockerfile has no FROM"
+    return current
+
+
+@pytest.fixture(scope="module")
+def image() -> ImageConfig:
+    return parse_dockerfile()
+
+
+def test_dockerfile_entrypoint_is_exec_form_gunicorn(image: ImageConfig) -> None:
+    """Exec form: gunicorn is PID 1 and receives SIGTERM/SIGHUP itself."""
+    assert image.entrypoint == ["gunicorn", "-c", "gunicorn.conf.py"]
+    assert image.cmd is None or isinstance(image.cmd, list), "CMD must be exec form"
+    assert isinstance(image.healthcheck, list), "HEALTHCHECK CMD must be exec form"
+    assert any(HEALTH_READY in part for part in image.healthcheck)
+    assert image.healthcheck[0] == "python", "no curl in the image: the check uses python"
+
+
+def test_dockerfile_defaults(image: ImageConfig) -> None:
+    env = image.env
+    assert env["SCORING_HOST"] == "0.0.0.0"
+    assert env["SCORING_MODEL_REPOSITORY"] == "/models"
+    assert env["PROMETHEUS_MULTIPROC_DIR"].startswith("/dev/shm/")
+    assert "SCORING_GRACEFUL_TIMEOUT_S" in env
+    assert image.user is not None
+    uid = image.user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "numeric non-root USER (runAsNonRoot can check it)"
+    assert image.workdir is not None
+
+
+def test_dockerfile_base_is_a_build_arg_and_torch_comes_first() -> None:
+    text = DOCKERFILE.read_text(encoding="utf-8")
+    instructions = _instructions(text)
+    args = [a.split("=")[0] for w, a in instructions if w == "ARG"]
+    assert {"BASE", "TORCH_INDEX_URL", "TORCH_VERSION"} <= set(args)
+    froms = [a for w, a in instructions if w == "FROM"]
+    assert froms[0].startswith("${BASE}")
+    runs = [a for w, a in instructions if w == "RUN"]
+    torch_at = next(i for i, r in enumerate(runs) if "torch==${TORCH_VERSION}" in r)
+    package_at = next(i for i, r in enumerate(runs) if re.search(r"pip install [^&]*\"\.", r))
+    assert torch_at < package_at, "torch (pinned, CPU or CUDA index) before the package"
+    assert "-c " in runs[package_at], "the package install must keep the pinned torch"
+
+
+def test_dockerfile_pip_sources_are_empty_build_args() -> None:
+    """pip reads the build stage's PIP_* build arguments as its own variables: empty (PyPI) by
+    default, and never in the runtime stage's environment."""
+    instructions = _instructions(DOCKERFILE.read_text(encoding="utf-8"))
+    declared = dict(a.partition("=")[::2] for w, a in instructions if w == "ARG")
+    for name in container_check.PIP_SOURCES.values():
+        assert declared.get(name) == "", f"ARG {name}= (empty: pip's default index) is missing"
+    assert not [k for k in parse_dockerfile().env if k.startswith("PIP_")]
+
+
+def test_container_check_hands_the_build_the_pip_sources(tmp_path: Path) -> None:
+    """``pip config list`` output -> build arguments, with local folders mounted read-only."""
+    index = tmp_path / "pypi" / "simple"
+    wheels = tmp_path / "wheels"
+    index.mkdir(parents=True)
+    wheels.mkdir()
+    cert = tmp_path / "ca.pem"
+    cert.write_text("", encoding="utf-8")
+    listed = "\n".join(
+        [
+            "global.index-url='https://global.invalid/simple'",
+            "install.index-url='https://install.invalid/simple'",
+            f"global.extra-index-url='file://{index} https://extra.invalid/simple'",
+            "global.find-links='/ignored'",
+            f":env:.find-links='{wheels}'",
+            f"global.cert='{cert}'",
+            ":env:.default-timeout='180'",
+        ]
+    )
+    config = container_check.parse_pip_config(listed)
+    assert config["index-url"] == "https://install.invalid/simple", "[install] over [global]"
+    assert config["find-links"] == str(wheels), "PIP_* variables over the files"
+    sources = container_check.build_sources(config, torch_index_url="https://torch.invalid/cpu")
+    assert sources.args == {
+        "PIP_INDEX_URL": "https://install.invalid/simple",
+        # an index folder's parent is mounted: its pages link to ../../files/
+        "PIP_EXTRA_INDEX_URL": "file:///mnt/pip/0/simple https://extra.invalid/simple",
+        "PIP_FIND_LINKS": "/mnt/pip/1",
+        "PIP_CERT": "/mnt/pip/2",
+        "TORCH_INDEX_URL": "https://torch.invalid/cpu",
+    }
+    assert sources.volumes == [
+        (str(index.parent), "/mnt/pip/0"),
+        (str(wheels), "/mnt/pip/1"),
+        (str(cert), "/mnt/pip/2"),
+    ]
+    assert sources.podman_args()[-2:] == ["--volume", f"{cert}:/mnt/pip/2:ro"]
+    assert container_check.build_sources({}).podman_args() == [], "no pip configuration: PyPI"
+
+
+def test_container_check_names_the_packages_it_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    assert container_check.main(["--no-build", "--runtime", "no-such-oci-runtime"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-oci-runtime" in err and "apt-get install -y podman runc" in err
+
+
+def _dockerignore_regex(pattern: str) -> re.Pattern[str]:
+    """Docker's pattern syntax (Go filepath.Match plus ``**``), anchored at the context root.
+
+    A pattern that matches a folder also matches everything inside it.
+    """
+    out, i, pattern = "", 0, pattern.strip("/")
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:.*/)?", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        elif pattern[i] == "*":
+            out, i = out + "[^/]*", i + 1
+        elif pattern[i] == "?":
+            out, i = out + "[^/]", i + 1
+        elif pattern[i] == "[" and "]" in pattern[i:]:
+            close = pattern.index("]", i)
+            out, i = out + pattern[i : close + 1], close + 1
+        else:
+            out, i = out + re.escape(pattern[i]), i + 1
+    return re.compile(out + "(?:/.*)?")
+
+
+def _dockerignored(relpath: str, patterns: list[str]) -> bool:
+    """Whether the build context leaves ``relpath`` out (the last matching pattern wins)."""
+    ignored = False
+    for pattern in patterns:
+        negate = pattern.startswith("!")
+        if _dockerignore_regex(pattern.removeprefix("!")).fullmatch(relpath):
+            ignored = not negate
+    return ignored
+
+
+def test_dockerignore_keeps_what_the_build_needs() -> None:
+    patterns = [
+        line.strip()
+        for line in DOCKERIGNORE.read_text(encoding="utf-8").splitlines()
+        if line.strip() and not line.lstrip().startswith("#")
+    ]
+    setup_reads = re.findall(r"open\(\"([^\"]+)\"", (ROOT / "setup.py").read_text(encoding="utf-8"))
+    needed = [
+        "setup.py",
+        "pyproject.toml",
+        "gunicorn.conf.py",
+        "app/__init__.py",
+        "app/settings.py",
+        "gpu_stat",
+        "scripts/export_ranking_model.py",
+        "model_repository/feed-ranker/model.toml",
+        *setup_reads,
+    ]
+    for rel in needed:
+        assert (ROOT / rel).exists(), f"the image build needs {rel}, which does not exist"
+        assert not _dockerignored(rel, patterns), f".dockerignore excludes {rel}"
+    for rel in (".venv", ".git", "tests", "benchmarks", "model_repository/feed-ranker/model.pt2"):
+        assert _dockerignored(rel, patterns), f".dockerignore should exclude {rel}"
+
+
+# --- settings and the server's routes -------------------------------------------------
+
+
+def _env_list(container: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container.get("env") or [] if "name" in e}
+
+
+def _containers(doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """Containers of workload-like resources, KServe's included."""
+    kind, spec = doc.get("kind"), doc.get("spec") or {}
+    if kind in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
+        pod = spec["template"]["spec"]
+        yield from pod.get("initContainers") or []
+        yield from pod["containers"]
+    elif kind in ("ServingRuntime", "ClusterServingRuntime"):
+        yield from spec["containers"]
+    elif kind == "InferenceService":
+        predictor = spec["predictor"]
+        if "model" in predictor:
+            yield predictor["model"]
+        yield from predictor.get("containers") or []
+
+
+def _patch_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
+    """Strategic-merge patches written inline in kustomization files."""
+    for directory in _kustomization_dirs():
+        path = directory / "kustomization.yaml"
+        for patch in _yaml_docs(path)[0].get("patches") or []:
+            body = yaml.safe_load(patch["patch"]) if "patch" in patch else None
+            if isinstance(body, dict):
+                yield path, body
+
+
+def _scoring_env() -> list[tuple[str, str, str]]:
+    """(where, NAME, value) of every SCORING_* variable the deployment artefacts set."""
+    found = [(_rel(DOCKERFILE), k, v) for k, v in parse_dockerfile().env.items() if k.startswith(ENV_PREFIX)]
+    for path, doc in [*_all_docs(), *_patch_docs()]:
+        for container in _containers(doc):
+            found += [(_rel(path), k, v) for k, v in _env_list(container).items() if k.startswith(ENV_PREFIX)]
+    found += [(_rel(SYSTEMD_UNIT), k, v) for k, v in _unit_env().items() if k.startswith(ENV_PREFIX)]
+    return found
+
+
+def test_scoring_env_vars_are_settings() -> None:
+    found = _scoring_env()
+    assert found
+    fields = Settings.model_fields
+    for where, name, value in found:
+        key = name[len(ENV_PREFIX) :].lower()
+        assert key in fields, f"{where}: {name} is not a setting (app/settings.py: {sorted(fields)})"
+        Settings.model_validate({key: value})  # raises pydantic.ValidationError on a bad value
+
+
+def _served_get_paths() -> set[str]:
+    from aiohttp import web
+
+    from app.http.routes import routes
+
+    return {r.path for r in routes if isinstance(r, web.RouteDef) and r.method == "GET"}
+
+
+def _effective_port(container: dict[str, Any], name: str = "port") -> int:
+    """The port the server in ``container`` binds: ``port`` (HTTP) or ``grpc_port``."""
+    env = {**parse_dockerfile().env, **_env_list(container)}
+    return int(env.get(f"SCORING_{name.upper()}", Settings.model_fields[name].default))
+
+
+def _probe_port(container: dict[str, Any], port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in container.get("ports") or [] if "name" in p}
+    assert port in named, f"probe port {port!r} is not a named port of {container.get('name')}"
+    return int(named[port])
+
+
+def _probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in container}
+
+
+def _served_containers() -> list[tuple[Path, dict[str, Any]]]:
+    """Containers that run the scoring server (the ISVC's model inherits the runtime's)."""
+    return [
+        (path, c)
+        for path, doc in _all_docs()
+        if doc["kind"] in ("Deployment", "ServingRuntime")
+        for c in _containers(doc)
+    ]
+
+
+def test_probes_hit_served_paths_on_the_served_port() -> None:
+    served = _served_get_paths()
+    checked = 0
+    for path, container in _served_containers():
+        probes = _probes(container)
+        assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}, _rel(path)
+        assert probes["readinessProbe"]["httpGet"]["path"] == HEALTH_READY
+        assert probes["livenessProbe"]["httpGet"]["path"] == HEALTH_LIVE
+        assert probes["startupProbe"]["httpGet"]["path"] == HEALTH_READY
+        startup = probes["startupProbe"]
+        assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, "slow model loads"
+        for probe in probes.values():
+            get = probe["httpGet"]
+            assert get["path"] in served, f"{_rel(path)}: {get['path']} is not a route"
+            assert _probe_port(container, get["port"]) == _effective_port(container), _rel(path)
+            checked += 1
+        ports = {p.get("name", "http"): p["containerPort"] for p in container["ports"]}
+        assert ports["http" if "http" in ports else next(iter(ports))] == _effective_port(container)
+        if "grpc" in ports:  # the KServe V2 gRPC port, where the server binds it
+            assert ports["grpc"] == _effective_port(container, "grpc_port"), _rel(path)
+        assert len(ports) <= 2, _rel(path)
+    assert checked >= 6
+
+
+def test_prometheus_scrape_annotations_match_the_server() -> None:
+    for path, doc in _docs_of_kind("Deployment"):
+        annotations = doc["spec"]["template"]["metadata"]["annotations"]
+        (container,) = doc["spec"]["template"]["spec"]["containers"]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert annotations["prometheus.io/path"] == METRICS_PATH
+        assert int(annotations["prometheus.io/port"]) == _effective_port(container), _rel(path)
+        env = {**parse_dockerfile().env, **_env_list(container)}
+        mounts = [m["mountPath"] for m in container["volumeMounts"]]
+        assert any(env["PROMETHEUS_MULTIPROC_DIR"].startswith(m + "/") for m in mounts), (
+            "PROMETHEUS_MULTIPROC_DIR must be on a mounted (writable) volume"
+        )
+
+
+# --- Kubernetes -------------------------------------------------------------------------
+
+
+def _validate(doc: dict[str, Any], version: str, where: str) -> None:
+    try:
+        kubernetes_validate.validate(doc, version, strict=True)
+        return
+    except kubernetes_validate.ValidationError as exc:
+        location = ".".join(str(p) for p in exc.path)
+        message = f"{where}: {doc['kind']}/{doc['metadata']['name']} at {location}: {exc.message}"
+    pytest.fail(message)  # outside the except: the schema dump of the chained error is noise
+
+
+CORE_DOCS = [
+    pytest.param(path, doc, id=f"{_rel(path)}:{doc['kind']}")
+    for path, doc in _all_docs()
+    if path.is_relative_to(KUBERNETES) and doc["kind"] not in ("ServiceMonitor",)
+]
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize(("path", "doc"), CORE_DOCS)
+def test_kubernetes_manifest_validates(path: Path, doc: dict[str, Any], version: str) -> None:
+    _validate(doc, version, _rel(path))
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+def test_rendered_kustomizations_validate(rendered: dict[str, list[dict[str, Any]]], version: str) -> None:
+    for where, docs in rendered.items():
+        assert docs, f"{where} renders nothing"
+        for doc in docs:
+            _validate(doc, version, where)
+
+
+def test_kustomization_references_exist() -> None:
+    for directory in _kustomization_dirs():
+        data = _yaml_docs(directory / "kustomization.yaml")[0]
+        assert data["kind"] in KUSTOMIZE_KINDS
+        for ref in [*(data.get("resources") or []), *(data.get("components") or [])]:
+            assert (directory / ref).exists(), f"{_rel(directory)}: {ref} does not exist"
+
+
+def test_pools_are_separate(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """Each pool's Service, PDB and HPA reach only that pool's pods; every pool serves a model set."""
+    pools = {k: v for k, v in rendered.items() if "/pools/" in k}
+    assert len(pools) >= 2
+    pod_labels = {
+        where: next(d for d in docs if d["kind"] == "Deployment")["spec"]["template"]["metadata"]["labels"]
+        for where, docs in pools.items()
+    }
+    for where, docs in pools.items():
+        by_kind = {d["kind"]: d for d in docs}
+        deployment = by_kind["Deployment"]
+        env = _env_list(deployment["spec"]["template"]["spec"]["containers"][0])
+        assert env["SCORING_MODELS"], f"{where}: a pool names its models"
+        selectors = [
+            by_kind["Service"]["spec"]["selector"],
+            by_kind["PodDisruptionBudget"]["spec"]["selector"]["matchLabels"],
+        ]
+        for selector in selectors:
+            matching = [w for w, labels in pod_labels.items() if selector.items() <= labels.items()]
+            assert matching == [where], f"{where}: selector {selector} matches pods of {matching}"
+        if "HorizontalPodAutoscaler" in by_kind:
+            target = by_kind["HorizontalPodAutoscaler"]["spec"]["scaleTargetRef"]
+            assert target["name"] == deployment["metadata"]["name"]
+            assert "replicas" not in deployment["spec"], "the HPA owns the replica count"
+
+
+def _pod_volumes(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in pod.get("volumes") or []}
+
+
+def test_deployment_is_gpu_non_root_read_only_and_drains(image: ImageConfig) -> None:
+    (_, deployment), *_ = _docs_of_kind("Deployment")
+    spec = deployment["spec"]
+    pod = spec["template"]["spec"]
+    (container,) = pod["containers"]
+    assert spec["strategy"]["rollingUpdate"] == {"maxUnavailable": 0, "maxSurge": 1}
+    assert (
+        container["resources"]["limits"]["nvidia.com/gpu"]
+        == container["resources"]["requests"]["nvidia.com/gpu"]
+    )
+    for key in ("cpu", "memory"):
+        assert key in container["resources"]["requests"] and key in container["resources"]["limits"]
+    # The image's USER is what runs unless the pod says otherwise: keep them the same.
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert image.user is not None
+    assert str(pod["securityContext"]["runAsUser"]) == image.user.split(":")[0]
+    assert container["securityContext"]["readOnlyRootFilesystem"] is True
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    volumes = _pod_volumes(pod)
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    assert "emptyDir" in volumes[mounts["/tmp"]]
+    assert volumes[mounts["/dev/shm"]]["emptyDir"]["medium"] == "Memory"
+    _assert_grace_fits(pod["terminationGracePeriodSeconds"], container, "deployment")
+
+
+def _prestop_seconds(container: dict[str, Any]) -> int:
+    pre_stop = container["lifecycle"]["preStop"]
+    if "sleep" in pre_stop:
+        return int(pre_stop["sleep"]["seconds"])
+    command = pre_stop["exec"]["command"]
+    assert command[0] == "sleep", command
+    return int(command[1])
+
+
+def _graceful_timeout(container: dict[str, Any]) -> int:
+    env = {**parse_dockerfile().env, **_env_list(container)}
+    return int(env.get("SCORING_GRACEFUL_TIMEOUT_S", Settings.model_fields["graceful_timeout_s"].default))
+
+
+def _assert_grace_fits(grace: int, container: dict[str, Any], where: str) -> None:
+    needed = _prestop_seconds(container) + _graceful_timeout(container)
+    assert grace > needed, f"{where}: terminationGracePeriodSeconds {grace} <= preStop + drain {needed}"
+
+
+def test_hpa_scales_on_the_queue_metric_the_adapter_serves() -> None:
+    ((_, hpa),) = _docs_of_kind("HorizontalPodAutoscaler")
+    names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
+    assert names == {QUEUE_METRIC}
+    assert QUEUE_METRIC.startswith("scoring_")
+    assert hpa["spec"]["scaleTargetRef"]["name"] == _docs_of_kind("Deployment")[0][1]["metadata"]["name"]
+    (rule,) = [r for r in _adapter_rules() if r["name"]["as"] == QUEUE_METRIC]
+    series = _series_name(rule)
+    assert re.fullmatch(rule["name"]["matches"], series)
+    defined = [p for p in (ROOT / "app").rglob("*.py") if f'"{series}"' in p.read_text(encoding="utf-8")]
+    assert defined, f"prometheus-adapter reads {series}, which the server (app/) does not export"
+
+
+def _adapter_rules() -> list[dict[str, Any]]:
+    (config_map,) = [d for _, d in _docs_of_kind("ConfigMap") if d["metadata"]["name"] == "adapter-config"]
+    return list(yaml.safe_load(config_map["data"]["config.yaml"])["rules"])
+
+
+def _series_name(rule: dict[str, Any]) -> str:
+    match = re.match(r"^(\w+)\{", rule["seriesQuery"])
+    assert match, rule["seriesQuery"]
+    return match.group(1)
+
+
+def test_service_monitor_structure() -> None:
+    ((path, monitor),) = _docs_of_kind("ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["name"]
+    service = _docs_of_kind("Service")[0][1]
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items(), "selects the Services"
+    port_names = {p["name"] for p in service["spec"]["ports"]}
+    for endpoint in monitor["spec"]["endpoints"]:
+        assert endpoint["port"] in port_names, _rel(path)
+        assert endpoint["path"] == METRICS_PATH
+        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings"}
+
+
+# --- KServe -----------------------------------------------------------------------------
+
+#: InferenceService predictor fields that are KServe's own, not a PodSpec's.
+_PREDICTOR_ONLY = frozenset(
+    {
+        "minReplicas",
+        "maxReplicas",
+        "scaleTarget",
+        "scaleMetric",
+        "scaleMetricType",
+        "containerConcurrency",
+        "timeout",
+        "canaryTrafficPercent",
+        "logger",
+        "batcher",
+        "labels",
+        "annotations",
+        "deploymentStrategy",
+        "autoScaling",
+        "model",
+        "storageUris",
+        "workerSpec",
+        "storageContainerName",
+    }
+)
+#: predictor.model fields that are KServe's own, not a Container's.
+_MODEL_ONLY = frozenset(
+    {"modelFormat", "runtime", "runtimeVersion", "protocolVersion", "storageUri", "storage"}
+)
+#: ServingRuntime spec fields that are KServe's own, not a PodSpec's.
+_RUNTIME_ONLY = frozenset(
+    {
+        "supportedModelFormats",
+        "protocolVersions",
+        "multiModel",
+        "disabled",
+        "builtInAdapter",
+        "grpcEndpoint",
+        "grpcDataEndpoint",
+        "httpDataEndpoint",
+        "replicas",
+        "storageHelper",
+        "annotations",
+        "labels",
+        "workerSpec",
+    }
+)
+
+
+def _as_deployment(
+    name: str, pod_spec: dict[str, Any], strategy: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A synthetic Deployment around ``pod_spec``, to check it against the core schemas."""
+    labels = {"app": name}
+    spec: dict[str, Any] = {
+        "selector": {"matchLabels": labels},
+        "template": {"metadata": {"labels": labels}, "spec": pod_spec},
+    }
+    if strategy is not None:
+        spec["strategy"] = strategy
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name}, "spec": spec}
+
+
+def _runtimes() -> dict[str, dict[str, Any]]:
+    return {
+        d["metadata"]["name"]: d
+        for _, d in _all_docs()
+        if d["kind"] in ("ServingRuntime", "ClusterServingRuntime")
+    }
+
+
+def test_serving_runtime_structure() -> None:
+    runtimes = _runtimes()
+    assert runtimes
+    for name, runtime in runtimes.items():
+        assert runtime["apiVersion"] == f"{KSERVE_GROUP}/v1alpha1"
+        spec = runtime["spec"]
+        formats = spec["supportedModelFormats"]
+        assert formats and all(isinstance(f["name"], str) and f["name"] for f in formats)
+        assert all(isinstance(f.get("version", ""), str) for f in formats), "versions are strings"
+        assert {"v1", "v2"} <= set(spec["protocolVersions"]) <= KSERVE_PROTOCOLS
+        (container,) = spec["containers"]
+        assert container["name"] == "kserve-container", "KServe merges the predictor into this name"
+        assert container["image"]
+        env = _env_list(container)
+        assert env["SCORING_MODEL_REPOSITORY"] == KSERVE_STORAGE_MOUNT
+        assert env["SCORING_HOST"] == "0.0.0.0"
+        image = parse_dockerfile()
+        assert isinstance(image.entrypoint, list) and isinstance(image.cmd, list)
+        assert [*container["command"], *container["args"]] == [*image.entrypoint, *image.cmd]
+        assert int(spec["annotations"]["prometheus.kserve.io/port"]) == _effective_port(container)
+        assert spec["annotations"]["prometheus.kserve.io/path"] == METRICS_PATH
+        pod = {k: v for k, v in spec.items() if k not in _RUNTIME_ONLY}
+        for version in KUBERNETES_VERSIONS:
+            _validate(_as_deployment(name, pod), version, f"ServingRuntime {name} as a pod")
+
+
+def test_inference_service_structure() -> None:
+    runtimes = _runtimes()
+    services = _docs_of_kind("InferenceService")
+    assert services
+    for path, isvc in services:
+        assert isvc["apiVersion"] == f"{KSERVE_GROUP}/v1beta1"
+        assert re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", isvc["metadata"]["name"]), "DNS-1035 name"
+        predictor = isvc["spec"]["predictor"]
+        model = predictor["model"]
+        runtime = runtimes[model["runtime"]]
+        formats = {(f["name"], f.get("version")) for f in runtime["spec"]["supportedModelFormats"]}
+        assert (model["modelFormat"]["name"], model["modelFormat"].get("version")) in formats
+        assert model["protocolVersion"] in runtime["spec"]["protocolVersions"]
+        assert re.match(r"^[a-z0-9]+://", model["storageUri"])
+        assert model["resources"]["limits"]["nvidia.com/gpu"]
+        assert predictor["minReplicas"] <= predictor["maxReplicas"]
+        assert predictor["deploymentStrategy"]["rollingUpdate"]["maxUnavailable"] == 0
+        (runtime_container,) = runtime["spec"]["containers"]
+        merged = {**runtime_container, "env": [*runtime_container["env"], *model.get("env", [])]}
+        _assert_grace_fits(predictor["terminationGracePeriodSeconds"], merged, _rel(path))
+        container = {k: v for k, v in model.items() if k not in _MODEL_ONLY}
+        pod = {k: v for k, v in predictor.items() if k not in _PREDICTOR_ONLY}
+        pod["containers"] = [{"name": "kserve-container", "image": runtime_container["image"], **container}]
+        for version in KUBERNETES_VERSIONS:
+            _validate(
+                _as_deployment(isvc["metadata"]["name"], pod, predictor["deploymentStrategy"]),
+                version,
+                f"{_rel(path)} predictor as a Deployment",
+            )
+
+
+# --- systemd ----------------------------------------------------------------------------
+
+
+def _unit() -> dict[str, list[str]]:
+    values: dict[str, list[str]] = {}
+    for line in SYSTEMD_UNIT.read_text(encoding="utf-8").splitlines():
+        line = line.strip()
+        if not line or line.startswith(("#", ";", "[")):
+            continue
+        key, _, value = line.partition("=")
+        values.setdefault(key.strip(), []).append(value.strip())
+    return values
+
+
+def _unit_env() -> dict[str, str]:
+    env: dict[str, str] = {}
+    for value in _unit().get("Environment", []):
+        for token in shlex.split(value):
+            key, _, val = token.partition("=")
+            env[key] = val
+    return env
+
+
+def test_systemd_unit() -> None:
+    unit = _unit()
+    (exec_start,) = unit["ExecStart"]
+    argv = shlex.split(exec_start)
+    assert Path(argv[0]).name == "gunicorn" and argv[1:] == ["-c", "gunicorn.conf.py"]
+    assert unit["KillMode"] == ["mixed"] and unit["KillSignal"] == ["SIGTERM"]
+    env = _unit_env()
+    graceful = int(env.get("SCORING_GRACEFUL_TIMEOUT_S", Settings.model_fields["graceful_timeout_s"].default))
+    assert int(unit["TimeoutStopSec"][0]) > graceful
+    runtime_dirs = {f"/run/{d}" for d in unit["RuntimeDirectory"][0].split()}
+    assert env["PROMETHEUS_MULTIPROC_DIR"] in runtime_dirs, "systemd creates the metrics folder"
+
+
+# --- end to end -------------------------------------------------------------------------
+
+
+def _get(url: str, timeout: float = 5.0, data: bytes | None = None) -> tuple[int, bytes]:
+    request = urllib.request.Request(
+        url, data=data, headers={"Content-Type": "application/json"} if data else {}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        with exc:
+            return exc.code, exc.read()
+
+
+def _tail(path: Path, lines: int = 60) -> str:
+    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+
+
+@pytest.mark.e2e
+def test_image_entrypoint_serves_and_drains(tmp_path: Path, image: ImageConfig) -> None:
+    """The Dockerfile's command and ENV, on this machine: ready, probes, SIGTERM, exit 0."""
+    exporter = ROOT / "scripts" / "export_ranking_model.py"
+    repository = tmp_path / "models"
+    export = subprocess.run(
+        [sys.executable, str(exporter), "--out", str(repository / "feed-ranker")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert export.returncode == 0, export.stdout + export.stderr
+
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith((ENV_PREFIX, "GPU_STAT_")) and k != "PROMETHEUS_MULTIPROC_DIR"
+    }
+    # The image's ENV, except PATH: this checkout's virtualenv stands for the image's /opt/venv.
+    env.update({k: v for k, v in image.env.items() if k != "PATH"})
+    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+    env.update(
+        SCORING_HOST="127.0.0.1",
+        SCORING_PORT=str(port),
+        SCORING_MODEL_REPOSITORY=str(repository),
+        # Not created beforehand: in the container /dev/shm starts empty, so must the server.
+        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prometheus" / "scoring-metrics"),
+    )
+    assert isinstance(image.entrypoint, list)
+    assert image.cmd is None or isinstance(image.cmd, list)
+    argv = [*image.entrypoint, *(image.cmd or [])]
+    executable = shutil.which(argv[0], path=env["PATH"])
+    assert executable, f"{argv[0]} not found on PATH"
+    log_path = tmp_path / "server.log"
+
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(
+            [executable, *argv[1:]],
+            cwd=ROOT,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    run_dir = Path(tempfile.gettempdir()) / f"scoring-server-{proc.pid}"
+    try:
+
+        def ready() -> bool:
+            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{_tail(log_path)}"
+            try:
+                return _get(base + HEALTH_READY, timeout=2)[0] == 200
+            except OSError:
+                return False
+
+        poll(ready, 90, HEALTH_READY, interval_s=0.5, diagnostics=lambda: _tail(log_path))
+
+        # Every probe path of the manifests, and the image's HEALTHCHECK command itself.
+        paths = {
+            probe["httpGet"]["path"]
+            for _, container in _served_containers()
+            for probe in _probes(container).values()
+        }
+        for path in sorted(paths):
+            code, body = _get(base + path)
+            assert code == 200, f"{path}: {code} {body[:200]!r}"
+        assert isinstance(image.healthcheck, list)
+        check = subprocess.run(
+            [
+                shutil.which(image.healthcheck[0], path=env["PATH"]) or image.healthcheck[0],
+                *image.healthcheck[1:],
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert check.returncode == 0, f"HEALTHCHECK failed: {check.stderr}"
+
+        features = [[0.1 * i for i in range(32)]]
+        body = json.dumps(
+            {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 32], "data": features}]}
+        ).encode()
+        code, answer = _get(base + "/v2/models/feed-ranker/infer", data=body)
+        assert code == 200, answer[:300]
+        metrics_code, metrics_body = _get(base + METRICS_PATH)
+
+        proc.send_signal(signal.SIGTERM)
+        grace = int(image.env.get("SCORING_GRACEFUL_TIMEOUT_S", "30"))
+        returncode = proc.wait(timeout=grace + 15)
+        assert returncode == 0, f"exit status {returncode} after SIGTERM:\n{_tail(log_path)}"
+        with pytest.raises(OSError):
+            _get(base + HEALTH_LIVE, timeout=2)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert metrics_code == 200, metrics_body[:300]
+    exported = metrics_body.decode()
+    for rule in _adapter_rules():
+        assert f"\n{_series_name(rule)}{{" in exported, f"{_series_name(rule)} not in {METRICS_PATH}"

@@ -1,0 +1,107 @@
+"""README.md and docs/*.md name only what exists: every repository path (in prose, code spans,
+code blocks and links), every ``python -m`` module of this repository, and every ``#anchor`` of
+a link to one of these pages. The README's settings table is checked in tests/unit/test_settings.py.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.support.gunicorn import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+#: Top-level folders of the repository: a word starting with one of these and a slash is a path.
+FOLDERS = (
+    "app",
+    "gpu_stat",
+    "scripts",
+    "benchmarks",
+    "tests",
+    "docs",
+    "deploy",
+    "proto",
+    "model_repository",
+    ".ci",
+)
+TOP_FILES = (
+    "Dockerfile",
+    "gunicorn.conf.py",
+    "setup.py",
+    "pyproject.toml",
+    "README.md",
+    ".dockerignore",
+    ".gitignore",
+)
+#: Words shaped like paths that name something else.
+NOT_PATHS = {"deploy/scoring-server"}  # kubectl's deployment/name in `kubectl rollout status`
+_FOLDER = "|".join(re.escape(f) for f in FOLDERS)
+_FILE = "|".join(re.escape(f) for f in TOP_FILES)
+# Not after a letter, dot, slash or "<" (a URL's path, a placeholder such as <run dir>/workers);
+# stops at what cannot be in a path here (spaces, quotes, "<" of a placeholder, "::" of a test id).
+PATH = re.compile(rf"(?<![\w./<-])((?:{_FOLDER})/[\w./-]*)")
+FILE = re.compile(rf"(?<![\w./<-])({_FILE})(?![\w-])")
+MODULE = re.compile(r"python3? -m ((?:app|benchmarks|gpu_stat|tests)(?:\.\w+)*)")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+HEADING = re.compile(r"^#{1,6} +(.+?) *$", re.M)
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors of ``page``: lower case, punctuation but ``-`` dropped, spaces
+    as ``-``."""
+    return {re.sub(r"[^\w\- ]", "", h.lower()).replace(" ", "-") for h in HEADING.findall(page.read_text())}
+
+
+def missing(page: Path, root: Path) -> list[str]:
+    """What ``page`` names that does not exist under ``root``: repository paths, ``python -m``
+    modules, and relative links (with their ``#anchor``, when they point at a Markdown page)."""
+    text = page.read_text(encoding="utf-8")
+    absent = []
+    for name in {p.rstrip(".") for p in PATH.findall(text)} - NOT_PATHS | set(FILE.findall(text)):
+        if not (root / name).exists():
+            absent.append(name)
+    for module in set(MODULE.findall(text)):
+        base = root.joinpath(*module.split("."))
+        if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
+            absent.append(f"python -m {module}")
+    for target in set(LINK.findall(text)):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        linked = (page.parent / path).resolve() if path else page
+        unknown_anchor = bool(anchor) and linked.suffix == ".md" and anchor not in anchors(linked)
+        if not linked.exists() or unknown_anchor:
+            absent.append(target)
+    return sorted(absent)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
+def test_every_path_command_and_link_named_exists(page: Path) -> None:
+    absent = missing(page, ROOT)
+    assert not absent, f"{page.relative_to(ROOT)} names what does not exist: {absent}"
+
+
+def test_a_removed_path_is_reported(tmp_path: Path) -> None:
+    """The check itself: on a copy of a page's words, what is gone is named."""
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "serve").touch()
+    (tmp_path / "benchmarks").mkdir()
+    (tmp_path / "benchmarks" / "soak.py").touch()
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "other.md").write_text("# Other page\n\n## A section\n")
+    page = tmp_path / "docs" / "page.md"
+    page.write_text(
+        "Run `scripts/serve`, then `scripts/gone --x`; see scripts/serve.\n"
+        "```bash\npython -m benchmarks.soak --json out.json\npython -m benchmarks.vanished\n```\n"
+        "[here](other.md#a-section), [there](other.md#no-such-section), [lost](lost.md), "
+        "[web](https://example.com/docs/x), `<run dir>/workers/<pid>`, `deploy/pools/<pool>/`.\n"
+    )
+    assert missing(page, tmp_path) == [
+        "deploy/pools/",
+        "lost.md",
+        "other.md#no-such-section",
+        "python -m benchmarks.vanished",
+        "scripts/gone",
+    ]

@@ -1,0 +1,218 @@
+"""Small models for tests: a tensor model exported to .pt2 / TorchScript, and a
+controllable handler that records what it sees (batch sizes, items)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+
+SCALE_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "tests.support.toy_models:ScaleHandler"
+max_batch_size = {max_batch_size}
+max_queue_delay_ms = {max_queue_delay_ms}
+queue_capacity = {queue_capacity}
+warmup_batch_sizes = [1]
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [2]
+[[inputs]]
+name = "tag"
+datatype = "BYTES"
+shape = [1]
+optional = true
+[[outputs]]
+name = "y"
+datatype = "FP32"
+shape = [2]
+[[outputs]]
+name = "tag_length"
+datatype = "INT64"
+shape = [1]
+[parameters]
+{parameters}
+"""
+
+
+class ScaleHandler:
+    """y = 2 * x; tag_length = len(tag). Records every batch it sees (class-wide, per model).
+
+    parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
+    ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
+    ``crash_on_load`` (the worker process SIGKILLs itself while loading),
+    ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
+    sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
+    ``fail_on`` (x value that raises), ``hang_on`` (x value that
+    makes the batch sleep ``hang_s`` seconds, default 3600, or with ``hang_gate``, wait until
+    that Event of ``GATES`` is set), ``oom_above`` (batches larger
+    than this raise torch.OutOfMemoryError).
+    """
+
+    BATCHES: ClassVar[dict[str, list[list[float]]]] = {}
+    GATES: ClassVar[dict[str, threading.Event]] = {}
+
+    def load(self, device: torch.device, config: Any) -> None:
+        self.name = config.name
+        self.params = dict(config.parameters)
+        gate = self.params.get("load_gate")
+        if gate:
+            assert self.GATES[gate].wait(30)
+        time.sleep(float(self.params.get("load_delay_s", 0)))
+        marker = self.params.get("fail_load_if_exists")
+        if marker and Path(marker).exists():
+            raise RuntimeError(f"simulated load failure ({marker} exists)")
+        if self.params.get("crash_on_load"):  # a native crash: the process dies at once
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.BATCHES[self.name] = []
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+        return torch.from_numpy(inputs["x"]), inputs["tag"].reshape(-1)
+
+    def predict(self, batch: tuple[torch.Tensor, np.ndarray]) -> tuple[torch.Tensor, np.ndarray]:
+        x, tags = batch
+        self.BATCHES[self.name].append(x[:, 0].tolist())
+        if "oom_above" in self.params and len(x) > int(self.params["oom_above"]):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        if "fail_on" in self.params and bool((x == float(self.params["fail_on"])).any()):
+            raise RuntimeError("simulated model failure")
+        if "hang_on" in self.params and bool((x == float(self.params["hang_on"])).any()):
+            gate = self.params.get("hang_gate")
+            if gate:
+                assert self.GATES[gate].wait(60)
+            else:
+                time.sleep(float(self.params.get("hang_s", 3600)))
+        warmup = len(tags) > 0 and all(bytes(t).startswith(b"warmup") for t in tags)
+        time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
+        return x * 2, tags
+
+    def postprocess(self, outputs: tuple[torch.Tensor, np.ndarray]) -> dict[str, np.ndarray]:
+        y, tags = outputs
+        return {
+            "y": y.numpy(),
+            "tag_length": np.array([[len(t)] for t in tags], dtype=np.int64),
+        }
+
+
+def write_scale_model(
+    repo: Path,
+    name: str = "scale",
+    *,
+    max_batch_size: int = 8,
+    max_queue_delay_ms: float = 5.0,
+    queue_capacity: int = 64,
+    **parameters: Any,
+) -> Path:
+    """Write a ScaleHandler model folder into ``repo``; returns the folder."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    params = "\n".join(
+        f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items()
+    )
+    (folder / "model.toml").write_text(
+        SCALE_TOML.format(
+            name=name,
+            max_batch_size=max_batch_size,
+            max_queue_delay_ms=max_queue_delay_ms,
+            queue_capacity=queue_capacity,
+            parameters=params,
+        )
+    )
+    return folder
+
+
+class TinyRanker(torch.nn.Module):
+    """features FP32 [B, 4] -> probability FP32 [B, 1]."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = torch.nn.Linear(4, 1)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(self.linear(features))
+
+
+TENSOR_TOML = """
+name = "{name}"
+version = "1"
+format = "{fmt}"
+file = "{file}"
+max_batch_size = 16
+max_queue_delay_ms = 1.0
+warmup_batch_sizes = [1, 16]
+[[inputs]]
+name = "features"
+datatype = "FP32"
+shape = [4]
+[[outputs]]
+name = "probability"
+datatype = "FP32"
+shape = [1]
+"""
+
+
+def write_tensor_model(repo: Path, name: str, fmt: str) -> TinyRanker:
+    """Export TinyRanker to ``repo/name`` as ``torch_export`` (.pt2) or ``torchscript`` (.pt)."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    model = TinyRanker().eval()
+    if fmt == "torch_export":
+        file = "model.pt2"
+        batch = torch.export.Dim("batch", min=1, max=1024)
+        program = torch.export.export(model, (torch.zeros(2, 4),), dynamic_shapes={"features": {0: batch}})
+        torch.export.save(program, str(folder / file))
+    else:
+        file = "model.pt"
+        torch.jit.save(torch.jit.script(model), str(folder / file))
+    (folder / "model.toml").write_text(TENSOR_TOML.format(name=name, fmt=fmt, file=file))
+    return model
+
+
+def write_broken_models(repo: Path) -> dict[str, str]:
+    """Write one model folder per way a careless operator breaks a model into ``repo``; returns
+    the name each is reported under -> a piece of the reason it is reported with."""
+    expected: dict[str, str] = {}
+
+    def scale(folder: str, replace: tuple[str, str] = ("", ""), name: str | None = None) -> Path:
+        path = write_scale_model(repo, folder)
+        text = (path / "model.toml").read_text()
+        if name is not None:
+            text = text.replace(f'name = "{folder}"', f'name = "{name}"')
+        (path / "model.toml").write_text(text.replace(*replace) if replace[0] else text)
+        return path
+
+    scale("syntax", ("max_batch_size =", "max_batch_size = = "))
+    expected["syntax"] = "syntax/model.toml"
+    scale("pathlike", name="../../escape")
+    expected["pathlike"] = "must be 1-128 of letters"
+    scale("twin-a", name="twin")
+    scale("twin-b", name="twin")
+    expected["twin"] = "declared by several folders (twin-a, twin-b)"
+    scale("no-import", ("tests.support.toy_models:ScaleHandler", "local_handler:Handler"))
+    (repo / "no-import" / "local_handler.py").write_text("import a_module_that_does_not_exist\n")
+    expected["no-import/1"] = "cannot import handler"
+    scale("raises-on-import", ("tests.support.toy_models:ScaleHandler", "local_handler:Handler"))
+    (repo / "raises-on-import" / "local_handler.py").write_text("raise RuntimeError('broken on import')\n")
+    expected["raises-on-import/1"] = "broken on import"
+    for folder, problem in (("missing-weights", "missing"), ("truncated-weights", "truncated"), ("escape", "..")):
+        path = repo / folder
+        path.mkdir(parents=True)
+        file = "../../../etc/hostname" if problem == ".." else "model.pt2"
+        if problem == "truncated":
+            (path / file).write_bytes(b"PK\x03\x04 not a whole archive")
+        (path / "model.toml").write_text(TENSOR_TOML.format(name=folder, fmt="torch_export", file=file))
+    expected["missing-weights/1"] = "weights file missing-weights/model.pt2 not found"
+    expected["truncated-weights/1"] = "cannot load truncated-weights/model.pt2"
+    expected["escape"] = "must be inside the model's folder"
+    return expected

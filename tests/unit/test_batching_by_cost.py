@@ -1,0 +1,313 @@
+"""Batches formed by cost (a token budget, items grouped by length, no starvation, results in
+order) and the staged pipeline (stages on their own threads, results to their own requests,
+one request's bad items failing only that request, cancellation), with deterministic doubles
+of a model; and the real sentence handler's pricing."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from app.errors import DeadlineExceeded, InvalidInput, QueueFull
+from app.models.repository import read_config
+from app.models.runner import ModelRunner
+from app.models.segment import Segment
+from app.serving.batcher import DynamicBatcher, Threads
+from app.serving.chunks import Budget, ChunkQueue, QueuedRequest
+from app.serving.executor import InferenceThread
+from tests.support.fixtures import eventually
+from tests.support.gunicorn import ROOT
+from tests.support.toy_models import write_scale_model
+
+
+class Priced:
+    """A model double that prices its items by their ``len`` input (tokens) and runs y = 2x;
+    it records the batches (their lengths) and the thread of every stage, and ``gate`` holds
+    ``predict``. An item of length < 0 is refused by ``item_costs``; ``preprocess`` refuses
+    x == -1 (ValueError: the handler cannot take it)."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[int]] = []
+        self.stages: list[tuple[str, str, list[float]]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self.predicting = threading.Event()
+        self.prices_items = True
+
+    def item_costs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        lengths = inputs["len"][:, 0].astype(np.int64)
+        if (lengths < 0).any():
+            raise InvalidInput("a length below zero")
+        return lengths
+
+    def prepare(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        x = inputs["x"]
+        self.stages.append(("prepare", threading.current_thread().name, x[:, 0].tolist()))
+        if (x == -1).any():
+            raise ValueError("x = -1 cannot be taken")
+        return dict(inputs)
+
+    def predict(self, prepared: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.stages.append(("predict", threading.current_thread().name, prepared["x"][:, 0].tolist()))
+        self.predicting.set()
+        assert self.gate.wait(10)
+        self.batches.append(prepared["len"][:, 0].astype(int).tolist())
+        return {"y": prepared["x"] * 2}
+
+    def finish(self, predicted: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        self.stages.append(("finish", threading.current_thread().name, predicted["y"][:, 0].tolist()))
+        return predicted
+
+    def run_batch(self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()) -> list[Segment]:
+        n = len(inputs["x"])
+        try:
+            prepared = self.prepare(inputs)
+        except ValueError as exc:
+            if len(groups) > 1:
+                out: list[Segment] = []
+                for start, stop in groups:
+                    part = {k: v[start:stop] for k, v in inputs.items()}
+                    out += [Segment(s.start + start, s.stop + start, s.outputs, s.error) for s in self.run_batch(part)]
+                return out
+            return [Segment(0, n, None, InvalidInput(str(exc)))]
+        return [Segment(0, n, self.finish(self.predict(prepared)))]
+
+
+def items(*pairs: tuple[float, int]) -> dict[str, np.ndarray]:
+    """Items (x, length): ``x`` FP32 [B, 2] and ``len`` INT64 [B, 1]."""
+    x = np.array([[v, v] for v, _ in pairs], dtype=np.float32)
+    return {"x": x, "len": np.array([[n] for _, n in pairs], dtype=np.int64)}
+
+
+@pytest.fixture
+async def threads() -> AsyncIterator[Threads]:
+    made = Threads(InferenceThread("inference"), InferenceThread("prepare"), InferenceThread("finish"))
+    yield made
+    for pool in (made.inference, made.prepare, made.finish):
+        assert pool is not None
+        pool.shutdown(wait=False)
+
+
+def batcher(model: Priced, threads: Threads, **kw: Any) -> DynamicBatcher:
+    opts: dict[str, Any] = {"max_batch_size": 8, "max_queue_delay_ms": 0.0, "queue_capacity": 256} | kw
+    b = DynamicBatcher("m", model, threads, item_costs=model.item_costs, **opts)
+    b.start()
+    return b
+
+
+async def held(b: DynamicBatcher, model: Priced, first: dict[str, np.ndarray]) -> asyncio.Task[Any]:
+    """Hold the model on a batch of ``first``: what is sent next queues behind it."""
+    model.gate.clear()
+    model.predicting.clear()
+    task = asyncio.create_task(b.infer(first, timeout_s=30))
+    await asyncio.to_thread(model.predicting.wait, 5)
+    return task
+
+
+# --- the queue alone ----------------------------------------------------------------------
+
+
+def queued(tokens: list[int], arrival: float) -> QueuedRequest:
+    t = np.sort(np.array(tokens, dtype=np.int64))
+    return QueuedRequest(
+        inputs={"x": np.zeros((len(t), 1), np.float32)}, size=len(t), deadline=1e9, arrival=arrival,
+        request_id=f"r{arrival}", is_disconnected=None,
+        future=asyncio.get_running_loop().create_future(), costs=None, tokens=t,
+    )  # fmt: skip
+
+
+async def test_the_token_budget_counts_what_the_batch_computes() -> None:
+    budget = Budget(items=100, tokens=100)
+    r = queued([10, 10, 30, 60], 0)
+    assert budget.fit(r, 0, 4) == 3  # padded: 3 x 30 = 90 fits; a 4th would make it 4 x 60
+    budget.take(r, 0, 3)
+    assert budget.fit(queued([5], 1), 0, 1) == 0  # 4 x 30 > 100
+    unpadded = Budget(items=100, tokens=100, batch_cost=lambda costs: float(costs.sum()))
+    assert unpadded.fit(r, 0, 4) == 3  # 10 + 10 + 30 = 50 fits, + 60 would not
+    unpadded.take(r, 0, 3)
+    assert unpadded.fit(queued([5, 40, 50], 1), 0, 3) == 2  # 50 + 5 + 40 = 95
+
+
+async def test_requests_are_taken_oldest_first_whole_and_only_the_last_is_split() -> None:
+    queue = ChunkQueue()
+    requests = [queued([200] * 4, 0.0), queued([10, 12], 1.0), queued([8, 100, 220], 2.0), queued([9] * 6, 3.0)]
+    for r in requests:
+        queue.put(r)
+    dropped: list[Any] = []
+
+    def take() -> list[tuple[str, list[int]]]:
+        chunks = queue.take(0.0, Budget(items=8), lambda *a: dropped.append(a))
+        out = []
+        for c in chunks:
+            assert c.request.tokens is not None
+            out.append((c.request.request_id, c.request.tokens[c.start : c.stop].tolist()))
+        return out
+
+    assert take() == [("r0.0", [200] * 4), ("r1.0", [10, 12]), ("r2.0", [8, 100])]
+    assert take() == [("r2.0", [220]), ("r3.0", [9] * 6)]
+    assert queue.items == 0 and queue.cost == 0 and dropped == []
+
+
+# --- the batcher ------------------------------------------------------------------------
+
+
+async def test_batches_respect_the_token_budget_and_results_keep_their_order(threads: Threads) -> None:
+    model = Priced()
+    b = batcher(model, threads, max_batch_size=8, max_batch_tokens=400)
+    first = await held(b, model, items((0, 1)))
+    rng = np.random.default_rng(0)
+    requests = [[(float(100 * r + i), int(rng.integers(5, 200))) for i in range(5)] for r in range(12)]
+    tasks = [asyncio.create_task(b.infer(items(*req), timeout_s=30)) for req in requests]
+    await eventually(lambda: b.queued_items == 60)
+    model.gate.set()
+    results = await asyncio.gather(first, *tasks)
+    for req, out in zip(requests, results[1:], strict=True):
+        assert out["y"][:, 0].tolist() == [2 * v for v, _ in req]  # each item's own answer, in order
+    for lengths in model.batches[1:]:
+        assert len(lengths) * max(lengths) <= 400  # padded tokens within the budget
+    await b.stop()
+
+
+async def test_the_handlers_batch_cost_is_what_the_batcher_counts(threads: Threads) -> None:
+    """A handler that runs a batch without padding (its ``batch_cost``: the sum of the costs)
+    is accounted as such: the padding waste reads 1, where padding to the longest reads more
+    for the same traffic; a token budget admits batches by that cost."""
+
+    async def padding(batch_cost: Any) -> tuple[float, list[list[int]]]:
+        model = Priced()
+        b = DynamicBatcher(
+            "m", model, threads, item_costs=model.item_costs, batch_cost=batch_cost,
+            max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000,
+        )  # fmt: skip
+        b.start()
+        first = await held(b, model, items((0, 1)))
+        lengths = [16, 200] * 8
+        tasks = [asyncio.create_task(b.infer(items((float(i), n)), timeout_s=30)) for i, n in enumerate(lengths)]
+        await eventually(lambda: b.queued_items == 16)
+        model.gate.set()
+        await asyncio.gather(first, *tasks)
+        await b.stop()
+        return b.padding, model.batches[1:]
+
+    summed, batches = await padding(lambda costs: float(costs.sum()))
+    assert summed == pytest.approx(1.0) and all(sum(t) <= 1000 for t in batches)
+    padded, batches = await padding(None)
+    assert padded > 1.3 and all(len(t) * max(t) <= 1000 for t in batches)
+
+
+async def test_no_request_is_passed_over_for_long(threads: Threads) -> None:
+    """A long request queued first runs in the first batch after the one running, although
+    many short ones queued after it would pad less without it; every request's batch comes no
+    later than one batch per chunk queued before it."""
+    model = Priced()
+    b = batcher(model, threads, max_batch_size=4)
+    first = await held(b, model, items((0, 1)))
+    long = asyncio.create_task(b.infer(items((1, 250)), timeout_s=30))
+    await eventually(lambda: b.queued_items == 1)
+    shorts = [asyncio.create_task(b.infer(items((float(10 + i), 3)), timeout_s=30)) for i in range(12)]
+    await eventually(lambda: b.queued_items == 13)
+    model.gate.set()
+    await asyncio.gather(first, long, *shorts)
+    assert 250 in model.batches[1]
+    await b.stop()
+
+
+async def test_stages_run_on_their_own_threads_and_overlap(threads: Threads) -> None:
+    model = Priced()
+    b = batcher(model, threads, pipelined=True, max_batch_size=2)
+    first = await held(b, model, items((1, 4), (2, 4)))
+    second = asyncio.create_task(b.infer(items((3, 4), (4, 4)), timeout_s=30))
+    # batch 2 is prepared while batch 1 is still on the (held) inference thread
+    await eventually(lambda: ("prepare", "prepare", [3.0, 4.0]) in model.stages)
+    assert not any(stage == "finish" for stage, _, _ in model.stages)
+    model.gate.set()
+    out1, out2 = await asyncio.gather(first, second)
+    assert out1["y"][:, 0].tolist() == [2, 4] and out2["y"][:, 0].tolist() == [6, 8]
+    assert {(stage, name) for stage, name, _ in model.stages} == {
+        ("prepare", "prepare"), ("predict", "inference"), ("finish", "finish"),
+    }  # fmt: skip
+    await b.stop()
+
+
+@pytest.mark.parametrize("pipelined", [True, False])
+async def test_one_requests_bad_items_fail_only_that_request(threads: Threads, pipelined: bool) -> None:
+    model = Priced()
+    # the batch closes when 4 items are queued (a long delay otherwise): the four share it;
+    # the deadline leaves the 20 s delay inside the admission headroom
+    b = batcher(model, threads, pipelined=pipelined, max_batch_size=4, max_queue_delay_ms=20_000)
+    good = [asyncio.create_task(b.infer(items((float(v), 5)), timeout_s=60)) for v in (1, 2, 3)]
+    bad = asyncio.create_task(b.infer(items((-1, 5)), timeout_s=60))  # preprocess cannot take it
+    results = await asyncio.gather(*good, bad, return_exceptions=True)
+    assert [r["y"][0, 0] for r in results[:3]] == [2.0, 4.0, 6.0]  # type: ignore[index]
+    assert isinstance(results[3], InvalidInput) and "cannot be taken" in str(results[3])
+    assert len(model.stages[0][2]) == 4  # they did share the first batch
+    with pytest.raises(InvalidInput, match="below zero"):  # refused by pricing, before the queue
+        await b.infer(items((5, -3)), timeout_s=30)
+    await b.stop()
+
+
+async def test_stop_fails_queued_and_running_requests_with_503(threads: Threads) -> None:
+    model = Priced()
+    b = batcher(model, threads, pipelined=True, max_batch_size=1)
+    first = await held(b, model, items((0, 1)))
+    waiting = asyncio.create_task(b.infer(items((1, 1)), timeout_s=30))
+    await eventually(lambda: b.queued_items == 1 or ("prepare", "prepare", [1.0]) in model.stages)
+    await b.stop()
+    model.gate.set()
+    for task in (first, waiting):
+        with pytest.raises(QueueFull, match="unloading"):
+            await task
+
+
+async def test_an_idle_model_admits_whatever_a_past_burst_taught_it(threads: Threads) -> None:
+    model = Priced()
+    b = batcher(model, threads)
+    b.rate.item_s, b.rate.overhead_s = 10.0, 5.0  # "learned" in an overload: 10 s per token
+    out = await b.infer(items((1, 3)), timeout_s=1.0)
+    assert out["y"][0, 0] == 2.0
+    # busy, the same estimate refuses: 504 when even alone the request could not finish
+    first = await held(b, model, items((0, 1)))
+    with pytest.raises(DeadlineExceeded, match="even alone"):
+        await b.infer(items((2, 3)), timeout_s=1.0)
+    model.gate.set()
+    await first
+    await b.stop()
+
+
+# --- the real handler: pricing ------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_path: Path) -> None:
+    from app.handlers.sentence_embedding import SentenceEmbeddingHandler
+
+    config = read_config(ROOT / "model_repository" / "all-MiniLM-L6-v2")
+    handler = SentenceEmbeddingHandler()
+    handler.load(torch.device("cpu"), config)
+    texts = np.array([[b"a"], ["word " * 400], ["caf\u00e9"]], dtype=object)
+    texts[2, 0] = texts[2, 0].encode()
+    costs = handler.item_costs({"text": texts, "query": np.array([[b""], [b""], [b"hello there"]], dtype=object)})
+    assert costs.tolist()[0] == 3 and costs.tolist()[1] == handler.max_seq_length  # CLS a SEP; truncated
+    assert costs.tolist()[2] > 3
+    # what preprocess encodes once is priced once: a shared query, a repeated text
+    shared = {
+        "text": np.array([[b"a"], [b"b"], [b"a"]], dtype=object),
+        "query": np.array([[b"hello there"]] * 3, dtype=object),
+    }
+    assert handler.item_costs(shared).tolist() == [3 + 4, 3, 0]  # CLS hello there SEP: 4
+    with pytest.raises(ValueError, match="not valid UTF-8"):
+        handler.item_costs({"text": np.array([[b"\xff\xfe"]], dtype=object)})
+    runner = ModelRunner(config, handler)
+    assert runner.prices_items
+
+
+def test_scale_model_does_not_price(tmp_path: Path) -> None:
+    runner = ModelRunner(read_config(write_scale_model(tmp_path)))
+    assert not runner.prices_items and runner.item_costs({"x": np.zeros((1, 2), np.float32)}) is None

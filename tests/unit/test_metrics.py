@@ -1,0 +1,306 @@
+"""Prometheus metrics: the batch observer and middleware in-process, and multiprocess
+aggregation on a real gunicorn (two workers bound to two fake GPUs)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Awaitable, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.parser import text_string_to_metric_families
+
+from app.serving.state import REGISTRY
+from gpu_stat.binding import BindingPolicy, bind_worker, release_binding
+from tests.support.fake_gpus import GIB, gpu, gpu_uuid, write_fake
+from tests.support.fixtures import eventually
+from tests.support.gunicorn import Gunicorn, wait_for
+from tests.support.toy_models import ScaleHandler, write_scale_model
+
+Samples = list[tuple[str, dict[str, str], float]]
+
+
+def parse(text: str) -> Samples:
+    return [(s.name, s.labels, s.value) for f in text_string_to_metric_families(text) for s in f.samples]
+
+
+def value(samples: Samples, name: str, **labels: str) -> float | None:
+    """The value of the one sample named ``name`` whose labels include ``labels``; None if absent."""
+    found = [v for n, lab, v in samples if n == name and labels.items() <= lab.items()]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def total(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for n, lab, v in samples if n == name and labels.items() <= lab.items())
+
+
+def v2_body(x: float, items: int = 1) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "shape": [items, 2], "datatype": "FP32", "data": [x, x] * items}]}
+
+
+# --- in-process (no PROMETHEUS_MULTIPROC_DIR: a registry per app) --------------------------
+
+
+async def scrape(client: Any) -> Samples:
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    assert resp.headers["Content-Type"].startswith("text/plain")
+    return parse(await resp.text())
+
+
+async def test_inference_requests_batches_and_worker_are_recorded(
+    make_client: Callable[..., Any], scale_repo: Path
+) -> None:
+    client = await make_client(scale_repo)
+    before = len(ScaleHandler.BATCHES["scale"])  # warmup, and admission's timed batch
+    for i in range(3):
+        assert (await client.post("/v2/models/scale/infer", json=v2_body(i))).status == 200
+    for _ in range(2):
+        resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2], [3, 4]]})
+        assert resp.status == 200
+    assert (await client.post("/v2/models/nope/infer", json=v2_body(0))).status == 404
+    assert (await client.get("/v2/models/scale")).status == 200  # not an inference request
+    m = await scrape(client)
+    scale = {"model": "scale", "version": "1"}
+    assert value(m, "scoring_requests_total", **scale, protocol="v2", code="200") == 3
+    assert value(m, "scoring_requests_total", **scale, protocol="v1", code="200") == 2
+    assert value(m, "scoring_requests_total", model="", version="", protocol="v2", code="404") == 1
+    assert total(m, "scoring_requests_total") == 6
+    assert value(m, "scoring_request_duration_seconds_count", **scale, protocol="v2") == 3
+    assert value(m, "scoring_batch_size_sum", **scale) == 3 + 2 * 2
+    entry = client.server.app[REGISTRY].get("scale")
+    assert entry.runner is not None
+    batches = value(m, "scoring_batch_size_count", **scale)
+    assert batches == len(ScaleHandler.BATCHES["scale"]) - before  # every batch the model ran
+    assert value(m, "scoring_batch_requests_sum", **scale) == 5
+    assert value(m, "scoring_compute_duration_seconds_count", **scale) == batches
+    assert value(m, "scoring_queue_duration_seconds_count", **scale) == batches
+    assert value(m, "scoring_queue_depth", **scale) == 0
+    assert value(m, "scoring_requests_in_flight", **scale) == 0
+    pid = str(os.getpid())
+    assert value(m, "scoring_model_load_seconds", **scale, pid=pid) == entry.runner.load_seconds
+    assert value(m, "scoring_model_warmup_seconds", **scale, pid=pid) == entry.runner.warmup_seconds
+    assert value(m, "scoring_worker_binding_info", pid=pid, device="cpu", gpu="", slot="") == 1
+    assert not [n for n, _, _ in m if n.startswith("scoring_gpu_")]  # CPU mode: no GPU figures
+    assert (value(m, "process_cpu_seconds_total") or 0) > 0  # the default registry, in-process
+
+
+async def test_rejections_are_counted_by_reason(make_client: Callable[..., Any], tmp_path: Path) -> None:
+    write_scale_model(tmp_path, "slow", max_batch_size=1, queue_capacity=1, delay_ms=1000)
+    client = await make_client(tmp_path)
+    warmup_batches = len(ScaleHandler.BATCHES["slow"])
+    running = asyncio.create_task(client.post("/v2/models/slow/infer", json=v2_body(1)))
+
+    async def computing() -> bool:
+        return len(ScaleHandler.BATCHES["slow"]) > warmup_batches
+
+    await eventually(computing)  # A is on the inference thread
+    # B waits in the queue (its only slot) and its 300 ms deadline passes while A runs.
+    expiring = asyncio.create_task(
+        client.post("/v2/models/slow/infer", json=v2_body(2), headers={"X-Request-Timeout-Ms": "300"})
+    )
+
+    async def queued() -> bool:
+        return value(await scrape(client), "scoring_queue_depth", model="slow") == 1
+
+    await eventually(queued)
+    full = await client.post("/v2/models/slow/infer", json=v2_body(3))  # C: no room
+    assert full.status == 503 and "Retry-After" in full.headers
+    assert (await expiring).status == 504
+    assert (await running).status == 200
+    m = await scrape(client)
+    slow = {"model": "slow", "version": "1"}
+    assert value(m, "scoring_rejected_total", **slow, reason="queue_full") == 1
+    assert value(m, "scoring_rejected_total", **slow, reason="deadline") == 1
+    assert value(m, "scoring_requests_total", **slow, code="503") == 1
+    assert value(m, "scoring_requests_total", **slow, code="504") == 1
+    assert value(m, "scoring_requests_total", **slow, code="200") == 1
+
+
+async def test_metrics_can_be_turned_off(make_client: Callable[..., Any], scale_repo: Path) -> None:
+    client = await make_client(scale_repo, metrics_enabled=False)
+    assert (await client.get("/metrics")).status == 404
+    assert (await client.post("/v2/models/scale/infer", json=v2_body(1))).status == 200
+
+
+MODE_CHECK = """
+import os, sys
+from app.observability import metrics
+print(metrics.multiprocess_dir())
+os.environ["PROMETHEUS_MULTIPROC_DIR"] = sys.argv[1]
+try:
+    metrics.multiprocess_dir()
+except RuntimeError as exc:
+    print(exc)
+"""
+
+
+@pytest.mark.parametrize("set_before", [True, False], ids=["set before", "set after"])
+def test_the_multiprocess_directory_must_be_set_before_prometheus_client_is_imported(
+    tmp_path: Path, set_before: bool
+) -> None:
+    """prometheus_client picks in-process values or files at its first import: a directory
+    named only after that would collect nothing of this process, so it is refused."""
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    if set_before:
+        env["PROMETHEUS_MULTIPROC_DIR"] = str(tmp_path)
+    done = subprocess.run(
+        [sys.executable, "-c", MODE_CHECK, str(tmp_path)], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    first, *rest = done.stdout.splitlines()
+    if set_before:
+        assert (first, rest) == (str(tmp_path), [])
+    else:
+        assert first == "None" and "was set after prometheus_client was imported" in rest[0]
+
+
+async def test_bound_gpu_memory_and_utilisation_come_from_nvml(
+    make_client: Callable[..., Any],
+    scale_repo: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+) -> None:
+    fake = tmp_path / "gpus.json"
+    write_fake(fake, [gpu(0, memory_used=5 * GIB), gpu(1, memory_used=7 * GIB, utilization=42)])
+    monkeypatch.setenv("GPU_STAT_FAKE_NVML", str(fake))
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # restored after bind_worker sets it
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    bind_worker(BindingPolicy(run_dir=tmp_path / "run", allowed_gpus=("1",)))  # as post_fork does
+    request.addfinalizer(release_binding)
+    binding = {"device": "cuda:0", "gpu": "1", "gpu_uuid": gpu_uuid(1), "slot": "0"}
+    client = await make_client(scale_repo, gpu_metrics_interval_s=0.05)
+    bound = {"gpu": "1", "gpu_uuid": gpu_uuid(1)}
+
+    def gpu_figure(name: str, expected: float) -> Callable[[], Awaitable[Samples | None]]:
+        async def check() -> Samples | None:
+            m = await scrape(client)
+            return m if value(m, name, **bound) == expected else None
+
+        return check
+
+    m = await eventually(gpu_figure("scoring_gpu_memory_used_bytes", 7 * GIB))
+    assert value(m, "scoring_gpu_memory_total_bytes", **bound) == 80 * GIB
+    assert value(m, "scoring_gpu_utilization_percent", **bound) == 42
+    assert value(m, "scoring_gpu_memory_used_bytes", gpu_uuid=gpu_uuid(0)) is None  # not ours
+    assert value(m, "scoring_worker_binding_info", pid=str(os.getpid()), **binding) == 1
+    write_fake(fake, [gpu(0), gpu(1, memory_used=9 * GIB, utilization=50)])
+    await eventually(gpu_figure("scoring_gpu_memory_used_bytes", 9 * GIB))  # refreshed
+
+
+# --- real gunicorn: two workers, one scrape ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    tmp = tmp_path_factory.mktemp("metrics_server")
+    write_scale_model(tmp / "repo", "scale")
+    fake = write_fake(tmp / "gpus.json", [gpu(0, memory_used=3 * GIB), gpu(1, memory_used=4 * GIB)])
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(tmp / "repo"),
+        "GPU_STAT_FAKE_NVML": str(fake),
+        "SCORING_MAX_PROCESSES_PER_GPU": "1",
+        "SCORING_GPU_METRICS_INTERVAL_S": "0.1",
+    }
+    with Gunicorn(tmp, env) as srv:
+        srv.wait_ready()
+        srv.wait_workers(2)
+        yield srv
+
+
+def scrape_server(server: Gunicorn) -> Samples:
+    status, _, text = server.get("/metrics")
+    assert status == 200 and isinstance(text, str), text
+    return parse(text)
+
+
+def metrics_dir(server: Gunicorn) -> Path:
+    return server.pidfile.parent / f"run-{server.port}" / "prometheus"
+
+
+def requests_of(server: Gunicorn, pid: int) -> float:
+    """Inference requests counted by one worker, from its own counter file."""
+    files = [str(f) for f in metrics_dir(server).glob(f"counter_{pid}.db")]
+    return sum(
+        s.value
+        for metric in MultiProcessCollector.merge(files)  # type: ignore[no-untyped-call]
+        for s in metric.samples
+        if s.name == "scoring_requests_total"
+    )
+
+
+@pytest.mark.e2e
+def test_one_scrape_counts_the_requests_of_every_worker(server: Gunicorn) -> None:
+    workers = {w.pid for w in server.wait_workers(2)}
+    with ThreadPoolExecutor(8) as pool:
+
+        def pids_seen() -> bool:
+            return {b["worker"]["pid"] for _, _, b in pool.map(lambda _: server.get("/v2"), range(16))} == workers
+
+        wait_for(pids_seen, 30, "GET /v2 answered by both workers", server)
+        sent = 0
+
+        def both_served() -> bool:
+            nonlocal sent
+            statuses = list(pool.map(lambda i: server.post("/v2/models/scale/infer", v2_body(i))[0], range(16)))
+            assert statuses == [200] * 16
+            sent += 16
+            return all(requests_of(server, pid) > 0 for pid in workers)
+
+        wait_for(both_served, 30, "inference requests on both workers", server)
+    for _ in range(4):  # whichever worker answers the scrape, it reports the whole server
+        m = scrape_server(server)
+        assert value(m, "scoring_requests_total", model="scale", protocol="v2", code="200") == sent
+        assert value(m, "scoring_batch_requests_sum", model="scale") == sent
+    assert sum(requests_of(server, pid) for pid in workers) == sent
+    bindings = {lab["pid"]: lab for n, lab, _ in m if n == "scoring_worker_binding_info"}
+    assert set(bindings) == {str(p) for p in workers}
+    assert {b["gpu_uuid"] for b in bindings.values()} == {gpu_uuid(0), gpu_uuid(1)}
+
+    def gpu_figures() -> Samples | None:
+        m = scrape_server(server)
+        return m if value(m, "scoring_gpu_memory_used_bytes", gpu="1", gpu_uuid=gpu_uuid(1)) else None
+
+    m = wait_for(gpu_figures, 30, "GPU memory of the bound GPUs", server)
+    assert value(m, "scoring_gpu_memory_used_bytes", gpu="1", gpu_uuid=gpu_uuid(1)) == 4 * GIB
+    assert value(m, "scoring_gpu_memory_used_bytes", gpu="0", gpu_uuid=gpu_uuid(0)) == 3 * GIB
+    assert value(m, "scoring_gpu_memory_total_bytes", gpu="0", gpu_uuid=gpu_uuid(0)) == 80 * GIB
+
+
+@pytest.mark.e2e
+def test_counters_do_not_go_back_when_a_worker_is_killed(server: Gunicorn) -> None:
+    for i in range(4):
+        assert server.post("/v1/models/scale:predict", {"instances": [[i, i]]})[0] == 200
+    before = scrape_server(server)
+    old = {w.pid for w in server.wait_workers(2)}
+    victim = min(old)
+    os.kill(victim, signal.SIGKILL)
+
+    def replaced() -> set[int] | None:
+        pids = {w.pid for w in server.workers()}
+        return pids if len(pids) == 2 and victim not in pids else None
+
+    live = wait_for(replaced, 30, "gunicorn's replacement worker", server)
+    server.wait_ready()
+
+    def bindings_are_live() -> Samples | None:
+        m = scrape_server(server)
+        pids = {lab["pid"] for n, lab, _ in m if n == "scoring_worker_binding_info"}
+        return m if pids == {str(p) for p in live} else None
+
+    after = wait_for(bindings_are_live, 30, "binding info of the live workers only (child_exit)", server)
+    for name in ("scoring_requests_total", "scoring_batch_size_count", "scoring_request_duration_seconds_count"):
+        for n, labels, v in before:
+            if n == name:
+                assert (value(after, name, **labels) or 0) >= v, (name, labels)
+    assert value(after, "scoring_requests_total", model="scale", protocol="v1", code="200") == 4
+    assert value(after, "scoring_requests_in_flight", model="scale") == 0
