@@ -16,25 +16,17 @@ Static checks (no network, no Docker, no cluster):
   its value validates;
 - shutdown budgets fit: grace period > preStop sleep + graceful drain.
 
-End to end (``e2e``): the Dockerfile's ENTRYPOINT + CMD with its ENV, run on this
-machine (no Docker) on 127.0.0.1 against a freshly exported feed-ranker repository.
+End to end, the Dockerfile's ENTRYPOINT + CMD with its ENV run on this machine:
+tests/e2e/test_deploy.py. Reading the manifests and the Dockerfile: tests/support/deploy.py.
 """
 
 from __future__ import annotations
 
-import json
-import os
 import re
 import shlex
 import shutil
-import signal
 import subprocess
-import sys
-import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,15 +36,31 @@ import yaml
 from kubernetes_validate import utils as kv_utils
 
 from app.settings import ENV_PREFIX, Settings
-from tests.support.gunicorn import ROOT, free_port, poll
+from tests.support.deploy import (
+    DEPLOY,
+    DOCKERFILE,
+    HEALTH_LIVE,
+    HEALTH_READY,
+    METRICS_PATH,
+    ImageConfig,
+    adapter_rules,
+    all_docs,
+    containers_of,
+    dockerfile_instructions,
+    docs_of_kind,
+    parse_dockerfile,
+    probes_of,
+    series_name,
+    served_containers,
+    yaml_docs,
+)
+from tests.support.gunicorn import ROOT
 from tests.support.tools import load_tool
 
 container_check = load_tool("container_check.py")
 
-DEPLOY = ROOT / "deploy"
 KUBERNETES = DEPLOY / "kubernetes"
 KSERVE = DEPLOY / "kserve"
-DOCKERFILE = ROOT / "Dockerfile"
 DOCKERIGNORE = ROOT / ".dockerignore"
 SYSTEMD_UNIT = DEPLOY / "systemd" / "scoring-server.service"
 
@@ -63,9 +71,6 @@ KUSTOMIZE_KINDS = frozenset({"Kustomization", "Component"})
 KSERVE_GROUP = "serving.kserve.io"
 KSERVE_PROTOCOLS = frozenset({"v1", "v2", "grpc-v1", "grpc-v2"})
 KSERVE_STORAGE_MOUNT = "/mnt/models"
-HEALTH_READY = "/v2/health/ready"
-HEALTH_LIVE = "/v2/health/live"
-METRICS_PATH = "/metrics"
 QUEUE_METRIC = "scoring_queue_items"
 KUBECTL = shutil.which("kubectl")
 
@@ -73,25 +78,8 @@ KUBECTL = shutil.which("kubectl")
 # --- loading ----------------------------------------------------------------------------
 
 
-def _yaml_docs(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [doc for doc in yaml.safe_load_all(f) if doc]
-
-
-def _manifest_files(root: Path) -> list[Path]:
-    return sorted(p for p in root.rglob("*.yaml") if p.name not in ("kustomization.yaml",))
-
-
 def _kustomization_dirs() -> list[Path]:
     return sorted(p.parent for p in KUBERNETES.rglob("kustomization.yaml"))
-
-
-def _all_docs() -> list[tuple[Path, dict[str, Any]]]:
-    return [(path, doc) for path in _manifest_files(DEPLOY) for doc in _yaml_docs(path)]
-
-
-def _docs_of_kind(kind: str) -> list[tuple[Path, dict[str, Any]]]:
-    return [(path, doc) for path, doc in _all_docs() if doc.get("kind") == kind]
 
 
 def _rel(path: Path) -> str:
@@ -114,108 +102,6 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
 
 
 # --- Dockerfile -------------------------------------------------------------------------
-
-
-@dataclass
-class ImageConfig:
-    """What a Dockerfile's final stage runs with (inherited from parent stages)."""
-
-    env: dict[str, str] = field(default_factory=dict)
-    entrypoint: list[str] | str | None = None
-    cmd: list[str] | str | None = None
-    healthcheck: list[str] | str | None = None
-    user: str | None = None
-    workdir: str | None = None
-    runs: list[str] = field(default_factory=list)
-    copies: list[str] = field(default_factory=list)
-    base: str = ""
-
-
-def _instructions(text: str) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs; continuation lines joined, comment lines dropped."""
-    out: list[tuple[str, str]] = []
-    pending = ""
-    for raw in text.splitlines():
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        line = pending + line
-        pending = ""
-        word, _, rest = line.partition(" ")
-        out.append((word.upper(), rest.strip()))
-    assert not pending, "Dockerfile ends inside a continuation line"
-    return out
-
-
-def _expand(value: str, env: dict[str, str]) -> str:
-    return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: env.get(m.group(1) or m.group(2), ""), value)
-
-
-def _parse_env(args: str, env: dict[str, str]) -> dict[str, str]:
-    tokens = shlex.split(args)
-    if "=" not in tokens[0]:  # legacy form: ENV KEY value with spaces
-        return {tokens[0]: _expand(args.split(None, 1)[1], env)}
-    pairs = {}
-    for token in tokens:
-        key, sep, value = token.partition("=")
-        assert sep, f"ENV {args!r}: {token!r} is not KEY=VALUE"
-        pairs[key] = _expand(value, env)
-    return pairs
-
-
-def _exec_or_shell(args: str) -> list[str] | str:
-    return json.loads(args) if args.startswith("[") else args
-
-
-def parse_dockerfile(path: Path = DOCKERFILE) -> ImageConfig:
-    """The final stage's configuration, following ``FROM <stage>`` chains."""
-    stages: dict[str, ImageConfig] = {}
-    current: ImageConfig | None = None
-    for word, args in _instructions(path.read_text(encoding="utf-8")):
-        if word == "FROM":
-            tokens = [t for t in args.split() if not t.startswith("--")]
-            image, name = tokens[0], tokens[2] if len(tokens) >= 3 else None
-            parent = stages.get(image)
-            current = ImageConfig(
-                env=dict(parent.env) if parent else {},
-                entrypoint=parent.entrypoint if parent else None,
-                cmd=parent.cmd if parent else None,
-                healthcheck=parent.healthcheck if parent else None,
-                user=parent.user if parent else None,
-                workdir=parent.workdir if parent else None,
-                runs=list(parent.runs) if parent else [],
-                copies=list(parent.copies) if parent else [],
-                base=parent.base if parent else image,
-            )
-            if name:
-                stages[name] = current
-            continue
-        if current is None:
-            assert word == "ARG", f"{word} before the first FROM"
-            continue
-        if word == "ENV":
-            current.env.update(_parse_env(args, current.env))
-        elif word == "ENTRYPOINT":
-            current.entrypoint = _exec_or_shell(args)
-            current.cmd = None  # Docker: a new ENTRYPOINT drops the inherited CMD
-        elif word == "CMD":
-            current.cmd = _exec_or_shell(args)
-        elif word == "HEALTHCHECK":
-            match = re.match(r"^(?:--\S+\s+)*CMD\s+(.*)$", args)
-            current.healthcheck = _exec_or_shell(match.group(1)) if match else args
-        elif word == "USER":
-            current.user = args
-        elif word == "WORKDIR":
-            current.workdir = args
-        elif word == "RUN":
-            current.runs.append(args)
-        elif word == "COPY":
-            current.copies.append(args)
-    assert current is not None, "Dockerfile has no FROM"
-    return current
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +132,7 @@ def test_dockerfile_defaults(image: ImageConfig) -> None:
 
 def test_dockerfile_base_is_a_build_arg_and_torch_comes_first() -> None:
     text = DOCKERFILE.read_text(encoding="utf-8")
-    instructions = _instructions(text)
+    instructions = dockerfile_instructions(text)
     args = [a.split("=")[0] for w, a in instructions if w == "ARG"]
     assert {"BASE", "TORCH_INDEX_URL", "TORCH_VERSION"} <= set(args)
     froms = [a for w, a in instructions if w == "FROM"]
@@ -261,7 +147,7 @@ def test_dockerfile_base_is_a_build_arg_and_torch_comes_first() -> None:
 def test_dockerfile_pip_sources_are_empty_build_args() -> None:
     """pip reads the build stage's PIP_* build arguments as its own variables: empty (PyPI) by
     default, and never in the runtime stage's environment."""
-    instructions = _instructions(DOCKERFILE.read_text(encoding="utf-8"))
+    instructions = dockerfile_instructions(DOCKERFILE.read_text(encoding="utf-8"))
     declared = dict(a.partition("=")[::2] for w, a in instructions if w == "ARG")
     for name in container_check.PIP_SOURCES.values():
         assert declared.get(name) == "", f"ARG {name}= (empty: pip's default index) is missing"
@@ -379,27 +265,11 @@ def _env_list(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env") or [] if "name" in e}
 
 
-def _containers(doc: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """Containers of workload-like resources, KServe's included."""
-    kind, spec = doc.get("kind"), doc.get("spec") or {}
-    if kind in ("Deployment", "StatefulSet", "DaemonSet", "Job"):
-        pod = spec["template"]["spec"]
-        yield from pod.get("initContainers") or []
-        yield from pod["containers"]
-    elif kind in ("ServingRuntime", "ClusterServingRuntime"):
-        yield from spec["containers"]
-    elif kind == "InferenceService":
-        predictor = spec["predictor"]
-        if "model" in predictor:
-            yield predictor["model"]
-        yield from predictor.get("containers") or []
-
-
 def _patch_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
     """Strategic-merge patches written inline in kustomization files."""
     for directory in _kustomization_dirs():
         path = directory / "kustomization.yaml"
-        for patch in _yaml_docs(path)[0].get("patches") or []:
+        for patch in yaml_docs(path)[0].get("patches") or []:
             body = yaml.safe_load(patch["patch"]) if "patch" in patch else None
             if isinstance(body, dict):
                 yield path, body
@@ -408,8 +278,8 @@ def _patch_docs() -> Iterator[tuple[Path, dict[str, Any]]]:
 def _scoring_env() -> list[tuple[str, str, str]]:
     """(where, NAME, value) of every SCORING_* variable the deployment artefacts set."""
     found = [(_rel(DOCKERFILE), k, v) for k, v in parse_dockerfile().env.items() if k.startswith(ENV_PREFIX)]
-    for path, doc in [*_all_docs(), *_patch_docs()]:
-        for container in _containers(doc):
+    for path, doc in [*all_docs(), *_patch_docs()]:
+        for container in containers_of(doc):
             found += [(_rel(path), k, v) for k, v in _env_list(container).items() if k.startswith(ENV_PREFIX)]
     found += [(_rel(SYSTEMD_UNIT), k, v) for k, v in _unit_env().items() if k.startswith(ENV_PREFIX)]
     return found
@@ -447,25 +317,11 @@ def _probe_port(container: dict[str, Any], port: int | str) -> int:
     return int(named[port])
 
 
-def _probes(container: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    return {k: container[k] for k in ("startupProbe", "readinessProbe", "livenessProbe") if k in container}
-
-
-def _served_containers() -> list[tuple[Path, dict[str, Any]]]:
-    """Containers that run the scoring server (the ISVC's model inherits the runtime's)."""
-    return [
-        (path, c)
-        for path, doc in _all_docs()
-        if doc["kind"] in ("Deployment", "ServingRuntime")
-        for c in _containers(doc)
-    ]
-
-
 def test_probes_hit_served_paths_on_the_served_port() -> None:
     served = _served_get_paths()
     checked = 0
-    for path, container in _served_containers():
-        probes = _probes(container)
+    for path, container in served_containers():
+        probes = probes_of(container)
         assert set(probes) == {"startupProbe", "readinessProbe", "livenessProbe"}, _rel(path)
         assert probes["readinessProbe"]["httpGet"]["path"] == HEALTH_READY
         assert probes["livenessProbe"]["httpGet"]["path"] == HEALTH_LIVE
@@ -486,7 +342,7 @@ def test_probes_hit_served_paths_on_the_served_port() -> None:
 
 
 def test_prometheus_scrape_annotations_match_the_server() -> None:
-    for path, doc in _docs_of_kind("Deployment"):
+    for path, doc in docs_of_kind("Deployment"):
         annotations = doc["spec"]["template"]["metadata"]["annotations"]
         (container,) = doc["spec"]["template"]["spec"]["containers"]
         assert annotations["prometheus.io/scrape"] == "true"
@@ -514,7 +370,7 @@ def _validate(doc: dict[str, Any], version: str, where: str) -> None:
 
 CORE_DOCS = [
     pytest.param(path, doc, id=f"{_rel(path)}:{doc['kind']}")
-    for path, doc in _all_docs()
+    for path, doc in all_docs()
     if path.is_relative_to(KUBERNETES) and doc["kind"] not in ("ServiceMonitor",)
 ]
 
@@ -535,7 +391,7 @@ def test_rendered_kustomizations_validate(rendered: dict[str, list[dict[str, Any
 
 def test_kustomization_references_exist() -> None:
     for directory in _kustomization_dirs():
-        data = _yaml_docs(directory / "kustomization.yaml")[0]
+        data = yaml_docs(directory / "kustomization.yaml")[0]
         assert data["kind"] in KUSTOMIZE_KINDS
         for ref in [*(data.get("resources") or []), *(data.get("components") or [])]:
             assert (directory / ref).exists(), f"{_rel(directory)}: {ref} does not exist"
@@ -572,7 +428,7 @@ def _pod_volumes(pod: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def test_deployment_is_gpu_non_root_read_only_and_drains(image: ImageConfig) -> None:
-    (_, deployment), *_ = _docs_of_kind("Deployment")
+    (_, deployment), *_ = docs_of_kind("Deployment")
     spec = deployment["spec"]
     pod = spec["template"]["spec"]
     (container,) = pod["containers"]
@@ -616,34 +472,23 @@ def _assert_grace_fits(grace: int, container: dict[str, Any], where: str) -> Non
 
 
 def test_hpa_scales_on_the_queue_metric_the_adapter_serves() -> None:
-    ((_, hpa),) = _docs_of_kind("HorizontalPodAutoscaler")
+    ((_, hpa),) = docs_of_kind("HorizontalPodAutoscaler")
     names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
     assert names == {QUEUE_METRIC}
     assert QUEUE_METRIC.startswith("scoring_")
-    assert hpa["spec"]["scaleTargetRef"]["name"] == _docs_of_kind("Deployment")[0][1]["metadata"]["name"]
-    (rule,) = [r for r in _adapter_rules() if r["name"]["as"] == QUEUE_METRIC]
-    series = _series_name(rule)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == docs_of_kind("Deployment")[0][1]["metadata"]["name"]
+    (rule,) = [r for r in adapter_rules() if r["name"]["as"] == QUEUE_METRIC]
+    series = series_name(rule)
     assert re.fullmatch(rule["name"]["matches"], series)
     defined = [p for p in (ROOT / "app").rglob("*.py") if f'"{series}"' in p.read_text(encoding="utf-8")]
     assert defined, f"prometheus-adapter reads {series}, which the server (app/) does not export"
 
 
-def _adapter_rules() -> list[dict[str, Any]]:
-    (config_map,) = [d for _, d in _docs_of_kind("ConfigMap") if d["metadata"]["name"] == "adapter-config"]
-    return list(yaml.safe_load(config_map["data"]["config.yaml"])["rules"])
-
-
-def _series_name(rule: dict[str, Any]) -> str:
-    match = re.match(r"^(\w+)\{", rule["seriesQuery"])
-    assert match, rule["seriesQuery"]
-    return match.group(1)
-
-
 def test_service_monitor_structure() -> None:
-    ((path, monitor),) = _docs_of_kind("ServiceMonitor")
+    ((path, monitor),) = docs_of_kind("ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
     assert monitor["metadata"]["name"]
-    service = _docs_of_kind("Service")[0][1]
+    service = docs_of_kind("Service")[0][1]
     selector = monitor["spec"]["selector"]["matchLabels"]
     assert selector.items() <= service["metadata"]["labels"].items(), "selects the Services"
     port_names = {p["name"] for p in service["spec"]["ports"]}
@@ -719,7 +564,7 @@ def _as_deployment(
 def _runtimes() -> dict[str, dict[str, Any]]:
     return {
         d["metadata"]["name"]: d
-        for _, d in _all_docs()
+        for _, d in all_docs()
         if d["kind"] in ("ServingRuntime", "ClusterServingRuntime")
     }
 
@@ -752,7 +597,7 @@ def test_serving_runtime_structure() -> None:
 
 def test_inference_service_structure() -> None:
     runtimes = _runtimes()
-    services = _docs_of_kind("InferenceService")
+    services = docs_of_kind("InferenceService")
     assert services
     for path, isvc in services:
         assert isvc["apiVersion"] == f"{KSERVE_GROUP}/v1beta1"
@@ -815,128 +660,3 @@ def test_systemd_unit() -> None:
     assert int(unit["TimeoutStopSec"][0]) > graceful
     runtime_dirs = {f"/run/{d}" for d in unit["RuntimeDirectory"][0].split()}
     assert env["PROMETHEUS_MULTIPROC_DIR"] in runtime_dirs, "systemd creates the metrics folder"
-
-
-# --- end to end -------------------------------------------------------------------------
-
-
-def _get(url: str, timeout: float = 5.0, data: bytes | None = None) -> tuple[int, bytes]:
-    request = urllib.request.Request(
-        url, data=data, headers={"Content-Type": "application/json"} if data else {}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        with exc:
-            return exc.code, exc.read()
-
-
-def _tail(path: Path, lines: int = 60) -> str:
-    return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-
-
-@pytest.mark.e2e
-def test_image_entrypoint_serves_and_drains(tmp_path: Path, image: ImageConfig) -> None:
-    """The Dockerfile's command and ENV, on this machine: ready, probes, SIGTERM, exit 0."""
-    exporter = ROOT / "scripts" / "export_ranking_model.py"
-    repository = tmp_path / "models"
-    export = subprocess.run(
-        [sys.executable, str(exporter), "--out", str(repository / "feed-ranker")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
-    assert export.returncode == 0, export.stdout + export.stderr
-
-    port = free_port()
-    base = f"http://127.0.0.1:{port}"
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if not k.startswith((ENV_PREFIX, "GPU_STAT_")) and k != "PROMETHEUS_MULTIPROC_DIR"
-    }
-    # The image's ENV, except PATH: this checkout's virtualenv stands for the image's /opt/venv.
-    env.update({k: v for k, v in image.env.items() if k != "PATH"})
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-    env.update(
-        SCORING_HOST="127.0.0.1",
-        SCORING_PORT=str(port),
-        SCORING_MODEL_REPOSITORY=str(repository),
-        # Not created beforehand: in the container /dev/shm starts empty, so must the server.
-        PROMETHEUS_MULTIPROC_DIR=str(tmp_path / "prometheus" / "scoring-metrics"),
-    )
-    assert isinstance(image.entrypoint, list)
-    assert image.cmd is None or isinstance(image.cmd, list)
-    argv = [*image.entrypoint, *(image.cmd or [])]
-    executable = shutil.which(argv[0], path=env["PATH"])
-    assert executable, f"{argv[0]} not found on PATH"
-    log_path = tmp_path / "server.log"
-
-    with log_path.open("wb") as log:
-        proc = subprocess.Popen(
-            [executable, *argv[1:]],
-            cwd=ROOT,
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    run_dir = Path(tempfile.gettempdir()) / f"scoring-server-{proc.pid}"
-    try:
-
-        def ready() -> bool:
-            assert proc.poll() is None, f"server exited with {proc.returncode}:\n{_tail(log_path)}"
-            try:
-                return _get(base + HEALTH_READY, timeout=2)[0] == 200
-            except OSError:
-                return False
-
-        poll(ready, 90, HEALTH_READY, interval_s=0.5, diagnostics=lambda: _tail(log_path))
-
-        # Every probe path of the manifests, and the image's HEALTHCHECK command itself.
-        paths = {
-            probe["httpGet"]["path"]
-            for _, container in _served_containers()
-            for probe in _probes(container).values()
-        }
-        for path in sorted(paths):
-            code, body = _get(base + path)
-            assert code == 200, f"{path}: {code} {body[:200]!r}"
-        assert isinstance(image.healthcheck, list)
-        check = subprocess.run(
-            [
-                shutil.which(image.healthcheck[0], path=env["PATH"]) or image.healthcheck[0],
-                *image.healthcheck[1:],
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert check.returncode == 0, f"HEALTHCHECK failed: {check.stderr}"
-
-        features = [[0.1 * i for i in range(32)]]
-        body = json.dumps(
-            {"inputs": [{"name": "features", "datatype": "FP32", "shape": [1, 32], "data": features}]}
-        ).encode()
-        code, answer = _get(base + "/v2/models/feed-ranker/infer", data=body)
-        assert code == 200, answer[:300]
-        metrics_code, metrics_body = _get(base + METRICS_PATH)
-
-        proc.send_signal(signal.SIGTERM)
-        grace = int(image.env.get("SCORING_GRACEFUL_TIMEOUT_S", "30"))
-        returncode = proc.wait(timeout=grace + 15)
-        assert returncode == 0, f"exit status {returncode} after SIGTERM:\n{_tail(log_path)}"
-        with pytest.raises(OSError):
-            _get(base + HEALTH_LIVE, timeout=2)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
-        shutil.rmtree(run_dir, ignore_errors=True)
-    assert metrics_code == 200, metrics_body[:300]
-    exported = metrics_body.decode()
-    for rule in _adapter_rules():
-        assert f"\n{_series_name(rule)}{{" in exported, f"{_series_name(rule)} not in {METRICS_PATH}"

@@ -1,6 +1,6 @@
 """README.md and docs/*.md name only what exists: every repository path (in prose, code spans,
 code blocks and links), every ``python -m`` module of this repository, and every ``#anchor`` of
-a link to one of these pages. The README's settings table is checked in tests/unit/test_settings.py.
+a link to one of these pages. The README's settings table is checked in tests/deploy/test_settings.py.
 """
 
 from __future__ import annotations

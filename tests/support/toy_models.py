@@ -1,5 +1,6 @@
-"""Small models for tests: a tensor model exported to .pt2 / TorchScript, and a
-controllable handler that records what it sees (batch sizes, items)."""
+"""Small models for tests: a tensor model exported to .pt2 / TorchScript, a controllable
+handler that records what it sees (batch sizes, items), and models broken in every way an
+operator can break one (with the check that what is reported of them names no absolute path)."""
 
 from __future__ import annotations
 
@@ -216,3 +217,10 @@ def write_broken_models(repo: Path) -> dict[str, str]:
     expected["truncated-weights/1"] = "cannot load truncated-weights/model.pt2"
     expected["escape"] = "must be inside the model's folder"
     return expected
+
+
+def assert_no_absolute_paths(text: str, repo: Path) -> None:
+    """``text`` (what a client or a log gets about the broken models of ``repo``) names no
+    absolute path: neither the repository's nor a system folder's."""
+    assert str(repo) not in text and str(repo.resolve()) not in text, text
+    assert "/tmp/" not in text and "/root/" not in text and "/work/" not in text, text

@@ -1,4 +1,5 @@
-"""Settings: env parsing, validation, and the README table generated from them."""
+"""Settings: env parsing and validation. The README table generated from them:
+tests/deploy/test_settings.py."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import pytest
 from pydantic import ValidationError
 
 from app.settings import Settings
-from app.settings_doc import settings_table
-from tests.support.gunicorn import ROOT
 
 
 def test_env_vars_with_prefix_are_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -27,8 +26,3 @@ def test_invalid_values_are_rejected_with_the_field_named(monkeypatch: pytest.Mo
     monkeypatch.setenv("SCORING_FOREIGN_PROCESS_POLICY", "maybe")
     with pytest.raises(ValidationError, match="foreign_process_policy"):
         Settings()
-
-
-def test_readme_configuration_table_matches_the_settings() -> None:
-    readme = (ROOT / "README.md").read_text()
-    assert settings_table() in readme, "README table is stale: run `python -m app.settings_doc --write`"
