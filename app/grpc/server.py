@@ -31,7 +31,7 @@ import grpc
 from aiohttp import web
 
 from app.grpc.servicer import InferenceServicer, generic_handler
-from app.serving.state import SETTINGS
+from app.serving.registry import SETTINGS
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

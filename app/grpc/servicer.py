@@ -34,10 +34,11 @@ from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.http.auth import API_KEY_HEADER, API_KEYS
+from app.http.middleware import request_id
 from app.observability.metrics import METRICS
-from app.protocols import infer, triton, v2
+from app.protocols import triton, v2
 from app.serving.dataplane import DATAPLANE
-from app.serving.state import LIFECYCLE, REGISTRY
+from app.serving.registry import HEALTH, REGISTRY
 
 Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
@@ -70,7 +71,7 @@ def presented_key(context: Context) -> str | None:
 def _request_id(context: Context, sent: str = "") -> str:
     """The id a request gave (``ModelInferRequest.id``, else ``x-request-id`` metadata) when
     it is a sane token, else a new one."""
-    return infer.request_id(sent, _metadata(context, REQUEST_ID_KEY) or "")
+    return request_id(sent, _metadata(context, REQUEST_ID_KEY) or "")
 
 
 class InferenceServicer:
@@ -87,8 +88,10 @@ class InferenceServicer:
         self.app = app
         self.registry = app[REGISTRY]
         self.plane = app[DATAPLANE]
-        self.lifecycle = app[LIFECYCLE]
-        self.keys = app.get(API_KEYS)
+        self.health = app[HEALTH]
+        keys = app.get(API_KEYS)
+        #: None when no API keys are configured (no check per call).
+        self.keys = keys if keys is not None and keys.enabled else None
         self.metrics = app.get(METRICS)
 
     def handler(self, name: str) -> Callable[[bytes, Context], Awaitable[Message]]:
@@ -121,7 +124,7 @@ class InferenceServicer:
                 await context.abort(code, details)
                 raise AssertionError("unreachable: abort raises") from None
             finally:
-                self.lifecycle.responses += 1
+                self.health.responses += 1
             context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
             return reply
 
@@ -129,7 +132,7 @@ class InferenceServicer:
 
     def authorized(self, context: Context) -> bool:
         """True when no API keys are configured or the call presents one of them."""
-        return self.keys is None or not self.keys.enabled or self.keys.check(presented_key(context))
+        return self.keys is None or self.keys.check(presented_key(context))
 
     # --- health and metadata -------------------------------------------------------------
 
@@ -137,7 +140,7 @@ class InferenceServicer:
         self, request: pb.ServerLiveRequest, context: Context, rid: str
     ) -> pb.ServerLiveResponse:
         """Liveness: false once the worker's inference thread is stuck (it restarts itself)."""
-        return pb.ServerLiveResponse(live=self.lifecycle.hung is None)
+        return pb.ServerLiveResponse(live=self.health.hung is None)
 
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: Context, rid: str
@@ -200,7 +203,7 @@ class InferenceServicer:
             entries = [
                 e for e in entries if e.config.name == request.name and version in (None, e.config.version)
             ]
-        stats = [e.stats.as_triton(e.config.name, e.config.version) for e in entries]
+        stats = [triton.model_statistics(e.config.name, e.config.version, e.stats) for e in entries]
         document = triton.statistics(stats, self.app[BINDING].pid)
         return _message(document, pb.ModelStatisticsResponse())
 
@@ -221,8 +224,8 @@ class InferenceServicer:
     ) -> pb.ModelInferResponse:
         """Inference; raw inputs get raw outputs, typed inputs typed outputs."""
         try:
-            entry = self.registry.get(request.model_name, request.model_version or None)
-            labels = (entry.config.name, entry.config.version)
+            config = self.plane.version(request.model_name, request.model_version or None).config
+            labels = (config.name, config.version)
         except ScoringError:
             labels = ("", "")  # counted as HTTP counts an unknown or unavailable model's 404 / 503
         return await self._observed(labels, self._infer(request, context, rid))
@@ -231,14 +234,16 @@ class InferenceServicer:
         self, message: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
         plane = self.plane
-        deadline_s = context.time_remaining()  # None without a gRPC deadline
-        entry = plane.admit(message.model_name, message.model_version or None, deadline_s)
-        request = codec.decode_request(message, entry.config, plane.limits)
-        request.timeout_s = infer.earliest(deadline_s, request.timeout_s)
+        arrival = asyncio.get_running_loop().time()
+        remaining = context.time_remaining()  # None without a gRPC deadline
+        deadline = None if remaining is None else arrival + remaining
+        model = plane.admit(message.model_name, message.model_version or None, arrival, deadline)
+        request = codec.decode_request(message, model.config, plane.limits)
+        request.arrival, request.deadline = arrival, deadline
         response = await plane.infer(
             request,
             request_id=rid,
-            entry=entry,
+            model=model,
             is_disconnected=context.cancelled,
             pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
         )

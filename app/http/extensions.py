@@ -15,7 +15,7 @@ from aiohttp import web
 from app.binding import BINDING
 from app.errors import InvalidInput
 from app.protocols import triton
-from app.serving.state import REGISTRY, ModelEntry
+from app.serving.registry import REGISTRY, ModelVersion
 
 routes = web.RouteTableDef()
 
@@ -32,8 +32,8 @@ async def model_config(request: web.Request) -> web.Response:
     return _json(triton.model_config(entry.config, request.app[BINDING].device))
 
 
-def _stat(entry: ModelEntry) -> dict[str, Any]:
-    return entry.stats.as_triton(entry.config.name, entry.config.version)
+def _stat(model: ModelVersion) -> dict[str, Any]:
+    return triton.model_statistics(model.config.name, model.config.version, model.stats)
 
 
 @routes.get("/v2/models/stats")

@@ -22,7 +22,7 @@ import msgspec
 
 from app import SERVER_NAME, __version__
 from app.http.openapi_operations import ERRORS, OPERATIONS, PARAMS, REF, TYPES, Op
-from app.protocols.binary import HEADER_LENGTH
+from app.protocols.v2 import HEADER_LENGTH
 
 PATH = Path(__file__).resolve().parent.parent / "openapi.json"
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from app.protocols import schemas, v1, v2
-from app.protocols.binary import HEADER_LENGTH
+from app.protocols.v2 import HEADER_LENGTH
 
 REF = "#/components/schemas/{name}"
 

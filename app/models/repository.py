@@ -95,8 +95,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
     #: Event-loop turns a partial batch waits, after the max queue delay, for requests already
-    #: on their way (app.serving.batcher.DynamicBatcher._gather); 0 = none.
+    #: on their way (app.serving.queue.RequestQueue); 0 = none.
     gather_turns: int = 32
+    #: The longest a partial batch gathers, whatever the load, ms.
+    gather_max_ms: float = 2.0
     queue_capacity: int = 1024
     timeout_ms: float | None = None
     max_timeout_ms: float | None = None
@@ -116,8 +118,22 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: off; ignored on the CPU (``app.models.torch_formats.GraphBuckets``).
     cuda_graph_batch_sizes: list[int] = msgspec.field(default_factory=list)
     allow_non_finite: bool = False
+    #: Admission policy (app.serving.admission): "measured_rate" (admission by time at the
+    #: measured rate) or "capacity" (queue capacity plus deadline, as TEI and Triton's queue policy).
+    admission: Literal["measured_rate", "capacity"] = "measured_rate"
+    #: measured_rate: admit a request only if it is expected to finish within this share of its
+    #: time to deadline (docs/reliability.md, *Overload*: 0.6 gave 504s, 0.4 low goodput).
+    admission_headroom: float = 0.5
+    #: Triton's priority levels: 0 = one queue (a request's priority is ignored); N = levels 1
+    #: (the highest) .. N, batched highest first and admitted against their own backlog.
+    priority_levels: int = 0
+    #: The level of a request that names no priority (0 = the lowest level, N).
+    default_priority_level: int = 0
+    #: A waiting request of a lower level goes before every level once it has waited this share
+    #: of its time to deadline (aging: no level starves).
+    priority_aging: float = 0.5
     #: Split a request with more than ``max_batch_size`` items into shards that run in
-    #: parallel on this worker and its ready siblings (scatter/gather; app.server.scatter).
+    #: parallel on this worker and its ready siblings (scatter/gather; app.server.router).
     scatter: bool = True
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
     #: The model's folder; set by the loader, not read from the file.
@@ -182,6 +198,16 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ModelLoadError(f"{where}: max_queue_delay_ms must be >= 0")
         if self.gather_turns < 0:
             raise ModelLoadError(f"{where}: gather_turns must be >= 0")
+        if not 0 <= self.gather_max_ms < float("inf"):
+            raise ModelLoadError(f"{where}: gather_max_ms must be a finite number >= 0")
+        if not 0 < self.admission_headroom <= 1:
+            raise ModelLoadError(f"{where}: admission_headroom must lie in (0, 1]")
+        if not 0 < self.priority_aging <= 1:
+            raise ModelLoadError(f"{where}: priority_aging must lie in (0, 1]")
+        if self.priority_levels < 0 or not 0 <= self.default_priority_level <= self.priority_levels:
+            raise ModelLoadError(
+                f"{where}: priority_levels must be >= 0 and default_priority_level in 0..priority_levels"
+            )
         if self.queue_capacity < self.max_batch_size:
             raise ModelLoadError(f"{where}: queue_capacity must be >= max_batch_size")
         if self.prepare_threads < 0:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # prometheus_client decides once, when it is first imported, whether samples stay in the
@@ -200,10 +202,6 @@ class ServerMetrics:
             found = self._per_route[key] = RequestMetrics(self, model, version, protocol)
         return found
 
-    def observer(self, model: str, version: str) -> BatchMetrics:
-        """A :class:`app.serving.observer.BatchObserver` that records one model version's batches."""
-        return BatchMetrics(self, model, version)
-
     def model_ready(self, model: str, version: str, load_s: float, warmup_s: float) -> None:
         pid = str(os.getpid())
         self.load_seconds.labels(model, version, pid).set(load_s)
@@ -263,37 +261,104 @@ class RequestMetrics:
         counter.inc()
 
 
-class BatchMetrics:
-    """Batch events of one model version (implements ``app.serving.observer.BatchObserver``)."""
+@dataclass
+class Duration:
+    """Triton's ``$duration_stat``: how many, and their cumulative nanoseconds."""
 
-    def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, count: int, seconds: float) -> None:
+        """Count ``count`` events that took ``seconds`` in all."""
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass
+class ModelStats:
+    """Cumulative Triton statistics of one model version in this worker (the statistics
+    extension; ``app.protocols.triton.model_statistics`` renders them).
+
+    One batch of ``items`` items from ``requests`` requests, waiting ``queue_s`` for its oldest
+    request and computing ``compute_s``: ``inference_count`` += items, ``execution_count`` += 1;
+    ``success`` += requests, requests x (queue + compute); ``queue`` += requests, requests x
+    queue_s (the oldest request's wait: an upper bound); ``compute_infer`` += requests,
+    requests x compute_s; ``batches[items]`` += 1, compute_s. A refused request: ``fail`` += 1.
+    A request larger than ``max_batch_size`` spans several batches and counts in each. Counts
+    are per worker process; Prometheus (``/metrics``) sums over workers.
+    Source: triton-inference-server/server ``docs/protocol/extension_statistics.md``.
+    """
+
+    inference_count: int = 0
+    execution_count: int = 0
+    #: Milliseconds since the epoch of the last batch run; 0 = never.
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    #: Batch size (items) -> model calls of that size and their compute time.
+    batches: dict[int, Duration] = field(default_factory=dict)
+
+
+class ModelObserver:
+    """What one model version's serving unit reports (``app.serving.unit.UnitObserver``): its
+    Triton statistics always, and its Prometheus metrics when ``metrics`` is given (their label
+    children looked up once).
+
+    Args:
+        stats: the version's Triton statistics.
+        metrics: this process's metrics; None when metrics are off.
+        model, version: the labels.
+    """
+
+    def __init__(self, stats: ModelStats, metrics: ServerMetrics | None, model: str, version: str) -> None:
+        self.stats = stats
         self._metrics = metrics
         self._labels = (model, version)
-        self._queue = metrics.queue_seconds.labels(model, version)
-        self._compute = metrics.compute_seconds.labels(model, version)
-        self._items = metrics.batch_size.labels(model, version)
-        self._requests = metrics.batch_requests.labels(model, version)
-        self._depth = metrics.queue_depth.labels(model, version)
-        self._worker_items = metrics.worker_items.labels(str(os.getpid()))
-        self._real_tokens = metrics.tokens.labels(model, version, "real")
-        self._padded_tokens = metrics.tokens.labels(model, version, "padded")
+        if metrics is not None:
+            self._queue = metrics.queue_seconds.labels(model, version)
+            self._compute = metrics.compute_seconds.labels(model, version)
+            self._items = metrics.batch_size.labels(model, version)
+            self._requests = metrics.batch_requests.labels(model, version)
+            self._depth = metrics.queue_depth.labels(model, version)
+            self._worker_items = metrics.worker_items.labels(str(os.getpid()))
+            self._real_tokens = metrics.tokens.labels(model, version, "real")
+            self._padded_tokens = metrics.tokens.labels(model, version, "padded")
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
-        self._worker_items.inc(items)
-        self._items.observe(items)
-        self._requests.observe(requests)
-        self._queue.observe(queue_s)
-        self._compute.observe(compute_s)
+        """One batch ran (items, requests with items in it, the oldest's wait, compute, seconds)."""
+        stats = self.stats
+        stats.inference_count += items
+        stats.execution_count += 1
+        stats.last_inference_ms = int(time.time() * 1000)
+        stats.success.add(requests, requests * (queue_s + compute_s))
+        stats.queue.add(requests, requests * queue_s)
+        stats.compute_infer.add(requests, requests * compute_s)
+        stats.batches.setdefault(items, Duration()).add(1, compute_s)
+        if self._metrics is not None:
+            self._worker_items.inc(items)
+            self._items.observe(items)
+            self._requests.observe(requests)
+            self._queue.observe(queue_s)
+            self._compute.observe(compute_s)
 
     def padding(self, real_tokens: int, padded_tokens: int) -> None:
-        self._real_tokens.inc(real_tokens)
-        self._padded_tokens.inc(padded_tokens)
+        """A priced model's batch: its items' own tokens and what it computed."""
+        if self._metrics is not None:
+            self._real_tokens.inc(real_tokens)
+            self._padded_tokens.inc(padded_tokens)
 
     def rejected(self, reason: str) -> None:
-        self._metrics.rejected.labels(*self._labels, reason).inc()
+        """One request refused or dropped (``reason``: queue_full, admission, deadline, ...)."""
+        self.stats.fail.add(1, 0.0)
+        if self._metrics is not None:
+            self._metrics.rejected.labels(*self._labels, reason).inc()
 
     def queue_depth(self, items: int) -> None:
-        self._depth.set(items)
+        """Items waiting in the queue now."""
+        if self._metrics is not None:
+            self._depth.set(items)
 
 
 METRICS = web.AppKey("metrics", ServerMetrics)

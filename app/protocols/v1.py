@@ -23,7 +23,7 @@ import orjson
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.infer import InferInput, InferRequest, InferResponse
-from app.protocols.limits import RequestLimits, decode_json
+from app.protocols.tensors import RequestLimits, decode_json
 
 
 class PredictRequest(msgspec.Struct):

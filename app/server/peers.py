@@ -1,12 +1,13 @@
 """Shards between sibling workers: each worker's internal endpoint on a Unix socket in the run
 directory, and the client that sends shards to it.
 
-The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a
-second ``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700),
-never on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
-``forwarded=True`` (a shard is never split or forwarded again) and the sender's request id and
-remaining deadline; API keys were checked by the worker that received the request.
-Imported by the worker only (it imports the serving layer, hence torch).
+The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a second
+``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700), never
+on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
+``forwarded=True`` (a shard is never split or forwarded again), the sender's request id, its
+remaining deadline (sent relative, anchored again on arrival) and trace context; API keys were
+checked by the worker that received the request. Imported by the worker only (it imports the
+serving layer, hence torch).
 
 **Wire format**: msgpack (msgspec), no pickle. A numeric tensor travels as its dtype string
 (``"<f4"``), shape and raw bytes; a BYTES tensor (a numpy object array of ``bytes``/``str``) as
@@ -30,7 +31,7 @@ from aiohttp import web
 
 from app import errors
 from app.serving.dataplane import DATAPLANE
-from app.serving.state import SETTINGS
+from app.serving.registry import SETTINGS
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,9 @@ class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     """A shard of an inference request sent to a sibling's internal endpoint.
 
-    ``timeout_s``: what is left of the original deadline, seconds.
+    ``timeout_s``: what is left of the original deadline when sent, seconds (the one place a
+    deadline travels relative: two processes' loop clocks need not agree); ``trace``: the
+    request's W3C trace context (``traceparent``, ``tracestate``), empty when not traced.
     """
 
     model: str
@@ -66,6 +69,7 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     timeout_s: float
     inputs: dict[str, Tensor]
+    trace: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ShardResponse(msgspec.Struct, forbid_unknown_fields=True):
@@ -169,17 +173,17 @@ def internal_app(main: web.Application) -> web.Application:
 async def _handle_shard(request: web.Request) -> web.Response:
     try:
         shard = decode_request(await request.read())
+        deadline = asyncio.get_running_loop().time() + shard.timeout_s
         inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
         plane = request.app[_MAIN][DATAPLANE]
-        entry = plane.registry.get(shard.model, shard.version)
+        model = plane.version(shard.model, shard.version)
         outputs = await plane.run(
-            entry, inputs, timeout_s=shard.timeout_s, request_id=shard.request_id, forwarded=True
-        )
+            model, inputs, deadline=deadline, request_id=shard.request_id, forwarded=True,
+            trace=shard.trace or None,
+        )  # fmt: skip
         reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:
-        reply = ShardResponse(
-            error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s
-        )
+        reply = ShardResponse(error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s)
     except Exception as exc:  # the model raised something unmapped: report, do not 500 the socket
         log.exception("shard %s failed", request.headers.get("X-Request-Id", "?"))
         reply = ShardResponse(error="InferenceFailed", message=f"sibling worker: {exc!r}")
@@ -216,20 +220,27 @@ class PeerClient:
         version: str,
         inputs: dict[str, np.ndarray],
         *,
-        timeout_s: float,
+        deadline: float,
         request_id: str,
+        trace: dict[str, str] | None = None,
     ) -> dict[str, np.ndarray]:
-        """Run a shard on sibling ``pid``; outputs ``[b, ...]`` per name.
+        """Run a shard on sibling ``pid`` by ``deadline`` (loop time); outputs ``[b, ...]`` per name.
 
         Raises:
             PeerUnavailable: the sibling refused the connection or broke it (nothing ran there
                 that this worker must wait for: the caller may run the shard itself).
-            DeadlineExceeded: no answer within ``timeout_s`` (a stalled sibling).
+            DeadlineExceeded: no answer by ``deadline`` (a stalled sibling).
             ScoringError: the error the sibling's own run raised (same class).
         """
+        timeout_s = max(0.0, deadline - asyncio.get_running_loop().time())
         body = encode(
             ShardRequest(
-                model, version, request_id, timeout_s, {name: to_tensor(a) for name, a in inputs.items()}
+                model,
+                version,
+                request_id,
+                timeout_s,
+                {name: to_tensor(a) for name, a in inputs.items()},
+                trace or {},
             )
         )
         timeout = aiohttp.ClientTimeout(total=timeout_s + REPLY_GRACE_S)

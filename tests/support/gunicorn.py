@@ -173,7 +173,7 @@ class Gunicorn:
     def worker_states(self) -> dict[int, str]:
         """pid -> published state of every live worker (``app.server.loadtable``'s state names;
         "" where it has no slot yet)."""
-        from app.server.loadtable import STATE_NAMES, LoadTable
+        from app.server.balance import STATE_NAMES, LoadTable
 
         try:
             table = LoadTable(self.run_dir, readonly=True)
