@@ -2,7 +2,7 @@
 
 A batch goes through three stages (:meth:`ModelRunner.prepare`, :meth:`~ModelRunner.predict`,
 :meth:`~ModelRunner.finish`: the handler's ``preprocess`` -> ``predict`` -> ``postprocess``,
-each under ``torch.inference_mode()``). The batcher runs them on three threads (the staged
+each under ``torch.inference_mode()``). The serving unit's executor runs them on three threads (the staged
 pipeline: the GPU never waits for the CPU work of the next or previous batch) or all three on
 the inference thread (:meth:`ModelRunner.run_batch`). On a CUDA device each stage runs on a
 CUDA stream of its own (copies in, kernels, copies out), ordered by events, so the copies of
@@ -147,7 +147,7 @@ class Staged:
 
 
 class ModelRunner:
-    """A model's handler plus its config; the stages run on the threads the batcher gives them
+    """A model's handler plus its config; the stages run on the threads the executor gives them
     (module docstring)."""
 
     def __init__(self, config: ModelConfig, handler: Handler | None = None) -> None:

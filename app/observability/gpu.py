@@ -49,7 +49,7 @@ async def poll_gpus(metrics: ServerMetrics, uuid: str, index: str, interval_s: f
 def gpu_metrics_ctx(
     metrics: ServerMetrics, labels: Mapping[str, str], interval_s: float
 ) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A ``cleanup_ctx``: publish this worker's binding (``labels``: ``gpu_stat.Binding.as_labels``
+    """A ``cleanup_ctx``: publish this worker's binding (``labels``: ``gpu_stat.binding.Binding.as_labels``
     keys) and, in GPU mode, poll its GPU through NVML every ``interval_s`` seconds."""
 
     async def ctx(app: web.Application) -> AsyncIterator[None]:

@@ -11,7 +11,7 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 scrape adds prometheus_client's default registry (process and GC collectors).
 
 Every metric is listed in ``docs/observability.md``. This module holds the
-definitions; ``app.http.metrics`` records the HTTP requests and answers
+definitions; ``app.http.middleware`` records the HTTP requests, ``app.http.routes`` answers
 ``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
 (never through CUDA); in CPU mode there are no GPU figures.
 
@@ -125,7 +125,7 @@ class ServerMetrics:
             model, multiprocess_mode="livesum", registry=r,
         )  # fmt: skip
         self.rejected = Counter(
-            "scoring_rejected", "Requests refused by the batcher: queue_full (503), deadline (504), "
+            "scoring_rejected", "Requests refused by a model's serving unit: queue_full (503), deadline (504), "
             "out_of_memory (507), disconnected.",
             [*model, "reason"], registry=r,
         )  # fmt: skip
@@ -161,7 +161,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.scattered = Counter(
             "scoring_scattered_requests", "Large requests split into shards over sibling workers "
-            "(app.server.scatter), counted by the worker that received them.",
+            "(app.server.router), counted by the worker that received them.",
             model, registry=r,
         )  # fmt: skip
         self.forwarded_shards = Counter(
@@ -170,7 +170,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.forwarded_requests = Counter(
             "scoring_forwarded_requests", "Whole requests on pinned (gRPC) connections sent to a "
-            "less-loaded sibling worker (app.server.forward), counted by the worker that received them.",
+            "less-loaded sibling worker (app.server.router), counted by the worker that received them.",
             model, registry=r,
         )  # fmt: skip
         self.connections_shed = Counter(
@@ -208,7 +208,7 @@ class ServerMetrics:
         self.warmup_seconds.labels(model, version, pid).set(warmup_s)
 
     def set_binding(self, labels: Mapping[str, str]) -> None:
-        """Publish this worker's binding (``gpu_stat.Binding.as_labels()`` keys)."""
+        """Publish this worker's binding (``gpu_stat.binding.Binding.as_labels()`` keys)."""
         self.binding.labels(
             str(os.getpid()),
             labels.get("device", ""),

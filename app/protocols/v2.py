@@ -127,7 +127,7 @@ def decode_request(
 ) -> InferRequest:
     """Parse an ``$inference_request`` JSON body (or the JSON part of a binary one) into an
     :class:`InferRequest`; inputs sent as binary keep ``data`` None for
-    :func:`app.protocols.binary.attach_binary` to fill.
+    :func:`attach_binary` to fill.
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, a field

@@ -8,7 +8,7 @@ makes one of two choices:
   ``max_batch_size`` (``scatter = true`` in ``model.toml``, the default) is cut into contiguous
   shards, one per worker that takes part (this one and its least-loaded live siblings, at most
   one shard per ``max_batch_size`` items, none to a sibling that already has a full batch);
-  the shards run in parallel, this worker's own through its batcher and the others' through
+  the shards run in parallel, this worker's own through its serving unit and the others' through
   their internal endpoints (:mod:`app.server.peers`), and the outputs are concatenated in item
   order. A sibling that cannot be reached costs nothing but time: its shard runs here; one that
   stalls costs the request a 504 at its deadline (never a hang); any shard's error is the

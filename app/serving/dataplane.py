@@ -40,6 +40,7 @@ from app.settings import Settings
 
 Arrays = dict[str, np.ndarray]
 _NO_VERSIONS: dict[str, ModelVersion] = {}
+_LIMITS = RequestLimits()
 
 
 class DataPlane:
@@ -94,6 +95,19 @@ class DataPlane:
         if requested is None or not requested > arrival:
             return min(arrival + (config.timeout_ms or settings.request_timeout_ms) / 1000.0, cap)
         return min(requested, cap)
+
+    def request_deadline(self, model: ModelVersion, request: InferRequest) -> float:
+        """:meth:`deadline` of ``request``: the earlier of its transport's deadline and its
+        ``parameters.timeout`` (microseconds from its arrival, Triton's).
+
+        Raises:
+            InvalidInput: a ``parameters.timeout`` that is not a positive number.
+        """
+        requested = request.deadline
+        given = parameters_timeout_s(request.parameters) if request.parameters else None
+        if given is not None and (requested is None or request.arrival + given < requested):
+            requested = request.arrival + given
+        return self.deadline(model, request.arrival, requested)
 
     # --- the steps a front end calls ------------------------------------------------------------
 
@@ -157,16 +171,10 @@ class DataPlane:
         config = model.config
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
-        parameters = request.parameters
-        requested = request.deadline
-        if parameters:
-            given = parameters_timeout_s(parameters)
-            if given is not None and (requested is None or request.arrival + given < requested):
-                requested = request.arrival + given
-        deadline = self.deadline(model, request.arrival, requested)
+        deadline = self.request_deadline(model, request)
         level = None
-        if parameters and model.unit is not None:
-            level = model.unit.level(parameters_priority(parameters))
+        if request.parameters and model.unit is not None:
+            level = model.unit.level(parameters_priority(request.parameters))
         outputs = await self.run(
             model, inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
             pinned=pinned, level=level,
@@ -305,7 +313,7 @@ def _typed_array(tensor: InferInput, shape: list[int], where: str, limits: Reque
     return arr.reshape(shape)
 
 
-def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits) -> Arrays:
+def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
     """The request's tensors checked against ``config``, each in this order: its shape (at most
     ``MAX_DIMS`` non-negative dimensions, ``limits.max_items`` items), its name (a model input,
     once), its datatype, its element count (all before any per-element work: a hostile tensor

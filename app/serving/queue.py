@@ -62,7 +62,7 @@ class QueuedRequest:
     tokens: np.ndarray | None = None
     order: np.ndarray | None = None
     level: int = 0
-    #: The request's trace context (``app.observability.tracing``), None when not traced.
+    #: The request's trace context (OpenTelemetry), None when not traced.
     trace: Any = None
     queued: int = 0  # items still waiting
     queued_cost: int = 0  # their cost

@@ -60,7 +60,7 @@ class ModelVersion:
     unloading: bool = False
     #: True once removed from the registry: a request that holds it looks its model up again.
     retired: bool = False
-    #: What identifies the files it was loaded from (``app.models.repository.fingerprint``).
+    #: What identifies the files it was loaded from (model control compares it).
     fingerprint: str = ""
 
     @property

@@ -237,7 +237,7 @@ class ServingUnit:
             request_id: echoed in error messages and logs.
             is_disconnected: polled before the request's items join a batch; True drops them.
             level: the queue level (:meth:`level`); None: the default.
-            trace: the request's trace context (``app.observability.tracing``).
+            trace: the request's trace context (OpenTelemetry), or None.
 
         Returns:
             One array per model output, axis 0 = the request's B items in order.
