@@ -19,8 +19,9 @@ from app.http.routes import inference_routes, metrics_handler, routes
 from app.observability.gpu import gpu_metrics_ctx
 from app.observability.metrics import METRICS, create_metrics
 from app.protocols.tensors import RequestLimits
+from app.serving.control import models_ctx
 from app.serving.dataplane import DATAPLANE, DataPlane
-from app.serving.lifecycle import models_ctx, on_shutdown, resolve_device
+from app.serving.lifecycle import on_shutdown, resolve_device
 from app.serving.registry import (
     HEALTH,
     LIMITS,

@@ -37,6 +37,7 @@ from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.http.middleware import request_id
 from app.observability.metrics import METRICS
 from app.protocols import triton, v2
+from app.serving.control import CONTROL, LOAD, UNLOAD
 from app.serving.dataplane import DATAPLANE
 from app.serving.registry import HEALTH, REGISTRY
 
@@ -216,6 +217,22 @@ class InferenceServicer:
         for row in self.registry.index(request.ready):
             reply.models.add(**triton.repository_entry(*row))
         return reply
+
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context, rid: str
+    ) -> pb.RepositoryModelLoadResponse:
+        """Load (or reload) a model on every worker, as ``POST /v2/repository/models/{name}/load``."""
+        if "config" in request.parameters or any(k.startswith("file:") for k in request.parameters):
+            raise InvalidInput("parameters config and file: overrides are not supported")
+        await self.app[CONTROL].request(LOAD, request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context, rid: str
+    ) -> pb.RepositoryModelUnloadResponse:
+        """Unload a model on every worker, as ``POST /v2/repository/models/{name}/unload``."""
+        await self.app[CONTROL].request(UNLOAD, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
 
     # --- inference -----------------------------------------------------------------------
 

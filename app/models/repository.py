@@ -21,6 +21,7 @@ readiness and the repository index, which must not disclose the server's file sy
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 from dataclasses import dataclass
@@ -72,6 +73,41 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ModelLoadError(f"{where}: datatype {self.datatype!r} is not one of {sorted(DATATYPES)}")
         if any(d == 0 or d < -1 for d in self.shape):
             raise ModelLoadError(f"{where}: shape {self.shape} has a dimension that is not -1 or > 0")
+
+
+class VersionPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Which versions of a model serve (Triton's ``version_policy``): exactly one of ``latest``
+    (the N highest), ``specific`` (these versions) and ``all``. Default: the latest one."""
+
+    latest: int | None = None
+    specific: list[str] | None = None
+    all: bool = False
+
+    def validate(self, where: str) -> None:
+        """Raises ``ModelLoadError`` unless exactly one kind is given, and sanely."""
+        given = [self.latest is not None, self.specific is not None, self.all]
+        if sum(given) != 1:
+            raise ModelLoadError(
+                f"{where}: version_policy needs exactly one of latest = N, specific = [...], all = true"
+            )
+        if self.latest is not None and self.latest < 1:
+            raise ModelLoadError(f"{where}: version_policy latest must be >= 1")
+        if self.specific is not None and not self.specific:
+            raise ModelLoadError(f"{where}: version_policy specific must name at least one version")
+
+    def select(self, versions: list[str]) -> list[str]:
+        """The versions of ``versions`` that serve, in version order."""
+        ordered = sorted(versions, key=version_key)
+        if self.all:
+            return ordered
+        if self.specific is not None:
+            return [v for v in ordered if v in self.specific]
+        return ordered[-(self.latest or 1) :]
+
+
+def version_key(version: str) -> tuple[int, Any]:
+    """Sort key of a version: numbers numerically, before other names."""
+    return (0, int(version)) if version.isdigit() else (1, version)
 
 
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
@@ -135,6 +171,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: Split a request with more than ``max_batch_size`` items into shards that run in
     #: parallel on this worker and its ready siblings (scatter/gather; app.server.router).
     scatter: bool = True
+    #: Which versions of the model serve (Triton's); read from its highest version's folder.
+    version_policy: VersionPolicy = msgspec.field(default_factory=lambda: VersionPolicy(latest=1))
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
     #: The model's folder; set by the loader, not read from the file.
     path: Path = Path(".")
@@ -216,6 +254,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             value = getattr(self, key)
             if value is not None and not 0 < value < float("inf"):
                 raise ModelLoadError(f"{where}: {key} must be a finite number > 0")
+        self.version_policy.validate(where)
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ModelLoadError(f"{where}: warmup_batch_sizes must lie in 1..max_batch_size")
         self._validate_cuda_graphs()
@@ -323,6 +362,32 @@ def scan(repository: Path, names: tuple[str, ...] = ()) -> Scan:
             reason = f"model {name} version {version} is declared by several folders ({folders_named})"
             unavailable.append(Unavailable(name, reason, version))
     return Scan([c for c in configs if len(declared[(c.name, c.version)]) == 1], unavailable)
+
+
+def fingerprint(folder: Path) -> str:
+    """What identifies the content of a model version's folder: the name, size and modification
+    time of every file in it (recursively), hashed. A copied, edited or replaced file changes it
+    (model control reloads the version); reading it costs one ``stat`` per file."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            stat = path.stat()
+            digest.update(f"{path.relative_to(folder)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def serving(found: Scan) -> Scan:
+    """What serves of ``found``: per model, the versions its ``version_policy`` selects (the
+    policy of its highest version's ``model.toml``)."""
+    by_name: dict[str, list[ModelConfig]] = {}
+    for config in found.configs:
+        by_name.setdefault(config.name, []).append(config)
+    kept: list[ModelConfig] = []
+    for configs in by_name.values():
+        newest = max(configs, key=lambda c: version_key(c.version))
+        chosen = set(newest.version_policy.select([c.version for c in configs]))
+        kept += [c for c in configs if c.version in chosen]
+    return Scan(kept, found.unavailable)
 
 
 #: An absolute path (a run of non-space characters starting with "/").

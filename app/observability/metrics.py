@@ -125,14 +125,19 @@ class ServerMetrics:
             model, multiprocess_mode="livesum", registry=r,
         )  # fmt: skip
         self.rejected = Counter(
-            "scoring_rejected", "Requests refused by a model's serving unit: queue_full (503), deadline (504), "
-            "out_of_memory (507), disconnected.",
+            "scoring_rejected", "Requests refused by a model's serving unit: queue_full (503), "
+            "admission (503), deadline (504), out_of_memory (507), disconnected.",
             [*model, "reason"], registry=r,
         )  # fmt: skip
         self.hung_batches = Counter(
             "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
             "one makes its worker restart itself.",
             model, registry=r,
+        )  # fmt: skip
+        self.model_loads = Counter(
+            "scoring_model_loads", "Loads of a model version in a worker (at start, retried, or by "
+            "model control), by outcome: success or failure.",
+            [*model, "outcome"], registry=r,
         )  # fmt: skip
         self.load_seconds = Gauge(
             "scoring_model_load_seconds", "Time the worker took to load the model.",

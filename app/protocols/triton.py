@@ -19,8 +19,8 @@ from app.models.repository import ModelConfig, TensorSpec
 if TYPE_CHECKING:
     from app.observability.metrics import Duration, ModelStats
 
-#: The extensions ``GET /v2`` lists (the model repository extension: the index only, no
-#: load/unload; see docs/protocols.md).
+#: The extensions ``GET /v2`` lists (the model repository extension: index, load and unload;
+#: see docs/protocols.md).
 EXTENSIONS: list[str] = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 
 #: Open Inference Protocol datatype -> Triton ``DataType`` enum name.
@@ -84,7 +84,7 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
         "name": config.name,
         "platform": config.platform,
         "backend": _BACKENDS[config.format],
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": _version_policy(config),
         "max_batch_size": config.max_batch_size,
         "input": [_input(s) for s in config.inputs],
         "output": [_output(s) for s in config.outputs],
@@ -150,6 +150,15 @@ def model_statistics(name: str, version: str, stats: ModelStats) -> dict[str, An
         ],
         "memory_usage": [],
     }
+
+
+def _version_policy(config: ModelConfig) -> dict[str, Any]:
+    policy = config.version_policy
+    if policy.all:
+        return {"all": {}}
+    if policy.specific is not None:
+        return {"specific": {"versions": [int(v) for v in policy.specific if v.isdigit()]}}
+    return {"latest": {"num_versions": policy.latest or 1}}
 
 
 def statistics(model_stats: list[dict[str, Any]], pid: int) -> dict[str, Any]:

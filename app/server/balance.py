@@ -63,7 +63,7 @@ import mmap
 import os
 import struct
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -371,6 +371,9 @@ class Balancer:
         self.connections = 0
         self.ready = False
         self.router: Router | None = None
+        #: Sends a model control change to one sibling (pid, action, name) -> why it failed or
+        #: None (``app.server.peers.PeerClient.control``); None: no internal endpoints.
+        self.control: Callable[[int, str, str], Awaitable[str | None]] | None = None
         self._count_connections: Callable[[], int] = lambda: 0
         #: Called once per shed connection (metrics), with the sibling's pid.
         self.on_shed: Callable[[int], None] | None = None
@@ -454,6 +457,17 @@ class Balancer:
     def others_serving(self) -> bool:
         """Another worker accepts requests (:func:`others_serving`). Reads /proc: off the loop."""
         return others_serving(state for pid, state in self.table.states().items() if pid != self.pid)
+
+    async def apply(self, action: str, name: str) -> dict[int, str]:
+        """Send a model control change to every live, ready sibling at once; pid -> why, for each
+        that failed (``app.serving.control``)."""
+        control = self.control
+        if control is None:
+            return {}
+        now = time.monotonic()
+        pids = [load.pid for load in self.siblings() if load.live(now)]
+        answers = await asyncio.gather(*(control(pid, action, name) for pid in pids))
+        return {pid: why for pid, why in zip(pids, answers, strict=True) if why is not None}
 
     # --- the listener and the tick --------------------------------------------------------------
 

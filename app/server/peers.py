@@ -37,6 +37,11 @@ log = logging.getLogger(__name__)
 
 PEERS_DIR = "peers"
 PATH = "/internal/shard"
+#: Model control changes between workers (``app.serving.control``).
+CONTROL_PATH = "/internal/models"
+#: How long a worker waits for a sibling to apply a model control change (a load may take
+#: minutes on a busy CPU), seconds.
+CONTROL_TIMEOUT_S = 600.0
 #: Beyond the shard's deadline, how long the sender waits for the sibling's own 504, seconds.
 REPLY_GRACE_S = 0.25
 _MAIN = web.AppKey("main_app", web.Application)
@@ -70,6 +75,19 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     timeout_s: float
     inputs: dict[str, Tensor]
     trace: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A model control change for a sibling to apply here: ``action`` (``load``, ``unload``)."""
+
+    action: str
+    model: str
+
+
+class ControlResponse(msgspec.Struct, forbid_unknown_fields=True):
+    """Why the change failed on the sibling, or None when it applied."""
+
+    error: str | None = None
 
 
 class ShardResponse(msgspec.Struct, forbid_unknown_fields=True):
@@ -167,6 +185,7 @@ def internal_app(main: web.Application) -> web.Application:
     app = web.Application(client_max_size=main[SETTINGS].max_request_bytes * 2)
     app[_MAIN] = main
     app.router.add_post(PATH, _handle_shard)
+    app.router.add_post(CONTROL_PATH, _handle_control)
     return app
 
 
@@ -188,6 +207,17 @@ async def _handle_shard(request: web.Request) -> web.Response:
         log.exception("shard %s failed", request.headers.get("X-Request-Id", "?"))
         reply = ShardResponse(error="InferenceFailed", message=f"sibling worker: {exc!r}")
     return web.Response(body=encode(reply), content_type="application/msgpack")
+
+
+async def _handle_control(request: web.Request) -> web.Response:
+    from app.serving.control import CONTROL
+
+    try:
+        change = msgspec.msgpack.decode(await request.read(), type=ControlRequest)
+        error = await request.app[_MAIN][CONTROL].apply(change.action, change.model)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        error = f"bad model control request: {exc}"
+    return web.Response(body=_encoder.encode(ControlResponse(error)), content_type="application/msgpack")
 
 
 class PeerUnavailable(Exception):
@@ -262,6 +292,26 @@ class PeerClient:
         raise_error(reply)
         assert reply.outputs is not None
         return {name: from_tensor(t) for name, t in reply.outputs.items()}
+
+    async def control(self, pid: int, action: str, model: str) -> str | None:
+        """Have sibling ``pid`` apply a model control change; why it failed there, or None."""
+        timeout = aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
+        body = _encoder.encode(ControlRequest(action, model))
+        try:
+            async with self._session(pid).post(
+                f"http://peer{CONTROL_PATH}", data=body, timeout=timeout
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return f"answered HTTP {resp.status}"
+            return msgspec.msgpack.decode(raw, type=ControlResponse).error
+        except TimeoutError:
+            return f"did not answer within {CONTROL_TIMEOUT_S:.0f} s"
+        except aiohttp.ClientError as exc:
+            self._forget(pid)
+            return f"unreachable ({exc})"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return f"answered something else than a model control response ({exc})"
 
     def _forget(self, pid: int) -> None:
         session = self._sessions.pop(pid, None)

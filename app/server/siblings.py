@@ -9,10 +9,10 @@
 - **Coordination** of boot, drain and recycling through the siblings' states (a new worker
   listens once warm while another serves; a draining worker holds while a replacement boots;
   a worker recycles only while another is ready).
-- **Routing**, once the worker's app is set up (:meth:`Membership.join`, unless
-  ``SCORING_BALANCE=0``): the internal endpoint (:mod:`app.server.peers`,
-  ``<run dir>/peers/<pid>.sock``) and the :class:`~app.server.router.Router` (scatter/gather of
-  large requests, forwarding of requests on pinned gRPC connections), and the balancing metrics
+- **The internal endpoint** (:mod:`app.server.peers`, ``<run dir>/peers/<pid>.sock``), once the
+  worker's app is set up (:meth:`Membership.join`): model control changes from siblings, and
+  unless ``SCORING_BALANCE=0`` the :class:`~app.server.router.Router` (scatter/gather of large
+  requests, forwarding of requests on pinned gRPC connections) and the balancing metrics
   (``scoring_worker_*``, ``scoring_connections_shed_total``, ``scoring_scattered_requests_total``,
   ``scoring_forwarded_shards_total``, ``scoring_forwarded_requests_total``).
 
@@ -96,8 +96,8 @@ class Membership:
     # --- routing --------------------------------------------------------------------------
 
     async def join(self, app: web.Application, server: web.Server) -> None:
-        """Once the app has started: count the server's connections, and unless balancing is off
-        or there is no table, serve the internal endpoint and route through a router.
+        """Once the app has started: count the server's connections, serve the internal endpoint
+        (model control, shards), and unless balancing is off route through a router.
 
         Raises:
             RunDirError: ``<run dir>/peers`` exists and is not a private folder of this user.
@@ -124,10 +124,10 @@ class Membership:
             balancer.on_tick = gauges
         router = None
         path = socket_path(self.run_dir, self.pid)
-        if not balancer.balancing:
-            pass
-        elif len(str(path)) > _MAX_SOCKET_PATH:
-            log.warning("run dir path too long for a Unix socket (%s): no scatter/gather", path)
+        if len(str(path)) > _MAX_SOCKET_PATH:
+            log.warning(
+                "run dir path too long for a Unix socket (%s): no scatter/gather, no model control", path
+            )
         else:
             rundir.private_subdir(self.run_dir, path.parent.name)  # whoever can connect gives it work
             path.unlink(missing_ok=True)
@@ -135,7 +135,8 @@ class Membership:
             await runner.setup()
             await web.UnixSite(runner, str(path)).start()
             self._internal = runner
-            self._peers = PeerClient(self.run_dir)
+            self._peers = peers = PeerClient(self.run_dir)
+            balancer.control = peers.control
 
             def on_scatter(model: str, version: str, shards: int) -> None:
                 if metrics is not None:
@@ -146,14 +147,15 @@ class Membership:
                 if metrics is not None:
                     metrics.forwarded_requests.labels(model, version).inc()
 
-            router = Router(balancer, self._peers, on_scatter=on_scatter, on_forward=on_forward)
+            if balancer.balancing:
+                router = Router(balancer, peers, on_scatter=on_scatter, on_forward=on_forward)
         balancer.attach(lambda: len(server.connections), router)
 
     async def close(self) -> None:
         """Stop routing, close the internal endpoint and the sessions to siblings; the slot
         stays claimed until :meth:`release`."""
         if self.balancer is not None:
-            self.balancer.router = None
+            self.balancer.router = self.balancer.control = None
         if self._internal is not None:
             await self._internal.cleanup()
             self._internal = None

@@ -1,57 +1,42 @@
 """Model versions in and out of service in this worker: load, warm up, swap, drain, free.
 
-**Startup** (:func:`models_ctx`, the app's ``cleanup_ctx``) reads the repository and starts
-loading in the background, so the worker answers health probes (readiness 503) and keeps
-notifying gunicorn while a slow model loads. Each version loads and warms up on an inference
-thread of its own, one batch of the largest warmup size is timed to seed its admission's
-service rate (the very first requests are judged at a measured rate), and only then does its
-serving unit start (:func:`load_version`); readiness turns 200 once every model is warm.
-Requests that arrive before then wait for it, within their deadline. When another worker of
-the server serves (a replacement after a crash, a recycle, a HUP reload), startup instead waits
-for the models before the worker listens, so no request waits for a load while a warm worker
-could answer it.
+**A load** (:func:`load_version`) runs on an inference thread of the version's own: the model
+loads and warms up, one batch of the largest warmup size is timed to seed its admission's service
+rate (the very first requests are judged at a measured rate), and only then does its serving unit
+start and take requests. What loads when is :mod:`app.serving.control`'s (start, model control).
 
-**A swap fails nothing.** Loading a version that is already served (a reload) builds the new
-unit beside the old one, on threads of its own, while the old serves; once warm, new requests
-go to the new unit; requests already queued on the old finish there (:meth:`ServingUnit.drain`);
-then the old unit stops and its model is freed on its own thread (and on a GPU its cached
-blocks are given back: ``torch.cuda.empty_cache``, with the freed bytes in the log). A load
-that fails (out of device memory included) leaves the old unit serving and the failure in the
-repository index.
+**A swap fails nothing.** Loading a version that already serves (a reload) builds the new unit
+beside the old one while the old serves; once warm, new requests go to the new unit; requests
+already queued on the old finish there (``ServingUnit.drain``); then the old unit stops and its
+model is freed on its own thread (on a GPU its cached blocks are given back,
+``torch.cuda.empty_cache``, with the freed bytes in the log). A load that fails, out of device
+memory included, leaves what serves in place, and the reason in the repository index.
 
-**A model that fails to load** (or whose ``model.toml`` cannot be read) is *unavailable*: its
-requests get 503 with the reason (no absolute paths), readiness and the repository index name
-it, and the other models serve (Triton's behaviour). The worker does not exit: it retries the
-load after :data:`FIRST_RETRY_S`, then twice as long each time, up to
+**A model that fails to load** is *unavailable*: its requests get 503 with the reason (no absolute
+paths), readiness and the index name it, and the other models serve (Triton's behaviour). A load
+at start is retried after :data:`FIRST_RETRY_S`, then twice as long each time, up to
 ``SCORING_MODEL_LOAD_RETRY_MAX_S`` apart, so a cause that goes away heals by itself.
-
-**Draining** (``ModelRegistry.begin_drain``, at SIGTERM and at shutdown) turns readiness 503 at once;
-requests that still reach the worker are served, each answered with ``Connection: close``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import Coroutine
 from functools import partial
 from typing import Any
 
 import torch
 from aiohttp import web
 
-from app.binding import BINDING
 from app.errors import ModelLoadError
-from app.models.repository import ModelConfig, scan, scrub_paths
+from app.models.repository import ModelConfig, fingerprint, scrub_paths
 from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import METRICS, ModelObserver
 from app.serving.executor import InferenceThread, Threads
-from app.serving.registry import HEALTH, REGISTRY, SETTINGS, SIBLINGS, ModelVersion
+from app.serving.registry import HEALTH, REGISTRY, SETTINGS, ModelVersion
 from app.serving.unit import ServingUnit
-from app.serving.watchdog import watch_inference
-from gpu_stat.verify import verify_binding
 
 log = logging.getLogger(__name__)
 
@@ -154,9 +139,12 @@ def _torch_threads(app: web.Application) -> int:
     return settings.effective_torch_threads(settings.workers)
 
 
-async def load_version(app: web.Application, model: ModelVersion, device: torch.device) -> None:
-    """Load, warm up and time ``model`` on a new inference thread, start its serving unit and put
-    it in service; a unit it replaces drains and is freed in the background.
+async def load_version(
+    app: web.Application, model: ModelVersion, device: torch.device, config: ModelConfig | None = None
+) -> None:
+    """Load, warm up and time ``model`` (as ``config`` says: its folder read again; default its
+    own) on a new inference thread, start its serving unit and put it in service; a unit it
+    replaces drains and is freed in the background.
 
     torch.set_num_threads sets OpenMP's thread count for the calling thread only: it is set on
     each of the model's threads, or MKL's sgemm there forks a team of one thread per core in
@@ -165,13 +153,14 @@ async def load_version(app: web.Application, model: ModelVersion, device: torch.
     Raises:
         Exception: whatever the load or warmup raised (the half-loaded model is freed first).
     """
-    config = model.config
+    config = config or model.config
     loop = asyncio.get_running_loop()
     inference = InferenceThread(
         name=f"inference:{config.name}/{config.version}",
         initializer=partial(torch.set_num_threads, _torch_threads(app)),
     )
     runner = ModelRunner(config)
+    metrics = app.get(METRICS)
     try:
         await loop.run_in_executor(inference, runner.load, device)
         await loop.run_in_executor(inference, runner.warmup)
@@ -179,9 +168,11 @@ async def load_version(app: web.Application, model: ModelVersion, device: torch.
     except BaseException:
         await loop.run_in_executor(inference, runner.close)
         inference.shutdown(wait=False)
+        if metrics is not None:
+            metrics.model_loads.labels(config.name, config.version, "failure").inc()
         raise
-    metrics = app.get(METRICS)
     if metrics is not None:
+        metrics.model_loads.labels(config.name, config.version, "success").inc()
         metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
     observer = ModelObserver(model.stats, metrics, config.name, config.version)
     threads = _threads(app, config, inference, runner)
@@ -189,14 +180,31 @@ async def load_version(app: web.Application, model: ModelVersion, device: torch.
     unit.admission.observe(seed[0], seed[1], 0)
     unit.start()
     old = (model.unit, model.runner, model.threads)
+    model.config, model.fingerprint = config, fingerprint(config.path)
     model.unit, model.runner, model.threads = unit, runner, threads
     model.error = None
     model.settled.set()
     app[REGISTRY].refresh(config.name)
     figures = describe(runner)
-    log.info("model ready %s", figures, extra={"event": "model_ready", **figures})
+    log.info("model %s v%s %s %s", config.name, config.version, "reloaded" if old[0] else "ready", figures,
+             extra={"event": "model_ready", **figures})  # fmt: skip
     if old[0] is not None:
         _spawn(app, retire(app, *old, what=f"{config.name} v{config.version}"), f"retire:{config.name}")
+
+
+async def unload_version(app: web.Application, model: ModelVersion) -> None:
+    """Take ``model`` out of service: new requests go to another version (or get 404), those
+    already routed to it finish (its unit drains), then it stops, its model is freed and it
+    leaves the registry."""
+    registry = app[REGISTRY]
+    model.unloading = True
+    registry.refresh(model.config.name)
+    config = model.config
+    await retire(app, model.unit, model.runner, model.threads, what=f"{config.name} v{config.version}")
+    model.unit = model.runner = model.threads = None
+    registry.remove(model)
+    log.info("model %s v%s unloaded", config.name, config.version,
+             extra={"event": "model_unloaded", "model": config.name, "version": config.version})  # fmt: skip
 
 
 async def retire(
@@ -227,25 +235,33 @@ def _reason(app: web.Application, exc: BaseException) -> str:
     return scrub_paths(message, app[SETTINGS].model_repository)
 
 
-async def try_load(app: web.Application, model: ModelVersion, device: torch.device) -> bool:
+async def try_load(
+    app: web.Application,
+    model: ModelVersion,
+    device: torch.device,
+    config: ModelConfig | None = None,
+    *,
+    retry: bool = True,
+) -> bool:
     """:func:`load_version`; on failure record the reason (the version stays unavailable, or an
-    older copy keeps serving), wake its waiters and schedule retries. True when it serves."""
+    older copy keeps serving), wake its waiters and, with ``retry``, schedule retries (loads
+    that model control asked for are not retried: the operator asks again). True when it serves."""
     try:
-        await load_version(app, model, device)
+        await load_version(app, model, device, config)
         return True
     except asyncio.CancelledError:
         raise
     except Exception as exc:
-        config = model.config
+        config = config or model.config
         model.error = _reason(app, exc)
         model.settled.set()  # requests waiting for it get 503 with the reason now
-        retry_max_s = app[SETTINGS].model_load_retry_max_s
+        retry_max_s = app[SETTINGS].model_load_retry_max_s if retry else 0
         log.error(
             "model %s v%s %s: %s%s",
             config.name, config.version,
             "failed to load; the old copy keeps serving" if model.unit is not None else
             "unavailable, the other models serve", model.error,
-            "" if retry_max_s else " (not retried: SCORING_MODEL_LOAD_RETRY_MAX_S=0)",
+            "" if retry_max_s or not retry else " (not retried: SCORING_MODEL_LOAD_RETRY_MAX_S=0)",
             exc_info=None if isinstance(exc, ModelLoadError) else exc,
             extra={"event": "model_unavailable", "model": config.name, "version": config.version},
         )  # fmt: skip
@@ -275,82 +291,7 @@ async def _retry(app: web.Application, model: ModelVersion, device: torch.device
         log.info("model %s v%s loaded on retry", model.config.name, model.config.version)
 
 
-async def _load_all(app: web.Application, device: torch.device) -> None:
-    registry = app[REGISTRY]
-    for name, reason in registry.unavailable.items():
-        log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
-    loaded = False
-    for model in registry.entries():
-        loaded = await try_load(app, model, device) or loaded
-    # Now that the models hold their CUDA context, check through NVML that it is on the
-    # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
-    worker = app[BINDING]
-    if loaded and worker.binding.gpu_uuid is not None:
-        await asyncio.get_running_loop().run_in_executor(None, verify_binding, worker.binding)
-    binding = worker.describe()["binding"]
-    models = [describe(m.runner) for m in registry.entries() if m.runner is not None]
-    log.info(
-        "worker %d %s: binding %s, models %s%s",
-        worker.pid, "ready" if registry.ready else "not ready", binding, models,
-        f", unavailable {sorted(registry.failures())}" if registry.failures() else "",
-        extra={"event": "worker_ready", "binding": binding, "models": models},
-    )  # fmt: skip
-
-
-async def models_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx``: background model loading, the hung-inference watchdog; on cleanup the
-    units stop and the models are freed (not when an inference thread is stuck or a load is
-    still under way)."""
-    settings = app[SETTINGS]
-    registry = app[REGISTRY]
-    found = scan(settings.model_repository, settings.model_names)
-    for config in found.configs:
-        registry.add(config)
-    registry.unavailable.update({u.name: u.reason for u in found.unavailable})
-    registry.strict = settings.strict_readiness
-    device = resolve_device(settings.device)
-    torch.set_num_threads(_torch_threads(app))
-    app[TASKS] = set()
-    loop = asyncio.get_running_loop()
-    task = loop.create_task(_load_all(app, device))
-    app[LOAD_TASK] = task
-    watchdog = None
-    if settings.hung_inference_s > 0:
-        watchdog = loop.create_task(watch_inference(app, settings.hung_inference_s), name="watchdog")
-    try:
-        await _defer_listening(app)
-        yield
-    finally:
-        registry.draining = True
-        loaded = (
-            task.done()
-            and not task.cancelled()
-            and not any(m.error is None and not m.ready for m in registry.entries())
-        )
-        pending = [t for t in (task, watchdog, *app[TASKS]) if t is not None]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        await _release(app, loaded)
-
-
-async def _defer_listening(app: web.Application) -> None:
-    """While another worker serves, keep this one off the listener until it is ready (every
-    model that can load is warm), or it is asked to stop. A replacement whose models cannot load
-    so stays off the listener, retrying, while its siblings serve. The gunicorn worker's boot
-    heartbeat keeps gunicorn informed meanwhile."""
-    loop = asyncio.get_running_loop()
-    registry = app[REGISTRY]
-    others_serving = app[SIBLINGS].others_serving
-    waited = False
-    while not registry.ready and not registry.draining and await loop.run_in_executor(None, others_serving):
-        waited = True
-        await asyncio.sleep(0.1)
-    if waited:
-        log.info("worker %d: models warm, listening (another worker served meanwhile)", os.getpid())
-
-
-async def _release(app: web.Application, loaded: bool) -> None:
+async def release_all(app: web.Application, loaded: bool) -> None:
     """Stop the units; free the models on their inference threads unless one is stuck."""
     models = app[REGISTRY].entries()
     for model in models:

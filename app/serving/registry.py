@@ -18,12 +18,12 @@ import contextlib
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from app.errors import ModelNotFound, ModelNotReady
-from app.models.repository import ModelConfig
+from app.errors import ModelNotFound, ModelNotReady, ModelUnloaded
+from app.models.repository import ModelConfig, version_key
 from app.observability.metrics import ModelStats
 from app.protocols.tensors import RequestLimits
 from app.serving.siblings import Siblings, Supervisor
@@ -78,11 +78,6 @@ class ModelVersion:
         return UNAVAILABLE if self.error is not None else LOADING
 
 
-def version_key(version: str) -> tuple[int, Any]:
-    """Sort key of a version: numbers numerically, before other names."""
-    return (0, int(version)) if version.isdigit() else (1, version)
-
-
 @dataclass(eq=False)
 class ModelRegistry:
     """The model versions this worker serves, by name and version (module docstring)."""
@@ -93,6 +88,9 @@ class ModelRegistry:
     #: Model folders of the repository that cannot be served at all (a ``model.toml`` that could
     #: not be read, a version declared twice): name -> reason (no absolute paths).
     unavailable: dict[str, str] = field(default_factory=dict)
+    #: Models of the repository that model control unloaded, or has not loaded (explicit mode):
+    #: name -> why (their requests get 404; the index lists them UNAVAILABLE).
+    unloaded: dict[str, str] = field(default_factory=dict)
     #: Readiness needs every model of the repository warm (Triton's ``--strict-readiness``);
     #: False: every model that can load has, and at least one is warm.
     strict: bool = False
@@ -118,13 +116,12 @@ class ModelRegistry:
 
     def refresh(self, name: str) -> None:
         """Recompute which version of ``name`` requests without a version get."""
-        versions = self.versions.get(name)
-        if not versions:
+        ordered = sorted(self.versions.get(name, {}).values(), key=lambda m: version_key(m.config.version))
+        candidates = [m for m in ordered if not m.unloading]
+        if not candidates:
             self.latest.pop(name, None)
             return
-        ordered = sorted(versions.values(), key=lambda m: version_key(m.config.version))
-        serving = [m for m in ordered if m.ready]
-        self.latest[name] = (serving or [m for m in ordered if not m.unloading] or ordered)[-1]
+        self.latest[name] = ([m for m in candidates if m.ready] or candidates)[-1]
 
     def entries(self) -> list[ModelVersion]:
         """Every model version, in name then version order."""
@@ -146,11 +143,14 @@ class ModelRegistry:
         return found
 
     def missing(self, name: str, version: str | None) -> ModelNotFound | ModelNotReady:
-        """The error for a name or version not served: 404 listing what exists, or 503 with the
-        reason for a model folder that cannot be served."""
+        """The error for a name or version not served: 404 listing what exists (or saying it was
+        unloaded), or 503 with the reason for a model folder that cannot be served."""
         versions = self.versions.get(name)
         if versions is not None and version is not None:
             return ModelNotFound(f"model {name!r} has no version {version!r}; available: {sorted(versions)}")
+        unloaded = self.unloaded.get(name)
+        if unloaded is not None:
+            return ModelUnloaded(f"model {name!r} is not loaded ({unloaded})")
         reason = self.unavailable.get(name)
         if reason is not None:
             return ModelNotReady(f"model {name!r} is unavailable: {reason}")
@@ -162,6 +162,7 @@ class ModelRegistry:
         ``only_ready``. A folder whose ``model.toml`` could not be read has version ""."""
         rows = [(m.config.name, m.config.version, m.state, m.error or "") for m in self.entries()]
         rows += [(name, "", UNAVAILABLE, reason) for name, reason in sorted(self.unavailable.items())]
+        rows += [(name, "", UNAVAILABLE, reason) for name, reason in sorted(self.unloaded.items())]
         return [row for row in rows if row[2] == READY or not only_ready]
 
     def failures(self) -> dict[str, str]:

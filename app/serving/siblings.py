@@ -70,6 +70,11 @@ class Siblings(Protocol):
         """Whether another worker of the server serves now (blocking: call it off the loop)."""
         ...
 
+    async def apply(self, action: str, name: str) -> dict[int, str]:
+        """Have every ready sibling apply a model control ``action`` (``load``, ``unload``) to
+        model ``name`` (``app.serving.control``); each that failed, pid -> why ({} = all did)."""
+        ...
+
 
 class Supervisor(Protocol):
     """The process that runs this app."""
@@ -110,6 +115,10 @@ class Alone:
     def others_serving(self) -> bool:
         """Nobody else."""
         return False
+
+    async def apply(self, action: str, name: str) -> dict[int, str]:
+        """Nobody else to tell."""
+        return {}
 
     def request_stop(self, reason: str) -> bool:
         """Nothing restarts this process."""

@@ -17,7 +17,7 @@ import torch
 
 SCALE_TOML = """
 name = "{name}"
-version = "1"
+version = "{version}"
 format = "handler"
 handler = "tests.support.toy_models:ScaleHandler"
 max_batch_size = {max_batch_size}
@@ -47,9 +47,10 @@ shape = [1]
 
 
 class ScaleHandler:
-    """y = 2 * x; tag_length = len(tag). Records every batch it sees (class-wide, per model).
+    """y = factor * x (``factor``: 2 unless the parameter says); tag_length = len(tag). Records
+    every batch it sees (class-wide, per model).
 
-    parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
+    parameters: ``factor``, ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
     ``crash_on_load`` (the worker process SIGKILLs itself while loading),
     ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
@@ -95,7 +96,7 @@ class ScaleHandler:
                 time.sleep(float(self.params.get("hang_s", 3600)))
         warmup = len(tags) > 0 and all(bytes(t).startswith(b"warmup") for t in tags)
         time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
-        return x * 2, tags
+        return x * float(self.params.get("factor", 2)), tags
 
     def postprocess(self, outputs: tuple[torch.Tensor, np.ndarray]) -> dict[str, np.ndarray]:
         y, tags = outputs
@@ -112,10 +113,13 @@ def write_scale_model(
     max_batch_size: int = 8,
     max_queue_delay_ms: float = 5.0,
     queue_capacity: int = 64,
+    version: str = "1",
+    folder_name: str | None = None,
     **parameters: Any,
 ) -> Path:
-    """Write a ScaleHandler model folder into ``repo``; returns the folder."""
-    folder = repo / name
+    """Write a ScaleHandler model folder into ``repo`` (``folder_name``, default ``name``: one
+    folder per version); returns the folder."""
+    folder = repo / (folder_name or name)
     folder.mkdir(parents=True, exist_ok=True)
     params = "\n".join(
         f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items()
@@ -123,6 +127,7 @@ def write_scale_model(
     (folder / "model.toml").write_text(
         SCALE_TOML.format(
             name=name,
+            version=version,
             max_batch_size=max_batch_size,
             max_queue_delay_ms=max_queue_delay_ms,
             queue_capacity=queue_capacity,
