@@ -53,9 +53,7 @@ print(json.dumps({"settings": settings, "workers": workers, "torch": "torch" in 
 
 def read_config(form: str, tmp: Path) -> dict[str, Any]:
     write_unavailable(tmp / "nvml.json")  # CPU mode on any machine
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "GPU_STAT_", "PROMETHEUS_"))
-    }
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "GPU_STAT_", "PROMETHEUS_"))}
     env.update(
         SCORING_RUN_DIR=str(tmp / "run"),
         GPU_STAT_FAKE_NVML=str(tmp / "nvml.json"),
