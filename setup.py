@@ -70,6 +70,7 @@ setup(
             "kserve>=0.21",
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
+            "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries
             "py3nvml>=0.2.7",
             "pyperf>=2.6",  # benchmarks/loadtable.py
             "ruff>=0.5",
