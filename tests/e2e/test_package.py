@@ -3,10 +3,10 @@ wheel built from this checkout, installed into a fresh virtual environment outsi
 model repository with the ``scoring-server`` console command from a folder outside it.
 
 Built and installed without a network and without reinstalling torch: the wheel goes in with
-``--no-deps --no-index``, then a ``.pth`` line appends this interpreter's site-packages (where
-the dependencies are) to the new environment's ``sys.path``. A plain path line does not run the
-``.pth`` files of the folder it adds, so an editable install of the checkout found there stays
-inactive: the test checks that ``app`` is the wheel's. Loopback only; every wait is bounded.
+``--no-deps --no-index``, then a ``.pth`` file appends this interpreter's site-packages folders
+(where the dependencies are) to the new environment's ``sys.path``, after its own. A plain path
+line does not run the ``.pth`` files of the folder it adds, so an editable install of the
+checkout found there stays inactive: the test checks that ``app`` is the wheel's. Loopback only; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -77,6 +77,22 @@ def _clean_env(**extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def dependencies() -> list[str]:
+    """This interpreter's site-packages folders, in ``sys.path`` order (those its own ``.pth``
+    files added included): where the server's dependencies are installed. Never the checkout."""
+    root = ROOT.resolve()
+    return [
+        path
+        for path in dict.fromkeys(
+            [*sys.path, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
+        )
+        if path
+        and Path(path).name in ("site-packages", "dist-packages")
+        and Path(path).is_dir()
+        and not Path(path).resolve().is_relative_to(root)
+    ]
+
+
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     src = tmp_path_factory.mktemp("src")
@@ -113,8 +129,9 @@ def installed(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Installe
     site = Path(
         _run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
     )
-    here = dict.fromkeys(sysconfig.get_paths()[k] for k in ("purelib", "platlib"))
-    (site / "zz_dependencies.pth").write_text("".join(f"{path}\n" for path in here), encoding="utf-8")
+    (site / "zz_dependencies.pth").write_text(
+        "".join(f"{path}\n" for path in dependencies()), encoding="utf-8"
+    )
     return Installed(venv, site)
 
 
