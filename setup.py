@@ -1,4 +1,6 @@
-"""Packaging for the scoring server: ``pip install .`` (extras: ``test``, ``demo``).
+"""Packaging for the scoring server: ``pip install .`` (extras: ``test``, ``demo``), or a wheel
+(``python -m pip wheel --no-deps -w dist .``); both install the console command
+``scoring-server`` (``app.server.cli``: gunicorn with the packaged configuration).
 
 Install ``torch==2.13.0`` *before* this package where a CPU-only build is wanted:
 the requirement below is a range that an installed 2.13.0 satisfies, whereas a
@@ -20,7 +22,13 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
     include_package_data=True,
-    package_data={"gpu_stat": ["py.typed"], "app": ["py.typed", "openapi.json"]},
+    package_data={
+        "gpu_stat": ["py.typed"],
+        "app": ["py.typed", "openapi.json", "grpc/generated/*.pyi"],
+    },
+    # gunicorn with the packaged configuration (app.server.gunicorn_config); README.md,
+    # "Installing the server as a package"
+    entry_points={"console_scripts": ["scoring-server = app.server.cli:main"]},
     install_requires=[
         "aiohttp>=3.14,<4",
         "gunicorn>=22",
@@ -62,10 +70,14 @@ setup(
             "kserve>=0.21",
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
+            "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries
             "py3nvml>=0.2.7",
             "pyperf>=2.6",  # benchmarks/loadtable.py
             "ruff>=0.5",
             "mypy>=1.10",
+            # tests/e2e/test_package.py builds the wheel without build isolation (bdist_wheel
+            # is part of setuptools from 70.1)
+            "setuptools>=70.1",
         ],
     },
     classifiers=[
