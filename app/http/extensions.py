@@ -105,7 +105,7 @@ async def repository_load(request: web.Request) -> web.Response:
         raise InvalidInput("this server loads models from their folder in the repository; "
                            "parameters.config and file: overrides are not supported")  # fmt: skip
     await request.app[CONTROL].request(LOAD, request.match_info["name"])
-    return web.Response(status=200)
+    return _json({})
 
 
 @routes.post("/v2/repository/models/{name}/unload")
@@ -115,4 +115,4 @@ async def repository_unload(request: web.Request) -> web.Response:
     freed it."""
     await _repository_parameters(request, "repository unload")
     await request.app[CONTROL].request(UNLOAD, request.match_info["name"])
-    return web.Response(status=200)
+    return _json({})

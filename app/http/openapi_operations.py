@@ -208,6 +208,26 @@ OPERATIONS: list[Op] = [
         errors=("BadRequest", "Unauthorized", "HeaderFieldsTooLarge"),
     ),
     Op(
+        "/v2/repository/models/{name}/load",
+        "post",
+        "repositoryModelLoad",
+        "triton",
+        "Load or reload a model on every worker (Triton's model repository extension)",
+        ({"type": "object"}, "Every worker serves the model's versions as its folders say now."),
+        body="RepositoryModelRequest",
+        errors=("BadRequest", "Unauthorized", "HeaderFieldsTooLarge"),
+    ),
+    Op(
+        "/v2/repository/models/{name}/unload",
+        "post",
+        "repositoryModelUnload",
+        "triton",
+        "Unload a model on every worker (Triton's model repository extension)",
+        ({"type": "object"}, "Every worker has drained and freed the model."),
+        body="RepositoryModelRequest",
+        errors=("BadRequest", "Unauthorized", "HeaderFieldsTooLarge"),
+    ),
+    Op(
         "/v1/models",
         "get",
         "v1ListModels",
@@ -271,6 +291,7 @@ TYPES: list[Any] = [
     schemas.TritonModelConfig,
     schemas.ModelStatistics,
     schemas.RepositoryIndexRequest,
+    schemas.RepositoryModelRequest,
     schemas.RepositoryIndexEntry,
 ]
 
