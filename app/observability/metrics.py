@@ -129,6 +129,16 @@ class ServerMetrics:
             "admission (503), deadline (504), out_of_memory (507), disconnected.",
             [*model, "reason"], registry=r,
         )  # fmt: skip
+        self.priority_requests = Counter(
+            "scoring_priority_requests", "Requests to a model with priority levels, by level "
+            "(Triton's: 1 = the highest) and outcome: admitted or refused.",
+            [*model, "priority", "outcome"], registry=r,
+        )  # fmt: skip
+        self.priority_queue_seconds = Histogram(
+            "scoring_priority_queue_duration_seconds", "Per request of a model with priority levels: "
+            "how long it waited in the queue before its first batch, by level.",
+            [*model, "priority"], buckets=LATENCY_BUCKETS, registry=r,
+        )  # fmt: skip
         self.hung_batches = Counter(
             "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
             "one makes its worker restart itself.",
@@ -364,6 +374,17 @@ class ModelObserver:
         """Items waiting in the queue now."""
         if self._metrics is not None:
             self._depth.set(items)
+
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
+        """A request at queue ``level`` (0 = Triton's priority 1) was ``admitted`` or ``refused``;
+        or, with ``waited_s``, its first batch began after that many seconds in the queue."""
+        if self._metrics is None:
+            return
+        priority = str(level + 1)
+        if waited_s is not None:
+            self._metrics.priority_queue_seconds.labels(*self._labels, priority).observe(waited_s)
+        else:
+            self._metrics.priority_requests.labels(*self._labels, priority, outcome).inc()
 
 
 METRICS = web.AppKey("metrics", ServerMetrics)

@@ -440,3 +440,28 @@ def decode_json(decoder: msgspec.json.Decoder[T], body: bytes, max_depth: int, w
         raise InvalidInput(f"invalid {what}: {exc}") from None
     except RecursionError:  # only with max_depth near Python's recursion limit
         raise InvalidInput(f"invalid {what}: nested too deeply") from None
+
+
+def typed_array(tensor: Any, shape: list[int], where: str, limits: RequestLimits) -> np.ndarray:
+    """A tensor's ``data`` already an array of its dtype (gRPC typed contents; a
+    ``app.protocols.infer.InferInput``), reshaped to ``shape``.
+
+    Raises:
+        InvalidInput: the element count or dtype does not match; PayloadTooLarge: a string over
+            ``limits.max_string_bytes``.
+    """
+    arr = tensor.data
+    assert isinstance(arr, np.ndarray)
+    expected = math.prod(shape)
+    if arr.size != expected:
+        raise InvalidInput(f"{where}: shape {shape} needs {expected} elements, data has {arr.size}")
+    if tensor.datatype == "BYTES":
+        longest = max((len(v) for v in arr.ravel()), default=0)
+        if longest > limits.max_string_bytes:
+            raise PayloadTooLarge(
+                f"{where}: an element is {longest} bytes; the server accepts at most "
+                f"{limits.max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
+            )
+    elif arr.dtype != NUMPY_DTYPES[tensor.datatype]:
+        raise InvalidInput(f"{where}: data of dtype {arr.dtype} for datatype {tensor.datatype}")
+    return arr.reshape(shape)

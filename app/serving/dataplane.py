@@ -21,10 +21,9 @@ from typing import Any
 import numpy as np
 from aiohttp import web
 
-from app.datatypes import NUMPY_DTYPES
-from app.errors import InvalidInput, ModelNotReady, PayloadTooLarge
+from app.errors import InvalidInput, ModelNotReady
 from app.models.repository import ModelConfig
-from app.protocols.infer import InferInput, InferRequest, InferResponse, OutputTensor, RawData
+from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
 from app.protocols.tensors import (
     RequestLimits,
     check_against_spec,
@@ -33,6 +32,7 @@ from app.protocols.tensors import (
     complete_inputs,
     decode_raw,
     to_array,
+    typed_array,
 )
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
@@ -294,25 +294,6 @@ def parameters_priority(parameters: dict[str, Any]) -> int | None:
     return value
 
 
-def _typed_array(tensor: InferInput, shape: list[int], where: str, limits: RequestLimits) -> np.ndarray:
-    """An array already of the tensor's dtype (gRPC typed contents), reshaped to ``shape``."""
-    arr = tensor.data
-    assert isinstance(arr, np.ndarray)
-    expected = math.prod(shape)
-    if arr.size != expected:
-        raise InvalidInput(f"{where}: shape {shape} needs {expected} elements, data has {arr.size}")
-    if tensor.datatype == "BYTES":
-        longest = max((len(v) for v in arr.ravel()), default=0)
-        if longest > limits.max_string_bytes:
-            raise PayloadTooLarge(
-                f"{where}: an element is {longest} bytes; the server accepts at most "
-                f"{limits.max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
-            )
-    elif arr.dtype != NUMPY_DTYPES[tensor.datatype]:
-        raise InvalidInput(f"{where}: data of dtype {arr.dtype} for datatype {tensor.datatype}")
-    return arr.reshape(shape)
-
-
 def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
     """The request's tensors checked against ``config``, each in this order: its shape (at most
     ``MAX_DIMS`` non-negative dimensions, ``limits.max_items`` items), its name (a model input,
@@ -353,7 +334,7 @@ def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestL
                 raise InvalidInput(f"{where}: raw data needs a shape")
             arr = decode_raw(tensor.datatype, shape, data.data, where, limits.max_string_bytes).reshape(shape)
         elif isinstance(data, np.ndarray):
-            arr = _typed_array(tensor, shape if shape is not None else list(data.shape), where, limits)
+            arr = typed_array(tensor, shape if shape is not None else list(data.shape), where, limits)
         else:
             if shape is not None and shape and len(data) > math.prod(shape):
                 raise InvalidInput(f"{where}: shape {shape} needs {math.prod(shape)} elements, data has more")

@@ -71,6 +71,8 @@ class UnitObserver(Protocol):
 
     def queue_depth(self, items: int) -> None: ...
 
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None: ...
+
 
 class ServingUnit:
     """One model version's queue, admission policy and executor (module docstring).
@@ -128,6 +130,7 @@ class ServingUnit:
         #: Whether requests are priced (``item_costs``): costs are then tokens.
         self.priced = item_costs is not None
         self.default_level = max(0, (default_priority_level or priority_levels or 1) - 1)
+        self._levels = priority_levels > 0  # per-level metrics only for a model with levels
         self.queue = RequestQueue(
             max_batch_size=max_batch_size,
             max_queue_delay_s=self.max_queue_delay_s,
@@ -161,8 +164,7 @@ class ServingUnit:
     @property
     def running_batch(self) -> RunningBatch | None:
         """The oldest batch running, or None (the hung-inference watchdog reads it)."""
-        running = self.executor.running
-        return running[0] if running else None
+        return self.executor.running[0] if self.executor.running else None
 
     def expected_wait_s(self, now: float) -> float:
         """Expected seconds before a request sent now would start computing (0 when unknown)."""
@@ -202,8 +204,6 @@ class ServingUnit:
     def refuse_early(self, deadline: float) -> ScoringError | None:
         """The refusal a request would get whatever its size (counted), judged before its body is
         decoded, or None (``app.serving.admission.AdmissionPolicy.refuse_early``)."""
-        if self.queue.items < self.max_batch_size:
-            return None
         now = asyncio.get_running_loop().time()
         refusal = self.admission.refuse_early(deadline - now, now)
         if refusal is None:
@@ -212,11 +212,7 @@ class ServingUnit:
         return refusal.error
 
     def level(self, priority: int | None) -> int:
-        """The queue level of Triton's request ``priority`` (:meth:`RequestQueue.level`).
-
-        Raises:
-            InvalidInput: a priority above ``priority_levels``.
-        """
+        """The queue level of Triton's request ``priority``; InvalidInput above the levels."""
         return self.queue.level(priority, self.default_level)
 
     async def infer(
@@ -271,17 +267,17 @@ class ServingUnit:
                 order = None
                 if tokens is not None:
                     inputs, tokens, order = sort_by_cost(inputs, tokens)
-                costs = check_item_bounds(
-                    self.name, request_id, inputs, tokens, self.max_batch_bytes, self.max_batch_tokens
-                )
+                costs = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
+                                          self.max_batch_tokens)  # fmt: skip
                 cost = int(tokens.sum()) if tokens is not None else size
                 if self._stopped:
                     raise QueueFull(f"model {self.name} is unloading")
                 level = self.default_level if level is None else level
                 now = loop.time()
-                refusal = self.admission.refusal(
-                    size, cost, level, deadline - now, now, f"request {request_id}"
-                )
+                what = f"request {request_id}"
+                refusal = self.admission.refusal(size, cost, level, deadline - now, now, what)
+                if self._levels:
+                    self.observer.prioritized(level, "admitted" if refusal is None else "refused")
                 if refusal is not None:
                     self.observer.rejected(refusal.reason)
                     raise refusal.error
@@ -320,6 +316,10 @@ class ServingUnit:
             await executor.room()
             chunks, formed_at = await queue.next_batch(self._drop)
             self._report_depth()
+            if self._levels:
+                for chunk in chunks:
+                    if chunk.start == 0:  # the request's first batch
+                        self.observer.prioritized(chunk.request.level, "", formed_at - chunk.request.arrival)
             if not chunks:
                 executor.no_batch()
                 continue

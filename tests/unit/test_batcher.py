@@ -464,7 +464,8 @@ def test_lag_follows_a_sustained_slowdown_not_one_stalled_batch() -> None:
 
 async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    b, counts = observed(executor, rec, max_batch_size=1)
+    # capacity admission: admitted whatever the held batch's age, they expire in the queue
+    b, counts = observed(executor, rec, max_batch_size=1, admission="capacity")
     blocker = await start_held(b, rec, items(0), timeout_s=30)
     expiring = [asyncio.create_task(b.infer(items(9), deadline=soon(0.01))) for _ in range(5)]
     done, _ = await asyncio.wait(expiring)
@@ -533,3 +534,22 @@ def test_gather_turns_is_read_from_model_toml(tmp_path: Path) -> None:
     toml.write_text(toml.read_text().replace("gather_turns = 0", "gather_turns = -1"))
     with pytest.raises(ModelLoadError, match="gather_turns must be >= 0"):
         read_config(tmp_path / "scale")
+
+
+async def test_capacity_admission_refuses_only_a_full_queue(executor: ThreadPoolExecutor) -> None:
+    """The plain policy (TEI's and Triton's queue policy): no rate, no prediction; 503 with
+    Retry-After 1 when the queue cannot hold the items, and a deadline is the queue's to enforce."""
+    rec = Recorder()
+    b, counts = observed(executor, rec, max_batch_size=2, queue_capacity=4, admission="capacity")
+    running = await start_held(b, rec, items(0), timeout_s=30)
+    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), deadline=soon(30)))  # would wait long: admitted
+    await eventually(lambda: b.queue.items == 4)
+    with pytest.raises(QueueFull, match="queue is full") as info:
+        await b.infer(items(5), deadline=soon(30))
+    assert info.value.retry_after_s == 1.0 and counts.rejections == {"queue_full": 1}
+    assert b.refuse_early(soon(0.001)) is None  # no early refusal: the size decides
+    rec.gate.set()
+    await asyncio.gather(running, queued)
+    with pytest.raises(ValueError, match="measured_rate' or 'capacity"):
+        ServingUnit("m", rec, executor, max_batch_size=1, max_queue_delay_ms=0, queue_capacity=1, admission="fifo")
+    await b.stop()

@@ -323,3 +323,54 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
 def test_scale_model_does_not_price(tmp_path: Path) -> None:
     runner = ModelRunner(read_config(write_scale_model(tmp_path)))
     assert not runner.prices_items and runner.item_costs({"x": np.zeros((1, 2), np.float32)}) is None
+
+
+# --- priority levels ----------------------------------------------------------------------
+
+
+async def test_a_higher_level_is_batched_first_and_admitted_against_its_own_backlog(threads: Threads) -> None:
+    """Triton's priority levels: with the model held and low-priority requests queued, a
+    high-priority request joins the next batch ahead of them; admission judges it against the
+    work at its level and above (and the batch running), not the low-priority backlog."""
+    model = Priced()
+    b = batcher(model, threads, max_batch_size=2, priority_levels=2, default_priority_level=2)
+    measured(b).rate.item_s, measured(b).rate.overhead_s = 0.1, 0.0  # 10 tokens/s: 0.1 s per token
+    first = await held(b, model, items((0, 1)))
+    low = [asyncio.create_task(b.infer(items((float(10 + i), 1)), deadline=soon(60))) for i in range(10)]
+    await eventually(lambda: b.queue.items == 10)
+    # alone behind the running batch: well within 2 s; behind the low backlog it would need 1+ s more
+    high = asyncio.create_task(b.infer(items((99, 1)), deadline=soon(2.0), level=b.level(1)))
+    with pytest.raises(QueueFull):  # the same request at the low level does not fit 2 s
+        await b.infer(items((98, 1)), deadline=soon(2.0))
+    await eventually(lambda: b.queue.items == 11)
+    model.gate.set()
+    await asyncio.gather(first, high, *low)
+    assert 99 in [int(v) for v in model.stages[3][2]]  # the first batch after the held one
+    await b.stop()
+
+
+async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: Threads) -> None:
+    """Aging: a low-priority request that has waited ``priority_aging`` of its time to deadline
+    is taken before the high-priority ones that keep arriving."""
+    model = Priced()
+    # an aging share so small that the low request has aged by the time the next batch forms
+    b = batcher(model, threads, max_batch_size=1, priority_levels=2, default_priority_level=2, priority_aging=1e-9)
+    first = await held(b, model, items((0, 1)))
+    low = asyncio.create_task(b.infer(items((7, 1)), deadline=soon(60)))
+    high = [asyncio.create_task(b.infer(items((float(20 + i), 1)), deadline=soon(60), level=0)) for i in range(3)]
+    await eventually(lambda: b.queue.items == 4)
+    model.gate.set()
+    await asyncio.gather(first, low, *high)
+    order = [int(stage[2][0]) for stage in model.stages if stage[0] == "predict"]
+    assert order[:2] == [0, 7]  # the aged low request before every high one
+    await b.stop()
+
+
+def test_a_priority_above_the_levels_is_invalid() -> None:
+    from app.serving.queue import RequestQueue
+
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3)
+    assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
+    with pytest.raises(InvalidInput, match="levels 1..3"):
+        queue.level(4, default=2)
+    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0).level(7, default=0) == 0  # no levels: ignored
