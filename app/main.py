@@ -18,6 +18,8 @@ from app.http.middleware import edge_middleware
 from app.http.routes import inference_routes, metrics_handler, routes
 from app.observability.gpu import gpu_metrics_ctx
 from app.observability.metrics import METRICS, create_metrics
+from app.observability.tracing import TRACING, tracing_ctx
+from app.observability.tracing import setup as setup_tracing
 from app.protocols.tensors import RequestLimits
 from app.serving.control import models_ctx
 from app.serving.dataplane import DATAPLANE, DataPlane
@@ -57,12 +59,13 @@ async def create_app(
     """
     settings = settings or Settings()
     alone = Alone()
+    tracing = setup_tracing()  # before the Application: its instrumentation adds a middleware
     quiet_parser_errors()
     keys = ApiKeys.from_settings(settings)
     authorize = authorizer(keys, metrics_open=not settings.metrics_auth) if keys.enabled else None
     metrics = create_metrics() if settings.metrics_enabled else None
     app = web.Application(
-        middlewares=[edge_middleware(settings, authorize, metrics)],
+        middlewares=[edge_middleware(settings, authorize, metrics, tracing)],
         client_max_size=settings.max_request_bytes,
         handler_args=parser_limits(settings),
     )
@@ -79,7 +82,10 @@ async def create_app(
     app[LIMITS] = limits
     app[SIBLINGS] = siblings or alone
     app[SUPERVISOR] = supervisor or alone
-    app[DATAPLANE] = DataPlane(registry, settings, limits, app[SIBLINGS])
+    app[DATAPLANE] = DataPlane(registry, settings, limits, app[SIBLINGS], tracing)
+    if tracing is not None:
+        app[TRACING] = tracing
+        app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests
     app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
     app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata

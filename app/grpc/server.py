@@ -31,6 +31,7 @@ import grpc
 from aiohttp import web
 
 from app.grpc.servicer import InferenceServicer, generic_handler
+from app.observability.tracing import TRACING
 from app.serving.registry import SETTINGS
 from app.settings import Settings
 
@@ -96,7 +97,9 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
         OSError: the certificate or key cannot be read.
     """
     settings = app[SETTINGS]
-    server = grpc.aio.server(options=server_options(settings))
+    tracing = app.get(TRACING)
+    interceptors = tracing.grpc_interceptors() if tracing is not None else None
+    server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(app)),))
     address = _address(host, port)
     if settings.certfile is not None and settings.keyfile is not None:

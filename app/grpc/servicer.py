@@ -117,6 +117,8 @@ class InferenceServicer:
                 except DecodeError as exc:
                     raise InvalidInput(f"malformed {request_type.__name__} message: {exc}") from None
                 rid = _request_id(context, getattr(request, "id", ""))
+                if self.plane.tracing is not None:
+                    self.plane.tracing.tag(rid)
                 reply: Message = await method(request, context, rid)
             except Exception as exc:
                 rid = rid or _request_id(context)
@@ -264,7 +266,10 @@ class InferenceServicer:
             is_disconnected=context.cancelled,
             pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
         )
-        return codec.encode_response(response, raw=bool(message.raw_input_contents))
+        if plane.tracing is None:
+            return codec.encode_response(response, raw=bool(message.raw_input_contents))
+        with plane.tracing.encoding():
+            return codec.encode_response(response, raw=bool(message.raw_input_contents))
 
     async def _observed(self, labels: tuple[str, str], work: Awaitable[Reply]) -> Reply:
         """Count and time one ModelInfer in the Prometheus metrics, labelled (model, version)

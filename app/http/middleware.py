@@ -49,6 +49,7 @@ from app.errors import (
     UnsupportedMediaType,
 )
 from app.observability.metrics import ServerMetrics
+from app.observability.tracing import Tracing
 from app.serving.dataplane import DATAPLANE
 from app.settings import Settings
 
@@ -94,10 +95,11 @@ def edge_middleware(
     settings: Settings,
     authorize: Callable[[web.Request], None] | None = None,
     metrics: ServerMetrics | None = None,
+    tracing: Tracing | None = None,
 ) -> Middleware:
     """The middleware (module docstring). ``authorize`` raises ``Unauthorized`` for a request
     without a valid key (``app.http.auth.authorizer``; None: no keys); ``metrics``: None when
-    metrics are off."""
+    metrics are off; ``tracing``: tags the request's server span with its id (None: off)."""
     max_bytes, max_headers = settings.max_header_bytes, settings.max_headers
     timeout_s, grace_s = settings.body_timeout_s, settings.body_grace_s
     min_rate = settings.min_body_rate_bytes_s
@@ -107,6 +109,8 @@ def edge_middleware(
         start = time.perf_counter()
         rid = request_id(request.headers.get(REQUEST_ID_HEADER, ""))
         request[REQUEST_ID] = rid
+        if tracing is not None:
+            tracing.tag(rid)
         recorded = None
         if metrics is not None and (protocol := _inference_protocol(request)) is not None:
             recorded = metrics.for_requests(*_model_labels(request), protocol)

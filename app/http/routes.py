@@ -172,7 +172,12 @@ async def infer(request: web.Request) -> web.Response:
     response = await plane.infer(
         parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
     )
-    payload, header_length = v2.encode_response(response)
+    tracing = plane.tracing
+    if tracing is None:
+        payload, header_length = v2.encode_response(response)
+    else:
+        with tracing.encoding():
+            payload, header_length = v2.encode_response(response)
     if header_length is None:
         return web.Response(body=payload, content_type="application/json")
     return web.Response(

@@ -447,12 +447,11 @@ class Balancer:
         local: LocalRun,
         *,
         pinned: bool,
-        trace: dict[str, str] | None = None,
     ) -> Arrays | None:
         """The router's answer (``app.server.router.Router.route``); None without a router."""
         if self.router is None:
             return None
-        return await self.router.route(unit, inputs, deadline, request_id, local, pinned=pinned, trace=trace)
+        return await self.router.route(unit, inputs, deadline, request_id, local, pinned=pinned)
 
     def others_serving(self) -> bool:
         """Another worker accepts requests (:func:`others_serving`). Reads /proc: off the loop."""

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import math
 import os
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +66,8 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     """A shard of an inference request sent to a sibling's internal endpoint.
 
     ``timeout_s``: what is left of the original deadline when sent, seconds (the one place a
-    deadline travels relative: two processes' loop clocks need not agree); ``trace``: the
-    request's W3C trace context (``traceparent``, ``tracestate``), empty when not traced.
+    deadline travels relative: two processes' loop clocks need not agree). The request's trace
+    context travels in the call's ``traceparent`` header (``app.observability.tracing``).
     """
 
     model: str
@@ -74,7 +75,6 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     timeout_s: float
     inputs: dict[str, Tensor]
-    trace: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -197,9 +197,8 @@ async def _handle_shard(request: web.Request) -> web.Response:
         plane = request.app[_MAIN][DATAPLANE]
         model = plane.version(shard.model, shard.version)
         outputs = await plane.run(
-            model, inputs, deadline=deadline, request_id=shard.request_id, forwarded=True,
-            trace=shard.trace or None,
-        )  # fmt: skip
+            model, inputs, deadline=deadline, request_id=shard.request_id, forwarded=True
+        )
         reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:
         reply = ShardResponse(error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s)
@@ -224,15 +223,21 @@ class PeerUnavailable(Exception):
     """The sibling could not be reached, or went away before it answered."""
 
 
+#: Puts the current trace context into a call's headers (``app.observability.tracing``).
+Inject = Callable[[MutableMapping[str, str]], None]
+
+
 class PeerClient:
     """Sends shards to siblings' internal endpoints (one keep-alive session per sibling).
 
     Args:
         run_dir: the server's run directory.
+        inject: puts the current trace context into a call's headers (tracing on), or None.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], inject: Inject | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.inject = inject
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def _session(self, pid: int) -> aiohttp.ClientSession:
@@ -252,7 +257,6 @@ class PeerClient:
         *,
         deadline: float,
         request_id: str,
-        trace: dict[str, str] | None = None,
     ) -> dict[str, np.ndarray]:
         """Run a shard on sibling ``pid`` by ``deadline`` (loop time); outputs ``[b, ...]`` per name.
 
@@ -270,13 +274,15 @@ class PeerClient:
                 request_id,
                 timeout_s,
                 {name: to_tensor(a) for name, a in inputs.items()},
-                trace or {},
             )
         )
         timeout = aiohttp.ClientTimeout(total=timeout_s + REPLY_GRACE_S)
+        headers = {"X-Request-Id": request_id}
+        if self.inject is not None:
+            self.inject(headers)
         try:
             async with self._session(pid).post(
-                f"http://peer{PATH}", data=body, timeout=timeout, headers={"X-Request-Id": request_id}
+                f"http://peer{PATH}", data=body, timeout=timeout, headers=headers
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:

@@ -143,7 +143,6 @@ class Router:
         local: LocalRun,
         *,
         pinned: bool = False,
-        trace: dict[str, str] | None = None,
     ) -> Arrays | None:
         """The request's outputs, or None when it should run here whole.
 
@@ -155,9 +154,9 @@ class Router:
         if splits(unit.scatter, unit.max_batch_size, items):
             siblings = pick_siblings(self.balancer.siblings(), items, unit.max_batch_size, time.monotonic())
             if siblings:
-                return await self._scatter(unit, inputs, items, deadline, request_id, local, siblings, trace)
+                return await self._scatter(unit, inputs, items, deadline, request_id, local, siblings)
         if pinned and self.forward:
-            return await self._forward(unit, inputs, items, deadline, request_id, local, trace)
+            return await self._forward(unit, inputs, items, deadline, request_id, local)
         return None
 
     async def _scatter(
@@ -169,7 +168,6 @@ class Router:
         request_id: str,
         local: LocalRun,
         siblings: list[Load],
-        trace: dict[str, str] | None,
     ) -> Arrays:
         bounds = shard_bounds(items, len(siblings) + 1)
         log.debug(
@@ -188,7 +186,6 @@ class Router:
             try:
                 return await self.peers.infer(
                     sibling.pid, unit.name, unit.version, shard, deadline=deadline, request_id=request_id,
-                    trace=trace,
                 )  # fmt: skip
             except PeerUnavailable as exc:
                 log.info("request %s: shard %d runs here (%s)", request_id, i, exc)
@@ -216,7 +213,6 @@ class Router:
         deadline: float,
         request_id: str,
         local: LocalRun,
-        trace: dict[str, str] | None,
     ) -> Arrays | None:
         mine = self.balancer.items
         target = pick_target(mine, self.balancer.siblings(), time.monotonic(), self.pending, self.rng)
@@ -238,8 +234,7 @@ class Router:
                 inputs,
                 deadline=deadline,
                 request_id=request_id,
-                trace=trace,
-            )
+                )
         except (PeerUnavailable, errors.ServiceUnavailable, errors.ModelNotFound) as exc:  # nothing ran there
             log.info("request %s: runs here, not on pid %d (%s)", request_id, target.pid, exc)
             refused = True

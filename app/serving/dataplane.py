@@ -23,6 +23,7 @@ from aiohttp import web
 
 from app.errors import InvalidInput, ModelNotReady
 from app.models.repository import ModelConfig
+from app.observability.tracing import Tracing
 from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
 from app.protocols.tensors import (
     RequestLimits,
@@ -51,15 +52,22 @@ class DataPlane:
         settings: the server's settings (default and maximum deadlines).
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
+        tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
     """
 
     def __init__(
-        self, registry: ModelRegistry, settings: Settings, limits: RequestLimits, siblings: Siblings
+        self,
+        registry: ModelRegistry,
+        settings: Settings,
+        limits: RequestLimits,
+        siblings: Siblings,
+        tracing: Tracing | None = None,
     ) -> None:
         self.registry = registry
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
+        self.tracing = tracing
 
     def version(self, name: str, version: str | None) -> ModelVersion:
         """The model version a request addresses (None: the one requests without a version get).
@@ -192,7 +200,6 @@ class DataPlane:
         forwarded: bool = False,
         pinned: bool = False,
         level: int | None = None,
-        trace: dict[str, str] | None = None,
     ) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
         shards on them and here, or whole on one of them (``Siblings.route``).
@@ -211,7 +218,7 @@ class DataPlane:
         items = len(next(iter(inputs.values())))
         if unit is not None and not forwarded and self.siblings.considers(unit, items, pinned):
             return self._routed(model, inputs, items, deadline, request_id, is_disconnected, pinned, level)
-        return self._here(model, inputs, items, deadline, request_id, is_disconnected, level, trace)
+        return self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
 
     async def _here(
         self,
@@ -222,9 +229,9 @@ class DataPlane:
         request_id: str,
         is_disconnected: Callable[[], bool] | None,
         level: int | None,
-        trace: Any = None,
     ) -> Arrays:
         siblings = self.siblings
+        trace = self.tracing.queued() if self.tracing is not None else None
         siblings.add_load(items)  # published for the siblings' balancing
         try:
             unit = model.unit

@@ -55,16 +55,9 @@ class Batch:
     its items' costs: the padded tokens it computes; else its items)."""
 
     __slots__ = (
-        "chunks",
-        "cost",
-        "formed_at",
-        "groups",
-        "inputs",
-        "items",
-        "queue_s",
-        "real_tokens",
-        "requests",
-    )
+        "chunks", "cost", "formed_at", "groups", "inputs", "items", "queue_s", "real_tokens",
+        "requests", "trace",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -90,6 +83,8 @@ class Batch:
         priced = [c.request.tokens[c.start : c.stop] for c in chunks if c.request.tokens is not None]
         self.real_tokens = sum(int(t.sum()) for t in priced)
         self.cost = batch_cost(np.concatenate(priced)) if priced else float(self.items)
+        #: Its ``batch`` span (``app.observability.tracing``), when a request in it is traced.
+        self.trace: Any = None
 
 
 def assemble(request: QueuedRequest) -> Tensors:

@@ -34,6 +34,7 @@ from app.errors import ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scrub_paths
 from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import METRICS, ModelObserver
+from app.observability.tracing import TRACING, Tracing
 from app.serving.executor import InferenceThread, Threads
 from app.serving.registry import HEALTH, REGISTRY, SETTINGS, ModelVersion
 from app.serving.unit import ServingUnit
@@ -90,7 +91,7 @@ def _spawn(app: web.Application, coro: Coroutine[Any, Any, None], name: str) -> 
 
 
 def unit_for(config: ModelConfig, runner: ModelRunner, threads: Threads, observer: ModelObserver,
-             max_batch_bytes: int) -> ServingUnit:  # fmt: skip
+             max_batch_bytes: int, tracing: Tracing | None = None) -> ServingUnit:  # fmt: skip
     """The serving unit of a loaded model version, as its ``model.toml`` says."""
     return ServingUnit(
         config.name,
@@ -114,6 +115,7 @@ def unit_for(config: ModelConfig, runner: ModelRunner, threads: Threads, observe
         priority_aging=config.priority_aging,
         observer=observer,
         scatter=config.scatter,
+        tracing=tracing,
     )
 
 
@@ -176,7 +178,7 @@ async def load_version(
         metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
     observer = ModelObserver(model.stats, metrics, config.name, config.version)
     threads = _threads(app, config, inference, runner)
-    unit = unit_for(config, runner, threads, observer, app[SETTINGS].max_batch_bytes)
+    unit = unit_for(config, runner, threads, observer, app[SETTINGS].max_batch_bytes, app.get(TRACING))
     unit.admission.observe(seed[0], seed[1], 0)
     unit.start()
     old = (model.unit, model.runner, model.threads)

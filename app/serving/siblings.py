@@ -56,7 +56,6 @@ class Siblings(Protocol):
         local: LocalRun,
         *,
         pinned: bool,
-        trace: dict[str, str] | None = None,
     ) -> Arrays | None:
         """The request's outputs when it ran (in part) on siblings, or None to run it here whole.
 
@@ -107,7 +106,6 @@ class Alone:
         local: LocalRun,
         *,
         pinned: bool,
-        trace: dict[str, str] | None = None,
     ) -> Arrays | None:
         """Here, whole."""
         return None

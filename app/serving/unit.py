@@ -9,12 +9,9 @@
 
 :meth:`ServingUnit.infer` takes one request's validated arrays and absolute deadline (the event
 loop's clock), prices it, asks admission, queues it and waits for its outputs; the unit's task
-forms batches, hands them to the executor and delivers each request its rows. A request whose
-deadline passes gets 504; the items of a client that disconnected are dropped before any compute.
-
-Lifecycle (:mod:`app.serving.lifecycle` loads, warms and frees the model): :meth:`start` once
-warm; :meth:`drain` lets what was routed here finish while new requests go elsewhere (a swap, an
-unload); :meth:`stop` fails what is left (503) and ends the task.
+forms batches, hands them to the executor and delivers each request its rows. Lifecycle
+(``app.serving.lifecycle`` loads and frees the model): :meth:`start` once warm; :meth:`drain`
+lets what was routed here finish while new requests go elsewhere; :meth:`stop` fails the rest.
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
-from typing import Any, Protocol
+from typing import Protocol
 
 import numpy as np
 
@@ -38,6 +35,7 @@ from app.errors import (
 )
 from app.models.base import Segment
 from app.observability.metrics import ModelObserver, ModelStats
+from app.observability.tracing import RequestTrace, Tracing
 from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
 from app.serving.executor import (
     Batch,
@@ -48,14 +46,7 @@ from app.serving.executor import (
     assemble,
     outputs_between,
 )
-from app.serving.queue import (
-    Chunk,
-    QueuedRequest,
-    RequestQueue,
-    Tensors,
-    padded_to_longest,
-    sort_by_cost,
-)
+from app.serving.queue import Chunk, QueuedRequest, RequestQueue, Tensors, padded_to_longest, sort_by_cost
 
 log = logging.getLogger(__name__)
 
@@ -90,8 +81,7 @@ class ServingUnit:
     ``scatter`` (a request larger than a batch may be split over sibling workers).
 
     Raises:
-        ValueError: ``max_batch_size`` < 1, ``queue_capacity`` < ``max_batch_size``, a negative
-            delay, or an unknown ``admission``.
+        ValueError: bounds that contradict each other, or an unknown ``admission``.
     """
 
     def __init__(
@@ -118,6 +108,7 @@ class ServingUnit:
         observer: UnitObserver | None = None,
         version: str = "1",
         scatter: bool = True,
+        tracing: Tracing | None = None,
     ) -> None:
         if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
             raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
@@ -145,6 +136,7 @@ class ServingUnit:
         self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
         self.admission: AdmissionPolicy = policy(admission, self, admission_headroom)
         self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, version)
+        self.tracing = tracing
         self._reported_depth = 0
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
@@ -223,17 +215,15 @@ class ServingUnit:
         request_id: str = "-",
         is_disconnected: Callable[[], bool] | None = None,
         level: int | None = None,
-        trace: Any = None,
+        trace: RequestTrace | None = None,
     ) -> Tensors:
         """Price and queue one request's items and wait for its outputs.
 
-        Args:
-            inputs: one array per model input, all with the same axis-0 length B >= 1.
-            deadline: ``loop.time()`` by which the outputs are due, seconds.
-            request_id: echoed in error messages and logs.
-            is_disconnected: polled before the request's items join a batch; True drops them.
-            level: the queue level (:meth:`level`); None: the default.
-            trace: the request's trace context (OpenTelemetry), or None.
+        Args: ``inputs``, one array per model input with the same axis-0 length B >= 1;
+        ``deadline``, the ``loop.time()`` by which the outputs are due; ``request_id``, echoed in
+        errors and logs; ``is_disconnected``, polled before its items join a batch (True drops
+        them); ``level``, its queue level (:meth:`level`; None: the default); ``trace``, its
+        spans (``app.observability.tracing``).
 
         Returns:
             One array per model output, axis 0 = the request's B items in order.
@@ -242,8 +232,7 @@ class ServingUnit:
             InvalidInput: B is 0 or more than the queue capacity, or the model refused an item.
             PayloadTooLarge: one item alone is over ``max_batch_bytes`` or ``max_batch_tokens``.
             QueueFull: refused by admission, or the unit is unloading (503 + Retry-After).
-            DeadlineExceeded: the deadline passed first, or the request could not finish in
-                time even on an idle model (504).
+            DeadlineExceeded: the deadline passed first, or even alone it could not finish (504).
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
         """
@@ -304,6 +293,8 @@ class ServingUnit:
                 if not request.future.done():
                     request.future.cancel()
                 self._discard(request)
+            if trace is not None and trace.queue is not None:  # refused, or left before a batch
+                trace.queue.end()
             self._active -= 1
             if not self._active and self._idle is not None:
                 self._idle.set()
@@ -323,9 +314,16 @@ class ServingUnit:
             if not chunks:
                 executor.no_batch()
                 continue
-            await executor.run(Batch(chunks, formed_at, queue.batch_cost), self._done, self._failed)
+            batch = Batch(chunks, formed_at, queue.batch_cost)
+            if self.tracing is not None:
+                traced = [r.trace for r in batch.requests.values() if r.trace is not None]
+                if traced:
+                    batch.trace = self.tracing.batch(traced, batch.items, len(batch.requests), batch.cost)
+            await executor.run(batch, self._done, self._failed)
 
     def _done(self, batch: Batch, segments: list[Segment], compute_s: float) -> None:
+        if batch.trace is not None:
+            batch.trace.ran(compute_s)
         self.admission.observe(batch.cost, compute_s, batch.real_tokens)
         if batch.real_tokens:
             self.observer.padding(batch.real_tokens, int(batch.cost))
@@ -337,6 +335,8 @@ class ServingUnit:
             offset += size
 
     def _failed(self, batch: Batch, exc: BaseException) -> None:
+        if batch.trace is not None:
+            batch.trace.ran(0.0, exc)
         if isinstance(exc, asyncio.CancelledError):
             for request in batch.requests.values():
                 self._fail(request, QueueFull(f"model {self.name} is unloading"))

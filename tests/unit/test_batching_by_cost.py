@@ -371,6 +371,6 @@ def test_a_priority_above_the_levels_is_invalid() -> None:
 
     queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3)
     assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
-    with pytest.raises(InvalidInput, match="levels 1..3"):
+    with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
         queue.level(4, default=2)
     assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0).level(7, default=0) == 0  # no levels: ignored
