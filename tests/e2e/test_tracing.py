@@ -17,7 +17,7 @@ from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.protocols.tensors import tensor_bytes
 from benchmarks.driver import poll
 from tests.support.gunicorn import Gunicorn
-from tests.support.otlp import Receiver
+from tests.support.otlp import Receiver, Span
 from tests.support.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -43,8 +43,8 @@ def test_http_and_grpc_requests_are_traced_across_workers(tmp_path: Path) -> Non
         with Gunicorn(tmp_path, env) as srv:
             srv.wait_ready(120, count=2)
 
-            def spans_of(trace_id: str, names: set[str]) -> list[object]:
-                def arrived() -> list[object] | None:
+            def spans_of(trace_id: str, names: set[str]) -> list[Span]:
+                def arrived() -> list[Span] | None:
                     spans = receiver.of_trace(trace_id)
                     return spans if names <= {s.name for s in spans} else None
 
@@ -71,9 +71,8 @@ def test_http_and_grpc_requests_are_traced_across_workers(tmp_path: Path) -> Non
             message.inputs.add(name="x", datatype="FP32", shape=[1, 2])
             message.raw_input_contents.append(tensor_bytes(np.ones((1, 2), np.float32), "FP32"))
             with grpc.insecure_channel(srv.grpc_url) as channel:
-                pb_grpc.GRPCInferenceServiceStub(channel).ModelInfer(
-                    message, timeout=30, metadata=[("traceparent", header)]
-                )
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+                stub.ModelInfer(message, timeout=30, metadata=[("traceparent", header)])
             spans = spans_of(trace_id, {"queue", "batch", "forward", "encode"})
             server = [s for s in spans if s.kind == 2]
             assert len(server) == 1 and server[0].attributes["scoring.request_id"] == "g-1"

@@ -297,6 +297,9 @@ class Counts:
     def queue_depth(self, items: int) -> None:
         pass
 
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
+        pass
+
 
 def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[ServingUnit, Counts]:
     counts = Counts()
