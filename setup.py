@@ -44,6 +44,11 @@ setup(
         "safetensors>=0.4",
         "grpcio>=1.81.1",
         "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
+        # tracing (app.observability.tracing), imported only when the OTEL_* variables turn it on
+        "opentelemetry-sdk>=1.40",
+        "opentelemetry-exporter-otlp-proto-http>=1.40",
+        "opentelemetry-instrumentation-aiohttp-server>=0.61b0",
+        "opentelemetry-instrumentation-grpc>=0.61b0",
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],
@@ -68,6 +73,7 @@ setup(
             "cryptography>=42",
             "tritonclient[http,grpc]>=2.40",
             "kserve>=0.21",
+            "openai>=1.40",  # tests: the stock client of POST /v1/embeddings
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
             "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries

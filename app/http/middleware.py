@@ -50,6 +50,7 @@ from app.errors import (
 )
 from app.observability.metrics import ServerMetrics
 from app.observability.tracing import Tracing
+from app.protocols.openai import error_body
 from app.serving.dataplane import DATAPLANE
 from app.settings import Settings
 
@@ -58,6 +59,10 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
 REQUEST_ID = web.RequestKey("request_id", str)
+#: (model, version) of a request whose model its body names (OpenAI's), for its metrics.
+MODEL_LABELS = web.RequestKey("model_labels", tuple[str, str])
+#: The path whose errors take OpenAI's shape (``app.protocols.openai.error_body``).
+OPENAI_PATH = "/v1/embeddings"
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
 #: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -84,11 +89,12 @@ def request_id_of(request: web.Request) -> str:
     return str(request.get(REQUEST_ID, "-"))
 
 
-def json_error(status: int, message: str, headers: dict[str, str] | None = None) -> web.Response:
-    """A ``{"error": message}`` JSON response."""
-    return web.Response(
-        status=status, body=orjson.dumps({"error": message}), content_type="application/json", headers=headers
-    )
+def json_error(
+    status: int, message: str, headers: dict[str, str] | None = None, *, openai: bool = False
+) -> web.Response:
+    """A ``{"error": message}`` JSON response; ``openai``: OpenAI's error shape instead."""
+    body = error_body(status, message) if openai else orjson.dumps({"error": message})
+    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
 
 
 def edge_middleware(
@@ -111,8 +117,9 @@ def edge_middleware(
         request[REQUEST_ID] = rid
         if tracing is not None:
             tracing.tag(rid)
-        recorded = None
-        if metrics is not None and (protocol := _inference_protocol(request)) is not None:
+        recorded, openai = None, request.path == OPENAI_PATH
+        protocol = _inference_protocol(request) if metrics is not None else None
+        if metrics is not None and protocol is not None and not openai:
             recorded = metrics.for_requests(*_model_labels(request), protocol)
             recorded.in_flight.inc()
         code = 500
@@ -126,19 +133,18 @@ def edge_middleware(
                     await _read_within(request, timeout_s, min_rate, grace_s)
                 response = await handler(request)
             except ScoringError as exc:
-                response = _domain_error(exc, rid)
+                response = _domain_error(exc, rid, openai)
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
-                response = _http_error(exc, rid)
+                response = _http_error(exc, rid, openai)
             except UnicodeDecodeError as exc:
                 message = f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
-                response = json_error(400, message, {REQUEST_ID_HEADER: rid})
+                response = json_error(400, message, {REQUEST_ID_HEADER: rid}, openai=openai)
             except Exception:
                 log.exception("request %s %s %s failed", rid, request.method, request.path)
-                response = json_error(
-                    500, f"internal server error (request id {rid})", {REQUEST_ID_HEADER: rid}
-                )
+                message = f"internal server error (request id {rid})"
+                response = json_error(500, message, {REQUEST_ID_HEADER: rid}, openai=openai)
             else:
                 response.headers[REQUEST_ID_HEADER] = rid
             if not response.prepared:
@@ -156,6 +162,10 @@ def edge_middleware(
         finally:
             if recorded is not None:
                 recorded.answered(code, time.perf_counter() - start)
+            elif metrics is not None and protocol is not None:  # OpenAI's: the model came in the body
+                model, version = request.get(MODEL_LABELS, ("", ""))
+                late = metrics.for_requests(model, version, protocol)
+                late.answered(code, time.perf_counter() - start, in_flight=False)
 
     return edge
 
@@ -280,7 +290,7 @@ async def _read_within(request: web.Request, timeout_s: float, min_rate: float, 
             handle.cancel()
 
 
-def _domain_error(exc: ScoringError, rid: str) -> web.Response:
+def _domain_error(exc: ScoringError, rid: str, openai: bool) -> web.Response:
     headers = {**exc.headers, REQUEST_ID_HEADER: rid}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
@@ -288,14 +298,14 @@ def _domain_error(exc: ScoringError, rid: str) -> web.Response:
         # Overload answers (503) are counted in metrics; a line each would flood the log.
         level = logging.DEBUG if exc.status == 503 else logging.WARNING
         log.log(level, "request %s: %d %s", rid, exc.status, exc.message)
-    return json_error(exc.status, exc.message, headers)
+    return json_error(exc.status, exc.message, headers, openai=openai)
 
 
-def _http_error(exc: web.HTTPException, rid: str) -> web.Response:
+def _http_error(exc: web.HTTPException, rid: str, openai: bool) -> web.Response:
     message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
     if exc.status == 413:
         message = f"request body too large: {message}"
     headers = {REQUEST_ID_HEADER: rid}
     if "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
-    return json_error(exc.status, message, headers)
+    return json_error(exc.status, message, headers, openai=openai)

@@ -132,6 +132,7 @@ def generate() -> dict[str, Any]:
             {"name": "v2", "description": "Open Inference Protocol (KServe V2) REST"},
             {"name": "triton", "description": "Triton's extensions of the V2 protocol"},
             {"name": "v1", "description": "KServe V1"},
+            {"name": "openai", "description": "OpenAI's embeddings API"},
             {"name": "health"},
             {"name": "server"},
         ],

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.protocols import schemas, v1, v2
+from app.protocols import openai, schemas, v1, v2
 from app.protocols.v2 import HEADER_LENGTH
 
 REF = "#/components/schemas/{name}"
@@ -256,6 +256,16 @@ OPERATIONS: list[Op] = [
         errors=tuple(_INFER_ERRORS),
     ),
     Op(
+        "/v1/embeddings",
+        "post",
+        "createEmbedding",
+        "openai",
+        "Embeddings (OpenAI's API) of any model that makes them",
+        ("EmbeddingResponse", "One embedding per input, in order; usage in tokens."),
+        body="EmbeddingRequest",
+        errors=tuple(_INFER_ERRORS),
+    ),
+    Op(
         "/metrics",
         "get",
         "metrics",
@@ -292,6 +302,8 @@ TYPES: list[Any] = [
     schemas.ModelStatistics,
     schemas.RepositoryIndexRequest,
     schemas.RepositoryModelRequest,
+    openai.EmbeddingRequest,
+    openai.EmbeddingResponse,
     schemas.RepositoryIndexEntry,
 ]
 

@@ -1,4 +1,4 @@
-"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, health.
+"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, OpenAI embeddings, health.
 
 The inference handlers only decode the body into an inference request, hand it to the data
 plane (:class:`app.serving.dataplane.DataPlane`) and encode the response it returns; model
@@ -20,9 +20,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from app import SERVER_NAME, __version__
 from app.binding import BINDING
 from app.errors import InvalidInput, UnsupportedMediaType
-from app.http.middleware import request_id_of
+from app.http.middleware import MODEL_LABELS, request_id_of
 from app.observability.metrics import METRICS
-from app.protocols import triton, v1, v2
+from app.protocols import openai, triton, v1, v2
 from app.protocols.v2 import HEADER_LENGTH, attach_binary, split_body
 from app.serving.dataplane import DATAPLANE
 from app.serving.registry import HEALTH, REGISTRY, ModelRegistry, ModelVersion
@@ -227,6 +227,25 @@ async def v1_predict(request: web.Request) -> web.Response:
         parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
     )
     return web.Response(body=v1.encode_response(response), content_type="application/json")
+
+
+@inference_routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
+    (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
+    plane = request.app[DATAPLANE]
+    arrival = asyncio.get_running_loop().time()
+    deadline = header_deadline(request, arrival)
+    body = openai.decode(await _read_body(request), plane.limits)
+    model = plane.admit(body.model, None, arrival, deadline)
+    request[MODEL_LABELS] = (model.config.name, model.config.version)
+    parsed = openai.infer_request(model.config, body)
+    parsed.arrival, parsed.deadline = arrival, deadline
+    response = await plane.infer(
+        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
+    )
+    outputs = {o.name: o.array for o in response.outputs}
+    return web.Response(body=openai.encode(body, model.config.name, outputs), content_type="application/json")
 
 
 @routes.get("/openapi.json")

@@ -265,10 +265,12 @@ class RequestMetrics:
         self._seconds = metrics.request_seconds.labels(model, version, protocol)
         self._by_code: dict[int | str, Counter] = {}
 
-    def answered(self, code: int | str, seconds: float) -> None:
-        """One request left, ``seconds`` after it came in; ``in_flight`` goes down by one.
-        ``code``: the HTTP status (499 = the client went away) or the gRPC status name."""
-        self.in_flight.dec()
+    def answered(self, code: int | str, seconds: float, in_flight: bool = True) -> None:
+        """One request left, ``seconds`` after it came in; ``in_flight`` goes down by one (unless
+        it was never counted in). ``code``: the HTTP status (499 = the client went away) or the
+        gRPC status name."""
+        if in_flight:
+            self.in_flight.dec()
         self._seconds.observe(seconds)
         counter = self._by_code.get(code)
         if counter is None:

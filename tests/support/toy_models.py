@@ -211,7 +211,11 @@ def write_broken_models(repo: Path) -> dict[str, str]:
     scale("raises-on-import", ("tests.support.toy_models:ScaleHandler", "local_handler:Handler"))
     (repo / "raises-on-import" / "local_handler.py").write_text("raise RuntimeError('broken on import')\n")
     expected["raises-on-import/1"] = "broken on import"
-    for folder, problem in (("missing-weights", "missing"), ("truncated-weights", "truncated"), ("escape", "..")):
+    for folder, problem in (
+        ("missing-weights", "missing"),
+        ("truncated-weights", "truncated"),
+        ("escape", ".."),
+    ):
         path = repo / folder
         path.mkdir(parents=True)
         file = "../../../etc/hostname" if problem == ".." else "model.pt2"
@@ -229,3 +233,54 @@ def assert_no_absolute_paths(text: str, repo: Path) -> None:
     absolute path: neither the repository's nor a system folder's."""
     assert str(repo) not in text and str(repo.resolve()) not in text, text
     assert "/tmp/" not in text and "/root/" not in text and "/work/" not in text, text
+
+
+EMBED_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "tests.support.toy_models:EmbedHandler"
+max_batch_size = 8
+max_queue_delay_ms = 1.0
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
+[[outputs]]
+name = "embedding"
+datatype = "FP32"
+shape = [4]
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+"""
+
+
+class EmbedHandler:
+    """A text embedding model double: ``embedding`` FP32 [4], a unit vector made from the text's
+    bytes; ``tokens`` INT64 [1], its number of words. Refuses a text that is not UTF-8."""
+
+    def load(self, device: torch.device, config: Any) -> None:
+        pass
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        return [bytes(t).decode("utf-8") for t in inputs["text"].reshape(-1)]
+
+    def predict(self, texts: list[str]) -> list[str]:
+        return texts
+
+    def postprocess(self, texts: list[str]) -> dict[str, np.ndarray]:
+        vectors = np.array(
+            [[len(t) + 1, sum(map(ord, t)) % 97 + 1, t.count(" ") + 1, 1.0] for t in texts], np.float32
+        )
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        return {"embedding": vectors, "tokens": np.array([[len(t.split())] for t in texts], dtype=np.int64)}
+
+
+def write_embed_model(repo: Path, name: str = "embed") -> Path:
+    """Write an EmbedHandler model folder into ``repo``; returns the folder."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.toml").write_text(EMBED_TOML.format(name=name))
+    return folder
