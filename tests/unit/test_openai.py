@@ -29,10 +29,14 @@ async def v2_embeddings(http: Client, texts: list[str]) -> np.ndarray:
     return np.array(out["data"], np.float32).reshape(out["shape"])
 
 
-@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+@pytest.mark.parametrize(
+    "encoding_format", [openai.NOT_GIVEN, "float", "base64"], ids=["default", "float", "base64"]
+)
 async def test_the_stock_client_gets_the_v2_vectors(
-    make_client: MakeClient, tmp_path: Path, encoding_format: str
+    make_client: MakeClient, tmp_path: Path, encoding_format: Any
 ) -> None:
+    """Not given, the client asks for base64 and decodes it itself; asked for, it hands over what
+    it got."""
     write_embed_model(tmp_path)
     http: Client = await make_client(tmp_path)
     client = client_of(http)
