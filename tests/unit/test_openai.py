@@ -40,8 +40,8 @@ async def test_the_stock_client_gets_the_v2_vectors(
     write_embed_model(tmp_path)
     http: Client = await make_client(tmp_path)
     client = client_of(http)
-    one = await client.embeddings.create(model="embed", input=TEXTS[0], encoding_format=encoding_format)  # type: ignore[arg-type]
-    many = await client.embeddings.create(model="embed", input=TEXTS, encoding_format=encoding_format)  # type: ignore[arg-type]
+    one = await client.embeddings.create(model="embed", input=TEXTS[0], encoding_format=encoding_format)
+    many = await client.embeddings.create(model="embed", input=TEXTS, encoding_format=encoding_format)
     want = await v2_embeddings(http, TEXTS)
     assert [d.index for d in many.data] == [0, 1, 2] and one.model == "embed" and one.object == "list"
     for got, expected in (
