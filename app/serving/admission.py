@@ -200,12 +200,14 @@ class AdmissionPolicy(Protocol):
         self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
     ) -> Refusal | None:
         """The refusal of ``items`` more items costing ``cost`` at priority ``level``, with
-        ``budget_s`` seconds left to their deadline at loop time ``now``; None = admitted."""
+        ``budget_s`` seconds left to their deadline at loop time ``now``; None = admitted. With
+        ``cost`` 0 (the least it can be: asked before a request is priced) a refusal is certain
+        and the request is not remembered."""
         ...
 
-    def refuse_early(self, budget_s: float, now: float) -> Refusal | None:
-        """The refusal a request of a size recently seen would get, judged before its body is
-        decoded (so a refusal under overload costs no decoding); None = decode it."""
+    def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
+        """The refusal a request of a size recently seen would get at ``level``, judged before
+        its body is decoded (so a refusal under overload costs no decoding); None = decode it."""
         ...
 
     def observe(self, cost: float, seconds: float, real_tokens: int) -> None:
@@ -239,7 +241,7 @@ class Capacity:
         """See :meth:`AdmissionPolicy.refusal`."""
         return _full(self._backlog, items, lambda: 1.0)
 
-    def refuse_early(self, budget_s: float, now: float) -> Refusal | None:
+    def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
         """Never: the request's size decides, once decoded."""
         return None
 
@@ -309,7 +311,8 @@ class MeasuredRate:
         not let the items finish within ``headroom`` of ``budget_s``, 504 when they could not
         even alone. An idle model admits everything: a rate measured under a past overload
         never keeps refusing once the load has gone."""
-        self._recent.append((items, cost))
+        if cost:
+            self._recent.append((items, cost))
         return self._judge(items, cost, level, budget_s, now, what)
 
     def _judge(
@@ -348,14 +351,14 @@ class MeasuredRate:
             ),
         )
 
-    def refuse_early(self, budget_s: float, now: float) -> Refusal | None:
+    def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
         """See :meth:`AdmissionPolicy.refuse_early`. The request's size is not known yet: it is
         taken as the smallest of the last requests (one smaller request lowers the bar for those
         after it). With less than a full batch queued there is no storm to refuse cheaply."""
-        if self._backlog.queued()[0] < self._backlog.max_batch_size:
+        if self._backlog.queued(level)[0] < self._backlog.max_batch_size:
             return None
         items, cost = min(self._recent, default=(1, 1.0))
-        return self._judge(items, cost, None, budget_s, now, "another request")
+        return self._judge(items, cost, level, budget_s, now, "another request")
 
     def _retry_after_s(self, now: float) -> int:
         """Seconds a refused client should wait: the backlog, rounded up, at least 1."""

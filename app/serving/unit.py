@@ -197,7 +197,9 @@ class ServingUnit:
         """The refusal a request would get whatever its size (counted), judged before its body is
         decoded, or None (``app.serving.admission.AdmissionPolicy.refuse_early``)."""
         now = asyncio.get_running_loop().time()
-        refusal = self.admission.refuse_early(deadline - now, now)
+        # its priority is in the body: judged as the highest level could be (the full admission
+        # after decoding judges it at its own)
+        refusal = self.admission.refuse_early(deadline - now, now, 0 if self._levels else None)
         if refusal is None:
             return None
         self.observer.rejected(refusal.reason)
@@ -252,7 +254,10 @@ class ServingUnit:
             # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
             # deadline. The 504 is counted here only, once per request, whoever saw it first.
             async with asyncio.timeout_at(deadline):
-                tokens = await self.executor.price(inputs) if self.executor.prices else None
+                level = self.default_level if level is None else level
+                if self.priced and self.queue.items >= self.max_batch_size:
+                    self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
+                tokens = await self.executor.price(inputs) if self.priced else None
                 order = None
                 if tokens is not None:
                     inputs, tokens, order = sort_by_cost(inputs, tokens)
@@ -261,15 +266,7 @@ class ServingUnit:
                 cost = int(tokens.sum()) if tokens is not None else size
                 if self._stopped:
                     raise QueueFull(f"model {self.name} is unloading")
-                level = self.default_level if level is None else level
-                now = loop.time()
-                what = f"request {request_id}"
-                refusal = self.admission.refusal(size, cost, level, deadline - now, now, what)
-                if self._levels:
-                    self.observer.prioritized(level, "admitted" if refusal is None else "refused")
-                if refusal is not None:
-                    self.observer.rejected(refusal.reason)
-                    raise refusal.error
+                self._admit(size, cost, level, deadline, request_id)
                 request = QueuedRequest(
                     inputs, size, deadline, arrival, request_id, is_disconnected, loop.create_future(),
                     costs, tokens, order, level, trace, pending=size,
@@ -298,6 +295,18 @@ class ServingUnit:
             self._active -= 1
             if not self._active and self._idle is not None:
                 self._idle.set()
+
+    def _admit(self, size: int, cost: float, level: int, deadline: float, request_id: str) -> None:
+        """Ask admission (``cost`` 0: before pricing, a certain refusal only); raise its refusal."""
+        now = asyncio.get_running_loop().time()
+        refusal = self.admission.refusal(size, cost, level, deadline - now, now, f"request {request_id}")
+        if refusal is None and not cost:
+            return
+        if self._levels:
+            self.observer.prioritized(level, "admitted" if refusal is None else "refused")
+        if refusal is not None:
+            self.observer.rejected(refusal.reason)
+            raise refusal.error
 
     # --- batches ----------------------------------------------------------------------------
 
@@ -345,13 +354,8 @@ class ServingUnit:
         log.error("model %s failed on a batch of %d items (requests %s)", self.name, batch.items, ids,
                   exc_info=exc)  # fmt: skip
         for r in batch.requests.values():
-            self._fail(
-                r,
-                InferenceFailed(
-                    f"model {self.name} failed on the batch holding request {r.request_id}: "
-                    f"{type(exc).__name__}"
-                ),
-            )
+            why = f"model {self.name} failed on a batch holding request {r.request_id}: {type(exc).__name__}"
+            self._fail(r, InferenceFailed(why))
 
     def _deliver(self, chunk: Chunk, outputs: Tensors | Segment) -> None:
         request = chunk.request
@@ -363,13 +367,8 @@ class ServingUnit:
                 self._fail(request, type(error)(f"{error.message} (request {request.request_id})"))
                 return
             self.observer.rejected("out_of_memory")
-            self._fail(
-                request,
-                InsufficientStorage(
-                    f"model {self.name}: an item of request {request.request_id} does not fit in device "
-                    "memory even alone"
-                ),
-            )
+            why = f"model {self.name}: an item of request {request.request_id} does not fit in device memory"
+            self._fail(request, InsufficientStorage(why + " even alone"))
             return
         request.parts.append((chunk.start, outputs))
         request.pending -= chunk.stop - chunk.start

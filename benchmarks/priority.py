@@ -1,0 +1,121 @@
+"""Priority levels under saturation: all-MiniLM-L6-v2 flooded by low-priority clients, one
+high-priority client beside them.
+
+The demo MiniLM is served from a repository of its own whose ``model.toml`` adds
+``priority_levels = 2`` and ``default_priority_level = 2`` (so the flood needs no parameter),
+with ``--workers`` workers. ``--low`` closed-loop clients send V2 JSON requests of ``--items``
+feed texts (:func:`benchmarks.payloads.feed_texts`) with no priority (level 2, the lowest);
+``--high`` clients send the same with ``parameters.priority = 1``. After ``--warmup`` seconds,
+``--duration`` seconds are counted: per class the answers by status, p50/p99/max of the 200s,
+and items/s. The high class's p50 over the low class's is the figure; a low request answered
+504 (or a 200 later than its deadline) would be one that starved.
+
+    python -m benchmarks.priority --out docs/benchmarks/priority-minilm-cpu.json
+
+Target: high p50 <= 0.25 x low p50, no low-priority 504. Traffic goes only to 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from benchmarks import driver, payloads, report, server
+from benchmarks.server import MINILM
+
+DEADLINE_MS = 5000  # the demo model's timeout_ms
+
+
+def repository(tmp: Path) -> Path:
+    """A copy of the demo MiniLM's ``model.toml`` with two priority levels (the weights come from
+    the installed package, as in the demo)."""
+    folder = tmp / "repo" / MINILM
+    folder.mkdir(parents=True)
+    toml = (server.DEMO_REPOSITORY / MINILM / "model.toml").read_text()
+    toml = toml.replace("[[inputs]]", "priority_levels = 2\ndefault_priority_level = 2\n\n[[inputs]]", 1)
+    (folder / "model.toml").write_text(toml)
+    return folder.parent
+
+
+async def run(url: str, bodies: list[bytes], args: Any) -> dict[str, dict[str, Any]]:
+    """Both classes at once; per class the figures of the counted ``--duration`` seconds."""
+    high = [json.dumps({**json.loads(b), "parameters": {"priority": 1}}).encode() for b in bodies]
+    start = time.perf_counter()
+    counted_from, until = start + args.warmup, start + args.warmup + args.duration
+    answers: dict[str, list[driver.Answer]] = {"low": [], "high": []}
+    connector = aiohttp.TCPConnector(limit=args.low + args.high)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
+
+        async def client(kind: str, i: int, sources: list[bytes]) -> None:
+            n = i
+            while time.perf_counter() < until:
+                sent = time.perf_counter()
+                answer = await driver.post(session, url, sources[n % len(sources)])
+                n += args.low + args.high
+                if sent >= counted_from:
+                    answers[kind].append(answer)
+
+        await asyncio.gather(
+            *(client("low", i, bodies) for i in range(args.low)),
+            *(client("high", args.low + i, high) for i in range(args.high)),
+        )
+    out = {}
+    for kind, got in answers.items():
+        ok = [a.latency_s * 1000 for a in got if a.status == 200]
+        p50, p99 = driver.percentiles(ok, (50, 99))
+        out[kind] = {
+            "clients": args.low if kind == "low" else args.high,
+            "statuses": dict(Counter(a.status for a in got)),
+            "p50_ms": round(p50, 1),
+            "p99_ms": round(p99, 1),
+            "max_ms": round(max(ok, default=float("nan")), 1),
+            "items_per_s": round(len(ok) * args.items / args.duration, 1),
+        }
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    rows = [
+        (kind, r["clients"], r["items_per_s"], r["p50_ms"], r["p99_ms"], r["max_ms"], r["statuses"])
+        for kind, r in result["classes"].items()
+    ]
+    header = ("class", "clients", "items/s", "p50 ms", "p99 ms", "max ms", "answers by status")
+    return report.table(header, rows, "lrrrrrl") + f"\n\nhigh p50 / low p50: {result['high_over_low_p50']}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = server.parser(__doc__, torch_threads=1)
+    parser.add_argument("--low", type=int, default=32)
+    parser.add_argument("--high", type=int, default=1)
+    parser.add_argument("--items", type=int, default=8)
+    parser.add_argument("--warmup", type=float, default=5.0)
+    parser.add_argument("--duration", type=float, default=30.0)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args(argv)
+    texts = payloads.feed_texts(payloads.model_words(server.DEMO_REPOSITORY), 1024)
+    bodies = payloads.feed_bodies(texts, args.items, query=None, outputs=("embedding",))
+    with tempfile.TemporaryDirectory() as tmp:
+        env = {"SCORING_TORCH_THREADS": str(args.torch_threads)}
+        with server.start(Path(tmp), repository(Path(tmp)), MINILM, args.workers, env) as srv:
+            srv.wait_ready(300, count=args.workers)
+            classes = asyncio.run(run(srv.url + f"/v2/models/{MINILM}/infer", bodies, args))
+    ratio = round(classes["high"]["p50_ms"] / classes["low"]["p50_ms"], 3)
+    result = report.record(
+        command="python -m benchmarks.priority " + " ".join(sys.argv[1:] if argv is None else argv),
+        workers=args.workers, items=args.items, deadline_ms=DEADLINE_MS, classes=classes,
+        high_over_low_p50=ratio,
+    )  # fmt: skip
+    print(markdown(result))
+    report.write_json(args.out, result)
+
+
+if __name__ == "__main__":
+    main()
