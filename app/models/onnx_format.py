@@ -111,12 +111,6 @@ def check_signature(
                 "app.handlers.sentence_embedding with backend = 'onnx'"
             )
         by_name = {g.name: g for g in inputs}
-        undeclared = [g.name for g in inputs if config.input(g.name) is None]
-        if undeclared:
-            raise ModelLoadError(
-                f"{shown} needs inputs {undeclared} that model.toml does not declare "
-                f"(the graph's inputs: {sorted(by_name)})"
-            )
         for spec in config.inputs:
             if spec.name not in by_name:
                 raise ModelLoadError(
@@ -124,6 +118,12 @@ def check_signature(
                     f"(its inputs: {sorted(by_name)})"
                 )
             _check_tensor("input", spec, by_name[spec.name], shown, config.max_batch_size)
+        undeclared = [g.name for g in inputs if config.input(g.name) is None]
+        if undeclared:
+            raise ModelLoadError(
+                f"{shown} needs inputs {undeclared} that model.toml does not declare "
+                f"(the graph's inputs: {sorted(by_name)})"
+            )
         given = {g.name: g for g in outputs}
         for spec in config.outputs:
             if spec.name not in given:
