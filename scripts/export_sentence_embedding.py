@@ -118,9 +118,10 @@ def export_fp32(folder: Path, path: Path, exporter: str = "torchscript") -> None
     ``"torchscript"`` (default)
         ``torch.onnx.export(dynamo=False)`` of the transformer with eager attention, as optimum
         exports it: ONNX Runtime's graph optimisations recognise its attention, layer norm and
-        GELU patterns, and it ran 1.15-1.3x the CPU throughput of the other on MiniLM
-        (docs/benchmarks.md). That exporter is deprecated in torch; its trace warnings (a mask
-        length compared once) do not apply to these inputs, and the result is checked.
+        GELU patterns; per CPU second it ran MiniLM at 1.15-1.28x PyTorch's throughput, the
+        other graph at 1.01-1.13x (docs/benchmarks.md). That exporter is deprecated in torch;
+        its trace warnings (a mask length compared once) do not apply to these inputs, and the
+        result is checked.
     ``"dynamo"``
         the torch.export-based exporter (torch.onnx's default since 2.9) with the pipeline's
         own attention (SDPA): a graph ONNX Runtime runs without those fusions.
