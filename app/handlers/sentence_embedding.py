@@ -43,6 +43,11 @@ Outputs:
 ``call_overhead_tokens`` (number >= 0, may be ``inf``)
     What one forward call costs beyond its tokens, in tokens' worth of time; default: measured
     at load (one call of 16 tokens against one of 8 x 64). It decides the length groups below.
+``backend`` (str)
+    ``"torch"`` (default) or ``"onnx"``: the transformer runs as an ONNX graph in ONNX Runtime
+    (``onnx_file``, default ``"model.onnx"`` in the model's folder), tokenizer, pooling and
+    normalisation unchanged; with ``min_cosine`` the load is refused when the graph's embeddings
+    of calibration texts stray further from the torch pipeline's (:mod:`app.handlers.onnx_encoder`).
 
 **Length groups.** A batch's distinct strings are sorted by length and cut into groups, each
 one forward call padded to its own longest string, where that costs less than padding them
@@ -81,6 +86,8 @@ import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
+from app.handlers import onnx_encoder
+
 __all__ = [
     "EmbeddingOutputs",
     "EncodedBatch",
@@ -98,6 +105,7 @@ _PARAMETERS = (
     "dtype",
     "attn_implementation",
     "call_overhead_tokens",
+    *onnx_encoder.PARAMETERS,
 )
 #: The two calls timed at load to measure a call's overhead: (strings, tokens each).
 _CALIBRATION = ((1, 16), (8, 64))
@@ -314,6 +322,7 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
         raise ValueError(
             f"parameters.attn_implementation must be one of {list(_ATTENTION)}, got {attention!r}"
         )
+    onnx_encoder.check_parameters(parameters)
 
 
 class SentenceEmbeddingHandler:
@@ -327,6 +336,10 @@ class SentenceEmbeddingHandler:
         self._model: SentenceTransformer | None = None
         self._tokenizing = threading.Lock()  # the model's own tokenizer, in preprocess
         self._local = threading.local()  # a tokenizer per prepare thread, for lengths
+        #: Features (tokenised strings on the device) -> sentence embeddings [U, dim].
+        self._encode: onnx_encoder.Encode = self._encode_torch
+        #: The ONNX backend's encoder (None: backend = "torch").
+        self.onnx: onnx_encoder.OnnxTextEncoder | None = None
         #: What one forward call costs beyond its tokens, in tokens (:func:`length_groups`).
         self.call_overhead_tokens = math.inf
 
@@ -350,21 +363,29 @@ class SentenceEmbeddingHandler:
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only.
 
+        With ``backend = "onnx"`` the pipeline loads on the CPU, the graph opens on ``device``
+        with ``torch.get_num_threads()`` intra-op threads (the server's per-worker rule, set on
+        the inference thread that runs ``load``), ``min_cosine`` is checked, and the torch
+        transformer's weights are then dropped (moved to the meta device): only the graph runs.
+
         Raises:
             ValueError: bad or missing parameters; a declared ``embedding`` width that differs
-                from the model's; a ``max_seq_length`` over the model's limit.
+                from the model's; a ``max_seq_length`` over the model's limit; a graph that does
+                not fit the pipeline, or whose embeddings are further than ``min_cosine`` from it.
             FileNotFoundError: a missing folder.
+            ModelLoadError: a missing or unloadable ONNX file.
         """
         parameters = dict(config.parameters)
         _check_parameters(config.name, parameters)
         path = resolve_model_dir(parameters, config.path)
+        onnx = parameters.get("backend", "torch") == "onnx"
         # A worker logs one line per model load; transformers' per-load progress bar is noise.
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         model_kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
         if "attn_implementation" in parameters:
             model_kwargs["attn_implementation"] = parameters["attn_implementation"]
         model = SentenceTransformer(
-            str(path), device=str(device), local_files_only=True, model_kwargs=model_kwargs
+            str(path), device="cpu" if onnx else str(device), local_files_only=True, model_kwargs=model_kwargs
         )
         model.eval()
         max_seq_length = parameters.get("max_seq_length")
@@ -385,8 +406,32 @@ class SentenceEmbeddingHandler:
                 )
         self._device = device
         self._model = model
+        if onnx:
+            self._load_onnx(device, config)
         overhead = parameters.get("call_overhead_tokens")
         self.call_overhead_tokens = float(overhead) if overhead is not None else self._measure_call_overhead()
+
+    def _load_onnx(self, device: torch.device, config: ModelConfigLike) -> None:
+        """Open the ONNX graph, check ``min_cosine`` against the torch pipeline (on the CPU), then
+        drop the torch transformer's weights and encode with the graph."""
+        parameters = config.parameters
+        file, shown = onnx_encoder.onnx_path(parameters, config.path)
+        tensorrt = bool(parameters.get("tensorrt", False))
+        encoder = onnx_encoder.OnnxTextEncoder(
+            self.model, file, shown, device, torch.get_num_threads(), tensorrt=tensorrt
+        )
+        if parameters.get("min_cosine") is not None:
+            texts = int(parameters.get("min_cosine_texts", 64))
+            reference = self._encode_torch
+            onnx_encoder.verify(encoder, reference, self.model, float(parameters["min_cosine"]), texts, shown)
+        self.model[0].model.to("meta")  # the graph replaces it: free its weights
+        self.onnx = encoder
+        self._encode = encoder
+
+    def _encode_torch(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The torch pipeline's sentence embeddings ``[U, dim]`` of tokenised strings."""
+        embedding: torch.Tensor = self.model(features)["sentence_embedding"]
+        return embedding
 
     def _measure_call_overhead(self) -> float:
         """What one forward call costs beyond its tokens, in tokens: the intercept over the slope
@@ -403,7 +448,7 @@ class SentenceEmbeddingHandler:
             for round_ in range(6):
                 for i, (_, features) in enumerate(calls):
                     began = time.perf_counter()
-                    self.model(dict(features))
+                    self._encode(dict(features))
                     if self._device.type == "cuda":
                         torch.cuda.synchronize(self._device)
                     if round_:  # the first round warms up
@@ -509,7 +554,7 @@ class SentenceEmbeddingHandler:
     def predict(self, batch: EncodedBatch) -> EmbeddingOutputs:
         """Encode the distinct strings (the folder's pipeline, one call per length group),
         score each item's query against its text."""
-        parts = [self.model(dict(group))["sentence_embedding"].float() for group in batch.groups]
+        parts = [self._encode(dict(group)).float() for group in batch.groups]
         embeddings = parts[0] if len(parts) == 1 else torch.cat(parts)
         text_embeddings = embeddings[batch.text_index]
         has_query = batch.query_index >= 0

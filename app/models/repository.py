@@ -6,6 +6,9 @@ Each model folder holds its weights and a ``model.toml``::
       feed-ranker/
         model.toml        # name, version, format, inputs/outputs, batching, warmup
         model.pt2
+      feed-ranker-onnx/
+        model.toml        # format = "onnx": an ONNX graph run by ONNX Runtime
+        model.onnx
       all-MiniLM-L6-v2/
         model.toml        # format = "handler", handler = "module:Class"
 
@@ -35,7 +38,7 @@ from app.datatypes import DATATYPES, NUMPY_DTYPES
 from app.errors import ModelLoadError
 
 CONFIG_FILE = "model.toml"
-ModelFormat = Literal["torch_export", "torchscript", "handler"]
+ModelFormat = Literal["torch_export", "torchscript", "onnx", "handler"]
 #: A model name or version: a safe single path component.
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 #: ``module:Class``, the module a dotted name (no path tricks: it may name a file in the folder).
@@ -45,6 +48,7 @@ _HANDLER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za
 PLATFORMS: dict[str, str] = {
     "torch_export": "pytorch_torch_export",
     "torchscript": "pytorch_libtorch",
+    "onnx": "onnxruntime_onnx",
     "handler": "python_handler",
 }
 
@@ -264,8 +268,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not sizes:
             return
         where = f"{self.where}: cuda_graph_batch_sizes"
-        if self.format == "handler":
-            raise ModelLoadError(f"{where} applies to torch_export and torchscript models, not handlers")
+        if self.format not in ("torch_export", "torchscript"):
+            kind = "handlers" if self.format == "handler" else f"{self.format} models"
+            raise ModelLoadError(f"{where} applies to torch_export and torchscript models, not {kind}")
         if sizes != sorted(set(sizes)):
             raise ModelLoadError(f"{where} must be ascending without repeats, e.g. [1, 2, 4, 8], got {sizes}")
         if sizes[0] < 1 or sizes[-1] > self.max_batch_size:

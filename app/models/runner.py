@@ -61,6 +61,10 @@ def resolve_handler(config: ModelConfig) -> Handler:
         return TorchExportHandler()
     if config.format == "torchscript":
         return TorchScriptHandler()
+    if config.format == "onnx":
+        from app.models.onnx_format import OnnxHandler  # onnxruntime is imported when a session opens
+
+        return OnnxHandler()
     assert config.handler is not None
     module_name, _, class_name = config.handler.partition(":")
     local = config.path / (module_name.replace(".", "/") + ".py")

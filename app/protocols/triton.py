@@ -41,7 +41,7 @@ TRITON_TYPES: dict[str, str] = {
 }
 
 #: Our model format -> Triton ``backend`` name (the closest Triton backend).
-_BACKENDS = {"torch_export": "pytorch", "torchscript": "pytorch", "handler": "python"}
+_BACKENDS = {"torch_export": "pytorch", "torchscript": "pytorch", "onnx": "onnxruntime", "handler": "python"}
 
 
 def _input(spec: TensorSpec) -> dict[str, Any]:
