@@ -19,7 +19,7 @@ status; then the ONNX/PyTorch ratio of items/s and of p50.
     python -m benchmarks.onnx --out docs/benchmarks/onnx-served-cpu.json
     python -m benchmarks.onnx --duration 2 --concurrency 8 --ranker-concurrency 1 --out out/smoke.json
 
-Targets (issue 31; CPU, 2 workers, 8 texts per request): ONNX MiniLM items/s >= 1.25 x the
+Targets (CPU, 2 workers, 8 texts per request): ONNX MiniLM items/s >= 1.25 x the
 PyTorch MiniLM's at c = 8 and c = 64, on both sets, and c = 1 p50 not worse; the feed-ranker
 pair at c = 1 and c = 64, whichever wins. Traffic goes only to 127.0.0.1.
 """

@@ -2,10 +2,15 @@
 high-priority client beside them.
 
 The demo MiniLM is served from a repository of its own whose ``model.toml`` adds
-``priority_levels = 2`` and ``default_priority_level = 2`` (so the flood needs no parameter),
-with ``--workers`` workers. ``--low`` closed-loop clients send V2 JSON requests of ``--items``
-feed texts (:func:`benchmarks.payloads.feed_texts`) with no priority (level 2, the lowest);
-``--high`` clients send the same with ``parameters.priority = 1``. After ``--warmup`` seconds,
+``priority_levels = 2`` and ``default_priority_level = 2`` (so the flood needs no parameter) and
+``max_batch_tokens = --max-batch-tokens`` (0: none), with ``--workers`` workers. A batch is not
+preempted: a high-priority request waits for the batch running when it arrives, then runs in the
+next, so what it waits is about one and a half batches, and the token budget bounds a batch.
+``--low`` closed-loop clients send V2 JSON requests of ``--items``
+feed texts (:func:`benchmarks.payloads.feed_texts`; ``--texts short``: the titles alone) with no
+priority (level 2, the lowest); ``--high`` closed-loop clients (or, with ``--high-rate``,
+Poisson arrivals at that rate on connections of their own) send the same with
+``parameters.priority = 1``. After ``--warmup`` seconds,
 ``--duration`` seconds are counted: per class the answers by status, p50/p99/max of the 200s,
 and items/s. The high class's p50 over the low class's is the figure; a low request answered
 504 (or a 200 later than its deadline) would be one that starved.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import sys
 import tempfile
 import time
@@ -34,13 +40,15 @@ from benchmarks.server import MINILM
 DEADLINE_MS = 5000  # the demo model's timeout_ms
 
 
-def repository(tmp: Path) -> Path:
-    """A copy of the demo MiniLM's ``model.toml`` with two priority levels (the weights come from
-    the installed package, as in the demo)."""
+def repository(tmp: Path, max_batch_tokens: int) -> Path:
+    """A copy of the demo MiniLM's ``model.toml`` with two priority levels and the token budget
+    (0: none; the weights come from the installed package, as in the demo)."""
     folder = tmp / "repo" / MINILM
     folder.mkdir(parents=True)
     toml = (server.DEMO_REPOSITORY / MINILM / "model.toml").read_text()
-    toml = toml.replace("[[inputs]]", "priority_levels = 2\ndefault_priority_level = 2\n\n[[inputs]]", 1)
+    budget = f"max_batch_tokens = {max_batch_tokens}\n" if max_batch_tokens else ""
+    levels = f"priority_levels = 2\ndefault_priority_level = 2\n{budget}\n"
+    toml = toml.replace("[[inputs]]", levels + "[[inputs]]", 1)
     (folder / "model.toml").write_text(toml)
     return folder.parent
 
@@ -63,16 +71,27 @@ async def run(url: str, bodies: list[bytes], args: Any) -> dict[str, dict[str, A
                 if sent >= counted_from:
                     answers[kind].append(answer)
 
-        await asyncio.gather(
-            *(client("low", i, bodies) for i in range(args.low)),
-            *(client("high", args.low + i, high) for i in range(args.high)),
-        )
+        async def arrivals() -> None:  # open loop: Poisson arrivals at --high-rate per second
+            rng, sends, n = random.Random(1), [], 0
+            own = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60))  # no shared pool
+            while (now := time.perf_counter()) < until:
+                await asyncio.sleep(rng.expovariate(args.high_rate))
+                sends.append(asyncio.ensure_future(driver.post(own, url, high[n % len(high)])))
+                if now >= counted_from:
+                    sends[-1].add_done_callback(lambda f: answers["high"].append(f.result()))
+                n += 1
+            await asyncio.gather(*sends)
+            await own.close()
+
+        closed = [client("high", args.low + i, high) for i in range(args.high)]
+        highs = [arrivals()] if args.high_rate else closed
+        await asyncio.gather(*(client("low", i, bodies) for i in range(args.low)), *highs)
     out = {}
     for kind, got in answers.items():
         ok = [a.latency_s * 1000 for a in got if a.status == 200]
         p50, p99 = driver.percentiles(ok, (50, 99))
         out[kind] = {
-            "clients": args.low if kind == "low" else args.high,
+            "clients": args.low if kind != "high" else f"{args.high_rate}/s" if args.high_rate else args.high,
             "statuses": dict(Counter(a.status for a in got)),
             "p50_ms": round(p50, 1),
             "p99_ms": round(p99, 1),
@@ -94,23 +113,29 @@ def markdown(result: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = server.parser(__doc__, torch_threads=1)
     parser.add_argument("--low", type=int, default=32)
-    parser.add_argument("--high", type=int, default=1)
+    parser.add_argument("--high", type=int, default=1, help="closed-loop high-priority clients")
+    parser.add_argument("--high-rate", type=float, default=0.0, help="or: open-loop requests/s (Poisson)")
     parser.add_argument("--items", type=int, default=8)
+    parser.add_argument("--texts", choices=("mix", "short"), default="mix", help="feed mix, or titles only")
+    parser.add_argument("--max-batch-tokens", type=int, default=1024, help="0: no token budget")
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
     texts = payloads.feed_texts(payloads.model_words(server.DEMO_REPOSITORY), 1024)
+    texts = texts[0::2] if args.texts == "short" else texts
     bodies = payloads.feed_bodies(texts, args.items, query=None, outputs=("embedding",))
     with tempfile.TemporaryDirectory() as tmp:
         env = {"SCORING_TORCH_THREADS": str(args.torch_threads)}
-        with server.start(Path(tmp), repository(Path(tmp)), MINILM, args.workers, env) as srv:
+        repo = repository(Path(tmp), args.max_batch_tokens)
+        with server.start(Path(tmp), repo, MINILM, args.workers, env) as srv:
             srv.wait_ready(300, count=args.workers)
             classes = asyncio.run(run(srv.url + f"/v2/models/{MINILM}/infer", bodies, args))
     ratio = round(classes["high"]["p50_ms"] / classes["low"]["p50_ms"], 3)
     result = report.record(
         command="python -m benchmarks.priority " + " ".join(sys.argv[1:] if argv is None else argv),
-        workers=args.workers, items=args.items, deadline_ms=DEADLINE_MS, classes=classes,
+        workers=args.workers, items=args.items, texts=args.texts, max_batch_tokens=args.max_batch_tokens,
+        deadline_ms=DEADLINE_MS, classes=classes,
         high_over_low_p50=ratio,
     )  # fmt: skip
     print(markdown(result))

@@ -1,7 +1,9 @@
-"""What tracing costs: this checkout's server with OpenTelemetry tracing off and on (every request
-sampled, spans exported over OTLP/HTTP to a receiver on 127.0.0.1 that reads and drops them), in
-alternating rounds, with the regression check's load (:mod:`benchmarks.regression`: 2 workers,
-the feed-ranker, V2 JSON of one item; c = 1 p50 and c = 64 items/s); the medians compared.
+"""What tracing costs: this checkout's server with OpenTelemetry tracing off, on with every request
+sampled, and on with 1 % of the requests sampled (``parentbased_traceidratio``, the usual
+production setting), spans exported over OTLP/HTTP to a receiver on 127.0.0.1 (a process of its
+own that reads and drops them), in alternating rounds, with the regression check's load
+(:mod:`benchmarks.regression`: 2 workers, the feed-ranker, V2 JSON of one item; c = 1 p50 and
+c = 64 items/s); the medians compared.
 
     python -m benchmarks.tracing --rounds 6 --out docs/benchmarks/tracing-cpu.json
 
@@ -11,8 +13,8 @@ Traffic goes only to 127.0.0.1; every run is bounded by ``--seconds``.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import statistics
-import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -34,6 +36,12 @@ class _Drop(BaseHTTPRequestHandler):
         pass
 
 
+def _receive(ports: multiprocessing.Queue[int]) -> None:  # the receiver's process
+    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Drop)
+    ports.put(receiver.server_address[1])
+    receiver.serve_forever()
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -42,21 +50,27 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=8.0, help="per concurrency level")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args(argv)
-    receiver = ThreadingHTTPServer(("127.0.0.1", 0), _Drop)
-    threading.Thread(target=receiver.serve_forever, daemon=True).start()
+    ports: multiprocessing.Queue[int] = multiprocessing.Queue()
+    receiver = multiprocessing.Process(target=_receive, args=(ports,), daemon=True)
+    receiver.start()
     on = {
         "OTEL_TRACES_EXPORTER": "otlp",
-        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{receiver.server_address[1]}/v1/traces",
-        "OTEL_TRACES_SAMPLER": "always_on",
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": f"http://127.0.0.1:{ports.get(timeout=30)}/v1/traces",
     }
-    sides: dict[str, dict[str, str]] = {"off": {}, "on (100 % sampled)": on}
+    sides: dict[str, dict[str, str]] = {
+        "off": {},
+        "on, 100 % sampled": {**on, "OTEL_TRACES_SAMPLER": "always_on"},
+        "on, 1 % sampled": {
+            **on, "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"
+        },
+    }
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
     for turn in range(args.rounds):
-        order = list(sides.items()) if turn % 2 == 0 else list(reversed(sides.items()))
+        order = list(sides.items())[turn % 3 :] + list(sides.items())[: turn % 3]  # each side first in turn
         for name, env in order:
             rounds[name].append(measure(server.ROOT, args.seconds, env))
             print(name, rounds[name][-1], flush=True)
-    receiver.shutdown()
+    receiver.terminate()
     medians = {
         name: {k: statistics.median(r[k] for r in runs) for k in runs[0]} for name, runs in rounds.items()
     }

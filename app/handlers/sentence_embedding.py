@@ -23,6 +23,9 @@ Outputs:
 ``score`` FP32 ``[B, 1]``
     Cosine similarity of the item's ``query`` embedding and its ``text`` embedding, in [-1, 1];
     0.0 where the query is empty.
+``tokens`` INT64 ``[B, 1]`` (served when ``model.toml`` declares it)
+    Tokens of each ``text`` as encoded: special tokens included, after truncation to
+    ``max_seq_length`` (OpenAI's ``usage.prompt_tokens`` sums them).
 
 ``[parameters]`` of ``model.toml`` (exactly one of the first two):
 
@@ -149,11 +152,13 @@ class EncodedBatch:
             longest, T_g tokens); the groups' strings in ascending length, U = sum of U_g.
         text_index: int64 ``[B]``, row of the groups' rows, concatenated, holding item b's text.
         query_index: int64 ``[B]``, row holding item b's query, or -1 where it has none.
+        tokens: int64 ``[B]`` on the host, the tokens of item b's text.
     """
 
     groups: list[dict[str, torch.Tensor]]
     text_index: torch.Tensor
     query_index: torch.Tensor
+    tokens: npt.NDArray[np.int64]
 
     @property
     def num_unique(self) -> int:
@@ -173,10 +178,12 @@ class EmbeddingOutputs:
     Attributes:
         embedding: float32 ``[B, dim]``.
         score: float32 ``[B, 1]``, cosine similarity, 0.0 where the item had no query.
+        tokens: int64 ``[B]`` on the host, the tokens of each item's text.
     """
 
     embedding: torch.Tensor
     score: torch.Tensor
+    tokens: npt.NDArray[np.int64]
 
 
 def length_groups(lengths: npt.ArrayLike, overhead_tokens: float) -> list[npt.NDArray[np.int64]]:
@@ -534,7 +541,8 @@ class SentenceEmbeddingHandler:
         """
         model = self.model
         strings, text_rows, query_rows = _distinct(*self._texts(inputs))
-        groups = length_groups(self._lengths(strings), self.call_overhead_tokens)
+        lengths = self._lengths(strings)
+        groups = length_groups(lengths, self.call_overhead_tokens)
         # position[r]: where distinct string r lands in the groups' rows, concatenated
         position = np.empty(len(strings), dtype=np.int64)
         position[np.concatenate(groups)] = np.arange(len(strings))
@@ -549,6 +557,7 @@ class SentenceEmbeddingHandler:
             groups=encoded,
             text_index=self._to_device(torch.as_tensor(text_index, dtype=torch.int64)),
             query_index=self._to_device(torch.as_tensor(query_index, dtype=torch.int64)),
+            tokens=np.asarray(lengths, dtype=np.int64)[text_rows],
         )
 
     def predict(self, batch: EncodedBatch) -> EmbeddingOutputs:
@@ -561,13 +570,15 @@ class SentenceEmbeddingHandler:
         query_embeddings = embeddings[batch.query_index.clamp(min=0)]
         score = F.cosine_similarity(query_embeddings, text_embeddings, dim=1)
         score = torch.where(has_query, score, torch.zeros_like(score))
-        return EmbeddingOutputs(embedding=text_embeddings, score=score.unsqueeze(1))
+        return EmbeddingOutputs(embedding=text_embeddings, score=score.unsqueeze(1), tokens=batch.tokens)
 
-    def postprocess(self, outputs: EmbeddingOutputs) -> dict[str, npt.NDArray[np.float32]]:
-        """``{"embedding": float32 [B, dim], "score": float32 [B, 1]}`` as host numpy arrays."""
+    def postprocess(self, outputs: EmbeddingOutputs) -> dict[str, npt.NDArray[Any]]:
+        """``{"embedding": float32 [B, dim], "score": float32 [B, 1], "tokens": int64 [B, 1]}`` as
+        host numpy arrays."""
         return {
             "embedding": outputs.embedding.to("cpu", torch.float32).numpy(),
             "score": outputs.score.to("cpu", torch.float32).numpy(),
+            "tokens": outputs.tokens.reshape(-1, 1),
         }
 
     def _on_device(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:

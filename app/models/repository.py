@@ -170,8 +170,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: The level of a request that names no priority (0 = the lowest level, N).
     default_priority_level: int = 0
     #: A waiting request of a lower level goes before every level once it has waited this share
-    #: of its time to deadline (aging: no level starves).
-    priority_aging: float = 0.5
+    #: of its time to deadline (aging: no level starves); above ``admission_headroom``, so that
+    #: only requests pushed back by higher levels age.
+    priority_aging: float = 0.75
+    #: Lower levels join a batch holding higher-level items only while they add at most this
+    #: share to its expected time (measured rate); ``inf``: Triton's fill, whatever it costs.
+    priority_fill: float = 0.25
     #: Split a request with more than ``max_batch_size`` items into shards that run in
     #: parallel on this worker and its ready siblings (scatter/gather; app.server.router).
     scatter: bool = True
@@ -246,6 +250,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ModelLoadError(f"{where}: admission_headroom must lie in (0, 1]")
         if not 0 < self.priority_aging <= 1:
             raise ModelLoadError(f"{where}: priority_aging must lie in (0, 1]")
+        if not self.priority_fill >= 0:
+            raise ModelLoadError(f"{where}: priority_fill must be >= 0 (inf: no bound)")
         if self.priority_levels < 0 or not 0 <= self.default_priority_level <= self.priority_levels:
             raise ModelLoadError(
                 f"{where}: priority_levels must be >= 0 and default_priority_level in 0..priority_levels"

@@ -219,6 +219,11 @@ class AdmissionPolicy(Protocol):
         """Expected seconds until what is queued and running now is done (0 when unknown)."""
         ...
 
+    def fill_limit(self, cost: float, share: float) -> float:
+        """The most a batch may cost once it holds higher-priority items costing ``cost``: lower
+        levels may add at most ``share`` to its expected time (``math.inf``: no bound known)."""
+        ...
+
 
 def _full(backlog: Backlog, items: int, retry_after_s: Callable[[], float]) -> Refusal | None:
     queued, _ = backlog.queued()
@@ -251,6 +256,10 @@ class Capacity:
     def backlog_s(self, now: float) -> float:
         """Unknown: 0."""
         return 0.0
+
+    def fill_limit(self, cost: float, share: float) -> float:
+        """Unknown: no bound."""
+        return math.inf
 
 
 class MeasuredRate:
@@ -359,6 +368,13 @@ class MeasuredRate:
             return None
         items, cost = min(self._recent, default=(1, 1.0))
         return self._judge(items, cost, level, budget_s, now, "another request")
+
+    def fill_limit(self, cost: float, share: float) -> float:
+        """See :meth:`AdmissionPolicy.fill_limit`: with ``t(n) = o + n c``, the ``n`` at which
+        ``t(n) = (1 + share) t(cost)``. Batches that cost mostly their overhead (a GPU's) fill
+        up; batches whose time grows with their items (a CPU's) take few lower-level items."""
+        item_s = self.rate.item_s
+        return cost + share * (self.rate.overhead_s / item_s + cost) if item_s else math.inf
 
     def _retry_after_s(self, now: float) -> int:
         """Seconds a refused client should wait: the backlog, rounded up, at least 1."""

@@ -113,6 +113,7 @@ def unit_for(config: ModelConfig, runner: ModelRunner, threads: Threads, observe
         priority_levels=config.priority_levels,
         default_priority_level=config.default_priority_level,
         priority_aging=config.priority_aging,
+        priority_fill=config.priority_fill,
         observer=observer,
         scatter=config.scatter,
         tracing=tracing,

@@ -14,9 +14,11 @@ marked dead; its chunks are dropped when they reach the head of their deque.
 round up to ``gather_turns`` more times (requests already on their way join). Triton's rule:
 ``max_queue_delay = 0`` still batches under load and adds no wait when idle.
 
-**No level starves** (aging): a lower-level request that has waited ``priority_aging`` (a share,
-default one half) of its time to deadline is taken before every level, oldest first; every
-admitted request is thus taken once half its deadline has passed, plus one batch.
+**No level starves** (aging): a lower-level request that has waited ``priority_aging`` (default
+three quarters: past admission's one half, so only requests pushed back by higher levels age) of
+its time to deadline goes before every level; each admitted request is taken by then plus one
+batch. **Fill**: lower levels join a batch holding higher-level items only while they add at
+most ``priority_fill`` to its expected time (``fill``, from the measured rate).
 
 Requests of a priced model arrive with their items sorted by cost (:func:`sort_by_cost`) and are
 never passed over within a level, so the backlog ahead of a request is what admission counts
@@ -152,8 +154,9 @@ class RequestQueue:
         max_batch_tokens: most tokens (the handler's cost unit, padding included); None = none.
         batch_cost: what a batch of priced items computes (``[N]`` costs -> cost).
         levels: priority levels (at least 1).
-        aging: the share of its time to deadline after which a lower-level request is taken
-            before every level.
+        aging: after this share of its time to deadline a lower-level request goes first.
+        fill: with levels, the most a batch may cost (``batch_cost``, or items unpriced) once
+            it holds the items of its highest level, costing the argument; None: no bound.
     """
 
     def __init__(
@@ -167,16 +170,14 @@ class RequestQueue:
         max_batch_tokens: int | None = None,
         batch_cost: Callable[[np.ndarray], float] = padded_to_longest,
         levels: int = 1,
-        aging: float = 0.5,
+        aging: float = 0.75,
+        fill: Callable[[float], float] | None = None,
     ) -> None:
-        self.max_batch_size = max_batch_size
-        self.max_queue_delay_s = max_queue_delay_s
-        self.gather_turns = max(0, gather_turns)
-        self.gather_max_s = gather_max_s
-        self.max_batch_bytes = max_batch_bytes
-        self.max_batch_tokens = max_batch_tokens
-        self.batch_cost = batch_cost
-        self.aging = aging
+        self.max_batch_size, self.max_queue_delay_s = max_batch_size, max_queue_delay_s
+        self.gather_turns, self.gather_max_s = max(0, gather_turns), gather_max_s
+        self.max_batch_bytes, self.max_batch_tokens = max_batch_bytes, max_batch_tokens
+        self.batch_cost, self.aging = batch_cost, aging
+        self.fill = fill if levels > 1 else None
         self._levels: list[deque[Chunk]] = [deque() for _ in range(max(1, levels))]
         #: Items waiting (excludes the batches running and the items of dead requests), and
         #: their cost (tokens for priced models, else items); per level below.
@@ -216,8 +217,7 @@ class RequestQueue:
         self._wakeup.set()
 
     def _count(self, level: int, items: int, cost: int) -> None:
-        self.items += items
-        self.cost += cost
+        self.items, self.cost = self.items + items, self.cost + cost
         self._level_items[level] += items
         self._level_cost[level] += cost
 
@@ -311,10 +311,22 @@ class RequestQueue:
             for chunks in self._aged(now):
                 if not self._take_from(chunks, budget, now, drop, taken, aged_only=True):
                     return taken
+        capped = self.fill is None
         for chunks in self._levels:
             if not self._take_from(chunks, budget, now, drop, taken):
                 break
+            if taken and not capped:  # lower levels fill only what ``fill`` leaves
+                capped = self._cap(budget, taken)
         return taken
+
+    def _cap(self, budget: Budget, taken: list[Chunk]) -> bool:
+        assert self.fill is not None  # the items ``taken`` cap what the lower levels may add
+        if budget.taken:  # priced: by cost, padding included
+            budget.tokens = min(budget.tokens, self.fill(budget.batch_cost(np.concatenate(budget.taken))))
+        else:
+            items = sum(c.stop - c.start for c in taken)
+            budget.items = max(0, min(budget.items, int(min(self.fill(items), 1e9)) - items))
+        return True
 
     def _aged(self, now: float) -> list[deque[Chunk]]:
         """The lower levels whose head request has waited its aging share, oldest head first."""

@@ -77,7 +77,7 @@ class ServingUnit:
     ``batch_cost`` (int64 ``[N]`` -> a batch's cost); ``admission`` (``"measured_rate"`` or
     ``"capacity"``) and ``admission_headroom`` (a share of the deadline); Triton's
     ``priority_levels`` (0 = one level) and ``default_priority_level`` (0 = the lowest),
-    ``priority_aging`` (a share of the deadline); ``observer`` of batches and refusals;
+    ``priority_aging`` and ``priority_fill`` (shares); ``observer`` of batches and refusals;
     ``scatter`` (a request larger than a batch may be split over sibling workers).
 
     Raises:
@@ -104,7 +104,8 @@ class ServingUnit:
         admission_headroom: float = 0.5,
         priority_levels: int = 0,
         default_priority_level: int = 0,
-        priority_aging: float = 0.5,
+        priority_aging: float = 0.75,
+        priority_fill: float = 0.25,
         observer: UnitObserver | None = None,
         version: str = "1",
         scatter: bool = True,
@@ -132,6 +133,7 @@ class ServingUnit:
             batch_cost=batch_cost or padded_to_longest,
             levels=max(1, priority_levels),
             aging=priority_aging,
+            fill=lambda cost: self.admission.fill_limit(cost, priority_fill),
         )
         self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
         self.admission: AdmissionPolicy = policy(admission, self, admission_headroom)
@@ -255,7 +257,7 @@ class ServingUnit:
             # deadline. The 504 is counted here only, once per request, whoever saw it first.
             async with asyncio.timeout_at(deadline):
                 level = self.default_level if level is None else level
-                if self.priced and self.queue.items >= self.max_batch_size:
+                if self.priced and self.queue.items:
                     self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
                 tokens = await self.executor.price(inputs) if self.priced else None
                 order = None

@@ -6,10 +6,11 @@ of a model; and the real sentence handler's pricing."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from app.errors import DeadlineExceeded, InvalidInput, QueueFull
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
-from app.serving.admission import MeasuredRate
+from app.serving.admission import Backlog, MeasuredRate
 from app.serving.executor import InferenceThread, Threads
 from app.serving.queue import Budget, QueuedRequest, RequestQueue
 from app.serving.unit import ServingUnit
@@ -374,3 +375,28 @@ def test_a_priority_above_the_levels_is_invalid() -> None:
     with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
         queue.level(4, default=2)
     assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0).level(7, default=0) == 0  # no levels: ignored
+
+
+
+def _queued(level: int, size: int, loop: asyncio.AbstractEventLoop) -> QueuedRequest:
+    now = loop.time()
+    inputs = {"x": np.zeros((size, 1), np.float32)}
+    return QueuedRequest(inputs, size, now + 60, now, f"r{level}", None, loop.create_future(), None, level=level)
+
+
+@pytest.mark.parametrize(("overhead_s", "item_s", "low_items"), [(0.0, 0.01, 1), (1.0, 0.001, 6)])
+async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_little(
+    overhead_s: float, item_s: float, low_items: int
+) -> None:
+    """``priority_fill``: 4 high-priority items cost ``t(4)``; low-priority items join their
+    batch only while the batch stays within 1.25 t(4). Where the time grows with the items (a
+    CPU: no overhead) 1 low item fits; where the overhead dominates (a GPU) the batch fills."""
+    policy = MeasuredRate(cast(Backlog, None))  # the rate alone decides the bound
+    policy.rate.overhead_s, policy.rate.item_s = overhead_s, item_s
+    loop = asyncio.get_running_loop()
+    for fill, expected in ((lambda cost: policy.fill_limit(cost, 0.25), low_items), (lambda cost: math.inf, 6)):
+        queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill)
+        queue.put(_queued(1, 6, loop))
+        queue.put(_queued(0, 4, loop))
+        batch = queue.take(loop.time(), lambda *_: None)
+        assert [(c.request.level, c.stop - c.start) for c in batch] == [(0, 4), (1, expected)]
