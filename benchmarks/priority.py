@@ -8,9 +8,10 @@ preempted: a high-priority request waits for the batch running when it arrives, 
 next, so what it waits is about one and a half batches, and the token budget bounds a batch.
 ``--low`` closed-loop clients send V2 JSON requests of ``--items``
 feed texts (:func:`benchmarks.payloads.feed_texts`; ``--texts short``: the titles alone) with no
-priority (level 2, the lowest); ``--high`` closed-loop clients (or, with ``--high-rate``,
-Poisson arrivals at that rate on connections of their own) send the same with
-``parameters.priority = 1``. After ``--warmup`` seconds,
+priority (level 2, the lowest), and a client answered 503 waits the answer's ``Retry-After``
+before its next request (``--no-honour-retry-after``: it resends at once); ``--high``
+closed-loop clients (or, with ``--high-rate``, Poisson arrivals at that rate on connections of
+their own) send the same with ``parameters.priority = 1``. After ``--warmup`` seconds,
 ``--duration`` seconds are counted: per class the answers by status, p50/p99/max of the 200s,
 and items/s. The high class's p50 over the low class's is the figure; a low request answered
 504 (or a 200 later than its deadline) would be one that starved.
@@ -22,6 +23,7 @@ Target: high p50 <= 0.25 x low p50, no low-priority 504. Traffic goes only to 12
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
@@ -70,6 +72,8 @@ async def run(url: str, bodies: list[bytes], args: Any) -> dict[str, dict[str, A
                 n += args.low + args.high
                 if sent >= counted_from:
                     answers[kind].append(answer)
+                if args.honour_retry_after and answer.retry_after_s:
+                    await asyncio.sleep(min(answer.retry_after_s, max(0.0, until - time.perf_counter())))
 
         async def arrivals() -> None:  # open loop: Poisson arrivals at --high-rate per second
             rng, sends, n = random.Random(1), [], 0
@@ -118,6 +122,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--items", type=int, default=8)
     parser.add_argument("--texts", choices=("mix", "short"), default="mix", help="feed mix, or titles only")
     parser.add_argument("--max-batch-tokens", type=int, default=1024, help="0: no token budget")
+    parser.add_argument(
+        "--honour-retry-after",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="a client answered 503 waits its Retry-After before the next request, as HTTP "
+        "clients with retries do (--no-honour-retry-after: it resends at once)",
+    )
     parser.add_argument("--warmup", type=float, default=5.0)
     parser.add_argument("--duration", type=float, default=30.0)
     parser.add_argument("--out", type=Path)
@@ -135,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
     result = report.record(
         command="python -m benchmarks.priority " + " ".join(sys.argv[1:] if argv is None else argv),
         workers=args.workers, items=args.items, texts=args.texts, max_batch_tokens=args.max_batch_tokens,
-        deadline_ms=DEADLINE_MS, classes=classes,
+        deadline_ms=DEADLINE_MS, honour_retry_after=args.honour_retry_after, classes=classes,
         high_over_low_p50=ratio,
     )  # fmt: skip
     print(markdown(result))

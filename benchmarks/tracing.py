@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         "off": {},
         "on, 100 % sampled": {**on, "OTEL_TRACES_SAMPLER": "always_on"},
         "on, 1 % sampled": {
-            **on, "OTEL_TRACES_SAMPLER": "parentbased_traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"
+            **on,
+            "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+            "OTEL_TRACES_SAMPLER_ARG": "0.01",
         },
     }
     rounds: dict[str, list[dict[str, float]]] = {name: [] for name in sides}
