@@ -42,14 +42,16 @@ from benchmarks.server import MINILM
 DEADLINE_MS = 5000  # the demo model's timeout_ms
 
 
-def repository(tmp: Path, max_batch_tokens: int) -> Path:
-    """A copy of the demo MiniLM's ``model.toml`` with two priority levels and the token budget
-    (0: none; the weights come from the installed package, as in the demo)."""
+def repository(tmp: Path, max_batch_tokens: int, fill: float | None = None) -> Path:
+    """A copy of the demo MiniLM's ``model.toml`` with two priority levels, the token budget
+    (0: none) and ``priority_fill`` (None: the default); the weights come from the installed
+    package, as in the demo."""
     folder = tmp / "repo" / MINILM
     folder.mkdir(parents=True)
     toml = (server.DEMO_REPOSITORY / MINILM / "model.toml").read_text()
     budget = f"max_batch_tokens = {max_batch_tokens}\n" if max_batch_tokens else ""
-    levels = f"priority_levels = 2\ndefault_priority_level = 2\n{budget}\n"
+    fill_line = f"priority_fill = {fill}\n" if fill is not None else ""
+    levels = f"priority_levels = 2\ndefault_priority_level = 2\n{budget}{fill_line}\n"
     toml = toml.replace("[[inputs]]", levels + "[[inputs]]", 1)
     (folder / "model.toml").write_text(toml)
     return folder.parent
@@ -122,6 +124,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--items", type=int, default=8)
     parser.add_argument("--texts", choices=("mix", "short"), default="mix", help="feed mix, or titles only")
     parser.add_argument("--max-batch-tokens", type=int, default=1024, help="0: no token budget")
+    parser.add_argument("--priority-fill", type=float, help="model.toml priority_fill (default: 0.25)")
     parser.add_argument(
         "--honour-retry-after",
         action=argparse.BooleanOptionalAction,
@@ -138,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     bodies = payloads.feed_bodies(texts, args.items, query=None, outputs=("embedding",))
     with tempfile.TemporaryDirectory() as tmp:
         env = {"SCORING_TORCH_THREADS": str(args.torch_threads)}
-        repo = repository(Path(tmp), args.max_batch_tokens)
+        repo = repository(Path(tmp), args.max_batch_tokens, args.priority_fill)
         with server.start(Path(tmp), repo, MINILM, args.workers, env) as srv:
             srv.wait_ready(300, count=args.workers)
             classes = asyncio.run(run(srv.url + f"/v2/models/{MINILM}/infer", bodies, args))
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     result = report.record(
         command="python -m benchmarks.priority " + " ".join(sys.argv[1:] if argv is None else argv),
         workers=args.workers, items=args.items, texts=args.texts, max_batch_tokens=args.max_batch_tokens,
+        priority_fill=args.priority_fill,
         deadline_ms=DEADLINE_MS, honour_retry_after=args.honour_retry_after, classes=classes,
         high_over_low_p50=ratio,
     )  # fmt: skip

@@ -14,11 +14,11 @@ marked dead; its chunks are dropped when they reach the head of their deque.
 round up to ``gather_turns`` more times (requests already on their way join). Triton's rule:
 ``max_queue_delay = 0`` still batches under load and adds no wait when idle.
 
-**No level starves** (aging): a lower-level request that has waited ``priority_aging`` (default
-three quarters: past admission's one half, so only requests pushed back by higher levels age) of
-its time to deadline goes before every level; each admitted request is taken by then plus one
-batch. **Fill**: lower levels join a batch holding higher-level items only while they add at
-most ``priority_fill`` to its expected time (``fill``, from the measured rate).
+**No level starves** (aging): a lower-level request goes before every level once it has waited
+``priority_aging`` of its time to deadline (default three quarters: past admission's one half,
+so only requests pushed back by higher levels age) or has two of the longest recent batches left
+(the one running, its own). **Fill**: lower levels join a batch holding higher-level items only
+while they add at most ``priority_fill`` to its expected time (``fill``, the measured rate).
 
 Requests of a priced model arrive with their items sorted by cost (:func:`sort_by_cost`) and are
 never passed over within a level, so the backlog ahead of a request is what admission counts
@@ -64,8 +64,7 @@ class QueuedRequest:
     tokens: np.ndarray | None = None
     order: np.ndarray | None = None
     level: int = 0
-    #: The request's trace context (OpenTelemetry), None when not traced.
-    trace: Any = None
+    trace: Any = None  # its OpenTelemetry context; None when not traced
     queued: int = 0  # items still waiting
     queued_cost: int = 0  # their cost
     pending: int = 0  # items not yet computed
@@ -91,8 +90,7 @@ class Chunk:
     stop: int
 
 
-#: Called for a request dropped while queued: (request, the error it gets, the rejection reason
-#: to count, or None when the 504 is counted by the waiting request).
+#: Drops a queued request: (request, its error, the rejection to count; None: its own 504).
 Drop = Callable[[QueuedRequest, ScoringError, "str | None"], None]
 
 
@@ -155,6 +153,7 @@ class RequestQueue:
         batch_cost: what a batch of priced items computes (``[N]`` costs -> cost).
         levels: priority levels (at least 1).
         aging: after this share of its time to deadline a lower-level request goes first.
+        margin: the longest recent batch, seconds (aging keeps two before a deadline); None: 0.
         fill: with levels, the most a batch may cost (``batch_cost``, or items unpriced) once
             it holds the items of its highest level, costing the argument; None: no bound.
     """
@@ -172,19 +171,18 @@ class RequestQueue:
         levels: int = 1,
         aging: float = 0.75,
         fill: Callable[[float], float] | None = None,
+        margin: Callable[[], float] | None = None,
     ) -> None:
         self.max_batch_size, self.max_queue_delay_s = max_batch_size, max_queue_delay_s
         self.gather_turns, self.gather_max_s = max(0, gather_turns), gather_max_s
         self.max_batch_bytes, self.max_batch_tokens = max_batch_bytes, max_batch_tokens
         self.batch_cost, self.aging = batch_cost, aging
-        self.fill = fill if levels > 1 else None
+        self.fill, self.margin, self._margin_s = (fill, margin, 0.0) if levels > 1 else (None, None, 0.0)
         self._levels: list[deque[Chunk]] = [deque() for _ in range(max(1, levels))]
         #: Items waiting (excludes the batches running and the items of dead requests), and
         #: their cost (tokens for priced models, else items); per level below.
-        self.items = 0
-        self.cost = 0
-        self._level_items = [0] * len(self._levels)
-        self._level_cost = [0] * len(self._levels)
+        self.items, self.cost = 0, 0
+        self._level_items, self._level_cost = [0] * len(self._levels), [0] * len(self._levels)
         #: True while a batch is open, waiting up to the max queue delay for more items.
         self.holding = False
         self._wakeup = asyncio.Event()
@@ -308,6 +306,7 @@ class RequestQueue:
         )
         taken: list[Chunk] = []
         if len(self._levels) > 1:
+            self._margin_s = 2 * self.margin() if self.margin else 0.0
             for chunks in self._aged(now):
                 if not self._take_from(chunks, budget, now, drop, taken, aged_only=True):
                     return taken
@@ -337,7 +336,8 @@ class RequestQueue:
         return [chunks for _, _, chunks in sorted(heads)]
 
     def _is_aged(self, request: QueuedRequest, now: float) -> bool:
-        return now - request.arrival >= self.aging * (request.deadline - request.arrival)
+        span = request.deadline - request.arrival
+        return request.deadline - now <= self._margin_s or now - request.arrival >= self.aging * span
 
     def _take_from(
         self,

@@ -79,7 +79,6 @@ class ServingUnit:
     ``priority_levels`` (0 = one level) and ``default_priority_level`` (0 = the lowest),
     ``priority_aging`` and ``priority_fill`` (shares); ``observer`` of batches and refusals;
     ``scatter`` (a request larger than a batch may be split over sibling workers).
-
     Raises:
         ValueError: bounds that contradict each other, or an unknown ``admission``.
     """
@@ -134,22 +133,23 @@ class ServingUnit:
             levels=max(1, priority_levels),
             aging=priority_aging,
             fill=lambda cost: self.admission.fill_limit(cost, priority_fill),
+            margin=lambda: self.longest_batch_s,
         )
         self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
         self.admission: AdmissionPolicy = policy(admission, self, admission_headroom)
         self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, version)
         self.tracing = tracing
-        self._reported_depth = 0
+        #: The longest recent batch, seconds: a longer one replaces it; it decays 10 % a batch.
+        self.longest_batch_s = 0.0
+        self._reported_depth, self._stopped = 0, False
         self._task: asyncio.Task[None] | None = None
-        self._stopped = False
         self._active = 0  # infer() calls in progress (drain waits for none)
         self._idle: asyncio.Event | None = None
 
     # --- what admission reads (app.serving.admission.Backlog) ------------------------------
 
     def queued(self, level: int | None = None) -> tuple[int, float]:
-        """(items, cost) waiting at ``level`` and above (None: all)."""
-        return self.queue.queued(level)
+        return self.queue.queued(level)  # (items, cost) at ``level`` and above; None: all
 
     def running(self) -> list[tuple[float, float]]:
         """(``loop.time()`` at start, cost) of the batches running, oldest first."""
@@ -336,6 +336,7 @@ class ServingUnit:
         if batch.trace is not None:
             batch.trace.ran(compute_s)
         self.admission.observe(batch.cost, compute_s, batch.real_tokens)
+        self.longest_batch_s = max(compute_s, 0.9 * self.longest_batch_s)
         if batch.real_tokens:
             self.observer.padding(batch.real_tokens, int(batch.cost))
         self.observer.batch_done(batch.items, len(batch.requests), batch.queue_s, compute_s)

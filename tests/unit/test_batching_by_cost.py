@@ -400,3 +400,18 @@ async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_littl
         queue.put(_queued(0, 4, loop))
         batch = queue.take(loop.time(), lambda *_: None)
         assert [(c.request.level, c.stop - c.start) for c in batch] == [(0, 4), (1, expected)]
+
+
+@pytest.mark.parametrize(("longest_s", "low_first"), [(0.0, False), (5.0, False), (31.0, True)])
+async def test_a_lower_level_goes_first_when_two_of_the_longest_batches_are_left(
+    longest_s: float, low_first: bool
+) -> None:
+    """Aging keeps a margin: a low-priority request with 60 s to its deadline, far from its
+    aging share, goes before the high level once two of the longest recent batches (``margin``,
+    seconds) would not fit in what is left: the batch running and its own."""
+    loop = asyncio.get_running_loop()
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, aging=0.75, margin=lambda: longest_s)
+    queue.put(_queued(1, 4, loop))
+    queue.put(_queued(0, 4, loop))
+    batch = queue.take(loop.time(), lambda *_: None)
+    assert [(c.request.level, c.stop - c.start) for c in batch] == [(1 if low_first else 0, 4)]
