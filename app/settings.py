@@ -310,6 +310,22 @@ class Settings(BaseSettings):
         "others serve, and its load is retried in the worker after 2 s, then twice as long each "
         "time, at most this many seconds apart; 0 = never retried (until a reload).",
     )
+    model_control_mode: Literal["none", "explicit", "poll"] = Field(
+        "none",
+        description="How models change while the server runs (Triton's model control modes): 'none' "
+        "(only a restart changes them; load/unload answer 400), 'explicit' (POST "
+        "/v2/repository/models/{name}/load|unload and gRPC RepositoryModelLoad|Unload load, reload "
+        "and unload a model on every worker), 'poll' (each worker scans the repository every "
+        "repository_poll_s and loads, reloads and unloads what changed; the API is refused). "
+        "Every mode first loads what SCORING_MODELS names (docs/model-control.md).",
+    )
+    repository_poll_s: float = Field(
+        15.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="In model control mode 'poll': seconds between two scans of the model "
+        "repository (Triton's --repository-poll-secs).",
+    )
     run_dir: Path | None = Field(
         None,
         description="Per-server run directory (GPU leases, load table, shard sockets, metrics "

@@ -106,12 +106,14 @@ def http(
 
 @dataclass(frozen=True)
 class Answer:
-    """One request as a client saw it: HTTP ``status`` (0 = no answer), ``latency_s``, and
-    ``error`` ("" when the status is 200)."""
+    """One request as a client saw it: HTTP ``status`` (0 = no answer), ``latency_s``,
+    ``error`` ("" when the status is 200) and, for a 503, its ``Retry-After`` in seconds (0.0
+    when none)."""
 
     status: int
     latency_s: float
     error: str = ""
+    retry_after_s: float = 0.0
 
 
 def timed(call: Callable[[], object], seconds: float) -> list[float]:
@@ -139,16 +141,18 @@ async def post(
 ) -> Answer:
     """POST ``body`` and read the whole answer; a connection error or timeout is status 0."""
     start = time.perf_counter()
-    status, error = 0, ""
+    status, error, retry_after = 0, "", 0.0
     try:
         async with session.post(url, data=body, headers=headers) as resp:
             await resp.read()
             status = resp.status
             if status != 200:
                 error = f"HTTP {status}"
+            if status == 503 and (value := resp.headers.get("Retry-After", "")).isdigit():
+                retry_after = float(value)
     except (aiohttp.ClientError, TimeoutError) as exc:
         error = f"{type(exc).__name__}: {exc}"
-    return Answer(status, time.perf_counter() - start, error)
+    return Answer(status, time.perf_counter() - start, error, retry_after)
 
 
 async def closed_loop(request: Callable[[int], Awaitable[R]], concurrency: int, until: float) -> list[R]:

@@ -5,16 +5,19 @@
 exports the same model. Usage::
 
     python scripts/export_ranking_model.py --out model_repository/feed-ranker \\
-        [--format torch_export|torchscript] [--seed 0] [--max-batch-size 256]
+        [--format torch_export|torchscript|onnx] [--seed 0] [--max-batch-size 256] [--name NAME]
 
-writes ``model.pt2`` (``torch.export``, dynamic batch dimension) or ``model.pt`` (TorchScript)
-and the ``model.toml`` that serves it, after checking that the saved file reloads and matches
-the eager model.
+writes ``model.pt2`` (``torch.export``, dynamic batch dimension), ``model.pt`` (TorchScript) or
+``model.onnx`` (``torch.onnx.export``, the torch.export-based exporter, dynamic batch axis;
+served by ONNX Runtime) and the ``model.toml`` that serves it, after checking that the saved
+file reloads and matches the eager model. ``scripts/install`` writes the demo's ``feed-ranker``
+(torch_export) and ``feed-ranker-onnx`` (onnx) from the same seed, so they are the same model.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import warnings
 from collections.abc import Callable
@@ -26,7 +29,7 @@ from torch import nn
 NUM_FEATURES = 32
 HIDDEN = (64, 32)
 MAX_BATCH_SIZE = 256
-FORMATS = {"torch_export": "model.pt2", "torchscript": "model.pt"}
+FORMATS = {"torch_export": "model.pt2", "torchscript": "model.pt", "onnx": "model.onnx"}
 
 # torch.jit's entry points are unannotated; these give mypy (strict) something to check against.
 _jit_trace: Callable[..., torch.jit.ScriptModule] = torch.jit.trace
@@ -116,8 +119,37 @@ def _save_torchscript(model: FeedRanker, path: Path) -> None:
         torch.jit.save(traced, str(path))
 
 
-def load_exported(path: Path) -> torch.nn.Module:
-    """Reload a ``model.pt2`` or ``model.pt`` written by ``export`` as a callable module."""
+def _save_onnx(model: FeedRanker, path: Path) -> None:
+    # The torch.export-based exporter (torch.onnx's default since 2.9; the TorchScript-based one
+    # is deprecated). Its own imports raise FutureWarnings that are not ours to fix.
+    batch = torch.export.Dim("batch", min=1)
+    example = torch.zeros(8, NUM_FEATURES)
+    logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
+        program = torch.onnx.export(
+            model,
+            (example,),
+            dynamo=True,
+            input_names=["features"],
+            output_names=["click_probability"],
+            dynamic_shapes=({0: batch},),
+            verbose=False,
+        )
+    assert program is not None
+    program.save(str(path), external_data=False)
+
+
+def load_exported(path: Path) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Reload a ``model.pt2``, ``model.pt`` or ``model.onnx`` written by ``export`` as a
+    callable: features FP32 ``[B, 32]`` -> probabilities FP32 ``[B, 1]`` (an ONNX Runtime
+    session on the CPU for ``.onnx``)."""
+    if path.suffix == ".onnx":
+        import onnxruntime
+
+        session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        return lambda x: torch.from_numpy(session.run(None, {"features": x.numpy()})[0])
     if path.suffix == ".pt2":
         module: torch.nn.Module = torch.export.load(path).module()
         return module
@@ -149,10 +181,11 @@ def export(
 ) -> Path:
     """Write the model file and ``model.toml`` into ``out_dir``; return the model file's path.
 
-    ``fmt`` is ``"torch_export"`` (``model.pt2``) or ``"torchscript"`` (``model.pt``);
-    ``max_batch_size`` is both the ``.pt2``'s batch-dimension bound and the ``model.toml``
-    setting; ``name`` defaults to ``out_dir``'s name. Raises ``ValueError`` for an unknown
-    format and ``RuntimeError`` when the reloaded file does not match the eager model.
+    ``fmt`` is ``"torch_export"`` (``model.pt2``), ``"torchscript"`` (``model.pt``) or
+    ``"onnx"`` (``model.onnx``); ``max_batch_size`` is both the ``.pt2``'s batch-dimension bound
+    and the ``model.toml`` setting (the ``.onnx``'s batch axis is unbounded); ``name`` defaults
+    to ``out_dir``'s name. Raises ``ValueError`` for an unknown format and ``RuntimeError`` when
+    the reloaded file does not match the eager model.
     """
     if fmt not in FORMATS:
         raise ValueError(f"unknown format {fmt!r}; choose one of {sorted(FORMATS)}")
@@ -164,6 +197,8 @@ def export(
     path = out_dir / FORMATS[fmt]
     if fmt == "torch_export":
         _save_torch_export(model, path, max_batch_size)
+    elif fmt == "onnx":
+        _save_onnx(model, path)
     else:
         _save_torchscript(model, path)
     _verify(model, path, max_batch_size)

@@ -31,10 +31,8 @@ from app.protocols.infer import (
     InferResponse,
     RawData,
     RequestedOutput,
-    parameters_timeout_s,
 )
-from app.protocols.limits import RequestLimits
-from app.protocols.tensors import check_elements, check_shape, tensor_bytes
+from app.protocols.tensors import RequestLimits, check_elements, check_shape, tensor_bytes
 
 #: Datatype -> the ``InferTensorContents`` field that carries it (FP16 travels raw only).
 CONTENTS_FIELD = {
@@ -106,7 +104,7 @@ def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
 def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> InferRequest:
     """A ``ModelInferRequest`` for model ``config`` -> :class:`InferRequest`: raw contents as
     :class:`~app.protocols.infer.RawData` (decoded by validation, once the tensor fits the
-    model: :func:`app.protocols.infer.validate_inputs`), typed contents as arrays (converted
+    model: :func:`app.serving.dataplane.validate_inputs`), typed contents as arrays (converted
     only for a known input, after its element count is checked).
 
     Raises:
@@ -149,7 +147,6 @@ def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> 
         id=message.id or None,
         parameters=request_parameters,
         outputs=outputs or None,
-        timeout_s=parameters_timeout_s(request_parameters),
     )
 
 

@@ -6,6 +6,8 @@
     HeaderFieldsTooLarge           INVALID_ARGUMENT      431
     Unauthorized                   UNAUTHENTICATED       401
     ModelNotFound                  NOT_FOUND             404
+    ModelUnloaded                  UNAVAILABLE           404  (Triton's answer for an unloaded model)
+    ModelControlFailed             INVALID_ARGUMENT      400
     PayloadTooLarge                RESOURCE_EXHAUSTED    413
     InsufficientStorage            RESOURCE_EXHAUSTED    507
     ClientDisconnected             CANCELLED             499
@@ -41,6 +43,8 @@ _CODES: dict[type[errors.ScoringError], grpc.StatusCode] = {
     errors.HeaderFieldsTooLarge: grpc.StatusCode.INVALID_ARGUMENT,
     errors.Unauthorized: grpc.StatusCode.UNAUTHENTICATED,
     errors.ModelNotFound: grpc.StatusCode.NOT_FOUND,
+    errors.ModelUnloaded: grpc.StatusCode.UNAVAILABLE,
+    errors.ModelControlFailed: grpc.StatusCode.INVALID_ARGUMENT,
     errors.PayloadTooLarge: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.InsufficientStorage: grpc.StatusCode.RESOURCE_EXHAUSTED,
     errors.ClientDisconnected: grpc.StatusCode.CANCELLED,

@@ -5,7 +5,7 @@ see :func:`grpc_ctx`) with ``SO_REUSEPORT`` (``grpc.so_reuseport``, which is als
 default on Linux), so the kernel hands each new connection to one of the workers, as
 gunicorn's shared socket does for HTTP. A gRPC
 channel is one long-lived HTTP/2 connection, so all calls of one channel reach one worker;
-:func:`app.serving.dataplane.infer` (which every ModelInfer awaits) is where work is
+:meth:`app.serving.dataplane.DataPlane.infer` (which every ModelInfer awaits) is where work is
 balanced among sibling workers, for gRPC as for HTTP.
 
 Nothing here runs in the gunicorn master: ``app.main`` (which imports this module, and so
@@ -14,7 +14,7 @@ loop by :func:`grpc_ctx`. grpcio's threads and file descriptors therefore never 
 
 Lifecycle: :func:`grpc_ctx` starts the server after the models' context (so a replacement
 worker that waits for its models before listening does so for gRPC too) and stops it first
-on cleanup, before the batchers stop: in-flight calls get ``grpc_grace_s`` seconds to
+on cleanup, before the serving units stop: in-flight calls get ``grpc_grace_s`` seconds to
 finish, new calls are refused, and clients get HTTP/2 GOAWAY and reconnect to a sibling
 worker. Readiness (ServerReady) is false from the start of the drain, as for HTTP.
 """
@@ -31,7 +31,8 @@ import grpc
 from aiohttp import web
 
 from app.grpc.servicer import InferenceServicer, generic_handler
-from app.serving.state import SETTINGS
+from app.observability.tracing import TRACING
+from app.serving.registry import SETTINGS
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -96,7 +97,9 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
         OSError: the certificate or key cannot be read.
     """
     settings = app[SETTINGS]
-    server = grpc.aio.server(options=server_options(settings))
+    tracing = app.get(TRACING)
+    interceptors = tracing.grpc_interceptors() if tracing is not None else None
+    server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(app)),))
     address = _address(host, port)
     if settings.certfile is not None and settings.keyfile is not None:
@@ -119,7 +122,7 @@ async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
 
     Why several: a ``grpc.aio`` server takes new calls from the gRPC core one at a time, one
     per turn of the event loop (it awaits each ``request_call`` before asking for the next),
-    so under load a worker's calls reach the batcher one by one however many wait in the core.
+    so under load a worker's calls reach the queue one by one however many wait in the core.
     Each server asks on its own, and connections are spread over every server of every worker
     by ``SO_REUSEPORT``. feed-ranker, perf_analyzer at 64 calls in flight (11 connections),
     2 workers on 2 cores: 1 server per worker 18-19k items/s, 4 servers 24.6-25.8k, 8 servers

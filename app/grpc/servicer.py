@@ -34,10 +34,12 @@ from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.http.auth import API_KEY_HEADER, API_KEYS
+from app.http.middleware import request_id
 from app.observability.metrics import METRICS
-from app.protocols import infer, triton, v2
+from app.protocols import triton, v2
+from app.serving.control import CONTROL, LOAD, UNLOAD
 from app.serving.dataplane import DATAPLANE
-from app.serving.state import LIFECYCLE, REGISTRY
+from app.serving.registry import HEALTH, REGISTRY
 
 Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
@@ -70,7 +72,7 @@ def presented_key(context: Context) -> str | None:
 def _request_id(context: Context, sent: str = "") -> str:
     """The id a request gave (``ModelInferRequest.id``, else ``x-request-id`` metadata) when
     it is a sane token, else a new one."""
-    return infer.request_id(sent, _metadata(context, REQUEST_ID_KEY) or "")
+    return request_id(sent, _metadata(context, REQUEST_ID_KEY) or "")
 
 
 class InferenceServicer:
@@ -87,8 +89,10 @@ class InferenceServicer:
         self.app = app
         self.registry = app[REGISTRY]
         self.plane = app[DATAPLANE]
-        self.lifecycle = app[LIFECYCLE]
-        self.keys = app.get(API_KEYS)
+        self.health = app[HEALTH]
+        keys = app.get(API_KEYS)
+        #: None when no API keys are configured (no check per call).
+        self.keys = keys if keys is not None and keys.enabled else None
         self.metrics = app.get(METRICS)
 
     def handler(self, name: str) -> Callable[[bytes, Context], Awaitable[Message]]:
@@ -113,6 +117,8 @@ class InferenceServicer:
                 except DecodeError as exc:
                     raise InvalidInput(f"malformed {request_type.__name__} message: {exc}") from None
                 rid = _request_id(context, getattr(request, "id", ""))
+                if self.plane.tracing is not None:
+                    self.plane.tracing.tag(rid)
                 reply: Message = await method(request, context, rid)
             except Exception as exc:
                 rid = rid or _request_id(context)
@@ -121,7 +127,7 @@ class InferenceServicer:
                 await context.abort(code, details)
                 raise AssertionError("unreachable: abort raises") from None
             finally:
-                self.lifecycle.responses += 1
+                self.health.responses += 1
             context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
             return reply
 
@@ -129,7 +135,7 @@ class InferenceServicer:
 
     def authorized(self, context: Context) -> bool:
         """True when no API keys are configured or the call presents one of them."""
-        return self.keys is None or not self.keys.enabled or self.keys.check(presented_key(context))
+        return self.keys is None or self.keys.check(presented_key(context))
 
     # --- health and metadata -------------------------------------------------------------
 
@@ -137,7 +143,7 @@ class InferenceServicer:
         self, request: pb.ServerLiveRequest, context: Context, rid: str
     ) -> pb.ServerLiveResponse:
         """Liveness: false once the worker's inference thread is stuck (it restarts itself)."""
-        return pb.ServerLiveResponse(live=self.lifecycle.hung is None)
+        return pb.ServerLiveResponse(live=self.health.hung is None)
 
     async def ServerReady(
         self, request: pb.ServerReadyRequest, context: Context, rid: str
@@ -200,7 +206,7 @@ class InferenceServicer:
             entries = [
                 e for e in entries if e.config.name == request.name and version in (None, e.config.version)
             ]
-        stats = [e.stats.as_triton(e.config.name, e.config.version) for e in entries]
+        stats = [triton.model_statistics(e.config.name, e.config.version, e.stats) for e in entries]
         document = triton.statistics(stats, self.app[BINDING].pid)
         return _message(document, pb.ModelStatisticsResponse())
 
@@ -214,6 +220,22 @@ class InferenceServicer:
             reply.models.add(**triton.repository_entry(*row))
         return reply
 
+    async def RepositoryModelLoad(
+        self, request: pb.RepositoryModelLoadRequest, context: Context, rid: str
+    ) -> pb.RepositoryModelLoadResponse:
+        """Load (or reload) a model on every worker, as ``POST /v2/repository/models/{name}/load``."""
+        if "config" in request.parameters or any(k.startswith("file:") for k in request.parameters):
+            raise InvalidInput("parameters config and file: overrides are not supported")
+        await self.app[CONTROL].request(LOAD, request.model_name)
+        return pb.RepositoryModelLoadResponse()
+
+    async def RepositoryModelUnload(
+        self, request: pb.RepositoryModelUnloadRequest, context: Context, rid: str
+    ) -> pb.RepositoryModelUnloadResponse:
+        """Unload a model on every worker, as ``POST /v2/repository/models/{name}/unload``."""
+        await self.app[CONTROL].request(UNLOAD, request.model_name)
+        return pb.RepositoryModelUnloadResponse()
+
     # --- inference -----------------------------------------------------------------------
 
     async def ModelInfer(
@@ -221,8 +243,8 @@ class InferenceServicer:
     ) -> pb.ModelInferResponse:
         """Inference; raw inputs get raw outputs, typed inputs typed outputs."""
         try:
-            entry = self.registry.get(request.model_name, request.model_version or None)
-            labels = (entry.config.name, entry.config.version)
+            config = self.plane.version(request.model_name, request.model_version or None).config
+            labels = (config.name, config.version)
         except ScoringError:
             labels = ("", "")  # counted as HTTP counts an unknown or unavailable model's 404 / 503
         return await self._observed(labels, self._infer(request, context, rid))
@@ -231,18 +253,23 @@ class InferenceServicer:
         self, message: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
         plane = self.plane
-        deadline_s = context.time_remaining()  # None without a gRPC deadline
-        entry = plane.admit(message.model_name, message.model_version or None, deadline_s)
-        request = codec.decode_request(message, entry.config, plane.limits)
-        request.timeout_s = infer.earliest(deadline_s, request.timeout_s)
+        arrival = asyncio.get_running_loop().time()
+        remaining = context.time_remaining()  # None without a gRPC deadline
+        deadline = None if remaining is None else arrival + remaining
+        model = plane.admit(message.model_name, message.model_version or None, arrival, deadline)
+        request = codec.decode_request(message, model.config, plane.limits)
+        request.arrival, request.deadline = arrival, deadline
         response = await plane.infer(
             request,
             request_id=rid,
-            entry=entry,
+            model=model,
             is_disconnected=context.cancelled,
             pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
         )
-        return codec.encode_response(response, raw=bool(message.raw_input_contents))
+        if plane.tracing is None:
+            return codec.encode_response(response, raw=bool(message.raw_input_contents))
+        with plane.tracing.encoding():
+            return codec.encode_response(response, raw=bool(message.raw_input_contents))
 
     async def _observed(self, labels: tuple[str, str], work: Awaitable[Reply]) -> Reply:
         """Count and time one ModelInfer in the Prometheus metrics, labelled (model, version)

@@ -23,6 +23,9 @@ Outputs:
 ``score`` FP32 ``[B, 1]``
     Cosine similarity of the item's ``query`` embedding and its ``text`` embedding, in [-1, 1];
     0.0 where the query is empty.
+``tokens`` INT64 ``[B, 1]`` (served when ``model.toml`` declares it)
+    Tokens of each ``text`` as encoded: special tokens included, after truncation to
+    ``max_seq_length`` (OpenAI's ``usage.prompt_tokens`` sums them).
 
 ``[parameters]`` of ``model.toml`` (exactly one of the first two):
 
@@ -43,6 +46,11 @@ Outputs:
 ``call_overhead_tokens`` (number >= 0, may be ``inf``)
     What one forward call costs beyond its tokens, in tokens' worth of time; default: measured
     at load (one call of 16 tokens against one of 8 x 64). It decides the length groups below.
+``backend`` (str)
+    ``"torch"`` (default) or ``"onnx"``: the transformer runs as an ONNX graph in ONNX Runtime
+    (``onnx_file``, default ``"model.onnx"`` in the model's folder), tokenizer, pooling and
+    normalisation unchanged; with ``min_cosine`` the load is refused when the graph's embeddings
+    of calibration texts stray further from the torch pipeline's (:mod:`app.handlers.onnx_encoder`).
 
 **Length groups.** A batch's distinct strings are sorted by length and cut into groups, each
 one forward call padded to its own longest string, where that costs less than padding them
@@ -51,8 +59,8 @@ call) (:func:`length_groups`). This is what ``SentenceTransformer.encode()`` get
 input by length, and what text-embeddings-inference gets with unpadded (varlen) attention.
 On the CPU a call costs about 40 tokens, so a request mixing titles and descriptions runs as
 two calls at about half the padded cost; on a GPU a call costs thousands of tokens' time, so a
-batch stays one call there (the batcher already forms batches of similar lengths when its
-queue is deep). ``batch_cost`` tells the batcher the padded tokens a batch will compute.
+batch stays one call there (the queue already forms batches of similar lengths when its
+queue is deep). ``batch_cost`` tells the queue the padded tokens a batch will compute.
 
 Threads (``app.models.base``): ``item_costs`` (the tokens of each item's text and query, the
 cost ``max_batch_tokens`` counts; it refuses invalid UTF-8) runs on the prepare threads, beside
@@ -81,6 +89,8 @@ import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
+from app.handlers import onnx_encoder
+
 __all__ = [
     "EmbeddingOutputs",
     "EncodedBatch",
@@ -98,6 +108,7 @@ _PARAMETERS = (
     "dtype",
     "attn_implementation",
     "call_overhead_tokens",
+    *onnx_encoder.PARAMETERS,
 )
 #: The two calls timed at load to measure a call's overhead: (strings, tokens each).
 _CALIBRATION = ((1, 16), (8, 64))
@@ -141,11 +152,13 @@ class EncodedBatch:
             longest, T_g tokens); the groups' strings in ascending length, U = sum of U_g.
         text_index: int64 ``[B]``, row of the groups' rows, concatenated, holding item b's text.
         query_index: int64 ``[B]``, row holding item b's query, or -1 where it has none.
+        tokens: int64 ``[B]`` on the host, the tokens of item b's text.
     """
 
     groups: list[dict[str, torch.Tensor]]
     text_index: torch.Tensor
     query_index: torch.Tensor
+    tokens: npt.NDArray[np.int64]
 
     @property
     def num_unique(self) -> int:
@@ -165,10 +178,12 @@ class EmbeddingOutputs:
     Attributes:
         embedding: float32 ``[B, dim]``.
         score: float32 ``[B, 1]``, cosine similarity, 0.0 where the item had no query.
+        tokens: int64 ``[B]`` on the host, the tokens of each item's text.
     """
 
     embedding: torch.Tensor
     score: torch.Tensor
+    tokens: npt.NDArray[np.int64]
 
 
 def length_groups(lengths: npt.ArrayLike, overhead_tokens: float) -> list[npt.NDArray[np.int64]]:
@@ -314,6 +329,7 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
         raise ValueError(
             f"parameters.attn_implementation must be one of {list(_ATTENTION)}, got {attention!r}"
         )
+    onnx_encoder.check_parameters(parameters)
 
 
 class SentenceEmbeddingHandler:
@@ -327,6 +343,10 @@ class SentenceEmbeddingHandler:
         self._model: SentenceTransformer | None = None
         self._tokenizing = threading.Lock()  # the model's own tokenizer, in preprocess
         self._local = threading.local()  # a tokenizer per prepare thread, for lengths
+        #: Features (tokenised strings on the device) -> sentence embeddings [U, dim].
+        self._encode: onnx_encoder.Encode = self._encode_torch
+        #: The ONNX backend's encoder (None: backend = "torch").
+        self.onnx: onnx_encoder.OnnxTextEncoder | None = None
         #: What one forward call costs beyond its tokens, in tokens (:func:`length_groups`).
         self.call_overhead_tokens = math.inf
 
@@ -350,21 +370,29 @@ class SentenceEmbeddingHandler:
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only.
 
+        With ``backend = "onnx"`` the pipeline loads on the CPU, the graph opens on ``device``
+        with ``torch.get_num_threads()`` intra-op threads (the server's per-worker rule, set on
+        the inference thread that runs ``load``), ``min_cosine`` is checked, and the torch
+        transformer's weights are then dropped (moved to the meta device): only the graph runs.
+
         Raises:
             ValueError: bad or missing parameters; a declared ``embedding`` width that differs
-                from the model's; a ``max_seq_length`` over the model's limit.
+                from the model's; a ``max_seq_length`` over the model's limit; a graph that does
+                not fit the pipeline, or whose embeddings are further than ``min_cosine`` from it.
             FileNotFoundError: a missing folder.
+            ModelLoadError: a missing or unloadable ONNX file.
         """
         parameters = dict(config.parameters)
         _check_parameters(config.name, parameters)
         path = resolve_model_dir(parameters, config.path)
+        onnx = parameters.get("backend", "torch") == "onnx"
         # A worker logs one line per model load; transformers' per-load progress bar is noise.
         transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         model_kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
         if "attn_implementation" in parameters:
             model_kwargs["attn_implementation"] = parameters["attn_implementation"]
         model = SentenceTransformer(
-            str(path), device=str(device), local_files_only=True, model_kwargs=model_kwargs
+            str(path), device="cpu" if onnx else str(device), local_files_only=True, model_kwargs=model_kwargs
         )
         model.eval()
         max_seq_length = parameters.get("max_seq_length")
@@ -385,8 +413,32 @@ class SentenceEmbeddingHandler:
                 )
         self._device = device
         self._model = model
+        if onnx:
+            self._load_onnx(device, config)
         overhead = parameters.get("call_overhead_tokens")
         self.call_overhead_tokens = float(overhead) if overhead is not None else self._measure_call_overhead()
+
+    def _load_onnx(self, device: torch.device, config: ModelConfigLike) -> None:
+        """Open the ONNX graph, check ``min_cosine`` against the torch pipeline (on the CPU), then
+        drop the torch transformer's weights and encode with the graph."""
+        parameters = config.parameters
+        file, shown = onnx_encoder.onnx_path(parameters, config.path)
+        tensorrt = bool(parameters.get("tensorrt", False))
+        encoder = onnx_encoder.OnnxTextEncoder(
+            self.model, file, shown, device, torch.get_num_threads(), tensorrt=tensorrt
+        )
+        if parameters.get("min_cosine") is not None:
+            texts = int(parameters.get("min_cosine_texts", 64))
+            reference = self._encode_torch
+            onnx_encoder.verify(encoder, reference, self.model, float(parameters["min_cosine"]), texts, shown)
+        self.model[0].model.to("meta")  # the graph replaces it: free its weights
+        self.onnx = encoder
+        self._encode = encoder
+
+    def _encode_torch(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The torch pipeline's sentence embeddings ``[U, dim]`` of tokenised strings."""
+        embedding: torch.Tensor = self.model(features)["sentence_embedding"]
+        return embedding
 
     def _measure_call_overhead(self) -> float:
         """What one forward call costs beyond its tokens, in tokens: the intercept over the slope
@@ -403,7 +455,7 @@ class SentenceEmbeddingHandler:
             for round_ in range(6):
                 for i, (_, features) in enumerate(calls):
                     began = time.perf_counter()
-                    self.model(dict(features))
+                    self._encode(dict(features))
                     if self._device.type == "cuda":
                         torch.cuda.synchronize(self._device)
                     if round_:  # the first round warms up
@@ -489,7 +541,8 @@ class SentenceEmbeddingHandler:
         """
         model = self.model
         strings, text_rows, query_rows = _distinct(*self._texts(inputs))
-        groups = length_groups(self._lengths(strings), self.call_overhead_tokens)
+        lengths = self._lengths(strings)
+        groups = length_groups(lengths, self.call_overhead_tokens)
         # position[r]: where distinct string r lands in the groups' rows, concatenated
         position = np.empty(len(strings), dtype=np.int64)
         position[np.concatenate(groups)] = np.arange(len(strings))
@@ -504,25 +557,28 @@ class SentenceEmbeddingHandler:
             groups=encoded,
             text_index=self._to_device(torch.as_tensor(text_index, dtype=torch.int64)),
             query_index=self._to_device(torch.as_tensor(query_index, dtype=torch.int64)),
+            tokens=np.asarray(lengths, dtype=np.int64)[text_rows],
         )
 
     def predict(self, batch: EncodedBatch) -> EmbeddingOutputs:
         """Encode the distinct strings (the folder's pipeline, one call per length group),
         score each item's query against its text."""
-        parts = [self.model(dict(group))["sentence_embedding"].float() for group in batch.groups]
+        parts = [self._encode(dict(group)).float() for group in batch.groups]
         embeddings = parts[0] if len(parts) == 1 else torch.cat(parts)
         text_embeddings = embeddings[batch.text_index]
         has_query = batch.query_index >= 0
         query_embeddings = embeddings[batch.query_index.clamp(min=0)]
         score = F.cosine_similarity(query_embeddings, text_embeddings, dim=1)
         score = torch.where(has_query, score, torch.zeros_like(score))
-        return EmbeddingOutputs(embedding=text_embeddings, score=score.unsqueeze(1))
+        return EmbeddingOutputs(embedding=text_embeddings, score=score.unsqueeze(1), tokens=batch.tokens)
 
-    def postprocess(self, outputs: EmbeddingOutputs) -> dict[str, npt.NDArray[np.float32]]:
-        """``{"embedding": float32 [B, dim], "score": float32 [B, 1]}`` as host numpy arrays."""
+    def postprocess(self, outputs: EmbeddingOutputs) -> dict[str, npt.NDArray[Any]]:
+        """``{"embedding": float32 [B, dim], "score": float32 [B, 1], "tokens": int64 [B, 1]}`` as
+        host numpy arrays."""
         return {
             "embedding": outputs.embedding.to("cpu", torch.float32).numpy(),
             "score": outputs.score.to("cpu", torch.float32).numpy(),
+            "tokens": outputs.tokens.reshape(-1, 1),
         }
 
     def _on_device(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:

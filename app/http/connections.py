@@ -16,7 +16,7 @@ it) when
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
 - the balance among sibling workers says a less-loaded sibling should take this connection
-  (``WorkerLifecycle.shed``, installed by the gunicorn worker: ``app.server.balance``).
+  (``Siblings.should_shed``: ``app.server.balance``).
 
 **Holding impatient clients.** Under overload a client that resends at once after a 503
 costs the server a whole request (its body read, its refusal written) every round trip,
@@ -37,17 +37,35 @@ The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). Runs as an ``on_response_prepare`` signal, so it sees every
 response the app produces, error responses included; it also counts them for the
 worker's ``max_requests`` recycling (``app.server.worker``).
+
+**The parser's limits and errors.** aiohttp's HTTP parser refuses a request line or header
+field longer than ``max_line_size``/``max_field_size`` and more than ``max_headers`` fields
+while it reads them, before any application code runs; it is set to *twice* the configured
+limits (:func:`parser_limits`), and the edge middleware (``app.http.middleware``) enforces the
+limits themselves with a JSON 431. What the parser refuses (a grossly oversized line,
+malformed framing, an unsupported or truncated content encoding seen early) is answered in JSON
+by :class:`JsonParserErrors` (431 or 400, never quoting what was sent), and aiohttp's traceback
+for it becomes one DEBUG line (:func:`quiet_parser_errors`): a client's malformed request is
+not a server error.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import weakref
+from typing import Any
 
+import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web import RequestHandler
 
-from app.serving.state import LIFECYCLE, REGISTRY, SETTINGS
+from app.serving.registry import HEALTH, REGISTRY, SETTINGS, SIBLINGS
+from app.settings import Settings
+
+log = logging.getLogger(__name__)
 
 #: Requests answered per connection, keyed by its transport (gone with the connection).
 _PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
@@ -67,8 +85,7 @@ def setup_connections(app: web.Application) -> None:
 
 async def _on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
     app = request.app
-    lifecycle = app[LIFECYCLE]
-    lifecycle.responses += 1
+    app[HEALTH].responses += 1
     if response.headers.get("Connection") == "close" or app[REGISTRY].draining:
         _close_after(response)
         return
@@ -89,8 +106,7 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         if served >= cap:
             _close_after(response)
             return
-    shed = lifecycle.shed
-    if shed is not None and shed():
+    if app[SIBLINGS].should_shed():
         _close_after(response)
 
 
@@ -128,3 +144,91 @@ def _close_after(response: web.StreamResponse) -> None:
     # The headers were computed before this signal: say it, and make aiohttp do it.
     response.headers["Connection"] = "close"
     response.force_close()
+
+
+def parser_limits(settings: Settings) -> dict[str, Any]:
+    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits),
+    and no lingering over unread bodies."""
+    return {
+        "max_line_size": 2 * settings.max_header_bytes,
+        "max_field_size": 2 * settings.max_header_bytes,
+        "max_headers": 2 * settings.max_headers,
+        # After an answer given before the whole body arrived (408, 413, 401, a corrupt
+        # encoding), aiohttp by default reads and discards the rest for up to 10 s (and logs
+        # a traceback if that read fails): close at once instead, so a slow or lying client
+        # cannot hold the connection past the body timeout.
+        "lingering_time": 0,
+    }
+
+
+class JsonParserErrors(RequestHandler):
+    """aiohttp's connection protocol, answering what its HTTP parser refuses before the app
+    runs as the server's other errors: ``{"error": ...}`` JSON, 431 for a request line or
+    header field over the parser's hard bound (twice ``SCORING_MAX_HEADER_BYTES``), 400 for
+    other malformed requests, and never an excerpt of what was sent (aiohttp's own answer is a
+    plain-text 400 that quotes the line). The connection still closes. The app's own errors
+    (500, 504) keep aiohttp's handling. The class adds no state: :func:`with_json_parser_errors`
+    turns a handler ``web.Server`` made into one."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not 400 <= status < 500 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        log.debug("malformed request refused: %s %s", status, type(exc).__name__)
+        if isinstance(exc, LineTooLong):
+            status, text = 431, "request line or a header field is too large (SCORING_MAX_HEADER_BYTES)"
+        else:
+            text = f"malformed HTTP request ({type(exc).__name__})"
+        body = orjson.dumps({"error": text})
+        response = web.Response(status=status, body=body, content_type="application/json")
+        response.force_close()
+        return response
+
+
+def json_errors_protocol(server: web.Server) -> RequestHandler:
+    """A new connection's protocol made by ``server`` (``web.Server``), answering parser errors
+    in JSON (:class:`JsonParserErrors`): the listener's protocol factory."""
+    return with_json_parser_errors(server())
+
+
+def with_json_parser_errors(handler: RequestHandler) -> RequestHandler:
+    """``handler`` (a connection's protocol, as ``web.Server()`` makes it) as a
+    :class:`JsonParserErrors`: the same object and state, the JSON answers to parser errors."""
+    handler.__class__ = JsonParserErrors
+    return handler
+
+
+class _ParserErrorFilter(logging.Filter):
+    """Demotes aiohttp's "Error handling request" records caused by a malformed request
+    (an ``HttpProcessingError`` with a 4xx code) to one DEBUG line without a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: {exc.code} {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_PARSER_ERRORS = _ParserErrorFilter()
+
+
+#: aiohttp's server logger, and gunicorn's error log, which aiohttp's gunicorn worker gives it.
+_SERVER_LOGGERS = ("aiohttp.server", "gunicorn.error")
+
+
+def quiet_parser_errors() -> None:
+    """Install the filter on the loggers aiohttp's server logs to (idempotent)."""
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _PARSER_ERRORS not in logger.filters:
+            logger.addFilter(_PARSER_ERRORS)

@@ -1,5 +1,6 @@
 """HTTP handlers of Triton's extensions beside the core V2 protocol: model configuration,
-statistics, model repository index (the JSON shapes live in :mod:`app.protocols.triton`).
+statistics, the model repository's index, load and unload (the JSON shapes live in
+:mod:`app.protocols.triton`; model control in :mod:`app.serving.control`).
 
 These routes are added before :mod:`app.http.routes`'s, so ``/v2/models/stats`` is not taken
 for the metadata of a model called "stats".
@@ -15,7 +16,8 @@ from aiohttp import web
 from app.binding import BINDING
 from app.errors import InvalidInput
 from app.protocols import triton
-from app.serving.state import REGISTRY, ModelEntry
+from app.serving.control import CONTROL, LOAD, UNLOAD
+from app.serving.registry import REGISTRY, ModelVersion
 
 routes = web.RouteTableDef()
 
@@ -32,8 +34,8 @@ async def model_config(request: web.Request) -> web.Response:
     return _json(triton.model_config(entry.config, request.app[BINDING].device))
 
 
-def _stat(entry: ModelEntry) -> dict[str, Any]:
-    return entry.stats.as_triton(entry.config.name, entry.config.version)
+def _stat(model: ModelVersion) -> dict[str, Any]:
+    return triton.model_statistics(model.config.name, model.config.version, model.stats)
 
 
 @routes.get("/v2/models/stats")
@@ -71,3 +73,46 @@ async def repository_index(request: web.Request) -> web.Response:
         only_ready = parsed.get("ready", False)
     rows = request.app[REGISTRY].index(only_ready)
     return _json([triton.repository_entry(*row) for row in rows])
+
+
+async def _repository_parameters(request: web.Request, what: str) -> dict[str, Any]:
+    """The ``parameters`` of a repository load/unload body (optional JSON object).
+
+    Raises:
+        InvalidInput: a body that is not ``{"parameters": {...}}``.
+    """
+    body = await request.read()
+    if not body.strip():
+        return {}
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise InvalidInput(f"{what} request: body must be JSON") from None
+    parameters = parsed.get("parameters", {}) if isinstance(parsed, dict) else None
+    if not isinstance(parameters, dict):
+        raise InvalidInput(f'{what} request: expected {{"parameters": {{...}}}}')
+    return parameters
+
+
+@routes.post("/v2/repository/models/{name}/load")
+async def repository_load(request: web.Request) -> web.Response:
+    """``POST /v2/repository/models/{name}/load``: load the model on every worker, or reload
+    what changed in its folders (``app.serving.control``); 200 once every worker serves it.
+    A configuration override (``parameters.config``, Triton's) is refused: the repository holds
+    the configuration."""
+    parameters = await _repository_parameters(request, "repository load")
+    if "config" in parameters or any(k.startswith("file:") for k in parameters):
+        raise InvalidInput("this server loads models from their folder in the repository; "
+                           "parameters.config and file: overrides are not supported")  # fmt: skip
+    await request.app[CONTROL].request(LOAD, request.match_info["name"])
+    return _json({})
+
+
+@routes.post("/v2/repository/models/{name}/unload")
+async def repository_unload(request: web.Request) -> web.Response:
+    """``POST /v2/repository/models/{name}/unload``: unload the model on every worker; its
+    requests get 404 from then on, those already queued finish; 200 once every worker has
+    freed it."""
+    await _repository_parameters(request, "repository unload")
+    await request.app[CONTROL].request(UNLOAD, request.match_info["name"])
+    return _json({})

@@ -22,7 +22,7 @@ import msgspec
 
 from app import SERVER_NAME, __version__
 from app.http.openapi_operations import ERRORS, OPERATIONS, PARAMS, REF, TYPES, Op
-from app.protocols.binary import HEADER_LENGTH
+from app.protocols.v2 import HEADER_LENGTH
 
 PATH = Path(__file__).resolve().parent.parent / "openapi.json"
 
@@ -132,6 +132,7 @@ def generate() -> dict[str, Any]:
             {"name": "v2", "description": "Open Inference Protocol (KServe V2) REST"},
             {"name": "triton", "description": "Triton's extensions of the V2 protocol"},
             {"name": "v1", "description": "KServe V1"},
+            {"name": "openai", "description": "OpenAI's embeddings API"},
             {"name": "health"},
             {"name": "server"},
         ],

@@ -7,8 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.protocols import schemas, v1, v2
-from app.protocols.binary import HEADER_LENGTH
+from app.protocols import openai, schemas, v1, v2
+from app.protocols.v2 import HEADER_LENGTH
 
 REF = "#/components/schemas/{name}"
 
@@ -208,6 +208,26 @@ OPERATIONS: list[Op] = [
         errors=("BadRequest", "Unauthorized", "HeaderFieldsTooLarge"),
     ),
     Op(
+        "/v2/repository/models/{name}/load",
+        "post",
+        "repositoryModelLoad",
+        "triton",
+        "Load or reload a model on every worker (Triton's model repository extension)",
+        ({"type": "object"}, "Every worker serves the model's versions as its folders say now."),
+        body="RepositoryModelRequest",
+        errors=("BadRequest", "Unauthorized", "HeaderFieldsTooLarge"),
+    ),
+    Op(
+        "/v2/repository/models/{name}/unload",
+        "post",
+        "repositoryModelUnload",
+        "triton",
+        "Unload a model on every worker (Triton's model repository extension)",
+        ({"type": "object"}, "Every worker has drained and freed the model."),
+        body="RepositoryModelRequest",
+        errors=("BadRequest", "Unauthorized", "HeaderFieldsTooLarge"),
+    ),
+    Op(
         "/v1/models",
         "get",
         "v1ListModels",
@@ -233,6 +253,16 @@ OPERATIONS: list[Op] = [
         "Predict (KServe V1)",
         ("PredictResponse", "One prediction per instance."),
         body="PredictRequest",
+        errors=tuple(_INFER_ERRORS),
+    ),
+    Op(
+        "/v1/embeddings",
+        "post",
+        "createEmbedding",
+        "openai",
+        "Embeddings (OpenAI's API) of any model that makes them",
+        ("EmbeddingResponse", "One embedding per input, in order; usage in tokens."),
+        body="EmbeddingRequest",
         errors=tuple(_INFER_ERRORS),
     ),
     Op(
@@ -271,6 +301,9 @@ TYPES: list[Any] = [
     schemas.TritonModelConfig,
     schemas.ModelStatistics,
     schemas.RepositoryIndexRequest,
+    schemas.RepositoryModelRequest,
+    openai.EmbeddingRequest,
+    openai.EmbeddingResponse,
     schemas.RepositoryIndexEntry,
 ]
 

@@ -1,4 +1,4 @@
-"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, health.
+"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, OpenAI embeddings, health.
 
 The inference handlers only decode the body into an inference request, hand it to the data
 plane (:class:`app.serving.dataplane.DataPlane`) and encode the response it returns; model
@@ -7,22 +7,25 @@ code never runs here (it runs on the inference thread).
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import SERVER_NAME, __version__
 from app.binding import BINDING
-from app.errors import UnsupportedMediaType
-from app.http.middleware import request_id
-from app.protocols import triton, v1, v2
-from app.protocols.binary import HEADER_LENGTH, attach_binary, split_body
-from app.protocols.infer import earliest, header_timeout_s
+from app.errors import InvalidInput, UnsupportedMediaType
+from app.http.middleware import MODEL_LABELS, request_id_of
+from app.observability.metrics import METRICS
+from app.protocols import openai, triton, v1, v2
+from app.protocols.v2 import HEADER_LENGTH, attach_binary, split_body
 from app.serving.dataplane import DATAPLANE
-from app.serving.state import LIFECYCLE, REGISTRY, ModelEntry, ModelRegistry
+from app.serving.registry import HEALTH, REGISTRY, ModelRegistry, ModelVersion
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
@@ -61,6 +64,25 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()
 
 
+def header_deadline(request: web.Request, arrival: float) -> float | None:
+    """The deadline ``X-Request-Timeout-Ms`` names (milliseconds from ``arrival``), as loop time;
+    None when absent.
+
+    Raises:
+        InvalidInput: not a positive finite number.
+    """
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds") from None
+    if not 0 < ms < math.inf:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of milliseconds")
+    return arrival + ms / 1000.0
+
+
 def _disconnected(request: web.Request) -> Callable[[], bool]:
     """True once the client of ``request`` has gone (its queued items are then dropped)."""
     transport = request.transport
@@ -91,7 +113,7 @@ async def server_metadata(request: web.Request) -> web.Response:
 async def live(request: web.Request) -> web.Response:
     """Liveness: 200 while the worker's event loop answers; 503 once its inference thread is
     stuck (the worker is then restarting itself)."""
-    hung = request.app[LIFECYCLE].hung
+    hung = request.app[HEALTH].hung
     if hung is not None:
         return _json({"live": False, "error": f"inference thread stuck: {hung}"}, 503)
     return _json({"live": True})
@@ -118,7 +140,7 @@ async def model_metadata(request: web.Request) -> web.Response:
     return _json(v2.model_metadata(entry.config))
 
 
-def _model_readiness(registry: ModelRegistry, entry: ModelEntry) -> web.Response:
+def _model_readiness(registry: ModelRegistry, entry: ModelVersion) -> web.Response:
     """``{"name", "ready"}``: 200 when the model is warm and the worker not draining, else 503."""
     is_ready = entry.ready and not registry.draining
     return _json({"name": entry.config.name, "ready": is_ready}, 200 if is_ready else 503)
@@ -139,17 +161,23 @@ async def infer(request: web.Request) -> web.Response:
     """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
     may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
     plane = request.app[DATAPLANE]
-    deadline_s = header_timeout_s(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
-    entry = plane.admit(request.match_info["name"], request.match_info.get("version"), deadline_s)
-    config = entry.config
+    arrival = asyncio.get_running_loop().time()
+    deadline = header_deadline(request, arrival)
+    model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
+    config = model.config
     head, binary = split_body(await _read_body(request), request.headers.get(HEADER_LENGTH))
     parsed = v2.decode_request(head, config.name, config.version, plane.limits)
     attach_binary(parsed, binary)
-    parsed.timeout_s = earliest(deadline_s, parsed.timeout_s)
+    parsed.arrival, parsed.deadline = arrival, deadline
     response = await plane.infer(
-        parsed, request_id=request_id(request), entry=entry, is_disconnected=_disconnected(request)
+        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
     )
-    payload, header_length = v2.encode_response(response)
+    tracing = plane.tracing
+    if tracing is None:
+        payload, header_length = v2.encode_response(response)
+    else:
+        with tracing.encoding():
+            payload, header_length = v2.encode_response(response)
     if header_length is None:
         return web.Response(body=payload, content_type="application/json")
     return web.Response(
@@ -166,7 +194,7 @@ async def infer(request: web.Request) -> web.Response:
 async def v1_live(request: web.Request) -> web.Response:
     """``GET /``: KServe V1 liveness, ``{"status": "alive"}`` (what kserve's V1
     ``is_server_live`` reads); 503 once the inference thread is stuck, like ``/v2/health/live``."""
-    hung = request.app[LIFECYCLE].hung
+    hung = request.app[HEALTH].hung
     if hung is not None:
         return _json({"status": "stuck", "error": f"inference thread stuck: {hung}"}, 503)
     return _json({"status": "alive"})
@@ -175,7 +203,7 @@ async def v1_live(request: web.Request) -> web.Response:
 @routes.get("/v1/models")
 async def v1_models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the names of the models served."""
-    return _json({"models": sorted(request.app[REGISTRY].models)})
+    return _json({"models": sorted(request.app[REGISTRY].versions)})
 
 
 @routes.get("/v1/models/{name:[^/:]+}")
@@ -190,14 +218,34 @@ async def v1_model(request: web.Request) -> web.Response:
 async def v1_predict(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
     plane = request.app[DATAPLANE]
-    deadline_s = header_timeout_s(request.headers.get(TIMEOUT_HEADER), TIMEOUT_HEADER)
-    entry = plane.admit(request.match_info["name"], None, deadline_s)
-    parsed = v1.decode_request(entry.config, await _read_body(request), plane.limits)
-    parsed.timeout_s = deadline_s
+    arrival = asyncio.get_running_loop().time()
+    deadline = header_deadline(request, arrival)
+    model = plane.admit(request.match_info["name"], None, arrival, deadline)
+    parsed = v1.decode_request(model.config, await _read_body(request), plane.limits)
+    parsed.arrival, parsed.deadline = arrival, deadline
     response = await plane.infer(
-        parsed, request_id=request_id(request), entry=entry, is_disconnected=_disconnected(request)
+        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
     )
     return web.Response(body=v1.encode_response(response), content_type="application/json")
+
+
+@inference_routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
+    (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
+    plane = request.app[DATAPLANE]
+    arrival = asyncio.get_running_loop().time()
+    deadline = header_deadline(request, arrival)
+    body = openai.decode(await _read_body(request), plane.limits)
+    model = plane.admit(body.model, None, arrival, deadline)
+    request[MODEL_LABELS] = (model.config.name, model.config.version)
+    parsed = openai.infer_request(model.config, body)
+    parsed.arrival, parsed.deadline = arrival, deadline
+    response = await plane.infer(
+        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
+    )
+    outputs = {o.name: o.array for o in response.outputs}
+    return web.Response(body=openai.encode(body, model.config.name, outputs), content_type="application/json")
 
 
 @routes.get("/openapi.json")
@@ -205,3 +253,8 @@ async def openapi(request: web.Request) -> web.Response:
     """``GET /openapi.json``: the OpenAPI 3 description of this HTTP API."""
     return web.Response(body=OPENAPI, content_type="application/json")
 
+
+async def metrics_handler(request: web.Request) -> web.Response:
+    """``GET /metrics``: Prometheus text format, the whole server's figures."""
+    body = await asyncio.get_running_loop().run_in_executor(None, request.app[METRICS].render)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -1,7 +1,7 @@
-"""Model runtime: the handler contract (``base``), built-in loaders, the runner, the model
-repository and the unit of a batch's result (``segment``).
+"""Model runtime: the handler contract and a batch's result (``base``), the built-in loaders, the
+runner, and the model repository.
 
-Nothing here imports aiohttp; the runner and the loaders run on the model's inference thread.
-This package imports nothing itself, so that the request path (the batcher, the app state, the
-routes) can use ``repository`` and ``segment`` without importing torch.
+Nothing here imports aiohttp; the runner and the loaders run on the model's threads. This package
+imports nothing itself, so that the request path (the serving core, the app state, the routes) can
+use ``repository`` and ``base`` without importing torch.
 """

@@ -52,9 +52,12 @@ separate workers; batches formed by a token budget).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from app.errors import ScoringError
 
 if TYPE_CHECKING:
     import torch
@@ -80,3 +83,15 @@ class CostedHandler(Handler, Protocol):
     """A handler that prices its items (``item_costs``; see the module docstring)."""
 
     def item_costs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray: ...
+
+
+@dataclass(frozen=True)
+class Segment:
+    """What a batch run returns for its items ``[start, stop)``: their outputs (``[stop - start,
+    ...]`` per output name), or ``outputs`` None when they failed: ``error`` says how (None: one
+    item that did not fit in device memory alone)."""
+
+    start: int
+    stop: int
+    outputs: dict[str, np.ndarray] | None
+    error: ScoringError | None = None

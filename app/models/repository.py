@@ -6,6 +6,9 @@ Each model folder holds its weights and a ``model.toml``::
       feed-ranker/
         model.toml        # name, version, format, inputs/outputs, batching, warmup
         model.pt2
+      feed-ranker-onnx/
+        model.toml        # format = "onnx": an ONNX graph run by ONNX Runtime
+        model.onnx
       all-MiniLM-L6-v2/
         model.toml        # format = "handler", handler = "module:Class"
 
@@ -21,6 +24,7 @@ readiness and the repository index, which must not disclose the server's file sy
 
 from __future__ import annotations
 
+import hashlib
 import re
 import tomllib
 from dataclasses import dataclass
@@ -34,7 +38,7 @@ from app.datatypes import DATATYPES, NUMPY_DTYPES
 from app.errors import ModelLoadError
 
 CONFIG_FILE = "model.toml"
-ModelFormat = Literal["torch_export", "torchscript", "handler"]
+ModelFormat = Literal["torch_export", "torchscript", "onnx", "handler"]
 #: A model name or version: a safe single path component.
 _NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 #: ``module:Class``, the module a dotted name (no path tricks: it may name a file in the folder).
@@ -44,6 +48,7 @@ _HANDLER = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*:[A-Za
 PLATFORMS: dict[str, str] = {
     "torch_export": "pytorch_torch_export",
     "torchscript": "pytorch_libtorch",
+    "onnx": "onnxruntime_onnx",
     "handler": "python_handler",
 }
 
@@ -74,6 +79,41 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ModelLoadError(f"{where}: shape {self.shape} has a dimension that is not -1 or > 0")
 
 
+class VersionPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """Which versions of a model serve (Triton's ``version_policy``): exactly one of ``latest``
+    (the N highest), ``specific`` (these versions) and ``all``. Default: the latest one."""
+
+    latest: int | None = None
+    specific: list[str] | None = None
+    all: bool = False
+
+    def validate(self, where: str) -> None:
+        """Raises ``ModelLoadError`` unless exactly one kind is given, and sanely."""
+        given = [self.latest is not None, self.specific is not None, self.all]
+        if sum(given) != 1:
+            raise ModelLoadError(
+                f"{where}: version_policy needs exactly one of latest = N, specific = [...], all = true"
+            )
+        if self.latest is not None and self.latest < 1:
+            raise ModelLoadError(f"{where}: version_policy latest must be >= 1")
+        if self.specific is not None and not self.specific:
+            raise ModelLoadError(f"{where}: version_policy specific must name at least one version")
+
+    def select(self, versions: list[str]) -> list[str]:
+        """The versions of ``versions`` that serve, in version order."""
+        ordered = sorted(versions, key=version_key)
+        if self.all:
+            return ordered
+        if self.specific is not None:
+            return [v for v in ordered if v in self.specific]
+        return ordered[-(self.latest or 1) :]
+
+
+def version_key(version: str) -> tuple[int, Any]:
+    """Sort key of a version: numbers numerically, before other names."""
+    return (0, int(version)) if version.isdigit() else (1, version)
+
+
 class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     """A model's ``model.toml``, validated.
 
@@ -95,8 +135,10 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     max_batch_size: int = 32
     max_queue_delay_ms: float = 2.0
     #: Event-loop turns a partial batch waits, after the max queue delay, for requests already
-    #: on their way (app.serving.batcher.DynamicBatcher._gather); 0 = none.
+    #: on their way (app.serving.queue.RequestQueue); 0 = none.
     gather_turns: int = 32
+    #: The longest a partial batch gathers, whatever the load, ms.
+    gather_max_ms: float = 2.0
     queue_capacity: int = 1024
     timeout_ms: float | None = None
     max_timeout_ms: float | None = None
@@ -116,9 +158,29 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: off; ignored on the CPU (``app.models.torch_formats.GraphBuckets``).
     cuda_graph_batch_sizes: list[int] = msgspec.field(default_factory=list)
     allow_non_finite: bool = False
+    #: Admission policy (app.serving.admission): "measured_rate" (admission by time at the
+    #: measured rate) or "capacity" (queue capacity plus deadline, as TEI and Triton's queue policy).
+    admission: Literal["measured_rate", "capacity"] = "measured_rate"
+    #: measured_rate: admit a request only if it is expected to finish within this share of its
+    #: time to deadline (docs/reliability.md, *Overload*: 0.6 gave 504s, 0.4 low goodput).
+    admission_headroom: float = 0.5
+    #: Triton's priority levels: 0 = one queue (a request's priority is ignored); N = levels 1
+    #: (the highest) .. N, batched highest first and admitted against their own backlog.
+    priority_levels: int = 0
+    #: The level of a request that names no priority (0 = the lowest level, N).
+    default_priority_level: int = 0
+    #: A waiting request of a lower level goes before every level once it has waited this share
+    #: of its time to deadline (aging: no level starves); above ``admission_headroom``, so that
+    #: only requests pushed back by higher levels age.
+    priority_aging: float = 0.75
+    #: Lower levels join a batch holding higher-level items only while they add at most this
+    #: share to its expected time (measured rate); ``inf``: Triton's fill, whatever it costs.
+    priority_fill: float = 0.25
     #: Split a request with more than ``max_batch_size`` items into shards that run in
-    #: parallel on this worker and its ready siblings (scatter/gather; app.server.scatter).
+    #: parallel on this worker and its ready siblings (scatter/gather; app.server.router).
     scatter: bool = True
+    #: Which versions of the model serve (Triton's); read from its highest version's folder.
+    version_policy: VersionPolicy = msgspec.field(default_factory=lambda: VersionPolicy(latest=1))
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
     #: The model's folder; set by the loader, not read from the file.
     path: Path = Path(".")
@@ -182,6 +244,18 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             raise ModelLoadError(f"{where}: max_queue_delay_ms must be >= 0")
         if self.gather_turns < 0:
             raise ModelLoadError(f"{where}: gather_turns must be >= 0")
+        if not 0 <= self.gather_max_ms < float("inf"):
+            raise ModelLoadError(f"{where}: gather_max_ms must be a finite number >= 0")
+        if not 0 < self.admission_headroom <= 1:
+            raise ModelLoadError(f"{where}: admission_headroom must lie in (0, 1]")
+        if not 0 < self.priority_aging <= 1:
+            raise ModelLoadError(f"{where}: priority_aging must lie in (0, 1]")
+        if not self.priority_fill >= 0:
+            raise ModelLoadError(f"{where}: priority_fill must be >= 0 (inf: no bound)")
+        if self.priority_levels < 0 or not 0 <= self.default_priority_level <= self.priority_levels:
+            raise ModelLoadError(
+                f"{where}: priority_levels must be >= 0 and default_priority_level in 0..priority_levels"
+            )
         if self.queue_capacity < self.max_batch_size:
             raise ModelLoadError(f"{where}: queue_capacity must be >= max_batch_size")
         if self.prepare_threads < 0:
@@ -190,6 +264,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             value = getattr(self, key)
             if value is not None and not 0 < value < float("inf"):
                 raise ModelLoadError(f"{where}: {key} must be a finite number > 0")
+        self.version_policy.validate(where)
         if any(b < 1 or b > self.max_batch_size for b in self.warmup_batch_sizes):
             raise ModelLoadError(f"{where}: warmup_batch_sizes must lie in 1..max_batch_size")
         self._validate_cuda_graphs()
@@ -199,8 +274,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not sizes:
             return
         where = f"{self.where}: cuda_graph_batch_sizes"
-        if self.format == "handler":
-            raise ModelLoadError(f"{where} applies to torch_export and torchscript models, not handlers")
+        if self.format not in ("torch_export", "torchscript"):
+            kind = "handlers" if self.format == "handler" else f"{self.format} models"
+            raise ModelLoadError(f"{where} applies to torch_export and torchscript models, not {kind}")
         if sizes != sorted(set(sizes)):
             raise ModelLoadError(f"{where} must be ascending without repeats, e.g. [1, 2, 4, 8], got {sizes}")
         if sizes[0] < 1 or sizes[-1] > self.max_batch_size:
@@ -297,6 +373,32 @@ def scan(repository: Path, names: tuple[str, ...] = ()) -> Scan:
             reason = f"model {name} version {version} is declared by several folders ({folders_named})"
             unavailable.append(Unavailable(name, reason, version))
     return Scan([c for c in configs if len(declared[(c.name, c.version)]) == 1], unavailable)
+
+
+def fingerprint(folder: Path) -> str:
+    """What identifies the content of a model version's folder: the name, size and modification
+    time of every file in it (recursively), hashed. A copied, edited or replaced file changes it
+    (model control reloads the version); reading it costs one ``stat`` per file."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            stat = path.stat()
+            digest.update(f"{path.relative_to(folder)}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.hexdigest()[:16]
+
+
+def serving(found: Scan) -> Scan:
+    """What serves of ``found``: per model, the versions its ``version_policy`` selects (the
+    policy of its highest version's ``model.toml``)."""
+    by_name: dict[str, list[ModelConfig]] = {}
+    for config in found.configs:
+        by_name.setdefault(config.name, []).append(config)
+    kept: list[ModelConfig] = []
+    for configs in by_name.values():
+        newest = max(configs, key=lambda c: version_key(c.version))
+        chosen = set(newest.version_policy.select([c.version for c in configs]))
+        kept += [c for c in configs if c.version in chosen]
+    return Scan(kept, found.unavailable)
 
 
 #: An absolute path (a run of non-space characters starting with "/").

@@ -2,7 +2,7 @@
 
 A batch goes through three stages (:meth:`ModelRunner.prepare`, :meth:`~ModelRunner.predict`,
 :meth:`~ModelRunner.finish`: the handler's ``preprocess`` -> ``predict`` -> ``postprocess``,
-each under ``torch.inference_mode()``). The batcher runs them on three threads (the staged
+each under ``torch.inference_mode()``). The serving unit's executor runs them on three threads (the staged
 pipeline: the GPU never waits for the CPU work of the next or previous batch) or all three on
 the inference thread (:meth:`ModelRunner.run_batch`). On a CUDA device each stage runs on a
 CUDA stream of its own (copies in, kernels, copies out), ordered by events, so the copies of
@@ -17,6 +17,7 @@ each request's items alone, so only the requests the handler cannot take fail.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import importlib.util
 import logging
@@ -30,9 +31,8 @@ import torch
 
 from app.datatypes import NUMPY_DTYPES
 from app.errors import InferenceFailed, InvalidInput, ModelLoadError, ScoringError
-from app.models.base import Handler
+from app.models.base import Handler, Segment
 from app.models.repository import ModelConfig, TensorSpec
-from app.models.segment import Segment
 from app.models.torch_formats import TorchExportHandler, TorchScriptHandler
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,10 @@ def resolve_handler(config: ModelConfig) -> Handler:
         return TorchExportHandler()
     if config.format == "torchscript":
         return TorchScriptHandler()
+    if config.format == "onnx":
+        from app.models.onnx_format import OnnxHandler  # onnxruntime is imported when a session opens
+
+        return OnnxHandler()
     assert config.handler is not None
     module_name, _, class_name = config.handler.partition(":")
     local = config.path / (module_name.replace(".", "/") + ".py")
@@ -147,7 +151,7 @@ class Staged:
 
 
 class ModelRunner:
-    """A model's handler plus its config; the stages run on the threads the batcher gives them
+    """A model's handler plus its config; the stages run on the threads the executor gives them
     (module docstring)."""
 
     def __init__(self, config: ModelConfig, handler: Handler | None = None) -> None:
@@ -352,14 +356,20 @@ class ModelRunner:
         log.error("model %s failed in %s", self.config.name, stage, exc_info=exc)
         return InferenceFailed(f"model {self.config.name} failed on the batch: {type(exc).__name__}")
 
-    def close(self) -> None:
-        """Drop the handler's references so device memory can be freed."""
+    def close(self) -> int:
+        """Drop the handler's references so the model's memory can be freed; on a CUDA device
+        give the cached blocks back (``torch.cuda.empty_cache``). Returns the device bytes freed
+        (0 on the CPU). Call it on the model's inference thread, after its last batch."""
+        before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         close = getattr(self.handler, "close", None)
         if callable(close):
             close()
         self.handler = None  # type: ignore[assignment]
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        if self.device.type != "cuda":
+            return 0
+        gc.collect()
+        torch.cuda.empty_cache()
+        return int(before - torch.cuda.memory_reserved(self.device))
 
 
 def describe(runner: ModelRunner) -> dict[str, Any]:

@@ -4,7 +4,11 @@ a small task per worker samples memory and utilisation every ``gpu_metrics_inter
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+from collections.abc import AsyncIterator, Callable, Mapping
+
+from aiohttp import web
 
 import gpu_stat
 from app.observability.metrics import ServerMetrics
@@ -40,3 +44,27 @@ async def poll_gpus(metrics: ServerMetrics, uuid: str, index: str, interval_s: f
                 log.info("GPU metrics for %s available again", uuid)
             failing = False
         await asyncio.sleep(interval_s)
+
+
+def gpu_metrics_ctx(
+    metrics: ServerMetrics, labels: Mapping[str, str], interval_s: float
+) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A ``cleanup_ctx``: publish this worker's binding (``labels``: ``gpu_stat.binding.Binding.as_labels``
+    keys) and, in GPU mode, poll its GPU through NVML every ``interval_s`` seconds."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        metrics.set_binding(labels)
+        task: asyncio.Task[None] | None = None
+        if labels["gpu_uuid"]:
+            task = asyncio.get_running_loop().create_task(
+                poll_gpus(metrics, labels["gpu_uuid"], labels["gpu"], interval_s), name="gpu-metrics"
+            )
+        try:
+            yield
+        finally:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    return ctx

@@ -11,7 +11,7 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 scrape adds prometheus_client's default registry (process and GC collectors).
 
 Every metric is listed in ``docs/observability.md``. This module holds the
-definitions; ``app.http.metrics`` records the HTTP requests and answers
+definitions; ``app.http.middleware`` records the HTTP requests, ``app.http.routes`` answers
 ``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
 (never through CUDA); in CPU mode there are no GPU figures.
 
@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 # prometheus_client decides once, when it is first imported, whether samples stay in the
@@ -123,14 +125,29 @@ class ServerMetrics:
             model, multiprocess_mode="livesum", registry=r,
         )  # fmt: skip
         self.rejected = Counter(
-            "scoring_rejected", "Requests refused by the batcher: queue_full (503), deadline (504), "
-            "out_of_memory (507), disconnected.",
+            "scoring_rejected", "Requests refused by a model's serving unit: queue_full (503), "
+            "admission (503), deadline (504), out_of_memory (507), disconnected.",
             [*model, "reason"], registry=r,
+        )  # fmt: skip
+        self.priority_requests = Counter(
+            "scoring_priority_requests", "Requests to a model with priority levels, by level "
+            "(Triton's: 1 = the highest) and outcome: admitted or refused.",
+            [*model, "priority", "outcome"], registry=r,
+        )  # fmt: skip
+        self.priority_queue_seconds = Histogram(
+            "scoring_priority_queue_duration_seconds", "Per request of a model with priority levels: "
+            "how long it waited in the queue before its first batch, by level.",
+            [*model, "priority"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.hung_batches = Counter(
             "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
             "one makes its worker restart itself.",
             model, registry=r,
+        )  # fmt: skip
+        self.model_loads = Counter(
+            "scoring_model_loads", "Loads of a model version in a worker (at start, retried, or by "
+            "model control), by outcome: success or failure.",
+            [*model, "outcome"], registry=r,
         )  # fmt: skip
         self.load_seconds = Gauge(
             "scoring_model_load_seconds", "Time the worker took to load the model.",
@@ -159,7 +176,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.scattered = Counter(
             "scoring_scattered_requests", "Large requests split into shards over sibling workers "
-            "(app.server.scatter), counted by the worker that received them.",
+            "(app.server.router), counted by the worker that received them.",
             model, registry=r,
         )  # fmt: skip
         self.forwarded_shards = Counter(
@@ -168,7 +185,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.forwarded_requests = Counter(
             "scoring_forwarded_requests", "Whole requests on pinned (gRPC) connections sent to a "
-            "less-loaded sibling worker (app.server.forward), counted by the worker that received them.",
+            "less-loaded sibling worker (app.server.router), counted by the worker that received them.",
             model, registry=r,
         )  # fmt: skip
         self.connections_shed = Counter(
@@ -200,17 +217,13 @@ class ServerMetrics:
             found = self._per_route[key] = RequestMetrics(self, model, version, protocol)
         return found
 
-    def observer(self, model: str, version: str) -> BatchMetrics:
-        """A :class:`app.serving.observer.BatchObserver` that records one model version's batches."""
-        return BatchMetrics(self, model, version)
-
     def model_ready(self, model: str, version: str, load_s: float, warmup_s: float) -> None:
         pid = str(os.getpid())
         self.load_seconds.labels(model, version, pid).set(load_s)
         self.warmup_seconds.labels(model, version, pid).set(warmup_s)
 
     def set_binding(self, labels: Mapping[str, str]) -> None:
-        """Publish this worker's binding (``gpu_stat.Binding.as_labels()`` keys)."""
+        """Publish this worker's binding (``gpu_stat.binding.Binding.as_labels()`` keys)."""
         self.binding.labels(
             str(os.getpid()),
             labels.get("device", ""),
@@ -252,10 +265,12 @@ class RequestMetrics:
         self._seconds = metrics.request_seconds.labels(model, version, protocol)
         self._by_code: dict[int | str, Counter] = {}
 
-    def answered(self, code: int | str, seconds: float) -> None:
-        """One request left, ``seconds`` after it came in; ``in_flight`` goes down by one.
-        ``code``: the HTTP status (499 = the client went away) or the gRPC status name."""
-        self.in_flight.dec()
+    def answered(self, code: int | str, seconds: float, in_flight: bool = True) -> None:
+        """One request left, ``seconds`` after it came in; ``in_flight`` goes down by one (unless
+        it was never counted in). ``code``: the HTTP status (499 = the client went away) or the
+        gRPC status name."""
+        if in_flight:
+            self.in_flight.dec()
         self._seconds.observe(seconds)
         counter = self._by_code.get(code)
         if counter is None:
@@ -263,37 +278,115 @@ class RequestMetrics:
         counter.inc()
 
 
-class BatchMetrics:
-    """Batch events of one model version (implements ``app.serving.observer.BatchObserver``)."""
+@dataclass
+class Duration:
+    """Triton's ``$duration_stat``: how many, and their cumulative nanoseconds."""
 
-    def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
+    count: int = 0
+    ns: int = 0
+
+    def add(self, count: int, seconds: float) -> None:
+        """Count ``count`` events that took ``seconds`` in all."""
+        self.count += count
+        self.ns += int(seconds * 1e9)
+
+
+@dataclass
+class ModelStats:
+    """Cumulative Triton statistics of one model version in this worker (the statistics
+    extension; ``app.protocols.triton.model_statistics`` renders them).
+
+    One batch of ``items`` items from ``requests`` requests, waiting ``queue_s`` for its oldest
+    request and computing ``compute_s``: ``inference_count`` += items, ``execution_count`` += 1;
+    ``success`` += requests, requests x (queue + compute); ``queue`` += requests, requests x
+    queue_s (the oldest request's wait: an upper bound); ``compute_infer`` += requests,
+    requests x compute_s; ``batches[items]`` += 1, compute_s. A refused request: ``fail`` += 1.
+    A request larger than ``max_batch_size`` spans several batches and counts in each. Counts
+    are per worker process; Prometheus (``/metrics``) sums over workers.
+    Source: triton-inference-server/server ``docs/protocol/extension_statistics.md``.
+    """
+
+    inference_count: int = 0
+    execution_count: int = 0
+    #: Milliseconds since the epoch of the last batch run; 0 = never.
+    last_inference_ms: int = 0
+    success: Duration = field(default_factory=Duration)
+    fail: Duration = field(default_factory=Duration)
+    queue: Duration = field(default_factory=Duration)
+    compute_infer: Duration = field(default_factory=Duration)
+    #: Batch size (items) -> model calls of that size and their compute time.
+    batches: dict[int, Duration] = field(default_factory=dict)
+
+
+class ModelObserver:
+    """What one model version's serving unit reports (``app.serving.unit.UnitObserver``): its
+    Triton statistics always, and its Prometheus metrics when ``metrics`` is given (their label
+    children looked up once).
+
+    Args:
+        stats: the version's Triton statistics.
+        metrics: this process's metrics; None when metrics are off.
+        model, version: the labels.
+    """
+
+    def __init__(self, stats: ModelStats, metrics: ServerMetrics | None, model: str, version: str) -> None:
+        self.stats = stats
         self._metrics = metrics
         self._labels = (model, version)
-        self._queue = metrics.queue_seconds.labels(model, version)
-        self._compute = metrics.compute_seconds.labels(model, version)
-        self._items = metrics.batch_size.labels(model, version)
-        self._requests = metrics.batch_requests.labels(model, version)
-        self._depth = metrics.queue_depth.labels(model, version)
-        self._worker_items = metrics.worker_items.labels(str(os.getpid()))
-        self._real_tokens = metrics.tokens.labels(model, version, "real")
-        self._padded_tokens = metrics.tokens.labels(model, version, "padded")
+        if metrics is not None:
+            self._queue = metrics.queue_seconds.labels(model, version)
+            self._compute = metrics.compute_seconds.labels(model, version)
+            self._items = metrics.batch_size.labels(model, version)
+            self._requests = metrics.batch_requests.labels(model, version)
+            self._depth = metrics.queue_depth.labels(model, version)
+            self._worker_items = metrics.worker_items.labels(str(os.getpid()))
+            self._real_tokens = metrics.tokens.labels(model, version, "real")
+            self._padded_tokens = metrics.tokens.labels(model, version, "padded")
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
-        self._worker_items.inc(items)
-        self._items.observe(items)
-        self._requests.observe(requests)
-        self._queue.observe(queue_s)
-        self._compute.observe(compute_s)
+        """One batch ran (items, requests with items in it, the oldest's wait, compute, seconds)."""
+        stats = self.stats
+        stats.inference_count += items
+        stats.execution_count += 1
+        stats.last_inference_ms = int(time.time() * 1000)
+        stats.success.add(requests, requests * (queue_s + compute_s))
+        stats.queue.add(requests, requests * queue_s)
+        stats.compute_infer.add(requests, requests * compute_s)
+        stats.batches.setdefault(items, Duration()).add(1, compute_s)
+        if self._metrics is not None:
+            self._worker_items.inc(items)
+            self._items.observe(items)
+            self._requests.observe(requests)
+            self._queue.observe(queue_s)
+            self._compute.observe(compute_s)
 
     def padding(self, real_tokens: int, padded_tokens: int) -> None:
-        self._real_tokens.inc(real_tokens)
-        self._padded_tokens.inc(padded_tokens)
+        """A priced model's batch: its items' own tokens and what it computed."""
+        if self._metrics is not None:
+            self._real_tokens.inc(real_tokens)
+            self._padded_tokens.inc(padded_tokens)
 
     def rejected(self, reason: str) -> None:
-        self._metrics.rejected.labels(*self._labels, reason).inc()
+        """One request refused or dropped (``reason``: queue_full, admission, deadline, ...)."""
+        self.stats.fail.add(1, 0.0)
+        if self._metrics is not None:
+            self._metrics.rejected.labels(*self._labels, reason).inc()
 
     def queue_depth(self, items: int) -> None:
-        self._depth.set(items)
+        """Items waiting in the queue now."""
+        if self._metrics is not None:
+            self._depth.set(items)
+
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
+        """A request at queue ``level`` (0 = Triton's priority 1) was ``admitted`` or ``refused``;
+        or, with ``waited_s``, its first batch began after that many seconds in the queue."""
+        if self._metrics is None:
+            return
+        priority = str(level + 1)
+        if waited_s is not None:
+            self._metrics.priority_queue_seconds.labels(*self._labels, priority).observe(waited_s)
+        else:
+            self._metrics.priority_requests.labels(*self._labels, priority, outcome).inc()
 
 
 METRICS = web.AppKey("metrics", ServerMetrics)

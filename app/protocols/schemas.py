@@ -185,10 +185,17 @@ class RepositoryIndexRequest(msgspec.Struct, omit_defaults=True):
     ready: bool = False
 
 
+class RepositoryModelRequest(msgspec.Struct, omit_defaults=True):
+    """Body of ``POST /v2/repository/models/{name}/load`` and ``/unload`` (optional; Triton's
+    ``config`` and ``file:`` overrides are refused: the repository holds the configuration)."""
+
+    parameters: dict[str, Any] | None = None
+
+
 class RepositoryIndexEntry(msgspec.Struct):
     """One model version of the repository index."""
 
     name: str
     version: str
-    state: Literal["READY", "LOADING", "UNAVAILABLE"]
+    state: Literal["READY", "LOADING", "UNLOADING", "UNAVAILABLE"]
     reason: str

@@ -8,15 +8,29 @@ Raw bytes are Triton's layout (binary tensor data, gRPC ``raw_input_contents``):
 row-major elements; a BYTES element is a 4-byte little-endian length, then that many bytes.
 Source: triton-inference-server ``docs/protocol/extension_binary_data.md``; the Open Inference
 Protocol's gRPC "raw_input_contents".
+
+**Request limits** (:class:`RequestLimits`): items per request, bytes per string, JSON depth.
+The body size is capped before any of this runs (aiohttp's ``client_max_size``, 413).
+Nesting depth is checked on the raw bytes *before* decoding, so a hostile body such as
+``[[[[...]]]]`` costs a scan, never a deep recursion: msgspec recurses on nested arrays and
+gives up with a ``RecursionError`` near Python's recursion limit, and numpy would spend
+time discovering the dimensions of whatever it gets.
+
+The scan drops JSON strings (so brackets inside texts do not count), keeps only the bracket
+bytes, and tracks the running depth with numpy in chunks. It does not validate JSON: a
+malformed body that passes is rejected by the decoder next.
 """
 
 from __future__ import annotations
 
 import math
+import re
 import struct
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
@@ -27,6 +41,13 @@ from app.models.repository import ModelConfig, TensorSpec
 #: no model needs more).
 MAX_DIMS = 32
 _LENGTH = struct.Struct("<I")
+#: A JSON string, escapes included; possessive, so the scan stays linear on any input.
+_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = np.zeros(256, dtype=np.int8)
+_STEP[[ord("["), ord("{")]] = 1
+_STEP[[ord("]"), ord("}")]] = -1
+_CHUNK = 1 << 20
 
 
 def check_shape(shape: Any, where: str) -> list[int]:
@@ -39,8 +60,10 @@ def check_shape(shape: Any, where: str) -> list[int]:
     if not isinstance(shape, (list, tuple)) or any(
         isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in shape
     ):
-        raise InvalidInput(f"{where}: shape {list(shape) if isinstance(shape, (list, tuple)) else shape} "
-                           "must be non-negative integers")
+        raise InvalidInput(
+            f"{where}: shape {list(shape) if isinstance(shape, (list, tuple)) else shape} "
+            "must be non-negative integers"
+        )
     if len(shape) > MAX_DIMS:
         raise InvalidInput(f"{where}: shape has {len(shape)} dimensions; at most {MAX_DIMS}")
     return list(shape)
@@ -291,3 +314,154 @@ def tensor_bytes(array: np.ndarray, datatype: str) -> bytes:
     if datatype == "BYTES":
         return serialize_bytes(array)
     return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
+
+
+class ItemCosts:
+    """The input bytes of each item of one request, for the batch byte bound.
+
+    All-numeric inputs cost the same per item (``nbytes / B`` summed over inputs): one integer,
+    no per-item array (the hot path of small numeric requests). With a BYTES input the cost
+    varies per item and is kept cumulatively: int64 ``[B + 1]``, ``[0] = 0``, so items
+    ``[i, j)`` cost ``c[j] - c[i]`` bytes (an element's cost: its length).
+
+    Args:
+        inputs: one array per model input, ``[B, ...]``, B >= 1.
+    """
+
+    __slots__ = ("cumulative", "each")
+
+    def __init__(self, inputs: Mapping[str, np.ndarray]) -> None:
+        #: Bytes per item when every input is numeric, else None.
+        self.each: int | None = None
+        #: Cumulative bytes, int64 ``[B + 1]``, when some input is BYTES, else None.
+        self.cumulative: np.ndarray | None = None
+        size = len(next(iter(inputs.values())))
+        if any(arr.dtype.hasobject for arr in inputs.values()):
+            per_item = np.zeros(size, dtype=np.int64)
+            for arr in inputs.values():
+                if arr.dtype.hasobject:
+                    lengths = np.fromiter((len(v) for v in arr.reshape(-1)), dtype=np.int64, count=arr.size)
+                    per_item += lengths.reshape(size, -1).sum(axis=1)
+                else:
+                    per_item += arr.nbytes // max(1, size)
+            self.cumulative = np.zeros(size + 1, dtype=np.int64)
+            np.cumsum(per_item, out=self.cumulative[1:])
+        else:
+            self.each = sum(arr.nbytes for arr in inputs.values()) // max(1, size)
+
+    def largest(self) -> int:
+        """The bytes of the costliest item."""
+        if self.cumulative is None:
+            return self.each or 0
+        return int(np.diff(self.cumulative).max())
+
+    def between(self, start: int, stop: int) -> int:
+        """The bytes of items ``[start, stop)``."""
+        if self.cumulative is None:
+            return (stop - start) * (self.each or 0)
+        return int(self.cumulative[stop] - self.cumulative[start])
+
+    def items_within(self, start: int, stop: int, budget: float) -> int:
+        """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
+        if self.cumulative is None:
+            fit = int(budget // self.each) if self.each else stop - start
+            return max(0, min(fit, stop - start))
+        c = self.cumulative
+        end = int(np.searchsorted(c, c[start] + budget, side="right")) - 1
+        return max(0, min(end, stop) - start)
+
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Per-request limits; the defaults are the settings' defaults.
+
+    Attributes:
+        max_items: most items (rows along the batch dimension) in one request.
+        max_string_bytes: longest BYTES element, UTF-8 bytes.
+        max_json_depth: deepest nesting of arrays/objects in the body.
+    """
+
+    max_items: int = 4096
+    max_string_bytes: int = 65536
+    max_json_depth: int = 32
+
+    def check_items(self, items: int, where: str) -> None:
+        """Raises ``PayloadTooLarge`` (413) when ``items`` exceeds ``max_items``."""
+        if items > self.max_items:
+            raise PayloadTooLarge(
+                f"{where}: {items} items in one request; the server accepts at most "
+                f"{self.max_items} (SCORING_MAX_ITEMS_PER_REQUEST)"
+            )
+
+
+def _brackets(body: bytes) -> bytes:
+    """The bracket bytes of ``body`` outside JSON strings, in order."""
+    if b'"' in body:
+        body = _STRING.sub(b"", body)
+    return body.translate(None, _NOT_BRACKETS)
+
+
+def _deepest(brackets: bytes, stop_above: int | None = None) -> int:
+    deepest = depth = 0
+    steps = np.frombuffer(brackets, dtype=np.uint8)
+    for start in range(0, len(steps), _CHUNK):
+        running = np.cumsum(_STEP[steps[start : start + _CHUNK]], dtype=np.int64) + depth
+        deepest = max(deepest, int(running.max()))
+        depth = int(running[-1])
+        if stop_above is not None and deepest > stop_above:
+            break
+    return deepest
+
+
+def check_json_depth(body: bytes, limit: int) -> None:
+    """Raises ``InvalidInput`` (400) when ``body`` nests arrays/objects deeper than ``limit``."""
+    brackets = _brackets(body)
+    if len(brackets) > limit and _deepest(brackets, stop_above=limit) > limit:
+        raise InvalidInput(
+            f"request body nests arrays/objects deeper than {limit} levels (SCORING_MAX_JSON_DEPTH)"
+        )
+
+
+def decode_json(decoder: msgspec.json.Decoder[T], body: bytes, max_depth: int, what: str) -> T:
+    """``body`` decoded by ``decoder`` (a msgspec typed decoder), its nesting checked first.
+
+    Raises:
+        InvalidInput: nested deeper than ``max_depth``, malformed JSON, invalid UTF-8, or a
+            field of the wrong type (the message starts "invalid {what}:" and names the JSON
+            path, e.g. ``$.inputs[0].shape``).
+    """
+    check_json_depth(body, max_depth)
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise InvalidInput(f"invalid {what}: {exc}") from None
+    except RecursionError:  # only with max_depth near Python's recursion limit
+        raise InvalidInput(f"invalid {what}: nested too deeply") from None
+
+
+def typed_array(tensor: Any, shape: list[int], where: str, limits: RequestLimits) -> np.ndarray:
+    """A tensor's ``data`` already an array of its dtype (gRPC typed contents; a
+    ``app.protocols.infer.InferInput``), reshaped to ``shape``.
+
+    Raises:
+        InvalidInput: the element count or dtype does not match; PayloadTooLarge: a string over
+            ``limits.max_string_bytes``.
+    """
+    arr = tensor.data
+    assert isinstance(arr, np.ndarray)
+    expected = math.prod(shape)
+    if arr.size != expected:
+        raise InvalidInput(f"{where}: shape {shape} needs {expected} elements, data has {arr.size}")
+    if tensor.datatype == "BYTES":
+        longest = max((len(v) for v in arr.ravel()), default=0)
+        if longest > limits.max_string_bytes:
+            raise PayloadTooLarge(
+                f"{where}: an element is {longest} bytes; the server accepts at most "
+                f"{limits.max_string_bytes} per string (SCORING_MAX_STRING_BYTES)"
+            )
+    elif arr.dtype != NUMPY_DTYPES[tensor.datatype]:
+        raise InvalidInput(f"{where}: data of dtype {arr.dtype} for datatype {tensor.datatype}")
+    return arr.reshape(shape)

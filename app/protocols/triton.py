@@ -12,12 +12,15 @@ and the ``ModelConfig`` message of ``model_config.proto`` (field names, ``TYPE_*
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from app.models.repository import ModelConfig, TensorSpec
 
-#: The extensions ``GET /v2`` lists (the model repository extension: the index only, no
-#: load/unload; see docs/protocols.md).
+if TYPE_CHECKING:
+    from app.observability.metrics import Duration, ModelStats
+
+#: The extensions ``GET /v2`` lists (the model repository extension: index, load and unload;
+#: see docs/protocols.md).
 EXTENSIONS: list[str] = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
 
 #: Open Inference Protocol datatype -> Triton ``DataType`` enum name.
@@ -38,7 +41,7 @@ TRITON_TYPES: dict[str, str] = {
 }
 
 #: Our model format -> Triton ``backend`` name (the closest Triton backend).
-_BACKENDS = {"torch_export": "pytorch", "torchscript": "pytorch", "handler": "python"}
+_BACKENDS = {"torch_export": "pytorch", "torchscript": "pytorch", "onnx": "onnxruntime", "handler": "python"}
 
 
 def _input(spec: TensorSpec) -> dict[str, Any]:
@@ -81,7 +84,7 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
         "name": config.name,
         "platform": config.platform,
         "backend": _BACKENDS[config.format],
-        "version_policy": {"latest": {"num_versions": 1}},
+        "version_policy": _version_policy(config),
         "max_batch_size": config.max_batch_size,
         "input": [_input(s) for s in config.inputs],
         "output": [_output(s) for s in config.outputs],
@@ -91,8 +94,8 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
             "preferred_batch_size": [],
             "max_queue_delay_microseconds": round(config.max_queue_delay_ms * 1000),
             "preserve_ordering": True,
-            "priority_levels": 0,
-            "default_priority_level": 0,
+            "priority_levels": config.priority_levels,
+            "default_priority_level": config.default_priority_level or config.priority_levels,
             "priority_queue_policy": {},
         },
         "instance_group": [
@@ -108,6 +111,54 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
         "parameters": {k: {"string_value": str(v)} for k, v in sorted(config.parameters.items())},
         "model_warmup": [],
     }
+
+
+def _duration(d: Duration) -> dict[str, int]:
+    return {"count": d.count, "ns": d.ns}
+
+
+def model_statistics(name: str, version: str, stats: ModelStats) -> dict[str, Any]:
+    """Triton's ``$model_stat`` object for one model version. ``compute_input`` and
+    ``compute_output`` carry the counts of ``compute_infer`` and 0 ns (conversion runs inside the
+    model call; perf_analyzer requires the three counts to be equal)."""
+    zero = {"count": 0, "ns": 0}
+    no_time = {"count": stats.compute_infer.count, "ns": 0}
+    return {
+        "name": name,
+        "version": version,
+        "last_inference": stats.last_inference_ms,
+        "inference_count": stats.inference_count,
+        "execution_count": stats.execution_count,
+        "inference_stats": {
+            "success": _duration(stats.success),
+            "fail": _duration(stats.fail),
+            "queue": _duration(stats.queue),
+            "compute_input": no_time,
+            "compute_infer": _duration(stats.compute_infer),
+            "compute_output": no_time,
+            "cache_hit": zero,
+            "cache_miss": zero,
+        },
+        "batch_stats": [
+            {
+                "batch_size": size,
+                "compute_input": {"count": d.count, "ns": 0},
+                "compute_infer": _duration(d),
+                "compute_output": {"count": d.count, "ns": 0},
+            }
+            for size, d in sorted(stats.batches.items())
+        ],
+        "memory_usage": [],
+    }
+
+
+def _version_policy(config: ModelConfig) -> dict[str, Any]:
+    policy = config.version_policy
+    if policy.all:
+        return {"all": {}}
+    if policy.specific is not None:
+        return {"specific": {"versions": [int(v) for v in policy.specific if v.isdigit()]}}
+    return {"latest": {"num_versions": policy.latest or 1}}
 
 
 def statistics(model_stats: list[dict[str, Any]], pid: int) -> dict[str, Any]:

@@ -23,7 +23,7 @@ import orjson
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.infer import InferInput, InferRequest, InferResponse
-from app.protocols.limits import RequestLimits, decode_json
+from app.protocols.tensors import RequestLimits, decode_json
 
 
 class PredictRequest(msgspec.Struct):
@@ -46,7 +46,7 @@ _DEFAULT_LIMITS = RequestLimits()
 def decode_request(config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferRequest:
     """Parse a V1 predict body into an :class:`InferRequest` with one input per model input
     named in the instances (shape inferred from the nesting; validate with
-    :func:`app.protocols.infer.validate_inputs`).
+    :func:`app.serving.dataplane.validate_inputs`).
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, no

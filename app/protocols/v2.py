@@ -1,10 +1,22 @@
-"""Open Inference Protocol (KServe V2) JSON REST: request decoding, response encoding.
+"""Open Inference Protocol (KServe V2) REST: request decoding, response encoding, and Triton's
+binary tensor data extension.
 
 Source: the Open Inference Protocol REST spec ("Inference Request JSON Object",
 "Inference Response JSON Object", "Tensor Data"). Request ``parameters`` may
 carry ``timeout`` in microseconds (Triton's convention). The msgspec structs here are the
 wire shapes (and the OpenAPI schemas, ``python -m app.http.openapi``); decoding yields the
 protocol-neutral :class:`app.protocols.infer.InferRequest`.
+
+**Binary tensor data.** A request body is a JSON inference request of
+``Inference-Header-Content-Length`` bytes, then the raw data of every input whose
+``parameters.binary_data_size`` is set, in input order. A fixed-size datatype is its elements
+little-endian, row-major; a BYTES tensor is each element as a 4-byte little-endian length then
+that many bytes. Responses work the same way for the outputs asked for as binary
+(``parameters.binary_data`` per output, or ``parameters.binary_data_output`` for all), whose
+JSON then carries ``parameters.binary_data_size`` instead of ``data``.
+
+Source: triton-inference-server/server ``docs/protocol/extension_binary_data.md`` and the
+client's ``tritonclient/http/_utils.py`` (``_get_inference_request``). No aiohttp here.
 """
 
 from __future__ import annotations
@@ -12,20 +24,14 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import msgspec
+import numpy as np
 import orjson
 
 from app.datatypes import DATATYPES
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.binary import response_document
-from app.protocols.infer import (
-    InferInput,
-    InferRequest,
-    InferResponse,
-    RequestedOutput,
-    parameters_timeout_s,
-)
-from app.protocols.limits import RequestLimits, decode_json
+from app.protocols.infer import InferInput, InferRequest, InferResponse, RawData, RequestedOutput
+from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).
@@ -121,12 +127,11 @@ def decode_request(
 ) -> InferRequest:
     """Parse an ``$inference_request`` JSON body (or the JSON part of a binary one) into an
     :class:`InferRequest`; inputs sent as binary keep ``data`` None for
-    :func:`app.protocols.binary.attach_binary` to fill.
+    :func:`attach_binary` to fill.
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, a field
-            of the wrong type (the message names the JSON path, e.g. ``$.inputs[0].shape``),
-            or a ``parameters.timeout`` that is not a positive number of microseconds.
+            of the wrong type (the message names the JSON path, e.g. ``$.inputs[0].shape``).
     """
     wire = decode_json(_decoder, body, limits.max_json_depth, "inference request")
     parameters = wire.parameters or {}
@@ -145,7 +150,6 @@ def decode_request(
         parameters=parameters,
         outputs=outputs,
         binary_data_output=bool(_flag(parameters, "binary_data_output", "parameters")),
-        timeout_s=parameters_timeout_s(parameters),
     )
 
 
@@ -177,3 +181,104 @@ def model_metadata(config: ModelConfig) -> dict[str, Any]:
             "max_queue_delay_ms": config.max_queue_delay_ms,
         },
     }
+
+
+#: Request and response header: length in bytes of the JSON part at the start of the body.
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+
+def split_body(body: bytes, header_length: str | None) -> tuple[bytes, memoryview]:
+    """Split a request body at ``Inference-Header-Content-Length``.
+
+    Args:
+        body: the whole (decompressed) request body.
+        header_length: the header's value, or None when absent (all of ``body`` is JSON).
+
+    Returns:
+        The JSON part and a zero-copy view of the binary part after it (empty when none).
+
+    Raises:
+        InvalidInput: the header is not a decimal integer within ``[0, len(body)]``.
+    """
+    if header_length is None:
+        return body, memoryview(b"")
+    text = header_length.strip()
+    if not text.isdecimal() or not text.isascii() or len(text) > 20:
+        raise InvalidInput(f"{HEADER_LENGTH} must be a non-negative integer, got {header_length[:40]!r}")
+    size = int(text)
+    if size > len(body):
+        raise InvalidInput(f"{HEADER_LENGTH} is {size} but the body has only {len(body)} bytes")
+    view = memoryview(body)
+    return body[:size] if size < len(body) else body, view[size:]
+
+
+def _declared_size(parameters: dict[str, Any], where: str) -> int | None:
+    size = parameters.get("binary_data_size")
+    if size is None:
+        return None
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise InvalidInput(f"{where}: parameters.binary_data_size must be a non-negative integer")
+    return size
+
+
+def attach_binary(request: InferRequest, binary: memoryview) -> None:
+    """Give every input that declares ``parameters.binary_data_size`` its part of ``binary``, in
+    input order, as :class:`~app.protocols.infer.RawData` (a view: nothing is copied or
+    decoded here; validation decodes it once the tensor's name, datatype and size are known to
+    fit the model: :func:`app.serving.dataplane.validate_inputs`).
+
+    Raises:
+        InvalidInput: a declared size is not a non-negative integer; sizes do not add up to
+            the binary part's length; an input has both ``data`` and binary data, or neither;
+            shared-memory parameters (not supported).
+    """
+    offset = 0
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs[{i}] ({tensor.name!r})"
+        if "shared_memory_region" in tensor.parameters:
+            raise InvalidInput(f"{where}: shared-memory tensors are not supported by this server")
+        size = _declared_size(tensor.parameters, where)
+        if size is None:
+            if tensor.data is None:
+                raise InvalidInput(f"{where}: no data: give data or parameters.binary_data_size")
+            continue
+        if tensor.data is not None:
+            raise InvalidInput(f"{where}: both data and parameters.binary_data_size given")
+        if size > len(binary) - offset:
+            raise InvalidInput(
+                f"{where}: binary_data_size {size} runs past the body ({len(binary) - offset} bytes left)"
+            )
+        tensor.data = RawData(binary[offset : offset + size])
+        offset += size
+    if offset != len(binary):
+        raise InvalidInput(
+            f"the body has {len(binary) - offset} bytes after the JSON header and the inputs' "
+            f"binary_data_size; {HEADER_LENGTH} or a binary_data_size is wrong"
+        )
+
+
+def response_document(response: InferResponse) -> tuple[dict[str, Any], list[bytes]]:
+    """The JSON object of ``response`` (``$inference_response``) and the binary chunks of the
+    outputs marked binary, in order; JSON outputs keep numpy ``data`` for orjson to write."""
+    body: dict[str, Any] = {"model_name": response.model_name, "model_version": response.model_version}
+    if response.id is not None:
+        body["id"] = response.id
+    if response.parameters:
+        body["parameters"] = response.parameters
+    tensors: list[dict[str, Any]] = []
+    chunks: list[bytes] = []
+    for out in response.outputs:
+        tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.array.shape)}
+        if out.binary:
+            raw = tensor_bytes(out.array, out.datatype)
+            tensor["parameters"] = {"binary_data_size": len(raw)}
+            chunks.append(raw)
+        elif out.datatype == "BYTES":
+            tensor["data"] = [
+                v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v) for v in out.array.ravel()
+            ]
+        else:
+            tensor["data"] = np.ascontiguousarray(out.array).ravel()
+        tensors.append(tensor)
+    body["outputs"] = tensors
+    return body, chunks

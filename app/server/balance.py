@@ -1,6 +1,38 @@
-"""The balancing decisions among sibling workers (pure functions of the load table).
+"""Balancing among sibling workers: the load table in shared memory, the decisions read from it,
+and this worker's side of it (:class:`Balancer`, the data plane's ``app.serving.siblings.Siblings``).
 
-Placement is by open connections first (nginx's ``least_conn``), then by recent load (items
+**The load table**, ``<run dir>/load``: one fixed-size slot per worker in an mmap'd file; a
+worker writes its own slot (a ``struct.pack_into`` on the mmap: no system call, no lock) and
+reads its siblings' (``struct.unpack_from``: a few hundred ns per look, ``python -m
+benchmarks.loadtable``). No master, no lock and no system call on the hot path. Layout (little
+endian)::
+
+    header   16 bytes: magic b"SCLOAD02", slots in use (u32), reserved (u32)
+    slot k   32 bytes at 16 + 32 k: pid (i32), generation (u32), state (i32),
+             items (i32: items queued + in flight), connections (i32: open HTTP connections),
+             recent (i32: items queued + in flight averaged over ~0.1 s, in 1/1000 items),
+             heartbeat (f64: time.monotonic(), seconds)
+
+**States**, in a worker's order of life: ``BINDING`` (forked, waiting for a GPU slot;
+``gunicorn.conf.py``'s ``post_fork`` claims the slot), ``BOOTING`` (bound, importing),
+``LOADING`` (the app exists, models load), ``READY`` (warm and listening), ``DRAINING``
+(unready, still accepting), ``STOPPING`` (listener closed, finishing requests). The workers
+coordinate boot, drain and recycling through them (:func:`others_serving`,
+:func:`replacement_booting`, :func:`may_recycle`), and balance through the load fields
+(below).
+
+Slots are claimed, not assigned by rank: a CPU worker's rank (``gpu_stat.binding``) is its
+index among the live siblings, which a HUP reload gives to a new worker while the old one
+with the same rank still serves. A worker claims, under ``flock`` of the file (once, at
+fork), the first slot that is empty or whose pid is dead; the master frees it when the
+worker exits (``child_exit``), the worker itself too. A SIGKILLed worker's slot is freed by the
+master; readers ignore a slot whose heartbeat is older than ``STALE_S`` (a stopped worker).
+
+Values are advisory: a reader may see a slot mid-write (each field is one aligned store, so
+a field is never torn, but two fields may come from two writes). Balancing tolerates that.
+The file is opened without following links, in the run directory (``app.server.rundir``).
+
+**The decisions.** Placement is by open connections first (nginx's ``least_conn``), then by recent load (items
 queued + in flight, averaged over about ``RECENT_TAU_S``): with keep-alive clients a
 connection is the unit the kernel places, and each connection of a closed-loop client carries
 about the same load.
@@ -22,14 +54,236 @@ See docs/architecture.md (Balancing) for why this and not request forwarding or 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import fcntl
 import logging
 import math
+import mmap
+import os
+import struct
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
-from app.server.loadtable import READY, Load, LoadTable
+import psutil
+
+from app.server import rundir
+
+if TYPE_CHECKING:
+    from app.server.router import Router
+    from app.serving.siblings import Arrays, LocalRun
+    from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
+
+FILE_NAME = "load"
+MAGIC = b"SCLOAD02"
+MAX_SLOTS = 256
+_HEADER = struct.Struct("<8sII")
+_SLOT = struct.Struct("<iIiiiid")
+_FIELD = struct.Struct("<i")
+_TIME = struct.Struct("<d")
+_STATE_AT, _ITEMS_AT, _CONNECTIONS_AT, _RECENT_AT, _HEARTBEAT_AT = 8, 12, 16, 20, 24
+SIZE = _HEADER.size + MAX_SLOTS * _SLOT.size
+#: A slot whose heartbeat is older than this (seconds) is not live: its worker is stopped.
+STALE_S = 1.0
+
+# Slot states, in a worker's order of life.
+EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING, STOPPING = range(7)
+STATE_NAMES = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
+
+
+class Load(NamedTuple):
+    """One worker's published state and load.
+
+    Attributes:
+        slot: its index in the table.
+        pid: its process id.
+        generation: bumped at every claim of the slot (a restarted worker is a new generation).
+        state: EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING or STOPPING.
+        items: inference items queued + in flight (admitted, not yet answered).
+        connections: open HTTP connections (idle keep-alive ones included).
+        recent: items queued + in flight, averaged over the last ~0.1 s (app.server.balance).
+        heartbeat: ``time.monotonic()`` of its last tick, seconds.
+    """
+
+    slot: int
+    pid: int
+    generation: int
+    state: int
+    items: int
+    connections: int
+    recent: float
+    heartbeat: float
+
+    def live(self, now: float, stale_s: float = STALE_S) -> bool:
+        """Ready and ticking (heartbeat within ``stale_s`` seconds of ``now``)."""
+        return self.state == READY and self.pid > 0 and now - self.heartbeat <= stale_s
+
+
+class LoadTable:
+    """The mmap'd table of a run directory (created on first open).
+
+    Args:
+        run_dir: the server's run directory (``SCORING_RUN_DIR``; private: ``app.server.rundir``).
+        readonly: only look (monitoring, tests): the file must exist; nothing is written.
+
+    Raises:
+        OSError: the file cannot be created, opened or mapped, or it is a link.
+    """
+
+    def __init__(self, run_dir: str | os.PathLike[str], *, readonly: bool = False) -> None:
+        self.path = Path(run_dir) / FILE_NAME
+        if readonly:
+            self._fd = rundir.open_private(self.path, os.O_RDONLY)
+            if os.fstat(self._fd).st_size < SIZE:
+                os.close(self._fd)
+                raise OSError(f"{self.path}: not a load table (too short)")
+            self._map = mmap.mmap(self._fd, SIZE, access=mmap.ACCESS_READ)
+            return
+        self._fd = rundir.open_private(self.path, os.O_RDWR | os.O_CREAT)
+        with self._locked():
+            if os.fstat(self._fd).st_size < SIZE:
+                os.ftruncate(self._fd, SIZE)
+                os.pwrite(self._fd, _HEADER.pack(MAGIC, 0, 0), 0)
+        self._map = mmap.mmap(self._fd, SIZE)
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    @property
+    def slots_in_use(self) -> int:
+        """How many slots have ever been claimed (readers look at these only)."""
+        return int(_HEADER.unpack_from(self._map, 0)[1])
+
+    def claim(self, pid: int, state: int = BOOTING) -> int:
+        """Take the first empty slot, or one whose pid is dead (a SIGKILLed worker's), for
+        ``pid``, in ``state``; a slot ``pid`` already holds is kept. Returns the slot index.
+
+        Raises:
+            RuntimeError: all ``MAX_SLOTS`` slots belong to live processes.
+        """
+        with self._locked():
+            in_use = self.slots_in_use
+            held = next((s for s in range(in_use) if self.read(s).pid == pid), None)
+            if held is not None:
+                _FIELD.pack_into(self._map, _offset(held) + _STATE_AT, state)
+                return held
+            for slot in range(MAX_SLOTS):
+                if slot < in_use:
+                    old = self.read(slot)
+                    if old.pid != 0 and _alive(old.pid):
+                        continue
+                    generation = old.generation + 1
+                else:
+                    generation = 1
+                _SLOT.pack_into(self._map, _offset(slot), pid, generation, state, 0, 0, 0, time.monotonic())
+                if slot >= in_use:
+                    _HEADER.pack_into(self._map, 0, MAGIC, slot + 1, 0)
+                return slot
+        raise RuntimeError(f"{self.path}: all {MAX_SLOTS} slots belong to live workers")
+
+    def slot_of(self, pid: int) -> int | None:
+        """The slot ``pid`` holds, or None."""
+        return next((s.slot for s in self.snapshot() if s.pid == pid), None)
+
+    def release(self, slot: int, pid: int) -> None:
+        """Free ``slot`` if ``pid`` still holds it (at a worker's exit; idempotent)."""
+        with self._locked():
+            old = self.read(slot)
+            if old.pid == pid:
+                _SLOT.pack_into(self._map, _offset(slot), 0, old.generation, EMPTY, 0, 0, 0, 0.0)
+
+    def release_pid(self, pid: int) -> None:
+        """Free the slot of ``pid``, wherever it is (the master, after the worker exited)."""
+        slot = self.slot_of(pid)
+        if slot is not None:
+            self.release(slot, pid)
+
+    # --- hot path: one store or one load each ----------------------------------------
+
+    def set_items(self, slot: int, items: int) -> None:
+        """Publish items queued + in flight."""
+        _FIELD.pack_into(self._map, _offset(slot) + _ITEMS_AT, items)
+
+    def set_connections(self, slot: int, connections: int) -> None:
+        """Publish the number of open connections."""
+        _FIELD.pack_into(self._map, _offset(slot) + _CONNECTIONS_AT, connections)
+
+    def set_recent(self, slot: int, recent: float) -> None:
+        """Publish the recent load (items, averaged)."""
+        _FIELD.pack_into(self._map, _offset(slot) + _RECENT_AT, min(int(recent * 1000), 2**31 - 1))
+
+    def set_state(self, slot: int, state: int) -> None:
+        """Publish one of the states (module docstring)."""
+        _FIELD.pack_into(self._map, _offset(slot) + _STATE_AT, state)
+
+    def beat(self, slot: int, now: float | None = None) -> None:
+        """Publish a heartbeat (``time.monotonic()``)."""
+        _TIME.pack_into(self._map, _offset(slot) + _HEARTBEAT_AT, time.monotonic() if now is None else now)
+
+    def read(self, slot: int) -> Load:
+        """One slot as it is now."""
+        pid, generation, state, items, connections, milli, beat = _SLOT.unpack_from(self._map, _offset(slot))
+        return Load(slot, pid, generation, state, items, connections, milli / 1000.0, beat)
+
+    def snapshot(self) -> list[Load]:
+        """Every claimed slot (empty and stale ones included; see :meth:`Load.live`)."""
+        return [self.read(slot) for slot in range(min(self.slots_in_use, MAX_SLOTS))]
+
+    def states(self) -> dict[int, int]:
+        """pid -> state of every slot held by a live process."""
+        return {s.pid: s.state for s in self.snapshot() if s.pid > 0 and _alive(s.pid)}
+
+    def close(self) -> None:
+        """Unmap and close the file."""
+        self._map.close()
+        os.close(self._fd)
+
+
+# --- coordination among siblings: pure functions of the other workers' states -------------
+
+
+def others_serving(others: Iterator[int] | list[int]) -> bool:
+    """Another worker accepts requests (ready, or draining but still listening): a new worker
+    then listens only once its models are warm."""
+    return any(s in (READY, DRAINING) for s in others)
+
+
+def replacement_booting(others: Iterator[int] | list[int]) -> bool:
+    """No other worker is ready and one is bound and still booting or loading: a draining
+    worker keeps serving meanwhile (a HUP reload with slow boots)."""
+    states = set(others)
+    return READY not in states and bool(states & {BOOTING, LOADING})
+
+
+def may_recycle(others: Iterator[int] | list[int]) -> bool:
+    """Another worker is ready, or there is no other worker at all: a worker past
+    ``max_requests`` may drain now."""
+    states = list(others)
+    return not states or READY in states
+
+
+def _offset(slot: int) -> int:
+    return _HEADER.size + slot * _SLOT.size
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a running (not zombie) process."""
+    try:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+# --- balancing decisions: pure functions of the table -------------------------------------
 
 #: Minimum time between two shed connections of one worker, seconds.
 SHED_INTERVAL_S = 0.1
@@ -82,31 +336,47 @@ def should_shed(me: Load, siblings: Iterable[Load], now: float) -> Load | None:
     return None
 
 
+#: A pinned request is forwarded only when it would wait at least this long here, seconds
+#: (docs/architecture.md, *Tuned numbers*).
+MIN_WAIT_S = 0.005
+
+
+def splits(scatter: bool, max_batch_size: int, items: int) -> bool:
+    """Whether a request of ``items`` items is cut into shards: ``scatter`` on and more items
+    than one batch holds."""
+    return scatter and items > max_batch_size
+
+
 class Balancer:
-    """This worker's side of the table: publishes its load, decides for its listener.
+    """This worker's side of the table, and the data plane's view of its siblings
+    (``app.serving.siblings.Siblings``): publishes its load, decides for its listener and its
+    keep-alive policy, and routes requests that leave the worker (``app.server.router``, once
+    :meth:`attach` gave it one).
 
     Args:
         table: the run directory's load table.
         slot: this worker's claimed slot.
-        connections: returns the number of open connections now (``web.Server.connections``).
-        on_shed: called once per shed connection (metrics), with the sibling's pid.
+        pid: this worker's pid.
+        balancing: decide at all (``SCORING_BALANCE``); False: accept always, never shed or
+            route, but publish the load and the state.
     """
 
-    def __init__(
-        self,
-        table: LoadTable,
-        slot: int,
-        connections: Callable[[], int],
-        on_shed: Callable[[int], None] | None = None,
-    ) -> None:
+    def __init__(self, table: LoadTable, slot: int, pid: int, *, balancing: bool = True) -> None:
         self.table = table
         self.slot = slot
+        self.pid = pid
+        self.balancing = balancing
         self.items = 0
         self.recent = 0.0
         self.connections = 0
         self.ready = False
-        self._count_connections = connections
-        self._on_shed = on_shed
+        self.router: Router | None = None
+        #: Sends a model control change to one sibling (pid, action, name) -> why it failed or
+        #: None (``app.server.peers.PeerClient.control``); None: no internal endpoints.
+        self.control: Callable[[int, str, str], Awaitable[str | None]] | None = None
+        self._count_connections: Callable[[], int] = lambda: 0
+        #: Called once per shed connection (metrics), with the sibling's pid.
+        self.on_shed: Callable[[int], None] | None = None
         #: Called at the end of every tick (the balancing gauges).
         self.on_tick: Callable[[], object] | None = None
         self._last_shed = 0.0
@@ -115,13 +385,90 @@ class Balancer:
         self._area = 0.0  # item-seconds since the last tick
         self._tick = self._changed
 
-    def add_items(self, delta: int) -> None:
-        """Admission (+items) or completion (-items) of an inference request."""
+    def attach(self, connections: Callable[[], int], router: Router | None) -> None:
+        """Start counting the worker's open connections and routing through ``router``."""
+        self._count_connections = connections
+        self.router = router
+
+    # --- app.serving.siblings.Siblings --------------------------------------------------------
+
+    def add_load(self, items: int) -> None:
+        """Admission (+items) or completion (-items) of an inference request: published."""
         now = time.monotonic()
         self._area += self.items * (now - self._changed)
         self._changed = now
-        self.items += delta
+        self.items += items
         self.table.set_items(self.slot, self.items)
+
+    def should_shed(self) -> bool:
+        """Whether the response being prepared should close its connection (:func:`should_shed`,
+        at most once per ``SHED_INTERVAL_S``; the table is looked at most once per
+        ``SHED_CHECK_S``; never while not ready, e.g. draining)."""
+        now = time.monotonic()
+        if not self.ready or now < self._next_check or now - self._last_shed < SHED_INTERVAL_S:
+            return False
+        self._next_check = now + SHED_CHECK_S
+        if not self.balancing:
+            return False
+        target = should_shed(self.me(), self.siblings(), now)
+        if target is None:
+            return False
+        self._last_shed = now
+        self.connections -= 1
+        self.table.set_connections(self.slot, self.connections)
+        log.debug(
+            "balance: shedding a connection (%d open, recent load %.1f items) towards pid %d (%d open, %.1f)",
+            self.connections + 1, self.recent, target.pid, target.connections, target.recent,
+        )  # fmt: skip
+        if self.on_shed is not None:
+            self.on_shed(target.pid)
+        return True
+
+    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+        """Whether a request may leave: this worker ready and routing, and the request split
+        (:func:`splits`) or pinned and waiting at least ``MIN_WAIT_S`` here (for a model whose
+        batches take a fraction of a millisecond the hop costs more than the wait it saves)."""
+        if self.router is None or not self.ready:
+            return False
+        if splits(unit.scatter, unit.max_batch_size, items):
+            return True
+        return (
+            pinned
+            and self.router.forward
+            and unit.expected_wait_s(asyncio.get_running_loop().time()) >= MIN_WAIT_S
+        )
+
+    async def route(
+        self,
+        unit: ServingUnit,
+        inputs: Arrays,
+        deadline: float,
+        request_id: str,
+        local: LocalRun,
+        *,
+        pinned: bool,
+    ) -> Arrays | None:
+        """The router's answer (``app.server.router.Router.route``); None without a router."""
+        if self.router is None:
+            return None
+        return await self.router.route(unit, inputs, deadline, request_id, local, pinned=pinned)
+
+    def others_serving(self) -> bool:
+        """Another worker accepts requests (:func:`others_serving`). Reads /proc: off the loop."""
+        return others_serving(state for pid, state in self.table.states().items() if pid != self.pid)
+
+    async def apply(self, action: str, name: str) -> dict[int, str]:
+        """Send a model control change to every live, ready sibling at once; pid -> why, for each
+        that failed (``app.serving.control``)."""
+        control = self.control
+        if control is None:
+            return {}
+        now = time.monotonic()
+        pids = [load.pid for load in self.siblings() if load.live(now)]
+        answers = await asyncio.gather(*(control(pid, action, name) for pid in pids))
+        return {pid: why for pid, why in zip(pids, answers, strict=True) if why is not None}
+
+    # --- the listener and the tick --------------------------------------------------------------
 
     def accepted(self) -> None:
         """A connection was accepted (counted before aiohttp sees it)."""
@@ -129,7 +476,7 @@ class Balancer:
         self.table.set_connections(self.slot, self.connections)
 
     def tick(self, state: int) -> None:
-        """Publish state, heartbeat and the true connection count (every worker tick)."""
+        """Publish state, heartbeat, recent load and the true connection count (every tick)."""
         self.ready = state == READY
         now = time.monotonic()
         self._area += self.items * (now - self._changed)
@@ -157,30 +504,7 @@ class Balancer:
 
     def may_accept(self) -> bool:
         """Whether the listener should accept now (:func:`may_accept`); always True while this
-        worker is not ready (it is then not listening, or draining)."""
-        if not self.ready:
+        worker is not ready (it is then not listening, or draining) or does not balance."""
+        if not self.ready or not self.balancing:
             return True
         return may_accept(self.me(), self.siblings(), time.monotonic())
-
-    def shed_now(self) -> bool:
-        """Whether the response being prepared should close its connection (:func:`should_shed`,
-        at most once per ``SHED_INTERVAL_S``; the table is looked at most once per
-        ``SHED_CHECK_S``)."""
-        now = time.monotonic()
-        if not self.ready or now < self._next_check or now - self._last_shed < SHED_INTERVAL_S:
-            return False
-        self._next_check = now + SHED_CHECK_S
-        target = should_shed(self.me(), self.siblings(), now)
-        if target is None:
-            return False
-        self._last_shed = now
-        self.connections -= 1
-        self.table.set_connections(self.slot, self.connections)
-        log.debug(
-            "balance: shedding a connection (%d open, recent load %.1f items) towards pid %d "
-            "(%d open, %.1f)",
-            self.connections + 1, self.recent, target.pid, target.connections, target.recent,
-        )  # fmt: skip
-        if self._on_shed is not None:
-            self._on_shed(target.pid)
-        return True

@@ -1,12 +1,13 @@
 """Shards between sibling workers: each worker's internal endpoint on a Unix socket in the run
 directory, and the client that sends shards to it.
 
-The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a
-second ``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700),
-never on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
-``forwarded=True`` (a shard is never split or forwarded again) and the sender's request id and
-remaining deadline; API keys were checked by the worker that received the request.
-Imported by the worker only (it imports the serving layer, hence torch).
+The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a second
+``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700), never
+on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
+``forwarded=True`` (a shard is never split or forwarded again), the sender's request id, its
+remaining deadline (sent relative, anchored again on arrival) and trace context; API keys were
+checked by the worker that received the request. Imported by the worker only (it imports the
+serving layer, hence torch).
 
 **Wire format**: msgpack (msgspec), no pickle. A numeric tensor travels as its dtype string
 (``"<f4"``), shape and raw bytes; a BYTES tensor (a numpy object array of ``bytes``/``str``) as
@@ -20,6 +21,7 @@ import asyncio
 import logging
 import math
 import os
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +32,17 @@ from aiohttp import web
 
 from app import errors
 from app.serving.dataplane import DATAPLANE
-from app.serving.state import SETTINGS
+from app.serving.registry import SETTINGS
 
 log = logging.getLogger(__name__)
 
 PEERS_DIR = "peers"
 PATH = "/internal/shard"
+#: Model control changes between workers (``app.serving.control``).
+CONTROL_PATH = "/internal/models"
+#: How long a worker waits for a sibling to apply a model control change (a load may take
+#: minutes on a busy CPU), seconds.
+CONTROL_TIMEOUT_S = 600.0
 #: Beyond the shard's deadline, how long the sender waits for the sibling's own 504, seconds.
 REPLY_GRACE_S = 0.25
 _MAIN = web.AppKey("main_app", web.Application)
@@ -58,7 +65,9 @@ class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     """A shard of an inference request sent to a sibling's internal endpoint.
 
-    ``timeout_s``: what is left of the original deadline, seconds.
+    ``timeout_s``: what is left of the original deadline when sent, seconds (the one place a
+    deadline travels relative: two processes' loop clocks need not agree). The request's trace
+    context travels in the call's ``traceparent`` header (``app.observability.tracing``).
     """
 
     model: str
@@ -66,6 +75,19 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     timeout_s: float
     inputs: dict[str, Tensor]
+
+
+class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """A model control change for a sibling to apply here: ``action`` (``load``, ``unload``)."""
+
+    action: str
+    model: str
+
+
+class ControlResponse(msgspec.Struct, forbid_unknown_fields=True):
+    """Why the change failed on the sibling, or None when it applied."""
+
+    error: str | None = None
 
 
 class ShardResponse(msgspec.Struct, forbid_unknown_fields=True):
@@ -163,31 +185,46 @@ def internal_app(main: web.Application) -> web.Application:
     app = web.Application(client_max_size=main[SETTINGS].max_request_bytes * 2)
     app[_MAIN] = main
     app.router.add_post(PATH, _handle_shard)
+    app.router.add_post(CONTROL_PATH, _handle_control)
     return app
 
 
 async def _handle_shard(request: web.Request) -> web.Response:
     try:
         shard = decode_request(await request.read())
+        deadline = asyncio.get_running_loop().time() + shard.timeout_s
         inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
         plane = request.app[_MAIN][DATAPLANE]
-        entry = plane.registry.get(shard.model, shard.version)
+        model = plane.version(shard.model, shard.version)
         outputs = await plane.run(
-            entry, inputs, timeout_s=shard.timeout_s, request_id=shard.request_id, forwarded=True
+            model, inputs, deadline=deadline, request_id=shard.request_id, forwarded=True
         )
         reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:
-        reply = ShardResponse(
-            error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s
-        )
+        reply = ShardResponse(error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s)
     except Exception as exc:  # the model raised something unmapped: report, do not 500 the socket
         log.exception("shard %s failed", request.headers.get("X-Request-Id", "?"))
         reply = ShardResponse(error="InferenceFailed", message=f"sibling worker: {exc!r}")
     return web.Response(body=encode(reply), content_type="application/msgpack")
 
 
+async def _handle_control(request: web.Request) -> web.Response:
+    from app.serving.control import CONTROL
+
+    try:
+        change = msgspec.msgpack.decode(await request.read(), type=ControlRequest)
+        error = await request.app[_MAIN][CONTROL].apply(change.action, change.model)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        error = f"bad model control request: {exc}"
+    return web.Response(body=_encoder.encode(ControlResponse(error)), content_type="application/msgpack")
+
+
 class PeerUnavailable(Exception):
     """The sibling could not be reached, or went away before it answered."""
+
+
+#: Puts the current trace context into a call's headers (``app.observability.tracing``).
+Inject = Callable[[MutableMapping[str, str]], None]
 
 
 class PeerClient:
@@ -195,10 +232,12 @@ class PeerClient:
 
     Args:
         run_dir: the server's run directory.
+        inject: puts the current trace context into a call's headers (tracing on), or None.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], inject: Inject | None = None) -> None:
         self.run_dir = Path(run_dir)
+        self.inject = inject
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def _session(self, pid: int) -> aiohttp.ClientSession:
@@ -216,26 +255,34 @@ class PeerClient:
         version: str,
         inputs: dict[str, np.ndarray],
         *,
-        timeout_s: float,
+        deadline: float,
         request_id: str,
     ) -> dict[str, np.ndarray]:
-        """Run a shard on sibling ``pid``; outputs ``[b, ...]`` per name.
+        """Run a shard on sibling ``pid`` by ``deadline`` (loop time); outputs ``[b, ...]`` per name.
 
         Raises:
             PeerUnavailable: the sibling refused the connection or broke it (nothing ran there
                 that this worker must wait for: the caller may run the shard itself).
-            DeadlineExceeded: no answer within ``timeout_s`` (a stalled sibling).
+            DeadlineExceeded: no answer by ``deadline`` (a stalled sibling).
             ScoringError: the error the sibling's own run raised (same class).
         """
+        timeout_s = max(0.0, deadline - asyncio.get_running_loop().time())
         body = encode(
             ShardRequest(
-                model, version, request_id, timeout_s, {name: to_tensor(a) for name, a in inputs.items()}
+                model,
+                version,
+                request_id,
+                timeout_s,
+                {name: to_tensor(a) for name, a in inputs.items()},
             )
         )
         timeout = aiohttp.ClientTimeout(total=timeout_s + REPLY_GRACE_S)
+        headers = {"X-Request-Id": request_id}
+        if self.inject is not None:
+            self.inject(headers)
         try:
             async with self._session(pid).post(
-                f"http://peer{PATH}", data=body, timeout=timeout, headers={"X-Request-Id": request_id}
+                f"http://peer{PATH}", data=body, timeout=timeout, headers=headers
             ) as resp:
                 raw = await resp.read()
                 if resp.status != 200:
@@ -251,6 +298,26 @@ class PeerClient:
         raise_error(reply)
         assert reply.outputs is not None
         return {name: from_tensor(t) for name, t in reply.outputs.items()}
+
+    async def control(self, pid: int, action: str, model: str) -> str | None:
+        """Have sibling ``pid`` apply a model control change; why it failed there, or None."""
+        timeout = aiohttp.ClientTimeout(total=CONTROL_TIMEOUT_S)
+        body = _encoder.encode(ControlRequest(action, model))
+        try:
+            async with self._session(pid).post(
+                f"http://peer{CONTROL_PATH}", data=body, timeout=timeout
+            ) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return f"answered HTTP {resp.status}"
+            return msgspec.msgpack.decode(raw, type=ControlResponse).error
+        except TimeoutError:
+            return f"did not answer within {CONTROL_TIMEOUT_S:.0f} s"
+        except aiohttp.ClientError as exc:
+            self._forget(pid)
+            return f"unreachable ({exc})"
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            return f"answered something else than a model control response ({exc})"
 
     def _forget(self, pid: int) -> None:
         session = self._sessions.pop(pid, None)

@@ -1,13 +1,14 @@
 """Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
 
-The data plane asks :meth:`Router.considers` of every request (one cheap condition) and awaits
-the router only for the requests it considers; the router then makes one of two choices:
+The data plane asks its siblings (``app.server.balance.Balancer.considers``) of every request
+(one cheap condition) and awaits the router only for the requests they consider; the router then
+makes one of two choices:
 
 - **Scatter/gather** (large requests): a request with more items than its model's
   ``max_batch_size`` (``scatter = true`` in ``model.toml``, the default) is cut into contiguous
   shards, one per worker that takes part (this one and its least-loaded live siblings, at most
   one shard per ``max_batch_size`` items, none to a sibling that already has a full batch);
-  the shards run in parallel, this worker's own through its batcher and the others' through
+  the shards run in parallel, this worker's own through its serving unit and the others' through
   their internal endpoints (:mod:`app.server.peers`), and the outputs are concatenated in item
   order. A sibling that cannot be reached costs nothing but time: its shard runs here; one that
   stalls costs the request a 504 at its deadline (never a hang); any shard's error is the
@@ -22,12 +23,12 @@ the router only for the requests it considers; the router then makes one of two 
   random and the one with fewer items kept, as Ray Serve's request router does; Mitzenmacher,
   "The Power of Two Choices in Randomized Load Balancing"). An idle worker never forwards (no
   hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave while
-  it would wait less than ``MIN_WAIT_S`` here (the model's backlog): for a model whose batches
-  take a fraction of a millisecond the hop costs more CPU on both workers than the wait it
-  saves. The sibling's items count at least what this worker has forwarded to it and not yet
-  had answered (the table lags the hop). A sibling that cannot be reached, whose queue is full
-  or whose copy of the model is not ready (a HUP reload in progress) costs nothing but time:
-  the request runs here.
+  it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.balance``):
+  for a model whose batches take a fraction of a millisecond the hop costs more CPU on both
+  workers than the wait it saves. The sibling's items count at least what this worker has
+  forwarded to it and not yet had answered (the table lags the hop). A sibling that cannot be
+  reached, whose queue is full or whose copy of the model is not ready (a HUP reload in
+  progress) costs nothing but time: the request runs here.
 
 A shard or forwarded request keeps its request id and remaining deadline and is never split or
 forwarded again there (``forwarded=True``).
@@ -40,30 +41,17 @@ import logging
 import math
 import random
 import time
-from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from app import errors
-from app.server.balance import Balancer, clearly_busier
-from app.server.loadtable import Load
+from app.server.balance import Balancer, Load, clearly_busier, splits
 from app.server.peers import PeerClient, PeerUnavailable
-from app.serving.state import ModelEntry
+from app.serving.siblings import Arrays, LocalRun
+from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
-
-#: Forward only when a request would wait at least this long here, seconds.
-MIN_WAIT_S = 0.005
-
-Arrays = dict[str, np.ndarray]
-LocalRun = Callable[[Arrays, float], Coroutine[Any, Any, Arrays]]
-
-
-def splits(entry: ModelEntry, items: int) -> bool:
-    """Whether a request of ``items`` items to ``entry`` is cut into shards: ``scatter`` on and
-    more items than one batch holds."""
-    return entry.config.scatter and items > entry.config.max_batch_size
 
 
 def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
@@ -115,10 +103,11 @@ def pick_target(
 
 
 class Router:
-    """The ``ModelRegistry.spread`` hook of :meth:`app.serving.dataplane.DataPlane.run`.
+    """Where requests that leave this worker go (module docstring); the balancer
+    (``app.server.balance.Balancer``) hands it the requests it considers.
 
     Args:
-        balancer: this worker's view of the load table (its own items, readiness, siblings).
+        balancer: this worker's view of the load table (its own items, siblings).
         peers: the client of the siblings' internal endpoints.
         on_scatter: called with (model, version, shards sent to siblings) per scattered request.
         on_forward: called with (model, version) per request sent whole to a sibling (one
@@ -145,17 +134,11 @@ class Router:
         self.rng = rng or random.Random()
         self.pending: dict[int, int] = {}  # items forwarded per sibling pid, not yet answered
 
-    def considers(self, entry: ModelEntry, items: int, pinned: bool) -> bool:
-        """Whether a request of ``items`` items may leave this worker: split (:func:`splits`)
-        or forwarded whole (``pinned``), and only while this worker is ready. Cheap: the
-        request path asks it of every request."""
-        return self.balancer.ready and ((pinned and self.forward) or splits(entry, items))
-
-    async def __call__(
+    async def route(
         self,
-        entry: ModelEntry,
+        unit: ServingUnit,
         inputs: Arrays,
-        timeout_s: float,
+        deadline: float,
         request_id: str,
         local: LocalRun,
         *,
@@ -164,40 +147,35 @@ class Router:
         """The request's outputs, or None when it should run here whole.
 
         Raises:
-            DeadlineExceeded: a sibling did not answer within ``timeout_s`` (it stalled).
+            DeadlineExceeded: a sibling did not answer before ``deadline`` (it stalled).
             ScoringError: a sibling's run failed (same class as there).
         """
         items = len(next(iter(inputs.values())))
-        if splits(entry, items):
-            siblings = pick_siblings(
-                self.balancer.siblings(), items, entry.config.max_batch_size, time.monotonic()
-            )
+        if splits(unit.scatter, unit.max_batch_size, items):
+            siblings = pick_siblings(self.balancer.siblings(), items, unit.max_batch_size, time.monotonic())
             if siblings:
-                return await self._scatter(entry, inputs, timeout_s, request_id, local, siblings)
+                return await self._scatter(unit, inputs, items, deadline, request_id, local, siblings)
         if pinned and self.forward:
-            return await self._forward(entry, inputs, timeout_s, request_id, local)
+            return await self._forward(unit, inputs, items, deadline, request_id, local)
         return None
 
     async def _scatter(
         self,
-        entry: ModelEntry,
+        unit: ServingUnit,
         inputs: Arrays,
-        timeout_s: float,
+        items: int,
+        deadline: float,
         request_id: str,
         local: LocalRun,
         siblings: list[Load],
     ) -> Arrays:
-        config = entry.config
-        items = len(next(iter(inputs.values())))
         bounds = shard_bounds(items, len(siblings) + 1)
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         log.debug(
             "balance: request %s (%d items of %s) in %d shards, to pids %s",
-            request_id, items, config.name, len(bounds), [s.pid for s in siblings],
+            request_id, items, unit.name, len(bounds), [s.pid for s in siblings],
         )  # fmt: skip
         if self.on_scatter is not None:
-            self.on_scatter(config.name, config.version, len(siblings))
+            self.on_scatter(unit.name, unit.version, len(siblings))
 
         def part(i: int) -> Arrays:
             start, stop = bounds[i]
@@ -207,14 +185,14 @@ class Router:
             shard = part(i)
             try:
                 return await self.peers.infer(
-                    sibling.pid, config.name, config.version, shard,
-                    timeout_s=max(0.0, deadline - loop.time()), request_id=request_id,
+                    sibling.pid, unit.name, unit.version, shard, deadline=deadline, request_id=request_id,
                 )  # fmt: skip
             except PeerUnavailable as exc:
                 log.info("request %s: shard %d runs here (%s)", request_id, i, exc)
-                return await local(shard, max(0.0, deadline - loop.time()))
+                return await local(shard, deadline)
 
-        tasks: list[asyncio.Task[Arrays]] = [loop.create_task(local(part(0), timeout_s))]
+        loop = asyncio.get_running_loop()
+        tasks: list[asyncio.Task[Arrays]] = [loop.create_task(local(part(0), deadline))]
         tasks += [loop.create_task(remote(i + 1, s)) for i, s in enumerate(siblings)]
         try:
             results = await asyncio.gather(*tasks)
@@ -228,33 +206,35 @@ class Router:
             raise errors.InferenceFailed(f"request {request_id}: shards disagree on outputs: {exc}") from exc
 
     async def _forward(
-        self, entry: ModelEntry, inputs: Arrays, timeout_s: float, request_id: str, local: LocalRun
+        self,
+        unit: ServingUnit,
+        inputs: Arrays,
+        items: int,
+        deadline: float,
+        request_id: str,
+        local: LocalRun,
     ) -> Arrays | None:
-        batcher = entry.batcher
-        if batcher is not None:
-            wait = batcher.backlog_s(asyncio.get_running_loop().time()) - batcher.max_queue_delay_s
-            if wait < MIN_WAIT_S:
-                return None  # the hop would cost more than the wait it saves
         mine = self.balancer.items
         target = pick_target(mine, self.balancer.siblings(), time.monotonic(), self.pending, self.rng)
-        config = entry.config
         if target is None:
             log.debug("balance: request %s runs here (%d items here)", request_id, mine)
             return None
-        items = len(next(iter(inputs.values())))
         log.debug(
             "balance: forwarding request %s (%d items of %s) to pid %d (%d items there, %d here)",
-            request_id, items, config.name, target.pid, target.items, mine,
+            request_id, items, unit.name, target.pid, target.items, mine,
         )  # fmt: skip
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         self.pending[target.pid] = self.pending.get(target.pid, 0) + items
         if self.on_forward is not None:
-            self.on_forward(config.name, config.version)
+            self.on_forward(unit.name, unit.version)
         try:
             outputs = await self.peers.infer(
-                target.pid, config.name, config.version, inputs, timeout_s=timeout_s, request_id=request_id
-            )
+                target.pid,
+                unit.name,
+                unit.version,
+                inputs,
+                deadline=deadline,
+                request_id=request_id,
+                )
         except (PeerUnavailable, errors.ServiceUnavailable, errors.ModelNotFound) as exc:  # nothing ran there
             log.info("request %s: runs here, not on pid %d (%s)", request_id, target.pid, exc)
             refused = True
@@ -267,5 +247,5 @@ class Router:
             else:
                 self.pending.pop(target.pid, None)
         if refused:
-            return await local(inputs, max(0.0, deadline - loop.time()))
+            return await local(inputs, deadline)
         return outputs

@@ -14,7 +14,7 @@ aiohttp and asyncio names only. ``run()`` builds the app with the app factory, a
 the app's own request after a hung batch):
 
 1. at once: readiness 503 and every response ``Connection: close``
-   (:func:`app.serving.lifecycle.begin_drain`); requests that still arrive are served;
+   (``app.serving.registry.ModelRegistry.begin_drain``); requests that still arrive are served;
 2. the listener stays open for ``SCORING_DRAIN_GRACE_S`` (default 1 s), and longer, up to
    ``SCORING_DRAIN_MAX_HOLD_S``, while no other worker is ready and one is still booting or
    loading (a HUP reload starts the new workers and stops the old ones at the same moment:
@@ -33,17 +33,20 @@ shorter than the boot would otherwise kill every new worker, forever.
 
 **Warm before listening**: a worker that boots while another one serves (a replacement, a
 recycle, a HUP reload) starts listening only once its models are warm
-(``WorkerLifecycle.defer_listening``). The first workers of a server listen at once
-(readiness 503 until warm).
+(``Siblings.others_serving``). The first workers of a server listen at once (readiness 503
+until warm).
 
 **Worker states and load** for the above and for balancing: one record, the load table
-(:mod:`app.server.loadtable`), through :class:`app.server.siblings.Siblings`.
+(:mod:`app.server.balance`), through :class:`app.server.siblings.Membership`. The app factory
+gets the worker's balancer as its ``siblings`` and the worker itself as its ``supervisor``
+(``app.serving.siblings``): nothing is installed into the app after it is made.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
@@ -57,12 +60,13 @@ from typing import Any
 from aiohttp import web
 from gunicorn.workers.base import Worker
 
-from app.server import eventloop, loadtable
-from app.server.listener import Listener, ssl_context
-from app.server.siblings import Siblings
+from app.server import balance
+from app.server.listener import Listener, new_event_loop, ssl_context
+from app.server.siblings import Membership
+from app.settings import Settings
 
 # The master imports this module to find the worker class and must never import torch:
-# the app's modules (app.serving.lifecycle, app.serving.state) are imported in the worker, lazily.
+# the app's modules (app.serving.*) are imported in the worker, lazily.
 
 __all__ = ["RestartBackoff", "ScoringUVLoopWebWorker", "ScoringWebWorker", "wait_before_booting"]
 
@@ -99,7 +103,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
-        self._siblings = Siblings(None, os.getpid())  # alone until init_process
+        self._siblings = Membership(None, os.getpid())  # alone until init_process
         self._draining = False
         self._aborted = False
         self._serving = threading.Event()
@@ -111,13 +115,14 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
 
     def new_loop(self) -> asyncio.AbstractEventLoop:
         """The worker's event loop: asyncio's, on a selector that looks at the sockets again
-        after the process was stopped (:mod:`app.server.eventloop`); uvloop's in the subclass."""
-        return eventloop.new_event_loop()
+        after the process was stopped (:func:`app.server.listener.new_event_loop`); uvloop's in the
+        subclass."""
+        return new_event_loop()
 
     def init_process(self) -> None:
         self.loop = self.new_loop()
         asyncio.set_event_loop(self.loop)
-        self._siblings = Siblings(os.environ.get("SCORING_RUN_DIR"), os.getpid())
+        self._siblings = Membership(os.environ.get("SCORING_RUN_DIR"), os.getpid(), Settings().balance)
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
@@ -183,7 +188,10 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         """Build the app and runner, listen once warm, tick until stopped, shut down."""
         self._stopped = asyncio.Event()
         factory = self.wsgi  # an Application or an async factory of one (app.main:create_app)
-        app = factory if isinstance(factory, web.Application) else await factory()
+        if isinstance(factory, web.Application):
+            app = factory
+        else:
+            app = await factory(siblings=self._siblings.balancer, supervisor=self)
         self._attach(app)
         access_log = self.log.access_log if self.cfg.accesslog else None
         kwargs: dict[str, Any] = {}
@@ -201,13 +209,14 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
         server = runner.server
         assert server is not None
-        balancer = await self._siblings.join(app, server)
-        from app.http.limits import with_json_parser_errors
+        await self._siblings.join(app, server)
+        from app.http.connections import json_errors_protocol
 
+        balancer = self._siblings.balancer
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
-            lambda: with_json_parser_errors(server()),
+            functools.partial(json_errors_protocol, server),
             ssl_context(self.cfg) if self.cfg.is_ssl else None,
             may_accept=balancer.may_accept if balancer is not None else (lambda: True),
             accepted=balancer.accepted if balancer is not None else (lambda: None),
@@ -221,20 +230,14 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await self._siblings.close()
 
     def _attach(self, app: web.Application) -> None:
-        from app.serving.state import LIFECYCLE
-
         self._app = app
-        lifecycle = app[LIFECYCLE]
-        lifecycle.stop = self.stop_gracefully
-        lifecycle.defer_listening = self._siblings.others_serving
-        lifecycle.shed = self._shed_now
         app.on_shutdown.append(self._cancel_tasks)
-        self._siblings.publish(loadtable.LOADING)
+        self._siblings.publish(balance.LOADING)
 
-    def _shed_now(self) -> bool:
-        """Whether a less-loaded sibling should take the connection of the response being
-        prepared (app.server.balance; app.http.connections asks)."""
-        return self._siblings.shed_now(self._draining)
+    def request_stop(self, reason: str) -> bool:
+        """``app.serving.siblings.Supervisor``: drain and exit (:meth:`stop_gracefully`)."""
+        self.stop_gracefully(reason)
+        return True
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         assert self.loop is not None
@@ -251,7 +254,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     async def _tick_until_stopped(self) -> None:
         """Every tick: notify gunicorn, publish state and load, resume/pause the listener,
         recycle at max_requests, stop when the master is gone."""
-        from app.serving.state import LIFECYCLE, REGISTRY
+        from app.serving.registry import HEALTH, REGISTRY
 
         assert self._app is not None and self._stopped is not None
         app, siblings, stopped = self._app, self._siblings, self._stopped
@@ -268,13 +271,13 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             last = now
             registry = app.get(REGISTRY)
             ready = registry is not None and registry.ready and not self._draining
-            state = loadtable.READY if ready else loadtable.DRAINING if self._draining else loadtable.LOADING
+            state = balance.READY if ready else balance.DRAINING if self._draining else balance.LOADING
             self._publish_load(state)
             if self.ppid != os.getppid():
                 self.log.info("worker %s: parent changed, shutting down", pid)
                 self.alive = False
                 break
-            served = app[LIFECYCLE].responses
+            served = app[HEALTH].responses
             if (
                 not self._draining
                 and self._recycle_after
@@ -292,8 +295,11 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     def _publish_load(self, state: int) -> None:
         self._siblings.tick(state)
         balancer, listener = self._siblings.balancer, self._listener
-        if listener is not None and listener.listening and listener.paused and (
-            balancer is not None and balancer.may_accept()
+        if (
+            listener is not None
+            and listener.listening
+            and listener.paused
+            and (balancer is not None and balancer.may_accept())
         ):
             listener.resume()
 
@@ -304,8 +310,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     # --- drain --------------------------------------------------------------------
 
     def stop_gracefully(self, reason: str) -> None:
-        """Drain and exit (module docstring); idempotent. Installed as the app's
-        ``WorkerLifecycle.stop``."""
+        """Drain and exit (module docstring); idempotent."""
         if self._draining:
             return
         self._draining = True
@@ -315,16 +320,16 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         if self._app is None:  # still booting: nothing to drain
             self._stop()
             return
-        from app.serving.lifecycle import begin_drain
+        from app.serving.registry import REGISTRY
 
-        begin_drain(self._app, reason)
-        self._siblings.publish(loadtable.DRAINING)
+        self._app[REGISTRY].begin_drain(reason)
+        self._siblings.publish(balance.DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
 
     async def _hold_then_stop(self, reason: str) -> None:
-        from app.serving.state import SETTINGS
+        from app.serving.registry import SETTINGS
 
         assert self._app is not None
         settings = self._app[SETTINGS]
@@ -351,7 +356,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._stop()
 
     def _stop(self) -> None:
-        self._siblings.publish(loadtable.STOPPING)
+        self._siblings.publish(balance.STOPPING)
         self.alive = False
         self._wake()
 

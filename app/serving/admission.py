@@ -1,74 +1,75 @@
-"""Admission by time: a model's measured service rate and the cost of a request's items.
+"""Admission: whether a model version takes one more request now, behind a small interface.
 
-A request is admitted only when the work ahead of it plus its own can finish within its
-deadline. With a batch costing ``t(n) = o + n c`` seconds (fitted from measured batches,
-seeded at warmup; :class:`ServiceRate`), ``q`` items queued, a batch of ``n`` items that
-started ``s`` seconds ago and batches of at most ``M`` items, a new request of ``b`` items
-expects to finish after
+A serving unit (:mod:`app.serving.unit`) asks its policy before a request's items join the
+queue, and tells it how long each batch took. First, whatever the policy, an item that alone
+exceeds a batch's bytes or tokens is refused (413: :func:`check_item_bounds`). Two policies,
+chosen per model in ``model.toml`` (``admission``):
+
+``measured_rate`` (the default): **admission by time.** With a batch costing ``t(n) = o + n c``
+seconds (:class:`ServiceRate`), ``q`` items queued ahead (at the request's priority level and
+above), a batch of ``n`` items that started ``s`` seconds ago and batches of at most ``M``
+items, a request of ``b`` items expects to finish after
 
     wait = max(0, t(n) - s) + ceil((q + b) / M) o + (q + b) c (+ the max queue delay)
 
-seconds: Little's law (L = lambda W) read backwards, W = L / lambda. A request whose expected
-finish lies past its deadline would only expire in the queue after taking memory and,
-worse, the place of one that could finish: it is refused at once (503 + Retry-After, the
-backlog in seconds). Sources: BentoML's adaptive batching (it estimates the batch latency
-from past batches to decide what to wait for), Triton's ``max_queue_delay_microseconds``
-and ``default_queue_policy`` (``default_timeout_microseconds``, reject on timeout).
+seconds (Little's law read backwards, W = L / lambda). Past ``admission_headroom`` of its time
+to deadline it is refused at once (503 + Retry-After, the backlog in seconds), or 504 when it
+could not finish even alone. The cost unit is the model's (tokens, padding included, for a
+model that prices its items).
+
+``capacity``: **capacity plus deadline**, as text-embeddings-inference (a permit per queued
+request) and Triton's queue policy (``max_queue_size``, reject on timeout): refused only when
+the queue cannot hold the items; a request whose deadline passes while it waits gets its 504
+from the queue.
+
+Sources: BentoML's adaptive batching, Triton's ``default_queue_policy``, TEI's ``queue.rs``;
 docs/reliability.md explains the choices.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+import sys
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-#: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before
-#: its :attr:`ServiceRate.lag` moves.
+from app.errors import DeadlineExceeded, PayloadTooLarge, QueueFull, ScoringError
+from app.protocols.tensors import ItemCosts
+
+#: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before its
+#: :attr:`ServiceRate.lag` moves (docs/architecture.md, *Tuned numbers*).
 SETTLED_BATCHES = 8
-#: Once settled, a batch enters the fit as at most this many times the fit's prediction
-#: (:attr:`ServiceRate.lag` still sees its whole time).
+#: Once settled, a batch enters the fit as at most this many times the fit's prediction.
 OUTLIER_RATIO = 4.0
+#: Requests whose sizes :meth:`MeasuredRate.refuse_early` remembers.
+RECENT_REQUESTS = 32
+
+
+def overdue_slack_s() -> float:
+    """How far past its expected time a running batch may be before what waits behind it is
+    stretched: four of the interpreter's thread switch intervals (20 ms at Python's default
+    5 ms). An inference thread that wants the interpreter lock back from a busy event loop
+    waits whole switch intervals, so a fast model's 0.5 ms batch can take 10 ms; stretching the
+    backlog by that ratio (20x) refused the feed-ranker at 64 gRPC connections with 512 items
+    queued (expected 520 ms at 36,444 items/s)."""
+    return 4 * sys.getswitchinterval()
 
 
 class ServiceRate:
-    """A model's batch cost, fitted as ``t(n) = overhead_s + n * item_s`` seconds for a batch
-    of ``n`` items, by exponentially weighted least squares over its batches.
+    """A model's batch cost, ``t(n) = overhead_s + n * item_s`` seconds for a batch of ``n``
+    items (its cost: items, or padded tokens), fitted by exponentially weighted least squares.
 
-    A batch's measured time includes what it costs per batch whatever its size: the hop to
-    the inference thread and back, and the event loop's lag before the batcher resumes (large
-    under a burst of requests to decode or refuse). A purely proportional rate (items / batch
-    seconds) reads that lag as a cost per *item*: under load, small batches then look slow,
-    admission lets fewer items in, batches stay small, and the model refuses nearly
-    everything (seen with the feed-ranker at 64 connections: 101 items/s estimated for a
-    model that serves 20,000). With the affine fit a slow small batch raises the overhead,
-    not the cost of every item queued behind it.
-
-    The first observation (the batch timed alone on the inference thread after warmup,
-    ``app.serving.lifecycle``) seeds ``item_s`` with no overhead. Until :data:`SETTLED_BATCHES`
-    batches have been seen only the overhead moves: a slope through two or three batches
-    swings by several times (measured with MiniLM after boot: 0.91 ms per token for a model
-    that pays 0.33, so that its first requests were refused as unable to finish even alone).
-    After that the slope is refitted while the recent batches differ enough in size to tell
-    slope from intercept; otherwise the last slope is kept and only the overhead moves.
-
-    Once settled, a batch enters the fit as at most :data:`OUTLIER_RATIO` times what the fit
-    predicted for it. A batch of a few milliseconds can stall for hundreds (the inference
-    thread descheduled, or waiting for the GIL behind a busy event loop: measured with the
-    feed-ranker under gRPC load, batches of 1-4 ms and one of 260 ms for 104 items), and a
-    least-squares slope through one such point read 3.5 ms per item for a model that pays a
-    few microseconds: admission then refused requests it would have answered in 30 ms. A
-    sustained slowdown still moves the fit (by up to four times per batch, at the weight of
-    the newest batch), and :attr:`lag` at once.
-
-    The fit follows a change of pace over several batches; :attr:`lag` follows a slowdown
-    within two: the ratio of a batch's time to the settled fit's prediction, raised at once
-    when two batches in a row were slower than it says (to the smaller of their two ratios,
-    so that one stalled batch does not move it) and brought back towards 1 by the others (by
-    ``weight``), multiplies every prediction. When an overload begins, the requests to refuse
-    take CPU from the model (measured with the load generator on the same two cores: the same
-    batches 1.5 times slower); admission must see that from the first slow batches, not ten
-    batches later.
+    The first batch (timed alone after warmup) seeds ``item_s``; until :data:`SETTLED_BATCHES`
+    batches only the overhead moves; then the slope is refitted while recent batch sizes differ
+    enough, never steeper than the line through the origin and the mean, and a batch enters the
+    fit as at most :data:`OUTLIER_RATIO` times its prediction. :attr:`lag` (>= 1) multiplies
+    every prediction: raised at once when two batches in a row were slower than the fit says,
+    brought back towards 1 by the others. Why each rule (figures): docs/architecture.md,
+    *Admission by time*.
 
     Args:
         weight: the weight of the newest batch, 0 < weight <= 1.
@@ -77,7 +78,7 @@ class ServiceRate:
     def __init__(self, weight: float = 0.2) -> None:
         self._decay = 1.0 - weight
         self._weight = weight
-        #: Recent batches' time over the fit's prediction, >= 1 (see the class docstring).
+        #: Recent batches' time over the fit's prediction, >= 1.
         self.lag = 1.0
         self._batches = 0
         self._last_ratio = 1.0
@@ -87,8 +88,7 @@ class ServiceRate:
         self.overhead_s = 0.0
 
     def observe(self, items: float, seconds: float) -> None:
-        """Record one batch of ``items`` (its cost: items, or padded tokens for a model that
-        prices its items) that took ``seconds``."""
+        """Record one batch of ``items`` (its cost) that took ``seconds``."""
         if items < 1 or seconds <= 0:
             return
         if self._batches >= SETTLED_BATCHES and self.item_s is not None:
@@ -113,10 +113,7 @@ class ServiceRate:
             return
         mean_n, mean_t = self._sn / self._s0, self._st / self._s0
         var_n = self._snn / self._s0 - mean_n * mean_n
-        # settled, and sizes that differ enough to separate slope and intercept
         if self._batches >= SETTLED_BATCHES and var_n > (0.1 * mean_n) ** 2:
-            # no steeper than the line through the origin and the mean: an intercept < 0
-            # would say the slope overshoots
             slope = min((self._snt / self._s0 - mean_n * mean_t) / var_n, mean_t / mean_n)
             if slope > 0:
                 self.item_s = slope
@@ -135,77 +132,263 @@ class ServiceRate:
         return self.lag * (batches * self.overhead_s + items * self.item_s)
 
 
-def cumulative_costs(inputs: Mapping[str, np.ndarray]) -> np.ndarray:
-    """Cost of a request's items in bytes, cumulative: int64 ``[B + 1]``, ``[0] = 0``, so the
-    cost of items ``[i, j)`` is ``c[j] - c[i]``.
+def check_item_bounds(
+    model: str,
+    request_id: str,
+    inputs: Mapping[str, np.ndarray],
+    tokens: np.ndarray | None,
+    max_batch_bytes: int | None,
+    max_batch_tokens: int | None,
+) -> ItemCosts | None:
+    """Refuse a request whose costliest item alone exceeds a batch's bytes or tokens (its
+    ``tokens`` sorted ascending); returns its :class:`ItemCosts` (None without a byte bound).
 
-    An item's cost is its input bytes over every input: ``nbytes / B`` for a numeric array,
-    the summed lengths of its elements for a BYTES (object) array.
+    Raises:
+        PayloadTooLarge: 413, naming the bound.
     """
-    size = len(next(iter(inputs.values())))
-    per_item = np.zeros(size, dtype=np.int64)
-    for arr in inputs.values():
-        if arr.dtype == object:
-            lengths = np.fromiter((len(v) for v in arr.reshape(-1)), dtype=np.int64, count=arr.size)
-            per_item += lengths.reshape(size, -1).sum(axis=1)
-        else:
-            per_item += arr.nbytes // max(1, size)
-    out = np.zeros(size + 1, dtype=np.int64)
-    np.cumsum(per_item, out=out[1:])
-    return out
+    if tokens is not None and max_batch_tokens is not None and int(tokens[-1]) > max_batch_tokens:
+        raise PayloadTooLarge(
+            f"an item of request {request_id} costs {int(tokens[-1])} tokens; model {model} runs at "
+            f"most {max_batch_tokens} in one batch (model.toml max_batch_tokens)"
+        )
+    if max_batch_bytes is None:
+        return None
+    costs = ItemCosts(inputs)
+    largest = costs.largest()
+    if largest > max_batch_bytes:
+        raise PayloadTooLarge(
+            f"an item of request {request_id} has {largest} bytes of input; model {model} runs at "
+            f"most {max_batch_bytes} bytes in one batch (model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
+        )
+    return costs
 
 
-def items_within(costs: np.ndarray, start: int, stop: int, budget: float) -> int:
-    """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
-    end = int(np.searchsorted(costs, costs[start] + budget, side="right")) - 1
-    return max(0, min(end, stop) - start)
+class Backlog(Protocol):
+    """What a policy reads of its serving unit (``app.serving.unit.ServingUnit``): its name,
+    batch bounds (items, tokens), max queue delay (s), queue capacity (items), whether its cost
+    unit is tokens, and what is queued and running."""
+
+    name: str
+    max_batch_size: int
+    max_batch_tokens: int | None
+    max_queue_delay_s: float
+    queue_capacity: int
+    priced: bool
+
+    def queued(self, level: int | None = None) -> tuple[int, float]:
+        """(items, cost) waiting at ``level`` and the levels above it (None: all)."""
+        ...
+
+    def running(self) -> list[tuple[float, float]]:
+        """(``loop.time()`` at start, cost) of the batches running, oldest first."""
+        ...
 
 
-class ItemCosts:
-    """The input bytes of each item of one request, for the batch cost bound.
+@dataclass(frozen=True)
+class Refusal:
+    """A request refused: the error its client gets, and the reason counted
+    (``queue_full``, ``admission``, ``deadline``)."""
 
-    A request whose inputs are all numeric costs the same per item (``nbytes / B`` summed over
-    its inputs): that is one integer, with no per-item array (the common case, and the hot
-    path of small numeric requests). With a BYTES input the cost varies per item and is kept
-    cumulatively (:func:`cumulative_costs`).
+    reason: str
+    error: ScoringError
+
+
+class AdmissionPolicy(Protocol):
+    """Whether a model version takes one more request (module docstring)."""
+
+    def refusal(
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
+    ) -> Refusal | None:
+        """The refusal of ``items`` more items costing ``cost`` at priority ``level``, with
+        ``budget_s`` seconds left to their deadline at loop time ``now``; None = admitted. With
+        ``cost`` 0 (the least it can be: asked before a request is priced) a refusal is certain
+        and the request is not remembered."""
+        ...
+
+    def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
+        """The refusal a request of a size recently seen would get at ``level``, judged before
+        its body is decoded (so a refusal under overload costs no decoding); None = decode it."""
+        ...
+
+    def observe(self, cost: float, seconds: float, real_tokens: int) -> None:
+        """One batch of ``cost`` (``real_tokens`` of it the items' own, 0 unpriced) took
+        ``seconds``."""
+        ...
+
+    def backlog_s(self, now: float) -> float:
+        """Expected seconds until what is queued and running now is done (0 when unknown)."""
+        ...
+
+    def fill_limit(self, cost: float, share: float) -> float:
+        """The most a batch may cost once it holds higher-priority items costing ``cost``: lower
+        levels may add at most ``share`` to its expected time (``math.inf``: no bound known)."""
+        ...
+
+
+def _full(backlog: Backlog, items: int, retry_after_s: Callable[[], float]) -> Refusal | None:
+    queued, _ = backlog.queued()
+    if queued + items <= backlog.queue_capacity:
+        return None
+    message = f"model {backlog.name} queue is full ({queued}/{backlog.queue_capacity} items)"
+    return Refusal("queue_full", QueueFull(message, retry_after_s=retry_after_s()))
+
+
+class Capacity:
+    """Capacity plus deadline (module docstring): refused only when the queue is full
+    (503 + ``Retry-After: 1``); deadlines are the queue's to enforce."""
+
+    def __init__(self, backlog: Backlog) -> None:
+        self._backlog = backlog
+
+    def refusal(
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
+    ) -> Refusal | None:
+        """See :meth:`AdmissionPolicy.refusal`."""
+        return _full(self._backlog, items, lambda: 1.0)
+
+    def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
+        """Never: the request's size decides, once decoded."""
+        return None
+
+    def observe(self, cost: float, seconds: float, real_tokens: int) -> None:
+        """Nothing is measured."""
+
+    def backlog_s(self, now: float) -> float:
+        """Unknown: 0."""
+        return 0.0
+
+    def fill_limit(self, cost: float, share: float) -> float:
+        """Unknown: no bound."""
+        return math.inf
+
+
+class MeasuredRate:
+    """Admission by time at the measured rate (module docstring).
 
     Args:
-        inputs: one array per model input, ``[B, ...]``, B >= 1.
+        backlog: the unit's queue and running batches.
+        headroom: admit only what is expected to finish within this share of its time to
+            deadline (``admission_headroom`` in ``model.toml``; docs/reliability.md).
     """
 
-    __slots__ = ("cumulative", "each")
+    def __init__(self, backlog: Backlog, headroom: float = 0.5) -> None:
+        self._backlog = backlog
+        self.headroom = headroom
+        #: The model's batch cost, per cost unit (tokens for a priced model, else items).
+        self.rate = ServiceRate()
+        #: Padded / real tokens of recent batches (a priced model's padding waste; 1 = none).
+        self.padding = 1.0
+        self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT_REQUESTS)  # (items, cost)
+        self._slack_s = overdue_slack_s()
 
-    def __init__(self, inputs: Mapping[str, np.ndarray]) -> None:
-        #: Bytes per item when every input is numeric, else None.
-        self.each: int | None = None
-        #: Cumulative bytes, int64 ``[B + 1]``, when some input is BYTES, else None.
-        self.cumulative: np.ndarray | None = None
-        total = 0
-        for arr in inputs.values():
-            if arr.dtype.hasobject:
-                self.cumulative = cumulative_costs(inputs)
-                return
-            total += arr.nbytes
-        self.each = total // max(1, len(next(iter(inputs.values()))))
+    def observe(self, cost: float, seconds: float, real_tokens: int) -> None:
+        """See :meth:`AdmissionPolicy.observe`."""
+        self.rate.observe(cost, seconds)
+        if real_tokens:
+            self.padding += 0.2 * (cost / real_tokens - self.padding)
 
-    def largest(self) -> int:
-        """The bytes of the costliest item."""
-        if self.each is not None:
-            return self.each
-        assert self.cumulative is not None
-        return int(np.diff(self.cumulative).max())
+    def backlog_s(
+        self, now: float, more_items: int = 0, more_cost: float = 0.0, level: int | None = None
+    ) -> float:
+        """Expected seconds until the running batches, the queued items at ``level`` and above,
+        and ``more_items`` costing ``more_cost`` after them are done, padded as recent batches
+        were, plus one max queue delay. A batch running past its expected time (beyond
+        :func:`overdue_slack_s`) stretches what waits behind it by the same factor, and is taken
+        to need as much again as it has overrun."""
+        backlog, rate = self._backlog, self.rate
+        rest, overdue = 0.0, 1.0
+        for i, (started, running_cost) in enumerate(backlog.running()):
+            expected_s = rate.seconds_for(running_cost)
+            if i == 0:  # the one computing now; the others wait behind it
+                elapsed_s = now - started
+                rest = abs(expected_s - elapsed_s)
+                overdue = max(1.0, elapsed_s / (expected_s + self._slack_s))
+            else:
+                rest += expected_s * overdue
+        queued_items, queued_cost = backlog.queued(level)
+        items = queued_items + more_items
+        cost = (queued_cost + more_cost) * self.padding
+        batches = math.ceil(items / backlog.max_batch_size)
+        if backlog.max_batch_tokens and backlog.priced:
+            batches = max(batches, math.ceil(cost / backlog.max_batch_tokens))
+        return rest + overdue * rate.seconds_for(cost, batches) + backlog.max_queue_delay_s
 
-    def between(self, start: int, stop: int) -> int:
-        """The bytes of items ``[start, stop)``."""
-        if self.each is not None:
-            return (stop - start) * self.each
-        assert self.cumulative is not None
-        return int(self.cumulative[stop] - self.cumulative[start])
+    def refusal(
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
+    ) -> Refusal | None:
+        """See :meth:`AdmissionPolicy.refusal`: 503 when the queue is full or the backlog would
+        not let the items finish within ``headroom`` of ``budget_s``, 504 when they could not
+        even alone. An idle model admits everything: a rate measured under a past overload
+        never keeps refusing once the load has gone."""
+        if cost:
+            self._recent.append((items, cost))
+        return self._judge(items, cost, level, budget_s, now, what)
 
-    def items_within(self, start: int, stop: int, budget: float) -> int:
-        """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
-        if self.each is not None:
-            fit = int(budget // self.each) if self.each else stop - start
-            return max(0, min(fit, stop - start))
-        assert self.cumulative is not None
-        return items_within(self.cumulative, start, stop, budget)
+    def _judge(
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
+    ) -> Refusal | None:
+        backlog = self._backlog
+        full = _full(backlog, items, lambda: self._retry_after_s(now))
+        if full is not None:
+            return full
+        if not backlog.queued()[0] and not backlog.running():
+            return None
+        limit_s = self.headroom * budget_s
+        expected_s = self.backlog_s(now, items, cost, level)
+        if expected_s <= limit_s:
+            return None
+        rate = self.rate
+        alone_s = rate.seconds_for(cost * self.padding)
+        unit = "tokens" if backlog.priced else "items"
+        if alone_s > limit_s:
+            return Refusal(
+                "deadline",
+                DeadlineExceeded(
+                    f"model {backlog.name} cannot finish {what} within its deadline "
+                    f"({budget_s * 1000:.0f} ms) even alone (expected {alone_s * 1000:.0f} ms for "
+                    f"{cost:.0f} {unit})"
+                ),
+            )
+        per_s = 1 / rate.item_s if rate.item_s else 0
+        return Refusal(
+            "admission",
+            QueueFull(
+                f"model {backlog.name} cannot take {what} within its deadline ({budget_s * 1000:.0f} ms; "
+                f"expected {expected_s * 1000:.0f} ms at {per_s:.0f} {unit}/s and "
+                f"{rate.overhead_s * 1000:.1f} ms per batch)",
+                retry_after_s=self._retry_after_s(now),
+            ),
+        )
+
+    def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
+        """See :meth:`AdmissionPolicy.refuse_early`. The request's size is not known yet: it is
+        taken as the smallest of the last requests (one smaller request lowers the bar for those
+        after it). With less than a full batch queued there is no storm to refuse cheaply."""
+        if self._backlog.queued(level)[0] < self._backlog.max_batch_size:
+            return None
+        items, cost = min(self._recent, default=(1, 1.0))
+        return self._judge(items, cost, level, budget_s, now, "another request")
+
+    def fill_limit(self, cost: float, share: float) -> float:
+        """See :meth:`AdmissionPolicy.fill_limit`: with ``t(n) = o + n c``, the ``n`` at which
+        ``t(n) = (1 + share) t(cost)``. Batches that cost mostly their overhead (a GPU's) fill
+        up; batches whose time grows with their items (a CPU's) take few lower-level items."""
+        item_s = self.rate.item_s
+        return cost + share * (self.rate.overhead_s / item_s + cost) if item_s else math.inf
+
+    def _retry_after_s(self, now: float) -> int:
+        """Seconds a refused client should wait: the backlog, rounded up, at least 1."""
+        return max(1, math.ceil(self.backlog_s(now)))
+
+
+def policy(name: str, backlog: Backlog, headroom: float = 0.5) -> AdmissionPolicy:
+    """The policy ``model.toml``'s ``admission`` names, over ``backlog``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    if name == "measured_rate":
+        return MeasuredRate(backlog, headroom)
+    if name == "capacity":
+        return Capacity(backlog)
+    raise ValueError(f"admission must be 'measured_rate' or 'capacity', not {name!r}")

@@ -1,255 +1,393 @@
-"""The data plane: the one serving path every protocol front end calls (HTTP V1/V2, gRPC).
+"""The data plane: the one serving path every protocol front end calls (HTTP V1/V2, gRPC,
+OpenAI embeddings).
 
-A front end decodes its wire format into an :class:`~app.protocols.infer.InferRequest` and
-encodes the :class:`~app.protocols.infer.InferResponse` it gets back; everything between is
-here, once, for every protocol::
-
-    admit(name, version, timeout)     model lookup (404) and early refusal (503), before the
-                                      front end decodes the body: a refusal under overload
-                                      costs no decoding
-    infer(request)                    validation against the model (4xx), the outputs asked
-                                      for, the deadline, admission (503 / 504), balancing among
-                                      sibling workers (scatter, forwarding), dynamic batching,
-                                      and the response object
-    run(entry, arrays)                the array-level step of ``infer``: what a shard or a
-                                      forwarded request from a sibling worker enters
-
-Source: KServe's ``DataPlane`` (kserve/protocol/dataplane.py: ``infer`` takes an
-``InferRequest`` and returns an ``InferResponse``).
+A front end decodes its wire format into an :class:`~app.protocols.infer.InferRequest`, with its
+arrival time and the deadline its transport named (both on the event loop's clock), and encodes
+the :class:`~app.protocols.infer.InferResponse` it gets back. Between the two, once for every
+protocol: :meth:`DataPlane.admit` (the model version, 404; early refusal before the body is
+decoded, 503), :meth:`DataPlane.infer` (validation against the model, 4xx; the outputs asked for;
+the one absolute deadline; the priority level; balancing among sibling workers; the serving unit;
+the response) and :meth:`DataPlane.run` (the array-level step, where shards and requests
+forwarded by sibling workers enter). Source: KServe's ``DataPlane``
+(kserve/protocol/dataplane.py: ``infer`` takes an ``InferRequest``, returns an ``InferResponse``).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable, Coroutine
+import math
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
 from aiohttp import web
 
-from app.errors import ModelNotReady
-from app.protocols.infer import (
-    InferRequest,
-    InferResponse,
-    build_response,
-    requested_outputs,
-    validate_inputs,
+from app.errors import InvalidInput, ModelNotReady
+from app.models.repository import ModelConfig
+from app.observability.tracing import Tracing
+from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
+from app.protocols.tensors import (
+    RequestLimits,
+    check_against_spec,
+    check_elements,
+    check_shape,
+    complete_inputs,
+    decode_raw,
+    to_array,
+    typed_array,
 )
-from app.protocols.limits import RequestLimits
-from app.serving.state import ModelEntry, ModelRegistry, Spread
+from app.serving.registry import ModelRegistry, ModelVersion
+from app.serving.siblings import Siblings
 from app.settings import Settings
 
 Arrays = dict[str, np.ndarray]
+_NO_VERSIONS: dict[str, ModelVersion] = {}
+_LIMITS = RequestLimits()
 
 
 class DataPlane:
     """This worker's serving path over its models.
 
     Args:
-        registry: the models this worker serves (and the balancing hooks installed on it).
+        registry: the model versions this worker serves (kept by ``app.serving.lifecycle``).
         settings: the server's settings (default and maximum deadlines).
         limits: the request limits the codecs and validation enforce.
+        siblings: the other workers of the server (``app.serving.siblings``).
+        tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
     """
 
-    def __init__(self, registry: ModelRegistry, settings: Settings, limits: RequestLimits) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        settings: Settings,
+        limits: RequestLimits,
+        siblings: Siblings,
+        tracing: Tracing | None = None,
+    ) -> None:
         self.registry = registry
         self.settings = settings
         self.limits = limits
+        self.siblings = siblings
+        self.tracing = tracing
 
-    # --- deadlines -------------------------------------------------------------------
+    def version(self, name: str, version: str | None) -> ModelVersion:
+        """The model version a request addresses (None: the one requests without a version get).
 
-    def default_timeout_s(self, entry: ModelEntry) -> float:
-        """The deadline of a request that names none: the model's ``timeout_ms``, else the
-        server's ``request_timeout_ms``; seconds."""
-        return (entry.config.timeout_ms or self.settings.request_timeout_ms) / 1000.0
-
-    def max_timeout_s(self, entry: ModelEntry) -> float:
-        """The longest deadline a client may ask of this model: its ``max_timeout_ms``, else
-        the server's ``max_request_timeout_ms``; seconds."""
-        return (entry.config.max_timeout_ms or self.settings.max_request_timeout_ms) / 1000.0
-
-    def timeout_s(self, entry: ModelEntry, requested_s: float | None) -> float:
-        """The deadline a request runs under, seconds: the client's own (``InferRequest.timeout_s``:
-        ``X-Request-Timeout-Ms``, ``parameters.timeout``, a gRPC deadline, the earliest of them),
-        clipped to :meth:`max_timeout_s`; the default (:meth:`default_timeout_s`, also clipped)
-        when it names none.
-
-        Clipping rather than refusing: a client that asks for a long deadline gets the longest
-        the server grants, as a gRPC deadline longer than the server's limit would; admission
-        then judges the request against the clipped deadline. ``inf`` and ``1e308`` are clipped
-        too; a NaN or a deadline <= 0 counts as none (the parsers refuse those first).
+        Raises:
+            ModelNotFound: unknown name or version (404; the message lists what exists).
+            ModelNotReady: a model of the repository that cannot be served (503 with why).
         """
-        cap = self.max_timeout_s(entry)
-        if requested_s is None or not requested_s > 0:
-            return min(self.default_timeout_s(entry), cap)
-        return min(requested_s, cap)
+        registry = self.registry
+        found = (
+            registry.latest.get(name)
+            if version is None
+            else registry.versions.get(name, _NO_VERSIONS).get(version)
+        )
+        if found is None:
+            raise registry.missing(name, version)
+        return found
 
-    # --- the steps a front end calls --------------------------------------------------
+    # --- deadlines ----------------------------------------------------------------------------
 
-    def admit(self, name: str, version: str | None, requested_s: float | None) -> ModelEntry:
-        """The model a request addresses, once it is clear the request is not refused early:
-        when a full batch or more already waits for the model and no request of the size
-        recently seen could finish within the deadline, the request is refused before its body
-        is decoded (a refusal under overload then costs the read, not the decoding; the full
-        admission, with the request's own size, happens in :meth:`infer`).
+    def deadline(self, model: ModelVersion, arrival: float, requested: float | None) -> float:
+        """The absolute deadline (loop time) a request that arrived at ``arrival`` runs under: the
+        one its client named (``requested``: ``X-Request-Timeout-Ms``, ``parameters.timeout``, a
+        gRPC deadline, the earliest of them), else the model's ``timeout_ms``, else the server's
+        ``request_timeout_ms``; never later than ``arrival`` + the model's ``max_timeout_ms`` (or
+        the server's ``max_request_timeout_ms``).
+
+        Clipped rather than refused (as a gRPC deadline longer than the server's limit is); one at
+        or before ``arrival`` counts as none (the parsers refuse those first).
+        """
+        config, settings = model.config, self.settings
+        cap = arrival + (config.max_timeout_ms or settings.max_request_timeout_ms) / 1000.0
+        if requested is None or not requested > arrival:
+            return min(arrival + (config.timeout_ms or settings.request_timeout_ms) / 1000.0, cap)
+        return min(requested, cap)
+
+    def request_deadline(self, model: ModelVersion, request: InferRequest) -> float:
+        """:meth:`deadline` of ``request``: the earlier of its transport's deadline and its
+        ``parameters.timeout`` (microseconds from its arrival, Triton's).
+
+        Raises:
+            InvalidInput: a ``parameters.timeout`` that is not a positive number.
+        """
+        requested = request.deadline
+        given = parameters_timeout_s(request.parameters) if request.parameters else None
+        if given is not None and (requested is None or request.arrival + given < requested):
+            requested = request.arrival + given
+        return self.deadline(model, request.arrival, requested)
+
+    # --- the steps a front end calls ------------------------------------------------------------
+
+    def admit(self, name: str, version: str | None, arrival: float, deadline: float | None) -> ModelVersion:
+        """The model version a request addresses, once it is clear the request is not refused
+        early: with a full batch or more waiting and no request of the size recently seen able
+        to finish in time, it is refused before its body is decoded (the full admission, with
+        its own size, happens in :meth:`infer`).
 
         Args:
-            name, version: the model addressed (version None = its highest).
-            requested_s: the deadline known before decoding (a header, a gRPC deadline), s.
+            name, version: the model addressed (version None = the default one).
+            arrival, deadline: when it arrived, and the deadline its transport named (a header,
+                a gRPC deadline; None = none), loop time.
 
         Raises:
             ModelNotFound: unknown model or version (404).
-            ModelNotReady: the model is unavailable (it could not be loaded: 503 with why).
-            QueueFull: refused early (503 + Retry-After).
+            ModelNotReady: the model is unavailable (503 with why).
+            QueueFull: refused early (503 + Retry-After); DeadlineExceeded: could not finish in
+                time even alone (504).
         """
-        entry = self.registry.get(name, version)
-        if entry.error is not None:
-            raise ModelNotReady(f"model {entry.config.name!r} is unavailable: {entry.error}")
-        batcher = entry.batcher
-        if batcher is not None and batcher.backlogged:
-            refusal = batcher.refuse_early(self.timeout_s(entry, requested_s))
+        model = self.version(name, version)
+        if model.error is not None and model.unit is None:
+            raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
+        unit = model.unit
+        if unit is not None:
+            refusal = unit.refuse_early(self.deadline(model, arrival, deadline))
             if refusal is not None:
                 raise refusal
-        return entry
+        return model
 
     async def infer(
         self,
         request: InferRequest,
         *,
         request_id: str,
-        entry: ModelEntry | None = None,
+        model: ModelVersion | None = None,
         is_disconnected: Callable[[], bool] | None = None,
         pinned: bool = False,
     ) -> InferResponse:
         """Validate, admit, run and answer one inference request.
 
         Args:
-            request: the decoded request (its tensors not yet validated).
+            request: the decoded request (its tensors not yet validated), with its ``arrival``.
             request_id: echoed in errors and logs.
-            entry: the model :meth:`admit` returned (default: looked up from the request).
+            model: the version :meth:`admit` returned (default: looked up from the request).
             is_disconnected: True once the client has gone (its queued items are dropped).
-            pinned: it arrived on a connection the worker cannot shed to rebalance (gRPC's one
-                HTTP/2 connection per channel): it may be forwarded whole to a less-loaded
-                sibling. HTTP leaves it False (it sheds connections instead).
+            pinned: it arrived on a connection the worker cannot shed (gRPC's one HTTP/2
+                connection per channel): it may be forwarded whole to a less-loaded sibling.
 
         Returns:
             The response: the outputs asked for, ``[B, ...]`` each, in the request's item order.
 
         Raises:
-            ModelNotFound: unknown model or version (404).
-            InvalidInput: tensors that do not fit the model, unknown or repeated outputs (400).
-            PayloadTooLarge: over an item, string or batch-cost limit (413).
-            ModelNotReady, QueueFull, DeadlineExceeded, InferenceFailed, InsufficientStorage:
-                see :meth:`app.serving.batcher.DynamicBatcher.infer`.
+            ModelNotFound (404); InvalidInput: tensors that do not fit the model, unknown or
+            repeated outputs, a malformed ``parameters.timeout`` or ``.priority`` (400);
+            PayloadTooLarge: over an item, string or batch-cost limit (413); and what
+            :meth:`app.serving.unit.ServingUnit.infer` raises.
         """
-        if entry is None:
-            entry = self.registry.get(request.model_name, request.model_version)
-        config = entry.config
+        if model is None or model.retired:  # not admitted, or unloaded while its body was read
+            model = self.version(request.model_name, request.model_version)
+        config = model.config
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
-        timeout_s = self.timeout_s(entry, request.timeout_s)
+        deadline = self.request_deadline(model, request)
+        level = None
+        if request.parameters and model.unit is not None:
+            level = model.unit.level(parameters_priority(request.parameters))
         outputs = await self.run(
-            entry,
-            inputs,
-            timeout_s=timeout_s,
-            request_id=request_id,
-            is_disconnected=is_disconnected,
-            pinned=pinned,
-        )
+            model, inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
+            pinned=pinned, level=level,
+        )  # fmt: skip
         return build_response(config, request, outputs, wanted)
 
     def run(
         self,
-        entry: ModelEntry,
+        model: ModelVersion,
         inputs: Arrays,
         *,
-        timeout_s: float,
+        deadline: float,
         request_id: str,
         is_disconnected: Callable[[], bool] | None = None,
         forwarded: bool = False,
         pinned: bool = False,
+        level: int | None = None,
     ) -> Awaitable[Arrays]:
-        """Run validated arrays through ``entry``'s dynamic batcher, or, when the request is
-        large and sibling workers are ready, in shards on them and here, or, when it is
-        ``pinned`` and this worker is clearly busier than a sibling, whole on that sibling
-        (``registry.spread``).
+        """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
+        shards on them and here, or whole on one of them (``Siblings.route``).
 
         Args:
-            entry: the model version to run.
             inputs: one array per model input, ``[B, *item_shape]``, B >= 1, validated.
-            timeout_s: the request's deadline from now, seconds.
-            request_id: echoed in errors and logs.
-            is_disconnected: True once the client has gone.
-            forwarded: a shard or request from a sibling worker (app.server.peers): never split
-                or forwarded again.
-            pinned: see :meth:`infer`.
+            deadline: loop time by which the outputs are due.
+            forwarded: a shard or request from a sibling worker: never split or sent on again.
+            level: the priority level (``ServingUnit.level``); None: the default.
 
         Returns:
-            An awaitable (await it at once) of one array per model output, ``[B, ...]``, in the
-            request's item order. A plain function, so the common path costs no extra coroutine.
-
-        Raises (when awaited):
-            ModelNotReady, QueueFull, DeadlineExceeded, InferenceFailed, InsufficientStorage:
-                see :meth:`app.serving.batcher.DynamicBatcher.infer`; a shard's error on a
-                sibling is raised as the same class.
+            An awaitable (await it at once) of one array per model output, ``[B, ...]``, in item
+            order: a coroutine of this module's, or the siblings' route.
         """
-        spread = self.registry.spread
-        if spread is not None and not forwarded and entry.ready:
-            items = len(next(iter(inputs.values())))
-            if spread.considers(entry, items, pinned):
+        unit = model.unit
+        items = len(next(iter(inputs.values())))
+        if unit is not None and not forwarded and self.siblings.considers(unit, items, pinned):
+            return self._routed(model, inputs, items, deadline, request_id, is_disconnected, pinned, level)
+        return self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
 
-                async def run_here(arrays: Arrays, shard_s: float) -> Arrays:
-                    return await self._run_here(entry, arrays, shard_s, request_id, is_disconnected)
-
-                return _spread(spread, entry, inputs, timeout_s, request_id, run_here, pinned)
-        # The common path: the batcher's coroutine itself, no extra layer (this is per request).
-        return self._run_here(entry, inputs, timeout_s, request_id, is_disconnected)
-
-    async def _run_here(
+    async def _here(
         self,
-        entry: ModelEntry,
+        model: ModelVersion,
         inputs: Arrays,
-        timeout_s: float,
+        items: int,
+        deadline: float,
         request_id: str,
         is_disconnected: Callable[[], bool] | None,
+        level: int | None,
     ) -> Arrays:
-        registry = self.registry
-        # This worker's published load (items queued + in flight) for its siblings' balancing.
-        on_load = registry.on_load
-        items = len(next(iter(inputs.values()))) if on_load is not None and inputs else 0
-        if on_load is not None:
-            on_load(items)
+        siblings = self.siblings
+        trace = self.tracing.queued() if self.tracing is not None else None
+        siblings.add_load(items)  # published for the siblings' balancing
         try:
-            if not entry.ready:
-                loop = asyncio.get_running_loop()
-                deadline = loop.time() + timeout_s
-                entry = await registry.wait_ready(entry, timeout_s)
-                timeout_s = max(0.0, deadline - loop.time())
-            assert entry.batcher is not None
-            return await entry.batcher.infer(
-                inputs, timeout_s=timeout_s, request_id=request_id, is_disconnected=is_disconnected
-            )
+            unit = model.unit
+            if unit is None:  # still loading: wait for it, within the deadline
+                unit = await self.registry.serving_unit(model, deadline)
+            return await unit.infer(
+                inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
+                level=level, trace=trace,
+            )  # fmt: skip
         finally:
-            if on_load is not None:
-                on_load(-items)
+            siblings.add_load(-items)
+
+    async def _routed(
+        self,
+        model: ModelVersion,
+        inputs: Arrays,
+        items: int,
+        deadline: float,
+        request_id: str,
+        is_disconnected: Callable[[], bool] | None,
+        pinned: bool,
+        level: int | None,
+    ) -> Arrays:
+        """The siblings' route (scatter, or forward when ``pinned``); here, whole, if they decline."""
+        unit = model.unit
+        assert unit is not None
+
+        def local(arrays: Arrays, part_deadline: float) -> Any:
+            part = len(next(iter(arrays.values())))
+            return self._here(model, arrays, part, part_deadline, request_id, is_disconnected, level)
+
+        outputs = await self.siblings.route(unit, inputs, deadline, request_id, local, pinned=pinned)
+        if outputs is not None:
+            return outputs
+        return await self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
 
 
-async def _spread(
-    spread: Spread,
-    entry: ModelEntry,
-    inputs: Arrays,
-    timeout_s: float,
-    request_id: str,
-    run_here: Callable[[Arrays, float], Coroutine[Any, Any, Arrays]],
-    pinned: bool,
-) -> Arrays:
-    """``spread`` (scatter, or forward when ``pinned``); here, whole, if it declines."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    outputs = await spread(entry, inputs, timeout_s, request_id, run_here, pinned=pinned)
-    if outputs is not None:
-        return outputs
-    return await run_here(inputs, max(0.0, deadline - loop.time()))
+# --- validation: the request's tensors and parameters against the model ------------------------
+
+
+def parameters_timeout_s(parameters: dict[str, Any]) -> float | None:
+    """``parameters.timeout`` (microseconds, Triton's convention) as seconds; None when absent.
+
+    Raises:
+        InvalidInput: not a positive finite number.
+    """
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidInput("parameters.timeout must be a positive number of microseconds")
+    return float(value) / 1e6
+
+
+def parameters_priority(parameters: dict[str, Any]) -> int | None:
+    """``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default);
+    None when absent.
+
+    Raises:
+        InvalidInput: not a whole number >= 0.
+    """
+    value = parameters.get("priority")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput("parameters.priority must be a whole number >= 0 (1 = the highest level)")
+    return value
+
+
+def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
+    """The request's tensors checked against ``config``, each in this order: its shape (at most
+    ``MAX_DIMS`` non-negative dimensions, ``limits.max_items`` items), its name (a model input,
+    once), its datatype, its element count (all before any per-element work: a hostile tensor
+    costs a few comparisons), then its data, decoded or converted and checked against the spec.
+
+    Returns:
+        One array ``[B, *item_shape]`` per model input (omitted optional inputs filled), one B >= 1.
+
+    Raises:
+        InvalidInput: a malformed shape, unknown/missing/duplicate input, wrong datatype or shape,
+            element count mismatch, malformed raw data, non-finite floats the model forbids.
+        PayloadTooLarge: over ``limits.max_items`` items or ``limits.max_string_bytes`` per string.
+    """
+    specs = {s.name: s for s in config.inputs}
+    arrays: Arrays = {}
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs[{i}] ({tensor.name!r})"
+        shape = check_shape(tensor.shape, where) if tensor.shape is not None else None
+        if shape:
+            limits.check_items(shape[0], where)
+        if tensor.name in arrays:
+            raise InvalidInput(f"{where}: input given twice")
+        spec = specs.get(tensor.name)
+        if spec is None:
+            raise InvalidInput(f"{where}: unknown input; model {config.name} takes {list(specs)}")
+        if tensor.datatype != spec.datatype:
+            raise InvalidInput(
+                f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
+            )
+        data = tensor.data
+        if data is None:
+            raise InvalidInput(f"{where}: no data: give data or parameters.binary_data_size")
+        if shape is not None:
+            check_elements(shape, spec, limits.max_items, where)
+        if isinstance(data, RawData):
+            if shape is None:
+                raise InvalidInput(f"{where}: raw data needs a shape")
+            arr = decode_raw(tensor.datatype, shape, data.data, where, limits.max_string_bytes).reshape(shape)
+        elif isinstance(data, np.ndarray):
+            arr = typed_array(tensor, shape if shape is not None else list(data.shape), where, limits)
+        else:
+            if shape is not None and shape and len(data) > math.prod(shape):
+                raise InvalidInput(f"{where}: shape {shape} needs {math.prod(shape)} elements, data has more")
+            arr = to_array(data, tensor.datatype, shape, where, limits.max_string_bytes)
+        arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
+    if not arrays and all(s.optional for s in config.inputs):
+        raise InvalidInput(f"inputs: empty; model {config.name} takes {list(specs)}")
+    return complete_inputs(config, arrays, "inputs")
+
+
+def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
+    """Names of the outputs to return: the request's ``outputs`` in its order, or all in model
+    order.
+
+    Raises:
+        InvalidInput: an unknown output name, or one asked for twice.
+    """
+    names = [s.name for s in config.outputs]
+    if not request.outputs:
+        return names
+    wanted = [o.name for o in request.outputs]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise InvalidInput(f"outputs: unknown output(s) {unknown}; model {config.name} has {names}")
+    if len(set(wanted)) != len(wanted):
+        twice = sorted({n for n in wanted if wanted.count(n) > 1})
+        raise InvalidInput(f"outputs: {twice} asked for more than once")
+    return wanted
+
+
+def build_response(
+    config: ModelConfig, request: InferRequest, outputs: Arrays, wanted: list[str]
+) -> InferResponse:
+    """The response to ``request``: the outputs ``wanted``, in that order, each marked binary when
+    the request wants it so (per output ``binary_data``, else ``binary_data_output``)."""
+    datatypes = {s.name: s.datatype for s in config.outputs}
+    binary = {o.name: o.binary_data for o in request.outputs or ()}
+    tensors = []
+    for name in wanted:
+        wants = binary.get(name)
+        tensors.append(
+            OutputTensor(
+                name, datatypes[name], outputs[name], request.binary_data_output if wants is None else wants
+            )
+        )
+    return InferResponse(config.name, config.version, tensors, request.id)
 
 
 #: The worker's data plane (created with the app; front ends read it).

@@ -248,13 +248,17 @@ def test_dockerignore_keeps_what_the_build_needs() -> None:
         "app/settings.py",
         "gpu_stat",
         "scripts/export_ranking_model.py",
+        "scripts/export_sentence_embedding.py",
         "model_repository/feed-ranker/model.toml",
+        "model_repository/feed-ranker-onnx/model.toml",
+        "model_repository/all-MiniLM-L6-v2-onnx/model.toml",
         *setup_reads,
     ]
     for rel in needed:
         assert (ROOT / rel).exists(), f"the image build needs {rel}, which does not exist"
         assert not _dockerignored(rel, patterns), f".dockerignore excludes {rel}"
-    for rel in (".venv", ".git", "tests", "benchmarks", "model_repository/feed-ranker/model.pt2"):
+    ignored = ("model_repository/feed-ranker/model.pt2", "model_repository/feed-ranker-onnx/model.onnx")
+    for rel in (".venv", ".git", "tests", "benchmarks", *ignored):
         assert _dockerignored(rel, patterns), f".dockerignore should exclude {rel}"
 
 

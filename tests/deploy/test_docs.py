@@ -1,11 +1,18 @@
 """README.md and docs/*.md name only what exists: every repository path (in prose, code spans,
-code blocks and links), every ``python -m`` module of this repository, and every ``#anchor`` of
-a link to one of these pages. The README's settings table is checked in tests/deploy/test_settings.py.
+code blocks and links), every ``python -m`` module of this repository, every ``#anchor`` of a
+link to one of these pages, and every dotted name of the server's code (``app.serving.unit``,
+``app.serving.unit.ServingUnit.infer``), which is also checked in the docstrings and comments of
+app/ and gpu_stat/. The README's settings table is checked in tests/deploy/test_settings.py.
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import io
 import re
+import tokenize
+from functools import cache
 from pathlib import Path
 
 import pytest
@@ -45,6 +52,11 @@ PATH = re.compile(rf"(?<![\w./<-])((?:{_FOLDER})/[\w./-]*)")
 FILE = re.compile(rf"(?<![\w./<-])({_FILE})(?![\w-])")
 MODULE = re.compile(r"python3? -m ((?:app|benchmarks|gpu_stat|tests)(?:\.\w+)*)")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
+#: A dotted name in one of the code packages: a module, optionally followed by attributes.
+DOTTED = re.compile(r"(?<![\w./-])((?:app|gpu_stat|benchmarks)(?:\.[A-Za-z_]\w*)+)")
+#: Endings that make a dotted word a file name, not a code name (``benchmarks.md``).
+FILE_ENDINGS = {"md", "py", "json", "toml", "yaml", "yml", "svg", "png", "txt", "proto", "pt2", "onnx"}
+SOURCES = sorted([*(ROOT / "app").rglob("*.py"), *(ROOT / "gpu_stat").rglob("*.py")])
 HEADING = re.compile(r"^#{1,6} +(.+?) *$", re.M)
 
 
@@ -77,10 +89,76 @@ def missing(page: Path, root: Path) -> list[str]:
     return sorted(absent)
 
 
+@cache
+def resolves(name: str) -> bool:
+    """Whether dotted ``name`` is a module of the repository, or a module and attributes of it
+    (``app.serving.unit.ServingUnit.infer``). Modules are found without being imported; only a
+    module whose attributes are named is imported."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        module = ".".join(parts[:i])
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):  # a parent is not a package
+            found = False
+        if not found:
+            continue
+        if i == len(parts):
+            return True
+        target: object = importlib.import_module(module)
+        for attribute in parts[i:]:
+            if not hasattr(target, attribute):
+                return False
+            target = getattr(target, attribute)
+        return True
+    return False
+
+
+def dotted_names(text: str) -> set[str]:
+    """The dotted code names in ``text`` (file names such as ``benchmarks.md`` left out)."""
+    return {name for name in DOTTED.findall(text) if name.rsplit(".", 1)[1] not in FILE_ENDINGS}
+
+
+def prose_of(source: Path) -> str:
+    """The docstrings, other strings and comments of a Python file."""
+    tokens = tokenize.generate_tokens(io.StringIO(source.read_text(encoding="utf-8")).readline)
+    return "\n".join(t.string for t in tokens if t.type in (tokenize.STRING, tokenize.COMMENT))
+
+
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_every_path_command_and_link_named_exists(page: Path) -> None:
     absent = missing(page, ROOT)
+    absent += sorted(n for n in dotted_names(page.read_text(encoding="utf-8")) if not resolves(n))
     assert not absent, f"{page.relative_to(ROOT)} names what does not exist: {absent}"
+
+
+def test_every_code_name_in_docstrings_and_comments_exists() -> None:
+    """A module, class or function named in the server's own docstrings and comments exists
+    (a rename or a removal that leaves its old name behind fails here)."""
+    absent = {
+        f"{source.relative_to(ROOT)}: {name}"
+        for source in SOURCES
+        for name in dotted_names(prose_of(source))
+        if not resolves(name)
+    }
+    assert not absent, f"names that do not exist: {sorted(absent)}"
+
+
+def test_a_dotted_name_that_does_not_resolve_is_reported() -> None:
+    """The check itself: modules, attributes, and both gone."""
+    text = (
+        "see app.serving.unit, app.serving.unit.ServingUnit.infer, the `app.main:create_app` "
+        "factory, app.serving.batcher (gone), app.serving.unit.DynamicBatcher and "
+        "app.server.loadtable.LoadTable; e.g. app. and apps.x are not names, nor docs/benchmarks.md"
+    )
+    names = dotted_names(text)
+    assert names == {
+        "app.serving.unit", "app.serving.unit.ServingUnit.infer", "app.main", "app.serving.batcher",
+        "app.serving.unit.DynamicBatcher", "app.server.loadtable.LoadTable",
+    }  # fmt: skip
+    assert sorted(n for n in names if not resolves(n)) == [
+        "app.server.loadtable.LoadTable", "app.serving.batcher", "app.serving.unit.DynamicBatcher",
+    ]  # fmt: skip
 
 
 def test_a_removed_path_is_reported(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""Worker -> GPU binding under real gunicorn, against the fake NVML backend (issue #3).
+"""Worker -> GPU binding under real gunicorn, against the fake NVML backend.
 
 Each worker's lease is ``<run dir>/gpu-leases/<uuid>.slot<k>.lock`` holding its pid; a lease
 counts when that pid is one of the server's live workers.

@@ -6,6 +6,7 @@ answer must equal the plain JSON path's."""
 from __future__ import annotations
 
 import asyncio
+import base64
 from collections.abc import Iterator
 from typing import Any
 
@@ -161,3 +162,44 @@ def test_kserve_rest_client_v1_defaults(server: Gunicorn, model: str) -> None:
 
 def test_no_error_tracebacks_in_the_server_log(server: Gunicorn) -> None:
     assert "Traceback" not in server.log(), server.log()[-4000:]
+
+
+def cosines(got: list[Any], expected: np.ndarray) -> list[float]:
+    """Cosine of each returned vector (floats, or base64 of little-endian float32) to its row."""
+    out = []
+    for vector, want in zip(got, expected, strict=True):
+        v = (
+            np.frombuffer(base64.b64decode(vector), "<f4")
+            if isinstance(vector, str)
+            else np.asarray(vector, np.float32)
+        )
+        out.append(float(v @ want / np.linalg.norm(v) / np.linalg.norm(want)))
+    return out
+
+
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+def test_openai_client_embeddings_equal_v2(server: Gunicorn, encoding_format: Any) -> None:
+    """The stock ``openai`` client's ``embeddings.create`` on MiniLM: the V2 ``embedding`` rows
+    for a string and for a list, usage = the V2 ``tokens`` output summed; bad input gets OpenAI's
+    error shape with a 4xx."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+    try:
+        expected = json_outputs(server, MINILM)
+        one = client.embeddings.create(model=MINILM, input=SENTENCES[0], encoding_format=encoding_format)
+        many = client.embeddings.create(model=MINILM, input=SENTENCES, encoding_format=encoding_format)
+        assert min(cosines([one.data[0].embedding], expected["embedding"][:1])) >= 0.99999
+        assert min(cosines([d.embedding for d in many.data], expected["embedding"])) >= 0.99999
+        assert [d.index for d in many.data] == [0, 1, 2]
+        assert many.usage.prompt_tokens == int(expected["tokens"].sum()) > 0
+        assert one.usage.prompt_tokens == int(expected["tokens"][0, 0]) == 8  # [CLS] a man ... . [SEP]
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.embeddings.create(model=MINILM, input=[[101, 2023]])  # token ids: not taken
+        assert bad.value.status_code == 400 and "token" in bad.value.message
+        with pytest.raises(openai.NotFoundError):
+            client.embeddings.create(model="no-such-model", input="x")
+        with pytest.raises(openai.BadRequestError):
+            client.embeddings.create(model=RANKER, input="x")  # no embedding output
+    finally:
+        client.close()

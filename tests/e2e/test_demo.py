@@ -71,5 +71,10 @@ def test_metadata_names_the_handler_platform(demo: Gunicorn) -> None:
     status, _, meta = demo.get("/v2/models/all-MiniLM-L6-v2")
     assert status == 200
     assert meta["platform"] == "python_handler"
-    assert {o["name"]: o["shape"] for o in meta["outputs"]} == {"embedding": [-1, 384], "score": [-1, 1]}
+    outputs = {o["name"]: (o["datatype"], o["shape"]) for o in meta["outputs"]}
+    assert outputs == {
+        "embedding": ("FP32", [-1, 384]),
+        "score": ("FP32", [-1, 1]),
+        "tokens": ("INT64", [-1, 1]),
+    }
     assert Path(ROOT / "model_repository" / "all-MiniLM-L6-v2" / "model.toml").is_file()

@@ -34,8 +34,8 @@ import torch
 
 from app.models.repository import ModelConfig, read_config
 from app.models.runner import ModelRunner
-from app.serving.batcher import DynamicBatcher, Threads
-from app.serving.executor import InferenceThread
+from app.serving.executor import InferenceThread, Threads
+from app.serving.unit import ServingUnit
 from benchmarks import gpu_check
 from benchmarks.gpu_bench import (
     fp16_agreement,
@@ -82,13 +82,13 @@ def ranker_config(fmt: str, tmp: Path) -> ModelConfig:
 
 
 async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> list[dict[str, np.ndarray]]:
-    """``requests`` sent at once to a batcher running ``runner`` through the staged pipeline, with
+    """``requests`` sent at once to a serving unit running ``runner`` through the staged pipeline, with
     the threads a GPU model gets (``app.serving.lifecycle``: 2 prepare threads); their outputs."""
     config = runner.config
     threads = Threads(
         InferenceThread("inference"), InferenceThread("prepare", threads=2), InferenceThread("finish")
     )
-    batcher = DynamicBatcher(
+    batcher = ServingUnit(
         config.name,
         runner,
         threads,
@@ -97,11 +97,12 @@ async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> 
         queue_capacity=config.queue_capacity,
         max_batch_tokens=config.max_batch_tokens,
         item_costs=runner.item_costs if runner.prices_items else None,
-        pipelined=True,
+        staged=True,
     )
     batcher.start()
+    deadline = asyncio.get_running_loop().time() + 120
     try:
-        return list(await asyncio.gather(*(batcher.infer(r, timeout_s=120) for r in requests)))
+        return list(await asyncio.gather(*(batcher.infer(r, deadline=deadline) for r in requests)))
     finally:
         await batcher.stop()
         for pool in (threads.inference, threads.prepare, threads.finish):
@@ -110,8 +111,8 @@ async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> 
 
 
 def assert_no_serial_fallback(caplog: pytest.LogCaptureFixture) -> None:
-    """A pipelined batch that fails runs again serially (and would still answer right): none may have."""
-    fallbacks = [r.getMessage() for r in caplog.records if "running it serially" in r.getMessage()]
+    """A pipelined batch that fails runs again inline (and would still answer right): none may have."""
+    fallbacks = [r.getMessage() for r in caplog.records if "running it inline" in r.getMessage()]
     assert not fallbacks, fallbacks
 
 

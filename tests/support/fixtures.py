@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar, overload
@@ -14,7 +15,10 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
-from app.serving.state import REGISTRY
+from app.serving.admission import MeasuredRate
+from app.serving.registry import REGISTRY
+from app.serving.siblings import Siblings, Supervisor
+from app.serving.unit import ServingUnit
 from app.settings import Settings
 from tests.support.toy_models import write_scale_model, write_tensor_model
 
@@ -71,14 +75,22 @@ async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
 
 @pytest.fixture
 async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[..., Any]]:
-    """Start the app on a repository with the given settings; waits for readiness."""
+    """Start the app on a repository with the given settings (and ``siblings`` / ``supervisor``
+    when given: ``app.serving.siblings``); waits for readiness."""
 
     from app.main import create_app
 
     async def make(
-        repo: Path, *, wait: bool = True, **settings: Any
+        repo: Path,
+        *,
+        wait: bool = True,
+        siblings: Siblings | None = None,
+        supervisor: Supervisor | None = None,
+        **settings: Any,
     ) -> TestClient[web.Request, web.Application]:
-        app = await create_app(Settings(model_repository=repo, device="cpu", **settings))
+        app = await create_app(
+            Settings(model_repository=repo, device="cpu", **settings), siblings=siblings, supervisor=supervisor
+        )
         client: TestClient[web.Request, web.Application] = await aiohttp_client(app)
         if wait:
             await wait_ready(app)
@@ -91,3 +103,26 @@ async def make_client(aiohttp_client: AiohttpClient) -> AsyncIterator[Callable[.
 def scale_repo(tmp_path: Path) -> Path:
     write_scale_model(tmp_path)
     return tmp_path
+
+
+def served(app: web.Application, name: str) -> ServingUnit:
+    """The serving unit of model ``name`` (its default version) in an in-process app."""
+    unit = app[REGISTRY].get(name).unit
+    assert unit is not None, f"model {name} is not serving"
+    return unit
+
+
+def measured(unit: ServingUnit) -> MeasuredRate:
+    """``unit``'s admission policy, the measured rate (its ``rate`` and ``padding``)."""
+    assert isinstance(unit.admission, MeasuredRate)
+    return unit.admission
+
+
+def hold(app: web.Application, name: str) -> threading.Event:
+    """Block the inference thread of model ``name`` until the returned event is set (the
+    batches sent meanwhile queue behind it)."""
+    threads = app[REGISTRY].get(name).threads
+    assert threads is not None
+    held = threading.Event()
+    threads.inference.submit(held.wait, 30)
+    return held

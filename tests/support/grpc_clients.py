@@ -1,6 +1,7 @@
 """Call a gRPC server with one stock client at its defaults; print what it got as JSON.
 
     python -m tests.support.grpc_clients {triton,triton-aio,kserve,kserve-typed} 127.0.0.1:8081 MODEL INPUTS.json
+    python -m tests.support.grpc_clients triton-control-{load,unload,infer} 127.0.0.1:8081 MODEL {INPUTS.json,-}
 
 ``INPUTS.json``: ``{"name": {"datatype", "shape", "data"}}`` (BYTES data as strings). Prints
 ``{"live", "ready", "model_ready", "outputs": {name: {"shape", "data"}}, ...}``.
@@ -110,8 +111,36 @@ async def kserve(url: str, model: str, inputs: dict[str, Any], typed: bool) -> d
         await client.close()
 
 
+def triton_control(url: str, model: str, action: str, inputs: dict[str, Any]) -> dict[str, Any]:
+    """tritonclient.grpc's ``load_model`` / ``unload_model`` (``action``), or for ``infer`` the
+    status of one inference: ``{"ok": true}`` or ``{"error", "status"}`` (the gRPC status name)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    try:
+        if action == "load":
+            client.load_model(model)
+        elif action == "unload":
+            client.unload_model(model)
+        else:
+            tensors = []
+            for name, (datatype, arr) in arrays(inputs).items():
+                tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
+                tensor.set_data_from_numpy(arr)
+                tensors.append(tensor)
+            client.infer(model, tensors)
+    except InferenceServerException as exc:
+        return {"error": exc.message(), "status": exc.status()}
+    return {"ok": True}
+
+
 def main() -> None:
     which, url, model, path = sys.argv[1:5]
+    if which.startswith("triton-control-"):
+        inputs = json.loads(Path(path).read_text()) if path != "-" else {}
+        print(json.dumps(triton_control(url, model, which.removeprefix("triton-control-"), inputs)))
+        return
     inputs = json.loads(Path(path).read_text())
     if which == "triton":
         got = triton(url, model, inputs)

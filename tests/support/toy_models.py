@@ -17,7 +17,7 @@ import torch
 
 SCALE_TOML = """
 name = "{name}"
-version = "1"
+version = "{version}"
 format = "handler"
 handler = "tests.support.toy_models:ScaleHandler"
 max_batch_size = {max_batch_size}
@@ -47,9 +47,10 @@ shape = [1]
 
 
 class ScaleHandler:
-    """y = 2 * x; tag_length = len(tag). Records every batch it sees (class-wide, per model).
+    """y = factor * x (``factor``: 2 unless the parameter says); tag_length = len(tag). Records
+    every batch it sees (class-wide, per model).
 
-    parameters: ``load_gate`` (name of an Event in ``GATES`` that load waits for),
+    parameters: ``factor``, ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
     ``crash_on_load`` (the worker process SIGKILLs itself while loading),
     ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
@@ -95,7 +96,7 @@ class ScaleHandler:
                 time.sleep(float(self.params.get("hang_s", 3600)))
         warmup = len(tags) > 0 and all(bytes(t).startswith(b"warmup") for t in tags)
         time.sleep(float(self.params.get("warmup_delay_ms" if warmup else "delay_ms", 0)) / 1000)
-        return x * 2, tags
+        return x * float(self.params.get("factor", 2)), tags
 
     def postprocess(self, outputs: tuple[torch.Tensor, np.ndarray]) -> dict[str, np.ndarray]:
         y, tags = outputs
@@ -112,10 +113,13 @@ def write_scale_model(
     max_batch_size: int = 8,
     max_queue_delay_ms: float = 5.0,
     queue_capacity: int = 64,
+    version: str = "1",
+    folder_name: str | None = None,
     **parameters: Any,
 ) -> Path:
-    """Write a ScaleHandler model folder into ``repo``; returns the folder."""
-    folder = repo / name
+    """Write a ScaleHandler model folder into ``repo`` (``folder_name``, default ``name``: one
+    folder per version); returns the folder."""
+    folder = repo / (folder_name or name)
     folder.mkdir(parents=True, exist_ok=True)
     params = "\n".join(
         f"{k} = {v!r}" if not isinstance(v, str) else f'{k} = "{v}"' for k, v in parameters.items()
@@ -123,6 +127,7 @@ def write_scale_model(
     (folder / "model.toml").write_text(
         SCALE_TOML.format(
             name=name,
+            version=version,
             max_batch_size=max_batch_size,
             max_queue_delay_ms=max_queue_delay_ms,
             queue_capacity=queue_capacity,
@@ -206,7 +211,11 @@ def write_broken_models(repo: Path) -> dict[str, str]:
     scale("raises-on-import", ("tests.support.toy_models:ScaleHandler", "local_handler:Handler"))
     (repo / "raises-on-import" / "local_handler.py").write_text("raise RuntimeError('broken on import')\n")
     expected["raises-on-import/1"] = "broken on import"
-    for folder, problem in (("missing-weights", "missing"), ("truncated-weights", "truncated"), ("escape", "..")):
+    for folder, problem in (
+        ("missing-weights", "missing"),
+        ("truncated-weights", "truncated"),
+        ("escape", ".."),
+    ):
         path = repo / folder
         path.mkdir(parents=True)
         file = "../../../etc/hostname" if problem == ".." else "model.pt2"
@@ -224,3 +233,54 @@ def assert_no_absolute_paths(text: str, repo: Path) -> None:
     absolute path: neither the repository's nor a system folder's."""
     assert str(repo) not in text and str(repo.resolve()) not in text, text
     assert "/tmp/" not in text and "/root/" not in text and "/work/" not in text, text
+
+
+EMBED_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "tests.support.toy_models:EmbedHandler"
+max_batch_size = 8
+max_queue_delay_ms = 1.0
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
+[[outputs]]
+name = "embedding"
+datatype = "FP32"
+shape = [4]
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+"""
+
+
+class EmbedHandler:
+    """A text embedding model double: ``embedding`` FP32 [4], a unit vector made from the text's
+    bytes; ``tokens`` INT64 [1], its number of words. Refuses a text that is not UTF-8."""
+
+    def load(self, device: torch.device, config: Any) -> None:
+        pass
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        return [bytes(t).decode("utf-8") for t in inputs["text"].reshape(-1)]
+
+    def predict(self, texts: list[str]) -> list[str]:
+        return texts
+
+    def postprocess(self, texts: list[str]) -> dict[str, np.ndarray]:
+        vectors = np.array(
+            [[len(t) + 1, sum(map(ord, t)) % 97 + 1, t.count(" ") + 1, 1.0] for t in texts], np.float32
+        )
+        vectors /= np.linalg.norm(vectors, axis=1, keepdims=True)
+        return {"embedding": vectors, "tokens": np.array([[len(t.split())] for t in texts], dtype=np.int64)}
+
+
+def write_embed_model(repo: Path, name: str = "embed") -> Path:
+    """Write an EmbedHandler model folder into ``repo``; returns the folder."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.toml").write_text(EMBED_TOML.format(name=name))
+    return folder

@@ -1,4 +1,4 @@
-"""The load table (app.server.loadtable) and the balancing decisions (app.server.balance)."""
+"""The load table and the balancing decisions (app.server.balance)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from app.server import balance, loadtable
-from app.server.balance import Balancer
-from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable
+from app.server import balance
+from app.server.balance import BOOTING, DRAINING, READY, Balancer, Load, LoadTable
 
 
 def load(
@@ -34,7 +33,7 @@ def test_table_round_trip_between_two_mappings(tmp_path: Path) -> None:
     assert reader.slots_in_use == 1
     assert reader.read(slot) == Load(slot, os.getpid(), 1, READY, 24, 3, 12.25, 42.5)
     writer.release(slot, os.getpid())
-    assert reader.read(slot).pid == 0 and reader.read(slot).state == loadtable.EMPTY
+    assert reader.read(slot).pid == 0 and reader.read(slot).state == balance.EMPTY
 
 
 def test_claim_skips_live_slots_and_reuses_a_dead_pid(tmp_path: Path) -> None:
@@ -50,7 +49,7 @@ def test_claim_skips_live_slots_and_reuses_a_dead_pid(tmp_path: Path) -> None:
 
 def test_stale_and_unready_slots_are_not_live() -> None:
     assert load(0, 1).live(NOW)
-    assert not load(0, 1, beat=NOW - loadtable.STALE_S - 0.1).live(NOW)  # stopped or killed
+    assert not load(0, 1, beat=NOW - balance.STALE_S - 0.1).live(NOW)  # stopped or killed
     assert not load(0, 1, state=DRAINING).live(NOW)
     assert not load(0, 1, state=BOOTING).live(NOW)
 
@@ -107,16 +106,17 @@ def test_balancer_publishes_and_sheds_at_most_once_per_interval(tmp_path: Path) 
     table.set_state(sibling, READY)
     table.beat(sibling)
     open_connections = [8]
-    me = Balancer(table, table.claim(os.getpid()), lambda: open_connections[0])
+    me = Balancer(table, table.claim(os.getpid()), os.getpid())
+    me.attach(lambda: open_connections[0], None)
     me.tick(READY)
-    me.add_items(8)
-    me.add_items(8)
-    me.add_items(-8)
+    me.add_load(8)
+    me.add_load(8)
+    me.add_load(-8)
     assert (table.read(me.slot).items, table.read(me.slot).connections) == (8, 8)
     assert not me.may_accept()
-    assert me.shed_now()
+    assert me.should_shed()
     assert table.read(me.slot).connections == 7
-    assert not me.shed_now()  # within SHED_INTERVAL_S of the last one
+    assert not me.should_shed()  # within SHED_INTERVAL_S of the last one
     table.set_connections(sibling, 7)
     assert me.may_accept()  # as many connections as the sibling, not clearly busier
 
@@ -126,6 +126,23 @@ def test_a_worker_that_is_not_ready_always_accepts(tmp_path: Path) -> None:
     sibling = table.claim(os.getppid())
     table.set_state(sibling, READY)
     table.beat(sibling)
-    me = Balancer(table, table.claim(os.getpid()), lambda: 10)
+    me = Balancer(table, table.claim(os.getpid()), os.getpid())
+    me.attach(lambda: 10, None)
     me.tick(DRAINING)
-    assert me.may_accept() and not me.shed_now()
+    assert me.may_accept() and not me.should_shed()
+
+
+def test_a_worker_that_does_not_balance_publishes_but_never_decides(tmp_path: Path) -> None:
+    """SCORING_BALANCE=0: the load and state are still published (siblings coordinate boot and
+    drain through them), but the worker accepts whatever comes, sheds nothing and routes
+    nothing."""
+    table = LoadTable(tmp_path)
+    sibling = table.claim(os.getppid())
+    table.set_state(sibling, READY)
+    table.beat(sibling)
+    me = Balancer(table, table.claim(os.getpid()), os.getpid(), balancing=False)
+    me.attach(lambda: 10, None)
+    me.tick(READY)
+    me.add_load(5)
+    assert table.read(me.slot).items == 5 and table.read(me.slot).state == READY
+    assert me.may_accept() and not me.should_shed() and me.others_serving()

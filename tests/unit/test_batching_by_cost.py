@@ -6,22 +6,24 @@ of a model; and the real sentence handler's pricing."""
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
 import torch
 
 from app.errors import DeadlineExceeded, InvalidInput, QueueFull
+from app.models.base import Segment
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
-from app.models.segment import Segment
-from app.serving.batcher import DynamicBatcher, Threads
-from app.serving.chunks import Budget, ChunkQueue, QueuedRequest
-from app.serving.executor import InferenceThread
+from app.serving.admission import Backlog, MeasuredRate
+from app.serving.executor import InferenceThread, Threads
+from app.serving.queue import Budget, QueuedRequest, RequestQueue
+from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
 from tests.support.gunicorn import ROOT
 from tests.support.toy_models import write_scale_model
@@ -95,18 +97,29 @@ async def threads() -> AsyncIterator[Threads]:
         pool.shutdown(wait=False)
 
 
-def batcher(model: Priced, threads: Threads, **kw: Any) -> DynamicBatcher:
+def soon(seconds: float) -> float:
+    """A deadline ``seconds`` from now, on the event loop's clock."""
+    return asyncio.get_running_loop().time() + seconds
+
+
+def measured(unit: ServingUnit) -> MeasuredRate:
+    """``unit``'s admission policy, the measured rate."""
+    assert isinstance(unit.admission, MeasuredRate)
+    return unit.admission
+
+
+def batcher(model: Priced, threads: Threads, **kw: Any) -> ServingUnit:
     opts: dict[str, Any] = {"max_batch_size": 8, "max_queue_delay_ms": 0.0, "queue_capacity": 256} | kw
-    b = DynamicBatcher("m", model, threads, item_costs=model.item_costs, **opts)
+    b = ServingUnit("m", model, threads, item_costs=model.item_costs, **opts)
     b.start()
     return b
 
 
-async def held(b: DynamicBatcher, model: Priced, first: dict[str, np.ndarray]) -> asyncio.Task[Any]:
+async def held(b: ServingUnit, model: Priced, first: dict[str, np.ndarray]) -> asyncio.Task[Any]:
     """Hold the model on a batch of ``first``: what is sent next queues behind it."""
     model.gate.clear()
     model.predicting.clear()
-    task = asyncio.create_task(b.infer(first, timeout_s=30))
+    task = asyncio.create_task(b.infer(first, deadline=soon(30)))
     await asyncio.to_thread(model.predicting.wait, 5)
     return task
 
@@ -136,14 +149,14 @@ async def test_the_token_budget_counts_what_the_batch_computes() -> None:
 
 
 async def test_requests_are_taken_oldest_first_whole_and_only_the_last_is_split() -> None:
-    queue = ChunkQueue()
+    queue = RequestQueue(max_batch_size=8, max_queue_delay_s=0.0)
     requests = [queued([200] * 4, 0.0), queued([10, 12], 1.0), queued([8, 100, 220], 2.0), queued([9] * 6, 3.0)]
     for r in requests:
         queue.put(r)
     dropped: list[Any] = []
 
     def take() -> list[tuple[str, list[int]]]:
-        chunks = queue.take(0.0, Budget(items=8), lambda *a: dropped.append(a))
+        chunks = queue.take(0.0, lambda *a: dropped.append(a))
         out = []
         for c in chunks:
             assert c.request.tokens is not None
@@ -155,7 +168,7 @@ async def test_requests_are_taken_oldest_first_whole_and_only_the_last_is_split(
     assert queue.items == 0 and queue.cost == 0 and dropped == []
 
 
-# --- the batcher ------------------------------------------------------------------------
+# --- the serving unit ------------------------------------------------------------------------
 
 
 async def test_batches_respect_the_token_budget_and_results_keep_their_order(threads: Threads) -> None:
@@ -164,8 +177,8 @@ async def test_batches_respect_the_token_budget_and_results_keep_their_order(thr
     first = await held(b, model, items((0, 1)))
     rng = np.random.default_rng(0)
     requests = [[(float(100 * r + i), int(rng.integers(5, 200))) for i in range(5)] for r in range(12)]
-    tasks = [asyncio.create_task(b.infer(items(*req), timeout_s=30)) for req in requests]
-    await eventually(lambda: b.queued_items == 60)
+    tasks = [asyncio.create_task(b.infer(items(*req), deadline=soon(30))) for req in requests]
+    await eventually(lambda: b.queue.items == 60)
     model.gate.set()
     results = await asyncio.gather(first, *tasks)
     for req, out in zip(requests, results[1:], strict=True):
@@ -182,19 +195,19 @@ async def test_the_handlers_batch_cost_is_what_the_batcher_counts(threads: Threa
 
     async def padding(batch_cost: Any) -> tuple[float, list[list[int]]]:
         model = Priced()
-        b = DynamicBatcher(
+        b = ServingUnit(
             "m", model, threads, item_costs=model.item_costs, batch_cost=batch_cost,
             max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000,
         )  # fmt: skip
         b.start()
         first = await held(b, model, items((0, 1)))
         lengths = [16, 200] * 8
-        tasks = [asyncio.create_task(b.infer(items((float(i), n)), timeout_s=30)) for i, n in enumerate(lengths)]
-        await eventually(lambda: b.queued_items == 16)
+        tasks = [asyncio.create_task(b.infer(items((float(i), n)), deadline=soon(30))) for i, n in enumerate(lengths)]
+        await eventually(lambda: b.queue.items == 16)
         model.gate.set()
         await asyncio.gather(first, *tasks)
         await b.stop()
-        return b.padding, model.batches[1:]
+        return measured(b).padding, model.batches[1:]
 
     summed, batches = await padding(lambda costs: float(costs.sum()))
     assert summed == pytest.approx(1.0) and all(sum(t) <= 1000 for t in batches)
@@ -209,10 +222,10 @@ async def test_no_request_is_passed_over_for_long(threads: Threads) -> None:
     model = Priced()
     b = batcher(model, threads, max_batch_size=4)
     first = await held(b, model, items((0, 1)))
-    long = asyncio.create_task(b.infer(items((1, 250)), timeout_s=30))
-    await eventually(lambda: b.queued_items == 1)
-    shorts = [asyncio.create_task(b.infer(items((float(10 + i), 3)), timeout_s=30)) for i in range(12)]
-    await eventually(lambda: b.queued_items == 13)
+    long = asyncio.create_task(b.infer(items((1, 250)), deadline=soon(30)))
+    await eventually(lambda: b.queue.items == 1)
+    shorts = [asyncio.create_task(b.infer(items((float(10 + i), 3)), deadline=soon(30))) for i in range(12)]
+    await eventually(lambda: b.queue.items == 13)
     model.gate.set()
     await asyncio.gather(first, long, *shorts)
     assert 250 in model.batches[1]
@@ -221,9 +234,9 @@ async def test_no_request_is_passed_over_for_long(threads: Threads) -> None:
 
 async def test_stages_run_on_their_own_threads_and_overlap(threads: Threads) -> None:
     model = Priced()
-    b = batcher(model, threads, pipelined=True, max_batch_size=2)
+    b = batcher(model, threads, staged=True, max_batch_size=2)
     first = await held(b, model, items((1, 4), (2, 4)))
-    second = asyncio.create_task(b.infer(items((3, 4), (4, 4)), timeout_s=30))
+    second = asyncio.create_task(b.infer(items((3, 4), (4, 4)), deadline=soon(30)))
     # batch 2 is prepared while batch 1 is still on the (held) inference thread
     await eventually(lambda: ("prepare", "prepare", [3.0, 4.0]) in model.stages)
     assert not any(stage == "finish" for stage, _, _ in model.stages)
@@ -241,24 +254,24 @@ async def test_one_requests_bad_items_fail_only_that_request(threads: Threads, p
     model = Priced()
     # the batch closes when 4 items are queued (a long delay otherwise): the four share it;
     # the deadline leaves the 20 s delay inside the admission headroom
-    b = batcher(model, threads, pipelined=pipelined, max_batch_size=4, max_queue_delay_ms=20_000)
-    good = [asyncio.create_task(b.infer(items((float(v), 5)), timeout_s=60)) for v in (1, 2, 3)]
-    bad = asyncio.create_task(b.infer(items((-1, 5)), timeout_s=60))  # preprocess cannot take it
+    b = batcher(model, threads, staged=pipelined, max_batch_size=4, max_queue_delay_ms=20_000)
+    good = [asyncio.create_task(b.infer(items((float(v), 5)), deadline=soon(60))) for v in (1, 2, 3)]
+    bad = asyncio.create_task(b.infer(items((-1, 5)), deadline=soon(60)))  # preprocess cannot take it
     results = await asyncio.gather(*good, bad, return_exceptions=True)
     assert [r["y"][0, 0] for r in results[:3]] == [2.0, 4.0, 6.0]  # type: ignore[index]
     assert isinstance(results[3], InvalidInput) and "cannot be taken" in str(results[3])
     assert len(model.stages[0][2]) == 4  # they did share the first batch
     with pytest.raises(InvalidInput, match="below zero"):  # refused by pricing, before the queue
-        await b.infer(items((5, -3)), timeout_s=30)
+        await b.infer(items((5, -3)), deadline=soon(30))
     await b.stop()
 
 
 async def test_stop_fails_queued_and_running_requests_with_503(threads: Threads) -> None:
     model = Priced()
-    b = batcher(model, threads, pipelined=True, max_batch_size=1)
+    b = batcher(model, threads, staged=True, max_batch_size=1)
     first = await held(b, model, items((0, 1)))
-    waiting = asyncio.create_task(b.infer(items((1, 1)), timeout_s=30))
-    await eventually(lambda: b.queued_items == 1 or ("prepare", "prepare", [1.0]) in model.stages)
+    waiting = asyncio.create_task(b.infer(items((1, 1)), deadline=soon(30)))
+    await eventually(lambda: b.queue.items == 1 or ("prepare", "prepare", [1.0]) in model.stages)
     await b.stop()
     model.gate.set()
     for task in (first, waiting):
@@ -269,13 +282,13 @@ async def test_stop_fails_queued_and_running_requests_with_503(threads: Threads)
 async def test_an_idle_model_admits_whatever_a_past_burst_taught_it(threads: Threads) -> None:
     model = Priced()
     b = batcher(model, threads)
-    b.rate.item_s, b.rate.overhead_s = 10.0, 5.0  # "learned" in an overload: 10 s per token
-    out = await b.infer(items((1, 3)), timeout_s=1.0)
+    measured(b).rate.item_s, measured(b).rate.overhead_s = 10.0, 5.0  # "learned" in an overload: 10 s per token
+    out = await b.infer(items((1, 3)), deadline=soon(1.0))
     assert out["y"][0, 0] == 2.0
     # busy, the same estimate refuses: 504 when even alone the request could not finish
     first = await held(b, model, items((0, 1)))
     with pytest.raises(DeadlineExceeded, match="even alone"):
-        await b.infer(items((2, 3)), timeout_s=1.0)
+        await b.infer(items((2, 3)), deadline=soon(1.0))
     model.gate.set()
     await first
     await b.stop()
@@ -311,3 +324,94 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
 def test_scale_model_does_not_price(tmp_path: Path) -> None:
     runner = ModelRunner(read_config(write_scale_model(tmp_path)))
     assert not runner.prices_items and runner.item_costs({"x": np.zeros((1, 2), np.float32)}) is None
+
+
+# --- priority levels ----------------------------------------------------------------------
+
+
+async def test_a_higher_level_is_batched_first_and_admitted_against_its_own_backlog(threads: Threads) -> None:
+    """Triton's priority levels: with the model held and low-priority requests queued, a
+    high-priority request joins the next batch ahead of them; admission judges it against the
+    work at its level and above (and the batch running), not the low-priority backlog."""
+    model = Priced()
+    b = batcher(model, threads, max_batch_size=2, priority_levels=2, default_priority_level=2)
+    measured(b).rate.item_s, measured(b).rate.overhead_s = 0.1, 0.0  # 10 tokens/s: 0.1 s per token
+    first = await held(b, model, items((0, 1)))
+    low = [asyncio.create_task(b.infer(items((float(10 + i), 1)), deadline=soon(60))) for i in range(10)]
+    await eventually(lambda: b.queue.items == 10)
+    # alone behind the running batch: well within 2 s; behind the low backlog it would need 1+ s more
+    high = asyncio.create_task(b.infer(items((99, 1)), deadline=soon(2.0), level=b.level(1)))
+    with pytest.raises(QueueFull):  # the same request at the low level does not fit 2 s
+        await b.infer(items((98, 1)), deadline=soon(2.0))
+    await eventually(lambda: b.queue.items == 11)
+    model.gate.set()
+    await asyncio.gather(first, high, *low)
+    assert 99 in [int(v) for v in model.stages[3][2]]  # the first batch after the held one
+    await b.stop()
+
+
+async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: Threads) -> None:
+    """Aging: a low-priority request that has waited ``priority_aging`` of its time to deadline
+    is taken before the high-priority ones that keep arriving."""
+    model = Priced()
+    # an aging share so small that the low request has aged by the time the next batch forms
+    b = batcher(model, threads, max_batch_size=1, priority_levels=2, default_priority_level=2, priority_aging=1e-9)
+    first = await held(b, model, items((0, 1)))
+    low = asyncio.create_task(b.infer(items((7, 1)), deadline=soon(60)))
+    high = [asyncio.create_task(b.infer(items((float(20 + i), 1)), deadline=soon(60), level=0)) for i in range(3)]
+    await eventually(lambda: b.queue.items == 4)
+    model.gate.set()
+    await asyncio.gather(first, low, *high)
+    order = [int(stage[2][0]) for stage in model.stages if stage[0] == "predict"]
+    assert order[:2] == [0, 7]  # the aged low request before every high one
+    await b.stop()
+
+
+def test_a_priority_above_the_levels_is_invalid() -> None:
+    from app.serving.queue import RequestQueue
+
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3)
+    assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
+    with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
+        queue.level(4, default=2)
+    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0).level(7, default=0) == 0  # no levels: ignored
+
+
+
+def _queued(level: int, size: int, loop: asyncio.AbstractEventLoop) -> QueuedRequest:
+    now = loop.time()
+    inputs = {"x": np.zeros((size, 1), np.float32)}
+    return QueuedRequest(inputs, size, now + 60, now, f"r{level}", None, loop.create_future(), None, level=level)
+
+
+@pytest.mark.parametrize(("overhead_s", "item_s", "low_items"), [(0.0, 0.01, 1), (1.0, 0.001, 6)])
+async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_little(
+    overhead_s: float, item_s: float, low_items: int
+) -> None:
+    """``priority_fill``: 4 high-priority items cost ``t(4)``; low-priority items join their
+    batch only while the batch stays within 1.25 t(4). Where the time grows with the items (a
+    CPU: no overhead) 1 low item fits; where the overhead dominates (a GPU) the batch fills."""
+    policy = MeasuredRate(cast(Backlog, None))  # the rate alone decides the bound
+    policy.rate.overhead_s, policy.rate.item_s = overhead_s, item_s
+    loop = asyncio.get_running_loop()
+    for fill, expected in ((lambda cost: policy.fill_limit(cost, 0.25), low_items), (lambda cost: math.inf, 6)):
+        queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill)
+        queue.put(_queued(1, 6, loop))
+        queue.put(_queued(0, 4, loop))
+        batch = queue.take(loop.time(), lambda *_: None)
+        assert [(c.request.level, c.stop - c.start) for c in batch] == [(0, 4), (1, expected)]
+
+
+@pytest.mark.parametrize(("longest_s", "low_first"), [(0.0, False), (5.0, False), (31.0, True)])
+async def test_a_lower_level_goes_first_when_two_of_the_longest_batches_are_left(
+    longest_s: float, low_first: bool
+) -> None:
+    """Aging keeps a margin: a low-priority request with 60 s to its deadline, far from its
+    aging share, goes before the high level once two of the longest recent batches (``margin``,
+    seconds) would not fit in what is left: the batch running and its own."""
+    loop = asyncio.get_running_loop()
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, aging=0.75, margin=lambda: longest_s)
+    queue.put(_queued(1, 4, loop))
+    queue.put(_queued(0, 4, loop))
+    batch = queue.take(loop.time(), lambda *_: None)
+    assert [(c.request.level, c.stop - c.start) for c in batch] == [(1 if low_first else 0, 4)]

@@ -17,15 +17,15 @@ import pytest
 from app.grpc.codec import decode_request as decode_grpc
 from app.models.repository import read_config
 from app.protocols import v1, v2
-from app.protocols.infer import validate_inputs
-from app.protocols.limits import RequestLimits
+from app.protocols.tensors import RequestLimits
+from app.serving.dataplane import validate_inputs
 from benchmarks import driver, payloads, report, server
 from tests.support.gunicorn import ROOT, poll, worker_items, worker_shares
 
 HARNESSES = sorted(
     p.stem
     for p in (ROOT / "benchmarks").glob("*.py")
-    if p.stem not in ("__init__", "driver", "payloads", "report", "server")
+    if p.stem not in ("__init__", "driver", "payloads", "report", "server", "request_path_conf")
 )
 
 

@@ -15,9 +15,10 @@ from hypothesis import strategies as st
 
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import read_config
-from app.protocols import binary, tensors, v2
-from app.protocols.infer import RawData, validate_inputs
-from app.protocols.limits import RequestLimits
+from app.protocols import tensors, v2
+from app.protocols.infer import RawData
+from app.protocols.tensors import RequestLimits
+from app.serving.dataplane import validate_inputs
 from tests.support.fixtures import Client, MakeClient
 from tests.support.fuzz import FUZZ
 from tests.support.toy_models import write_scale_model
@@ -76,15 +77,15 @@ def test_bytes_round_trip_and_every_bad_length() -> None:
 )  # fmt: skip
 def test_split_body_rejects_bad_header_lengths(value: str, fragment: str) -> None:
     with pytest.raises(InvalidInput, match=fragment):
-        binary.split_body(b"0123456789", value)
+        v2.split_body(b"0123456789", value)
 
 
 def test_attach_binary_keeps_views_and_validation_decodes_with_frombuffer(tmp_path: Path) -> None:
     x = np.arange(6, dtype=np.float32).reshape(3, 2)
     body, headers = binary_body({"inputs": [x_input(3)]}, x.tobytes())
-    head, rest = binary.split_body(body, headers[HEADER])
+    head, rest = v2.split_body(body, headers[HEADER])
     request = v2.decode_request(head, "scale")
-    binary.attach_binary(request, rest)
+    v2.attach_binary(request, rest)
     assert isinstance(request.inputs[0].data, RawData)  # nothing decoded yet
     config = read_config(write_scale_model(tmp_path, "scale"))
     data = validate_inputs(config, request, RequestLimits())["x"]

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.serving.state import REGISTRY
+from app.serving.registry import REGISTRY
 from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.toy_models import assert_no_absolute_paths, write_broken_models, write_scale_model
 

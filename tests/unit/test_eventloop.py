@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from app.server.eventloop import ResumingSelector
+from app.server.listener import ResumingSelector
 from benchmarks.driver import poll
 
 

@@ -1,4 +1,5 @@
-"""scripts/export_ranking_model.py: exported files reproduce the eager FeedRanker."""
+"""scripts/export_ranking_model.py: exported files (torch.export, TorchScript, ONNX) reproduce
+the eager FeedRanker."""
 
 from __future__ import annotations
 
@@ -19,14 +20,14 @@ script = load_tool("export_ranking_model.py")
 
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Both formats, exported once for the module: format -> model file."""
+    """Every format, exported once for the module: format -> model file."""
     return {
         fmt: script.export(tmp_path_factory.mktemp(fmt) / "feed-ranker", fmt, seed=3)
-        for fmt in ("torch_export", "torchscript")
+        for fmt in ("torch_export", "torchscript", "onnx")
     }
 
 
-@pytest.mark.parametrize("fmt", ["torch_export", "torchscript"])
+@pytest.mark.parametrize("fmt", ["torch_export", "torchscript", "onnx"])
 @pytest.mark.parametrize("batch_size", [1, 7, 256])
 def test_exported_model_matches_eager(exported: dict[str, Path], fmt: str, batch_size: int) -> None:
     loaded = script.load_exported(exported[fmt])
@@ -44,10 +45,37 @@ def test_exported_model_matches_eager(exported: dict[str, Path], fmt: str, batch
 def test_files_are_the_ones_the_format_names(exported: dict[str, Path]) -> None:
     assert exported["torch_export"].name == "model.pt2"
     assert exported["torchscript"].name == "model.pt"
+    assert exported["onnx"].name == "model.onnx"
     assert isinstance(torch.export.load(exported["torch_export"]), torch.export.ExportedProgram)
 
 
-@pytest.mark.parametrize(("fmt", "file"), [("torch_export", "model.pt2"), ("torchscript", "model.pt")])
+def test_onnx_graph_has_a_dynamic_batch_axis_and_the_served_names(exported: dict[str, Path]) -> None:
+    import onnxruntime
+
+    session = onnxruntime.InferenceSession(str(exported["onnx"]), providers=["CPUExecutionProvider"])
+    (features,), (probability,) = session.get_inputs(), session.get_outputs()
+    assert (features.name, features.type) == ("features", "tensor(float)")
+    assert not isinstance(features.shape[0], int) and features.shape[1] == 32
+    assert (probability.name, probability.type, probability.shape[1]) == (
+        "click_probability",
+        "tensor(float)",
+        1,
+    )
+    assert exported["onnx"].stat().st_size < 100_000  # the weights are inside: no external data file
+    assert {p.name for p in exported["onnx"].parent.iterdir()} == {"model.onnx", "model.toml"}
+
+
+def test_the_onnx_twin_is_the_same_model(exported: dict[str, Path]) -> None:
+    features = torch.randn(300, 32, generator=torch.Generator().manual_seed(5))  # past the .pt2's bound
+    got = script.load_exported(exported["onnx"])(features)
+    want = script.build_model(3)(features).detach()
+    assert got.shape == (300, 1)
+    assert float((got - want).abs().max()) <= 1e-6
+
+
+@pytest.mark.parametrize(
+    ("fmt", "file"), [("torch_export", "model.pt2"), ("torchscript", "model.pt"), ("onnx", "model.onnx")]
+)
 def test_model_toml_describes_the_export(exported: dict[str, Path], fmt: str, file: str) -> None:
     with (exported[fmt].parent / "model.toml").open("rb") as f:
         config = tomllib.load(f)
@@ -94,10 +122,11 @@ def test_pt2_batch_dimension_is_bounded_by_max_batch_size(tmp_path: Path) -> Non
 
 
 def test_unknown_format_is_rejected(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="onnx"):
-        script.export(tmp_path, "onnx")
+    with pytest.raises(ValueError, match="tflite"):
+        script.export(tmp_path, "tflite")
 
 
-def test_committed_model_toml_is_what_the_script_writes() -> None:
-    committed = REPOSITORY / "feed-ranker" / "model.toml"
-    assert committed.read_text(encoding="utf-8") == script._model_toml("feed-ranker", "torch_export", 256)
+@pytest.mark.parametrize(("name", "fmt"), [("feed-ranker", "torch_export"), ("feed-ranker-onnx", "onnx")])
+def test_committed_model_toml_is_what_the_script_writes(name: str, fmt: str) -> None:
+    committed = REPOSITORY / name / "model.toml"
+    assert committed.read_text(encoding="utf-8") == script._model_toml(name, fmt, 256)

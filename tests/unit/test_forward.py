@@ -17,11 +17,10 @@ from aiohttp import web
 
 from app import errors
 from app.server import peers as wire
-from app.server.balance import Balancer
-from app.server.loadtable import BOOTING, DRAINING, READY, Load
+from app.server.balance import BOOTING, DRAINING, READY, Balancer, Load, LoadTable
 from app.server.peers import PATH, PeerClient, socket_path
 from app.server.router import Router, pick_target
-from app.serving.state import ModelEntry
+from app.serving.unit import ServingUnit
 
 NOW = 100.5
 SIBLING_PID = 4242
@@ -88,13 +87,16 @@ class FakeBalancer:
         return self._siblings
 
 
-def entry(backlog_s: float | None = None) -> ModelEntry:
-    """A model entry; with ``backlog_s``, a batcher whose backlog is that many seconds."""
-    batcher = None
-    if backlog_s is not None:
-        batcher = SimpleNamespace(backlog_s=lambda now, more=0: backlog_s, max_queue_delay_s=0.0)
-    config = SimpleNamespace(name="scale", version="1", scatter=True, max_batch_size=8)
-    return cast(ModelEntry, SimpleNamespace(config=config, batcher=batcher))
+def entry(wait_s: float = 1.0) -> ServingUnit:
+    """A serving unit double: model scale v1, batches of 8, a request would wait ``wait_s``."""
+    unit = SimpleNamespace(
+        name="scale", version="1", scatter=True, max_batch_size=8, expected_wait_s=lambda now: wait_s
+    )
+    return cast(ServingUnit, unit)
+
+
+def soon(seconds: float) -> float:
+    return asyncio.get_running_loop().time() + seconds
 
 
 def live_sibling() -> Load:
@@ -104,7 +106,7 @@ def live_sibling() -> Load:
 INPUTS = {"x": np.arange(6, dtype=np.float32).reshape(3, 2)}
 
 
-async def run_here(inputs: dict[str, np.ndarray], timeout_s: float) -> dict[str, np.ndarray]:
+async def run_here(inputs: dict[str, np.ndarray], deadline: float) -> dict[str, np.ndarray]:
     return {"y": -inputs["x"]}
 
 
@@ -140,7 +142,7 @@ async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Pa
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)
     try:
-        out = await forward(entry(), INPUTS, 5.0, "rid-7", run_here, pinned=True)
+        out = await forward.route(entry(), INPUTS, soon(5.0), "rid-7", run_here, pinned=True)
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -154,22 +156,33 @@ async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Pa
 async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 0, counted)
-    assert await forward(entry(), INPUTS, 5.0, "rid", run_here, pinned=True) is None
+    assert await forward.route(entry(), INPUTS, soon(5.0), "rid", run_here, pinned=True) is None
     assert counted == []
 
 
-async def test_a_busy_worker_keeps_a_request_whose_wait_here_is_shorter_than_the_hop(tmp_path: Path) -> None:
-    counted: list[tuple[str, str]] = []
-    forward = forwarder(tmp_path, 4, counted)  # clearly busier than its sibling, as above
-    assert await forward(entry(backlog_s=0.001), INPUTS, 5.0, "rid", run_here, pinned=True) is None
-    assert counted == []  # a fast model's 1 ms backlog: the hop would cost more than it saves
+async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_than_the_hop(tmp_path: Path) -> None:
+    """The balancer's cheap question, asked of every request: a pinned (gRPC) request may be
+    forwarded only while it would wait at least MIN_WAIT_S here (a fast model's 1 ms backlog:
+    the hop would cost more than it saves), HTTP (not pinned) only when it is split."""
+    table = LoadTable(tmp_path)
+    balancer = Balancer(table, table.claim(1), 1)
+    router = Router(balancer, PeerClient(tmp_path))
+    assert not balancer.considers(entry(), 3, pinned=True)  # no router yet, not ready
+    balancer.attach(lambda: 0, router)
+    balancer.tick(READY)
+    assert balancer.considers(entry(0.050), 3, pinned=True)
+    assert not balancer.considers(entry(0.001), 3, pinned=True)
+    assert not balancer.considers(entry(0.050), 3, pinned=False)
+    assert balancer.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
+    balancer.tick(DRAINING)
+    assert not balancer.considers(entry(0.050), 9, pinned=True)
 
 
 async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)  # no socket at the sibling's path
     try:
-        out = await forward(entry(), INPUTS, 5.0, "rid", run_here, pinned=True)
+        out = await forward.route(entry(), INPUTS, soon(5.0), "rid", run_here, pinned=True)
     finally:
         await forward.peers.close()
     assert out is not None and np.array_equal(out["y"], -INPUTS["x"])
@@ -183,7 +196,7 @@ async def test_a_sibling_with_a_full_queue_sends_the_request_back_here(tmp_path:
     runner = await served(tmp_path, full)
     forward = forwarder(tmp_path, 4, [])
     try:
-        out = await forward(entry(), INPUTS, 5.0, "rid", run_here, pinned=True)
+        out = await forward.route(entry(), INPUTS, soon(5.0), "rid", run_here, pinned=True)
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -202,7 +215,9 @@ async def test_a_stalled_sibling_costs_deadline_exceeded_not_a_hang(tmp_path: Pa
     try:
         with pytest.raises(errors.DeadlineExceeded, match="did not answer"):
             # the outer bound only keeps a regression from hanging the suite
-            await asyncio.wait_for(forward(entry(), INPUTS, 0.2, "rid", run_here, pinned=True), 30)
+            await asyncio.wait_for(
+                forward.route(entry(), INPUTS, soon(0.2), "rid", run_here, pinned=True), 30
+            )
     finally:
         never.set()
         await forward.peers.close()
@@ -220,10 +235,8 @@ async def test_the_router_forwards_only_pinned_requests(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     router = forwarder(tmp_path, 4, counted)
     try:
-        assert not router.considers(entry(), 3, pinned=False)
-        assert router.considers(entry(), 3, pinned=True)
-        assert await router(entry(), INPUTS, 5.0, "http", run_here) is None
-        out = await router(entry(), INPUTS, 5.0, "grpc", run_here, pinned=True)
+        assert await router.route(entry(), INPUTS, soon(5.0), "http", run_here) is None
+        out = await router.route(entry(), INPUTS, soon(5.0), "grpc", run_here, pinned=True)
     finally:
         await router.peers.close()
         await runner.cleanup()

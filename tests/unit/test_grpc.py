@@ -23,10 +23,10 @@ from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
 from app.observability.metrics import METRICS
-from app.protocols.infer import earliest, parameters_timeout_s
+from app.protocols.infer import InferRequest
 from app.protocols.tensors import deserialize_bytes
 from app.serving.dataplane import DATAPLANE
-from app.serving.state import REGISTRY
+from app.serving.registry import REGISTRY
 from tests.support.fixtures import Client
 from tests.support.messages import scale_request
 from tests.support.tls import self_signed
@@ -259,10 +259,12 @@ async def test_deadline_is_the_earlier_of_grpc_and_the_timeout_parameter(
 ) -> None:
     http = await make_client(scale_repo, request_timeout_ms=10_000)
     plane = http.server.app[DATAPLANE]
-    entry = plane.registry.get("scale")
+    model = plane.version("scale", None)
     params = {} if timeout_us is None else {"timeout": timeout_us}
-    requested = earliest(FakeContext(remaining).time_remaining(), parameters_timeout_s(params))
-    assert plane.timeout_s(entry, requested) == pytest.approx(expected)
+    transport = FakeContext(remaining).time_remaining()
+    request = InferRequest("scale", [], parameters=params, arrival=100.0)
+    request.deadline = None if transport is None else 100.0 + transport
+    assert plane.request_deadline(model, request) - 100.0 == pytest.approx(expected)
 
 
 def test_every_domain_error_has_one_status(caplog: pytest.LogCaptureFixture) -> None:

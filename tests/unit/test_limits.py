@@ -9,6 +9,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 import threading
 import time
 import zlib
@@ -19,12 +20,12 @@ from typing import Any
 import pytest
 
 from app.models.repository import read_config
-from app.protocols.limits import RequestLimits, check_json_depth
+from app.protocols.tensors import RequestLimits, check_json_depth
 from app.serving.dataplane import DataPlane
-from app.serving.lifecycle import EXECUTORS, begin_drain
-from app.serving.state import REGISTRY, ModelEntry, ModelRegistry
+from app.serving.registry import REGISTRY, ModelRegistry, ModelVersion
+from app.serving.siblings import Alone
 from app.settings import Settings
-from tests.support.fixtures import Client, MakeClient, eventually
+from tests.support.fixtures import Client, MakeClient, eventually, hold, measured, served
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
@@ -205,10 +206,8 @@ async def busy(client: Client) -> AsyncIterator[None]:
     """The model held on a batch of one item with a full batch queued behind it, at 0.1 s per
     item: a new request (1 s deadline) would wait ~1 s, past the 0.8 s admission headroom,
     though alone it would take 0.1 s: refused with 503 + Retry-After."""
-    batcher = client.app[REGISTRY].get("scale").batcher
-    assert batcher is not None
-    held = threading.Event()
-    client.app[EXECUTORS]["scale"].submit(held.wait, 30)
+    batcher = served(client.app, "scale")
+    held = hold(client.app, "scale")
     one = v2_body(1)
     tasks = [asyncio.create_task(client.post(V2, json=one, headers={"X-Request-Timeout-Ms": "30000"}))]
     await eventually(lambda: batcher.running_batch is not None)
@@ -216,8 +215,8 @@ async def busy(client: Client) -> AsyncIterator[None]:
         asyncio.create_task(client.post(V2, json=one, headers={"X-Request-Timeout-Ms": "30000"}))
         for _ in range(batcher.max_batch_size)
     ]
-    await eventually(lambda: batcher.queued_items == batcher.max_batch_size)
-    batcher.rate.item_s, batcher.rate.overhead_s = 0.1, 0.0
+    await eventually(lambda: batcher.queue.items == batcher.max_batch_size)
+    measured(batcher).rate.item_s, measured(batcher).rate.overhead_s = 0.1, 0.0
     try:
         yield
     finally:
@@ -269,7 +268,7 @@ async def test_without_a_hold_an_impatient_client_pays_a_reconnect(
 async def test_draining_serves_but_closes_every_connection(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo)
     assert await raw_requests(port_of(client), 2) == ["keep-alive", "keep-alive"]
-    begin_drain(client.app, "test")
+    client.app[REGISTRY].begin_drain("test")
     assert client.app[REGISTRY].draining
     assert (await client.get("/v2/health/ready")).status == 503
     resp = await client.post(V2, json=v2_body(1))  # requests that still arrive are served
@@ -411,18 +410,20 @@ async def test_invalid_utf8_and_too_many_dimensions_are_400(make_client: MakeCli
 # --- deadlines: a client's deadline is clipped to the model's or the server's maximum ------
 
 
-def test_effective_timeout_clips_to_the_model_then_the_server_maximum(tmp_path: Path) -> None:
-    entry = ModelEntry(read_config(write_scale_model(tmp_path, "scale")))
+def test_effective_deadline_clips_to_the_model_then_the_server_maximum(tmp_path: Path) -> None:
+    entry = ModelVersion(read_config(write_scale_model(tmp_path, "scale")))
     settings = Settings(model_repository=tmp_path, request_timeout_ms=2000, max_request_timeout_ms=5000)
-    plane = DataPlane(ModelRegistry(), settings, RequestLimits())
-    assert plane.timeout_s(entry, None) == 2.0
-    assert plane.timeout_s(entry, 3.0) == 3.0
+    plane = DataPlane(ModelRegistry(), settings, RequestLimits(), Alone())
+    arrival = 1000.0
+    assert plane.deadline(entry, arrival, None) == arrival + 2.0
+    assert plane.deadline(entry, arrival, arrival + 3.0) == arrival + 3.0
     for huge in (60.0, 1e308, math.inf):
-        assert plane.timeout_s(entry, huge) == 5.0
-    assert plane.timeout_s(entry, math.nan) == 2.0  # none given
+        assert plane.deadline(entry, arrival, arrival + huge) == arrival + 5.0
+    assert plane.deadline(entry, arrival, math.nan) == arrival + 2.0  # none given
+    assert plane.deadline(entry, arrival, arrival - 1.0) == arrival + 2.0  # already past: none
     entry.config.max_timeout_ms = 500.0
-    assert plane.timeout_s(entry, 1e308) == 0.5
-    assert plane.timeout_s(entry, None) == 0.5  # the default is clipped too
+    assert plane.deadline(entry, arrival, 1e308) == arrival + 0.5
+    assert plane.deadline(entry, arrival, None) == arrival + 0.5  # the default is clipped too
 
 
 async def test_a_huge_client_deadline_is_clipped(make_client: MakeClient, tmp_path: Path) -> None:
@@ -436,28 +437,27 @@ async def test_a_huge_client_deadline_is_clipped(make_client: MakeClient, tmp_pa
         assert resp.status == 504 and "within 200 ms" in await error_of(resp)
         body = {**v2_body(1), "parameters": {"timeout": 1e300}}  # microseconds
         resp = await client.post(V2, json=body)  # behind a batch far past its expected time
-        assert resp.status == 503 and "deadline (200 ms" in await error_of(resp)
+        # the time left to the clipped deadline, not 1e300 us
+        assert resp.status == 503 and re.search(r"deadline \((19\d|200) ms", await error_of(resp))
     finally:
         gate.set()
 
 
 async def test_overload_is_refused_before_the_body_is_decoded(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo, request_timeout_ms=1000)
-    batcher = client.app[REGISTRY].get("scale").batcher
-    assert batcher is not None
+    batcher = served(client.app, "scale")
     # An idle model: the request is decoded and judged in full (early refusal waits for a
     # storm: a full batch queued), so malformed JSON is the client's 400.
     resp = await client.post(V2, data=b"{not json at all", headers=JSON)
     assert resp.status == 400
     # Hold the inference thread and queue one full batch (one item per request).
-    held = threading.Event()
-    client.app[EXECUTORS]["scale"].submit(held.wait, 30)
+    held = hold(client.app, "scale")
     one = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
     first = asyncio.create_task(client.post(V2, json=one))  # runs (and waits) first
     await eventually(lambda: batcher.running_batch is not None)
     queued = [asyncio.create_task(client.post(V2, json=one)) for _ in range(batcher.max_batch_size)]
-    await eventually(lambda: batcher.queued_items == batcher.max_batch_size)
-    batcher.rate.item_s, batcher.rate.overhead_s = 0.1, 0.0  # alone 0.1 s; queued behind: ~1 s
+    await eventually(lambda: batcher.queue.items == batcher.max_batch_size)
+    measured(batcher).rate.item_s, measured(batcher).rate.overhead_s = 0.1, 0.0  # alone 0.1 s; behind: ~1 s
     resp = await client.post(V2, data=b"{not json at all", headers=JSON)
     assert resp.status == 503 and "cannot take another request" in await error_of(resp)
     assert int(resp.headers["Retry-After"]) >= 1

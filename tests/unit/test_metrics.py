@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.serving.state import REGISTRY
+from app.serving.registry import REGISTRY
 from gpu_stat.binding import BindingPolicy, bind_worker, release_binding
 from tests.support.fake_gpus import GIB, gpu, gpu_uuid, write_fake
 from tests.support.fixtures import eventually

@@ -14,13 +14,12 @@ from typing import Any
 
 import pytest
 
-from app.server import loadtable
-from app.server.siblings import Siblings
+from app.server import balance
+from app.server.siblings import Membership
 from app.server.worker import RestartBackoff
 from app.serving.executor import InferenceThread
-from app.serving.lifecycle import EXECUTORS, begin_drain
-from app.serving.state import LIFECYCLE, REGISTRY
-from tests.support.fixtures import Client, MakeClient, eventually
+from app.serving.registry import HEALTH, REGISTRY
+from tests.support.fixtures import Client, MakeClient, eventually, served
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
@@ -34,10 +33,15 @@ async def test_hung_batch_is_reported_and_stops_the_worker(
     make_client: MakeClient, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=1.5)
-    client: Client = await make_client(tmp_path, hung_inference_s=0.3)
     stops: list[str] = []
-    client.app[LIFECYCLE].stop = stops.append
-    with caplog.at_level(logging.ERROR, logger="app.serving.lifecycle"):
+
+    class Supervisor:
+        def request_stop(self, reason: str) -> bool:
+            stops.append(reason)
+            return True
+
+    client: Client = await make_client(tmp_path, hung_inference_s=0.3, supervisor=Supervisor())
+    with caplog.at_level(logging.ERROR, logger="app.serving.watchdog"):
         stuck = asyncio.ensure_future(client.post(V2, json=body(7.0), headers={"X-Request-Id": "stuck-1"}))
         await eventually(lambda: stops)
         assert stops == ["hung inference"]
@@ -56,14 +60,14 @@ async def test_watchdog_in_process_without_a_process_manager(
 ) -> None:
     write_scale_model(tmp_path, "scale", hang_on=7.0, hang_s=0.6)
     client: Client = await make_client(tmp_path, hung_inference_s=0.2)
-    with caplog.at_level(logging.WARNING, logger="app.serving.lifecycle"):
+    with caplog.at_level(logging.WARNING, logger="app.serving.watchdog"):
         assert (await client.post(V2, json=body(7.0))).status == 200
     assert "nothing restarts this process" in caplog.text
 
 
 async def test_fast_batches_never_trip_the_watchdog(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo, hung_inference_s=0.2)
-    lifecycle = client.app[LIFECYCLE]
+    lifecycle = client.app[HEALTH]
     for _ in range(5):
         assert (await client.post(V2, json=body(1.0))).status == 200
     passes = lifecycle.watchdog_passes
@@ -85,8 +89,7 @@ async def test_a_long_batch_of_one_model_does_not_hold_another(
     client: Client = await make_client(tmp_path, hung_inference_s=0)
     try:
         long = asyncio.ensure_future(client.post("/v2/models/big/infer", json=body(7.0)))
-        big = client.app[REGISTRY].get("big").batcher
-        assert big is not None
+        big = served(client.app, "big")
         await eventually(lambda: big.running_batch is not None)
         headers = {"X-Request-Timeout-Ms": "5000"}
         statuses = await asyncio.gather(
@@ -103,7 +106,7 @@ async def test_a_draining_worker_still_serves_what_reaches_it(
     make_client: MakeClient, scale_repo: Path
 ) -> None:
     client: Client = await make_client(scale_repo)
-    begin_drain(client.app, "test")
+    client.app[REGISTRY].begin_drain("test")
     resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2]]})
     assert resp.status == 200 and resp.headers["Connection"] == "close"
 
@@ -180,27 +183,29 @@ async def test_the_inference_thread_runs_with_the_workers_torch_threads(
 
     client: Client = await make_client(scale_repo, torch_threads=1)
     assert (await client.post(V2, json=body(1.0))).status == 200
-    executor = client.app[EXECUTORS]["scale"]
+    threads = client.app[REGISTRY].get("scale").threads
+    assert threads is not None
+    executor = threads.inference
     # OpenMP first: torch.get_num_threads() itself lazily sets up a new thread's count.
     assert executor.submit(openmp_max_threads).result(5) == 1
     assert executor.submit(torch.get_num_threads).result(5) == 1
 
 
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
-    from app.server.loadtable import BINDING, BOOTING, DRAINING, LOADING, READY
+    from app.server.balance import BINDING, BOOTING, DRAINING, LOADING, READY
 
     views = [[], [BINDING], [BOOTING], [LOADING, DRAINING], [READY], [DRAINING]]
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none
     # is ready; one still waiting for a GPU slot may need ours
-    assert [loadtable.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
+    assert [balance.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
     # may_recycle: another worker is ready (or there is none)
-    assert [loadtable.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
+    assert [balance.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
     # others_serving: a new worker waits for its models before it listens
-    assert [loadtable.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
+    assert [balance.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
         False, False, True, True,
     ]  # fmt: skip
     # the states come from the one record, the load table, of live processes only
-    siblings = Siblings(str(tmp_path), os.getpid())
+    siblings = Membership(str(tmp_path), os.getpid())
     assert siblings.table is not None and siblings.slot is not None
     siblings.publish(READY)
     assert siblings.table.states() == {os.getpid(): READY}

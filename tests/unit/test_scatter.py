@@ -10,7 +10,7 @@ import pytest
 
 from app import errors
 from app.server import peers as wire
-from app.server.loadtable import DRAINING, READY, Load
+from app.server.balance import DRAINING, READY, Load
 from app.server.router import pick_siblings, shard_bounds
 
 

@@ -296,15 +296,27 @@ class ModelOutput(_message.Message):
     def __init__(self, name: _Optional[str] = ..., data_type: _Optional[_Union[DataType, str]] = ..., dims: _Optional[_Iterable[int]] = ..., label_filename: _Optional[str] = ..., is_shape_tensor: _Optional[bool] = ...) -> None: ...
 
 class ModelVersionPolicy(_message.Message):
-    __slots__ = ("latest",)
+    __slots__ = ("latest", "all", "specific")
     class Latest(_message.Message):
         __slots__ = ("num_versions",)
         NUM_VERSIONS_FIELD_NUMBER: _ClassVar[int]
         num_versions: int
         def __init__(self, num_versions: _Optional[int] = ...) -> None: ...
+    class All(_message.Message):
+        __slots__ = ()
+        def __init__(self) -> None: ...
+    class Specific(_message.Message):
+        __slots__ = ("versions",)
+        VERSIONS_FIELD_NUMBER: _ClassVar[int]
+        versions: _containers.RepeatedScalarFieldContainer[int]
+        def __init__(self, versions: _Optional[_Iterable[int]] = ...) -> None: ...
     LATEST_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    SPECIFIC_FIELD_NUMBER: _ClassVar[int]
     latest: ModelVersionPolicy.Latest
-    def __init__(self, latest: _Optional[_Union[ModelVersionPolicy.Latest, _Mapping]] = ...) -> None: ...
+    all: ModelVersionPolicy.All
+    specific: ModelVersionPolicy.Specific
+    def __init__(self, latest: _Optional[_Union[ModelVersionPolicy.Latest, _Mapping]] = ..., all: _Optional[_Union[ModelVersionPolicy.All, _Mapping]] = ..., specific: _Optional[_Union[ModelVersionPolicy.Specific, _Mapping]] = ...) -> None: ...
 
 class ModelDynamicBatching(_message.Message):
     __slots__ = ("preferred_batch_size", "max_queue_delay_microseconds", "preserve_ordering", "priority_levels", "default_priority_level")
@@ -493,3 +505,57 @@ class RepositoryIndexResponse(_message.Message):
     MODELS_FIELD_NUMBER: _ClassVar[int]
     models: _containers.RepeatedCompositeFieldContainer[RepositoryIndexResponse.ModelIndex]
     def __init__(self, models: _Optional[_Iterable[_Union[RepositoryIndexResponse.ModelIndex, _Mapping]]] = ...) -> None: ...
+
+class ModelRepositoryParameter(_message.Message):
+    __slots__ = ("bool_param", "int64_param", "string_param", "bytes_param")
+    BOOL_PARAM_FIELD_NUMBER: _ClassVar[int]
+    INT64_PARAM_FIELD_NUMBER: _ClassVar[int]
+    STRING_PARAM_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PARAM_FIELD_NUMBER: _ClassVar[int]
+    bool_param: bool
+    int64_param: int
+    string_param: str
+    bytes_param: bytes
+    def __init__(self, bool_param: _Optional[bool] = ..., int64_param: _Optional[int] = ..., string_param: _Optional[str] = ..., bytes_param: _Optional[bytes] = ...) -> None: ...
+
+class RepositoryModelLoadRequest(_message.Message):
+    __slots__ = ("repository_name", "model_name", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelRepositoryParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelRepositoryParameter, _Mapping]] = ...) -> None: ...
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    model_name: str
+    parameters: _containers.MessageMap[str, ModelRepositoryParameter]
+    def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
+
+class RepositoryModelLoadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RepositoryModelUnloadRequest(_message.Message):
+    __slots__ = ("repository_name", "model_name", "parameters")
+    class ParametersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: ModelRepositoryParameter
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[ModelRepositoryParameter, _Mapping]] = ...) -> None: ...
+    REPOSITORY_NAME_FIELD_NUMBER: _ClassVar[int]
+    MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    repository_name: str
+    model_name: str
+    parameters: _containers.MessageMap[str, ModelRepositoryParameter]
+    def __init__(self, repository_name: _Optional[str] = ..., model_name: _Optional[str] = ..., parameters: _Optional[_Mapping[str, ModelRepositoryParameter]] = ...) -> None: ...
+
+class RepositoryModelUnloadResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

@@ -1,5 +1,5 @@
-"""Dynamic batcher: batch formation, splitting, backpressure, admission by time, batch cost
-bound, deadlines, disconnects, faults."""
+"""A model version's serving unit (queue, admission, executor): batch formation, splitting,
+backpressure, admission by time, batch cost bound, deadlines, disconnects, faults."""
 
 from __future__ import annotations
 
@@ -25,11 +25,13 @@ from app.errors import (
     PayloadTooLarge,
     QueueFull,
 )
+from app.models.base import Segment
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
-from app.models.segment import Segment
-from app.serving.admission import SETTLED_BATCHES, ServiceRate, cumulative_costs, items_within
-from app.serving.batcher import GATHER_IDLE_TURNS, DynamicBatcher
+from app.protocols.tensors import ItemCosts
+from app.serving.admission import SETTLED_BATCHES, MeasuredRate, ServiceRate
+from app.serving.queue import GATHER_IDLE_TURNS
+from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
@@ -63,9 +65,20 @@ async def executor() -> AsyncIterator[ThreadPoolExecutor]:
     pool.shutdown(wait=True)
 
 
-def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> DynamicBatcher:
+def soon(seconds: float) -> float:
+    """A deadline ``seconds`` from now, on the event loop's clock."""
+    return asyncio.get_running_loop().time() + seconds
+
+
+def service_rate(unit: ServingUnit) -> ServiceRate:
+    """The measured service rate of ``unit``'s admission policy."""
+    assert isinstance(unit.admission, MeasuredRate)
+    return unit.admission.rate
+
+
+def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> ServingUnit:
     opts = {"max_batch_size": 4, "max_queue_delay_ms": 20.0, "queue_capacity": 32} | kw
-    batcher = DynamicBatcher(
+    batcher = ServingUnit(
         "m",
         fn,
         executor,
@@ -78,12 +91,12 @@ def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> DynamicBatc
 
 
 async def start_held(
-    b: DynamicBatcher, rec: Recorder, inputs: dict[str, np.ndarray], timeout_s: float
+    b: ServingUnit, rec: Recorder, inputs: dict[str, np.ndarray], timeout_s: float
 ) -> asyncio.Task[dict[str, np.ndarray]]:
     """Hold the model (``rec.gate``), send ``inputs`` and return once their batch runs: the
     requests sent next queue behind it. ``rec.gate.set()`` lets it finish."""
     rec.gate.clear()
-    task = asyncio.create_task(b.infer(inputs, timeout_s=timeout_s))
+    task = asyncio.create_task(b.infer(inputs, deadline=soon(timeout_s)))
     await asyncio.to_thread(rec.started.wait, 5)
     return task
 
@@ -96,8 +109,8 @@ async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolE
     rec = Recorder()
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=5)
     first = await start_held(b, rec, items(0), timeout_s=5)  # hold the first batch so the rest queue up
-    rest = [asyncio.create_task(b.infer(items(v), timeout_s=5)) for v in range(1, 11)]
-    await eventually(lambda: b.queued_items == 10)
+    rest = [asyncio.create_task(b.infer(items(v), deadline=soon(5))) for v in range(1, 11)]
+    await eventually(lambda: b.queue.items == 10)
     rec.gate.set()
     results = await asyncio.gather(first, *rest)
     assert [r["y"][0, 0] for r in results] == [2.0 * v for v in range(11)]
@@ -108,10 +121,10 @@ async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolE
 async def test_requests_within_the_max_queue_delay_share_a_batch(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=10_000)
-    first = asyncio.create_task(b.infer(items(1), timeout_s=20))
-    await eventually(lambda: b.holding)  # the batcher has seen one item and waits for more
-    assert rec.batches == [] and b.queued_items == 1
-    out = await b.infer(items(2, 3, 4, 5, 6, 7, 8), timeout_s=20)  # fills the batch: it closes
+    first = asyncio.create_task(b.infer(items(1), deadline=soon(30)))
+    await eventually(lambda: b.queue.holding)  # the batcher has seen one item and waits for more
+    assert rec.batches == [] and b.queue.items == 1
+    out = await b.infer(items(2, 3, 4, 5, 6, 7, 8), deadline=soon(30))  # fills the batch: it closes
     assert (await first)["y"][0, 0] == 2.0 and out["y"][:, 0].tolist() == [4, 6, 8, 10, 12, 14, 16]
     assert rec.batches == [[1, 2, 3, 4, 5, 6, 7, 8]]
     await b.stop()
@@ -120,7 +133,7 @@ async def test_requests_within_the_max_queue_delay_share_a_batch(executor: Threa
 async def test_a_zero_delay_runs_a_lone_request_at_once(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
-    assert (await b.infer(items(3), timeout_s=20))["y"].tolist() == [[6.0, 6.0]]
+    assert (await b.infer(items(3), deadline=soon(20)))["y"].tolist() == [[6.0, 6.0]]
     assert rec.batches == [[3.0]]
     await b.stop()
 
@@ -128,7 +141,7 @@ async def test_a_zero_delay_runs_a_lone_request_at_once(executor: ThreadPoolExec
 async def test_full_batch_does_not_wait_for_the_delay(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=10_000)
-    out = await asyncio.wait_for(b.infer(items(1, 2, 3, 4), timeout_s=20), 5)
+    out = await asyncio.wait_for(b.infer(items(1, 2, 3, 4), deadline=soon(20)), 5)
     assert out["y"][:, 0].tolist() == [2, 4, 6, 8]
     await b.stop()
 
@@ -137,7 +150,7 @@ async def test_large_request_is_split_and_reassembled_in_order(executor: ThreadP
     rec = Recorder()
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=1)
     values = list(range(10))
-    out = await b.infer(items(*values), timeout_s=5)
+    out = await b.infer(items(*values), deadline=soon(5))
     assert out["y"][:, 0].tolist() == [2.0 * v for v in values]
     assert [len(batch) for batch in rec.batches] == [4, 4, 2]
     assert all(len(batch) <= 4 for batch in rec.batches)
@@ -148,10 +161,10 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
     rec = Recorder()
     b = make(executor, rec, max_batch_size=2, queue_capacity=4, max_queue_delay_ms=0)
     running = await start_held(b, rec, items(0, 0), timeout_s=5)
-    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), timeout_s=5))
-    await eventually(lambda: b.queued_items == 4)
+    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), deadline=soon(5)))
+    await eventually(lambda: b.queue.items == 4)
     with pytest.raises(QueueFull) as info:
-        await b.infer(items(5), timeout_s=5)
+        await b.infer(items(5), deadline=soon(5))
     assert info.value.retry_after_s == 1  # a small backlog: the shortest wait
     rec.gate.set()
     await asyncio.gather(running, queued)
@@ -161,7 +174,7 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
 async def test_request_larger_than_the_queue_is_invalid(executor: ThreadPoolExecutor) -> None:
     b = make(executor, Recorder(), queue_capacity=8)
     with pytest.raises(InvalidInput, match="at most 8"):
-        await b.infer(items(*range(9)), timeout_s=1)
+        await b.infer(items(*range(9)), deadline=soon(1))
     await b.stop()
 
 
@@ -170,11 +183,11 @@ async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExe
     b = make(executor, rec, max_batch_size=1, max_queue_delay_ms=0)
     blocker = await start_held(b, rec, items(0), timeout_s=5)
     with pytest.raises(DeadlineExceeded):
-        await b.infer(items(99), timeout_s=0.05)
-    assert b.queued_items == 0
+        await b.infer(items(99), deadline=soon(0.05))
+    assert b.queue.items == 0
     rec.gate.set()
     await blocker
-    await b.infer(items(1), timeout_s=5)
+    await b.infer(items(1), deadline=soon(5))
     assert [99.0] not in rec.batches  # the expired item never reached the model
     await b.stop()
 
@@ -183,9 +196,9 @@ async def test_disconnected_client_items_never_reach_the_model(executor: ThreadP
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
     blocker = await start_held(b, rec, items(0), timeout_s=5)
-    gone = asyncio.create_task(b.infer(items(42), timeout_s=5, is_disconnected=lambda: True))
-    stays = asyncio.create_task(b.infer(items(7), timeout_s=5, is_disconnected=lambda: False))
-    await eventually(lambda: b.queued_items == 2)
+    gone = asyncio.create_task(b.infer(items(42), deadline=soon(5), is_disconnected=lambda: True))
+    stays = asyncio.create_task(b.infer(items(7), deadline=soon(5), is_disconnected=lambda: False))
+    await eventually(lambda: b.queue.items == 2)
     rec.gate.set()
     with pytest.raises(ClientDisconnected):
         await gone
@@ -199,9 +212,9 @@ async def test_model_exception_fails_only_that_batch(executor: ThreadPoolExecuto
     rec = Recorder(fail_on=13)
     b = make(executor, rec, max_batch_size=2, max_queue_delay_ms=1)
     with pytest.raises(InferenceFailed, match=r"model m .*request rid-1: RuntimeError") as info:
-        await b.infer(items(13), timeout_s=5, request_id="rid-1")
+        await b.infer(items(13), deadline=soon(5), request_id="rid-1")
     assert "Traceback" not in str(info.value)
-    out = await b.infer(items(1), timeout_s=5)
+    out = await b.infer(items(1), deadline=soon(5))
     assert out["y"][0, 0] == 2.0
     await b.stop()
 
@@ -212,10 +225,10 @@ async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
     config = read_config(write_scale_model(tmp_path, "oom", max_batch_size=8, oom_above=2))
     runner = ModelRunner(config)
     runner.load(torch.device("cpu"))
-    b = DynamicBatcher("oom", runner, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64)
+    b = ServingUnit("oom", runner, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64)
     b.start()
     tag = np.array([[b""]], dtype=object)
-    reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, timeout_s=5) for v in range(8)]
+    reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, deadline=soon(5)) for v in range(8)]
     outs = await asyncio.gather(*reqs)
     assert [o["y"][0, 0] for o in outs] == [2.0 * v for v in range(8)]
     seen = ScaleHandler.BATCHES["oom"]
@@ -241,12 +254,12 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
             segs.append(Segment(start, len(x), {"y": x[start:] * 2}))
         return segs
 
-    b = DynamicBatcher("m", Runs(run), executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
+    b = ServingUnit("m", Runs(run), executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
     b.start()
     results = await asyncio.gather(
-        b.infer(items(1), timeout_s=5),
-        b.infer(items(4, 5, 6), timeout_s=5),
-        b.infer(items(7), timeout_s=5),
+        b.infer(items(1), deadline=soon(5)),
+        b.infer(items(4, 5, 6), deadline=soon(5)),
+        b.infer(items(7), deadline=soon(5)),
         return_exceptions=True,
     )
     assert isinstance(results[1], InsufficientStorage)
@@ -284,11 +297,14 @@ class Counts:
     def queue_depth(self, items: int) -> None:
         pass
 
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
+        pass
 
-def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[DynamicBatcher, Counts]:
+
+def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[ServingUnit, Counts]:
     counts = Counts()
     opts: dict[str, Any] = {"max_batch_size": 4, "max_queue_delay_ms": 0.0, "queue_capacity": 64} | kw
-    batcher = DynamicBatcher("m", fn, executor, observer=counts, **opts)
+    batcher = ServingUnit("m", fn, executor, observer=counts, **opts)
     batcher.start()
     return batcher, counts
 
@@ -296,30 +312,30 @@ def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[Dyn
 async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b, counts = observed(executor, rec, max_batch_size=4)
-    b.rate.observe(10, 1.0)  # a known service rate: 10 items/s, as seeded from warmup
+    service_rate(b).observe(10, 1.0)  # a known service rate: 10 items/s, as seeded from warmup
     running = await start_held(b, rec, items(0), timeout_s=60)
-    queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 2 s of work
-    await eventually(lambda: b.queued_items == 20)
-    assert b.backlog_s(asyncio.get_running_loop().time()) >= 2.0
+    queued = asyncio.create_task(b.infer(items(*range(1, 21)), deadline=soon(60)))  # 2 s of work
+    await eventually(lambda: b.queue.items == 20)
+    assert b.admission.backlog_s(asyncio.get_running_loop().time()) >= 2.0
     with pytest.raises(QueueFull, match="cannot take request r-late within its deadline") as info:
-        await b.infer(items(99), timeout_s=1.0, request_id="r-late")  # needs >= 2.1 s
+        await b.infer(items(99), deadline=soon(1.0), request_id="r-late")  # needs >= 2.1 s
     assert info.value.retry_after_s in (2, 3)  # the backlog, in whole seconds
     assert counts.rejections == {"admission": 1}
     # The same request with a deadline that fits is admitted.
-    fits = asyncio.create_task(b.infer(items(7), timeout_s=60))
-    await eventually(lambda: b.queued_items == 21)
+    fits = asyncio.create_task(b.infer(items(7), deadline=soon(60)))
+    await eventually(lambda: b.queue.items == 21)
     rec.gate.set()
     await asyncio.gather(running, queued, fits)
     assert all(99.0 not in batch for batch in rec.batches)
     await b.stop()
 
 
-async def late(b: DynamicBatcher, value: float, turns: int) -> dict[str, np.ndarray]:
+async def late(b: ServingUnit, value: float, turns: int) -> dict[str, np.ndarray]:
     """A request that reaches the batcher ``turns`` event-loop turns from now (as a gRPC call
     or an HTTP body already read takes a few turns to reach the queue)."""
     for _ in range(turns):
         await asyncio.sleep(0)
-    return await b.infer(items(value), timeout_s=5)
+    return await b.infer(items(value), deadline=soon(5))
 
 
 @pytest.mark.parametrize(("gather_turns", "batches"), [(32, [[1.0, 2.0]]), (0, [[1.0], [2.0]])])
@@ -328,7 +344,7 @@ async def test_a_partial_batch_waits_a_few_loop_turns_for_requests_on_their_way(
 ) -> None:
     rec = Recorder()
     b, _ = observed(executor, rec, max_batch_size=4, gather_turns=gather_turns)
-    await asyncio.gather(b.infer(items(1), timeout_s=5), late(b, 2, 3))
+    await asyncio.gather(b.infer(items(1), deadline=soon(5)), late(b, 2, 3))
     assert rec.batches == batches
     await b.stop()
 
@@ -337,10 +353,10 @@ async def test_gathering_stops_after_idle_loop_turns(executor: ThreadPoolExecuto
     rec = Recorder()
     b, _ = observed(executor, rec, max_batch_size=4, gather_turns=32)
     # one request alone waits GATHER_IDLE_TURNS turns, not 32; one due later runs apart
-    await asyncio.gather(b.infer(items(1), timeout_s=5), late(b, 2, 3 * GATHER_IDLE_TURNS))
+    await asyncio.gather(b.infer(items(1), deadline=soon(5)), late(b, 2, 3 * GATHER_IDLE_TURNS))
     assert rec.batches == [[1.0], [2.0]]
     # a full batch closes at once
-    await asyncio.gather(*(b.infer(items(v), timeout_s=5) for v in (3, 4, 5, 6)), late(b, 7, 2))
+    await asyncio.gather(*(b.infer(items(v), deadline=soon(5)) for v in (3, 4, 5, 6)), late(b, 7, 2))
     assert rec.batches[2] == [3.0, 4.0, 5.0, 6.0]
     await b.stop()
 
@@ -348,15 +364,15 @@ async def test_gathering_stops_after_idle_loop_turns(executor: ThreadPoolExecuto
 async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b, _ = observed(executor, rec, max_batch_size=4)
-    b.rate.observe(1, 0.0005)  # a fast model: 0.5 ms per item
+    service_rate(b).observe(1, 0.0005)  # a fast model: 0.5 ms per item
     now = asyncio.get_running_loop().time()
     running = await start_held(b, rec, items(0), timeout_s=60)
-    queued = asyncio.create_task(b.infer(items(*range(1, 21)), timeout_s=60))  # 10 ms of work
-    await eventually(lambda: b.queued_items == 20)
+    queued = asyncio.create_task(b.infer(items(*range(1, 21)), deadline=soon(60)))  # 10 ms of work
+    await eventually(lambda: b.queue.items == 20)
     # 10 ms late (a thread waiting two switch intervals for the interpreter lock): no stretch
-    assert b.backlog_s(now + 0.010) < 0.030
+    assert b.admission.backlog_s(now + 0.010) < 0.030
     # a second late: it needs about as much again, and what waits is stretched by that ratio
-    assert b.backlog_s(now + 1.0) > 1.0 + 20 * 0.0005 * 40
+    assert b.admission.backlog_s(now + 1.0) > 1.0 + 20 * 0.0005 * 40
     rec.gate.set()
     await asyncio.gather(running, queued)
     await b.stop()
@@ -364,10 +380,10 @@ async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(execu
 
 async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecutor) -> None:
     b, _ = observed(executor, Recorder(), max_batch_size=4)
-    assert b.rate.items_per_s is None and b.rate.seconds_for(100) == 0.0  # unknown: admit
-    await b.infer(items(1, 2, 3, 4), timeout_s=5)
-    rate = b.rate.items_per_s
-    assert rate is not None and rate > 0 and b.rate.overhead_s == 0.0  # the first batch seeds it
+    assert service_rate(b).items_per_s is None and service_rate(b).seconds_for(100) == 0.0  # unknown: admit
+    await b.infer(items(1, 2, 3, 4), deadline=soon(5))
+    rate = service_rate(b).items_per_s
+    assert rate is not None and rate > 0 and service_rate(b).overhead_s == 0.0  # the first batch seeds it
     await b.stop()
 
 
@@ -451,13 +467,14 @@ def test_lag_follows_a_sustained_slowdown_not_one_stalled_batch() -> None:
 
 async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
-    b, counts = observed(executor, rec, max_batch_size=1)
+    # capacity admission: admitted whatever the held batch's age, they expire in the queue
+    b, counts = observed(executor, rec, max_batch_size=1, admission="capacity")
     blocker = await start_held(b, rec, items(0), timeout_s=30)
-    expiring = [asyncio.create_task(b.infer(items(9), timeout_s=0.01)) for _ in range(5)]
+    expiring = [asyncio.create_task(b.infer(items(9), deadline=soon(0.01))) for _ in range(5)]
     done, _ = await asyncio.wait(expiring)
     rec.gate.set()
     await blocker
-    await b.infer(items(1), timeout_s=5)  # _take now sees (and skips) the expired requests
+    await b.infer(items(1), deadline=soon(5))  # _take now sees (and skips) the expired requests
     assert all(isinstance(t.exception(), DeadlineExceeded) for t in done)
     assert counts.rejections == {"deadline": 5}
     await b.stop()
@@ -467,7 +484,7 @@ async def test_batches_are_split_by_input_bytes(executor: ThreadPoolExecutor) ->
     rec = Recorder()
     row = items(0)["x"].nbytes  # 8 bytes per item
     b, _ = observed(executor, rec, max_batch_size=16, max_batch_bytes=3 * row)
-    out = await b.infer(items(*range(8)), timeout_s=5)
+    out = await b.infer(items(*range(8)), deadline=soon(5))
     assert out["y"][:, 0].tolist() == [2.0 * v for v in range(8)]
     assert [len(batch) for batch in rec.batches] == [3, 3, 2]
     await b.stop()
@@ -478,31 +495,33 @@ async def test_an_item_over_the_batch_cost_bound_is_413(executor: ThreadPoolExec
     b, _ = observed(executor, rec, max_batch_bytes=100)
     texts = np.array([[b"short"], [b"x" * 101]], dtype=object)
     with pytest.raises(PayloadTooLarge, match="109 bytes of input; model m runs at most 100"):
-        await b.infer({"x": np.zeros((2, 2), np.float32), "t": texts}, timeout_s=5)
-    assert rec.batches == [] and b.queued_items == 0
+        await b.infer({"x": np.zeros((2, 2), np.float32), "t": texts}, deadline=soon(5))
+    assert rec.batches == [] and b.queue.items == 0
     await b.stop()
 
 
-def test_cumulative_costs_count_bytes_per_item() -> None:
+def test_item_costs_count_bytes_per_item() -> None:
     texts = np.array([[b"ab", b""], [b"abcd", b"x"]], dtype=object)
-    costs = cumulative_costs({"t": texts, "x": np.zeros((2, 3), np.float32)})
-    assert costs.tolist() == [0, 2 + 12, 2 + 12 + 5 + 12]
-    assert items_within(costs, 0, 2, 14) == 1 and items_within(costs, 0, 2, 13) == 0
-    assert items_within(costs, 1, 2, 1e9) == 1
+    costs = ItemCosts({"t": texts, "x": np.zeros((2, 3), np.float32)})
+    assert costs.cumulative is not None and costs.cumulative.tolist() == [0, 2 + 12, 2 + 12 + 5 + 12]
+    assert costs.items_within(0, 2, 14) == 1 and costs.items_within(0, 2, 13) == 0
+    assert costs.items_within(1, 2, 1e9) == 1 and costs.largest() == 17
+    numeric = ItemCosts({"x": np.zeros((4, 3), np.float32)})
+    assert numeric.each == 12 and numeric.between(1, 3) == 24 and numeric.items_within(0, 4, 30) == 2
 
 
 async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b, counts = observed(executor, rec, max_batch_size=4)
-    b.rate.observe(10, 1.0)  # 10 items/s
-    assert b.refuse_early(timeout_s=0.5) is None  # nothing queued, 1 item: 0.1 s
+    service_rate(b).observe(10, 1.0)  # 10 items/s
+    assert b.refuse_early(soon(0.5)) is None  # nothing queued, 1 item: 0.1 s
     running = await start_held(b, rec, items(0), timeout_s=60)
-    queued = asyncio.create_task(b.infer(items(*range(1, 11)), timeout_s=60))  # 1 s queued
-    await eventually(lambda: b.queued_items == 10)
+    queued = asyncio.create_task(b.infer(items(*range(1, 11)), deadline=soon(60)))  # 1 s queued
+    await eventually(lambda: b.queue.items == 10)
     # The smallest recent request has 1 item: 1.1 s and more, over 80 % of 1 s.
-    refusal = b.refuse_early(timeout_s=1.0)
+    refusal = b.refuse_early(soon(1.0))
     assert isinstance(refusal, QueueFull) and refusal.retry_after_s == 2
-    assert b.refuse_early(timeout_s=10.0) is None
+    assert b.refuse_early(soon(10.0)) is None
     assert counts.rejections == {"admission": 1}
     rec.gate.set()
     await asyncio.gather(running, queued)
@@ -518,3 +537,22 @@ def test_gather_turns_is_read_from_model_toml(tmp_path: Path) -> None:
     toml.write_text(toml.read_text().replace("gather_turns = 0", "gather_turns = -1"))
     with pytest.raises(ModelLoadError, match="gather_turns must be >= 0"):
         read_config(tmp_path / "scale")
+
+
+async def test_capacity_admission_refuses_only_a_full_queue(executor: ThreadPoolExecutor) -> None:
+    """The plain policy (TEI's and Triton's queue policy): no rate, no prediction; 503 with
+    Retry-After 1 when the queue cannot hold the items, and a deadline is the queue's to enforce."""
+    rec = Recorder()
+    b, counts = observed(executor, rec, max_batch_size=2, queue_capacity=4, admission="capacity")
+    running = await start_held(b, rec, items(0), timeout_s=30)
+    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), deadline=soon(30)))  # would wait long: admitted
+    await eventually(lambda: b.queue.items == 4)
+    with pytest.raises(QueueFull, match="queue is full") as info:
+        await b.infer(items(5), deadline=soon(30))
+    assert info.value.retry_after_s == 1.0 and counts.rejections == {"queue_full": 1}
+    assert b.refuse_early(soon(0.001)) is None  # no early refusal: the size decides
+    rec.gate.set()
+    await asyncio.gather(running, queued)
+    with pytest.raises(ValueError, match="measured_rate' or 'capacity"):
+        ServingUnit("m", rec, executor, max_batch_size=1, max_queue_delay_ms=0, queue_capacity=1, admission="fifo")
+    await b.stop()

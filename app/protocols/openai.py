@@ -1,0 +1,153 @@
+"""OpenAI's embeddings API (``POST /v1/embeddings``): the request and response bodies, and which
+models it can serve. No aiohttp here.
+
+A model serves embeddings when it takes text (a BYTES input; the first required one, the others
+left out) and returns an FP32 output named ``embedding``; the OpenAI request's ``input`` (a
+string or a list of strings) becomes that input, one item per string, and the ``embedding`` rows
+come back in order, as JSON floats or (``encoding_format = "base64"``) as the base64 of their
+little-endian float32 bytes, OpenAI's encoding. ``usage`` counts the tokens of the inputs from
+the model's INT64 ``tokens`` output when it has one (0 otherwise). Token arrays as ``input``
+are refused: this server tokenises itself. Errors have OpenAI's shape (:func:`error_body`).
+
+Source: OpenAI's API reference, "Embeddings" (``embeddings.create``) and "Errors"; the same
+endpoint in text-embeddings-inference, Infinity and KServe.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import msgspec
+import numpy as np
+import orjson
+
+from app.errors import InvalidInput
+from app.models.repository import ModelConfig
+from app.protocols.infer import InferInput, InferRequest, RequestedOutput
+from app.protocols.tensors import RequestLimits, decode_json
+
+EMBEDDING = "embedding"
+TOKENS = "tokens"
+
+
+class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
+    """OpenAI's ``CreateEmbeddingRequest``."""
+
+    #: A string or a list of them (token arrays, ``list[int]``, are refused by :func:`decode`).
+    input: str | list[Any]
+    model: str
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None
+    user: str | None = None
+
+
+class Embedding(msgspec.Struct):
+    """One row of the answer."""
+
+    index: int
+    embedding: list[float] | str
+    object: str = "embedding"
+
+
+class Usage(msgspec.Struct):
+    """Tokens of the inputs."""
+
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct):
+    """OpenAI's ``CreateEmbeddingResponse``."""
+
+    data: list[Embedding]
+    model: str
+    usage: Usage
+    object: str = "list"
+
+
+_decoder = msgspec.json.Decoder(EmbeddingRequest)
+
+
+def decode(body: bytes, limits: RequestLimits) -> EmbeddingRequest:
+    """The request, its ``input`` a non-empty list of strings (a lone string is one).
+
+    Raises:
+        InvalidInput: malformed JSON, a field of the wrong type, token arrays, no input, a
+            ``dimensions`` that is not positive.
+    """
+    request = decode_json(_decoder, body, limits.max_json_depth, "embeddings request")
+    if isinstance(request.input, str):
+        request.input = [request.input]
+    if not request.input:
+        raise InvalidInput("input: give a string or a non-empty list of strings")
+    if not all(isinstance(text, str) for text in request.input):
+        raise InvalidInput("input: token arrays are not supported; send the texts as strings")
+    if request.dimensions is not None and request.dimensions < 1:
+        raise InvalidInput("dimensions must be a positive number")
+    return request
+
+
+def text_input(config: ModelConfig) -> str:
+    """The input an embeddings request's texts go to.
+
+    Raises:
+        InvalidInput: the model takes no text or returns no FP32 ``embedding``.
+    """
+    outputs = {s.name: s for s in config.outputs}
+    texts = [s.name for s in config.inputs if s.datatype == "BYTES" and not s.optional]
+    if EMBEDDING not in outputs or outputs[EMBEDDING].datatype != "FP32" or not texts:
+        raise InvalidInput(
+            f"model {config.name!r} does not produce embeddings (it needs a text input and an FP32 "
+            "output named 'embedding')"
+        )
+    return texts[0]
+
+
+def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferRequest:
+    """The inference request of an embeddings request: its texts, ``[N, 1]`` BYTES, to the model's
+    text input; asking for ``embedding`` (and ``tokens`` when the model has it).
+
+    Raises:
+        InvalidInput: see :func:`text_input`; a ``dimensions`` other than the model's.
+    """
+    name = text_input(config)
+    spec = next(s for s in config.outputs if s.name == EMBEDDING)
+    if request.dimensions is not None and spec.shape != [-1] and request.dimensions != spec.shape[-1]:
+        raise InvalidInput(
+            f"dimensions: model {config.name!r} makes {spec.shape[-1]}-dimensional embeddings; other "
+            "sizes are not supported"
+        )
+    texts = list(request.input)
+    outputs = [RequestedOutput(EMBEDDING)]
+    if any(s.name == TOKENS and s.datatype == "INT64" for s in config.outputs):
+        outputs.append(RequestedOutput(TOKENS))
+    return InferRequest(
+        model_name=config.name,
+        inputs=[InferInput(name, "BYTES", [len(texts), 1], texts)],
+        outputs=outputs,
+    )
+
+
+def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
+    """The response body: one row per input, in order; ``usage`` from ``tokens`` (0 without)."""
+    vectors = np.ascontiguousarray(outputs[EMBEDDING], dtype="<f4").reshape(len(request.input), -1)
+    if request.encoding_format == "base64":
+        rows: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
+    else:
+        rows = vectors.tolist()
+    tokens = int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
+    data = [Embedding(i, row) for i, row in enumerate(rows)]
+    return msgspec.json.encode(EmbeddingResponse(data, model, Usage(tokens, tokens)))
+
+
+#: OpenAI's error type of each status class.
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
+
+
+def error_body(status: int, message: str) -> bytes:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    code = "model_not_found" if status == 404 else None
+    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})

@@ -1,0 +1,351 @@
+"""Model control: load, reload and unload a model while the server runs, on every worker
+(Triton's model control modes and its model repository extension).
+
+``SCORING_MODEL_CONTROL_MODE``:
+
+- ``none``: the models loaded at start serve until the worker stops; load and unload answer
+  400 with the reason (Triton's answer in that mode);
+- ``explicit``: ``POST /v2/repository/models/{name}/load|unload`` (gRPC ``RepositoryModelLoad``,
+  ``RepositoryModelUnload``) change one model while the others serve;
+- ``poll``: each worker scans the repository every ``SCORING_REPOSITORY_POLL_S`` seconds and
+  loads, reloads and unloads what changed; the API is refused.
+
+Every mode first loads what ``SCORING_MODELS`` names (all by default).
+
+**A load reads the model's folders again** (``app.models.repository.serving``): the versions its
+``version_policy`` selects are loaded when new, reloaded when their files changed (a fingerprint of
+names, sizes and times), loaded again when their last load failed; versions it no longer selects
+are unloaded, but only once every selected version serves: a version that fails to load leaves
+the ones serving in place, and the failure in the index and in the call's answer. Each load and
+reload happens beside what serves (``app.serving.lifecycle``): nothing fails meanwhile.
+
+**Every worker, one answer.** The worker that receives the call writes the new model set to
+``<run dir>/models.json`` (a worker forked later, by a recycle, a crash or a HUP, starts from it,
+and one that booted meanwhile reconciles with it once its boot loads are done), applies the change
+and has every ready sibling apply it (``Siblings.apply``, over their internal endpoints), and
+answers only once all of them have, or with an error naming each worker that failed and why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import torch
+from aiohttp import web
+
+from app.binding import BINDING
+from app.errors import ModelControlFailed, ModelLoadError
+from app.models.repository import ModelConfig, fingerprint, scan, scrub_paths, serving
+from app.models.runner import describe
+from app.serving.lifecycle import LOAD_TASK, TASKS, release_all, resolve_device, try_load, unload_version
+from app.serving.registry import REGISTRY, SETTINGS, SIBLINGS
+from app.serving.watchdog import watch_inference
+from app.settings import Settings
+from gpu_stat.verify import verify_binding
+
+log = logging.getLogger(__name__)
+
+#: The model set of a server in explicit mode, in its run directory.
+MODEL_SET_FILE = "models.json"
+LOAD, UNLOAD = "load", "unload"
+
+
+class ModelControl:
+    """This worker's model control (module docstring).
+
+    Args:
+        app: the worker's app (its settings, registry and siblings).
+        device: the torch device models load onto.
+    """
+
+    def __init__(self, app: web.Application, device: torch.device) -> None:
+        self.app = app
+        self.device = device
+        self.settings: Settings = app[SETTINGS]
+        self.mode = self.settings.model_control_mode
+        run_dir = self.settings.run_dir or os.environ.get("SCORING_RUN_DIR")
+        self.model_set_path = Path(run_dir) / MODEL_SET_FILE if run_dir else None
+        self._lock = asyncio.Lock()
+        self._seen: dict[str, dict[str, str]] = {}  # poll: name -> version -> fingerprint
+
+    # --- what loads at start -----------------------------------------------------------------
+
+    def boot_names(self) -> tuple[str, ...]:
+        """The models this worker loads at start: ``SCORING_MODELS`` (empty: all), or in explicit
+        mode the server's current model set when one was written."""
+        current = self.model_set()
+        return tuple(current) if current is not None else self.settings.model_names
+
+    def model_set(self) -> list[str] | None:
+        """The model set ``models.json`` holds (explicit mode), or None when there is none."""
+        if self.mode != "explicit" or self.model_set_path is None:
+            return None
+        try:
+            names = json.loads(self.model_set_path.read_text())["models"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        return [str(n) for n in names]
+
+    def _write_model_set(self, names: list[str]) -> None:
+        if self.model_set_path is None:
+            return
+        tmp = self.model_set_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"models": sorted(set(names))}))
+        tmp.replace(self.model_set_path)
+
+    # --- the API: this worker and its siblings ------------------------------------------------
+
+    async def request(self, action: str, name: str) -> None:
+        """Apply ``action`` (:data:`LOAD` or :data:`UNLOAD`) to model ``name`` here and on every
+        ready sibling; return once all have.
+
+        Raises:
+            ModelControlFailed: the mode refuses it (``none``, ``poll``), an unknown model, or
+                the change failed on some worker (each named, with why).
+        """
+        if self.mode != "explicit":
+            why = "polls its repository" if self.mode == "poll" else "does not change models while it runs"
+            raise ModelControlFailed(
+                f"model control mode is {self.mode!r}: the server {why}; set "
+                "SCORING_MODEL_CONTROL_MODE=explicit to load and unload models through the API"
+            )
+        registry = self.app[REGISTRY]
+        current = self.model_set() or sorted(set(registry.versions) | set(registry.unloaded))
+        if action == LOAD:
+            self._write_model_set([*current, name])
+        else:
+            self._write_model_set([n for n in current if n != name])
+        siblings = self.app[SIBLINGS]
+        here, there = await asyncio.gather(self.apply(action, name), siblings.apply(action, name))
+        failures = {os.getpid(): here} if here else {}
+        failures.update(there)
+        if failures:
+            detail = "; ".join(f"worker {pid}: {why}" for pid, why in sorted(failures.items()))
+            raise ModelControlFailed(
+                f"{action} of model {name!r} failed on {len(failures)} worker(s): {detail}"
+            )
+
+    async def apply(self, action: str, name: str) -> str | None:
+        """Apply ``action`` to ``name`` in this worker only (what a sibling asks of it); the
+        reason it failed, or None."""
+        async with self._lock:
+            try:
+                if action == LOAD:
+                    return await self._load(name)
+                if action == UNLOAD:
+                    return await self._unload(name, "unloaded")
+                return f"unknown model control action {action!r}"
+            except ModelLoadError as exc:
+                return scrub_paths(str(exc), self.settings.model_repository)
+
+    # --- the changes ------------------------------------------------------------------------
+
+    def _selected(self, name: str) -> list[ModelConfig]:
+        """The versions of ``name`` its ``version_policy`` selects, read from the repository now.
+
+        Raises:
+            ModelLoadError: no folder declares the model (or its ``model.toml`` cannot be read).
+        """
+        found = scan(self.settings.model_repository)
+        registry = self.app[REGISTRY]
+        broken = {u.name: u.reason for u in found.unavailable}
+        configs = [c for c in serving(found).configs if c.name == name]
+        if not configs:
+            registry.unavailable.pop(name, None)
+            if name in broken:
+                registry.unavailable[name] = broken[name]
+                raise ModelLoadError(f"model {name}: {broken[name]}")
+            raise ModelLoadError(f"model {name!r} is in no folder of the repository")
+        if name in broken:
+            registry.unavailable[name] = broken[name]
+        else:
+            registry.unavailable.pop(name, None)
+        return configs
+
+    async def _load(self, name: str) -> str | None:
+        registry = self.app[REGISTRY]
+        selected = self._selected(name)
+        registry.unloaded.pop(name, None)
+        versions = registry.versions.get(name, {})
+        failures = []
+        for config in selected:
+            model = versions.get(config.version)
+            if model is not None and model.ready and model.fingerprint == fingerprint(config.path):
+                continue  # unchanged: it keeps serving
+            if model is None or model.unloading:
+                model = registry.add(config)
+            elif model.unit is None:
+                model.config = config  # a failed or unloaded version: try its folder as it is now
+            model.settled.clear()
+            model.error = None
+            if not await try_load(self.app, model, self.device, config, retry=False):
+                failures.append(f"version {config.version}: {model.error}")
+        if failures:
+            return f"model {name}: " + "; ".join(failures)
+        wanted = {c.version for c in selected}
+        await asyncio.gather(
+            *(
+                unload_version(self.app, m)
+                for v, m in list(versions.items())
+                if v not in wanted and not m.unloading
+            )
+        )
+        return None
+
+    async def _unload(self, name: str, why: str) -> str | None:
+        registry = self.app[REGISTRY]
+        models = [m for m in registry.versions.get(name, {}).values() if not m.unloading]
+        if not models and name not in registry.unloaded and name not in registry.unavailable:
+            return f"model {name!r} is not loaded"
+        registry.unloaded[name] = why
+        registry.unavailable.pop(name, None)
+        await asyncio.gather(*(unload_version(self.app, m) for m in models))
+        return None
+
+    # --- after boot, and polling ---------------------------------------------------------------
+
+    async def reconcile(self) -> None:
+        """Bring this worker to the server's model set (explicit mode), which may have changed
+        while it booted."""
+        wanted = self.model_set()
+        if wanted is None:
+            return
+        registry = self.app[REGISTRY]
+        for name in wanted:
+            if name not in registry.versions and name not in registry.unavailable:
+                why = await self.apply(LOAD, name)
+                if why:
+                    log.warning("model %s (in the server's model set) did not load here: %s", name, why)
+        for name in [n for n in registry.versions if n not in wanted]:
+            await self.apply(UNLOAD, name)
+
+    async def poll(self) -> None:
+        """Until cancelled: every ``repository_poll_s`` seconds, load what is new or changed in
+        the repository and unload what is gone (this worker only; every worker polls)."""
+        names = set(self.settings.model_names)
+        self._seen = self._snapshot(names)
+        while True:
+            await asyncio.sleep(self.settings.repository_poll_s)
+            seen = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, names)
+            registry = self.app[REGISTRY]
+            for name in sorted(set(seen) | set(self._seen)):
+                if name not in seen:
+                    if name in registry.versions:
+                        log.info("model %s left the repository: unloading it", name)
+                        await self.apply(UNLOAD, name)
+                elif seen[name] != self._seen.get(name):
+                    log.info("model %s changed in the repository: loading it", name)
+                    why = await self.apply(LOAD, name)
+                    if why:
+                        log.warning("poll: %s", why)
+            self._seen = seen
+
+    def _snapshot(self, names: set[str]) -> dict[str, dict[str, str]]:
+        """name -> version -> fingerprint of every selected version in the repository (only
+        ``names`` when given)."""
+        try:
+            found = serving(scan(self.settings.model_repository))
+        except ModelLoadError as exc:
+            log.warning("poll: %s", exc)
+            return self._seen
+        out: dict[str, dict[str, str]] = {}
+        for config in found.configs:
+            if not names or config.name in names:
+                out.setdefault(config.name, {})[config.version] = fingerprint(config.path)
+        return out
+
+
+CONTROL = web.AppKey("model_control", ModelControl)
+
+
+# --- the worker's model set from start to stop (the app's ``cleanup_ctx``) --------------------
+
+
+async def models_ctx(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``: the models of :meth:`ModelControl.boot_names` loaded in the background,
+    the hung-inference watchdog, repository polling (``poll`` mode); on cleanup the units stop
+    and the models are freed (not when an inference thread is stuck or a load is still under way).
+    """
+    settings = app[SETTINGS]
+    registry = app[REGISTRY]
+    device = resolve_device(settings.device)
+    control = app[CONTROL] = ModelControl(app, device)
+    names = control.boot_names()
+    found = scan(settings.model_repository, names if control.model_set() is None else ())
+    chosen = serving(found)
+    for config in chosen.configs:
+        if not names or config.name in names:
+            registry.add(config)
+        else:  # explicit mode, not in the server's model set
+            registry.unloaded[config.name] = "not loaded"
+    registry.unavailable.update({u.name: u.reason for u in found.unavailable if not names or u.name in names})
+    registry.strict = settings.strict_readiness
+    torch.set_num_threads(settings.effective_torch_threads(settings.workers))
+    app[TASKS] = set()
+    loop = asyncio.get_running_loop()
+    task = loop.create_task(_load_all(app, device, control))
+    app[LOAD_TASK] = task
+    background = []
+    if settings.hung_inference_s > 0:
+        background.append(loop.create_task(watch_inference(app, settings.hung_inference_s), name="watchdog"))
+    try:
+        await _defer_listening(app)
+        yield
+    finally:
+        registry.draining = True
+        loaded = (
+            task.done()
+            and not task.cancelled()
+            and not any(m.error is None and not m.ready for m in registry.entries())
+        )
+        pending = [task, *background, *app[TASKS]]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        await release_all(app, loaded)
+
+
+async def _load_all(app: web.Application, device: torch.device, control: ModelControl) -> None:
+    registry = app[REGISTRY]
+    for name, reason in registry.unavailable.items():
+        log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
+    loaded = False
+    for model in registry.entries():
+        loaded = await try_load(app, model, device) or loaded
+    # Now that the models hold their CUDA context, check through NVML that it is on the
+    # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
+    worker = app[BINDING]
+    if loaded and worker.binding.gpu_uuid is not None:
+        await asyncio.get_running_loop().run_in_executor(None, verify_binding, worker.binding)
+    binding = worker.describe()["binding"]
+    models = [describe(m.runner) for m in registry.entries() if m.runner is not None]
+    log.info(
+        "worker %d %s: binding %s, models %s%s",
+        worker.pid, "ready" if registry.ready else "not ready", binding, models,
+        f", unavailable {sorted(registry.failures())}" if registry.failures() else "",
+        extra={"event": "worker_ready", "binding": binding, "models": models},
+    )  # fmt: skip
+    await control.reconcile()
+    if control.mode == "poll":
+        await control.poll()
+
+
+async def _defer_listening(app: web.Application) -> None:
+    """While another worker serves, keep this one off the listener until it is ready (every
+    model that can load is warm), or it is asked to stop. A replacement whose models cannot load
+    so stays off the listener, retrying, while its siblings serve. The gunicorn worker's boot
+    heartbeat keeps gunicorn informed meanwhile."""
+    loop = asyncio.get_running_loop()
+    registry = app[REGISTRY]
+    others_serving = app[SIBLINGS].others_serving
+    waited = False
+    while not registry.ready and not registry.draining and await loop.run_in_executor(None, others_serving):
+        waited = True
+        await asyncio.sleep(0.1)
+    if waited:
+        log.info("worker %d: models warm, listening (another worker served meanwhile)", os.getpid())

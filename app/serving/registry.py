@@ -1,0 +1,238 @@
+"""The model versions this worker serves, their states, and the typed app state around them.
+
+:class:`ModelRegistry` holds one :class:`ModelVersion` per (name, version): its config, its
+state (Triton's ``LOADING``, ``READY``, ``UNLOADING``, ``UNAVAILABLE`` with a reason) and, once
+loaded and warm, its serving unit (``app.serving.unit``). ``app.serving.lifecycle`` changes it;
+the data plane reads it on every request as plain dictionaries (``versions``, ``latest``), so
+a lookup is two dict lookups and no call.
+
+Which version a request that names none gets (``latest``): the highest version that serves,
+else the highest version (its requests then wait for it to load). A version that replaces
+another therefore takes its requests only once it is warm.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from app.errors import ModelNotFound, ModelNotReady, ModelUnloaded
+from app.models.repository import ModelConfig, version_key
+from app.observability.metrics import ModelStats
+from app.protocols.tensors import RequestLimits
+from app.serving.siblings import Siblings, Supervisor
+from app.settings import Settings
+
+if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
+    from app.models.runner import ModelRunner
+    from app.serving.executor import Threads
+    from app.serving.unit import ServingUnit
+
+log = logging.getLogger(__name__)
+
+LOADING, READY, UNLOADING, UNAVAILABLE = "LOADING", "READY", "UNLOADING", "UNAVAILABLE"
+
+
+@dataclass(eq=False)
+class ModelVersion:
+    """One model version in this worker: its config and, once loaded and warm, its runner and
+    serving unit."""
+
+    config: ModelConfig
+    runner: ModelRunner | None = None
+    unit: ServingUnit | None = None
+    #: The threads its runner and unit run on (its own: a swap loads beside the old copy).
+    threads: Threads | None = None
+    #: Set once the version serves, or once loading has failed (waiters then see the error).
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    #: This worker's Triton statistics of the version (fed by its unit's observer).
+    stats: ModelStats = field(default_factory=ModelStats)
+    #: Why the version cannot serve, or why its last load failed while an older copy serves
+    #: (no absolute paths); None when its last load succeeded or is under way.
+    error: str | None = None
+    #: True while its unit drains and its model is freed (unload, or replaced by a newer version).
+    unloading: bool = False
+    #: True once removed from the registry: a request that holds it looks its model up again.
+    retired: bool = False
+    #: What identifies the files it was loaded from (model control compares it).
+    fingerprint: str = ""
+
+    @property
+    def ready(self) -> bool:
+        """True while a serving unit takes its requests."""
+        return self.unit is not None and not self.unloading
+
+    @property
+    def state(self) -> str:
+        """Triton's model state: ``READY``, ``LOADING``, ``UNLOADING`` or ``UNAVAILABLE``."""
+        if self.unloading:
+            return UNLOADING
+        if self.unit is not None:
+            return READY
+        return UNAVAILABLE if self.error is not None else LOADING
+
+
+@dataclass(eq=False)
+class ModelRegistry:
+    """The model versions this worker serves, by name and version (module docstring)."""
+
+    versions: dict[str, dict[str, ModelVersion]] = field(default_factory=dict)
+    #: Per name, the version a request that names none gets.
+    latest: dict[str, ModelVersion] = field(default_factory=dict)
+    #: Model folders of the repository that cannot be served at all (a ``model.toml`` that could
+    #: not be read, a version declared twice): name -> reason (no absolute paths).
+    unavailable: dict[str, str] = field(default_factory=dict)
+    #: Models of the repository that model control unloaded, or has not loaded (explicit mode):
+    #: name -> why (their requests get 404; the index lists them UNAVAILABLE).
+    unloaded: dict[str, str] = field(default_factory=dict)
+    #: Readiness needs every model of the repository warm (Triton's ``--strict-readiness``);
+    #: False: every model that can load has, and at least one is warm.
+    strict: bool = False
+    draining: bool = False
+
+    def add(self, config: ModelConfig) -> ModelVersion:
+        """Register ``config`` (not yet loaded); a version of that name and number is replaced."""
+        model = ModelVersion(config)
+        self.versions.setdefault(config.name, {})[config.version] = model
+        self.refresh(config.name)
+        return model
+
+    def remove(self, model: ModelVersion) -> None:
+        """Take ``model`` out: requests no longer reach it (those holding it look again)."""
+        name = model.config.name
+        versions = self.versions.get(name, {})
+        if versions.get(model.config.version) is model:
+            del versions[model.config.version]
+        if not versions:
+            self.versions.pop(name, None)
+        model.retired = True
+        self.refresh(name)
+
+    def refresh(self, name: str) -> None:
+        """Recompute which version of ``name`` requests without a version get."""
+        ordered = sorted(self.versions.get(name, {}).values(), key=lambda m: version_key(m.config.version))
+        candidates = [m for m in ordered if not m.unloading]
+        if not candidates:
+            self.latest.pop(name, None)
+            return
+        self.latest[name] = ([m for m in candidates if m.ready] or candidates)[-1]
+
+    def entries(self) -> list[ModelVersion]:
+        """Every model version, in name then version order."""
+        return [
+            m
+            for name in sorted(self.versions)
+            for m in sorted(self.versions[name].values(), key=lambda m: version_key(m.config.version))
+        ]
+
+    def get(self, name: str, version: str | None = None) -> ModelVersion:
+        """The version addressed (version None: :attr:`latest`).
+
+        Raises:
+            ModelNotFound, ModelNotReady: see :meth:`missing`.
+        """
+        found = self.latest.get(name) if version is None else self.versions.get(name, {}).get(version)
+        if found is None:
+            raise self.missing(name, version)
+        return found
+
+    def missing(self, name: str, version: str | None) -> ModelNotFound | ModelNotReady:
+        """The error for a name or version not served: 404 listing what exists (or saying it was
+        unloaded), or 503 with the reason for a model folder that cannot be served."""
+        versions = self.versions.get(name)
+        if versions is not None and version is not None:
+            return ModelNotFound(f"model {name!r} has no version {version!r}; available: {sorted(versions)}")
+        unloaded = self.unloaded.get(name)
+        if unloaded is not None:
+            return ModelUnloaded(f"model {name!r} is not loaded ({unloaded})")
+        reason = self.unavailable.get(name)
+        if reason is not None:
+            return ModelNotReady(f"model {name!r} is unavailable: {reason}")
+        return ModelNotFound(f"model {name!r} not found; available: {sorted(self.versions)}")
+
+    def index(self, only_ready: bool = False) -> list[tuple[str, str, str, str]]:
+        """Triton's repository index: ``(name, version, state, reason)`` of every version (reason:
+        why it is not READY, or why its last load failed); only the READY ones when
+        ``only_ready``. A folder whose ``model.toml`` could not be read has version ""."""
+        rows = [(m.config.name, m.config.version, m.state, m.error or "") for m in self.entries()]
+        rows += [(name, "", UNAVAILABLE, reason) for name, reason in sorted(self.unavailable.items())]
+        rows += [(name, "", UNAVAILABLE, reason) for name, reason in sorted(self.unloaded.items())]
+        return [row for row in rows if row[2] == READY or not only_ready]
+
+    def failures(self) -> dict[str, str]:
+        """Every model that cannot be served now, ``name`` or ``name/version`` -> reason."""
+        failed = dict(self.unavailable)
+        for m in self.entries():
+            if m.error is not None and not m.ready:
+                failed[f"{m.config.name}/{m.config.version}"] = m.error
+        return failed
+
+    async def serving_unit(self, model: ModelVersion, deadline: float) -> ServingUnit:
+        """``model``'s serving unit once it serves: a request that reaches a worker still loading
+        waits, within its deadline (``loop.time()``), rather than being refused, which keeps a
+        HUP reload or a worker restart free of failed requests.
+
+        Raises:
+            ModelNotReady: unavailable (its load failed: the reason, no Retry-After), unloaded,
+                not warm before ``deadline``, or the worker drains before it got warm (503 +
+                Retry-After).
+        """
+        if model.unit is None and not self.draining and model.error is None and not model.retired:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout_at(deadline):
+                    await model.settled.wait()
+        unit = model.unit
+        if unit is not None:
+            return unit
+        name = model.config.name
+        if model.error is not None:
+            raise ModelNotReady(f"model {name!r} is unavailable: {model.error}")
+        reason = "unloaded" if model.retired else "draining" if self.draining else "loading"
+        raise ModelNotReady(f"model {name!r} is not ready ({reason})", retry_after_s=1)
+
+    def begin_drain(self, reason: str) -> None:
+        """Start draining: readiness 503 from now on; every response closes its connection
+        (``app.http.connections``). Requests that still reach the worker are served. Idempotent."""
+        if self.draining:
+            return
+        self.draining = True
+        log.info(
+            "worker %d draining (%s): readiness 503, responses close their connections",
+            os.getpid(), reason, extra={"event": "drain", "reason": reason},
+        )  # fmt: skip
+
+    @property
+    def ready(self) -> bool:
+        """Server readiness: not draining, and every model warm (:attr:`strict`), or else every
+        model that can load warm and at least one of them."""
+        if self.draining:
+            return False
+        entries = self.entries()
+        if self.strict:
+            return bool(entries) and not self.unavailable and all(m.ready for m in entries)
+        return any(m.ready for m in entries) and all(m.ready or m.error is not None for m in entries)
+
+
+@dataclass(eq=False)
+class WorkerHealth:
+    """This worker's liveness and its count of responses (``max_requests`` recycling)."""
+
+    responses: int = 0
+    #: Why an inference thread is considered stuck (liveness turns 503), or None.
+    hung: str | None = None
+    #: Passes the hung-inference watchdog has made over the units.
+    watchdog_passes: int = 0
+
+
+SETTINGS = web.AppKey("settings", Settings)
+REGISTRY = web.AppKey("registry", ModelRegistry)
+HEALTH = web.AppKey("health", WorkerHealth)
+LIMITS = web.AppKey("request_limits", RequestLimits)
+SIBLINGS = web.AppKey("siblings", Siblings)
+SUPERVISOR = web.AppKey("supervisor", Supervisor)

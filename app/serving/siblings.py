@@ -1,0 +1,123 @@
+"""What the serving layer may ask of the process that runs it and of that process's sibling
+workers: two small interfaces, handed to :func:`app.main.create_app` at construction.
+
+- :class:`Siblings`: the other workers of this server. The data plane publishes this worker's
+  load through it, asks it whether a request should leave (scatter/gather of a large request,
+  forwarding of a request on a pinned gRPC connection) and has it run there; the keep-alive
+  policy asks whether a connection should move to a less-loaded sibling; startup asks whether
+  another worker serves already; model control applies a change on every sibling.
+- :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
+
+The gunicorn worker implements both (``app.server.balance.Balancer`` and
+``app.server.worker.ScoringWebWorker``); :class:`Alone` implements both for a worker with no
+siblings and nothing that restarts it: in-process tests, ``python -m aiohttp.web``, and a
+server whose balancing is off. Nothing is installed into serving state after construction, so
+the request path is the same under gunicorn and in tests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any, Protocol
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from app.serving.unit import ServingUnit
+
+Arrays = dict[str, np.ndarray]
+#: Runs (part of) a request on this worker: (inputs, absolute deadline) -> outputs.
+LocalRun = Callable[[Arrays, float], Coroutine[Any, Any, Arrays]]
+
+
+class Siblings(Protocol):
+    """This worker's sibling workers (module docstring)."""
+
+    def add_load(self, items: int) -> None:
+        """This worker took on (``items`` > 0) or finished (< 0) items: publish its load."""
+        ...
+
+    def should_shed(self) -> bool:
+        """Whether the response being prepared should close its connection so that a
+        less-loaded sibling takes the client's next one."""
+        ...
+
+    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+        """Whether a request of ``items`` items may leave this worker (cheap: asked of every
+        request); False runs it here without awaiting :meth:`route`."""
+        ...
+
+    async def route(
+        self,
+        unit: ServingUnit,
+        inputs: Arrays,
+        deadline: float,
+        request_id: str,
+        local: LocalRun,
+        *,
+        pinned: bool,
+    ) -> Arrays | None:
+        """The request's outputs when it ran (in part) on siblings, or None to run it here whole.
+
+        Raises:
+            ScoringError: a sibling's run failed (the same class), or it did not answer before
+                ``deadline`` (DeadlineExceeded).
+        """
+        ...
+
+    def others_serving(self) -> bool:
+        """Whether another worker of the server serves now (blocking: call it off the loop)."""
+        ...
+
+    async def apply(self, action: str, name: str) -> dict[int, str]:
+        """Have every ready sibling apply a model control ``action`` (``load``, ``unload``) to
+        model ``name`` (``app.serving.control``); each that failed, pid -> why ({} = all did)."""
+        ...
+
+
+class Supervisor(Protocol):
+    """The process that runs this app."""
+
+    def request_stop(self, reason: str) -> bool:
+        """Ask the process to drain and exit; False when nothing can stop it."""
+        ...
+
+
+class Alone:
+    """No siblings and no supervisor: every request runs here, nothing restarts the process."""
+
+    def add_load(self, items: int) -> None:
+        """Nobody reads it."""
+
+    def should_shed(self) -> bool:
+        """Never."""
+        return False
+
+    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+        """Never."""
+        return False
+
+    async def route(
+        self,
+        unit: ServingUnit,
+        inputs: Arrays,
+        deadline: float,
+        request_id: str,
+        local: LocalRun,
+        *,
+        pinned: bool,
+    ) -> Arrays | None:
+        """Here, whole."""
+        return None
+
+    def others_serving(self) -> bool:
+        """Nobody else."""
+        return False
+
+    async def apply(self, action: str, name: str) -> dict[int, str]:
+        """Nobody else to tell."""
+        return {}
+
+    def request_stop(self, reason: str) -> bool:
+        """Nothing restarts this process."""
+        return False

@@ -1,0 +1,400 @@
+"""One model version in one worker: its serving unit, three parts and the path between them.
+
+- the **queue** (:mod:`app.serving.queue`): requests waiting with their budgets, by priority
+  level, and the batches formed from them (dynamic batching);
+- the **admission policy** (:mod:`app.serving.admission`): whether one more request is taken
+  now, and what it learns from each batch;
+- the **executor** (:mod:`app.serving.executor`): the version's threads, running each batch
+  inline or staged (prepare -> predict -> finish), and pricing requests.
+
+:meth:`ServingUnit.infer` takes one request's validated arrays and absolute deadline (the event
+loop's clock), prices it, asks admission, queues it and waits for its outputs; the unit's task
+forms batches, hands them to the executor and delivers each request its rows. Lifecycle
+(``app.serving.lifecycle`` loads and frees the model): :meth:`start` once warm; :meth:`drain`
+lets what was routed here finish while new requests go elsewhere; :meth:`stop` fails the rest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
+from typing import Protocol
+
+import numpy as np
+
+from app.errors import (
+    DeadlineExceeded,
+    InferenceFailed,
+    InsufficientStorage,
+    InvalidInput,
+    QueueFull,
+    ScoringError,
+)
+from app.models.base import Segment
+from app.observability.metrics import ModelObserver, ModelStats
+from app.observability.tracing import RequestTrace, Tracing
+from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
+from app.serving.executor import (
+    Batch,
+    BatchExecutor,
+    BatchRunner,
+    RunningBatch,
+    Threads,
+    assemble,
+    outputs_between,
+)
+from app.serving.queue import Chunk, QueuedRequest, RequestQueue, Tensors, padded_to_longest, sort_by_cost
+
+log = logging.getLogger(__name__)
+
+
+class UnitObserver(Protocol):
+    """Receives a unit's events (``app.observability.metrics.ModelObserver``)."""
+
+    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
+
+    def padding(self, real_tokens: int, padded_tokens: int) -> None: ...
+
+    def rejected(self, reason: str) -> None: ...
+
+    def queue_depth(self, items: int) -> None: ...
+
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None: ...
+
+
+class ServingUnit:
+    """One model version's queue, admission policy and executor (module docstring).
+
+    Args: ``name``/``version`` (in messages); ``runner`` (``app.models.runner.ModelRunner`` or a
+    test double) and its ``threads`` (an ``Executor`` alone: the inference thread), ``staged``;
+    the batch and queue bounds of ``model.toml`` (``max_batch_size`` and ``queue_capacity`` in
+    items, ``max_queue_delay_ms`` and ``gather_max_ms`` in ms, ``gather_turns``,
+    ``max_batch_bytes`` in bytes, ``max_batch_tokens`` in the handler's cost unit; None = no
+    bound); ``item_costs`` (one request's items -> int64 ``[B]``; None = not priced) and
+    ``batch_cost`` (int64 ``[N]`` -> a batch's cost); ``admission`` (``"measured_rate"`` or
+    ``"capacity"``) and ``admission_headroom`` (a share of the deadline); Triton's
+    ``priority_levels`` (0 = one level) and ``default_priority_level`` (0 = the lowest),
+    ``priority_aging`` and ``priority_fill`` (shares); ``observer`` of batches and refusals;
+    ``scatter`` (a request larger than a batch may be split over sibling workers).
+    Raises:
+        ValueError: bounds that contradict each other, or an unknown ``admission``.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        runner: BatchRunner,
+        threads: Threads | Executor,
+        *,
+        max_batch_size: int,
+        max_queue_delay_ms: float,
+        queue_capacity: int,
+        gather_turns: int = 0,
+        gather_max_ms: float = 2.0,
+        max_batch_bytes: int | None = None,
+        max_batch_tokens: int | None = None,
+        item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | None] | None = None,
+        batch_cost: Callable[[np.ndarray], float] | None = None,
+        staged: bool = False,
+        admission: str = "measured_rate",
+        admission_headroom: float = 0.5,
+        priority_levels: int = 0,
+        default_priority_level: int = 0,
+        priority_aging: float = 0.75,
+        priority_fill: float = 0.25,
+        observer: UnitObserver | None = None,
+        version: str = "1",
+        scatter: bool = True,
+        tracing: Tracing | None = None,
+    ) -> None:
+        if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
+            raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
+        self.name, self.version, self.scatter = name, version, scatter
+        self.max_batch_size = max_batch_size
+        self.max_queue_delay_s = max_queue_delay_ms / 1000.0
+        self.queue_capacity = queue_capacity
+        self.max_batch_bytes = max_batch_bytes
+        self.max_batch_tokens = max_batch_tokens
+        #: Whether requests are priced (``item_costs``): costs are then tokens.
+        self.priced = item_costs is not None
+        self.default_level = max(0, (default_priority_level or priority_levels or 1) - 1)
+        self._levels = priority_levels > 0  # per-level metrics only for a model with levels
+        self.queue = RequestQueue(
+            max_batch_size=max_batch_size,
+            max_queue_delay_s=self.max_queue_delay_s,
+            gather_turns=gather_turns,
+            gather_max_s=gather_max_ms / 1000.0,
+            max_batch_bytes=max_batch_bytes,
+            max_batch_tokens=max_batch_tokens,
+            batch_cost=batch_cost or padded_to_longest,
+            levels=max(1, priority_levels),
+            aging=priority_aging,
+            fill=lambda cost: self.admission.fill_limit(cost, priority_fill),
+            margin=lambda: self.longest_batch_s,
+        )
+        self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
+        self.admission: AdmissionPolicy = policy(admission, self, admission_headroom)
+        self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, version)
+        self.tracing = tracing
+        #: The longest recent batch, seconds: a longer one replaces it; it decays 10 % a batch.
+        self.longest_batch_s = 0.0
+        self._reported_depth, self._stopped = 0, False
+        self._task: asyncio.Task[None] | None = None
+        self._active = 0  # infer() calls in progress (drain waits for none)
+        self._idle: asyncio.Event | None = None
+
+    # --- what admission reads (app.serving.admission.Backlog) ------------------------------
+
+    def queued(self, level: int | None = None) -> tuple[int, float]:
+        return self.queue.queued(level)  # (items, cost) at ``level`` and above; None: all
+
+    def running(self) -> list[tuple[float, float]]:
+        """(``loop.time()`` at start, cost) of the batches running, oldest first."""
+        return [(r.started, r.cost) for r in self.executor.running]
+
+    @property
+    def running_batch(self) -> RunningBatch | None:
+        """The oldest batch running, or None (the hung-inference watchdog reads it)."""
+        return self.executor.running[0] if self.executor.running else None
+
+    def expected_wait_s(self, now: float) -> float:
+        """Expected seconds before a request sent now would start computing (0 when unknown)."""
+        return max(0.0, self.admission.backlog_s(now) - self.max_queue_delay_s)
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Start forming batches on the running event loop."""
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"unit:{self.name}")
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until every request routed here has its answer; new
+        requests should go elsewhere meanwhile. True when it emptied in time."""
+        if self._active:
+            self._idle = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(timeout_s):
+                    await self._idle.wait()
+        return self._active == 0
+
+    async def stop(self) -> None:
+        """Stop forming batches; requests still queued or in a batch fail with 503."""
+        self._stopped = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self.executor.stop()
+        for request in self.queue.requests():
+            self._fail(request, QueueFull(f"model {self.name} is unloading"))
+
+    # --- a request --------------------------------------------------------------------------
+
+    def refuse_early(self, deadline: float) -> ScoringError | None:
+        """The refusal a request would get whatever its size (counted), judged before its body is
+        decoded, or None (``app.serving.admission.AdmissionPolicy.refuse_early``)."""
+        now = asyncio.get_running_loop().time()
+        # its priority is in the body: judged as the highest level could be (the full admission
+        # after decoding judges it at its own)
+        refusal = self.admission.refuse_early(deadline - now, now, 0 if self._levels else None)
+        if refusal is None:
+            return None
+        self.observer.rejected(refusal.reason)
+        return refusal.error
+
+    def level(self, priority: int | None) -> int:
+        """The queue level of Triton's request ``priority``; InvalidInput above the levels."""
+        return self.queue.level(priority, self.default_level)
+
+    async def infer(
+        self,
+        inputs: Mapping[str, np.ndarray],
+        *,
+        deadline: float,
+        request_id: str = "-",
+        is_disconnected: Callable[[], bool] | None = None,
+        level: int | None = None,
+        trace: RequestTrace | None = None,
+    ) -> Tensors:
+        """Price and queue one request's items and wait for its outputs.
+
+        Args: ``inputs``, one array per model input with the same axis-0 length B >= 1;
+        ``deadline``, the ``loop.time()`` by which the outputs are due; ``request_id``, echoed in
+        errors and logs; ``is_disconnected``, polled before its items join a batch (True drops
+        them); ``level``, its queue level (:meth:`level`; None: the default); ``trace``, its
+        spans (``app.observability.tracing``).
+
+        Returns:
+            One array per model output, axis 0 = the request's B items in order.
+
+        Raises:
+            InvalidInput: B is 0 or more than the queue capacity, or the model refused an item.
+            PayloadTooLarge: one item alone is over ``max_batch_bytes`` or ``max_batch_tokens``.
+            QueueFull: refused by admission, or the unit is unloading (503 + Retry-After).
+            DeadlineExceeded: the deadline passed first, or even alone it could not finish (504).
+            InferenceFailed: the model raised on a batch holding these items (500).
+            InsufficientStorage: an item does not fit in device memory alone (507).
+        """
+        size = len(next(iter(inputs.values())))
+        if size < 1:
+            raise InvalidInput("a request needs at least one item")
+        if size > self.queue_capacity:
+            raise InvalidInput(
+                f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
+                "per request"
+            )
+        loop = asyncio.get_running_loop()
+        arrival = loop.time()
+        request: QueuedRequest | None = None
+        self._active += 1
+        try:
+            # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
+            # deadline. The 504 is counted here only, once per request, whoever saw it first.
+            async with asyncio.timeout_at(deadline):
+                level = self.default_level if level is None else level
+                if self.priced and self.queue.items:
+                    self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
+                tokens = await self.executor.price(inputs) if self.priced else None
+                order = None
+                if tokens is not None:
+                    inputs, tokens, order = sort_by_cost(inputs, tokens)
+                costs = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
+                                          self.max_batch_tokens)  # fmt: skip
+                cost = int(tokens.sum()) if tokens is not None else size
+                if self._stopped:
+                    raise QueueFull(f"model {self.name} is unloading")
+                self._admit(size, cost, level, deadline, request_id)
+                request = QueuedRequest(
+                    inputs, size, deadline, arrival, request_id, is_disconnected, loop.create_future(),
+                    costs, tokens, order, level, trace, pending=size,
+                )  # fmt: skip
+                self.queue.put(request)
+                if self.queue.items - self._reported_depth >= self.max_batch_size:
+                    self._report_depth()  # a backlog builds up behind a running batch
+                return await request.future
+        except TimeoutError:
+            self.observer.rejected("deadline")
+            raise DeadlineExceeded(
+                f"model {self.name}: request {request_id} did not finish within "
+                f"{(deadline - arrival) * 1000:.0f} ms"
+            ) from None
+        except DeadlineExceeded:
+            if request is not None:
+                self.observer.rejected("deadline")
+            raise
+        finally:
+            if request is not None:
+                if not request.future.done():
+                    request.future.cancel()
+                self._discard(request)
+            if trace is not None and trace.queue is not None:  # refused, or left before a batch
+                trace.queue.end()
+            self._active -= 1
+            if not self._active and self._idle is not None:
+                self._idle.set()
+
+    def _admit(self, size: int, cost: float, level: int, deadline: float, request_id: str) -> None:
+        """Ask admission (``cost`` 0: before pricing, a certain refusal only); raise its refusal."""
+        now = asyncio.get_running_loop().time()
+        refusal = self.admission.refusal(size, cost, level, deadline - now, now, f"request {request_id}")
+        if refusal is None and not cost:
+            return
+        if self._levels:
+            self.observer.prioritized(level, "admitted" if refusal is None else "refused")
+        if refusal is not None:
+            self.observer.rejected(refusal.reason)
+            raise refusal.error
+
+    # --- batches ----------------------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        executor, queue = self.executor, self.queue
+        while True:
+            await executor.room()
+            chunks, formed_at = await queue.next_batch(self._drop)
+            self._report_depth()
+            if self._levels:
+                for chunk in chunks:
+                    if chunk.start == 0:  # the request's first batch
+                        self.observer.prioritized(chunk.request.level, "", formed_at - chunk.request.arrival)
+            if not chunks:
+                executor.no_batch()
+                continue
+            batch = Batch(chunks, formed_at, queue.batch_cost)
+            if self.tracing is not None:
+                traced = [r.trace for r in batch.requests.values() if r.trace is not None]
+                if traced:
+                    batch.trace = self.tracing.batch(traced, batch.items, len(batch.requests), batch.cost)
+            await executor.run(batch, self._done, self._failed)
+
+    def _done(self, batch: Batch, segments: list[Segment], compute_s: float) -> None:
+        if batch.trace is not None:
+            batch.trace.ran(compute_s)
+        self.admission.observe(batch.cost, compute_s, batch.real_tokens)
+        self.longest_batch_s = max(compute_s, 0.9 * self.longest_batch_s)
+        if batch.real_tokens:
+            self.observer.padding(batch.real_tokens, int(batch.cost))
+        self.observer.batch_done(batch.items, len(batch.requests), batch.queue_s, compute_s)
+        offset = 0
+        for chunk in batch.chunks:
+            size = chunk.stop - chunk.start
+            self._deliver(chunk, outputs_between(segments, offset, offset + size))
+            offset += size
+
+    def _failed(self, batch: Batch, exc: BaseException) -> None:
+        if batch.trace is not None:
+            batch.trace.ran(0.0, exc)
+        if isinstance(exc, asyncio.CancelledError):
+            for request in batch.requests.values():
+                self._fail(request, QueueFull(f"model {self.name} is unloading"))
+            return
+        ids = ", ".join(r.request_id for r in batch.requests.values())
+        log.error("model %s failed on a batch of %d items (requests %s)", self.name, batch.items, ids,
+                  exc_info=exc)  # fmt: skip
+        for r in batch.requests.values():
+            why = f"model {self.name} failed on a batch holding request {r.request_id}: {type(exc).__name__}"
+            self._fail(r, InferenceFailed(why))
+
+    def _deliver(self, chunk: Chunk, outputs: Tensors | Segment) -> None:
+        request = chunk.request
+        if request.future.done():
+            return
+        if isinstance(outputs, Segment):
+            if outputs.error is not None:
+                error = outputs.error
+                self._fail(request, type(error)(f"{error.message} (request {request.request_id})"))
+                return
+            self.observer.rejected("out_of_memory")
+            why = f"model {self.name}: an item of request {request.request_id} does not fit in device memory"
+            self._fail(request, InsufficientStorage(why + " even alone"))
+            return
+        request.parts.append((chunk.start, outputs))
+        request.pending -= chunk.stop - chunk.start
+        if request.pending == 0:
+            request.future.set_result(assemble(request))
+
+    def _discard(self, request: QueuedRequest) -> None:
+        """Forget a request: its queued items no longer count."""
+        if self.queue.forget(request):  # it expired or its client left while queued
+            self._report_depth()
+
+    def _fail(self, request: QueuedRequest, error: ScoringError) -> None:
+        if not request.future.done():
+            request.future.set_exception(error)
+        self._discard(request)
+
+    def _drop(self, request: QueuedRequest, error: ScoringError, reason: str | None) -> None:
+        if reason is not None:
+            self.observer.rejected(reason)
+        self._fail(request, error)
+
+    def _report_depth(self) -> None:
+        """Tell the observer the queue depth: once per batch formed, when items leave early, and
+        when it has grown by a whole batch since (the gauge is a shared-memory write)."""
+        self._reported_depth = self.queue.items
+        self.observer.queue_depth(self.queue.items)

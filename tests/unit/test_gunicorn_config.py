@@ -1,0 +1,115 @@
+"""The gunicorn configuration read both ways: the checkout's thin ``gunicorn.conf.py`` and the
+packaged module (``-c python:app.server.gunicorn_config``, what ``scoring-server`` passes) give
+gunicorn the same settings and hooks, and a reload (what gunicorn does at SIGHUP) reads either
+afresh. Each form is read by gunicorn's own ``WSGIApplication`` in a child Python process (the
+configuration sets environment variables and counts GPUs at import), without torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.server import cli
+from tests.support.fake_gpus import write_unavailable
+from tests.support.gunicorn import ROOT
+
+FORMS = ("gunicorn.conf.py", cli.CONFIG)
+
+#: Run in the child: read the configuration as gunicorn does at start, then "reload" twice with
+#: another SCORING_WORKERS each time, calling the hooks the arbiter calls in between.
+CHILD = r"""
+import json, logging, os, sys, types
+from gunicorn.app.wsgiapp import WSGIApplication
+
+def shown(value):
+    if callable(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    return repr(value)
+
+sys.argv = ["gunicorn", "-c", sys.argv[1]]
+os.environ["SCORING_WORKERS"] = "1"
+app = WSGIApplication("%(prog)s [OPTIONS] [APP_MODULE]")
+settings = {k: shown(s.get()) for k, s in app.cfg.settings.items() if k != "config"}
+server = types.SimpleNamespace(cfg=app.cfg, log=logging.getLogger("test"))
+app.cfg.on_starting(server)                      # Arbiter.start
+workers = [app.cfg.workers]
+os.environ["SCORING_WORKERS"] = "3"
+app.reload()                                     # Arbiter.reload at SIGHUP
+workers.append(app.cfg.workers)
+app.cfg.on_reload(server)
+os.environ["SCORING_WORKERS"] = "2"
+app.reload()
+workers.append(app.cfg.workers)
+print(json.dumps({"settings": settings, "workers": workers, "torch": "torch" in sys.modules}))
+"""
+
+
+def read_config(form: str, tmp: Path) -> dict[str, Any]:
+    write_unavailable(tmp / "nvml.json")  # CPU mode on any machine
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "GPU_STAT_", "PROMETHEUS_"))}
+    env.update(
+        SCORING_RUN_DIR=str(tmp / "run"),
+        GPU_STAT_FAKE_NVML=str(tmp / "nvml.json"),
+        SCORING_GRPC_PORT="0",
+        PYTHONPATH=str(ROOT),
+    )
+    env.pop("GUNICORN_CMD_ARGS", None)
+    done = subprocess.run(
+        [sys.executable, "-c", CHILD, form], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0, done.stderr
+    result: dict[str, Any] = json.loads(done.stdout.splitlines()[-1])
+    return result
+
+
+@pytest.fixture(scope="module")
+def configs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    tmp = tmp_path_factory.mktemp("config")  # one run directory: settings derived from it agree
+    return {form: read_config(form, tmp) for form in FORMS}
+
+
+def test_both_forms_give_gunicorn_the_same_settings_and_hooks(configs: dict[str, dict[str, Any]]) -> None:
+    thin, packaged = (configs[form]["settings"] for form in FORMS)
+    assert thin == packaged
+    module = "app.server.gunicorn_config"
+    for hook in ("on_starting", "on_reload", "pre_fork", "post_fork", "child_exit", "on_exit"):
+        assert thin[hook] == f"{module}.{hook}", hook
+    assert thin["wsgi_app"] == repr("app.main:create_app")
+    assert thin["worker_class"] == repr("app.server.worker.ScoringWebWorker")
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_a_reload_reads_the_configuration_afresh(configs: dict[str, dict[str, Any]], form: str) -> None:
+    """``-c python:<module>`` imports the module: without the module forgetting itself a reload
+    would keep the first reading (1, 1, 1)."""
+    assert configs[form]["workers"] == [1, 3, 2]
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_master_does_not_import_torch(configs: dict[str, dict[str, Any]], form: str) -> None:
+    assert configs[form]["torch"] is False
+
+
+def test_the_console_command_is_gunicorn_with_the_packaged_config() -> None:
+    assert cli.gunicorn_args(["-w", "4", "my.app:make"]) == ["-c", cli.CONFIG, "-w", "4", "my.app:make"]
+
+
+def test_the_console_command_shows_gunicorns_help() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "app.server.cli", "--help"],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: scoring-server [OPTIONS] [APP_MODULE]")
+    assert "--worker-class" in done.stdout and "--config CONFIG" in done.stdout

@@ -1,0 +1,91 @@
+"""``POST /v1/embeddings`` (OpenAI's embeddings API) in process, through the stock ``openai``
+client: a string and a list, float and base64, usage from the model's tokens, the same vectors as
+V2, OpenAI's error shape for what is refused."""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import openai
+import pytest
+
+from tests.support.fixtures import Client, MakeClient
+from tests.support.toy_models import write_embed_model, write_scale_model
+
+TEXTS = ["a short title", "a somewhat longer description of an item", "ünïcödé"]
+
+
+def client_of(http: Client) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=str(http.make_url("/v1")), api_key="unused", max_retries=0)
+
+
+async def v2_embeddings(http: Client, texts: list[str]) -> np.ndarray:
+    body = {"inputs": [{"name": "text", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}]}
+    answer = await (await http.post("/v2/models/embed/infer", json=body)).json()
+    out = next(o for o in answer["outputs"] if o["name"] == "embedding")
+    return np.array(out["data"], np.float32).reshape(out["shape"])
+
+
+@pytest.mark.parametrize(
+    "encoding_format", [openai.NOT_GIVEN, "float", "base64"], ids=["default", "float", "base64"]
+)
+async def test_the_stock_client_gets_the_v2_vectors(
+    make_client: MakeClient, tmp_path: Path, encoding_format: Any
+) -> None:
+    """Not given, the client asks for base64 and decodes it itself; asked for, it hands over what
+    it got."""
+    write_embed_model(tmp_path)
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    one = await client.embeddings.create(model="embed", input=TEXTS[0], encoding_format=encoding_format)
+    many = await client.embeddings.create(model="embed", input=TEXTS, encoding_format=encoding_format)
+    want = await v2_embeddings(http, TEXTS)
+    assert [d.index for d in many.data] == [0, 1, 2] and one.model == "embed" and one.object == "list"
+    for got, expected in (
+        (one.data[0].embedding, want[0]),
+        *((d.embedding, w) for d, w in zip(many.data, want, strict=True)),
+    ):
+        # asked for base64, the client hands the string over as sent: little-endian float32
+        vector = (
+            np.frombuffer(base64.b64decode(got), "<f4")
+            if isinstance(got, str)
+            else np.asarray(got, np.float32)
+        )
+        assert float(vector @ expected / np.linalg.norm(vector) / np.linalg.norm(expected)) >= 0.99999
+    assert many.usage.prompt_tokens == many.usage.total_tokens == sum(len(t.split()) for t in TEXTS)
+    await client.close()
+
+
+async def test_bad_requests_get_openais_error_shape(make_client: MakeClient, tmp_path: Path) -> None:
+    write_embed_model(tmp_path)
+    write_scale_model(tmp_path)
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    cases = [
+        ({"model": "nowhere", "input": "x"}, openai.NotFoundError, "not found"),
+        ({"model": "scale", "input": "x"}, openai.BadRequestError, "does not produce embeddings"),
+        ({"model": "embed", "input": [[1, 2, 3]]}, openai.BadRequestError, "token arrays"),
+        ({"model": "embed", "input": []}, openai.BadRequestError, "non-empty"),
+        ({"model": "embed", "input": "x", "dimensions": 8}, openai.BadRequestError, "4-dimensional"),
+    ]
+    for kwargs, error, message in cases:
+        with pytest.raises(error, match=message) as caught:
+            await client.embeddings.create(**kwargs)  # type: ignore[arg-type]
+        body = caught.value.body
+        assert isinstance(body, dict) and body["message"] and body["type"] == "invalid_request_error"
+    resp = await http.post("/v1/embeddings", data=b"{not json", headers={"Content-Type": "application/json"})
+    error = (await resp.json())["error"]
+    assert (
+        resp.status == 400
+        and error["type"] == "invalid_request_error"
+        and "invalid embeddings request" in error["message"]
+    )
+    metrics = await (await http.get("/metrics")).text()
+    assert (
+        'scoring_requests_total{code="200",model="embed",protocol="openai",version="1"}' not in metrics
+    )  # none ok
+    assert 'code="400",model="embed",protocol="openai"' in metrics
+    await client.close()
