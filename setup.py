@@ -53,11 +53,14 @@ setup(
         "safetensors>=0.4",
         "grpcio>=1.81.1",
         "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
-        # tracing (app.observability.tracing), imported only when the OTEL_* variables turn it on
-        "opentelemetry-sdk>=1.40",
-        "opentelemetry-exporter-otlp-proto-http>=1.40",
-        "opentelemetry-instrumentation-aiohttp-server>=0.61b0",
-        "opentelemetry-instrumentation-grpc>=0.61b0",
+        # tracing (app.observability.tracing), imported only when the OTEL_* variables turn it on.
+        # One OpenTelemetry release set: the instrumentations pin opentelemetry-instrumentation
+        # and the semantic conventions exactly (0.66b1 <-> SDK 1.45); with open ranges pip's
+        # resolver gave up on a fresh install (ResolutionImpossible), so they move together.
+        "opentelemetry-sdk>=1.45,<1.46",
+        "opentelemetry-exporter-otlp-proto-http>=1.45,<1.46",
+        "opentelemetry-instrumentation-aiohttp-server==0.66b1",
+        "opentelemetry-instrumentation-grpc==0.66b1",
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],

@@ -332,12 +332,25 @@ class Scan:
     unavailable: list[Unavailable]
 
 
+def declared_name(folder: Path) -> tuple[str | None, str]:
+    """The ``name`` and ``version`` that ``folder``'s ``model.toml`` declares even though it
+    fails validation: (None, "") when it cannot be parsed or names no valid model name."""
+    try:
+        raw = tomllib.loads((folder / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError):
+        return None, ""
+    name, version = raw.get("name"), str(raw.get("version", "1"))
+    if not isinstance(name, str) or not _NAME.match(name) or name in (".", ".."):
+        return None, ""
+    return name, version if _NAME.match(version) else ""
+
+
 def scan(repository: Path, names: tuple[str, ...] = ()) -> Scan:
     """Read the config of every model folder in ``repository`` (or only those of ``names``).
 
     A folder whose ``model.toml`` cannot be read or fails validation, and every folder of a
-    model version declared twice, is listed as unavailable (by folder name, or model name for
-    a duplicate) with its reason; the others are returned.
+    model version declared twice, is listed as unavailable with its reason (by the model name
+    its ``model.toml`` declares, else by folder name); the others are returned.
 
     Raises:
         ModelLoadError: the repository is missing or holds no model folder at all, or a
@@ -354,7 +367,8 @@ def scan(repository: Path, names: tuple[str, ...] = ()) -> Scan:
         try:
             configs.append(read_config(folder))
         except ModelLoadError as exc:
-            unavailable.append(Unavailable(folder.name, scrub_paths(str(exc), repository)))
+            name, version = declared_name(folder)
+            unavailable.append(Unavailable(name or folder.name, scrub_paths(str(exc), repository), version))
     if names:
         known = {c.name for c in configs} | {u.name for u in unavailable}
         missing = set(names) - known

@@ -185,6 +185,8 @@ class ModelControl:
             model.error = None
             if not await try_load(self.app, model, self.device, config, retry=False):
                 failures.append(f"version {config.version}: {model.error}")
+        if name in registry.unavailable:  # a folder of it that cannot be read: the call fails
+            failures.append(registry.unavailable[name])
         if failures:
             return f"model {name}: " + "; ".join(failures)
         wanted = {c.version for c in selected}

@@ -52,6 +52,7 @@ class ScaleHandler:
 
     parameters: ``factor``, ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
+    ``oom_on_load`` (load raises torch.OutOfMemoryError, as a full GPU does),
     ``crash_on_load`` (the worker process SIGKILLs itself while loading),
     ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
     sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
@@ -74,6 +75,8 @@ class ScaleHandler:
         marker = self.params.get("fail_load_if_exists")
         if marker and Path(marker).exists():
             raise RuntimeError(f"simulated load failure ({marker} exists)")
+        if self.params.get("oom_on_load"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
         if self.params.get("crash_on_load"):  # a native crash: the process dies at once
             os.kill(os.getpid(), signal.SIGKILL)
         self.BATCHES[self.name] = []

@@ -115,6 +115,45 @@ async def test_a_broken_new_version_leaves_the_old_one_serving(
     assert await index(client) == [("scale", "3", "READY")]
 
 
+async def test_out_of_memory_during_a_load_is_a_failed_load_not_a_dead_worker(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """A new version that runs out of device memory while loading fails that load: the old
+    version keeps serving, the index and the call's answer give the reason."""
+    write_scale_model(tmp_path, "scale", version="2", folder_name="scale-2")
+    client: Client = await make_client(tmp_path, model_control_mode="explicit")
+    write_scale_model(tmp_path, "scale", version="3", folder_name="scale-3", oom_on_load="yes")
+    resp = await client.post(LOAD)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "version 3" in error and "OutOfMemoryError" in error
+    status, body = await infer(client)
+    assert status == 200 and body["model_version"] == "2"
+    rows = await (await client.post("/v2/repository/index")).json()
+    v3 = next(r for r in rows if r["version"] == "3")
+    assert v3["state"] == "UNAVAILABLE" and "out of memory" in v3["reason"]
+
+
+async def test_a_new_version_whose_model_toml_fails_validation_fails_the_call(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """A new version folder whose ``model.toml`` declares the model but fails validation: the
+    load answers 400 with the reason, the index shows it, and version 2 keeps serving."""
+    write_scale_model(tmp_path, "scale", version="2", folder_name="scale-2")
+    client: Client = await make_client(tmp_path, model_control_mode="explicit")
+    toml = write_scale_model(tmp_path, "scale", version="3", folder_name="scale-3") / "model.toml"
+    toml.write_text(toml.read_text().replace("max_batch_size = 8", "max_batch_size = -1"))
+    resp = await client.post(LOAD)
+    error = (await resp.json())["error"]
+    assert resp.status == 400 and "scale-3/model.toml" in error and "max_batch_size" in error
+    assert str(tmp_path) not in error
+    status, body = await infer(client)
+    assert status == 200 and body["model_version"] == "2"
+    assert ("scale", "2", "READY") in await index(client) and ("scale", "", "UNAVAILABLE") in await index(client)
+    toml.write_text(toml.read_text().replace("max_batch_size = -1", "max_batch_size = 8"))
+    assert (await client.post(LOAD)).status == 200  # fixed: v3 serves
+    assert await index(client) == [("scale", "3", "READY")]
+
+
 @pytest.mark.parametrize("mode", ["none", "poll"])
 async def test_the_api_is_refused_outside_explicit_mode(
     make_client: MakeClient, tmp_path: Path, mode: str
