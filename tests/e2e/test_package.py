@@ -79,17 +79,15 @@ def _clean_env(**extra: str) -> dict[str, str]:
 
 def dependencies() -> list[str]:
     """This interpreter's site-packages folders, in ``sys.path`` order (those its own ``.pth``
-    files added included): where the server's dependencies are installed. Never the checkout."""
-    root = ROOT.resolve()
+    files added included): where the server's dependencies are installed. Never the checkout's
+    source folder itself; a virtual environment inside the checkout (``scripts/install``'s
+    ``.venv``) is a site-packages folder like any other."""
     return [
         path
         for path in dict.fromkeys(
             [*sys.path, sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]]
         )
-        if path
-        and Path(path).name in ("site-packages", "dist-packages")
-        and Path(path).is_dir()
-        and not Path(path).resolve().is_relative_to(root)
+        if path and Path(path).name in ("site-packages", "dist-packages") and Path(path).is_dir()
     ]
 
 
