@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -75,9 +74,10 @@ def test_minilm_swap_on_the_gpu_fails_nothing_and_gives_the_old_copy_back(
     stop = threading.Event()
 
     def sample() -> None:
-        while not stop.is_set():
+        while True:  # NVML sampled every 50 ms until the load call has returned
             peak[0] = max(peak[0], worker_gpu_bytes(worker.pid))
-            time.sleep(0.05)
+            if stop.wait(0.05):
+                return
 
     sampler = threading.Thread(target=sample, daemon=True)
     with SteadyLoad(server.port, f"/v2/models/{MINILM}/infer", BODY, connections=8) as load:
