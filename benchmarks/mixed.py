@@ -56,7 +56,10 @@ def _encoder(repository: Path, threads: int) -> Any:
     torch.set_num_threads(threads)
     config = read_config(repository / MINILM)
     model = SentenceTransformer(
-        str(resolve_model_dir(config.parameters, config.path)), device="cpu", local_files_only=True
+        str(resolve_model_dir(config.parameters, config.path)),
+        device="cpu",
+        local_files_only=True,
+        model_kwargs={"dtype": torch.float32},  # as the handler: not the stored dtype
     )
     if "max_seq_length" in config.parameters:
         model.max_seq_length = int(config.parameters["max_seq_length"])

@@ -75,12 +75,15 @@ def model_folder(model_dir: Path | None, package: str | None) -> Path:
 
 def load_pipeline(folder: Path, max_seq_length: int = 256, attn_implementation: str | None = None) -> Any:
     """The folder's ``SentenceTransformer`` on the CPU, float32, local files only (with
-    transformers' ``attn_implementation`` where given)."""
+    transformers' ``attn_implementation`` where given). float32 is asked for: transformers 5
+    loads a checkpoint in the dtype it is stored in by default, and many are stored in float16."""
     from sentence_transformers import SentenceTransformer
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-    kwargs = {"attn_implementation": attn_implementation} if attn_implementation else {}
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if attn_implementation:
+        kwargs["attn_implementation"] = attn_implementation
     model = SentenceTransformer(str(folder), device="cpu", local_files_only=True, model_kwargs=kwargs)
     model.max_seq_length = min(max_seq_length, model.max_seq_length or max_seq_length)
     return model.eval()
