@@ -5,12 +5,12 @@
 
 Run it here, on a machine with pip's index (it downloads), for the GPU host's Python; then copy
 the folder to the host beside the checkout. The host must already have a CUDA build of PyTorch
-with the Hugging Face stack and pytest (an NVIDIA PyTorch image has them): everything that
-``torch``, ``sentence-transformers``, ``onnxruntime`` and ``pytest`` need is taken to be there
-(:data:`HOST_ROOTS`), and everything else the server and its GPU tests need travels. The folder
+with the Hugging Face stack, onnxruntime and pytest (an NVIDIA PyTorch image has them): what
+``torch``, ``numpy`` and ``pytest`` need is taken to be there (:data:`HOST_ROOTS`), and
+everything else the server and its GPU tests need travels. The folder
 (``.gpu-bundle/`` by default, gitignored) holds three parts, each usable on its own:
 
-``wheels/`` (about 25 MB)
+``wheels/`` (about 17 MB)
     Binary wheels for ``--python-version`` on manylinux x86-64 of every package in the closure
     of the server's requirements and of :data:`TEST_ROOTS` that is not in the host's stack,
     pinned to the versions installed here, plus :data:`ALWAYS` (packages whose minimum versions
@@ -27,7 +27,8 @@ with the Hugging Face stack and pytest (an NVIDIA PyTorch image has them): every
     ``perf_analyzer.xz`` (``scripts/perf_analyzer``'s binary, from the ``tritonclient==2.41.1``
     wheel) and its libraries ``libcudart.so.12`` and ``libb64.so.0d``.
 
-``scripts/gpu-acceptance setup`` unpacks the compressed files into ``.cache/``. Each part is a
+On the host, ``--unpack DIR`` unpacks the compressed files (``scripts/gpu-acceptance setup``
+runs it with ``.cache/``). Each part is a
 separate folder so that a copy with a size limit can take only the parts a run needs; the
 script prints each part's size. Errors: a package of the closure that is not
 installed here (run ``scripts/install`` first) raises ``SystemExit``; pip's errors pass through.
@@ -177,13 +178,43 @@ def pack_minilm(out: Path, preset: int = 6) -> Path:
     return dest
 
 
-def unpack_minilm(folder: Path, dest: Path) -> Path:
-    """The bundle's ``minilm/`` folder as a loadable model folder at ``dest`` (what
-    ``scripts/gpu-acceptance setup`` does on the host); returns ``dest``."""
-    shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.xz"), dirs_exist_ok=True)
-    with lzma.open(folder / "model.safetensors.xz") as src, (dest / "model.safetensors").open("wb") as out:
+def unxz(source: Path, dest: Path) -> None:
+    """``source`` (xz) decompressed into ``dest``, unless ``dest`` is there already (a file
+    written whole: through ``dest.part``, renamed)."""
+    if dest.is_file():
+        return
+    part = dest.with_name(dest.name + ".part")
+    with lzma.open(source) as src, part.open("wb") as out:
         shutil.copyfileobj(src, out, 1 << 20)
+    part.rename(dest)
+
+
+def unpack_minilm(folder: Path, dest: Path) -> Path:
+    """The bundle's ``minilm/`` folder as a loadable model folder at ``dest``; returns ``dest``."""
+    shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.xz"), dirs_exist_ok=True)
+    unxz(folder / "model.safetensors.xz", dest / "model.safetensors")
     return dest
+
+
+def unpack_perf_analyzer(folder: Path, dest: Path) -> Path:
+    """The bundle's ``perf_analyzer/`` folder as ``scripts/perf_analyzer``'s cache at ``dest``
+    (``bin/perf_analyzer``, ``lib/``), which that script then uses without downloading."""
+    (dest / "bin").mkdir(parents=True, exist_ok=True)
+    shutil.copytree(folder, dest / "lib", ignore=shutil.ignore_patterns("*.xz"), dirs_exist_ok=True)
+    unxz(folder / "perf_analyzer.xz", dest / "bin" / "perf_analyzer")
+    (dest / "bin" / "perf_analyzer").chmod(0o755)
+    return dest
+
+
+def unpack(bundle: Path, into: Path) -> list[str]:
+    """Each part of ``bundle`` that holds compressed files, unpacked under ``into`` (``minilm/``,
+    ``perf_analyzer/``); returns the parts unpacked. Idempotent."""
+    done = []
+    if (bundle / "minilm" / "model.safetensors.xz").is_file():
+        done.append(str(unpack_minilm(bundle / "minilm", into / "minilm")))
+    if (bundle / "perf_analyzer" / "perf_analyzer.xz").is_file():
+        done.append(str(unpack_perf_analyzer(bundle / "perf_analyzer", into / "perf_analyzer")))
+    return done
 
 
 def pack_perf_analyzer(out: Path) -> Path:
@@ -231,7 +262,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", type=Path, default=ROOT / ".gpu-bundle")
+    parser.add_argument("--out", type=Path, default=ROOT / ".gpu-bundle", help="the bundle folder")
+    parser.add_argument(
+        "--unpack",
+        type=Path,
+        metavar="DIR",
+        help="on the host: unpack the bundle's compressed parts into DIR (no download) and stop",
+    )
     parser.add_argument("--python-version", default="3.12", help="the GPU host's Python (major.minor)")
     parser.add_argument(
         "--parts",
@@ -246,6 +283,9 @@ def main() -> int:
         help="also print the float16 rounding's min cosine over TEXTS texts",
     )
     args = parser.parse_args()
+    if args.unpack:
+        print("unpacked: " + (" ".join(unpack(args.out, args.unpack)) or "nothing"))
+        return 0
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
     unknown = parts - {"wheels", "minilm", "perf_analyzer"}
     if unknown:
