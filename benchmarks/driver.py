@@ -28,6 +28,7 @@ import ssl
 import time
 import urllib.error
 import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -183,15 +184,19 @@ def cycling(messages: Sequence[R], concurrency: int) -> Callable[[int], R]:
 
 
 def figures(answers: Sequence[Answer], items: int, concurrency: int, elapsed_s: float) -> dict[str, Any]:
-    """A run's row: ``concurrency``, ``requests`` (answered 200), ``errors``, ``items_per_s``
-    (``items`` per successful request over ``elapsed_s``), ``p50_ms`` and ``p99_ms`` of the
-    successful requests (NaN when none succeeded)."""
+    """A run's row: ``concurrency``, ``requests`` (answered 200), ``errors`` (every other
+    answer), ``statuses`` (their count per HTTP status, as strings: ``{"503": 4}``; a status of 0
+    is a connection error), ``items_per_s`` (``items`` per successful request over
+    ``elapsed_s``), ``p50_ms`` and ``p99_ms`` of the successful requests (NaN when none
+    succeeded)."""
     ok = [a.latency_s * 1000 for a in answers if a.status == 200]
     p50, p99 = percentiles(ok, (50, 99))
+    statuses = Counter(str(a.status) for a in answers if a.status != 200)
     return {
         "concurrency": concurrency,
         "requests": len(ok),
         "errors": len(answers) - len(ok),
+        "statuses": dict(sorted(statuses.items())),
         "items_per_s": len(ok) * items / elapsed_s,
         "p50_ms": p50,
         "p99_ms": p99,
