@@ -146,7 +146,9 @@ def feed_ranker(repository: Path, device: Any, seconds: float) -> dict[str, Any]
     largest = config.max_batch_size
     features = np.random.default_rng(0).normal(size=(largest, 32)).astype(np.float32)
     rows: dict[str, Any] = {}
-    for name, cfg in (("eager", config), ("cuda_graphs", with_graphs(config, powers_of_two(largest)))):
+    eager, graphed = with_graphs(config, []), with_graphs(config, powers_of_two(largest))
+    configs = (("eager", eager), ("cuda_graphs", graphed))
+    for name, cfg in configs:
         runner = load(cfg, device)
         rows[name] = {
             "captured": runner.handler.cuda_graph_batch_sizes,
