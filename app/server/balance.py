@@ -73,6 +73,7 @@ from app.server import rundir
 
 if TYPE_CHECKING:
     from app.server.router import Router
+    from app.serving.context import RequestContext
     from app.serving.siblings import Arrays, LocalRun
     from app.serving.unit import ServingUnit
 
@@ -439,19 +440,12 @@ class Balancer:
         )
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         """The router's answer (``app.server.router.Router.route``); None without a router."""
         if self.router is None:
             return None
-        return await self.router.route(unit, inputs, deadline, request_id, local, pinned=pinned)
+        return await self.router.route(unit, inputs, context, local)
 
     def others_serving(self) -> bool:
         """Another worker accepts requests (:func:`others_serving`). Reads /proc: off the loop."""

@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    from app.serving.context import RequestContext
     from app.serving.unit import ServingUnit
 
 Arrays = dict[str, np.ndarray]
-#: Runs (part of) a request on this worker: (inputs, absolute deadline) -> outputs.
-LocalRun = Callable[[Arrays, float], Coroutine[Any, Any, Arrays]]
+#: Runs (part of) a request on this worker, under the request's context: inputs -> outputs.
+LocalRun = Callable[[Arrays], Coroutine[Any, Any, Arrays]]
 
 
 class Siblings(Protocol):
@@ -48,20 +49,15 @@ class Siblings(Protocol):
         ...
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
-        """The request's outputs when it ran (in part) on siblings, or None to run it here whole.
+        """The request's outputs when it ran (in part) on siblings, each part under the request's
+        ``context`` (its deadline, id, priority and trace travel with it), or None to run it here
+        whole.
 
         Raises:
             ScoringError: a sibling's run failed (the same class), or it did not answer before
-                ``deadline`` (DeadlineExceeded).
+                ``context.deadline`` (DeadlineExceeded).
         """
         ...
 
@@ -98,14 +94,7 @@ class Alone:
         return False
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         """Here, whole."""
         return None

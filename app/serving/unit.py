@@ -37,6 +37,7 @@ from app.models.base import Segment
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
 from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
+from app.serving.context import RequestContext
 from app.serving.executor import (
     Batch,
     BatchExecutor,
@@ -212,28 +213,23 @@ class ServingUnit:
         return self.queue.level(priority, self.default_level)
 
     async def infer(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        deadline: float,
-        request_id: str = "-",
-        is_disconnected: Callable[[], bool] | None = None,
-        level: int | None = None,
-        trace: RequestTrace | None = None,
+        self, inputs: Mapping[str, np.ndarray], context: RequestContext, *, trace: RequestTrace | None = None
     ) -> Tensors:
         """Price and queue one request's items and wait for its outputs.
 
         Args: ``inputs``, one array per model input with the same axis-0 length B >= 1;
-        ``deadline``, the ``loop.time()`` by which the outputs are due; ``request_id``, echoed in
-        errors and logs; ``is_disconnected``, polled before its items join a batch (True drops
-        them); ``level``, its queue level (:meth:`level`; None: the default); ``trace``, its
-        spans (``app.observability.tracing``).
+        ``context``, the request's (``app.serving.context``): its ``deadline`` (the
+        ``loop.time()`` by which the outputs are due), ``request_id`` (echoed in errors and
+        logs), ``priority`` (its queue level: :meth:`level`) and ``is_disconnected`` (polled
+        before its items join a batch; True drops them); ``trace``, its spans in this unit
+        (``app.observability.tracing``).
 
         Returns:
             One array per model output, axis 0 = the request's B items in order.
 
         Raises:
-            InvalidInput: B is 0 or more than the queue capacity, or the model refused an item.
+            InvalidInput: B is 0 or more than the queue capacity, a priority above the model's
+                levels, or the model refused an item.
             PayloadTooLarge: one item alone is over ``max_batch_bytes`` or ``max_batch_tokens``.
             QueueFull: refused by admission, or the unit is unloading (503 + Retry-After).
             DeadlineExceeded: the deadline passed first, or even alone it could not finish (504).
@@ -248,6 +244,8 @@ class ServingUnit:
                 f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
                 "per request"
             )
+        deadline, request_id = context.deadline, context.request_id
+        level = self.level(context.priority)
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         request: QueuedRequest | None = None
@@ -256,7 +254,6 @@ class ServingUnit:
             # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
             # deadline. The 504 is counted here only, once per request, whoever saw it first.
             async with asyncio.timeout_at(deadline):
-                level = self.default_level if level is None else level
                 if self.priced and self.queue.items:
                     self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
                 tokens = await self.executor.price(inputs) if self.priced else None
@@ -270,8 +267,8 @@ class ServingUnit:
                     raise QueueFull(f"model {self.name} is unloading")
                 self._admit(size, cost, level, deadline, request_id)
                 request = QueuedRequest(
-                    inputs, size, deadline, arrival, request_id, is_disconnected, loop.create_future(),
-                    costs, tokens, order, level, trace, pending=size,
+                    inputs, size, context, arrival, loop.create_future(), costs, tokens, order, level, trace,
+                    pending=size,
                 )  # fmt: skip
                 self.queue.put(request)
                 if self.queue.items - self._reported_depth >= self.max_batch_size:

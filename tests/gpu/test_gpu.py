@@ -34,6 +34,7 @@ import torch
 
 from app.models.repository import ModelConfig, read_config
 from app.models.runner import ModelRunner
+from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
 from app.serving.unit import ServingUnit
 from benchmarks import gpu_check
@@ -102,7 +103,7 @@ async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> 
     batcher.start()
     deadline = asyncio.get_running_loop().time() + 120
     try:
-        return list(await asyncio.gather(*(batcher.infer(r, deadline=deadline) for r in requests)))
+        return list(await asyncio.gather(*(batcher.infer(r, RequestContext("-", deadline)) for r in requests)))
     finally:
         await batcher.stop()
         for pool in (threads.inference, threads.prepare, threads.finish):
