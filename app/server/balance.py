@@ -123,6 +123,11 @@ class Load(NamedTuple):
         """Ready and ticking (heartbeat within ``stale_s`` seconds of ``now``)."""
         return self.state == READY and self.pid > 0 and now - self.heartbeat <= stale_s
 
+    def reachable(self, now: float, stale_s: float = STALE_S) -> bool:
+        """Ticking (its internal endpoint is up) and not leaving: ready, or "loading" (no model
+        ready, e.g. its only model unloaded); what model control must reach."""
+        return self.state in (LOADING, READY) and self.pid > 0 and now - self.heartbeat <= stale_s
+
 
 class LoadTable:
     """The mmap'd table of a run directory (created on first open).
@@ -452,13 +457,14 @@ class Balancer:
         return others_serving(state for pid, state in self.table.states().items() if pid != self.pid)
 
     async def apply(self, action: str, name: str) -> dict[int, str]:
-        """Send a model control change to every live, ready sibling at once; pid -> why, for each
-        that failed (``app.serving.control``)."""
+        """Send a model control change to every sibling that ticks and is not leaving, ready or
+        not (one with no model ready must hear it too, or it keeps its old state), at once;
+        pid -> why, for each that failed (``app.serving.control``)."""
         control = self.control
         if control is None:
             return {}
         now = time.monotonic()
-        pids = [load.pid for load in self.siblings() if load.live(now)]
+        pids = [load.pid for load in self.siblings() if load.reachable(now)]
         answers = await asyncio.gather(*(control(pid, action, name) for pid in pids))
         return {pid: why for pid, why in zip(pids, answers, strict=True) if why is not None}
 

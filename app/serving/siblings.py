@@ -66,8 +66,9 @@ class Siblings(Protocol):
         ...
 
     async def apply(self, action: str, name: str) -> dict[int, str]:
-        """Have every ready sibling apply a model control ``action`` (``load``, ``unload``) to
-        model ``name`` (``app.serving.control``); each that failed, pid -> why ({} = all did)."""
+        """Have every sibling that is not leaving (ready or not) apply a model control ``action``
+        (``load``, ``unload``) to model ``name`` (``app.serving.control``); each that failed,
+        pid -> why ({} = all did)."""
         ...
 
 
