@@ -265,7 +265,9 @@ class EmbedHandler:
     bytes; ``tokens`` INT64 [1], its number of words. Refuses a text that is not UTF-8."""
 
     def load(self, device: torch.device, config: Any) -> None:
-        pass
+        gate = dict(config.parameters).get("load_gate")  # the name of an Event in ScaleHandler.GATES
+        if gate:
+            assert ScaleHandler.GATES[gate].wait(30)
 
     def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
         return [bytes(t).decode("utf-8") for t in inputs["text"].reshape(-1)]
@@ -281,9 +283,11 @@ class EmbedHandler:
         return {"embedding": vectors, "tokens": np.array([[len(t.split())] for t in texts], dtype=np.int64)}
 
 
-def write_embed_model(repo: Path, name: str = "embed") -> Path:
-    """Write an EmbedHandler model folder into ``repo``; returns the folder."""
+def write_embed_model(repo: Path, name: str = "embed", load_gate: str = "") -> Path:
+    """Write an EmbedHandler model folder into ``repo`` (``load_gate``: its load waits for that
+    Event of ``ScaleHandler.GATES``); returns the folder."""
     folder = repo / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model.toml").write_text(EMBED_TOML.format(name=name))
+    gate = f'[parameters]\nload_gate = "{load_gate}"\n' if load_gate else ""
+    (folder / "model.toml").write_text(EMBED_TOML.format(name=name) + gate)
     return folder
