@@ -51,7 +51,7 @@ class Membership:
         balancing: ``SCORING_BALANCE``.
     """
 
-    def __init__(self, run_dir: str | None, pid: int, balancing: bool = True) -> None:
+    def __init__(self, run_dir: str | Path | None, pid: int, balancing: bool = True) -> None:
         self.run_dir = Path(run_dir) if run_dir else None
         self.pid = pid
         self.table: balance.LoadTable | None = None

@@ -35,7 +35,6 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -70,8 +69,8 @@ class ModelControl:
         self.device = device
         self.settings: Settings = app[SETTINGS]
         self.mode = self.settings.model_control_mode
-        run_dir = self.settings.run_dir or os.environ.get("SCORING_RUN_DIR")
-        self.model_set_path = Path(run_dir) / MODEL_SET_FILE if run_dir else None
+        run_dir = self.settings.run_dir
+        self.model_set_path = run_dir / MODEL_SET_FILE if run_dir else None
         self._lock = asyncio.Lock()
         self._seen: dict[str, dict[str, str]] = {}  # poll: name -> version -> fingerprint
 
