@@ -34,6 +34,7 @@ from app.errors import (
     ScoringError,
 )
 from app.models.base import Segment
+from app.models.repository import ModelConfig
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
 from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
@@ -69,76 +70,69 @@ class UnitObserver(Protocol):
 class ServingUnit:
     """One model version's queue, admission policy and executor (module docstring).
 
-    Args: ``name``/``version`` (in messages); ``runner`` (``app.models.runner.ModelRunner`` or a
-    test double) and its ``threads`` (an ``Executor`` alone: the inference thread), ``staged``;
-    the batch and queue bounds of ``model.toml`` (``max_batch_size`` and ``queue_capacity`` in
-    items, ``max_queue_delay_ms`` and ``gather_max_ms`` in ms, ``gather_turns``,
-    ``max_batch_bytes`` in bytes, ``max_batch_tokens`` in the handler's cost unit; None = no
-    bound); ``item_costs`` (one request's items -> int64 ``[B]``; None = not priced) and
-    ``batch_cost`` (int64 ``[N]`` -> a batch's cost); ``admission`` (``"measured_rate"`` or
-    ``"capacity"``) and ``admission_headroom`` (a share of the deadline); Triton's
-    ``priority_levels`` (0 = one level) and ``default_priority_level`` (0 = the lowest),
-    ``priority_aging`` and ``priority_fill`` (shares); ``observer`` of batches and refusals;
-    ``scatter`` (a request larger than a batch may be split over sibling workers).
+    Args:
+        config: the version's ``model.toml`` (``app.models.repository.ModelConfig``, whose
+            defaults are the only ones): its name and version (in messages), batch and queue
+            bounds (``max_batch_size``, ``queue_capacity``, ``max_queue_delay_ms``,
+            ``gather_turns``, ``gather_max_ms``, ``max_batch_tokens``), admission policy and
+            headroom, Triton's priority levels (``priority_levels``, ``default_priority_level``,
+            ``priority_aging``, ``priority_fill``) and ``scatter``.
+        runner: ``app.models.runner.ModelRunner`` or a test double; ``threads`` its threads (an
+            ``Executor`` alone: the inference thread); ``staged``: the staged pipeline.
+        max_batch_bytes: the server's bound on a batch's input bytes, for a model whose config
+            names none (None: no bound).
+        item_costs: one request's items -> int64 ``[B]`` (the handler's cost unit, tokens; None:
+            not priced); ``batch_cost``: int64 ``[N]`` -> a batch's cost.
+        observer: receives batches and refusals; ``tracing``: the requests' spans.
+
     Raises:
         ValueError: bounds that contradict each other, or an unknown ``admission``.
     """
 
     def __init__(
         self,
-        name: str,
+        config: ModelConfig,
         runner: BatchRunner,
         threads: Threads | Executor,
         *,
-        max_batch_size: int,
-        max_queue_delay_ms: float,
-        queue_capacity: int,
-        gather_turns: int = 0,
-        gather_max_ms: float = 2.0,
         max_batch_bytes: int | None = None,
-        max_batch_tokens: int | None = None,
         item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | None] | None = None,
         batch_cost: Callable[[np.ndarray], float] | None = None,
         staged: bool = False,
-        admission: str = "measured_rate",
-        admission_headroom: float = 0.5,
-        priority_levels: int = 0,
-        default_priority_level: int = 0,
-        priority_aging: float = 0.75,
-        priority_fill: float = 0.25,
         observer: UnitObserver | None = None,
-        version: str = "1",
-        scatter: bool = True,
         tracing: Tracing | None = None,
     ) -> None:
-        if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
+        max_batch_size, queue_capacity = config.max_batch_size, config.queue_capacity
+        if max_batch_size < 1 or queue_capacity < max_batch_size or config.max_queue_delay_ms < 0:
             raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
-        self.name, self.version, self.scatter = name, version, scatter
+        name = config.name
+        self.name, self.version, self.scatter = name, config.version, config.scatter
         self.max_batch_size = max_batch_size
-        self.max_queue_delay_s = max_queue_delay_ms / 1000.0
+        self.max_queue_delay_s = config.max_queue_delay_ms / 1000.0
         self.queue_capacity = queue_capacity
-        self.max_batch_bytes = max_batch_bytes
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_bytes = config.max_batch_bytes or max_batch_bytes
+        self.max_batch_tokens = config.max_batch_tokens
         #: Whether requests are priced (``item_costs``): costs are then tokens.
         self.priced = item_costs is not None
-        self.default_level = max(0, (default_priority_level or priority_levels or 1) - 1)
-        self._levels = priority_levels > 0  # per-level metrics only for a model with levels
+        levels, fill = config.priority_levels, config.priority_fill
+        self.default_level = max(0, (config.default_priority_level or levels or 1) - 1)
+        self._levels = levels > 0  # per-level metrics only for a model with levels
         self.queue = RequestQueue(
             max_batch_size=max_batch_size,
             max_queue_delay_s=self.max_queue_delay_s,
-            gather_turns=gather_turns,
-            gather_max_s=gather_max_ms / 1000.0,
-            max_batch_bytes=max_batch_bytes,
-            max_batch_tokens=max_batch_tokens,
+            gather_turns=config.gather_turns,
+            gather_max_s=config.gather_max_ms / 1000.0,
+            max_batch_bytes=self.max_batch_bytes,
+            max_batch_tokens=self.max_batch_tokens,
             batch_cost=batch_cost or padded_to_longest,
-            levels=max(1, priority_levels),
-            aging=priority_aging,
-            fill=lambda cost: self.admission.fill_limit(cost, priority_fill),
+            levels=max(1, levels),
+            aging=config.priority_aging,
+            fill=lambda cost: self.admission.fill_limit(cost, fill),
             margin=lambda: self.longest_batch_s,
         )
         self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
-        self.admission: AdmissionPolicy = policy(admission, self, admission_headroom)
-        self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, version)
+        self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
+        self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, config.version)
         self.tracing = tracing
         #: The longest recent batch, seconds: a longer one replaces it; it decays 10 % a batch.
         self.longest_batch_s = 0.0

@@ -90,15 +90,7 @@ async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> 
         InferenceThread("inference"), InferenceThread("prepare", threads=2), InferenceThread("finish")
     )
     batcher = ServingUnit(
-        config.name,
-        runner,
-        threads,
-        max_batch_size=config.max_batch_size,
-        max_queue_delay_ms=config.max_queue_delay_ms,
-        queue_capacity=config.queue_capacity,
-        max_batch_tokens=config.max_batch_tokens,
-        item_costs=runner.item_costs if runner.prices_items else None,
-        staged=True,
+        config, runner, threads, item_costs=runner.item_costs if runner.prices_items else None, staged=True
     )
     batcher.start()
     deadline = asyncio.get_running_loop().time() + 120

@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from app.models.repository import ModelConfig, TensorSpec
+
 SCALE_TOML = """
 name = "{name}"
 version = "{version}"
@@ -138,6 +140,18 @@ def write_scale_model(
         )
     )
     return folder
+
+
+def unit_config(name: str = "m", **fields: Any) -> ModelConfig:
+    """The config of a model with input ``x`` FP32 [2] and output ``y`` FP32 [2], for a serving
+    unit built in a test: ``fields`` (``ModelConfig``'s: bounds, admission, priority levels)
+    over ``gather_turns = 0`` (a partial batch closes at its delay: batch compositions the tests
+    can count)."""
+    spec = [TensorSpec("x", "FP32", [2])], [TensorSpec("y", "FP32", [2])]
+    return ModelConfig(
+        name=name, format="handler", handler="tests.support.toy_models:ScaleHandler", inputs=spec[0],
+        outputs=spec[1], **({"gather_turns": 0} | fields),
+    )  # fmt: skip
 
 
 class TinyRanker(torch.nn.Module):

@@ -27,7 +27,7 @@ from app.serving.queue import Budget, QueuedRequest, RequestQueue
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
 from tests.support.gunicorn import ROOT
-from tests.support.toy_models import write_scale_model
+from tests.support.toy_models import unit_config, write_scale_model
 
 
 class Priced:
@@ -116,7 +116,8 @@ def measured(unit: ServingUnit) -> MeasuredRate:
 
 def batcher(model: Priced, threads: Threads, **kw: Any) -> ServingUnit:
     opts: dict[str, Any] = {"max_batch_size": 8, "max_queue_delay_ms": 0.0, "queue_capacity": 256} | kw
-    b = ServingUnit("m", model, threads, item_costs=model.item_costs, **opts)
+    staged = bool(opts.pop("staged", False))
+    b = ServingUnit(unit_config(**opts), model, threads, item_costs=model.item_costs, staged=staged)
     b.start()
     return b
 
@@ -131,6 +132,9 @@ async def held(b: ServingUnit, model: Priced, first: dict[str, np.ndarray]) -> a
 
 
 # --- the queue alone ----------------------------------------------------------------------
+
+#: A queue that closes a batch at its delay without gathering, aging at three quarters.
+NO_GATHER: dict[str, Any] = {"gather_turns": 0, "gather_max_s": 0.0, "aging": 0.75}
 
 
 def queued(tokens: list[int], arrival: float) -> QueuedRequest:
@@ -155,7 +159,7 @@ async def test_the_token_budget_counts_what_the_batch_computes() -> None:
 
 
 async def test_requests_are_taken_oldest_first_whole_and_only_the_last_is_split() -> None:
-    queue = RequestQueue(max_batch_size=8, max_queue_delay_s=0.0)
+    queue = RequestQueue(max_batch_size=8, max_queue_delay_s=0.0, **NO_GATHER)
     requests = [queued([200] * 4, 0.0), queued([10, 12], 1.0), queued([8, 100, 220], 2.0), queued([9] * 6, 3.0)]
     for r in requests:
         queue.put(r)
@@ -201,10 +205,8 @@ async def test_the_handlers_batch_cost_is_what_the_batcher_counts(threads: Threa
 
     async def padding(batch_cost: Any) -> tuple[float, list[list[int]]]:
         model = Priced()
-        b = ServingUnit(
-            "m", model, threads, item_costs=model.item_costs, batch_cost=batch_cost,
-            max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000,
-        )  # fmt: skip
+        config = unit_config(max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000)
+        b = ServingUnit(config, model, threads, item_costs=model.item_costs, batch_cost=batch_cost)
         b.start()
         first = await held(b, model, items((0, 1)))
         lengths = [16, 200] * 8
@@ -376,11 +378,11 @@ async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: 
 def test_a_priority_above_the_levels_is_invalid() -> None:
     from app.serving.queue import RequestQueue
 
-    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3)
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3, **NO_GATHER)
     assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
     with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
         queue.level(4, default=2)
-    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0).level(7, default=0) == 0  # no levels: ignored
+    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, **NO_GATHER).level(7, default=0) == 0  # no levels: ignored
 
 
 
@@ -402,7 +404,7 @@ async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_littl
     policy.rate.overhead_s, policy.rate.item_s = overhead_s, item_s
     loop = asyncio.get_running_loop()
     for fill, expected in ((lambda cost: policy.fill_limit(cost, 0.25), low_items), (lambda cost: math.inf, 6)):
-        queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill)
+        queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill, **NO_GATHER)
         queue.put(_queued(1, 6, loop))
         queue.put(_queued(0, 4, loop))
         batch = queue.take(loop.time(), lambda *_: None)
@@ -417,7 +419,7 @@ async def test_a_lower_level_goes_first_when_two_of_the_longest_batches_are_left
     aging share, goes before the high level once two of the longest recent batches (``margin``,
     seconds) would not fit in what is left: the batch running and its own."""
     loop = asyncio.get_running_loop()
-    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, aging=0.75, margin=lambda: longest_s)
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, margin=lambda: longest_s, **NO_GATHER)
     queue.put(_queued(1, 4, loop))
     queue.put(_queued(0, 4, loop))
     batch = queue.take(loop.time(), lambda *_: None)

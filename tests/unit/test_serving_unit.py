@@ -34,7 +34,7 @@ from app.serving.context import RequestContext
 from app.serving.queue import GATHER_IDLE_TURNS
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
-from tests.support.toy_models import ScaleHandler, write_scale_model
+from tests.support.toy_models import ScaleHandler, unit_config, write_scale_model
 
 
 class Recorder:
@@ -84,14 +84,8 @@ def service_rate(unit: ServingUnit) -> ServiceRate:
 
 def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> ServingUnit:
     opts = {"max_batch_size": 4, "max_queue_delay_ms": 20.0, "queue_capacity": 32} | kw
-    batcher = ServingUnit(
-        "m",
-        fn,
-        executor,
-        max_batch_size=int(opts["max_batch_size"]),
-        max_queue_delay_ms=opts["max_queue_delay_ms"],
-        queue_capacity=int(opts["queue_capacity"]),
-    )
+    bounds: dict[str, Any] = {"max_batch_size": int(opts["max_batch_size"]), "queue_capacity": int(opts["queue_capacity"])}
+    batcher = ServingUnit(unit_config(max_queue_delay_ms=opts["max_queue_delay_ms"], **bounds), fn, executor)
     batcher.start()
     return batcher
 
@@ -231,7 +225,7 @@ async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
     config = read_config(write_scale_model(tmp_path, "oom", max_batch_size=8, oom_above=2))
     runner = ModelRunner(config)
     runner.load(torch.device("cpu"))
-    b = ServingUnit("oom", runner, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64)
+    b = ServingUnit(unit_config("oom", max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64), runner, executor)
     b.start()
     tag = np.array([[b""]], dtype=object)
     reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, at(soon(5))) for v in range(8)]
@@ -260,7 +254,7 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
             segs.append(Segment(start, len(x), {"y": x[start:] * 2}))
         return segs
 
-    b = ServingUnit("m", Runs(run), executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
+    b = ServingUnit(unit_config(max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64), Runs(run), executor)
     b.start()
     results = await asyncio.gather(
         b.infer(items(1), at(soon(5))),
@@ -310,7 +304,7 @@ class Counts:
 def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[ServingUnit, Counts]:
     counts = Counts()
     opts: dict[str, Any] = {"max_batch_size": 4, "max_queue_delay_ms": 0.0, "queue_capacity": 64} | kw
-    batcher = ServingUnit("m", fn, executor, observer=counts, **opts)
+    batcher = ServingUnit(unit_config(**opts), fn, executor, observer=counts)
     batcher.start()
     return batcher, counts
 
@@ -560,5 +554,6 @@ async def test_capacity_admission_refuses_only_a_full_queue(executor: ThreadPool
     rec.gate.set()
     await asyncio.gather(running, queued)
     with pytest.raises(ValueError, match="measured_rate' or 'capacity"):
-        ServingUnit("m", rec, executor, max_batch_size=1, max_queue_delay_ms=0, queue_capacity=1, admission="fifo")
+        fifo: Any = "fifo"
+        ServingUnit(unit_config(max_batch_size=1, max_queue_delay_ms=0, queue_capacity=1, admission=fifo), rec, executor)
     await b.stop()
