@@ -93,7 +93,6 @@ STALE_S = 1.0
 
 # Slot states, in a worker's order of life.
 EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING, STOPPING = range(7)
-STATE_NAMES = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
 
 
 class Load(NamedTuple):

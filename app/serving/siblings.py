@@ -8,11 +8,11 @@ workers: two small interfaces, handed to :func:`app.main.create_app` at construc
   another worker serves already; model control applies a change on every sibling.
 - :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
 
-The gunicorn worker implements both (``app.server.balance.Balancer`` and
+The gunicorn worker implements both (``app.server.balance.Balancer``, balancing on or off, and
 ``app.server.worker.ScoringWebWorker``); :class:`Alone` implements both for a worker with no
-siblings and nothing that restarts it: in-process tests, ``python -m aiohttp.web``, and a
-server whose balancing is off. Nothing is installed into serving state after construction, so
-the request path is the same under gunicorn and in tests.
+load table and nothing that restarts it: in-process tests, ``python -m aiohttp.web``. The
+``Balancer`` gets its router and model control client once the app has started
+(``app.server.siblings.Membership.join``); until then it routes nothing and reaches no sibling.
 """
 
 from __future__ import annotations

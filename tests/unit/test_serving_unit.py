@@ -380,9 +380,10 @@ async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(execu
 
 async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecutor) -> None:
     b, _ = observed(executor, Recorder(), max_batch_size=4)
-    assert service_rate(b).items_per_s is None and service_rate(b).seconds_for(100) == 0.0  # unknown: admit
+    assert service_rate(b).item_s is None and service_rate(b).seconds_for(100) == 0.0  # unknown: admit
     await b.infer(items(1, 2, 3, 4), at(soon(5)))
-    rate = service_rate(b).items_per_s
+    item_s = service_rate(b).item_s
+    rate = 1.0 / item_s if item_s else None
     assert rate is not None and rate > 0 and service_rate(b).overhead_s == 0.0  # the first batch seeds it
     await b.stop()
 
@@ -435,7 +436,7 @@ def test_one_stalled_batch_does_not_become_the_cost_per_item() -> None:
         rate.observe(n, 0.0015 + n * 0.00001)
     before = rate.seconds_for(512, 8)
     rate.observe(104, 0.26)
-    assert rate.items_per_s is not None and rate.items_per_s > 10_000  # it serves 100,000
+    assert rate.item_s is not None and 1.0 / rate.item_s > 10_000  # it serves 100,000
     assert rate.seconds_for(512, 8) < 2 * before
     for n in (112, 32, 40, 24, 48):  # what followed it: normal batches
         rate.observe(n, 0.0015 + n * 0.00001)
