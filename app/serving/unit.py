@@ -230,14 +230,7 @@ class ServingUnit:
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
         """
-        size = len(next(iter(inputs.values())))
-        if size < 1:
-            raise InvalidInput("a request needs at least one item")
-        if size > self.queue_capacity:
-            raise InvalidInput(
-                f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
-                "per request"
-            )
+        size = self._items(inputs)
         deadline, request_id = context.deadline, context.request_id
         level = self.level(context.priority)
         loop = asyncio.get_running_loop()
@@ -288,6 +281,18 @@ class ServingUnit:
             self._active -= 1
             if not self._active and self._idle is not None:
                 self._idle.set()
+
+    def _items(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """B, the request's items; InvalidInput when 0 or more than the queue capacity."""
+        size = len(next(iter(inputs.values())))
+        if size < 1:
+            raise InvalidInput("a request needs at least one item")
+        if size > self.queue_capacity:
+            raise InvalidInput(
+                f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
+                "per request"
+            )
+        return size
 
     def _admit(self, size: int, cost: float, level: int, deadline: float, request_id: str) -> None:
         """Ask admission (``cost`` 0: before pricing, a certain refusal only); raise its refusal."""
