@@ -38,7 +38,7 @@ from app.protocols.tensors import (
     typed_array,
 )
 from app.serving.context import RequestContext
-from app.serving.items import IDENTITY, ItemStage
+from app.serving.items import ItemStage
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.settings import Settings
@@ -57,8 +57,8 @@ class DataPlane:
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
-        items: the item stage between a validated request and the queue (``app.serving.items``;
-            default: one item -> one item).
+        items: the item stage between a validated request and the queue (``app.serving.items``);
+            None: one item -> one item, and nothing is called.
     """
 
     def __init__(
@@ -68,7 +68,7 @@ class DataPlane:
         limits: RequestLimits,
         siblings: Siblings,
         tracing: Tracing | None = None,
-        items: ItemStage[Any] = IDENTITY,
+        items: ItemStage[Any] | None = None,
     ) -> None:
         self.registry = registry
         self.items = items
@@ -195,11 +195,15 @@ class DataPlane:
             request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
             pinned=pinned, is_disconnected=is_disconnected,
         )  # fmt: skip
-        queued, plan = self.items.expand(model, context, inputs)
-        results = None
-        if queued is not None:  # else every item was answered by the stage: no queue, no model
-            results = await self.run(model, queued, context)
-        return build_response(config, request, self.items.assemble(plan, results), wanted)
+        stage = self.items
+        if stage is None:
+            outputs = await self.run(model, inputs, context)
+        else:
+            queued, plan = stage.expand(model, context, inputs)
+            # none left: every item was answered by the stage, no queue, no model
+            results = None if queued is None else await self.run(model, queued, context)
+            outputs = stage.assemble(plan, results)
+        return build_response(config, request, outputs, wanted)
 
     def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
