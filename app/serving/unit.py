@@ -263,9 +263,9 @@ class ServingUnit:
                 return await request.future
         except TimeoutError:
             self.observer.rejected("deadline")
+            budget_s = deadline - (arrival if context.arrival is None else context.arrival)
             raise DeadlineExceeded(
-                f"model {self.name}: request {request_id} did not finish within "
-                f"{(deadline - arrival) * 1000:.0f} ms"
+                f"model {self.name}: request {request_id} did not finish within {budget_s * 1000:.0f} ms"
             ) from None
         except DeadlineExceeded:
             if request is not None:
