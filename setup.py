@@ -51,6 +51,7 @@ setup(
         "pydantic-settings>=2.2",
         "prometheus-client>=0.20",
         "safetensors>=0.4",
+        "lmdb>=1.4",  # app.serving.response_cache: the host's shared per-item result store
         "grpcio>=1.81.1",
         "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
         # tracing (app.observability.tracing), imported only when the OTEL_* variables turn it on.

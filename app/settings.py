@@ -334,6 +334,28 @@ class Settings(BaseSettings):
         "temp dir.",
     )
 
+    # --- response cache (app.serving.response_cache; docs/response-cache.md) ----------------
+    response_cache_path: Path | None = Field(
+        None,
+        description="Folder of the response cache: one LMDB store per host that every worker "
+        "shares, for the models whose model.toml has [response_cache] enable = true; default: "
+        "response-cache in the run directory (kept across worker restarts; a fixed path also "
+        "across server restarts).",
+    )
+    response_cache_bytes: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        description="Most bytes the response cache's file takes (LMDB's map size; entries hold at "
+        "most half of it, the oldest evicted first), bytes.",
+    )
+    response_cache_ttl_s: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A cached result older than this is computed again, seconds; 0 = kept until "
+        "evicted (a new model version never reads an old one's results either way).",
+    )
+
     @field_validator("model_repository", mode="after")
     @classmethod
     def _absolute(cls, value: Path) -> Path:

@@ -35,6 +35,7 @@ from app.protocols.tensors import (
     to_array,
     typed_array,
 )
+from app.serving.item_cache import ItemCache
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.settings import Settings
@@ -53,6 +54,8 @@ class DataPlane:
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
+        cache: the response cache of the host (``app.serving.item_cache``), for the models
+            whose ``[response_cache]`` enables it; None: no store configured.
     """
 
     def __init__(
@@ -62,12 +65,14 @@ class DataPlane:
         limits: RequestLimits,
         siblings: Siblings,
         tracing: Tracing | None = None,
+        cache: ItemCache | None = None,
     ) -> None:
         self.registry = registry
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
         self.tracing = tracing
+        self.cache = cache
 
     def version(self, name: str, version: str | None) -> ModelVersion:
         """The model version a request addresses (None: the one requests without a version get).
@@ -183,10 +188,18 @@ class DataPlane:
         level = None
         if request.parameters and model.unit is not None:
             level = model.unit.level(parameters_priority(request.parameters))
-        outputs = await self.run(
-            model, inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
-            pinned=pinned, level=level,
-        )  # fmt: skip
+
+        def compute(arrays: Arrays) -> Awaitable[Arrays]:
+            return self.run(
+                model, arrays, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
+                pinned=pinned, level=level,
+            )  # fmt: skip
+
+        cache = self.cache
+        if cache is not None and config.response_cache.enable:
+            outputs = await cache.run(model, inputs, compute)  # cached items skip the queue
+        else:
+            outputs = await compute(inputs)
         return build_response(config, request, outputs, wanted)
 
     def run(
@@ -237,10 +250,14 @@ class DataPlane:
             unit = model.unit
             if unit is None:  # still loading: wait for it, within the deadline
                 unit = await self.registry.serving_unit(model, deadline)
-            return await unit.infer(
+            fingerprint = model.fingerprint  # of the files ``unit`` was loaded from (set together)
+            outputs = await unit.infer(
                 inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
                 level=level, trace=trace,
             )  # fmt: skip
+            if self.cache is not None and model.config.response_cache.enable:
+                self.cache.store_outputs(model, fingerprint, inputs, outputs)
+            return outputs
         finally:
             siblings.add_load(-items)
 
