@@ -13,8 +13,9 @@ bytes; :func:`encode_item`), with a checksum: an entry that fails it is a miss.
 The store is an LMDB environment (the ``lmdb`` package: a memory-mapped B-tree with one writer
 and lock-free readers across processes) under the server's run directory or a configured path;
 its map size is the byte bound, which the file never exceeds. Eviction approximates LRU the way
-CLOCK does: entries are stamped in insertion order and evicted oldest stamp first once the data
-they hold passes half the map (LMDB's pages, tree and pages kept for readers take the rest); a
+CLOCK does: entries are stamped in insertion order and evicted oldest stamp first once the pages
+of the store's trees pass half the map (the rest is room for copy-on-write and pages that open
+readers still hold); a
 hit on an entry in the older half of the order stamps it again (at most one write per hit on a
 cold entry, none on a hot one). With a TTL, an entry older than it is a miss. LMDB has neither
 eviction nor TTL of its own; both live here.
@@ -36,6 +37,7 @@ import contextlib
 import hashlib
 import importlib.metadata
 import logging
+import math
 import os
 import struct
 import time
@@ -62,9 +64,11 @@ _STAMP = struct.Struct(">Q")  # big-endian: LMDB orders keys bytewise, so stamps
 _U64 = struct.Struct("<Q")
 _SEQ, _BYTES, _ENTRIES = b"seq", b"bytes", b"entries"
 _MODEL_BYTES = b"bytes:"
-#: Share of the map that entries' keys and values may hold before the oldest are evicted; the
-#: rest is LMDB's own (branch pages, half-filled leaves, pages kept for open readers).
+#: Share of the map that the store's pages (its trees: entries, their order, branch pages,
+#: half-filled leaves) may take before the oldest entries are evicted, down to _LOW_WATER of it;
+#: the rest is room for copy-on-write and for pages that open readers still hold.
 DATA_SHARE = 0.5
+_LOW_WATER = 0.9
 #: Bytes of LMDB bookkeeping counted per entry (its order record and node headers).
 _ENTRY_OVERHEAD = 96
 #: Most entries one insert evicts (a writer holds the store's one write lock while it does).
@@ -317,7 +321,8 @@ class ResponseCache:
 
     def insert(self, entries: Sequence[tuple[bytes, str, Item]]) -> None:
         """Store each ``(key, model name, outputs)`` not already stored (a valid, unexpired entry
-        is kept), evicting the oldest entries past the byte budget. Drops what it cannot store."""
+        is kept), evicting the oldest entries once the store's pages pass :attr:`budget`. Drops
+        what it cannot store."""
         blobs = []
         for key, model, item in entries:
             payload = encode_item(item)
@@ -327,7 +332,8 @@ class ResponseCache:
             self._write(lambda txn: self._insert(txn, blobs))
 
     def stats(self) -> dict[str, int]:
-        """The store's figures: entries, data bytes, stamps given; {} when it cannot be read."""
+        """The store's figures: entries, their bytes (keys and values), stamps given, bytes of
+        the pages its trees take; {} when it cannot be read."""
         if not self._open():
             return {}
         env = self._env
@@ -339,6 +345,7 @@ class ResponseCache:
                     "entries": _u64(txn.get(_ENTRIES, db=meta)),
                     "bytes": _u64(txn.get(_BYTES, db=meta)),
                     "seq": _u64(txn.get(_SEQ, db=meta)),
+                    "pages_bytes": self._pages_bytes(txn),
                 }
         except lmdb.Error as exc:
             self._failed("cannot be read", exc)
@@ -358,12 +365,16 @@ class ResponseCache:
                 if attempt:
                     self._failed("is full", exc)
                     return
-                try:  # LMDB's own pages took more than their share: evict half, try once more
+                try:  # pages held for readers or freed late filled it: evict half, try once more
                     env.reader_check()
                     with env.begin(write=True) as txn:
                         assert self._dbs is not None
-                        held = _u64(txn.get(_BYTES, db=self._dbs[2]))
-                        self._evict(txn, held // 2, {}, limit=None)
+                        evicted: dict[str, int] = {}
+                        per_model: dict[str, int] = {}
+                        self._evict(txn, _u64(txn.get(_ENTRIES, db=self._dbs[2])) // 2, evicted, per_model)
+                        held = self._model_bytes(txn, per_model)
+                    if self.on_change is not None:
+                        self.on_change(CacheCounts(evicted, held))
                 except lmdb.Error as again:
                     self._failed("is full", again)
                     return
@@ -402,8 +413,10 @@ class ResponseCache:
         put(_BYTES, _U64.pack(max(total, 0)), db=meta_db)
         put(_ENTRIES, _U64.pack(max(count, 0)), db=meta_db)
         evicted: dict[str, int] = {}
-        if total > self.budget:
-            self._evict(txn, self.budget, evicted, limit=_EVICT_BATCH, delta=per_model)
+        used = self._pages_bytes(txn)
+        if used > self.budget and count:
+            share = (used - self.budget * _LOW_WATER) / used
+            self._evict(txn, min(_EVICT_BATCH, math.ceil(count * share)), evicted, per_model)
         return CacheCounts(evicted, self._model_bytes(txn, per_model))
 
     def _renew(self, txn: Txn, renew: list[bytes], bad: list[bytes]) -> CacheCounts:
@@ -460,28 +473,18 @@ class ResponseCache:
         txn.delete(key, db=items_db)
         return size
 
-    def _evict(
-        self,
-        txn: Txn,
-        target: int,
-        evicted: dict[str, int],
-        *,
-        limit: int | None,
-        delta: dict[str, int] | None = None,
-    ) -> None:
-        """Delete entries oldest stamp first until their data is at most ``target`` bytes (or
-        ``limit`` entries went); counts go to ``evicted`` per model and ``delta``."""
+    def _evict(self, txn: Txn, drop: int, evicted: dict[str, int], per_model: dict[str, int]) -> None:
+        """Delete the ``drop`` entries of the oldest stamps; counts go to ``evicted`` and the
+        byte changes to ``per_model``, per model."""
         assert self._dbs is not None
         items_db, order_db, meta_db = self._dbs
         get = txn.get
         total = _u64(get(_BYTES, db=meta_db))
         count = _u64(get(_ENTRIES, db=meta_db))
-        per_model = delta if delta is not None else {}
         gone = 0
-        cursor = txn.cursor(db=order_db)
         stale: list[bytes] = []
-        for order_key, model in cursor:
-            if total <= target or (limit is not None and gone >= limit):
+        for order_key, model in txn.cursor(db=order_db):
+            if gone >= drop:
                 break
             order_key, name = bytes(order_key), bytes(model).decode()
             stamp, key = _STAMP.unpack(order_key[:8])[0], order_key[8:]
@@ -501,8 +504,15 @@ class ResponseCache:
             txn.delete(order_key, db=order_db)
         txn.put(_BYTES, _U64.pack(max(total, 0)), db=meta_db)
         txn.put(_ENTRIES, _U64.pack(max(count, 0)), db=meta_db)
-        if delta is None:
-            self._model_bytes(txn, per_model)
+
+    def _pages_bytes(self, txn: Txn) -> int:
+        """Bytes of the pages the store's trees take (branch, leaf and overflow pages)."""
+        assert self._dbs is not None
+        used = 0
+        for db in self._dbs:
+            stat = txn.stat(db)
+            used += (stat["branch_pages"] + stat["leaf_pages"] + stat["overflow_pages"]) * stat["psize"]
+        return used
 
     def _model_bytes(self, txn: Txn, delta: dict[str, int]) -> dict[str, int]:
         """Apply ``delta`` to the per-model byte counts; the new counts of those models."""
