@@ -1,13 +1,14 @@
-"""The response cache in the data plane: which items of a request are answered from the host's
-store, which are computed, and the answer put back together in item order.
+"""The response cache in the data plane: an item stage (``app.serving.items``) that answers a
+request's items from the host's store and sends only the rest to be computed.
 
-:meth:`ItemCache.run` takes a validated request's arrays: items whose key the store holds never
-reach the queue (admission prices only the rest), equal items of the request are computed once,
-and the outputs come back ``[B, ...]`` in the request's order, the cached rows the very bytes
-that were computed. :meth:`ItemCache.store` is called where a batch's outputs come back from
-this worker's serving unit, with the identity of the unit that computed them, so that what a
-sibling worker or a replaced version computed is stored under its own identity, never under
-another's.
+:meth:`ItemCache.expand` takes a validated request's arrays: items whose key the store holds
+never reach the queue (admission, balancing and batching see only the rest), equal items of the
+request are computed once; :meth:`ItemCache.assemble` puts the outputs back ``[B, ...]`` in the
+request's order, the cached rows the very bytes that were computed. What is computed is stored
+by :meth:`ItemCache.store_outputs`, called where a batch's outputs come back from a serving
+unit of this worker, with the identity of that unit (the fingerprint read with it): what a
+sibling worker (a shard) or a version replaced meanwhile computed is stored under its own
+identity, never under another's.
 
 A model version's identity (:meth:`ItemCache.identity`) is its name, version, the fingerprint of
 its files as loaded (``app.models.repository.fingerprint``; "" until it is loaded: such a
@@ -18,14 +19,16 @@ kind: a reload, a new version, a new library or another kind of device starts af
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import numpy as np
 
+from app.errors import InferenceFailed
 from app.observability.metrics import ServerMetrics
 from app.observability.tracing import Tracing
+from app.serving.context import RequestContext
 from app.serving.registry import ModelVersion
-from app.serving.response_cache import CacheCounts, ResponseCache, environment, item_keys
+from app.serving.response_cache import CacheCounts, Item, ResponseCache, environment, item_keys
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +72,22 @@ class ItemCache:
             env = self._environments[package] = environment(package)
         return "\0".join((config.name, config.version, fingerprint, env, self.device_kind)).encode()
 
-    async def run(
-        self, model: ModelVersion, inputs: Arrays, compute: Callable[[Arrays], Awaitable[Arrays]]
-    ) -> Arrays:
-        """The outputs of ``inputs`` (one array ``[B, ...]`` per input), the cached items from
-        the store and the others from ``compute`` (called once, with the distinct missing
-        items, in request order; not called when every item is cached).
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, Plan | None]:
+        """The items of ``inputs`` (one array ``[B, ...]`` per input) to compute: the distinct
+        ones the store lacks, in request order; None when the store holds every one. A model
+        without ``[response_cache] enable`` (or not yet loaded) has all its items computed.
 
         Returns:
-            One array ``[B, ...]`` per model output, in item order.
-
-        Raises:
-            What ``compute`` raises (the store's own failures are misses, never errors).
+            ``(items, plan)`` (``app.serving.items.ItemStage``).
         """
         fingerprint = model.fingerprint
-        keys = item_keys(self.identity(model, fingerprint), inputs) if fingerprint else None
+        if not model.config.response_cache.enable or not fingerprint:
+            return inputs, None
+        keys = item_keys(self.identity(model, fingerprint), inputs)
         if keys is None:
-            return await compute(inputs)
+            return inputs, None
         first: dict[bytes, int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
@@ -94,20 +96,33 @@ class ItemCache:
         hits = sum(1 for key in keys if found[key] is not None)
         self._count(model, hits, len(keys) - hits)
         missing = [first[key] for key in distinct if found[key] is None]
-        computed: Arrays = {}
-        if missing:
-            part = inputs if len(missing) == len(keys) else {n: a[missing] for n, a in inputs.items()}
-            computed = await compute(part)
-        rows = {key: row for row, key in enumerate(keys[i] for i in missing)}
+        plan = Plan(model, keys, found, {keys[i]: row for row, i in enumerate(missing)})
+        if not missing:
+            return None, plan
+        if len(missing) == len(keys):
+            return inputs, plan
+        return {name: array[missing] for name, array in inputs.items()}, plan
+
+    def assemble(self, plan: Plan | None, results: Arrays | None) -> Arrays:
+        """One output row per item of the request, in its order: a cached item's stored arrays,
+        the others' rows of ``results`` (bit for bit either way).
+
+        Raises:
+            InferenceFailed: the cached and computed outputs differ in item shape or dtype (a model
+                whose outputs depend on its batch must not enable the cache: 500, logged).
+        """
+        if plan is None:
+            assert results is not None
+            return results
+        names = list(results) if results is not None else list(_first_item(plan.found))
         try:
-            return {
-                name: _assemble(name, keys, found, rows, array)
-                for name, array in (computed or _empty_outputs(found)).items()
-            }
-        except ValueError:  # outputs whose item shape depends on the batch: compute them together
-            log.warning("model %s v%s: cached and computed outputs differ in shape; computing all",
-                        model.config.name, model.config.version)  # fmt: skip
-            return await compute(inputs)
+            return {name: _assemble(name, plan, results) for name in names}
+        except ValueError as exc:
+            config = plan.model.config
+            raise InferenceFailed(
+                f"model {config.name} v{config.version}: cached and computed outputs differ ({exc}); "
+                "a model whose outputs depend on its batch cannot enable [response_cache]"
+            ) from exc
 
     def store_outputs(self, model: ModelVersion, fingerprint: str, inputs: Arrays, outputs: Arrays) -> None:
         """Store each item's outputs (``[B, ...]`` per output) under ``model``'s identity with
@@ -140,33 +155,41 @@ class ItemCache:
             metrics.cache_bytes.labels(model).set(held)
 
 
-def _empty_outputs(found: dict[bytes, dict[str, np.ndarray] | None]) -> dict[str, None]:
-    item = next(v for v in found.values() if v is not None)
-    return dict.fromkeys(item)
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What :meth:`ItemCache.assemble` needs of one request: its model, every item's key in
+    request order, what the store held per distinct key (None: computed), and the row of the
+    computed results that answers each computed key."""
+
+    model: ModelVersion
+    keys: list[bytes]
+    found: dict[bytes, Item | None]
+    rows: dict[bytes, int]
 
 
-def _assemble(
-    name: str,
-    keys: list[bytes],
-    found: dict[bytes, dict[str, np.ndarray] | None],
-    rows: dict[bytes, int],
-    computed: np.ndarray | None,
-) -> np.ndarray:
-    """Output ``name`` for every key in order: a cached item's array, else its computed row.
+def _first_item(found: dict[bytes, Item | None]) -> Item:
+    return next(item for item in found.values() if item is not None)
+
+
+def _assemble(name: str, plan: Plan, results: Arrays | None) -> np.ndarray:
+    """Output ``name`` for every item in order: a cached item's array, else its computed row.
 
     Raises:
-        ValueError: the items' shapes or dtypes differ (a cached entry lacks the output, or the
-            model's item shape depends on its batch).
+        ValueError: the items' shapes or dtypes differ, or a cached entry lacks the output.
     """
+    computed = results[name] if results is not None else None
     parts = []
-    for key in keys:
-        item = found[key]
+    for key in plan.keys:
+        item = plan.found[key]
         if item is None:
             assert computed is not None
-            parts.append(computed[rows[key]])
-        else:
-            cached = item.get(name)
-            if cached is None or (computed is not None and cached.dtype != computed.dtype):
-                raise ValueError(f"cached item lacks output {name!r} or differs in dtype")
-            parts.append(cached)
+            parts.append(computed[plan.rows[key]])
+            continue
+        cached = item.get(name)
+        if cached is None:
+            raise ValueError(f"a cached item lacks output {name!r}")
+        if computed is not None and (cached.dtype != computed.dtype or cached.shape != computed.shape[1:]):
+            raise ValueError(f"output {name!r}: {cached.dtype}{cached.shape} cached, "
+                             f"{computed.dtype}{computed.shape[1:]} computed")  # fmt: skip
+        parts.append(cached)
     return np.stack(parts)
