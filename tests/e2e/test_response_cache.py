@@ -101,7 +101,7 @@ def test_cached_and_computed_are_bit_identical_over_grpc(srv: Gunicorn) -> None:
     request.inputs.add(name="x", datatype="FP32", shape=[4, 2])
     request.raw_input_contents.append(x.tobytes())
     with grpc.insecure_channel(srv.grpc_url) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
         misses = counted(srv, "miss")
         computed = stub.ModelInfer(request, timeout=30)
         assert counted(srv, "miss") == misses + 4
