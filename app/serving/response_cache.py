@@ -136,11 +136,13 @@ def _checksum(body: bytes | memoryview) -> bytes:
 
 
 def environment(model_package: str | None = None) -> str:
-    """What besides a model's files decides its outputs: the versions of the numeric libraries
-    installed (:data:`_LIBRARIES`) and of ``model_package`` (a handler's weights package), as
-    one string."""
+    """What besides a model's files decides its outputs: this server's version (its handlers and
+    formats), the versions of the numeric libraries installed (:data:`_LIBRARIES`) and of
+    ``model_package`` (a handler's weights package), as one string."""
+    from app import __version__
+
     names = [*_LIBRARIES, *([model_package.replace("_", "-")] if model_package else [])]
-    found = []
+    found = [f"scoring-server={__version__}"]
     for name in names:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             found.append(f"{name}={importlib.metadata.version(name)}")
