@@ -48,9 +48,7 @@ def write_repository(repo: Path) -> None:
         toml.read_text().replace("tests.support.toy_models:ScaleHandler", "priced_handler:PricedScaleHandler")
     )
     (priced / "priced_handler.py").write_text(textwrap.dedent(PRICED_HANDLER))
-    cached = write_scale_model(repo, "cached")
-    with open(cached / "model.toml", "a") as f:
-        f.write("\n[response_cache]\nenable = true\n")
+    write_scale_model(repo, "cached", response_cache=True)
 
 
 @pytest.fixture(scope="module")

@@ -43,9 +43,9 @@ def counted(srv: Gunicorn, result: str) -> float:
 @pytest.fixture(scope="module")
 def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
     tmp = tmp_path_factory.mktemp("response-cache")
-    folder = write_scale_model(tmp / "repo", "scale", factor=3, max_batch_size=16, queue_capacity=256)
-    with open(folder / "model.toml", "a") as f:
-        f.write("\n[response_cache]\nenable = true\n")
+    write_scale_model(
+        tmp / "repo", "scale", factor=3, max_batch_size=16, queue_capacity=256, response_cache=True
+    )
     env = {
         "SCORING_MODEL_REPOSITORY": str(tmp / "repo"),
         "SCORING_WORKERS": "2",

@@ -229,14 +229,13 @@ def test_another_process_reads_what_this_one_stored(tmp_path: Path) -> None:
 
 
 def cached_scale_model(repo: Path, **parameters: Any) -> Path:
-    folder = write_scale_model(repo, "scale", **parameters)
-    with open(folder / "model.toml", "a") as f:
-        f.write("\n[response_cache]\nenable = true\n")
-    return folder
+    return write_scale_model(repo, "scale", response_cache=True, **parameters)
 
 
 def infer_body(*xs: float) -> dict[str, Any]:
-    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": [len(xs), 2], "data": [[x, x] for x in xs]}]}
+    return {
+        "inputs": [{"name": "x", "datatype": "FP32", "shape": [len(xs), 2], "data": [[x, x] for x in xs]}]
+    }
 
 
 async def test_cached_items_skip_the_queue_and_equal_items_are_computed_once(
