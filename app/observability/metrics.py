@@ -196,7 +196,8 @@ class ServerMetrics:
         # --- the response cache (app.serving.response_cache, app.serving.item_cache) ---
         self.cache_items = Counter(
             "scoring_response_cache_items", "Items of requests to a model with [response_cache] "
-            "enable = true, by result: hit (answered from the host's store) or miss (computed).",
+            "enable = true, by result: hit (answered from the host's store) or miss (not in it: "
+            "computed, or refused with its request).",
             [*model, "result"], registry=r,
         )  # fmt: skip
         self.cache_evictions = Counter(
