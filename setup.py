@@ -65,6 +65,7 @@ setup(
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],
+        "redis": ["redis>=5"],  # the response cache's shared tier (app.serving.redis_tier)
         "onnx": ONNX,
         "demo": [
             *ONNX,
@@ -96,6 +97,7 @@ setup(
             "kubernetes-validate>=1.30",
             "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries
             "py3nvml>=0.2.7",
+            "redis>=5",  # tests of the response cache's Redis tier (against a real redis-server)
             "pyperf>=2.6",  # benchmarks/loadtable.py
             "ruff>=0.5",
             "mypy>=1.10",

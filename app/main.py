@@ -26,6 +26,7 @@ from app.serving.dataplane import DATAPLANE, DataPlane
 from app.serving.item_cache import ItemCache
 from app.serving.items import IDENTITY
 from app.serving.lifecycle import on_shutdown, resolve_device
+from app.serving.redis_tier import RedisTier
 from app.serving.registry import (
     HEALTH,
     LIMITS,
@@ -113,11 +114,19 @@ def response_cache(
     settings: Settings, device: str, metrics: ServerMetrics | None, tracing: Tracing | None
 ) -> ItemCache | None:
     """The host's response cache as this worker sees it: at ``response_cache_path``, else in the
-    run directory; None where neither is set (in-process, without a path)."""
+    run directory, with the Redis tier where ``response_cache_redis_url`` names one; None where
+    no path is set (in-process, without a path)."""
     folder = settings.response_cache_path
     if folder is None and settings.run_dir is not None:
         folder = settings.run_dir / "response-cache"
     if folder is None:
         return None
     store = ResponseCache(folder, settings.response_cache_bytes, settings.response_cache_ttl_s)
-    return ItemCache(store, device, metrics, tracing)
+    shared = None
+    if settings.response_cache_redis_url:
+        shared = RedisTier(
+            settings.response_cache_redis_url,
+            settings.response_cache_redis_timeout_ms / 1000.0,
+            settings.response_cache_ttl_s,
+        )
+    return ItemCache(store, device, metrics, tracing, shared)

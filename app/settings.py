@@ -356,6 +356,20 @@ class Settings(BaseSettings):
         "evicted (a new model version never reads an old one's results either way).",
     )
 
+    response_cache_redis_url: str = Field(
+        "",
+        description="A Redis or Valkey server that several hosts share as the response cache's "
+        "second tier (redis://host:port/db): asked for what the host's store lacks, written with "
+        "what is computed; empty = none.",
+    )
+    response_cache_redis_timeout_ms: float = Field(
+        50.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Connect and socket timeout of each call to the response cache's Redis tier, "
+        "ms; after a failed call the tier is skipped for 5 s (requests are computed).",
+    )
+
     @field_validator("model_repository", mode="after")
     @classmethod
     def _absolute(cls, value: Path) -> Path:

@@ -27,6 +27,7 @@ from app.errors import InferenceFailed
 from app.observability.metrics import ServerMetrics
 from app.observability.tracing import Tracing
 from app.serving.context import RequestContext
+from app.serving.redis_tier import RedisTier
 from app.serving.registry import ModelVersion
 from app.serving.response_cache import CacheCounts, Item, ResponseCache, environment, item_keys
 
@@ -44,6 +45,8 @@ class ItemCache:
             part of every key.
         metrics: this process's metrics (None: off).
         tracing: the request spans (None: off).
+        shared: the tier that several hosts share (``app.serving.redis_tier``), asked for what
+            the host's store lacks and written with what is computed; None: none.
     """
 
     def __init__(
@@ -52,8 +55,10 @@ class ItemCache:
         device: str,
         metrics: ServerMetrics | None = None,
         tracing: Tracing | None = None,
+        shared: RedisTier | None = None,
     ) -> None:
         self.store = store
+        self.shared = shared
         self.device_kind = device.split(":", 1)[0]
         self.metrics = metrics
         self.tracing = tracing
@@ -93,6 +98,13 @@ class ItemCache:
             first.setdefault(key, i)
         distinct = list(first)
         found = dict(zip(distinct, self.store.lookup(distinct), strict=True))
+        if self.shared is not None:
+            lacking = [key for key in distinct if found[key] is None]
+            answers = zip(lacking, self.shared.lookup(lacking), strict=True)
+            fetched = [(key, item) for key, item in answers if item is not None]
+            if fetched:
+                found.update(fetched)
+                self.store.insert([(key, model.config.name, item) for key, item in fetched])
         hits = sum(1 for key in keys if found[key] is not None)
         self._count(model, hits, len(keys) - hits)
         missing = [first[key] for key in distinct if found[key] is None]
@@ -133,6 +145,8 @@ class ItemCache:
         name = model.config.name
         entries = [(key, name, {n: a[i] for n, a in outputs.items()}) for i, key in enumerate(keys)]
         self.store.insert(entries)
+        if self.shared is not None:
+            self.shared.insert([(key, item) for key, _, item in entries])
 
     def _count(self, model: ModelVersion, hits: int, misses: int) -> None:
         if self.tracing is not None:

@@ -554,3 +554,19 @@ def _parse(value: bytes | memoryview) -> tuple[int, float, memoryview] | None:
     if magic != _MAGIC or _checksum(payload) != checksum:
         return None
     return stamp, written, payload
+
+
+def pack_entry(item: Item) -> bytes | None:
+    """One item's outputs as a stored value (header with the time written and a checksum, then
+    :func:`encode_item`'s payload), for a tier outside LMDB; None when it cannot be cached."""
+    payload = encode_item(item)
+    return None if payload is None else _value(0, time.time(), payload)
+
+
+def unpack_entry(value: bytes, ttl_s: float = 0.0) -> Item | None:
+    """The outputs of a value :func:`pack_entry` made; None when it is corrupt, does not decode
+    or is older than ``ttl_s`` (0 = no limit)."""
+    parsed = _parse(value)
+    if parsed is None or (ttl_s and time.time() - parsed[1] > ttl_s):
+        return None
+    return decode_item(bytes(parsed[2]))

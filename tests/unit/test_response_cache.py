@@ -7,6 +7,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,10 +15,15 @@ import lmdb
 import numpy as np
 import pytest
 
+from app.models.repository import read_config
+from app.serving.context import RequestContext
 from app.serving.dataplane import DATAPLANE
+from app.serving.item_cache import ItemCache
+from app.serving.redis_tier import RedisTier
+from app.serving.registry import ModelVersion
 from app.serving.response_cache import CacheCounts, ResponseCache, decode_item, encode_item, item_keys
 from tests.support.fixtures import MakeClient
-from tests.support.gunicorn import ROOT
+from tests.support.gunicorn import ROOT, free_port, poll
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
 MIB = 1 << 20
@@ -311,3 +317,110 @@ async def test_a_store_that_fails_means_computing(tmp_path: Path, make_client: M
         resp = await client.post("/v2/models/scale/infer", json=infer_body(1, 2))
         assert resp.status == 200
         assert (await resp.json())["outputs"][0]["data"] == [2, 2, 4, 4]
+
+
+# --- the Redis tier (a real redis-server, started here) ----------------------------------------
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A redis-server of this test on a free loopback port, nothing persisted: (url, process)."""
+    binary = shutil.which("redis-server") or shutil.which("valkey-server")
+    if binary is None:
+        pytest.skip("no redis-server or valkey-server on this machine (apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    import redis
+
+    client = redis.Redis(port=port)
+    try:
+        poll(lambda: _pings(client), 10, "redis-server answering")
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        client.close()
+        proc.terminate()
+        proc.wait(10)
+
+
+def _pings(client: Any) -> bool:
+    import redis
+
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False
+
+
+def two_hosts(tmp_path: Path, url: str) -> tuple[ItemCache, ItemCache]:
+    """Two hosts' caches: stores of their own, one Redis tier."""
+    hosts = []
+    for name in ("a", "b"):
+        store = fresh(tmp_path / name)
+        hosts.append(ItemCache(store, "cpu", shared=RedisTier(url, timeout_s=0.5)))
+    return hosts[0], hosts[1]
+
+
+def scale_version(tmp_path: Path) -> ModelVersion:
+    model = ModelVersion(read_config(write_scale_model(tmp_path / "repo", "scale", response_cache=True)))
+    model.fingerprint = "files"
+    return model
+
+
+def test_an_item_one_host_computed_is_found_by_another_through_redis(
+    tmp_path: Path, redis_server: tuple[str, subprocess.Popen[bytes]]
+) -> None:
+    url, proc = redis_server
+    a, b = two_hosts(tmp_path, url)
+    model = scale_version(tmp_path)
+    inputs = {"x": np.array([[1.0, 1.0], [2.0, 2.0]], np.float32)}
+    outputs = {"y": np.array([[3.0, 3.0], [6.0, 6.0]], np.float32)}
+    context = RequestContext("r", 0.0)
+    queued, plan = a.expand(model, context, inputs)
+    assert queued is not None and len(queued["x"]) == 2
+    a.store_outputs(model, model.fingerprint, queued, outputs)
+    queued, plan = b.expand(model, context, inputs)
+    assert queued is None  # both items came from host a, through Redis
+    assert b.assemble(plan, None)["y"].tobytes() == outputs["y"].tobytes()
+    proc.terminate()
+    proc.wait(10)
+    queued, plan = b.expand(model, context, inputs)  # copied into host b's own store
+    assert queued is None and b.assemble(plan, None)["y"].tobytes() == outputs["y"].tobytes()
+
+
+def test_a_stopped_or_corrupt_redis_means_computing(
+    tmp_path: Path, redis_server: tuple[str, subprocess.Popen[bytes]]
+) -> None:
+    import redis
+
+    from app.serving.redis_tier import PREFIX
+
+    url, proc = redis_server
+    a, b = two_hosts(tmp_path, url)
+    model = scale_version(tmp_path)
+    inputs = {"x": np.array([[5.0, 5.0]], np.float32)}
+    context = RequestContext("r", 0.0)
+    queued, _ = a.expand(model, context, inputs)
+    assert queued is not None
+    a.store_outputs(model, model.fingerprint, queued, {"y": np.array([[15.0, 15.0]], np.float32)})
+    client = redis.Redis.from_url(url)
+    (key,) = client.keys(PREFIX + b"*")
+    stored = client.get(key)
+    assert isinstance(stored, bytes)
+    value = bytearray(stored)
+    value[-1] ^= 0xFF
+    client.set(key, bytes(value))
+    client.close()
+    queued, _ = b.expand(model, context, inputs)
+    assert queued is not None  # a corrupt value is a miss
+    proc.terminate()
+    proc.wait(10)
+    other = {"x": np.array([[7.0, 7.0]], np.float32)}
+    queued, _ = b.expand(model, context, other)  # Redis gone: computed, no error
+    assert queued is not None
+    b.store_outputs(model, model.fingerprint, queued, {"y": np.array([[21.0, 21.0]], np.float32)})
+    queued, _ = b.expand(model, context, other)
+    assert queued is None  # host b's own store still serves
