@@ -15,12 +15,13 @@ from typing import Any
 
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import SERVER_NAME, __version__
 from app.binding import BINDING
 from app.errors import InvalidInput, UnsupportedMediaType
-from app.http.middleware import MODEL_LABELS, request_id_of
+from app.http.middleware import model_known, request_id_of
 from app.observability.metrics import METRICS
 from app.protocols import openai, triton, v1, v2
 from app.protocols.v2 import HEADER_LENGTH, attach_binary, split_body
@@ -238,7 +239,7 @@ async def embeddings(request: web.Request) -> web.Response:
     deadline = header_deadline(request, arrival)
     body = openai.decode(await _read_body(request), plane.limits)
     model = plane.admit(body.model, None, arrival, deadline)
-    request[MODEL_LABELS] = (model.config.name, model.config.version)
+    model_known(request, model.config.name, model.config.version)
     parsed = openai.infer_request(model.config, body)
     parsed.arrival, parsed.deadline = arrival, deadline
     response = await plane.infer(
@@ -246,6 +247,11 @@ async def embeddings(request: web.Request) -> web.Response:
     )
     outputs = {o.name: o.array for o in response.outputs}
     return web.Response(body=openai.encode(body, model.config.name, outputs), content_type="application/json")
+
+
+#: The protocol of each inference handler: the label of its requests' metrics (the edge
+#: middleware, ``app.http.middleware``).
+PROTOCOLS: dict[Handler, str] = {infer: "v2", v1_predict: "v1", embeddings: "openai"}
 
 
 @routes.get("/openapi.json")

@@ -119,11 +119,6 @@ class ServiceRate:
                 self.item_s = slope
         self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
 
-    @property
-    def items_per_s(self) -> float | None:
-        """The peak rate, items/s (large batches, overhead amortised); None before any batch."""
-        return 1.0 / self.item_s if self.item_s else None
-
     def seconds_for(self, items: float, batches: int = 1) -> float:
         """Expected seconds for ``items`` items in ``batches`` batches (the fit times
         :attr:`lag`); 0 while unknown or empty."""

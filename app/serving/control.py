@@ -22,8 +22,10 @@ reload happens beside what serves (``app.serving.lifecycle``): nothing fails mea
 **Every worker, one answer.** The worker that receives the call writes the new model set to
 ``<run dir>/models.json`` (a worker forked later, by a recycle, a crash or a HUP, starts from it,
 and one that booted meanwhile reconciles with it once its boot loads are done), applies the change
-and has every ready sibling apply it (``Siblings.apply``, over their internal endpoints), and
-answers only once all of them have, or with an error naming each worker that failed and why.
+and has every sibling apply it (``Siblings.apply``, over their internal endpoints: ready or not,
+a worker whose models are all unloaded included; one still loading its boot models applies it
+after them), and answers only once all of them have, or with an error naming each worker that
+failed and why.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -68,8 +69,8 @@ class ModelControl:
         self.device = device
         self.settings: Settings = app[SETTINGS]
         self.mode = self.settings.model_control_mode
-        run_dir = self.settings.run_dir or os.environ.get("SCORING_RUN_DIR")
-        self.model_set_path = Path(run_dir) / MODEL_SET_FILE if run_dir else None
+        run_dir = self.settings.run_dir
+        self.model_set_path = run_dir / MODEL_SET_FILE if run_dir else None
         self._lock = asyncio.Lock()
         self._seen: dict[str, dict[str, str]] = {}  # poll: name -> version -> fingerprint
 
@@ -317,8 +318,9 @@ async def _load_all(app: web.Application, device: torch.device, control: ModelCo
     for name, reason in registry.unavailable.items():
         log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
     loaded = False
-    for model in registry.entries():
-        loaded = await try_load(app, model, device) or loaded
+    async with control._lock:  # a change a sibling sends meanwhile applies after the boot loads
+        for model in registry.entries():
+            loaded = await try_load(app, model, device) or loaded
     # Now that the models hold their CUDA context, check through NVML that it is on the
     # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
     worker = app[BINDING]

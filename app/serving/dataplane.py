@@ -195,41 +195,27 @@ class DataPlane:
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
         deadline = self.request_deadline(model, request)
         priority = parameters_priority(request.parameters) if request.parameters else None
-        level = None
-        if priority is not None and model.unit is not None:
-            level = model.unit.level(priority)
+        if priority and model.unit is not None:
+            model.unit.level(priority)  # one above the model's levels fails before it is balanced
         context = RequestContext(
-            request_id, deadline, priority or 0, pinned=pinned, is_disconnected=is_disconnected
-        )
+            request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
+            pinned=pinned, is_disconnected=is_disconnected,
+        )  # fmt: skip
         queued, plan = self.items.expand(model, context, inputs)
         results = None
         if queued is not None:  # else every item was answered by the stage: no queue, no model
-            results = await self.run(
-                model, queued, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
-                pinned=pinned, level=level,
-            )  # fmt: skip
+            results = await self.run(model, queued, context)
         return build_response(config, request, self.items.assemble(plan, results), wanted)
 
-    def run(
-        self,
-        model: ModelVersion,
-        inputs: Arrays,
-        *,
-        deadline: float,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None = None,
-        forwarded: bool = False,
-        pinned: bool = False,
-        level: int | None = None,
-    ) -> Awaitable[Arrays]:
+    def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
         shards on them and here, or whole on one of them (``Siblings.route``).
 
         Args:
             inputs: one array per model input, ``[B, *item_shape]``, B >= 1, validated.
-            deadline: loop time by which the outputs are due.
-            forwarded: a shard or request from a sibling worker: never split or sent on again.
-            level: the priority level (``ServingUnit.level``); None: the default.
+            context: the request's (``app.serving.context``): the deadline by which the outputs
+                are due, its priority, and whether it was forwarded (a shard or request from a
+                sibling worker: never split or sent on again) or pinned.
 
         Returns:
             An awaitable (await it at once) of one array per model output, ``[B, ...]``, in item
@@ -237,32 +223,21 @@ class DataPlane:
         """
         unit = model.unit
         items = len(next(iter(inputs.values())))
-        if unit is not None and not forwarded and self.siblings.considers(unit, items, pinned):
-            return self._routed(model, inputs, items, deadline, request_id, is_disconnected, pinned, level)
-        return self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
+        siblings = self.siblings
+        if unit is not None and not context.forwarded and siblings.considers(unit, items, context.pinned):
+            return self._routed(model, inputs, items, context)
+        return self._here(model, inputs, items, context)
 
-    async def _here(
-        self,
-        model: ModelVersion,
-        inputs: Arrays,
-        items: int,
-        deadline: float,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None,
-        level: int | None,
-    ) -> Arrays:
+    async def _here(self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext) -> Arrays:
         siblings = self.siblings
         trace = self.tracing.queued() if self.tracing is not None else None
         siblings.add_load(items)  # published for the siblings' balancing
         try:
             unit = model.unit
             if unit is None:  # still loading: wait for it, within the deadline
-                unit = await self.registry.serving_unit(model, deadline)
+                unit = await self.registry.serving_unit(model, context.deadline)
             fingerprint = model.fingerprint  # of the files ``unit`` was loaded from (set together)
-            outputs = await unit.infer(
-                inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
-                level=level, trace=trace,
-            )  # fmt: skip
+            outputs = await unit.infer(inputs, context, trace=trace)
             if self.cache is not None and model.config.response_cache.enable:
                 self.cache.store_outputs(model, fingerprint, inputs, outputs)
             return outputs
@@ -270,28 +245,19 @@ class DataPlane:
             siblings.add_load(-items)
 
     async def _routed(
-        self,
-        model: ModelVersion,
-        inputs: Arrays,
-        items: int,
-        deadline: float,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None,
-        pinned: bool,
-        level: int | None,
+        self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext
     ) -> Arrays:
-        """The siblings' route (scatter, or forward when ``pinned``); here, whole, if they decline."""
+        """The siblings' route (scatter, or forward when pinned); here, whole, if they decline."""
         unit = model.unit
         assert unit is not None
 
-        def local(arrays: Arrays, part_deadline: float) -> Any:
-            part = len(next(iter(arrays.values())))
-            return self._here(model, arrays, part, part_deadline, request_id, is_disconnected, level)
+        def local(arrays: Arrays) -> Any:
+            return self._here(model, arrays, len(next(iter(arrays.values()))), context)
 
-        outputs = await self.siblings.route(unit, inputs, deadline, request_id, local, pinned=pinned)
+        outputs = await self.siblings.route(unit, inputs, context, local)
         if outputs is not None:
             return outputs
-        return await self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
+        return await self._here(model, inputs, items, context)
 
 
 # --- validation: the request's tensors and parameters against the model ------------------------

@@ -120,9 +120,7 @@ def plane_for(
     model = ModelVersion(
         read_config(write_scale_model(tmp_path, "scale", max_batch_size=4, queue_capacity=capacity))
     )
-    unit = ServingUnit(
-        "scale", runner, pool, max_batch_size=4, max_queue_delay_ms=1.0, queue_capacity=capacity
-    )
+    unit = ServingUnit(model.config, runner, pool)
     unit.start()
     model.unit = unit
     registry = ModelRegistry()
