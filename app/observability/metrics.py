@@ -338,6 +338,9 @@ class ModelStats:
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
+    #: Items found in / missing from the response cache, and their share of the lookups' time.
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
     #: Batch size (items) -> model calls of that size and their compute time.
     batches: dict[int, Duration] = field(default_factory=dict)
 

@@ -19,6 +19,7 @@ kind: a reload, a new version, a new library or another kind of device starts af
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -93,6 +94,7 @@ class ItemCache:
         keys = item_keys(self.identity(model, fingerprint), inputs)
         if keys is None:
             return inputs, None
+        start = time.perf_counter()
         first: dict[bytes, int] = {}
         for i, key in enumerate(keys):
             first.setdefault(key, i)
@@ -106,7 +108,7 @@ class ItemCache:
                 found.update(fetched)
                 self.store.insert([(key, model.config.name, item) for key, item in fetched])
         hits = sum(1 for key in keys if found[key] is not None)
-        self._count(model, hits, len(keys) - hits)
+        self._count(model, hits, len(keys) - hits, time.perf_counter() - start)
         missing = [first[key] for key in distinct if found[key] is None]
         plan = Plan(model, keys, found, {keys[i]: row for row, i in enumerate(missing)})
         if not missing:
@@ -148,7 +150,10 @@ class ItemCache:
         if self.shared is not None:
             self.shared.insert([(key, item) for key, _, item in entries])
 
-    def _count(self, model: ModelVersion, hits: int, misses: int) -> None:
+    def _count(self, model: ModelVersion, hits: int, misses: int, seconds: float) -> None:
+        share = seconds / (hits + misses)
+        model.stats.cache_hit.add(hits, share * hits)  # Triton's statistics, per item here
+        model.stats.cache_miss.add(misses, share * misses)
         if self.tracing is not None:
             self.tracing.cached(hits, hits + misses)
         metrics = self.metrics

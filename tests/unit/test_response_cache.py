@@ -261,6 +261,10 @@ async def test_cached_items_skip_the_queue_and_equal_items_are_computed_once(
     assert ScaleHandler.BATCHES["scale"] == [[1.0, 2.0], [3.0]]
     resp = await client.post("/v2/models/scale/infer", json=infer_body(2, 1))
     assert resp.status == 200 and ScaleHandler.BATCHES["scale"] == [[1.0, 2.0], [3.0]]  # all cached
+    stats = (await (await client.get("/v2/models/scale/stats")).json())["model_stats"][0]["inference_stats"]
+    assert (stats["cache_hit"]["count"], stats["cache_miss"]["count"]) == (4, 5)  # Triton's, per item
+    config = await (await client.get("/v2/models/scale/config")).json()
+    assert config["response_cache"] == {"enable": True}
     scrape = await (await client.get("/metrics")).text()  # an item repeated in a request counts twice
     assert 'scoring_response_cache_items_total{model="scale",result="hit",version="1"} 4.0' in scrape
     assert 'scoring_response_cache_items_total{model="scale",result="miss",version="1"} 5.0' in scrape
