@@ -11,16 +11,19 @@ import shutil
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import redis
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from tests.support.gunicorn import HOST, Gunicorn, poll, wait_for, worker_items
 from tests.support.load import post_json
+from tests.support.redis_server import redis_server
 from tests.support.toy_models import write_scale_model
 
 pytestmark = pytest.mark.e2e
@@ -180,6 +183,33 @@ def test_the_store_removed_or_unopenable_during_requests_fails_none(srv: Gunicor
         return (store / "data.mdb").exists()
 
     wait_for(made_again, 10, "the store made again", srv)
+
+
+def test_redis_stopped_under_load_fails_none(tmp_path: Path) -> None:
+    """With the Redis tier configured, Redis stopped during requests: each worker pays at most
+    one timeout, then computes; no request fails."""
+    write_scale_model(tmp_path / "repo", "scale", factor=3, response_cache=True)
+    with redis_server(tmp_path) as (url, redis_proc):
+        env = {
+            "SCORING_MODEL_REPOSITORY": str(tmp_path / "repo"),
+            "SCORING_WORKERS": "2",
+            "SCORING_RESPONSE_CACHE_REDIS_URL": url,
+        }
+        with Gunicorn(tmp_path, env) as server:
+            server.wait_ready(120, count=2)
+            pool = np.random.default_rng(5).random((64, 2), dtype=np.float32)
+            with Load(server.port, pool) as load:
+                load.wait_for_more(100)
+                client = redis.Redis.from_url(url)
+                assert client.dbsize() > 0  # the workers wrote what they computed to Redis too
+                client.close()
+                redis_proc.terminate()
+                redis_proc.wait(10)
+                load.wait_for_more(100)
+    statuses = [status for _, status, _, _ in load.answers]
+    assert statuses and set(statuses) == {200} and not load.errors, (set(statuses), load.errors[:3])
+    for _, _, x, answer in load.answers:
+        assert outputs(answer).tobytes() == (x * np.float32(3)).tobytes()
 
 
 def test_a_reload_never_answers_with_the_old_files_results_after_the_load_returned(srv: Gunicorn) -> None:

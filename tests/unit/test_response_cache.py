@@ -23,7 +23,8 @@ from app.serving.redis_tier import RedisTier
 from app.serving.registry import ModelVersion
 from app.serving.response_cache import CacheCounts, ResponseCache, decode_item, encode_item, item_keys
 from tests.support.fixtures import MakeClient
-from tests.support.gunicorn import ROOT, free_port, poll
+from tests.support.gunicorn import ROOT
+from tests.support.redis_server import redis_server as support_redis_server
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
 MIB = 1 << 20
@@ -328,35 +329,8 @@ async def test_a_store_that_fails_means_computing(tmp_path: Path, make_client: M
 
 @pytest.fixture
 def redis_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A redis-server of this test on a free loopback port, nothing persisted: (url, process)."""
-    binary = shutil.which("redis-server") or shutil.which("valkey-server")
-    if binary is None:
-        pytest.skip("no redis-server or valkey-server on this machine (apt-get install redis-server)")
-    port = free_port()
-    proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    import redis
-
-    client = redis.Redis(port=port)
-    try:
-        poll(lambda: _pings(client), 10, "redis-server answering")
-        yield f"redis://127.0.0.1:{port}/0", proc
-    finally:
-        client.close()
-        proc.terminate()
-        proc.wait(10)
-
-
-def _pings(client: Any) -> bool:
-    import redis
-
-    try:
-        return bool(client.ping())
-    except redis.ConnectionError:
-        return False
+    with support_redis_server(tmp_path) as server:
+        yield server
 
 
 def two_hosts(tmp_path: Path, url: str) -> tuple[ItemCache, ItemCache]:
