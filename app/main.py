@@ -24,7 +24,6 @@ from app.protocols.tensors import RequestLimits
 from app.serving.control import models_ctx
 from app.serving.dataplane import DATAPLANE, DataPlane
 from app.serving.item_cache import ItemCache
-from app.serving.items import IDENTITY
 from app.serving.lifecycle import on_shutdown, resolve_device
 from app.serving.redis_tier import RedisTier
 from app.serving.registry import (
@@ -92,7 +91,7 @@ async def create_app(
     app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
     cache = response_cache(settings, app[BINDING].device, metrics, tracing)
     app[DATAPLANE] = DataPlane(
-        registry, settings, limits, app[SIBLINGS], tracing, items=cache or IDENTITY, cache=cache
+        registry, settings, limits, app[SIBLINGS], tracing, items=cache, cache=cache
     )
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
     app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata

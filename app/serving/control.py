@@ -156,34 +156,24 @@ class ModelControl:
         registry = self.app[REGISTRY]
         broken = {u.name: u.reason for u in found.unavailable}
         configs = [c for c in serving(found).configs if c.name == name]
+        registry.set_unavailable(name, broken.get(name))
         if not configs:
-            registry.unavailable.pop(name, None)
             if name in broken:
-                registry.unavailable[name] = broken[name]
                 raise ModelLoadError(f"model {name}: {broken[name]}")
             raise ModelLoadError(f"model {name!r} is in no folder of the repository")
-        if name in broken:
-            registry.unavailable[name] = broken[name]
-        else:
-            registry.unavailable.pop(name, None)
         return configs
 
     async def _load(self, name: str) -> str | None:
         registry = self.app[REGISTRY]
         selected = self._selected(name)
-        registry.unloaded.pop(name, None)
+        registry.set_unloaded(name, None)
         versions = registry.versions.get(name, {})
         failures = []
         for config in selected:
             model = versions.get(config.version)
             if model is not None and model.ready and model.fingerprint == fingerprint(config.path):
                 continue  # unchanged: it keeps serving
-            if model is None or model.unloading:
-                model = registry.add(config)
-            elif model.unit is None:
-                model.config = config  # a failed or unloaded version: try its folder as it is now
-            model.settled.clear()
-            model.error = None
+            model = registry.to_load(config)
             if not await try_load(self.app, model, self.device, config, retry=False):
                 failures.append(f"version {config.version}: {model.error}")
         if name in registry.unavailable:  # a folder of it that cannot be read: the call fails
@@ -205,8 +195,7 @@ class ModelControl:
         models = [m for m in registry.versions.get(name, {}).values() if not m.unloading]
         if not models and name not in registry.unloaded and name not in registry.unavailable:
             return f"model {name!r} is not loaded"
-        registry.unloaded[name] = why
-        registry.unavailable.pop(name, None)
+        registry.set_unloaded(name, why)
         await asyncio.gather(*(unload_version(self.app, m) for m in models))
         return None
 
@@ -285,8 +274,10 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
         if not names or config.name in names:
             registry.add(config)
         else:  # explicit mode, not in the server's model set
-            registry.unloaded[config.name] = "not loaded"
-    registry.unavailable.update({u.name: u.reason for u in found.unavailable if not names or u.name in names})
+            registry.set_unloaded(config.name, "not loaded")
+    for broken in found.unavailable:
+        if not names or broken.name in names:
+            registry.set_unavailable(broken.name, broken.reason)
     registry.strict = settings.strict_readiness
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
     app[TASKS] = set()

@@ -39,7 +39,7 @@ from app.protocols.tensors import (
 )
 from app.serving.context import RequestContext
 from app.serving.item_cache import ItemCache
-from app.serving.items import IDENTITY, ItemStage
+from app.serving.items import ItemStage
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.settings import Settings
@@ -58,8 +58,8 @@ class DataPlane:
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
-        items: the item stage between a validated request and the queue (``app.serving.items``;
-            default: one item -> one item).
+        items: the item stage between a validated request and the queue (``app.serving.items``);
+            None: one item -> one item, and nothing is called.
         cache: the response cache (``app.serving.item_cache``), whose item stage is among
             ``items``: what this worker's serving units compute for a model that enables it is
             stored there; None: none.
@@ -72,7 +72,7 @@ class DataPlane:
         limits: RequestLimits,
         siblings: Siblings,
         tracing: Tracing | None = None,
-        items: ItemStage[Any] = IDENTITY,
+        items: ItemStage[Any] | None = None,
         cache: ItemCache | None = None,
     ) -> None:
         self.registry = registry
@@ -137,7 +137,8 @@ class DataPlane:
         """The model version a request addresses, once it is clear the request is not refused
         early: with a full batch or more waiting and no request of the size recently seen able
         to finish in time, it is refused before its body is decoded (the full admission, with
-        its own size, happens in :meth:`infer`).
+        its own size, happens in :meth:`infer`). A model with a response cache is never refused
+        here (its cached items cost nothing).
 
         Args:
             name, version: the model addressed (version None = the default one).
@@ -154,7 +155,9 @@ class DataPlane:
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
-        if unit is not None:
+        # a model with a response cache is not refused before its items are looked up: those
+        # cached never reach the queue, and admission in ``infer`` prices only the others
+        if unit is not None and not (self.cache is not None and model.config.response_cache.enable):
             refusal = unit.refuse_early(self.deadline(model, arrival, deadline))
             if refusal is not None:
                 raise refusal
@@ -201,11 +204,15 @@ class DataPlane:
             request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
             pinned=pinned, is_disconnected=is_disconnected,
         )  # fmt: skip
-        queued, plan = self.items.expand(model, context, inputs)
-        results = None
-        if queued is not None:  # else every item was answered by the stage: no queue, no model
-            results = await self.run(model, queued, context)
-        return build_response(config, request, self.items.assemble(plan, results), wanted)
+        stage = self.items
+        if stage is None:
+            outputs = await self.run(model, inputs, context)
+        else:
+            queued, plan = stage.expand(model, context, inputs)
+            # none left: every item was answered by the stage, no queue, no model
+            results = None if queued is None else await self.run(model, queued, context)
+            outputs = stage.assemble(plan, results)
+        return build_response(config, request, outputs, wanted)
 
     def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in

@@ -402,3 +402,22 @@ def test_a_stopped_or_corrupt_redis_means_computing(
     b.store_outputs(model, model.fingerprint, queued, {"y": np.array([[21.0, 21.0]], np.float32)})
     queued, _ = b.expand(model, context, other)
     assert queued is None  # host b's own store still serves
+
+
+async def test_a_cached_model_is_not_refused_before_its_items_are_looked_up(
+    tmp_path: Path, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Early refusal (before the body is decoded) would refuse requests the store answers whole;
+    a cached model skips it, and admission prices only what is left."""
+    from app.errors import QueueFull
+    from tests.support.fixtures import served
+
+    repo = tmp_path / "repo"
+    cached_scale_model(repo)
+    write_scale_model(repo, "plain")
+    client = await make_client(repo, response_cache_path=tmp_path / "cache")
+    for name in ("scale", "plain"):
+        unit = served(client.app, name)
+        monkeypatch.setattr(unit, "refuse_early", lambda deadline: QueueFull("busy", retry_after_s=1))
+    assert (await client.post("/v2/models/plain/infer", json=infer_body(1))).status == 503
+    assert (await client.post("/v2/models/scale/infer", json=infer_body(1))).status == 200
