@@ -206,7 +206,9 @@ def shard_context(shard: ShardRequest, now: float, headers: Mapping[str, str]) -
     if shard.priority < 0:
         raise errors.InvalidInput(f"shard priority {shard.priority} < 0")
     trace = tuple((name, headers[name]) for name in TRACE_HEADERS if name in headers)
-    return RequestContext(shard.request_id, now + shard.timeout_s, shard.priority, trace, forwarded=True)
+    return RequestContext(
+        shard.request_id, now + shard.timeout_s, shard.priority, trace, forwarded=True, arrival=now
+    )
 
 
 async def _handle_shard(request: web.Request) -> web.Response:

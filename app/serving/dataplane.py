@@ -202,7 +202,7 @@ class DataPlane:
             model.unit.level(priority)  # one above the model's levels fails before it is balanced
         context = RequestContext(
             request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
-            pinned=pinned, is_disconnected=is_disconnected,
+            pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
         )  # fmt: skip
         stage = self.items
         if stage is None:

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 
 from app.errors import ClientDisconnected, DeadlineExceeded, InvalidInput, ScoringError
-from app.protocols.tensors import ItemCosts
+from app.protocols.tensors import ItemBytes
 from app.serving.context import RequestContext
 
 Tensors = dict[str, np.ndarray]
@@ -60,7 +60,7 @@ class QueuedRequest:
     context: RequestContext
     arrival: float
     future: asyncio.Future[Tensors]
-    costs: ItemCosts | None  # input bytes per item; None without a batch byte bound
+    item_bytes: ItemBytes | None  # input bytes per item; None without a batch byte bound
     tokens: np.ndarray | None = None
     order: np.ndarray | None = None
     level: int = 0
@@ -128,9 +128,9 @@ class Budget:
     def fit(self, request: QueuedRequest, start: int, stop: int) -> int:
         """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit."""
         n = min(stop - start, self.items)
-        costs = request.costs
-        if costs is not None and self.bytes != math.inf:
-            n = min(n, costs.items_within(start, start + n, self.bytes))
+        item_bytes = request.item_bytes
+        if item_bytes is not None and self.bytes != math.inf:
+            n = min(n, item_bytes.items_within(start, start + n, self.bytes))
         tokens = request.tokens
         if tokens is not None and self.tokens != math.inf and n > 0:
             # the most items whose batch costs at most the budget: a binary search
@@ -147,8 +147,8 @@ class Budget:
     def take(self, request: QueuedRequest, start: int, stop: int) -> None:
         """Account for items ``[start, stop)`` of ``request`` joining the batch."""
         self.items -= stop - start
-        if request.costs is not None and self.bytes != math.inf:
-            self.bytes -= request.costs.between(start, stop)
+        if request.item_bytes is not None and self.bytes != math.inf:
+            self.bytes -= request.item_bytes.between(start, stop)
         if request.tokens is not None:
             self.taken.append(request.tokens[start:stop])
 

@@ -247,15 +247,15 @@ class ServingUnit:
                 order = None
                 if tokens is not None:
                     inputs, tokens, order = sort_by_cost(inputs, tokens)
-                costs = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
+                item_bytes = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
                                           self.max_batch_tokens)  # fmt: skip
                 cost = int(tokens.sum()) if tokens is not None else size
                 if self._stopped:
                     raise QueueFull(f"model {self.name} is unloading")
                 self._admit(size, cost, level, deadline, request_id)
                 request = QueuedRequest(
-                    inputs, size, context, arrival, loop.create_future(), costs, tokens, order, level, trace,
-                    pending=size,
+                    inputs, size, context, arrival, loop.create_future(), item_bytes, tokens, order, level,
+                    trace, pending=size,
                 )  # fmt: skip
                 self.queue.put(request)
                 if self.queue.items - self._reported_depth >= self.max_batch_size:
@@ -263,9 +263,9 @@ class ServingUnit:
                 return await request.future
         except TimeoutError:
             self.observer.rejected("deadline")
+            budget_s = deadline - (arrival if context.arrival is None else context.arrival)
             raise DeadlineExceeded(
-                f"model {self.name}: request {request_id} did not finish within "
-                f"{(deadline - arrival) * 1000:.0f} ms"
+                f"model {self.name}: request {request_id} did not finish within {budget_s * 1000:.0f} ms"
             ) from None
         except DeadlineExceeded:
             if request is not None:

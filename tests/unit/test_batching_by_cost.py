@@ -142,7 +142,7 @@ def queued(tokens: list[int], arrival: float) -> QueuedRequest:
     return QueuedRequest(
         inputs={"x": np.zeros((len(t), 1), np.float32)}, size=len(t),
         context=RequestContext(f"r{arrival}", 1e9), arrival=arrival,
-        future=asyncio.get_running_loop().create_future(), costs=None, tokens=t,
+        future=asyncio.get_running_loop().create_future(), item_bytes=None, tokens=t,
     )  # fmt: skip
 
 

@@ -37,7 +37,7 @@ def test_a_shard_carries_the_requests_context() -> None:
     shard = wire.decode_request(body)
     headers = {"X-Request-Id": "rid-9", **dict(sent.trace)}
     got = wire.shard_context(shard, 500.0, headers)
-    assert got == RequestContext("rid-9", 500.75, 2, sent.trace, forwarded=True)
+    assert got == RequestContext("rid-9", 500.75, 2, sent.trace, forwarded=True, arrival=500.0)
     # a sender without the field (priority 0: the model's default level)
     legacy = msgspec.msgpack.encode({"model": "m", "version": "1", "request_id": "r", "timeout_s": 1.0, "inputs": {}})
     assert wire.decode_request(legacy).priority == 0
