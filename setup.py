@@ -51,6 +51,7 @@ setup(
         "pydantic-settings>=2.2",
         "prometheus-client>=0.20",
         "safetensors>=0.4",
+        "lmdb>=1.4",  # app.serving.response_cache: the host's shared per-item result store
         "grpcio>=1.81.1",
         "protobuf>=6.33.5",  # app/grpc/generated: gencode 6.33.5 (scripts/gen_grpc)
         # tracing (app.observability.tracing), imported only when the OTEL_* variables turn it on.
@@ -64,6 +65,7 @@ setup(
     ],
     extras_require={
         "uvloop": ["uvloop>=0.19"],
+        "redis": ["redis>=5"],  # the response cache's shared tier (app.serving.redis_tier)
         "onnx": ONNX,
         "demo": [
             *ONNX,
@@ -95,6 +97,7 @@ setup(
             "kubernetes-validate>=1.30",
             "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries
             "py3nvml>=0.2.7",
+            "redis>=5",  # tests of the response cache's Redis tier (against a real redis-server)
             "pyperf>=2.6",  # benchmarks/loadtable.py
             "ruff>=0.5",
             "mypy>=1.10",

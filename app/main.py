@@ -17,13 +17,15 @@ from app.http.extensions import routes as extension_routes
 from app.http.middleware import edge_middleware
 from app.http.routes import PROTOCOLS, inference_routes, metrics_handler, routes
 from app.observability.gpu import gpu_metrics_ctx
-from app.observability.metrics import METRICS, create_metrics
-from app.observability.tracing import TRACING, tracing_ctx
+from app.observability.metrics import METRICS, ServerMetrics, create_metrics
+from app.observability.tracing import TRACING, Tracing, tracing_ctx
 from app.observability.tracing import setup as setup_tracing
 from app.protocols.tensors import RequestLimits
 from app.serving.control import models_ctx
 from app.serving.dataplane import DATAPLANE, DataPlane
+from app.serving.item_cache import ItemCache
 from app.serving.lifecycle import on_shutdown, resolve_device
+from app.serving.redis_tier import RedisTier
 from app.serving.registry import (
     HEALTH,
     LIMITS,
@@ -34,6 +36,7 @@ from app.serving.registry import (
     ModelRegistry,
     WorkerHealth,
 )
+from app.serving.response_cache import ResponseCache
 from app.serving.siblings import Alone, Siblings, Supervisor
 from app.settings import Settings
 
@@ -82,11 +85,14 @@ async def create_app(
     app[LIMITS] = limits
     app[SIBLINGS] = siblings or alone
     app[SUPERVISOR] = supervisor or alone
-    app[DATAPLANE] = DataPlane(registry, settings, limits, app[SIBLINGS], tracing)
     if tracing is not None:
         app[TRACING] = tracing
         app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests
     app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
+    cache = response_cache(settings, app[BINDING].device, metrics, tracing)
+    app[DATAPLANE] = DataPlane(
+        registry, settings, limits, app[SIBLINGS], tracing, items=cache, cache=cache
+    )
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
     app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata
     app.add_routes(routes)
@@ -101,3 +107,25 @@ async def create_app(
     app.on_shutdown.append(on_shutdown)
     setup_connections(app)
     return app
+
+
+def response_cache(
+    settings: Settings, device: str, metrics: ServerMetrics | None, tracing: Tracing | None
+) -> ItemCache | None:
+    """The host's response cache as this worker sees it: at ``response_cache_path``, else in the
+    run directory, with the Redis tier where ``response_cache_redis_url`` names one; None where
+    no path is set (in-process, without a path)."""
+    folder = settings.response_cache_path
+    if folder is None and settings.run_dir is not None:
+        folder = settings.run_dir / "response-cache"
+    if folder is None:
+        return None
+    store = ResponseCache(folder, settings.response_cache_bytes, settings.response_cache_ttl_s)
+    shared = None
+    if settings.response_cache_redis_url:
+        shared = RedisTier(
+            settings.response_cache_redis_url,
+            settings.response_cache_redis_timeout_ms / 1000.0,
+            settings.response_cache_ttl_s,
+        )
+    return ItemCache(store, device, metrics, tracing, shared)

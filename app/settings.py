@@ -334,6 +334,42 @@ class Settings(BaseSettings):
         "temp dir.",
     )
 
+    # --- response cache (app.serving.response_cache; docs/response-cache.md) ----------------
+    response_cache_path: Path | None = Field(
+        None,
+        description="Folder of the response cache: one LMDB store per host that every worker "
+        "shares, for the models whose model.toml has [response_cache] enable = true; default: "
+        "response-cache in the run directory (kept across worker restarts; a fixed path also "
+        "across server restarts).",
+    )
+    response_cache_bytes: int = Field(
+        1 << 30,
+        ge=1 << 20,
+        description="Most bytes the response cache's file takes (LMDB's map size; entries hold at "
+        "most half of it, the oldest evicted first), bytes.",
+    )
+    response_cache_ttl_s: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="A cached result older than this is computed again, seconds; 0 = kept until "
+        "evicted (a new model version never reads an old one's results either way).",
+    )
+
+    response_cache_redis_url: str = Field(
+        "",
+        description="A Redis or Valkey server that several hosts share as the response cache's "
+        "second tier (redis://host:port/db): asked for what the host's store lacks, written with "
+        "what is computed; empty = none.",
+    )
+    response_cache_redis_timeout_ms: float = Field(
+        50.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Connect and socket timeout of each call to the response cache's Redis tier, "
+        "ms; after a failed call the tier is skipped for 5 s (requests are computed).",
+    )
+
     @field_validator("model_repository", mode="after")
     @classmethod
     def _absolute(cls, value: Path) -> Path:

@@ -109,6 +109,15 @@ class VersionPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
         return ordered[-(self.latest or 1) :]
 
 
+class ResponseCacheConfig(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
+    """A model's ``[response_cache]`` (Triton's name): ``enable = true`` caches its outputs per
+    item in the host's store (``app.serving.response_cache``; the store's size, place and TTL are
+    server settings). Only for a model whose outputs for an item depend on that item alone
+    (not on its batch mates, the time, or randomness): docs/response-cache.md."""
+
+    enable: bool = False
+
+
 def version_key(version: str) -> tuple[int, Any]:
     """Sort key of a version: numbers numerically, before other names."""
     return (0, int(version)) if version.isdigit() else (1, version)
@@ -181,6 +190,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     scatter: bool = True
     #: Which versions of the model serve (Triton's); read from its highest version's folder.
     version_policy: VersionPolicy = msgspec.field(default_factory=lambda: VersionPolicy(latest=1))
+    #: Per-item results cached in the host's store (``[response_cache] enable = true``).
+    response_cache: ResponseCacheConfig = msgspec.field(default_factory=ResponseCacheConfig)
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
     #: The model's folder; set by the loader, not read from the file.
     path: Path = Path(".")

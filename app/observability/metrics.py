@@ -200,6 +200,23 @@ class ServerMetrics:
             "so that a less-loaded sibling takes them.",
             ["pid"], registry=r,
         )  # fmt: skip
+        # --- the response cache (app.serving.response_cache, app.serving.item_cache) ---
+        self.cache_items = Counter(
+            "scoring_response_cache_items", "Items of requests to a model with [response_cache] "
+            "enable = true, by result: hit (answered from the host's store) or miss (not in it: "
+            "computed, or refused with its request).",
+            [*model, "result"], registry=r,
+        )  # fmt: skip
+        self.cache_evictions = Counter(
+            "scoring_response_cache_evictions", "Entries of a model evicted from the host's "
+            "response cache (oldest first) to keep it under its byte bound.",
+            ["model"], registry=r,
+        )  # fmt: skip
+        self.cache_bytes = Gauge(
+            "scoring_response_cache_bytes", "Bytes of a model's entries in the host's response "
+            "cache (keys and values, as of the last write of any worker).",
+            ["model"], multiprocess_mode="mostrecent", registry=r,
+        )  # fmt: skip
         gpu = ["gpu", "gpu_uuid"]
         self.gpu_memory_used = Gauge(
             "scoring_gpu_memory_used_bytes", "Memory in use on a bound GPU (all processes), per NVML.",
@@ -321,6 +338,9 @@ class ModelStats:
     fail: Duration = field(default_factory=Duration)
     queue: Duration = field(default_factory=Duration)
     compute_infer: Duration = field(default_factory=Duration)
+    #: Items found in / missing from the response cache, and their share of the lookups' time.
+    cache_hit: Duration = field(default_factory=Duration)
+    cache_miss: Duration = field(default_factory=Duration)
     #: Batch size (items) -> model calls of that size and their compute time.
     batches: dict[int, Duration] = field(default_factory=dict)
 

@@ -168,6 +168,13 @@ class Tracing:
         """Name the current (server) span's request."""
         self._trace.get_current_span().set_attribute("scoring.request_id", request_id)
 
+    def cached(self, hits: int, items: int) -> None:
+        """Mark the current (request) span: ``hits`` of its ``items`` came from the response
+        cache."""
+        span = self._trace.get_current_span()
+        span.set_attribute("scoring.response_cache.hits", hits)
+        span.set_attribute("scoring.response_cache.items", items)
+
     def queued(self) -> RequestTrace | None:
         """The current request entering a queue: its ``queue`` span opens (None when the request
         is not sampled)."""

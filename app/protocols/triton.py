@@ -77,7 +77,8 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
         ``name``, ``platform``, ``backend``, ``max_batch_size`` (items), ``input``/``output`` with
         ``data_type`` (``TYPE_FP32``...) and ``dims`` without the batch dimension,
         ``dynamic_batching`` (``max_queue_delay_microseconds``; no preferred sizes: a batch runs
-        as soon as it is full or its delay is over), one instance group, ``parameters``.
+        as soon as it is full or its delay is over), one instance group, ``parameters``,
+        ``response_cache`` (``enable``: the per-item cache of docs/response-cache.md).
     """
     gpu = device.startswith("cuda")
     return {
@@ -110,6 +111,7 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
         "default_model_filename": config.file or "",
         "parameters": {k: {"string_value": str(v)} for k, v in sorted(config.parameters.items())},
         "model_warmup": [],
+        "response_cache": {"enable": config.response_cache.enable},
     }
 
 
@@ -120,8 +122,8 @@ def _duration(d: Duration) -> dict[str, int]:
 def model_statistics(name: str, version: str, stats: ModelStats) -> dict[str, Any]:
     """Triton's ``$model_stat`` object for one model version. ``compute_input`` and
     ``compute_output`` carry the counts of ``compute_infer`` and 0 ns (conversion runs inside the
-    model call; perf_analyzer requires the three counts to be equal)."""
-    zero = {"count": 0, "ns": 0}
+    model call; perf_analyzer requires the three counts to be equal). ``cache_hit`` and
+    ``cache_miss`` count items (the cache is per item), with their share of the lookups' time."""
     no_time = {"count": stats.compute_infer.count, "ns": 0}
     return {
         "name": name,
@@ -136,8 +138,8 @@ def model_statistics(name: str, version: str, stats: ModelStats) -> dict[str, An
             "compute_input": no_time,
             "compute_infer": _duration(stats.compute_infer),
             "compute_output": no_time,
-            "cache_hit": zero,
-            "cache_miss": zero,
+            "cache_hit": _duration(stats.cache_hit),
+            "cache_miss": _duration(stats.cache_miss),
         },
         "batch_stats": [
             {

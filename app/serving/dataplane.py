@@ -38,6 +38,7 @@ from app.protocols.tensors import (
     typed_array,
 )
 from app.serving.context import RequestContext
+from app.serving.item_cache import ItemCache
 from app.serving.items import ItemStage
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
@@ -59,6 +60,9 @@ class DataPlane:
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
         items: the item stage between a validated request and the queue (``app.serving.items``);
             None: one item -> one item, and nothing is called.
+        cache: the response cache (``app.serving.item_cache``), whose item stage is among
+            ``items``: what this worker's serving units compute for a model that enables it is
+            stored there; None: none.
     """
 
     def __init__(
@@ -69,6 +73,7 @@ class DataPlane:
         siblings: Siblings,
         tracing: Tracing | None = None,
         items: ItemStage[Any] | None = None,
+        cache: ItemCache | None = None,
     ) -> None:
         self.registry = registry
         self.items = items
@@ -76,6 +81,7 @@ class DataPlane:
         self.limits = limits
         self.siblings = siblings
         self.tracing = tracing
+        self.cache = cache
 
     def version(self, name: str, version: str | None) -> ModelVersion:
         """The model version a request addresses (None: the one requests without a version get).
@@ -131,7 +137,8 @@ class DataPlane:
         """The model version a request addresses, once it is clear the request is not refused
         early: with a full batch or more waiting and no request of the size recently seen able
         to finish in time, it is refused before its body is decoded (the full admission, with
-        its own size, happens in :meth:`infer`).
+        its own size, happens in :meth:`infer`). A model with a response cache is never refused
+        here (its cached items cost nothing).
 
         Args:
             name, version: the model addressed (version None = the default one).
@@ -148,7 +155,9 @@ class DataPlane:
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
-        if unit is not None:
+        # a model with a response cache is not refused before its items are looked up: those
+        # cached never reach the queue, and admission in ``infer`` prices only the others
+        if unit is not None and not (self.cache is not None and model.config.response_cache.enable):
             refusal = unit.refuse_early(self.deadline(model, arrival, deadline))
             if refusal is not None:
                 raise refusal
@@ -234,7 +243,11 @@ class DataPlane:
             unit = model.unit
             if unit is None:  # still loading: wait for it, within the deadline
                 unit = await self.registry.serving_unit(model, context.deadline)
-            return await unit.infer(inputs, context, trace=trace)
+            fingerprint = model.fingerprint  # of the files ``unit`` was loaded from (set together)
+            outputs = await unit.infer(inputs, context, trace=trace)
+            if self.cache is not None and model.config.response_cache.enable:
+                self.cache.store_outputs(model, fingerprint, inputs, outputs)
+            return outputs
         finally:
             siblings.add_load(-items)
 

@@ -150,6 +150,9 @@ async def load_version(
     )
     runner = ModelRunner(config)
     metrics = app.get(METRICS)
+    # Before the load: files replaced while it runs then differ from this and are loaded again
+    # (model control), and no result of the new files is cached under the old ones' identity.
+    files = fingerprint(config.path)
     try:
         await loop.run_in_executor(inference, runner.load, device)
         await loop.run_in_executor(inference, runner.warmup)
@@ -169,7 +172,7 @@ async def load_version(
     unit.admission.observe(seed[0], seed[1], 0)
     unit.start()
     old = (model.unit, model.runner, model.threads)
-    model.config, model.fingerprint = config, fingerprint(config.path)
+    model.config, model.fingerprint = config, files
     model.unit, model.runner, model.threads = unit, runner, threads
     model.error = None
     model.settled.set()

@@ -3,9 +3,9 @@
 dashboard selects and groups on.
 
 A real gunicorn of two workers bound to two fake GPUs (the fake NVML backend,
-``GPU_STAT_FAKE_NVML``; the models run on the CPU), a model repository of three toy models: one
-plain, one that prices its items (so padded and real tokens are counted) and one slow one (so a
-request with a short deadline is refused or times out). A few inferences, then scrapes. The
+``GPU_STAT_FAKE_NVML``; the models run on the CPU), a model repository of four toy models: one
+plain, one that prices its items (so padded and real tokens are counted), one slow one (so a
+request with a short deadline is refused or times out) and one with a response cache. A few inferences, then scrapes. The
 static checks of the dashboard: tests/deploy/test_grafana.py.
 """
 
@@ -48,6 +48,7 @@ def write_repository(repo: Path) -> None:
         toml.read_text().replace("tests.support.toy_models:ScaleHandler", "priced_handler:PricedScaleHandler")
     )
     (priced / "priced_handler.py").write_text(textwrap.dedent(PRICED_HANDLER))
+    write_scale_model(repo, "cached", response_cache=True)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,8 @@ def send_traffic(srv: Gunicorn) -> None:
     for _ in range(2):
         status, _, answer = srv.post("/v2/models/priced/infer", priced)
         assert status == 200, (answer, srv.log_tail())
+    for _ in range(2):  # a miss, then a hit: the response cache panels
+        assert srv.post("/v2/models/cached/infer", v2_body(1))[0] == 200
     # 300 ms per batch, 30 ms allowed: refused at admission (503) or timed out (504)
     status, _, answer = srv.post("/v2/models/slow/infer", v2_body(1), headers={"X-Request-Timeout-Ms": "30"})
     assert status in (503, 504), (status, answer)
@@ -128,5 +131,6 @@ def test_every_metric_the_dashboard_queries_is_exported(server: Gunicorn) -> Non
     assert sum(v for n, lab, v in samples if n == "scoring_rejected_total" and lab["model"] == "slow") == 1
     assert value(samples, "scoring_gpu_utilization_percent", gpu_uuid=gpu_uuid(1)) == 61
     assert value(samples, "scoring_gpu_memory_used_bytes", gpu_uuid=gpu_uuid(0)) == 3 * GIB
+    assert value(samples, "scoring_response_cache_items_total", model="cached", result="hit") == 1
     bindings = {lab["gpu_uuid"] for n, lab, _ in samples if n == "scoring_worker_binding_info"}
     assert bindings == {gpu_uuid(0), gpu_uuid(1)}  # the per-worker GPU panels join on it

@@ -120,10 +120,12 @@ def write_scale_model(
     queue_capacity: int = 64,
     version: str = "1",
     folder_name: str | None = None,
+    response_cache: bool = False,
     **parameters: Any,
 ) -> Path:
     """Write a ScaleHandler model folder into ``repo`` (``folder_name``, default ``name``: one
-    folder per version); returns the folder."""
+    folder per version; ``response_cache``: with ``[response_cache] enable = true``); returns
+    the folder."""
     folder = repo / (folder_name or name)
     folder.mkdir(parents=True, exist_ok=True)
     params = "\n".join(
@@ -138,6 +140,7 @@ def write_scale_model(
             queue_capacity=queue_capacity,
             parameters=params,
         )
+        + ("\n[response_cache]\nenable = true\n" if response_cache else "")
     )
     return folder
 

@@ -111,3 +111,23 @@ async def test_a_batch_of_two_traced_requests_is_linked_from_both(
     batches = [s for s in memory.get_finished_spans() if s.name == "batch"]
     assert len(batches) == 1 and (batches[0].attributes or {}).get("scoring.batch.requests") == 2
     assert {f"{link.context.trace_id:032x}" for link in batches[0].links} == {TRACE_ID, other}
+
+
+async def test_cached_items_are_marked_on_the_request_span_and_skip_the_queue(
+    memory: InMemorySpanExporter, make_client: MakeClient, tmp_path: Path
+) -> None:
+    write_scale_model(tmp_path / "repo", "scale", response_cache=True)
+    client: Client = await make_client(tmp_path / "repo", response_cache_path=tmp_path / "cache")
+    body = {"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1.0, 1.0, 2.0, 2.0]}]}
+    for attempt in ("computed", "cached"):
+        memory.clear()
+        answer = await client.post("/v2/models/scale/infer", json=body, headers={"traceparent": TRACEPARENT})
+        assert answer.status == 200
+        spans = [s for s in memory.get_finished_spans() if f"{s.context.trace_id:032x}" == TRACE_ID]
+        server = next(s for s in spans if s.kind.name == "SERVER")
+        hits = 0 if attempt == "computed" else 2
+        attributes = server.attributes
+        assert attributes is not None
+        assert attributes["scoring.response_cache.hits"] == hits, attempt
+        assert attributes["scoring.response_cache.items"] == 2
+        assert ("batch" in by_name(spans)) == (attempt == "computed")

@@ -1,0 +1,109 @@
+"""The response cache's second tier: a Redis or Valkey server that the hosts of a deployment
+share (Triton's ``redis_cache``), off unless ``SCORING_RESPONSE_CACHE_REDIS_URL`` names one.
+
+It sits behind each host's store (``app.serving.response_cache``): an item the host's store
+lacks is asked of Redis (one ``MGET`` per request), an answer found there is copied into the
+host's store, and what a worker computes is written to both (one pipelined ``SET`` per batch,
+with the TTL when one is set; otherwise Redis's own ``maxmemory-policy`` evicts). Values are the
+host store's (:func:`app.serving.response_cache.pack_entry`: no pickle, a checksum); a value that
+fails it is a miss.
+
+The calls are synchronous on the worker's event loop with a short socket timeout
+(``SCORING_RESPONSE_CACHE_REDIS_TIMEOUT_MS``): a Redis that is slow, stopped or unreachable costs
+at most one timeout, after which the tier is skipped for :attr:`RedisTier.PAUSE_S` seconds
+(logged at most once a minute); requests are computed meanwhile, never failed.
+
+Source: Triton's ``redis_cache`` (triton-inference-server/redis_cache); redis-py's client.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from app.serving.response_cache import Item, pack_entry, unpack_entry
+
+log = logging.getLogger(__name__)
+
+PREFIX = b"scoring:response-cache:"
+
+
+class RedisTier:
+    """One worker's connection to the shared tier (module docstring).
+
+    Args:
+        url: ``redis://host:port/db`` (``rediss://`` for TLS; redis-py's URL forms).
+        timeout_s: connect and socket timeout of each call, seconds.
+        ttl_s: expiry of what is written, seconds; 0 = none (Redis's eviction policy decides).
+    """
+
+    #: Seconds the tier is skipped after a failed call.
+    PAUSE_S = 5.0
+    LOG_S = 60.0
+
+    def __init__(self, url: str, timeout_s: float = 0.05, ttl_s: float = 0.0) -> None:
+        self.url = url
+        self.timeout_s = timeout_s
+        self.ttl_s = ttl_s
+        self._client: Any = None
+        self._paused_until = 0.0
+        self._logged = -self.LOG_S
+
+    def _connection(self) -> Any:
+        if time.monotonic() < self._paused_until:
+            return None
+        if self._client is None:  # made in the worker that uses it: a connection must not cross a fork
+            import redis
+
+            self._client = redis.Redis.from_url(
+                self.url, socket_timeout=self.timeout_s, socket_connect_timeout=self.timeout_s
+            )
+        return self._client
+
+    def _failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
+        self._paused_until = now + self.PAUSE_S
+        if now - self._logged >= self.LOG_S:
+            self._logged = now
+            log.warning("response cache redis tier: %s: %s; skipped for %.0f s", type(exc).__name__, exc,
+                        self.PAUSE_S, extra={"event": "response_cache_redis_error"})  # fmt: skip
+
+    def lookup(self, keys: Sequence[bytes]) -> list[Item | None]:
+        """The outputs Redis holds for each key; None where it holds none, or a corrupt or
+        expired one, and for every key while the tier fails."""
+        client = self._connection()
+        if client is None or not keys:
+            return [None] * len(keys)
+        import redis
+
+        try:
+            values = client.mget([PREFIX + key for key in keys])
+        except (redis.RedisError, OSError) as exc:
+            self._failed(exc)
+            return [None] * len(keys)
+        return [unpack_entry(v, self.ttl_s) if isinstance(v, bytes) else None for v in values]
+
+    def insert(self, entries: Sequence[tuple[bytes, Item]]) -> None:
+        """Write each ``(key, outputs)``; dropped while the tier fails."""
+        client = self._connection()
+        if client is None or not entries:
+            return
+        import redis
+
+        try:
+            pipe = client.pipeline(transaction=False)
+            for key, item in entries:
+                value = pack_entry(item)
+                if value is not None:
+                    pipe.set(PREFIX + key, value, px=int(self.ttl_s * 1000) or None)
+            pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            self._failed(exc)
+
+    def close(self) -> None:
+        """Close the connection pool (a later call makes a new one)."""
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()

@@ -1,0 +1,229 @@
+"""The response cache on a real server (gunicorn, 2 workers, one store in the run directory): an
+item computed by one worker is a hit on the other; cached and computed answers are bit-identical
+over HTTP and gRPC; a reload under load never answers with the old files' results once the load
+call returned; the store removed or made impossible to open during requests fails none."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import redis
+
+from app.grpc.generated import grpc_service_pb2 as pb
+from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from tests.support.gunicorn import HOST, Gunicorn, poll, wait_for, worker_items
+from tests.support.load import post_json
+from tests.support.redis_server import redis_server
+from tests.support.toy_models import write_scale_model
+
+pytestmark = pytest.mark.e2e
+
+SCALE = "/v2/models/scale/infer"
+
+
+def body(x: np.ndarray) -> dict[str, Any]:
+    return {"inputs": [{"name": "x", "datatype": "FP32", "shape": list(x.shape), "data": x.ravel().tolist()}]}
+
+
+def counted(srv: Gunicorn, result: str) -> float:
+    """``scoring_response_cache_items_total`` of model scale with ``result`` (hit or miss)."""
+    for line in srv.scrape().splitlines():
+        if line.startswith("scoring_response_cache_items_total{") and f'result="{result}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    tmp = tmp_path_factory.mktemp("response-cache")
+    write_scale_model(
+        tmp / "repo", "scale", factor=3, max_batch_size=16, queue_capacity=256, response_cache=True
+    )
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(tmp / "repo"),
+        "SCORING_WORKERS": "2",
+        "SCORING_MODEL_CONTROL_MODE": "explicit",
+        "SCORING_RESPONSE_CACHE_BYTES": str(64 << 20),
+    }
+    with Gunicorn(tmp, env) as server:
+        server.wait_ready(120, count=2)
+        yield server
+
+
+def connections_to_two_workers(port: int) -> dict[int, http.client.HTTPConnection]:
+    """pid -> an open keep-alive connection to that worker, for both workers."""
+    found: dict[int, http.client.HTTPConnection] = {}
+
+    def one() -> bool:
+        connection = http.client.HTTPConnection(HOST, port, timeout=30)
+        connection.request("GET", "/v2")
+        pid = json.loads(connection.getresponse().read())["worker"]["pid"]
+        if pid in found:
+            connection.close()
+        else:
+            found[pid] = connection
+        return len(found) == 2
+
+    poll(one, 60, "connections to both workers", interval_s=0.01)
+    return found
+
+
+def test_an_item_one_worker_computed_is_a_hit_on_the_other_bit_for_bit(srv: Gunicorn) -> None:
+    x = np.random.default_rng(1).random((6, 2), dtype=np.float32)
+    first, second = connections_to_two_workers(srv.port).values()
+    try:
+        hits = counted(srv, "hit")
+        status, computed = post_json(first, SCALE, body(x))
+        assert status == 200, computed
+        items = worker_items(srv.scrape())
+        status, cached = post_json(second, SCALE, body(x))
+        assert status == 200, cached
+        assert worker_items(srv.scrape()) == items  # no worker computed anything more
+        assert counted(srv, "hit") == hits + 6
+        assert cached["outputs"] == computed["outputs"]
+        y = np.array(cached["outputs"][0]["data"], np.float32)
+        assert y.tobytes() == (x * np.float32(3)).ravel().tobytes()
+    finally:
+        first.close()
+        second.close()
+
+
+def test_cached_and_computed_are_bit_identical_over_grpc(srv: Gunicorn) -> None:
+    x = np.random.default_rng(2).random((4, 2), dtype=np.float32)
+    request = pb.ModelInferRequest(model_name="scale")
+    request.inputs.add(name="x", datatype="FP32", shape=[4, 2])
+    request.raw_input_contents.append(x.tobytes())
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        misses = counted(srv, "miss")
+        computed = stub.ModelInfer(request, timeout=30)
+        assert counted(srv, "miss") == misses + 4
+        hits = counted(srv, "hit")
+        cached = stub.ModelInfer(request, timeout=30)
+        assert counted(srv, "hit") == hits + 4
+    assert list(cached.raw_output_contents) == list(computed.raw_output_contents)
+    assert [o.name for o in cached.outputs] == [o.name for o in computed.outputs]
+
+
+class Load:
+    """Threads that each post requests on a connection of their own, recording when each was sent
+    and what came back, until stopped."""
+
+    def __init__(self, port: int, pool: np.ndarray, threads: int = 4) -> None:
+        self.port, self.pool = port, pool
+        self.answers: list[tuple[float, int, np.ndarray, Any]] = []
+        self.errors: list[str] = []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(threads)]
+
+    def __enter__(self) -> Load:
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+
+    def _run(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        connection = http.client.HTTPConnection(HOST, self.port, timeout=30)
+        while not self._stop.is_set():
+            x = self.pool[rng.integers(0, len(self.pool), 8)]
+            sent = time.monotonic()
+            try:
+                status, answer = post_json(connection, SCALE, body(x))
+            except (OSError, http.client.HTTPException) as exc:  # a connection the server closed
+                connection.close()
+                connection = http.client.HTTPConnection(HOST, self.port, timeout=30)
+                self.errors.append(repr(exc))
+                continue
+            self.answers.append((sent, status, x, answer))
+        connection.close()
+
+    def wait_for_more(self, count: int) -> None:
+        target = len(self.answers) + count
+        poll(lambda: len(self.answers) >= target, 60, f"{count} more answers")
+
+
+def outputs(answer: Any) -> np.ndarray:
+    return np.array(answer["outputs"][0]["data"], np.float32).reshape(-1, 2)
+
+
+def test_the_store_removed_or_unopenable_during_requests_fails_none(srv: Gunicorn) -> None:
+    pool = np.random.default_rng(3).random((64, 2), dtype=np.float32)
+    store = srv.run_dir / "response-cache"
+    with Load(srv.port, pool) as load:
+        load.wait_for_more(50)
+        shutil.rmtree(store)
+        load.wait_for_more(50)
+        shutil.rmtree(store, ignore_errors=True)
+        store.write_text("a file where the store's folder was")  # cannot be opened again
+        load.wait_for_more(50)
+        store.unlink()
+        load.wait_for_more(50)
+    statuses = [status for _, status, _, _ in load.answers]
+    assert statuses and set(statuses) == {200} and not load.errors, (set(statuses), load.errors[:3])
+    for _, _, x, answer in load.answers:
+        assert outputs(answer).tobytes() == (x * np.float32(3)).tobytes()
+
+    def made_again() -> bool:  # a worker looks again a second after a failure, on its next request
+        assert srv.post(SCALE, body(pool[:8]))[0] == 200
+        return (store / "data.mdb").exists()
+
+    wait_for(made_again, 10, "the store made again", srv)
+
+
+def test_redis_stopped_under_load_fails_none(tmp_path: Path) -> None:
+    """With the Redis tier configured, Redis stopped during requests: each worker pays at most
+    one timeout, then computes; no request fails."""
+    write_scale_model(tmp_path / "repo", "scale", factor=3, response_cache=True)
+    with redis_server(tmp_path) as (url, redis_proc):
+        env = {
+            "SCORING_MODEL_REPOSITORY": str(tmp_path / "repo"),
+            "SCORING_WORKERS": "2",
+            "SCORING_RESPONSE_CACHE_REDIS_URL": url,
+        }
+        with Gunicorn(tmp_path, env) as server:
+            server.wait_ready(120, count=2)
+            pool = np.random.default_rng(5).random((64, 2), dtype=np.float32)
+            with Load(server.port, pool) as load:
+                load.wait_for_more(100)
+                client = redis.Redis.from_url(url)
+                assert client.dbsize() > 0  # the workers wrote what they computed to Redis too
+                client.close()
+                redis_proc.terminate()
+                redis_proc.wait(10)
+                load.wait_for_more(100)
+    statuses = [status for _, status, _, _ in load.answers]
+    assert statuses and set(statuses) == {200} and not load.errors, (set(statuses), load.errors[:3])
+    for _, _, x, answer in load.answers:
+        assert outputs(answer).tobytes() == (x * np.float32(3)).tobytes()
+
+
+def test_a_reload_never_answers_with_the_old_files_results_after_the_load_returned(srv: Gunicorn) -> None:
+    pool = np.random.default_rng(4).random((32, 2), dtype=np.float32)
+    toml = srv.run_dir.parent / "repo" / "scale" / "model.toml"
+    with Load(srv.port, pool) as load:
+        load.wait_for_more(100)  # the pool's items are all cached by now
+        toml.write_text(toml.read_text().replace("factor = 3", "factor = 5"))
+        status, _, answer = srv.post("/v2/repository/models/scale/load", {}, timeout=120)
+        returned = time.monotonic()
+        assert status == 200, answer
+        load.wait_for_more(100)
+    assert {status for _, status, _, _ in load.answers} == {200} and not load.errors, load.errors[:3]
+    after = [(x, answer) for sent, _, x, answer in load.answers if sent > returned]
+    assert len(after) >= 100
+    stale = [x for x, answer in after if outputs(answer).tobytes() != (x * np.float32(5)).tobytes()]
+    assert not stale, f"{len(stale)} of {len(after)} answers after the load carried the old results"
