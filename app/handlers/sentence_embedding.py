@@ -95,6 +95,7 @@ __all__ = [
     "EmbeddingOutputs",
     "EncodedBatch",
     "SentenceEmbeddingHandler",
+    "decode_texts",
     "length_groups",
     "padded_tokens",
     "resolve_model_dir",
@@ -285,7 +286,7 @@ def resolve_model_dir(parameters: Mapping[str, Any], model_path: Path) -> Path:
     return path
 
 
-def _decode_texts(name: str, array: npt.NDArray[Any]) -> list[str]:
+def decode_texts(name: str, array: npt.NDArray[Any]) -> list[str]:
     """Flatten a BYTES input of shape [B] or [B, 1] into B strings, decoding UTF-8 strictly."""
     if array.ndim == 0 or array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
         raise ValueError(f"input {name!r} must have shape [B] or [B, 1], got {list(array.shape)}")
@@ -519,10 +520,10 @@ class SentenceEmbeddingHandler:
         """
         if "text" not in inputs:
             raise ValueError("required input 'text' is missing")
-        texts = _decode_texts("text", np.asarray(inputs["text"]))
+        texts = decode_texts("text", np.asarray(inputs["text"]))
         query_array = inputs.get("query")
         queries = (
-            _decode_texts("query", np.asarray(query_array)) if query_array is not None else [""] * len(texts)
+            decode_texts("query", np.asarray(query_array)) if query_array is not None else [""] * len(texts)
         )
         if len(queries) != len(texts):
             raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
