@@ -8,7 +8,9 @@ protocol: :meth:`DataPlane.admit` (the model version, 404; early refusal before 
 decoded, 503), :meth:`DataPlane.infer` (validation against the model, 4xx; the outputs asked for;
 the one absolute deadline; the priority level; balancing among sibling workers; the serving unit;
 the response) and :meth:`DataPlane.run` (the array-level step, where shards and requests
-forwarded by sibling workers enter). Source: KServe's ``DataPlane``
+forwarded by sibling workers enter). Between validation and :meth:`DataPlane.run`, and between
+its outputs and the response, the item stage (``app.serving.items``) expands a request's items
+and assembles their results. Source: KServe's ``DataPlane``
 (kserve/protocol/dataplane.py: ``infer`` takes an ``InferRequest``, returns an ``InferResponse``).
 """
 
@@ -35,6 +37,8 @@ from app.protocols.tensors import (
     to_array,
     typed_array,
 )
+from app.serving.context import RequestContext
+from app.serving.items import IDENTITY, ItemStage
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.settings import Settings
@@ -53,6 +57,8 @@ class DataPlane:
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
+        items: the item stage between a validated request and the queue (``app.serving.items``;
+            default: one item -> one item).
     """
 
     def __init__(
@@ -62,8 +68,10 @@ class DataPlane:
         limits: RequestLimits,
         siblings: Siblings,
         tracing: Tracing | None = None,
+        items: ItemStage[Any] = IDENTITY,
     ) -> None:
         self.registry = registry
+        self.items = items
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
@@ -180,14 +188,21 @@ class DataPlane:
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
         deadline = self.request_deadline(model, request)
+        priority = parameters_priority(request.parameters) if request.parameters else None
         level = None
-        if request.parameters and model.unit is not None:
-            level = model.unit.level(parameters_priority(request.parameters))
-        outputs = await self.run(
-            model, inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
-            pinned=pinned, level=level,
-        )  # fmt: skip
-        return build_response(config, request, outputs, wanted)
+        if priority is not None and model.unit is not None:
+            level = model.unit.level(priority)
+        context = RequestContext(
+            request_id, deadline, priority or 0, pinned=pinned, is_disconnected=is_disconnected
+        )
+        queued, plan = self.items.expand(model, context, inputs)
+        results = None
+        if queued is not None:  # else every item was answered by the stage: no queue, no model
+            results = await self.run(
+                model, queued, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
+                pinned=pinned, level=level,
+            )  # fmt: skip
+        return build_response(config, request, self.items.assemble(plan, results), wanted)
 
     def run(
         self,

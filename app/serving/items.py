@@ -1,0 +1,138 @@
+"""The item stage: the one seam between a validated inference request and the queue, and between
+the results and the response.
+
+:meth:`ItemStage.expand` turns a request's items into the items that are queued and a *plan*;
+:meth:`ItemStage.assemble` turns the queued items' results and that plan back into one output
+row per original item, in the original order. On the way an item may become several (the
+windows of a long text, each priced, admitted and batched on its own) or none (a result a
+response cache already holds). The data plane (``app.serving.dataplane.DataPlane.infer``) calls
+both around everything that prices, admits, balances and batches, so:
+
+- admission, the sibling router (scatter, forward) and the batcher see only the expanded items;
+- a request whose stage leaves no item (``expand`` returns ``None`` to queue) never reaches the
+  queue, a sibling or a loading model: ``assemble(plan, None)`` answers it;
+- shards and requests forwarded by a sibling worker arrive expanded already
+  (``DataPlane.run``): the stage runs once, on the worker the client called.
+
+Stages compose (:class:`Stages`): expand in order, assemble in the reverse order, so a window
+stage and a cache stage stack either way round. :data:`IDENTITY` (one item -> one item, nothing
+kept) is the default. Source: the shape of Triton's response cache (lookup before the
+scheduler, insert after it; ``docs/user_guide/response_cache.md``) at item level, and vLLM's
+chunked processing of long pooling inputs (split before the scheduler, pool after it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from app.serving.context import RequestContext
+    from app.serving.registry import ModelVersion
+
+#: One array per tensor name, axis 0 = items.
+Arrays = dict[str, np.ndarray]
+
+Plan = TypeVar("Plan")
+
+
+class ItemStage(Protocol[Plan]):
+    """Expands a request's items before the queue and assembles their results after it.
+
+    Implementations hold no per-request state: everything ``assemble`` needs travels in the
+    plan. Both methods run on the event loop (a stage that needs blocking work, such as a shared
+    store on disk, keeps it short or moves it to a thread itself).
+    """
+
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, Plan]:
+        """The items to queue for one request, and the plan to put their results back.
+
+        Args:
+            model: the model version addressed (its ``config`` says what the stage does for it).
+            context: the request's context (id, deadline, priority level...).
+            inputs: the validated inputs, one array ``[B, ...]`` per model input, B >= 1.
+
+        Returns:
+            ``(items, plan)``: ``items`` one array ``[N, ...]`` per model input, N >= 1, or None
+            when nothing is left to compute (then ``assemble`` gets None).
+
+        Raises:
+            ScoringError: a request the stage refuses (e.g. InvalidInput, 400).
+        """
+        ...
+
+    def assemble(self, plan: Plan, results: Arrays | None) -> Arrays:
+        """One output row per original item, in the original order.
+
+        Args:
+            plan: what :meth:`expand` returned beside the items.
+            results: one array ``[N, ...]`` per model output, row i the result of queued item i
+                (None when :meth:`expand` queued nothing).
+
+        Returns:
+            One array ``[B, ...]`` per model output.
+        """
+        ...
+
+
+class Identity:
+    """One item -> one item; the plan is nothing (the default stage)."""
+
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, None]:
+        """``inputs`` unchanged."""
+        return inputs, None
+
+    def assemble(self, plan: None, results: Arrays | None) -> Arrays:
+        """``results`` unchanged.
+
+        Raises:
+            ValueError: no results (an identity stage always queues its items).
+        """
+        if results is None:
+            raise ValueError("the identity item stage queued items but got no results")
+        return results
+
+
+IDENTITY = Identity()
+
+
+class Stages:
+    """Several stages as one: each expands what the one before it left, and the results are
+    assembled in the reverse order. A stage that leaves nothing ends the expansion (the stages
+    after it see no request; only those that ran assemble).
+
+    Args:
+        stages: the stages, outermost (nearest the client) first.
+    """
+
+    def __init__(self, stages: Sequence[ItemStage[Any]]) -> None:
+        self.stages = tuple(stages)
+
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, list[tuple[ItemStage[Any], Any]]]:
+        """Each stage's expansion in turn; the plan is each stage that ran with its plan."""
+        plans: list[tuple[ItemStage[Any], Any]] = []
+        items = inputs
+        for stage in self.stages:
+            expanded, plan = stage.expand(model, context, items)
+            plans.append((stage, plan))
+            if expanded is None:
+                return None, plans
+            items = expanded
+        return items, plans
+
+    def assemble(self, plan: list[tuple[ItemStage[Any], Any]], results: Arrays | None) -> Arrays:
+        """Each stage that ran assembles, the last first."""
+        out = results
+        for stage, stage_plan in reversed(plan):
+            out = stage.assemble(stage_plan, out)
+        if out is None:
+            raise ValueError("no item stage ran: nothing to assemble")
+        return out

@@ -1,0 +1,230 @@
+"""The item stage (app.serving.items) in the data plane: identity by default; a stage that answers
+items itself keeps them out of the queue (all of them: the request never reaches the model); a
+stage that makes several items of one has them priced, admitted and batched one by one; results
+come back in the request's order; stages compose."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.errors import InvalidInput
+from app.models.base import Segment
+from app.models.repository import read_config
+from app.protocols.infer import InferInput, InferRequest
+from app.protocols.tensors import RequestLimits
+from app.serving.context import RequestContext
+from app.serving.dataplane import DataPlane
+from app.serving.items import IDENTITY, Arrays, ItemStage, Stages
+from app.serving.registry import ModelRegistry, ModelVersion
+from app.serving.siblings import Alone
+from app.serving.unit import ServingUnit
+from app.settings import Settings
+from tests.support.toy_models import write_scale_model
+
+
+class Doubler:
+    """BatchRunner double: y = 2x, tag_length = 0; records the first column of every batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[float]] = []
+        self.lock = threading.Lock()
+
+    def run_batch(
+        self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()
+    ) -> list[Segment]:
+        x = inputs["x"]
+        with self.lock:
+            self.batches.append(x[:, 0].tolist())
+        return [Segment(0, len(x), {"y": x * 2, "tag_length": np.zeros((len(x), 1), np.int64)})]
+
+    @property
+    def items(self) -> list[float]:
+        return [v for batch in self.batches for v in batch]
+
+
+class Cache:
+    """A response cache in miniature: items whose x[0] it knows never reach the queue."""
+
+    def __init__(self, known: dict[float, float]) -> None:
+        self.known = known  # x[0] -> y[0] (y[1] = y[0] + 1)
+        self.contexts: list[RequestContext] = []
+
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, Any]:
+        self.contexts.append(context)
+        keys = inputs["x"][:, 0].tolist()
+        misses = [i for i, k in enumerate(keys) if k not in self.known]
+        plan = (keys, misses)
+        if not misses:
+            return None, plan
+        return {name: a[misses] for name, a in inputs.items()}, plan
+
+    def assemble(self, plan: Any, results: Arrays | None) -> Arrays:
+        keys, misses = plan
+        y = np.array([[self.known.get(k, 0.0), self.known.get(k, 0.0) + 1] for k in keys], np.float32)
+        lengths = np.zeros((len(keys), 1), np.int64)
+        if results is not None:
+            y[misses], lengths[misses] = results["y"], results["tag_length"]
+            for i, row in zip(misses, results["y"], strict=True):
+                self.known[keys[i]] = float(row[0])
+        return {"y": y, "tag_length": lengths}
+
+
+class Windows:
+    """Long texts in miniature: each item becomes ``per_item`` items (x + window / 4), and an
+    item's result is the mean over its windows."""
+
+    def __init__(self, per_item: int) -> None:
+        self.per_item = per_item
+
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, Any]:
+        n = self.per_item
+        items = {name: np.repeat(a, n, axis=0) for name, a in inputs.items()}
+        items["x"] = items["x"] + np.tile(np.arange(n, dtype=np.float32) / 4, len(inputs["x"]))[:, None]
+        return items, len(inputs["x"])
+
+    def assemble(self, plan: Any, results: Arrays | None) -> Arrays:
+        assert results is not None
+        return {
+            name: a.reshape(plan, self.per_item, *a.shape[1:]).mean(axis=1).astype(a.dtype)
+            for name, a in results.items()
+        }
+
+
+@pytest.fixture
+async def pool() -> AsyncIterator[ThreadPoolExecutor]:
+    executor = ThreadPoolExecutor(max_workers=1)
+    yield executor
+    executor.shutdown(wait=True)
+
+
+def plane_for(
+    tmp_path: Path,
+    pool: ThreadPoolExecutor,
+    runner: Doubler,
+    stage: ItemStage[Any] = IDENTITY,
+    capacity: int = 64,
+) -> DataPlane:
+    """A data plane over one started scale model (max batch size 4) whose unit runs ``runner``."""
+    model = ModelVersion(
+        read_config(write_scale_model(tmp_path, "scale", max_batch_size=4, queue_capacity=capacity))
+    )
+    unit = ServingUnit(
+        "scale", runner, pool, max_batch_size=4, max_queue_delay_ms=1.0, queue_capacity=capacity
+    )
+    unit.start()
+    model.unit = unit
+    registry = ModelRegistry()
+    registry.versions["scale"] = {"1": model}
+    registry.refresh("scale")
+    return DataPlane(registry, Settings(model_repository=tmp_path), RequestLimits(), Alone(), items=stage)
+
+
+def request(*first: float, priority: int | None = None) -> InferRequest:
+    """A V2 request for the scale model: one item per value, x = [value, value + 1]."""
+    data = [[v, v + 1] for v in first]
+    parameters = {"priority": priority} if priority is not None else {}
+    return InferRequest(
+        "scale",
+        [InferInput("x", "FP32", [len(first), 2], data)],
+        parameters=parameters,
+        arrival=asyncio.get_running_loop().time(),
+    )
+
+
+async def test_the_default_stage_queues_every_item_as_it_is(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    runner = Doubler()
+    plane = plane_for(tmp_path, pool, runner)
+    response = await plane.infer(request(1.0, 2.0, 3.0), request_id="r1")
+    y = response.outputs[0]
+    assert y.name == "y" and y.array.tolist() == [[2.0, 4.0], [4.0, 6.0], [6.0, 8.0]]
+    assert runner.items == [1.0, 2.0, 3.0]
+
+
+async def test_cached_items_skip_the_queue_and_results_keep_the_request_order(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    cache = Cache({2.0: 40.0, 4.0: 80.0})
+    plane = plane_for(tmp_path, pool, runner, cache)
+    response = await plane.infer(request(1.0, 2.0, 3.0, 4.0, 5.0, priority=1), request_id="r2")
+    assert runner.items == [1.0, 3.0, 5.0]  # only the misses were batched
+    assert response.outputs[0].array[:, 0].tolist() == [2.0, 40.0, 6.0, 80.0, 10.0]
+    context = cache.contexts[0]
+    assert (context.request_id, context.priority) == ("r2", 1)
+    assert context.deadline > asyncio.get_running_loop().time()
+
+
+async def test_a_request_answered_whole_by_the_stage_never_reaches_the_model(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    plane = plane_for(tmp_path, pool, runner, Cache({7.0: 1.0, 8.0: 2.0}))
+    model = plane.registry.latest["scale"]
+    assert model.unit is not None
+    await model.unit.stop()  # a queue that would refuse it (503): the request does not need it
+    response = await plane.infer(request(8.0, 7.0), request_id="r3")
+    assert response.outputs[0].array[:, 0].tolist() == [2.0, 1.0]
+    assert runner.batches == []
+
+
+async def test_expanded_items_are_admitted_and_batched_one_by_one(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    plane = plane_for(tmp_path, pool, runner, Windows(3), capacity=8)
+    response = await plane.infer(request(1.0, 10.0), request_id="r4")
+    assert len(runner.items) == 6 and max(len(b) for b in runner.batches) <= 4  # 6 windows, batches of 4
+    assert np.allclose(response.outputs[0].array[:, 0], [2.5, 20.5])
+    # 3 items are 9 windows: more than the queue's capacity of 8 (admission sees the windows)
+    with pytest.raises(InvalidInput, match="request has 9 items"):
+        await plane.infer(request(1.0, 2.0, 3.0), request_id="r5")
+
+
+async def test_stages_expand_in_order_and_assemble_in_reverse(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    windows, cache = Windows(2), Cache({5.25: 100.0})  # the second window of item 5 is cached
+    plane = plane_for(tmp_path, pool, runner, Stages([windows, cache]))
+    response = await plane.infer(request(5.0, 6.0), request_id="r6")
+    assert runner.items == [5.0, 6.0, 6.25]
+    assert np.allclose(response.outputs[0].array[:, 0], [(10.0 + 100.0) / 2, 12.25])
+
+
+async def test_a_stage_that_leaves_nothing_ends_the_expansion(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    cache, after = Cache({1.0: 3.0}), Windows(4)
+    plane = plane_for(tmp_path, pool, runner, Stages([cache, after]))
+    response = await plane.infer(request(1.0), request_id="r7")
+    assert response.outputs[0].array.tolist() == [[3.0, 4.0]] and runner.batches == []
+
+
+async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+    class Refuses:
+        def expand(
+            self, model: ModelVersion, context: RequestContext, inputs: Arrays
+        ) -> tuple[Arrays | None, None]:
+            raise InvalidInput("text too long for its windows")
+
+        def assemble(self, plan: None, results: Arrays | None) -> Arrays:
+            raise AssertionError("not reached")
+
+    runner = Doubler()
+    plane = plane_for(tmp_path, pool, runner, Refuses())
+    with pytest.raises(InvalidInput, match="too long"):
+        await plane.infer(request(1.0), request_id="r8")
+    assert runner.batches == []
