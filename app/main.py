@@ -35,6 +35,7 @@ from app.serving.registry import (
     WorkerHealth,
 )
 from app.serving.siblings import Alone, Siblings, Supervisor
+from app.serving.windows import WindowStage
 from app.settings import Settings
 
 
@@ -82,7 +83,7 @@ async def create_app(
     app[LIMITS] = limits
     app[SIBLINGS] = siblings or alone
     app[SUPERVISOR] = supervisor or alone
-    app[DATAPLANE] = DataPlane(registry, settings, limits, app[SIBLINGS], tracing)
+    app[DATAPLANE] = DataPlane(registry, settings, limits, app[SIBLINGS], tracing, items=WindowStage())
     if tracing is not None:
         app[TRACING] = tracing
         app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests

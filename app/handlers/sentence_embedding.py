@@ -90,6 +90,7 @@ from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
 from app.handlers import onnx_encoder
+from app.handlers import windows as windowing
 
 __all__ = [
     "EmbeddingOutputs",
@@ -110,6 +111,7 @@ _PARAMETERS = (
     "attn_implementation",
     "call_overhead_tokens",
     *onnx_encoder.PARAMETERS,
+    *windowing.PARAMETERS,
 )
 #: The two calls timed at load to measure a call's overhead: (strings, tokens each).
 _CALIBRATION = ((1, 16), (8, 64))
@@ -350,6 +352,8 @@ class SentenceEmbeddingHandler:
         self.onnx: onnx_encoder.OnnxTextEncoder | None = None
         #: What one forward call costs beyond its tokens, in tokens (:func:`length_groups`).
         self.call_overhead_tokens = math.inf
+        #: What the model does with long texts (``truncation``: "truncate" unless it says).
+        self.window_policy = windowing.WindowPolicy("truncate", 512, 0)
 
     @property
     def model(self) -> SentenceTransformer:
@@ -412,6 +416,9 @@ class SentenceEmbeddingHandler:
                     f"{declared} but the model gives {embedding_dim} values per item; "
                     f"declare shape = [{embedding_dim}]"
                 )
+        self.window_policy = windowing.WindowPolicy.from_parameters(
+            parameters, int(model.max_seq_length or 512), default_truncation="truncate"
+        )
         self._device = device
         self._model = model
         if onnx:
@@ -494,6 +501,16 @@ class SentenceEmbeddingHandler:
         computes, padding included: its length groups (:func:`padded_tokens`)."""
         return padded_tokens(costs, self.call_overhead_tokens)
 
+    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[windowing.Span]]:
+        """The windows of each text, with this thread's tokenizer (:func:`app.handlers.windows.spans`;
+        the query is not part of a window: it is embedded on its own).
+
+        Raises:
+            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.spans`.
+        """
+        self._lengths([])  # this thread's tokenizer
+        return windowing.spans(self._local.tokenizer, texts, None, self.window_policy)
+
     def _lengths(self, strings: list[str]) -> list[int]:
         """Tokens of each string, special tokens included, truncated to ``max_seq_length``,
         from a tokenizer of this thread's own."""
@@ -574,12 +591,14 @@ class SentenceEmbeddingHandler:
         return EmbeddingOutputs(embedding=text_embeddings, score=score.unsqueeze(1), tokens=batch.tokens)
 
     def postprocess(self, outputs: EmbeddingOutputs) -> dict[str, npt.NDArray[Any]]:
-        """``{"embedding": float32 [B, dim], "score": float32 [B, 1], "tokens": int64 [B, 1]}`` as
-        host numpy arrays."""
+        """``{"embedding": float32 [B, dim], "score": float32 [B, 1], "tokens": int64 [B, 1],
+        "windows": int64 [B, 1]}`` as host numpy arrays (``windows``: 1 each, a window is an item:
+        :mod:`app.serving.windows` sums them per text)."""
         return {
             "embedding": outputs.embedding.to("cpu", torch.float32).numpy(),
             "score": outputs.score.to("cpu", torch.float32).numpy(),
             "tokens": outputs.tokens.reshape(-1, 1),
+            "windows": np.ones((len(outputs.tokens), 1), dtype=np.int64),
         }
 
     def _on_device(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:

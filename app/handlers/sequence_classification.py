@@ -5,7 +5,8 @@
 tokenizer), from local files only: a classifier (single texts -> per-label probabilities, e.g. a
 toxicity model) or a cross-encoder (``(query, text)`` pairs -> a relevance score, e.g.
 cross-encoder/ms-marco-MiniLM-L-6-v2). A text longer than ``max_seq_length`` becomes several
-windows, each priced and run, put back together per text (:mod:`app.handlers.windows`).
+windows, each an item of its own, put back together per text (:mod:`app.handlers.windows`,
+:mod:`app.serving.windows`).
 
 Inputs (per item):
 
@@ -31,15 +32,17 @@ Outputs (declare those you serve):
 ``tokens`` INT64 ``[1]``
     Tokens the item made the model run, over all its windows, special tokens included.
 
-Windows' results per text: probabilities and scores by ``aggregate`` (``"max"`` by default:
-MaxP for pairs, "flagged if any part is" for moderation; ``"mean"`` selectable).
+Windows' results per text (put together by :mod:`app.serving.windows`): probabilities and
+scores by ``aggregate`` (``"max"`` by default: MaxP for pairs, "flagged if any part is" for
+moderation; ``"mean"`` selectable).
 
 ``[parameters]`` of ``model.toml``: ``model_dir`` / ``model_package``, ``dtype``,
 ``attn_implementation`` and ``call_overhead_tokens`` as for
 :mod:`app.handlers.sentence_embedding` (``call_overhead_tokens`` defaults to ``inf``: one forward
-call per batch); ``max_seq_length`` (tokens per window; default the tokenizer's
-``model_max_length``, capped by the model's positions); ``score_label`` (name or index); and the
-window parameters of :mod:`app.handlers.windows` (``truncation = "window"`` by default).
+call per batch; it decides length groups as there); ``max_seq_length`` (tokens per window;
+default the tokenizer's ``model_max_length``, capped by the model's positions); ``score_label``
+(name or index); and the window parameters of :mod:`app.handlers.windows`
+(``truncation = "window"`` by default).
 
 Threads: as the embedding handler, a tokenizer per prepare thread (``item_costs`` and
 ``preprocess`` may run at once; a Hugging Face tokenizer shared by two threads raises "Already
@@ -63,7 +66,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from transformers.utils import logging as transformers_logging
 
 from app.handlers import windows as windowing
-from app.handlers.sentence_embedding import decode_texts, length_groups, resolve_model_dir
+from app.handlers.sentence_embedding import decode_texts, length_groups, padded_tokens, resolve_model_dir
 
 __all__ = ["ClassifiedBatch", "SequenceClassificationHandler", "labels_of"]
 
@@ -121,17 +124,13 @@ class ClassifiedBatch:
 
     Attributes:
         groups: one forward call each, the tokenizer's padded tensors on the device, int64
-            ``[W_g, T_g]``; the groups' windows in ascending length.
-        position: int64 ``[W]`` on the device: window w's row in the groups' rows, concatenated.
-        owner: int64 ``[W]`` on the device: the item of window w.
-        counts: int64 ``[B]`` on the host: windows per item.
-        tokens: int64 ``[B]`` on the host: tokens per item over its windows.
+            ``[B_g, T_g]``; the groups' items in ascending length.
+        position: int64 ``[B]`` on the device: item b's row in the groups' rows, concatenated.
+        tokens: int64 ``[B]`` on the host: tokens per item.
     """
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
-    owner: torch.Tensor
-    counts: npt.NDArray[np.int64]
     tokens: npt.NDArray[np.int64]
 
 
@@ -236,72 +235,99 @@ class SequenceClassificationHandler:
             tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
         return tokenizer
 
-    def _windows(self, inputs: Mapping[str, npt.NDArray[Any]]) -> windowing.Windows:
+    @property
+    def window_policy(self) -> windowing.WindowPolicy:
+        """What this model does with long texts (:mod:`app.handlers.windows`)."""
+        return self.policy
+
+    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[windowing.Span]]:
+        """The windows of each text (:func:`app.handlers.windows.spans`), with this thread's
+        tokenizer.
+
+        Raises:
+            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.spans`.
+        """
+        return windowing.spans(self._tokenizer_here(), texts, queries, self.policy)
+
+    def _encode(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, list[list[int]]]:
+        """The items tokenised (pairs where a query is given), truncated to ``max_seq_length``
+        (a window of a long text fits: :mod:`app.serving.windows` cut it so)."""
         if "text" not in inputs:
             raise ValueError("required input 'text' is missing")
         texts = decode_texts("text", np.asarray(inputs["text"]))
-        queries = None
+        queries = [""] * len(texts)
         if inputs.get("query") is not None:
             queries = decode_texts("query", np.asarray(inputs["query"]))
             if len(queries) != len(texts):
                 raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
-        return windowing.split(self._tokenizer_here(), texts, queries, self.policy)
+        tokenizer = self._tokenizer_here()
+        rows: dict[str, list[list[int]]] = {}
+        paired = [i for i, q in enumerate(queries) if q]
+        single = [i for i, q in enumerate(queries) if not q]
+        order = single + paired
+        for group, pairs in ((single, False), (paired, True)):
+            if not group:
+                continue
+            args = (
+                ([queries[i] for i in group], [texts[i] for i in group])
+                if pairs
+                else ([texts[i] for i in group],)
+            )
+            encoded = tokenizer(*args, truncation=True, max_length=self.policy.max_length)
+            for key in ("input_ids", "attention_mask", "token_type_ids"):
+                if key in encoded:
+                    rows.setdefault(key, []).extend(encoded[key])
+        back = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
+        return {key: [values[i] for i in back] for key, values in rows.items()}
 
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
-        """Tokens each item makes the model run, int64 ``[B]``: all its windows' tokens.
+        """Tokens each item makes the model run, int64 ``[B]``, special tokens (and a pair's
+        query) included, truncated to ``max_seq_length``.
 
         Raises:
-            ValueError: invalid UTF-8, a wrong shape, a text over the limit with
-                ``truncation = "error"``, a query too long for a window.
-            PayloadTooLarge: too many windows for a text, or tokens for the request.
+            ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
         """
-        return self._windows(inputs).tokens()
+        return np.asarray([len(ids) for ids in self._encode(inputs)["input_ids"]], dtype=np.int64)
 
     def batch_cost(self, costs: npt.NDArray[np.int64]) -> int:
-        """Tokens a batch of items costing ``costs`` computes, padding included, one forward call
-        padded to its longest window: windows (``ceil(cost / max_seq_length)`` per item) times
-        the longest window."""
-        length = self.policy.max_length
-        rows = int(np.ceil(np.asarray(costs, dtype=np.float64) / length).sum())
-        return rows * min(int(np.max(costs)), length)
+        """Tokens a batch of items costing ``costs`` computes, padding included, in its length
+        groups (``app.handlers.sentence_embedding.padded_tokens``)."""
+        return padded_tokens(costs, self.call_overhead_tokens)
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> ClassifiedBatch:
-        """Decode and split the items into windows, pad them in length groups, move to the device.
+        """Decode and tokenise the items, pad them in length groups, move them to the device.
 
         Raises:
-            ValueError, PayloadTooLarge: as :meth:`item_costs`.
+            ValueError: as :meth:`item_costs`.
         """
-        win = self._windows(inputs)
-        groups = length_groups(win.lengths, self.call_overhead_tokens)
-        position = np.empty(len(win.lengths), dtype=np.int64)
-        position[np.concatenate(groups)] = np.arange(len(win.lengths))
+        rows = self._encode(inputs)
+        lengths = [len(ids) for ids in rows["input_ids"]]
+        groups = length_groups(lengths, self.call_overhead_tokens)
+        position = np.empty(len(lengths), dtype=np.int64)
+        position[np.concatenate(groups)] = np.arange(len(lengths))
         tokenizer = self._tokenizer_here()
         encoded = []
         for group in groups:
-            rows = {key: [values[i] for i in group] for key, values in win.features.items()}
-            padded = tokenizer.pad(rows, return_tensors="pt")
+            padded = tokenizer.pad(
+                {key: [values[i] for i in group] for key, values in rows.items()}, return_tensors="pt"
+            )
             encoded.append({k: self._to_device(v) for k, v in padded.items()})
         return ClassifiedBatch(
             groups=encoded,
             position=self._to_device(torch.as_tensor(position)),
-            owner=self._to_device(torch.as_tensor(win.owner)),
-            counts=win.counts,
-            tokens=win.tokens(),
+            tokens=np.asarray(lengths, dtype=np.int64),
         )
 
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
-        """Per-window probabilities, then per item by ``aggregate``: ``probabilities`` float32
-        ``[B, L]``, ``score`` ``[B, 1]`` (still on the device), ``windows`` and ``tokens``."""
+        """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),
+        ``windows`` (1 each: a window is an item) and ``tokens`` int64 ``[B]``."""
         parts = [self.model(**group).logits.float() for group in batch.groups]
         logits = (parts[0] if len(parts) == 1 else torch.cat(parts))[batch.position]
         probabilities = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
-        items = len(batch.counts)
-        if items != len(batch.position):
-            probabilities = windowing.aggregate(probabilities, batch.owner, items, self.policy.aggregate)
         return {
             "probabilities": probabilities,
             "score": probabilities[:, self.score_index : self.score_index + 1],
-            "windows": batch.counts.reshape(-1, 1),
+            "windows": np.ones((len(batch.tokens), 1), dtype=np.int64),
             "tokens": batch.tokens.reshape(-1, 1),
         }
 

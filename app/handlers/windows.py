@@ -31,24 +31,37 @@ and how the windows' results are put back together per text.
     renormalised (:func:`weighted_mean`).
 
 Splitting uses the tokenizer's own overflow support (``return_overflowing_tokens`` with
-``stride``, ``truncation="only_second"`` for pairs), the mechanism Hugging Face's
-question-answering pipeline uses for long contexts.
+``stride``, ``truncation="only_second"`` for pairs, ``return_offsets_mapping``), the mechanism
+Hugging Face's question-answering pipeline uses for long contexts. A window travels as the span
+of the text its tokens cover, so that each window is an ordinary item of the model (priced,
+admitted, batched with other requests' items: :mod:`app.serving.windows`).
+
+A handler offers windows by two attributes (duck-typed, :class:`Windowed`): ``window_policy``
+(a :class:`WindowPolicy`) and ``text_windows(texts, queries)`` (:func:`spans` with a tokenizer
+of the calling thread's own).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import numpy.typing as npt
-import torch
-import torch.nn.functional as F
 
 from app.errors import PayloadTooLarge
 
-__all__ = ["AGGREGATES", "TRUNCATIONS", "WindowPolicy", "Windows", "aggregate", "split", "weighted_mean"]
+__all__ = [
+    "AGGREGATES",
+    "TRUNCATIONS",
+    "Span",
+    "WindowPolicy",
+    "Windowed",
+    "aggregate",
+    "spans",
+    "weighted_mean",
+]
 
 TRUNCATIONS = ("window", "truncate", "error")
 AGGREGATES = ("max", "mean")
@@ -120,142 +133,126 @@ class WindowPolicy:
 
 
 @dataclass(frozen=True)
-class Windows:
-    """A request's texts as windows (rows), ready to pad and run.
+class Span:
+    """One window of a text: the characters ``[start, stop)`` its tokens cover, and ``tokens``,
+    how many text tokens it has (special tokens and a pair's query not counted: the weight of
+    its embedding in :func:`weighted_mean`)."""
 
-    Attributes:
-        features: the tokenizer's ``input_ids``, ``attention_mask`` (and ``token_type_ids``
-            where the model has them), one unpadded list of token ids per window.
-        owner: int64 ``[W]``, the item (text) each window belongs to, ascending.
-        lengths: int64 ``[W]``, tokens of each window, special tokens included.
-        counts: int64 ``[B]``, windows per item (>= 1).
-    """
-
-    features: dict[str, list[list[int]]]
-    owner: npt.NDArray[np.int64]
-    lengths: npt.NDArray[np.int64]
-    counts: npt.NDArray[np.int64]
-
-    def tokens(self) -> npt.NDArray[np.int64]:
-        """int64 ``[B]``: tokens of each item over all its windows (what it costs the model)."""
-        return np.bincount(self.owner, weights=self.lengths, minlength=len(self.counts)).astype(np.int64)
+    start: int
+    stop: int
+    tokens: int
 
 
-def split(
+class Windowed(Protocol):
+    """A handler that splits long texts into windows (module docstring)."""
+
+    @property
+    def window_policy(self) -> WindowPolicy: ...
+
+    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[Span]]: ...
+
+
+def spans(
     tokenizer: Any, texts: Sequence[str], queries: Sequence[str] | None, policy: WindowPolicy
-) -> Windows:
-    """Tokenise ``texts`` (with their ``queries``, as pairs, where given and non-empty) into
-    windows per ``policy``.
+) -> list[list[Span]]:
+    """The windows of each text (with its query, as a pair, where given and non-empty) per
+    ``policy``: one :class:`Span` per window, in text order; a text that fits is one span.
 
     Args:
-        tokenizer: a Hugging Face tokenizer (a fast one for ``"window"``: its overflow support).
+        tokenizer: a fast Hugging Face tokenizer (offsets and overflow).
         texts: B strings.
         queries: B strings ("" = no query) or None.
-        policy: the model's :class:`WindowPolicy`.
+        policy: the model's :class:`WindowPolicy` (``"window"`` or ``"error"``).
 
     Raises:
-        ValueError: (``"error"``) a text over ``max_length`` tokens; a query so long that no text
-            token fits beside it.
-        PayloadTooLarge: a text needing more than ``max_windows`` windows; a request over
-            ``max_request_tokens``.
+        ValueError: (``"error"``) a text over ``max_length`` tokens; a query so long that too
+            little text fits beside it in a window.
+        PayloadTooLarge: a text needing more than ``max_windows`` windows; windows over
+            ``max_request_tokens`` tokens in all.
     """
     queries = list(queries) if queries is not None else [""] * len(texts)
-    rows: dict[str, list[list[int]]] = {}
-    owner: list[int] = []
-    paired = [i for i, q in enumerate(queries) if q]
-    single = [i for i, q in enumerate(queries) if not q]
-    for group, pairs in ((single, False), (paired, True)):
+    out: list[list[Span]] = [[] for _ in texts]
+    total = 0
+    for group, paired in (
+        ([i for i, q in enumerate(queries) if not q], False),
+        ([i for i, q in enumerate(queries) if q], True),
+    ):
         if not group:
             continue
-        encoded = _encode(
-            tokenizer, [texts[i] for i in group], [queries[i] for i in group] if pairs else None, policy
-        )
-        mapping = encoded.pop("overflow_to_sample_mapping", None)
-        mapping = list(range(len(group))) if mapping is None else list(mapping)
-        for key, values in encoded.items():
-            if key in ("input_ids", "attention_mask", "token_type_ids"):
-                rows.setdefault(key, []).extend(list(v) for v in values)
-        owner.extend(group[m] for m in mapping)
-    order = np.argsort(np.asarray(owner, dtype=np.int64), kind="stable")
-    features = {key: [values[i] for i in order] for key, values in rows.items()}
-    owners = np.asarray(owner, dtype=np.int64)[order]
-    lengths = np.asarray([len(ids) for ids in features["input_ids"]], dtype=np.int64)
-    counts = np.bincount(owners, minlength=len(texts)).astype(np.int64)
-    if policy.truncation == "error":
-        over = np.flatnonzero(lengths > policy.max_length)
-        if over.size:
-            i = int(over[0])
+        kwargs: dict[str, Any] = {
+            "truncation": "only_second" if paired else True,
+            "max_length": policy.max_length,
+            "stride": policy.stride,
+            "return_overflowing_tokens": True,
+            "return_offsets_mapping": True,
+        }
+        if paired:
+            room = (policy.max_length - policy.stride - 4) // 2
+            for n in tokenizer([queries[i] for i in group], add_special_tokens=False, return_length=True)[
+                "length"
+            ]:
+                if n > room:
+                    raise ValueError(
+                        f"a query of {n} tokens leaves too little room for text in windows of "
+                        f"{policy.max_length} tokens; at most {room}"
+                    )
+            encoded = tokenizer([queries[i] for i in group], [texts[i] for i in group], **kwargs)
+        else:
+            encoded = tokenizer([texts[i] for i in group], **kwargs)
+        side = 1 if paired else 0
+        for w, sample in enumerate(encoded["overflow_to_sample_mapping"]):
+            item = group[sample]
+            sequence = encoded.sequence_ids(w)
+            offsets = [o for o, s in zip(encoded["offset_mapping"][w], sequence, strict=True) if s == side]
+            total += len(encoded["input_ids"][w])
+            if offsets:
+                out[item].append(Span(int(offsets[0][0]), int(offsets[-1][1]), len(offsets)))
+            elif not out[item]:
+                out[item].append(Span(0, len(texts[item]), 0))  # an empty text: one empty window
+    for item, windows in enumerate(out):
+        if policy.truncation == "error" and len(windows) > 1:
             raise ValueError(
-                f"item {int(owners[i])} has {int(lengths[i])} tokens, over the model's {policy.max_length} "
+                f"item {item} is longer than the model's {policy.max_length} tokens "
                 '(truncation = "error"; "window" or "truncate" in model.toml takes it)'
             )
-    too_many = np.flatnonzero(counts > policy.max_windows)
-    if too_many.size:
-        i = int(too_many[0])
-        raise PayloadTooLarge(
-            f"item {i} needs {int(counts[i])} windows of {policy.max_length} tokens, over the model's "
-            f"max_windows ({policy.max_windows}); shorten or split the text"
-        )
-    total = int(lengths.sum())
+        if len(windows) > policy.max_windows:
+            raise PayloadTooLarge(
+                f"item {item} needs {len(windows)} windows of {policy.max_length} tokens, over the "
+                f"model's max_windows ({policy.max_windows}); shorten or split the text"
+            )
     if policy.max_request_tokens is not None and total > policy.max_request_tokens:
         raise PayloadTooLarge(
             f"the request's texts take {total} tokens in windows, over the model's max_request_tokens "
             f"({policy.max_request_tokens}); send fewer or shorter texts"
         )
-    return Windows(features=features, owner=owners, lengths=lengths, counts=counts)
+    return out
 
 
-def _encode(
-    tokenizer: Any, texts: list[str], queries: list[str] | None, policy: WindowPolicy
-) -> dict[str, Any]:
-    """The tokenizer's output for one group (single texts, or pairs) per ``policy``."""
-    kwargs: dict[str, Any] = {"return_attention_mask": True}
-    if policy.truncation == "error":
-        kwargs["truncation"] = False
-    elif policy.truncation == "truncate":
-        kwargs.update(truncation=True, max_length=policy.max_length)
-    else:
-        kwargs.update(
-            truncation="only_second" if queries is not None else True,
-            max_length=policy.max_length,
-            stride=policy.stride,
-            return_overflowing_tokens=True,
-        )
-        if queries is not None:
-            # The query is repeated in every window: it must leave room for text and stride.
-            room = policy.max_length - policy.stride - 4
-            lengths = tokenizer(queries, add_special_tokens=False, return_length=True)["length"]
-            for n in lengths:
-                if n > room // 2:
-                    raise ValueError(
-                        f"a query of {n} tokens leaves too little room for text in windows of "
-                        f"{policy.max_length} tokens; at most {room // 2}"
-                    )
-    if queries is None:
-        return dict(tokenizer(texts, **kwargs))
-    return dict(tokenizer(queries, texts, **kwargs))
-
-
-def aggregate(values: torch.Tensor, owner: torch.Tensor, items: int, how: str) -> torch.Tensor:
-    """Per-window ``values`` ``[W, ...]`` put together per item: ``[items, ...]``.
-
-    ``how``: ``"max"`` (element-wise maximum over an item's windows) or ``"mean"``. ``owner``:
-    int64 ``[W]``, every item in ``range(items)`` owning at least one window.
-    """
-    index = owner.view(-1, *([1] * (values.dim() - 1))).expand_as(values)
-    out = torch.zeros((items, *values.shape[1:]), dtype=values.dtype, device=values.device)
-    return out.scatter_reduce(0, index, values, reduce="amax" if how == "max" else "mean", include_self=False)
+def aggregate(values: npt.NDArray[Any], counts: npt.NDArray[np.int64], how: str) -> npt.NDArray[Any]:
+    """Per-window ``values`` ``[W, ...]`` (each item's windows consecutive, ``counts`` ``[B]`` of
+    them, all >= 1) put together per item, ``[B, ...]``: ``"max"`` element-wise, ``"mean"``, or
+    ``"sum"``."""
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    if how == "max":
+        return np.maximum.reduceat(values, starts, axis=0)
+    total = np.add.reduceat(values, starts, axis=0)
+    if how == "sum":
+        return total
+    return (total / counts.reshape(-1, *([1] * (values.ndim - 1)))).astype(values.dtype)
 
 
 def weighted_mean(
-    vectors: torch.Tensor, weights: torch.Tensor, owner: torch.Tensor, items: int
-) -> torch.Tensor:
-    """Window embeddings ``[W, dim]`` to one unit vector per item ``[items, dim]``: the mean of an
-    item's window vectors weighted by their tokens (``weights``, ``[W]``), L2-normalised again.
+    vectors: npt.NDArray[np.float32], weights: npt.NDArray[Any], counts: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float32]:
+    """Window embeddings ``[W, dim]`` to one unit vector per item ``[B, dim]``: the mean of an
+    item's window vectors weighted by their text tokens (``weights``, ``[W]``; all 0 counts
+    as equal weights), L2-normalised again (a zero vector stays zero).
 
     Borrowed from vLLM's chunked processing of long embedding inputs (a mean over chunks),
     weighted here so that a short last window counts for its share of the text.
     """
-    out = torch.zeros((items, vectors.shape[1]), dtype=vectors.dtype, device=vectors.device)
-    out.index_add_(0, owner, vectors * weights.to(vectors.dtype).unsqueeze(1))
-    return F.normalize(out, dim=1)
+    w = np.asarray(weights, dtype=np.float64).reshape(-1, 1)
+    w = np.where(w > 0, w, 1e-9)
+    summed = aggregate(vectors.astype(np.float64) * w, counts, "sum")
+    norms = np.linalg.norm(summed, axis=1, keepdims=True)
+    return (summed / np.where(norms > 0, norms, 1.0)).astype(np.float32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -17,9 +18,11 @@ import torch
 from sentence_transformers import CrossEncoder
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from app.errors import PayloadTooLarge
+from app.errors import InvalidInput, PayloadTooLarge
 from app.handlers import windows
 from app.handlers.sequence_classification import SequenceClassificationHandler
+from app.serving.context import RequestContext
+from app.serving.windows import WindowStage
 from tests.support.text_models import write_classifier_folder
 
 LABELS = ["ok", "insult", "threat"]
@@ -100,73 +103,79 @@ def test_cross_encoder_scores_equal_crossencoder_predict(cross_encoder: Path) ->
     assert np.abs(out["score"][:, 0] - np.asarray(want)).max() <= 1e-5
 
 
-def _library_windows(folder: Path, text: str, query: str | None, length: int, stride: int) -> np.ndarray:
-    """The library's per-window activations: the tokenizer's own overflow windows, each run alone."""
+def _library(folder: Path, texts: list[str], queries: list[str] | None = None) -> np.ndarray:
+    """The library's activations of each text alone (with its query), truncated as the folder says."""
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
-    args = (query, text) if query else (text,)
-    enc = tokenizer(
-        *args,
-        truncation="only_second" if query else True,
-        max_length=length,
-        stride=stride,
-        return_overflowing_tokens=True,
-    )
     rows = []
     with torch.inference_mode():
-        for i in range(len(enc["input_ids"])):
-            one = {k: torch.tensor([enc[k][i]]) for k in ("input_ids", "attention_mask", "token_type_ids")}
-            logits = model(**one).logits
+        for i, text in enumerate(texts):
+            args = (queries[i], text) if queries else (text,)
+            logits = model(**tokenizer(*args, truncation=True, return_tensors="pt")).logits
             rows.append((torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1))[0])
     return torch.stack(rows).numpy()
+
+
+def _windowed(
+    handler: SequenceClassificationHandler, inputs: dict[str, np.ndarray]
+) -> tuple[dict[str, np.ndarray], Any]:
+    """The request through the window stage, the handler and back, as the data plane runs it."""
+    model = SimpleNamespace(runner=SimpleNamespace(handler=handler), config=SimpleNamespace(name="clf"))
+    stage = WindowStage()
+    context = RequestContext("r", 0.0)
+    items, plan = stage.expand(model, context, inputs)  # type: ignore[arg-type]
+    assert items is not None
+    return stage.assemble(plan, _run(handler, items)), items
 
 
 @pytest.mark.parametrize("how", ["max", "mean"])
 def test_long_text_windows_aggregate_the_librarys_windows(classifier: Path, how: str) -> None:
     handler = _load(classifier, LABELS, max_seq_length=64, stride=16, aggregate=how)
-    out = _run(handler, {"text": _bytes(SHORT[0], LONG)})
-    per_window = _library_windows(classifier, LONG, None, 64, 16)
-    assert len(per_window) > 3
+    out, items = _windowed(handler, {"text": _bytes(SHORT[0], LONG)})
+    pieces = [t.decode() for t in items["text"].reshape(-1)]
+    assert pieces[0] == SHORT[0] and len(pieces) > 4 and all(p in LONG for p in pieces[1:])
+    per_window = _library(classifier, pieces[1:])
     want = per_window.max(0) if how == "max" else per_window.mean(0)
-    assert out["windows"].reshape(-1).tolist() == [1, len(per_window)]
+    assert out["windows"].reshape(-1).tolist() == [1, len(pieces) - 1]
     assert np.abs(out["probabilities"][1] - want).max() <= 1e-5
-    assert np.abs(out["probabilities"][0] - _reference_probabilities(classifier, SHORT[:1])[0]).max() <= 1e-5
-    assert int(out["tokens"][1, 0]) == sum(
-        len(ids)
-        for ids in AutoTokenizer.from_pretrained(classifier)(
-            LONG, truncation=True, max_length=64, stride=16, return_overflowing_tokens=True
-        )["input_ids"]
-    )
+    assert np.abs(out["probabilities"][0] - _library(classifier, SHORT[:1])[0]).max() <= 1e-5
+    tokenizer = AutoTokenizer.from_pretrained(classifier)
+    assert int(out["tokens"][1, 0]) == sum(len(tokenizer(p)["input_ids"]) for p in pieces[1:])
+    assert all(len(tokenizer(p)["input_ids"]) <= 64 for p in pieces)
+    assert pieces[1].startswith("sentence 0") and pieces[-1].endswith(LONG[-20:])
 
 
 def test_cross_encoder_windows_take_maxp(cross_encoder: Path) -> None:
     handler = _load(cross_encoder, ["relevance"], max_seq_length=48, stride=8)
-    out = _run(handler, {"text": _bytes(LONG, SHORT[1]), "query": _bytes("the sea", "")})
-    per_window = _library_windows(cross_encoder, LONG, "the sea", 48, 8)
+    out, items = _windowed(handler, {"text": _bytes(LONG, SHORT[1]), "query": _bytes("the sea", "")})
+    pieces = [t.decode() for t in items["text"].reshape(-1)]
+    queries = [q.decode() for q in items["query"].reshape(-1)]
+    assert queries[:-1] == ["the sea"] * (len(pieces) - 1) and queries[-1] == ""
+    per_window = _library(cross_encoder, pieces[:-1], queries[:-1])
     assert int(out["windows"][0, 0]) == len(per_window) > 1
     assert abs(float(out["score"][0, 0]) - float(per_window[:, 0].max())) <= 1e-5
 
 
 def test_truncate_and_error_modes(classifier: Path) -> None:
     truncating = _load(classifier, LABELS, max_seq_length=64, truncation="truncate")
-    out = _run(truncating, {"text": _bytes(LONG)})
+    out, _ = _windowed(truncating, {"text": _bytes(LONG)})
     assert out["windows"].tolist() == [[1]] and out["tokens"].tolist() == [[64]]
     refusing = _load(classifier, LABELS, max_seq_length=64, truncation="error")
-    with pytest.raises(ValueError, match=r"item 1 has \d+ tokens, over the model's 64"):
-        refusing.item_costs({"text": _bytes("short", LONG)})
+    with pytest.raises(InvalidInput, match=r"item 1 is longer than the model's 64 tokens"):
+        _windowed(refusing, {"text": _bytes("short", LONG)})
     assert refusing.item_costs({"text": _bytes("short")}).tolist() == [3]
 
 
 def test_limits_are_priced_before_anything_runs(classifier: Path) -> None:
     handler = _load(classifier, LABELS, max_seq_length=32, max_windows=4, max_request_tokens=200)
     with pytest.raises(PayloadTooLarge, match="max_windows"):
-        handler.item_costs({"text": _bytes(LONG)})
+        _windowed(handler, {"text": _bytes(LONG)})
     with pytest.raises(PayloadTooLarge, match="max_request_tokens"):
-        handler.item_costs({"text": _bytes(*[LONG[:300]] * 8)})
-    with pytest.raises(ValueError, match="not valid UTF-8"):
-        handler.item_costs({"text": _bytes("fine", b"\xff\xfe")})
-    with pytest.raises(ValueError, match="query of"):
-        handler.item_costs({"text": _bytes("x"), "query": _bytes(LONG)})
+        _windowed(handler, {"text": _bytes(*[LONG[:300]] * 8)})
+    with pytest.raises(InvalidInput, match="not valid UTF-8"):
+        _windowed(handler, {"text": _bytes("fine", b"\xff\xfe" * 40)})
+    with pytest.raises(InvalidInput, match="query of"):
+        _windowed(handler, {"text": _bytes("x"), "query": _bytes(LONG)})
 
 
 def test_load_checks_labels_and_parameters(classifier: Path) -> None:
@@ -184,11 +193,11 @@ def test_load_checks_labels_and_parameters(classifier: Path) -> None:
 
 
 def test_weighted_mean_renormalises() -> None:
-    vectors = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]])
-    out = windows.weighted_mean(vectors, torch.tensor([3, 1, 5]), torch.tensor([0, 0, 1]), 2)
-    want0 = np.array([3.0, 1.0]) / np.sqrt(10.0)
-    assert np.allclose(out[0].numpy(), want0) and np.allclose(out[1].numpy(), [0.6, 0.8])
-    agg = windows.aggregate(
-        torch.tensor([[0.1, 0.9], [0.7, 0.2], [0.5, 0.5]]), torch.tensor([0, 0, 1]), 2, "max"
+    vectors = np.array([[1.0, 0.0], [0.0, 1.0], [0.6, 0.8]], np.float32)
+    out = windows.weighted_mean(vectors, np.array([3, 1, 5]), np.array([2, 1]))
+    assert np.allclose(out[0], np.array([3.0, 1.0]) / np.sqrt(10.0)) and np.allclose(out[1], [0.6, 0.8])
+    agg = windows.aggregate(np.array([[0.1, 0.9], [0.7, 0.2], [0.5, 0.5]]), np.array([2, 1]), "max")
+    assert np.allclose(agg, [[0.7, 0.9], [0.5, 0.5]])
+    assert np.allclose(
+        windows.aggregate(np.array([[1.0], [3.0], [5.0]]), np.array([2, 1]), "mean"), [[2.0], [5.0]]
     )
-    assert np.allclose(agg.numpy(), [[0.7, 0.9], [0.5, 0.5]])
