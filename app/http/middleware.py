@@ -61,8 +61,15 @@ SERVER_TIMING_HEADER = "Server-Timing"
 REQUEST_ID = web.RequestKey("request_id", str)
 #: (model, version) of a request whose model its body names (OpenAI's), for its metrics.
 MODEL_LABELS = web.RequestKey("model_labels", tuple[str, str])
-#: The path whose errors take OpenAI's shape (``app.protocols.openai.error_body``).
-OPENAI_PATH = "/v1/embeddings"
+#: The paths whose errors take OpenAI's shape (``app.protocols.openai.error_body``), each with its
+#: protocol label in the request metrics: OpenAI's embeddings, and the rerank and classify APIs
+#: (OpenAI's error shape, as vLLM answers them).
+OPENAI_PATHS = {
+    "/v1/embeddings": "openai",
+    "/v1/rerank": "rerank",
+    "/v2/rerank": "rerank",
+    "/v1/classify": "classify",
+}
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
 #: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -117,7 +124,7 @@ def edge_middleware(
         request[REQUEST_ID] = rid
         if tracing is not None:
             tracing.tag(rid)
-        recorded, openai = None, request.path == OPENAI_PATH
+        recorded, openai = None, request.path in OPENAI_PATHS
         protocol = _inference_protocol(request) if metrics is not None else None
         if metrics is not None and protocol is not None and not openai:
             recorded = metrics.for_requests(*_model_labels(request), protocol)
@@ -162,7 +169,7 @@ def edge_middleware(
         finally:
             if recorded is not None:
                 recorded.answered(code, time.perf_counter() - start)
-            elif metrics is not None and protocol is not None:  # OpenAI's: the model came in the body
+            elif metrics is not None and protocol is not None:  # the model came in the body
                 model, version = request.get(MODEL_LABELS, ("", ""))
                 late = metrics.for_requests(model, version, protocol)
                 late.answered(code, time.perf_counter() - start, in_flight=False)
@@ -171,7 +178,8 @@ def edge_middleware(
 
 
 def _inference_protocol(request: web.Request) -> str | None:
-    """``v1``, ``v2`` or ``openai`` for a routed inference request, else None."""
+    """``v1``, ``v2``, ``openai``, ``rerank`` or ``classify`` for a routed inference request,
+    else None."""
     if request.method != "POST" or request.match_info.http_exception is not None:
         return None
     path = request.path
@@ -179,9 +187,7 @@ def _inference_protocol(request: web.Request) -> str | None:
         return "v2"
     if path.startswith("/v1/models/") and path.endswith(":predict"):
         return "v1"
-    if path == "/v1/embeddings":
-        return "openai"
-    return None
+    return OPENAI_PATHS.get(path)
 
 
 def _model_labels(request: web.Request) -> tuple[str, str]:

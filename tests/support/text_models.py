@@ -17,7 +17,7 @@ format = "handler"
 handler = "app.handlers.sequence_classification:SequenceClassificationHandler"
 max_batch_size = 16
 max_queue_delay_ms = 2.0
-warmup_batch_sizes = [1]
+warmup_batch_sizes = [1, 16]
 [[inputs]]
 name = "text"
 datatype = "BYTES"
