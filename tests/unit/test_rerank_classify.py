@@ -10,10 +10,15 @@ from pathlib import Path
 from typing import Any
 
 import cohere
+import grpc
 import httpx
 import numpy as np
 import pytest
 
+from app.grpc.generated import grpc_service_pb2 as pb
+from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.grpc.server import start_server
+from app.protocols.tensors import deserialize_bytes
 from tests.support.fixtures import Client, MakeClient
 from tests.support.text_models import write_classifier_model
 
@@ -118,3 +123,47 @@ async def test_a_refused_request_fails_alone(make_client: MakeClient, repo: Path
     assert [a.status for a in answers] == [200, 413, 200, 413, 200]
     scores = [[r["relevance_score"] for r in (await a.json())["results"]] for a in answers[::2]]
     assert scores[0] == scores[1] == scores[2]
+
+
+async def test_tritons_classification_extension_over_http_and_grpc(
+    make_client: MakeClient, repo: Path
+) -> None:
+    """``"parameters": {"classification": 2}`` on ``probabilities``: the top 2 labels per text as
+    "score:index:label", highest first, the same over HTTP and gRPC."""
+    http: Client = await make_client(repo)
+    texts = ["a short post", LONG]
+    want = (await v2(http, "clf", texts))["probabilities"]
+    expected = [
+        [f"{want[b, i]:f}:{i}:{LABELS[i]}".encode() for i in np.argsort(-want[b], kind="stable")[:2]]
+        for b in range(2)
+    ]
+    text = {"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": texts}
+    body = {"inputs": [text], "outputs": [{"name": "probabilities", "parameters": {"classification": 2}}]}
+    answer = await (await http.post("/v2/models/clf/infer", json=body)).json()
+    out = answer["outputs"][0]
+    assert out["datatype"] == "BYTES" and out["shape"] == [2, 2]
+    assert [s.encode() for s in out["data"]] == [s for row in expected for s in row]
+    for k in (0, "2", True):
+        body["outputs"][0]["parameters"]["classification"] = k  # type: ignore[index]
+        resp = await http.post("/v2/models/clf/infer", json=body)
+        assert resp.status == 400 and "classification" in (await resp.json())["error"]
+    assert http.app is not None
+    server, port = await start_server(http.app, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = pb.ModelInferRequest(model_name="clf")
+            tensor = request.inputs.add(name="text", datatype="BYTES", shape=[2, 1])
+            tensor.contents.bytes_contents.extend(t.encode() for t in texts)
+            output = request.outputs.add(name="probabilities")
+            output.parameters["classification"].int64_param = 2
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            reply = await stub.ModelInfer(request)
+    finally:
+        await server.stop(None)
+    assert reply.outputs[0].datatype == "BYTES" and list(reply.outputs[0].shape) == [2, 2]
+    got = (
+        list(deserialize_bytes(memoryview(reply.raw_output_contents[0]), 4, "probabilities", 1 << 16))
+        if reply.raw_output_contents
+        else list(reply.outputs[0].contents.bytes_contents)
+    )
+    assert got == [s for row in expected for s in row]
