@@ -9,6 +9,7 @@ Run: ``python -m benchmarks.windows_check`` (CPU, about 10 s). Figures: docs/tex
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +59,10 @@ def embed(
     return stage.assemble(plan, out)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    ).parse_args(argv)
     config = read_config(REPO)
     handler = SentenceEmbeddingHandler()
     handler.load(torch.device("cpu"), config)
