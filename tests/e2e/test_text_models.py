@@ -90,6 +90,7 @@ def test_classifier_over_http_and_grpc_equals_transformers(server: tuple[Gunicor
     assert np.abs(served - want).max() <= 1e-5
     assert [d["windows"] for d in body["data"]] == [1, 1, 1, len(pieces)] and len(pieces) > 4
     assert np.abs(grpc_probabilities(srv, texts) - want).max() <= 1e-5
+    assert 'protocol="classify"' in srv.scrape()
 
 
 def test_cross_encoder_rerank_equals_crossencoder_predict(server: tuple[Gunicorn, Path]) -> None:
@@ -107,6 +108,7 @@ def test_cross_encoder_rerank_equals_crossencoder_predict(server: tuple[Gunicorn
     assert abs(got[3] - float(per_window.max())) <= 1e-5  # MaxP
     scores = [r["relevance_score"] for r in body["results"]]
     assert scores == sorted(scores, reverse=True)
+    assert 'protocol="rerank"' in srv.scrape()
 
 
 def test_minilm_windows_follow_the_whole_text(server: tuple[Gunicorn, Path]) -> None:
