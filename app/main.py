@@ -15,7 +15,7 @@ from app.http.auth import API_KEYS, ApiKeys, authorizer
 from app.http.connections import parser_limits, quiet_parser_errors, setup_connections
 from app.http.extensions import routes as extension_routes
 from app.http.middleware import edge_middleware
-from app.http.routes import inference_routes, metrics_handler, routes
+from app.http.routes import PROTOCOLS, inference_routes, metrics_handler, routes
 from app.observability.gpu import gpu_metrics_ctx
 from app.observability.metrics import METRICS, create_metrics
 from app.observability.tracing import TRACING, tracing_ctx
@@ -66,7 +66,7 @@ async def create_app(
     authorize = authorizer(keys, metrics_open=not settings.metrics_auth) if keys.enabled else None
     metrics = create_metrics() if settings.metrics_enabled else None
     app = web.Application(
-        middlewares=[edge_middleware(settings, authorize, metrics, tracing)],
+        middlewares=[edge_middleware(settings, authorize, metrics, tracing, PROTOCOLS)],
         client_max_size=settings.max_request_bytes,
         handler_args=parser_limits(settings),
     )

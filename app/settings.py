@@ -365,6 +365,12 @@ class Settings(BaseSettings):
         """The ``gpus`` allow-list as a tuple of indices or UUIDs."""
         return tuple(g.strip() for g in self.gpus.split(",") if g.strip())
 
+    def for_workers(self, workers: int) -> Settings:
+        """These settings in a server of ``workers`` worker processes (gunicorn's count: GPUs x
+        ``max_processes_per_gpu``, or ``workers`` in CPU mode): ``torch_threads`` resolved for
+        that count (:meth:`effective_torch_threads`)."""
+        return self.model_copy(update={"torch_threads": self.effective_torch_threads(workers)})
+
     def effective_torch_threads(self, workers: int) -> int:
         """Intra-op threads per worker so that ``workers x threads`` fits the cores: the one rule
         (gunicorn.conf.py's ``post_fork`` applies it with the server's worker count)."""

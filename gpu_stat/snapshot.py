@@ -50,7 +50,3 @@ class GpuInfo:
     mig_enabled: bool = False
     mig_instances: tuple[GpuInfo, ...] = ()
     parent_uuid: str | None = None
-
-    @property
-    def is_mig_instance(self) -> bool:
-        return self.parent_uuid is not None

@@ -59,8 +59,8 @@ call) (:func:`length_groups`). This is what ``SentenceTransformer.encode()`` get
 input by length, and what text-embeddings-inference gets with unpadded (varlen) attention.
 On the CPU a call costs about 40 tokens, so a request mixing titles and descriptions runs as
 two calls at about half the padded cost; on a GPU a call costs thousands of tokens' time, so a
-batch stays one call there (the queue already forms batches of similar lengths when its
-queue is deep). ``batch_cost`` tells the queue the padded tokens a batch will compute.
+batch stays one call there. ``batch_cost`` tells the queue the padded tokens a batch will
+compute.
 
 Threads (``app.models.base``): ``item_costs`` (the tokens of each item's text and query, the
 cost ``max_batch_tokens`` counts; it refuses invalid UTF-8) runs on the prepare threads, beside

@@ -22,7 +22,10 @@ In order, for each request (:func:`edge_middleware`):
    500 naming the id, never a traceback. Every error body is the Open Inference Protocol's
    ``{"error": "<message>"}`` (KServe V1 uses the same shape);
 6. the **request metrics** of an inference request (count by status, latency, in flight; the
-   status the client gets, 499 when it left).
+   status the client gets, 499 when it left), labelled by its route's protocol (the
+   ``protocols`` map of the inference handlers) and model: counted in flight on arrival when its
+   path names the model, or once its handler knows it (:func:`model_known`: OpenAI's, from
+   the body).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import math
 import random
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import orjson
 from aiohttp import web
@@ -48,7 +51,7 @@ from app.errors import (
     ScoringError,
     UnsupportedMediaType,
 )
-from app.observability.metrics import ServerMetrics
+from app.observability.metrics import RequestMetrics, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.openai import error_body
 from app.serving.dataplane import DATAPLANE
@@ -59,17 +62,9 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
 REQUEST_ID = web.RequestKey("request_id", str)
-#: (model, version) of a request whose model its body names (OpenAI's), for its metrics.
-MODEL_LABELS = web.RequestKey("model_labels", tuple[str, str])
-#: The paths whose errors take OpenAI's shape (``app.protocols.openai.error_body``), each with its
-#: protocol label in the request metrics: OpenAI's embeddings, and the rerank and classify APIs
-#: (OpenAI's error shape, as vLLM answers them).
-OPENAI_PATHS = {
-    "/v1/embeddings": "openai",
-    "/v1/rerank": "rerank",
-    "/v2/rerank": "rerank",
-    "/v1/classify": "classify",
-}
+#: The paths whose errors take OpenAI's shape (``app.protocols.openai.error_body``): OpenAI's
+#: embeddings, and the rerank and classify APIs (OpenAI's error shape, as vLLM answers them).
+OPENAI_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify"})
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
 #: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -96,6 +91,41 @@ def request_id_of(request: web.Request) -> str:
     return str(request.get(REQUEST_ID, "-"))
 
 
+class Recording:
+    """One inference request's metrics, made once its model is known (``recorded``)."""
+
+    __slots__ = ("metrics", "protocol", "recorded")
+
+    def __init__(self, metrics: ServerMetrics, protocol: str) -> None:
+        self.metrics, self.protocol = metrics, protocol
+        self.recorded: RequestMetrics | None = None
+
+    def model(self, name: str, version: str) -> None:
+        """The request addresses ``name`` ``version``: it counts in flight from now (once)."""
+        if self.recorded is None:
+            self.recorded = self.metrics.for_requests(name, version, self.protocol)
+            self.recorded.in_flight.inc()
+
+    def answered(self, code: int, seconds: float) -> None:
+        """It left with ``code`` after ``seconds`` (not counted in flight when its model was never
+        known: labelled model "")."""
+        if self.recorded is not None:
+            self.recorded.answered(code, seconds)
+        else:
+            self.metrics.for_requests("", "", self.protocol).answered(code, seconds, in_flight=False)
+
+
+RECORDING = web.RequestKey("recording", Recording)
+
+
+def model_known(request: web.Request, name: str, version: str) -> None:
+    """An inference handler found the model its request's body names: the request counts in
+    flight from now, under that model (no-op with metrics off)."""
+    recording = request.get(RECORDING)
+    if recording is not None:
+        recording.model(name, version)
+
+
 def json_error(
     status: int, message: str, headers: dict[str, str] | None = None, *, openai: bool = False
 ) -> web.Response:
@@ -109,10 +139,14 @@ def edge_middleware(
     authorize: Callable[[web.Request], None] | None = None,
     metrics: ServerMetrics | None = None,
     tracing: Tracing | None = None,
+    protocols: Mapping[Handler, str] | None = None,
 ) -> Middleware:
     """The middleware (module docstring). ``authorize`` raises ``Unauthorized`` for a request
     without a valid key (``app.http.auth.authorizer``; None: no keys); ``metrics``: None when
-    metrics are off; ``tracing``: tags the request's server span with its id (None: off)."""
+    metrics are off; ``tracing``: tags the request's server span with its id (None: off);
+    ``protocols``: the protocol of each inference handler (``app.http.routes.PROTOCOLS``), the
+    label of its requests' metrics."""
+    by_handler = protocols or {}
     max_bytes, max_headers = settings.max_header_bytes, settings.max_headers
     timeout_s, grace_s = settings.body_timeout_s, settings.body_grace_s
     min_rate = settings.min_body_rate_bytes_s
@@ -124,11 +158,12 @@ def edge_middleware(
         request[REQUEST_ID] = rid
         if tracing is not None:
             tracing.tag(rid)
-        recorded, openai = None, request.path in OPENAI_PATHS
-        protocol = _inference_protocol(request) if metrics is not None else None
-        if metrics is not None and protocol is not None and not openai:
-            recorded = metrics.for_requests(*_model_labels(request), protocol)
-            recorded.in_flight.inc()
+        recording, openai = None, request.path in OPENAI_PATHS
+        protocol = by_handler.get(request.match_info.handler) if metrics is not None else None
+        if metrics is not None and protocol is not None:
+            recording = request[RECORDING] = Recording(metrics, protocol)
+            if "name" in request.match_info:
+                recording.model(*_model_labels(request))
         code = 500
         try:
             try:
@@ -167,36 +202,17 @@ def edge_middleware(
             code = 499  # the client went away (nginx's code; nothing was sent)
             raise
         finally:
-            if recorded is not None:
-                recorded.answered(code, time.perf_counter() - start)
-            elif metrics is not None and protocol is not None:  # the model came in the body
-                model, version = request.get(MODEL_LABELS, ("", ""))
-                late = metrics.for_requests(model, version, protocol)
-                late.answered(code, time.perf_counter() - start, in_flight=False)
+            if recording is not None:
+                recording.answered(code, time.perf_counter() - start)
 
     return edge
 
 
-def _inference_protocol(request: web.Request) -> str | None:
-    """``v1``, ``v2``, ``openai``, ``rerank`` or ``classify`` for a routed inference request,
-    else None."""
-    if request.method != "POST" or request.match_info.http_exception is not None:
-        return None
-    path = request.path
-    if path.startswith("/v2/models/") and path.endswith("/infer"):
-        return "v2"
-    if path.startswith("/v1/models/") and path.endswith(":predict"):
-        return "v1"
-    return OPENAI_PATHS.get(path)
-
-
 def _model_labels(request: web.Request) -> tuple[str, str]:
-    """(model, version) of the request; ("", "") for one this worker does not serve (or a body
-    that names it, read later)."""
+    """(model, version) of the request its path names; ("", "") for one this worker does not
+    serve."""
     info = request.match_info
-    name = info.get("name")
-    if name is None:
-        return "", ""
+    name = info["name"]
     try:
         config = request.app[DATAPLANE].version(name, info.get("version")).config
     except ScoringError:  # unknown, or unavailable: answered 404 / 503

@@ -17,12 +17,13 @@ from typing import Any
 import numpy as np
 import orjson
 from aiohttp import web
+from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import SERVER_NAME, __version__
 from app.binding import BINDING
 from app.errors import InvalidInput, UnsupportedMediaType
-from app.http.middleware import MODEL_LABELS, request_id_of
+from app.http.middleware import model_known, request_id_of
 from app.models.repository import ModelConfig
 from app.observability.metrics import METRICS
 from app.protocols import classify, openai, rerank, triton, v1, v2
@@ -242,7 +243,7 @@ async def _infer_named(
     plane = request.app[DATAPLANE]
     deadline = header_deadline(request, arrival)
     model = plane.admit(name, None, arrival, deadline)
-    request[MODEL_LABELS] = (model.config.name, model.config.version)
+    model_known(request, model.config.name, model.config.version)
     parsed = build(model.config)
     parsed.arrival, parsed.deadline = arrival, deadline
     response = await plane.infer(
@@ -286,6 +287,17 @@ async def classify_texts(request: web.Request) -> web.Response:
         request, body.model, lambda c: classify.infer_request(c, body), arrival
     )
     return web.Response(body=classify.encode(config, outputs), content_type="application/json")
+
+
+#: The protocol of each inference handler: the label of its requests' metrics (the edge
+#: middleware, ``app.http.middleware``).
+PROTOCOLS: dict[Handler, str] = {
+    infer: "v2",
+    v1_predict: "v1",
+    embeddings: "openai",
+    rerank_documents: "rerank",
+    classify_texts: "classify",
+}
 
 
 @routes.get("/openapi.json")

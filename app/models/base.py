@@ -10,8 +10,9 @@ creates one instance per worker with no arguments and calls:
     join the queue (several may run at once, and beside ``preprocess``)
     ``inputs`` as for ``preprocess`` but one request's items. Returns int64 ``[B]``: what
     each item costs the model, in the unit the model's ``max_batch_tokens`` counts (tokens
-    for a text model); batches are then formed by that cost, items of similar cost together
-    (small padding), and admission reasons in it. Raises ``ValueError`` (or
+    for a text model); batches are then formed within the model's ``max_batch_tokens`` of that
+    cost (requests in arrival order, each one's items sorted by cost), and admission reasons in
+    it. Raises ``ValueError`` (or
     ``UnicodeError``) for an item the model cannot take: that request alone gets a 400 /
     INVALID_ARGUMENT with the message, before it can share a batch with anyone.
 ``batch_cost(costs)``  -- optional, with ``item_costs``; the event loop, once per batch formed
@@ -76,13 +77,6 @@ class Handler(Protocol):
     def predict(self, batch: Any) -> Any: ...
 
     def postprocess(self, outputs: Any) -> Mapping[str, np.ndarray]: ...
-
-
-@runtime_checkable
-class CostedHandler(Handler, Protocol):
-    """A handler that prices its items (``item_costs``; see the module docstring)."""
-
-    def item_costs(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)

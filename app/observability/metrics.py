@@ -139,6 +139,11 @@ class ServerMetrics:
             "how long it waited in the queue before its first batch, by level.",
             [*model, "priority"], buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
+        self._define_worker_metrics(model, r)
+        self._define_balancing_metrics(model, r)
+
+    def _define_worker_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
+        """Per worker: hung batches, model loads, the binding."""
         self.hung_batches = Counter(
             "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
             "one makes its worker restart itself.",
@@ -161,7 +166,9 @@ class ServerMetrics:
             "scoring_worker_binding_info", "1 per live worker, labelled with its GPU binding.",
             ["pid", "device", "gpu", "gpu_uuid", "slot"], multiprocess_mode="liveall", registry=r,
         )  # fmt: skip
-        # --- balancing among sibling workers (app.server.balance) ---
+
+    def _define_balancing_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
+        """Balancing among sibling workers (app.server.balance) and the bound GPUs."""
         self.worker_load_items = Gauge(
             "scoring_worker_load_items", "Inference items queued + in flight in one worker.",
             ["pid"], multiprocess_mode="liveall", registry=r,

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Mapping, MutableMapping
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -202,9 +202,12 @@ class Tracing:
         """A context manager: the ``encode`` span of the current request."""
         return self.tracer.start_as_current_span("encode")
 
-    def inject(self, headers: MutableMapping[str, str]) -> None:
-        """Put the current context into ``headers`` (``traceparent``) for a call to a sibling."""
+    def carrier(self) -> tuple[tuple[str, str], ...]:
+        """The current context as W3C header pairs (``traceparent``, ``tracestate``): what a
+        request's context (``app.serving.context.RequestContext.trace``) carries to a sibling."""
+        headers: dict[str, str] = {}
         self._propagate.inject(headers)
+        return tuple(headers.items())
 
 
 def setup() -> Tracing | None:

@@ -316,7 +316,7 @@ def tensor_bytes(array: np.ndarray, datatype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
 
 
-class ItemCosts:
+class ItemBytes:
     """The input bytes of each item of one request, for the batch byte bound.
 
     All-numeric inputs cost the same per item (``nbytes / B`` summed over inputs): one integer,

@@ -73,6 +73,7 @@ from app.server import rundir
 
 if TYPE_CHECKING:
     from app.server.router import Router
+    from app.serving.context import RequestContext
     from app.serving.siblings import Arrays, LocalRun
     from app.serving.unit import ServingUnit
 
@@ -92,7 +93,6 @@ STALE_S = 1.0
 
 # Slot states, in a worker's order of life.
 EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING, STOPPING = range(7)
-STATE_NAMES = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
 
 
 class Load(NamedTuple):
@@ -121,6 +121,11 @@ class Load(NamedTuple):
     def live(self, now: float, stale_s: float = STALE_S) -> bool:
         """Ready and ticking (heartbeat within ``stale_s`` seconds of ``now``)."""
         return self.state == READY and self.pid > 0 and now - self.heartbeat <= stale_s
+
+    def reachable(self, now: float, stale_s: float = STALE_S) -> bool:
+        """Ticking (its internal endpoint is up) and not leaving: ready, or "loading" (no model
+        ready, e.g. its only model unloaded); what model control must reach."""
+        return self.state in (LOADING, READY) and self.pid > 0 and now - self.heartbeat <= stale_s
 
 
 class LoadTable:
@@ -439,32 +444,26 @@ class Balancer:
         )
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         """The router's answer (``app.server.router.Router.route``); None without a router."""
         if self.router is None:
             return None
-        return await self.router.route(unit, inputs, deadline, request_id, local, pinned=pinned)
+        return await self.router.route(unit, inputs, context, local)
 
     def others_serving(self) -> bool:
         """Another worker accepts requests (:func:`others_serving`). Reads /proc: off the loop."""
         return others_serving(state for pid, state in self.table.states().items() if pid != self.pid)
 
     async def apply(self, action: str, name: str) -> dict[int, str]:
-        """Send a model control change to every live, ready sibling at once; pid -> why, for each
-        that failed (``app.serving.control``)."""
+        """Send a model control change to every sibling that ticks and is not leaving, ready or
+        not (one with no model ready must hear it too, or it keeps its old state), at once;
+        pid -> why, for each that failed (``app.serving.control``)."""
         control = self.control
         if control is None:
             return {}
         now = time.monotonic()
-        pids = [load.pid for load in self.siblings() if load.live(now)]
+        pids = [load.pid for load in self.siblings() if load.reachable(now)]
         answers = await asyncio.gather(*(control(pid, action, name) for pid in pids))
         return {pid: why for pid, why in zip(pids, answers, strict=True) if why is not None}
 

@@ -202,15 +202,19 @@ def _backend() -> str:
 
 #: Workers that keep dying before they are ready are forked more and more slowly.
 _restarts = RestartBackoff()
+#: How long the worker forked next waits before it boots, seconds (set in the master by
+#: pre_fork; the child reads its copy in post_fork).
+_boot_delay_s = 0.0
 
 
 def pre_fork(server: Any, worker: Any) -> None:
     """Master, before each fork: how long the new worker waits before it boots (a worker that
     keeps crashing while it boots is not forked again a few times a second)."""
-    worker.boot_delay_s = _restarts.delay_s(time.monotonic())
-    if worker.boot_delay_s:
+    global _boot_delay_s
+    _boot_delay_s = _restarts.delay_s(time.monotonic())
+    if _boot_delay_s:
         server.log.warning(
-            "workers keep exiting before they are ready: the next one boots in %.0f s", worker.boot_delay_s
+            "workers keep exiting before they are ready: the next one boots in %.0f s", _boot_delay_s
         )
 
 
@@ -224,7 +228,7 @@ def post_fork(server: Any, worker: Any) -> None:
     # would live on holding its slot. A booting worker has nothing to drain: let it die.
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
-    wait_before_booting(getattr(worker, "boot_delay_s", 0.0), worker.notify)
+    wait_before_booting(_boot_delay_s, worker.notify)
     # The worker's slot in the load table, its one state record (app.server.balance):
     # draining siblings wait for a booting worker, not for one still waiting for a GPU slot.
     table = balance.LoadTable(_run_dir)
@@ -236,7 +240,6 @@ def post_fork(server: Any, worker: Any) -> None:
         sys.exit(BIND_FAILED_EXIT)
     table.set_state(slot, balance.BOOTING)
     table.close()
-    os.environ["SCORING_TORCH_THREADS"] = str(_settings.effective_torch_threads(server.cfg.workers))
 
 
 def child_exit(server: Any, worker: Any) -> None:

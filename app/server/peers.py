@@ -3,9 +3,10 @@ directory, and the client that sends shards to it.
 
 The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a second
 ``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700), never
-on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` with
-``forwarded=True`` (a shard is never split or forwarded again), the sender's request id, its
-remaining deadline (sent relative, anchored again on arrival) and trace context; API keys were
+on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` under
+the sender's request context (``app.serving.context``) marked forwarded (a shard is never split
+or forwarded again): its request id, priority, remaining deadline (sent relative, anchored again
+on arrival) and trace context (the ``traceparent`` header); API keys were
 checked by the worker that received the request. Imported by the worker only (it imports the
 serving layer, hence torch).
 
@@ -21,7 +22,7 @@ import asyncio
 import logging
 import math
 import os
-from collections.abc import Callable, MutableMapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ import numpy as np
 from aiohttp import web
 
 from app import errors
+from app.serving.context import RequestContext
 from app.serving.dataplane import DATAPLANE
 from app.serving.registry import SETTINGS
 
@@ -45,6 +47,8 @@ CONTROL_PATH = "/internal/models"
 CONTROL_TIMEOUT_S = 600.0
 #: Beyond the shard's deadline, how long the sender waits for the sibling's own 504, seconds.
 REPLY_GRACE_S = 0.25
+#: The W3C trace context headers a shard's context keeps.
+TRACE_HEADERS = ("traceparent", "tracestate")
 _MAIN = web.AppKey("main_app", web.Application)
 
 
@@ -63,11 +67,13 @@ class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
 
 
 class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
-    """A shard of an inference request sent to a sibling's internal endpoint.
+    """A shard of an inference request sent to a sibling's internal endpoint, with the request's
+    context (``app.serving.context.RequestContext``).
 
     ``timeout_s``: what is left of the original deadline when sent, seconds (the one place a
-    deadline travels relative: two processes' loop clocks need not agree). The request's trace
-    context travels in the call's ``traceparent`` header (``app.observability.tracing``).
+    deadline travels relative: two processes' loop clocks need not agree). ``priority``:
+    Triton's request priority (0 = the model's default level). The request's trace context
+    travels in the call's ``traceparent`` header (``app.observability.tracing``).
     """
 
     model: str
@@ -75,6 +81,7 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     request_id: str
     timeout_s: float
     inputs: dict[str, Tensor]
+    priority: int = 0
 
 
 class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
@@ -189,16 +196,29 @@ def internal_app(main: web.Application) -> web.Application:
     return app
 
 
+def shard_context(shard: ShardRequest, now: float, headers: Mapping[str, str]) -> RequestContext:
+    """The context a shard runs under here, received at ``now`` (loop time) with ``headers``:
+    the sender's id, priority and trace, its deadline anchored on ``now``, forwarded.
+
+    Raises:
+        InvalidInput: a negative priority.
+    """
+    if shard.priority < 0:
+        raise errors.InvalidInput(f"shard priority {shard.priority} < 0")
+    trace = tuple((name, headers[name]) for name in TRACE_HEADERS if name in headers)
+    return RequestContext(
+        shard.request_id, now + shard.timeout_s, shard.priority, trace, forwarded=True, arrival=now
+    )
+
+
 async def _handle_shard(request: web.Request) -> web.Response:
     try:
         shard = decode_request(await request.read())
-        deadline = asyncio.get_running_loop().time() + shard.timeout_s
+        context = shard_context(shard, asyncio.get_running_loop().time(), request.headers)
         inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
         plane = request.app[_MAIN][DATAPLANE]
         model = plane.version(shard.model, shard.version)
-        outputs = await plane.run(
-            model, inputs, deadline=deadline, request_id=shard.request_id, forwarded=True
-        )
+        outputs = await plane.run(model, inputs, context)
         reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:
         reply = ShardResponse(error=type(exc).__name__, message=exc.message, retry_after_s=exc.retry_after_s)
@@ -223,21 +243,15 @@ class PeerUnavailable(Exception):
     """The sibling could not be reached, or went away before it answered."""
 
 
-#: Puts the current trace context into a call's headers (``app.observability.tracing``).
-Inject = Callable[[MutableMapping[str, str]], None]
-
-
 class PeerClient:
     """Sends shards to siblings' internal endpoints (one keep-alive session per sibling).
 
     Args:
         run_dir: the server's run directory.
-        inject: puts the current trace context into a call's headers (tracing on), or None.
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], inject: Inject | None = None) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
         self.run_dir = Path(run_dir)
-        self.inject = inject
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def _session(self, pid: int) -> aiohttp.ClientSession:
@@ -254,11 +268,10 @@ class PeerClient:
         model: str,
         version: str,
         inputs: dict[str, np.ndarray],
-        *,
-        deadline: float,
-        request_id: str,
+        context: RequestContext,
     ) -> dict[str, np.ndarray]:
-        """Run a shard on sibling ``pid`` by ``deadline`` (loop time); outputs ``[b, ...]`` per name.
+        """Run a shard on sibling ``pid`` under the request's ``context`` (by its deadline, loop
+        time; at its priority; in its trace); outputs ``[b, ...]`` per name.
 
         Raises:
             PeerUnavailable: the sibling refused the connection or broke it (nothing ran there
@@ -266,20 +279,12 @@ class PeerClient:
             DeadlineExceeded: no answer by ``deadline`` (a stalled sibling).
             ScoringError: the error the sibling's own run raised (same class).
         """
-        timeout_s = max(0.0, deadline - asyncio.get_running_loop().time())
-        body = encode(
-            ShardRequest(
-                model,
-                version,
-                request_id,
-                timeout_s,
-                {name: to_tensor(a) for name, a in inputs.items()},
-            )
-        )
+        request_id = context.request_id
+        timeout_s = max(0.0, context.deadline - asyncio.get_running_loop().time())
+        tensors = {name: to_tensor(a) for name, a in inputs.items()}
+        body = encode(ShardRequest(model, version, request_id, timeout_s, tensors, context.priority))
         timeout = aiohttp.ClientTimeout(total=timeout_s + REPLY_GRACE_S)
-        headers = {"X-Request-Id": request_id}
-        if self.inject is not None:
-            self.inject(headers)
+        headers = {"X-Request-Id": request_id, **dict(context.trace)}
         try:
             async with self._session(pid).post(
                 f"http://peer{PATH}", data=body, timeout=timeout, headers=headers

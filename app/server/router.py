@@ -30,8 +30,8 @@ makes one of two choices:
   reached, whose queue is full or whose copy of the model is not ready (a HUP reload in
   progress) costs nothing but time: the request runs here.
 
-A shard or forwarded request keeps its request id and remaining deadline and is never split or
-forwarded again there (``forwarded=True``).
+A shard or forwarded request keeps its request context (``app.serving.context``: id, remaining
+deadline, priority, trace) and is never split or forwarded again there (``forwarded``).
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ import numpy as np
 from app import errors
 from app.server.balance import Balancer, Load, clearly_busier, splits
 from app.server.peers import PeerClient, PeerUnavailable
+from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
 
@@ -135,28 +136,22 @@ class Router:
         self.pending: dict[int, int] = {}  # items forwarded per sibling pid, not yet answered
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool = False,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
-        """The request's outputs, or None when it should run here whole.
+        """The request's outputs, or None when it should run here whole (forwarded only when
+        ``context.pinned``); every part runs under ``context``.
 
         Raises:
-            DeadlineExceeded: a sibling did not answer before ``deadline`` (it stalled).
+            DeadlineExceeded: a sibling did not answer before ``context.deadline`` (it stalled).
             ScoringError: a sibling's run failed (same class as there).
         """
         items = len(next(iter(inputs.values())))
         if splits(unit.scatter, unit.max_batch_size, items):
             siblings = pick_siblings(self.balancer.siblings(), items, unit.max_batch_size, time.monotonic())
             if siblings:
-                return await self._scatter(unit, inputs, items, deadline, request_id, local, siblings)
-        if pinned and self.forward:
-            return await self._forward(unit, inputs, items, deadline, request_id, local)
+                return await self._scatter(unit, inputs, items, context, local, siblings)
+        if context.pinned and self.forward:
+            return await self._forward(unit, inputs, items, context, local)
         return None
 
     async def _scatter(
@@ -164,11 +159,11 @@ class Router:
         unit: ServingUnit,
         inputs: Arrays,
         items: int,
-        deadline: float,
-        request_id: str,
+        context: RequestContext,
         local: LocalRun,
         siblings: list[Load],
     ) -> Arrays:
+        request_id = context.request_id
         bounds = shard_bounds(items, len(siblings) + 1)
         log.debug(
             "balance: request %s (%d items of %s) in %d shards, to pids %s",
@@ -184,15 +179,13 @@ class Router:
         async def remote(i: int, sibling: Load) -> Arrays:
             shard = part(i)
             try:
-                return await self.peers.infer(
-                    sibling.pid, unit.name, unit.version, shard, deadline=deadline, request_id=request_id,
-                )  # fmt: skip
+                return await self.peers.infer(sibling.pid, unit.name, unit.version, shard, context)
             except PeerUnavailable as exc:
                 log.info("request %s: shard %d runs here (%s)", request_id, i, exc)
-                return await local(shard, deadline)
+                return await local(shard)
 
         loop = asyncio.get_running_loop()
-        tasks: list[asyncio.Task[Arrays]] = [loop.create_task(local(part(0), deadline))]
+        tasks: list[asyncio.Task[Arrays]] = [loop.create_task(local(part(0)))]
         tasks += [loop.create_task(remote(i + 1, s)) for i, s in enumerate(siblings)]
         try:
             results = await asyncio.gather(*tasks)
@@ -206,14 +199,9 @@ class Router:
             raise errors.InferenceFailed(f"request {request_id}: shards disagree on outputs: {exc}") from exc
 
     async def _forward(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        items: int,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
+        self, unit: ServingUnit, inputs: Arrays, items: int, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
+        request_id = context.request_id
         mine = self.balancer.items
         target = pick_target(mine, self.balancer.siblings(), time.monotonic(), self.pending, self.rng)
         if target is None:
@@ -227,14 +215,7 @@ class Router:
         if self.on_forward is not None:
             self.on_forward(unit.name, unit.version)
         try:
-            outputs = await self.peers.infer(
-                target.pid,
-                unit.name,
-                unit.version,
-                inputs,
-                deadline=deadline,
-                request_id=request_id,
-                )
+            outputs = await self.peers.infer(target.pid, unit.name, unit.version, inputs, context)
         except (PeerUnavailable, errors.ServiceUnavailable, errors.ModelNotFound) as exc:  # nothing ran there
             log.info("request %s: runs here, not on pid %d (%s)", request_id, target.pid, exc)
             refused = True
@@ -247,5 +228,5 @@ class Router:
             else:
                 self.pending.pop(target.pid, None)
         if refused:
-            return await local(inputs, deadline)
+            return await local(inputs)
         return outputs

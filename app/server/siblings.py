@@ -51,7 +51,7 @@ class Membership:
         balancing: ``SCORING_BALANCE``.
     """
 
-    def __init__(self, run_dir: str | None, pid: int, balancing: bool = True) -> None:
+    def __init__(self, run_dir: str | Path | None, pid: int, balancing: bool = True) -> None:
         self.run_dir = Path(run_dir) if run_dir else None
         self.pid = pid
         self.table: balance.LoadTable | None = None
@@ -103,7 +103,6 @@ class Membership:
             RunDirError: ``<run dir>/peers`` exists and is not a private folder of this user.
         """
         from app.observability.metrics import METRICS
-        from app.observability.tracing import TRACING
         from app.server.peers import PeerClient, internal_app, socket_path
         from app.server.router import Router
 
@@ -136,8 +135,7 @@ class Membership:
             await runner.setup()
             await web.UnixSite(runner, str(path)).start()
             self._internal = runner
-            tracing = app.get(TRACING)
-            self._peers = peers = PeerClient(self.run_dir, tracing.inject if tracing is not None else None)
+            self._peers = peers = PeerClient(self.run_dir)
             balancer.control = peers.control
 
             def on_scatter(model: str, version: str, shards: int) -> None:

@@ -122,7 +122,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     def init_process(self) -> None:
         self.loop = self.new_loop()
         asyncio.set_event_loop(self.loop)
-        self._siblings = Membership(os.environ.get("SCORING_RUN_DIR"), os.getpid(), Settings().balance)
+        self.settings = Settings().for_workers(self.cfg.workers)
+        self._siblings = Membership(self.settings.run_dir, os.getpid(), self.settings.balance)
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
@@ -191,7 +192,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         if isinstance(factory, web.Application):
             app = factory
         else:
-            app = await factory(siblings=self._siblings.balancer, supervisor=self)
+            app = await factory(self.settings, siblings=self._siblings.balancer, supervisor=self)
         self._attach(app)
         access_log = self.log.access_log if self.cfg.accesslog else None
         kwargs: dict[str, Any] = {}

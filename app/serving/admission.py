@@ -38,7 +38,7 @@ from typing import Protocol
 import numpy as np
 
 from app.errors import DeadlineExceeded, PayloadTooLarge, QueueFull, ScoringError
-from app.protocols.tensors import ItemCosts
+from app.protocols.tensors import ItemBytes
 
 #: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before its
 #: :attr:`ServiceRate.lag` moves (docs/architecture.md, *Tuned numbers*).
@@ -119,11 +119,6 @@ class ServiceRate:
                 self.item_s = slope
         self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
 
-    @property
-    def items_per_s(self) -> float | None:
-        """The peak rate, items/s (large batches, overhead amortised); None before any batch."""
-        return 1.0 / self.item_s if self.item_s else None
-
     def seconds_for(self, items: float, batches: int = 1) -> float:
         """Expected seconds for ``items`` items in ``batches`` batches (the fit times
         :attr:`lag`); 0 while unknown or empty."""
@@ -139,9 +134,9 @@ def check_item_bounds(
     tokens: np.ndarray | None,
     max_batch_bytes: int | None,
     max_batch_tokens: int | None,
-) -> ItemCosts | None:
+) -> ItemBytes | None:
     """Refuse a request whose costliest item alone exceeds a batch's bytes or tokens (its
-    ``tokens`` sorted ascending); returns its :class:`ItemCosts` (None without a byte bound).
+    ``tokens`` sorted ascending); returns its :class:`ItemBytes` (None without a byte bound).
 
     Raises:
         PayloadTooLarge: 413, naming the bound.
@@ -153,14 +148,14 @@ def check_item_bounds(
         )
     if max_batch_bytes is None:
         return None
-    costs = ItemCosts(inputs)
-    largest = costs.largest()
+    item_bytes = ItemBytes(inputs)
+    largest = item_bytes.largest()
     if largest > max_batch_bytes:
         raise PayloadTooLarge(
             f"an item of request {request_id} has {largest} bytes of input; model {model} runs at "
             f"most {max_batch_bytes} bytes in one batch (model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
         )
-    return costs
+    return item_bytes
 
 
 class Backlog(Protocol):

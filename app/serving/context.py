@@ -31,6 +31,8 @@ class RequestContext:
         forwarded: a shard or whole request a sibling sent here: never split or sent on again.
         is_disconnected: True once its client has gone (its queued items are then dropped);
             None: never asked (a shard, a test).
+        arrival: when it arrived, ``loop.time()`` seconds (a shard: when it was received): its
+            time budget, in messages, is ``deadline - arrival``; None: unknown.
     """
 
     request_id: str
@@ -40,3 +42,4 @@ class RequestContext:
     pinned: bool = False
     forwarded: bool = False
     is_disconnected: Callable[[], bool] | None = None
+    arrival: float | None = None

@@ -22,8 +22,10 @@ reload happens beside what serves (``app.serving.lifecycle``): nothing fails mea
 **Every worker, one answer.** The worker that receives the call writes the new model set to
 ``<run dir>/models.json`` (a worker forked later, by a recycle, a crash or a HUP, starts from it,
 and one that booted meanwhile reconciles with it once its boot loads are done), applies the change
-and has every ready sibling apply it (``Siblings.apply``, over their internal endpoints), and
-answers only once all of them have, or with an error naming each worker that failed and why.
+and has every sibling apply it (``Siblings.apply``, over their internal endpoints: ready or not,
+a worker whose models are all unloaded included; one still loading its boot models applies it
+after them), and answers only once all of them have, or with an error naming each worker that
+failed and why.
 """
 
 from __future__ import annotations
@@ -33,7 +35,6 @@ import json
 import logging
 import os
 from collections.abc import AsyncIterator
-from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -68,8 +69,8 @@ class ModelControl:
         self.device = device
         self.settings: Settings = app[SETTINGS]
         self.mode = self.settings.model_control_mode
-        run_dir = self.settings.run_dir or os.environ.get("SCORING_RUN_DIR")
-        self.model_set_path = Path(run_dir) / MODEL_SET_FILE if run_dir else None
+        run_dir = self.settings.run_dir
+        self.model_set_path = run_dir / MODEL_SET_FILE if run_dir else None
         self._lock = asyncio.Lock()
         self._seen: dict[str, dict[str, str]] = {}  # poll: name -> version -> fingerprint
 
@@ -155,34 +156,24 @@ class ModelControl:
         registry = self.app[REGISTRY]
         broken = {u.name: u.reason for u in found.unavailable}
         configs = [c for c in serving(found).configs if c.name == name]
+        registry.set_unavailable(name, broken.get(name))
         if not configs:
-            registry.unavailable.pop(name, None)
             if name in broken:
-                registry.unavailable[name] = broken[name]
                 raise ModelLoadError(f"model {name}: {broken[name]}")
             raise ModelLoadError(f"model {name!r} is in no folder of the repository")
-        if name in broken:
-            registry.unavailable[name] = broken[name]
-        else:
-            registry.unavailable.pop(name, None)
         return configs
 
     async def _load(self, name: str) -> str | None:
         registry = self.app[REGISTRY]
         selected = self._selected(name)
-        registry.unloaded.pop(name, None)
+        registry.set_unloaded(name, None)
         versions = registry.versions.get(name, {})
         failures = []
         for config in selected:
             model = versions.get(config.version)
             if model is not None and model.ready and model.fingerprint == fingerprint(config.path):
                 continue  # unchanged: it keeps serving
-            if model is None or model.unloading:
-                model = registry.add(config)
-            elif model.unit is None:
-                model.config = config  # a failed or unloaded version: try its folder as it is now
-            model.settled.clear()
-            model.error = None
+            model = registry.to_load(config)
             if not await try_load(self.app, model, self.device, config, retry=False):
                 failures.append(f"version {config.version}: {model.error}")
         if name in registry.unavailable:  # a folder of it that cannot be read: the call fails
@@ -204,8 +195,7 @@ class ModelControl:
         models = [m for m in registry.versions.get(name, {}).values() if not m.unloading]
         if not models and name not in registry.unloaded and name not in registry.unavailable:
             return f"model {name!r} is not loaded"
-        registry.unloaded[name] = why
-        registry.unavailable.pop(name, None)
+        registry.set_unloaded(name, why)
         await asyncio.gather(*(unload_version(self.app, m) for m in models))
         return None
 
@@ -284,8 +274,10 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
         if not names or config.name in names:
             registry.add(config)
         else:  # explicit mode, not in the server's model set
-            registry.unloaded[config.name] = "not loaded"
-    registry.unavailable.update({u.name: u.reason for u in found.unavailable if not names or u.name in names})
+            registry.set_unloaded(config.name, "not loaded")
+    for broken in found.unavailable:
+        if not names or broken.name in names:
+            registry.set_unavailable(broken.name, broken.reason)
     registry.strict = settings.strict_readiness
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
     app[TASKS] = set()
@@ -317,8 +309,9 @@ async def _load_all(app: web.Application, device: torch.device, control: ModelCo
     for name, reason in registry.unavailable.items():
         log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
     loaded = False
-    for model in registry.entries():
-        loaded = await try_load(app, model, device) or loaded
+    async with control._lock:  # a change a sibling sends meanwhile applies after the boot loads
+        for model in registry.entries():
+            loaded = await try_load(app, model, device) or loaded
     # Now that the models hold their CUDA context, check through NVML that it is on the
     # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
     worker = app[BINDING]

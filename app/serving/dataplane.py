@@ -39,7 +39,7 @@ from app.protocols.tensors import (
     typed_array,
 )
 from app.serving.context import RequestContext
-from app.serving.items import IDENTITY, ItemStage
+from app.serving.items import ItemStage
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.settings import Settings
@@ -58,8 +58,8 @@ class DataPlane:
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
-        items: the item stage between a validated request and the queue (``app.serving.items``;
-            default: one item -> one item).
+        items: the item stage between a validated request and the queue (``app.serving.items``);
+            None: one item -> one item, and nothing is called.
     """
 
     def __init__(
@@ -69,7 +69,7 @@ class DataPlane:
         limits: RequestLimits,
         siblings: Siblings,
         tracing: Tracing | None = None,
-        items: ItemStage[Any] = IDENTITY,
+        items: ItemStage[Any] | None = None,
     ) -> None:
         self.registry = registry
         self.items = items
@@ -190,41 +190,31 @@ class DataPlane:
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
         deadline = self.request_deadline(model, request)
         priority = parameters_priority(request.parameters) if request.parameters else None
-        level = None
-        if priority is not None and model.unit is not None:
-            level = model.unit.level(priority)
+        if priority and model.unit is not None:
+            model.unit.level(priority)  # one above the model's levels fails before it is balanced
         context = RequestContext(
-            request_id, deadline, priority or 0, pinned=pinned, is_disconnected=is_disconnected
-        )
-        queued, plan = self.items.expand(model, context, inputs)
-        results = None
-        if queued is not None:  # else every item was answered by the stage: no queue, no model
-            results = await self.run(
-                model, queued, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
-                pinned=pinned, level=level,
-            )  # fmt: skip
-        return build_response(config, request, self.items.assemble(plan, results), wanted)
+            request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
+            pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
+        )  # fmt: skip
+        stage = self.items
+        if stage is None:
+            outputs = await self.run(model, inputs, context)
+        else:
+            queued, plan = stage.expand(model, context, inputs)
+            # none left: every item was answered by the stage, no queue, no model
+            results = None if queued is None else await self.run(model, queued, context)
+            outputs = stage.assemble(plan, results)
+        return build_response(config, request, outputs, wanted)
 
-    def run(
-        self,
-        model: ModelVersion,
-        inputs: Arrays,
-        *,
-        deadline: float,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None = None,
-        forwarded: bool = False,
-        pinned: bool = False,
-        level: int | None = None,
-    ) -> Awaitable[Arrays]:
+    def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
         shards on them and here, or whole on one of them (``Siblings.route``).
 
         Args:
             inputs: one array per model input, ``[B, *item_shape]``, B >= 1, validated.
-            deadline: loop time by which the outputs are due.
-            forwarded: a shard or request from a sibling worker: never split or sent on again.
-            level: the priority level (``ServingUnit.level``); None: the default.
+            context: the request's (``app.serving.context``): the deadline by which the outputs
+                are due, its priority, and whether it was forwarded (a shard or request from a
+                sibling worker: never split or sent on again) or pinned.
 
         Returns:
             An awaitable (await it at once) of one array per model output, ``[B, ...]``, in item
@@ -232,57 +222,37 @@ class DataPlane:
         """
         unit = model.unit
         items = len(next(iter(inputs.values())))
-        if unit is not None and not forwarded and self.siblings.considers(unit, items, pinned):
-            return self._routed(model, inputs, items, deadline, request_id, is_disconnected, pinned, level)
-        return self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
+        siblings = self.siblings
+        if unit is not None and not context.forwarded and siblings.considers(unit, items, context.pinned):
+            return self._routed(model, inputs, items, context)
+        return self._here(model, inputs, items, context)
 
-    async def _here(
-        self,
-        model: ModelVersion,
-        inputs: Arrays,
-        items: int,
-        deadline: float,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None,
-        level: int | None,
-    ) -> Arrays:
+    async def _here(self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext) -> Arrays:
         siblings = self.siblings
         trace = self.tracing.queued() if self.tracing is not None else None
         siblings.add_load(items)  # published for the siblings' balancing
         try:
             unit = model.unit
             if unit is None:  # still loading: wait for it, within the deadline
-                unit = await self.registry.serving_unit(model, deadline)
-            return await unit.infer(
-                inputs, deadline=deadline, request_id=request_id, is_disconnected=is_disconnected,
-                level=level, trace=trace,
-            )  # fmt: skip
+                unit = await self.registry.serving_unit(model, context.deadline)
+            return await unit.infer(inputs, context, trace=trace)
         finally:
             siblings.add_load(-items)
 
     async def _routed(
-        self,
-        model: ModelVersion,
-        inputs: Arrays,
-        items: int,
-        deadline: float,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None,
-        pinned: bool,
-        level: int | None,
+        self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext
     ) -> Arrays:
-        """The siblings' route (scatter, or forward when ``pinned``); here, whole, if they decline."""
+        """The siblings' route (scatter, or forward when pinned); here, whole, if they decline."""
         unit = model.unit
         assert unit is not None
 
-        def local(arrays: Arrays, part_deadline: float) -> Any:
-            part = len(next(iter(arrays.values())))
-            return self._here(model, arrays, part, part_deadline, request_id, is_disconnected, level)
+        def local(arrays: Arrays) -> Any:
+            return self._here(model, arrays, len(next(iter(arrays.values()))), context)
 
-        outputs = await self.siblings.route(unit, inputs, deadline, request_id, local, pinned=pinned)
+        outputs = await self.siblings.route(unit, inputs, context, local)
         if outputs is not None:
             return outputs
-        return await self._here(model, inputs, items, deadline, request_id, is_disconnected, level)
+        return await self._here(model, inputs, items, context)
 
 
 # --- validation: the request's tensors and parameters against the model ------------------------

@@ -12,13 +12,18 @@ both around everything that prices, admits, balances and batches, so:
 - a request whose stage leaves no item (``expand`` returns ``None`` to queue) never reaches the
   queue, a sibling or a loading model: ``assemble(plan, None)`` answers it;
 - shards and requests forwarded by a sibling worker arrive expanded already
-  (``DataPlane.run``): the stage runs once, on the worker the client called.
+  (``DataPlane.run``): the stage runs once, on the worker the client called;
+- the one judgement made before it is ``DataPlane.admit``'s early refusal, before the body is
+  decoded (a full batch or more waiting and no request of the recent sizes able to finish in
+  time): a stage that answers whole requests without the model (a cache) and wants them served
+  under overload must be consulted before it, or that refusal skipped for its models.
 
 Stages compose (:class:`Stages`): expand in order, assemble in the reverse order, so a window
-stage and a cache stage stack either way round. :data:`IDENTITY` (one item -> one item, nothing
-kept) is the default. Source: the shape of Triton's response cache (lookup before the
-scheduler, insert after it; ``docs/user_guide/response_cache.md``) at item level, and vLLM's
-chunked processing of long pooling inputs (split before the scheduler, pool after it).
+stage and a cache stage stack either way round. Without a stage (the default) the data plane
+calls nothing: one item is one item; :data:`IDENTITY` is that stage spelled out. Source: the
+shape of Triton's response cache (lookup before the scheduler, insert after it;
+``docs/user_guide/response_cache.md``) at item level, and vLLM's chunked processing of long
+pooling inputs (split before the scheduler, pool after it).
 """
 
 from __future__ import annotations

@@ -94,28 +94,14 @@ def unit_for(config: ModelConfig, runner: ModelRunner, threads: Threads, observe
              max_batch_bytes: int, tracing: Tracing | None = None) -> ServingUnit:  # fmt: skip
     """The serving unit of a loaded model version, as its ``model.toml`` says."""
     return ServingUnit(
-        config.name,
+        config,
         runner,
         threads,
-        version=config.version,
-        max_batch_size=config.max_batch_size,
-        max_queue_delay_ms=config.max_queue_delay_ms,
-        queue_capacity=config.queue_capacity,
-        gather_turns=config.gather_turns,
-        gather_max_ms=config.gather_max_ms,
-        max_batch_bytes=config.max_batch_bytes or max_batch_bytes,
-        max_batch_tokens=config.max_batch_tokens,
+        max_batch_bytes=max_batch_bytes,
         item_costs=runner.item_costs if runner.prices_items else None,
         batch_cost=runner.batch_cost,
         staged=staged(config.pipeline, runner.device),
-        admission=config.admission,
-        admission_headroom=config.admission_headroom,
-        priority_levels=config.priority_levels,
-        default_priority_level=config.default_priority_level,
-        priority_aging=config.priority_aging,
-        priority_fill=config.priority_fill,
         observer=observer,
-        scatter=config.scatter,
         tracing=tracing,
     )
 

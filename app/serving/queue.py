@@ -38,7 +38,8 @@ from typing import Any
 import numpy as np
 
 from app.errors import ClientDisconnected, DeadlineExceeded, InvalidInput, ScoringError
-from app.protocols.tensors import ItemCosts
+from app.protocols.tensors import ItemBytes
+from app.serving.context import RequestContext
 
 Tensors = dict[str, np.ndarray]
 #: Gathering stops after this many event-loop turns in a row that queued no request (an idle
@@ -48,19 +49,18 @@ GATHER_IDLE_TURNS = 4
 
 @dataclass(eq=False)
 class QueuedRequest:
-    """One inference request in a model version's queue: its inputs ``[B, ...]``, deadline and
-    arrival (``loop.time()`` seconds), priority ``level`` (0 = the highest), and where its
-    items are. ``tokens`` (priced models): int64 ``[B]``, each item's cost, ascending (``order``
-    is that permutation of the items as sent, None when none was needed)."""
+    """One inference request in a model version's queue: its inputs ``[B, ...]``, its context
+    (id, deadline, ...: ``app.serving.context``), arrival (``loop.time()`` seconds), priority
+    ``level`` (0 = the highest), and where its items are. ``tokens`` (priced models): int64
+    ``[B]``, each item's cost, ascending (``order`` is that permutation of the items as sent,
+    None when none was needed)."""
 
     inputs: Mapping[str, np.ndarray]
     size: int
-    deadline: float
+    context: RequestContext
     arrival: float
-    request_id: str
-    is_disconnected: Callable[[], bool] | None
     future: asyncio.Future[Tensors]
-    costs: ItemCosts | None  # input bytes per item; None without a batch byte bound
+    item_bytes: ItemBytes | None  # input bytes per item; None without a batch byte bound
     tokens: np.ndarray | None = None
     order: np.ndarray | None = None
     level: int = 0
@@ -70,6 +70,21 @@ class QueuedRequest:
     pending: int = 0  # items not yet computed
     parts: list[tuple[int, Tensors]] = field(default_factory=list)
     dead: bool = False
+
+    @property
+    def deadline(self) -> float:
+        """When its outputs are due, ``loop.time()`` seconds."""
+        return self.context.deadline
+
+    @property
+    def request_id(self) -> str:
+        """Its id (errors, logs)."""
+        return self.context.request_id
+
+    @property
+    def is_disconnected(self) -> Callable[[], bool] | None:
+        """True once its client has gone; None: never asked."""
+        return self.context.is_disconnected
 
     @property
     def cost(self) -> int:
@@ -113,9 +128,9 @@ class Budget:
     def fit(self, request: QueuedRequest, start: int, stop: int) -> int:
         """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit."""
         n = min(stop - start, self.items)
-        costs = request.costs
-        if costs is not None and self.bytes != math.inf:
-            n = min(n, costs.items_within(start, start + n, self.bytes))
+        item_bytes = request.item_bytes
+        if item_bytes is not None and self.bytes != math.inf:
+            n = min(n, item_bytes.items_within(start, start + n, self.bytes))
         tokens = request.tokens
         if tokens is not None and self.tokens != math.inf and n > 0:
             # the most items whose batch costs at most the budget: a binary search
@@ -132,8 +147,8 @@ class Budget:
     def take(self, request: QueuedRequest, start: int, stop: int) -> None:
         """Account for items ``[start, stop)`` of ``request`` joining the batch."""
         self.items -= stop - start
-        if request.costs is not None and self.bytes != math.inf:
-            self.bytes -= request.costs.between(start, stop)
+        if request.item_bytes is not None and self.bytes != math.inf:
+            self.bytes -= request.item_bytes.between(start, stop)
         if request.tokens is not None:
             self.taken.append(request.tokens[start:stop])
 
@@ -163,13 +178,13 @@ class RequestQueue:
         *,
         max_batch_size: int,
         max_queue_delay_s: float,
-        gather_turns: int = 0,
-        gather_max_s: float = 0.002,
+        gather_turns: int,
+        gather_max_s: float,
         max_batch_bytes: int | None = None,
         max_batch_tokens: int | None = None,
         batch_cost: Callable[[np.ndarray], float] = padded_to_longest,
         levels: int = 1,
-        aging: float = 0.75,
+        aging: float,
         fill: Callable[[float], float] | None = None,
         margin: Callable[[], float] | None = None,
     ) -> None:

@@ -123,6 +123,39 @@ class ModelRegistry:
             return
         self.latest[name] = ([m for m in candidates if m.ready] or candidates)[-1]
 
+    # --- model control's changes (app.serving.control) -----------------------------------------
+
+    def set_unavailable(self, name: str, reason: str | None) -> None:
+        """Model ``name``'s folder cannot be served (``reason``: why, no absolute paths), or,
+        with None, can again."""
+        if reason is None:
+            self.unavailable.pop(name, None)
+        else:
+            self.unavailable[name] = reason
+
+    def set_unloaded(self, name: str, why: str | None) -> None:
+        """Model ``name`` is not loaded on purpose (``why``: its requests get 404 saying so; its
+        folder's own error, if any, no longer counts), or, with None, is wanted again."""
+        if why is None:
+            self.unloaded.pop(name, None)
+        else:
+            self.unloaded[name] = why
+            self.unavailable.pop(name, None)
+
+    def to_load(self, config: ModelConfig) -> ModelVersion:
+        """The version of ``config`` about to be (re)loaded: a new entry when there is none or
+        the one there is unloading; else the one there, its error cleared and, when it does not
+        serve (a failed or unloaded load), its config taken from the folder as it is now. Its
+        waiters wait again."""
+        model = self.versions.get(config.name, {}).get(config.version)
+        if model is None or model.unloading:
+            model = self.add(config)
+        elif model.unit is None:
+            model.config = config
+        model.settled.clear()
+        model.error = None
+        return model
+
     def entries(self) -> list[ModelVersion]:
         """Every model version, in name then version order."""
         return [

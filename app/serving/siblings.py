@@ -8,11 +8,11 @@ workers: two small interfaces, handed to :func:`app.main.create_app` at construc
   another worker serves already; model control applies a change on every sibling.
 - :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
 
-The gunicorn worker implements both (``app.server.balance.Balancer`` and
+The gunicorn worker implements both (``app.server.balance.Balancer``, balancing on or off, and
 ``app.server.worker.ScoringWebWorker``); :class:`Alone` implements both for a worker with no
-siblings and nothing that restarts it: in-process tests, ``python -m aiohttp.web``, and a
-server whose balancing is off. Nothing is installed into serving state after construction, so
-the request path is the same under gunicorn and in tests.
+load table and nothing that restarts it: in-process tests, ``python -m aiohttp.web``. The
+``Balancer`` gets its router and model control client once the app has started
+(``app.server.siblings.Membership.join``); until then it routes nothing and reaches no sibling.
 """
 
 from __future__ import annotations
@@ -23,11 +23,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 if TYPE_CHECKING:
+    from app.serving.context import RequestContext
     from app.serving.unit import ServingUnit
 
 Arrays = dict[str, np.ndarray]
-#: Runs (part of) a request on this worker: (inputs, absolute deadline) -> outputs.
-LocalRun = Callable[[Arrays, float], Coroutine[Any, Any, Arrays]]
+#: Runs (part of) a request on this worker, under the request's context: inputs -> outputs.
+LocalRun = Callable[[Arrays], Coroutine[Any, Any, Arrays]]
 
 
 class Siblings(Protocol):
@@ -48,20 +49,15 @@ class Siblings(Protocol):
         ...
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
-        """The request's outputs when it ran (in part) on siblings, or None to run it here whole.
+        """The request's outputs when it ran (in part) on siblings, each part under the request's
+        ``context`` (its deadline, id, priority and trace travel with it), or None to run it here
+        whole.
 
         Raises:
             ScoringError: a sibling's run failed (the same class), or it did not answer before
-                ``deadline`` (DeadlineExceeded).
+                ``context.deadline`` (DeadlineExceeded).
         """
         ...
 
@@ -70,8 +66,9 @@ class Siblings(Protocol):
         ...
 
     async def apply(self, action: str, name: str) -> dict[int, str]:
-        """Have every ready sibling apply a model control ``action`` (``load``, ``unload``) to
-        model ``name`` (``app.serving.control``); each that failed, pid -> why ({} = all did)."""
+        """Have every sibling that is not leaving (ready or not) apply a model control ``action``
+        (``load``, ``unload``) to model ``name`` (``app.serving.control``); each that failed,
+        pid -> why ({} = all did)."""
         ...
 
 
@@ -98,14 +95,7 @@ class Alone:
         return False
 
     async def route(
-        self,
-        unit: ServingUnit,
-        inputs: Arrays,
-        deadline: float,
-        request_id: str,
-        local: LocalRun,
-        *,
-        pinned: bool,
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         """Here, whole."""
         return None

@@ -34,9 +34,11 @@ from app.errors import (
     ScoringError,
 )
 from app.models.base import Segment
+from app.models.repository import ModelConfig
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
 from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
+from app.serving.context import RequestContext
 from app.serving.executor import (
     Batch,
     BatchExecutor,
@@ -68,76 +70,69 @@ class UnitObserver(Protocol):
 class ServingUnit:
     """One model version's queue, admission policy and executor (module docstring).
 
-    Args: ``name``/``version`` (in messages); ``runner`` (``app.models.runner.ModelRunner`` or a
-    test double) and its ``threads`` (an ``Executor`` alone: the inference thread), ``staged``;
-    the batch and queue bounds of ``model.toml`` (``max_batch_size`` and ``queue_capacity`` in
-    items, ``max_queue_delay_ms`` and ``gather_max_ms`` in ms, ``gather_turns``,
-    ``max_batch_bytes`` in bytes, ``max_batch_tokens`` in the handler's cost unit; None = no
-    bound); ``item_costs`` (one request's items -> int64 ``[B]``; None = not priced) and
-    ``batch_cost`` (int64 ``[N]`` -> a batch's cost); ``admission`` (``"measured_rate"`` or
-    ``"capacity"``) and ``admission_headroom`` (a share of the deadline); Triton's
-    ``priority_levels`` (0 = one level) and ``default_priority_level`` (0 = the lowest),
-    ``priority_aging`` and ``priority_fill`` (shares); ``observer`` of batches and refusals;
-    ``scatter`` (a request larger than a batch may be split over sibling workers).
+    Args:
+        config: the version's ``model.toml`` (``app.models.repository.ModelConfig``, whose
+            defaults are the only ones): its name and version (in messages), batch and queue
+            bounds (``max_batch_size``, ``queue_capacity``, ``max_queue_delay_ms``,
+            ``gather_turns``, ``gather_max_ms``, ``max_batch_tokens``), admission policy and
+            headroom, Triton's priority levels (``priority_levels``, ``default_priority_level``,
+            ``priority_aging``, ``priority_fill``) and ``scatter``.
+        runner: ``app.models.runner.ModelRunner`` or a test double; ``threads`` its threads (an
+            ``Executor`` alone: the inference thread); ``staged``: the staged pipeline.
+        max_batch_bytes: the server's bound on a batch's input bytes, for a model whose config
+            names none (None: no bound).
+        item_costs: one request's items -> int64 ``[B]`` (the handler's cost unit, tokens; None:
+            not priced); ``batch_cost``: int64 ``[N]`` -> a batch's cost.
+        observer: receives batches and refusals; ``tracing``: the requests' spans.
+
     Raises:
         ValueError: bounds that contradict each other, or an unknown ``admission``.
     """
 
     def __init__(
         self,
-        name: str,
+        config: ModelConfig,
         runner: BatchRunner,
         threads: Threads | Executor,
         *,
-        max_batch_size: int,
-        max_queue_delay_ms: float,
-        queue_capacity: int,
-        gather_turns: int = 0,
-        gather_max_ms: float = 2.0,
         max_batch_bytes: int | None = None,
-        max_batch_tokens: int | None = None,
         item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | None] | None = None,
         batch_cost: Callable[[np.ndarray], float] | None = None,
         staged: bool = False,
-        admission: str = "measured_rate",
-        admission_headroom: float = 0.5,
-        priority_levels: int = 0,
-        default_priority_level: int = 0,
-        priority_aging: float = 0.75,
-        priority_fill: float = 0.25,
         observer: UnitObserver | None = None,
-        version: str = "1",
-        scatter: bool = True,
         tracing: Tracing | None = None,
     ) -> None:
-        if max_batch_size < 1 or queue_capacity < max_batch_size or max_queue_delay_ms < 0:
+        max_batch_size, queue_capacity = config.max_batch_size, config.queue_capacity
+        if max_batch_size < 1 or queue_capacity < max_batch_size or config.max_queue_delay_ms < 0:
             raise ValueError("need max_batch_size >= 1, queue_capacity >= max_batch_size, delay >= 0")
-        self.name, self.version, self.scatter = name, version, scatter
+        name = config.name
+        self.name, self.version, self.scatter = name, config.version, config.scatter
         self.max_batch_size = max_batch_size
-        self.max_queue_delay_s = max_queue_delay_ms / 1000.0
+        self.max_queue_delay_s = config.max_queue_delay_ms / 1000.0
         self.queue_capacity = queue_capacity
-        self.max_batch_bytes = max_batch_bytes
-        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_bytes = config.max_batch_bytes or max_batch_bytes
+        self.max_batch_tokens = config.max_batch_tokens
         #: Whether requests are priced (``item_costs``): costs are then tokens.
         self.priced = item_costs is not None
-        self.default_level = max(0, (default_priority_level or priority_levels or 1) - 1)
-        self._levels = priority_levels > 0  # per-level metrics only for a model with levels
+        levels, fill = config.priority_levels, config.priority_fill
+        self.default_level = max(0, (config.default_priority_level or levels or 1) - 1)
+        self._levels = levels > 0  # per-level metrics only for a model with levels
         self.queue = RequestQueue(
             max_batch_size=max_batch_size,
             max_queue_delay_s=self.max_queue_delay_s,
-            gather_turns=gather_turns,
-            gather_max_s=gather_max_ms / 1000.0,
-            max_batch_bytes=max_batch_bytes,
-            max_batch_tokens=max_batch_tokens,
+            gather_turns=config.gather_turns,
+            gather_max_s=config.gather_max_ms / 1000.0,
+            max_batch_bytes=self.max_batch_bytes,
+            max_batch_tokens=self.max_batch_tokens,
             batch_cost=batch_cost or padded_to_longest,
-            levels=max(1, priority_levels),
-            aging=priority_aging,
-            fill=lambda cost: self.admission.fill_limit(cost, priority_fill),
+            levels=max(1, levels),
+            aging=config.priority_aging,
+            fill=lambda cost: self.admission.fill_limit(cost, fill),
             margin=lambda: self.longest_batch_s,
         )
         self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
-        self.admission: AdmissionPolicy = policy(admission, self, admission_headroom)
-        self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, version)
+        self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
+        self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, config.version)
         self.tracing = tracing
         #: The longest recent batch, seconds: a longer one replaces it; it decays 10 % a batch.
         self.longest_batch_s = 0.0
@@ -212,42 +207,32 @@ class ServingUnit:
         return self.queue.level(priority, self.default_level)
 
     async def infer(
-        self,
-        inputs: Mapping[str, np.ndarray],
-        *,
-        deadline: float,
-        request_id: str = "-",
-        is_disconnected: Callable[[], bool] | None = None,
-        level: int | None = None,
-        trace: RequestTrace | None = None,
+        self, inputs: Mapping[str, np.ndarray], context: RequestContext, *, trace: RequestTrace | None = None
     ) -> Tensors:
         """Price and queue one request's items and wait for its outputs.
 
         Args: ``inputs``, one array per model input with the same axis-0 length B >= 1;
-        ``deadline``, the ``loop.time()`` by which the outputs are due; ``request_id``, echoed in
-        errors and logs; ``is_disconnected``, polled before its items join a batch (True drops
-        them); ``level``, its queue level (:meth:`level`; None: the default); ``trace``, its
-        spans (``app.observability.tracing``).
+        ``context``, the request's (``app.serving.context``): its ``deadline`` (the
+        ``loop.time()`` by which the outputs are due), ``request_id`` (echoed in errors and
+        logs), ``priority`` (its queue level: :meth:`level`) and ``is_disconnected`` (polled
+        before its items join a batch; True drops them); ``trace``, its spans in this unit
+        (``app.observability.tracing``).
 
         Returns:
             One array per model output, axis 0 = the request's B items in order.
 
         Raises:
-            InvalidInput: B is 0 or more than the queue capacity, or the model refused an item.
+            InvalidInput: B is 0 or more than the queue capacity, a priority above the model's
+                levels, or the model refused an item.
             PayloadTooLarge: one item alone is over ``max_batch_bytes`` or ``max_batch_tokens``.
             QueueFull: refused by admission, or the unit is unloading (503 + Retry-After).
             DeadlineExceeded: the deadline passed first, or even alone it could not finish (504).
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
         """
-        size = len(next(iter(inputs.values())))
-        if size < 1:
-            raise InvalidInput("a request needs at least one item")
-        if size > self.queue_capacity:
-            raise InvalidInput(
-                f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
-                "per request"
-            )
+        size = self._items(inputs)
+        deadline, request_id = context.deadline, context.request_id
+        level = self.level(context.priority)
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         request: QueuedRequest | None = None
@@ -256,22 +241,21 @@ class ServingUnit:
             # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
             # deadline. The 504 is counted here only, once per request, whoever saw it first.
             async with asyncio.timeout_at(deadline):
-                level = self.default_level if level is None else level
                 if self.priced and self.queue.items:
                     self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
                 tokens = await self.executor.price(inputs) if self.priced else None
                 order = None
                 if tokens is not None:
                     inputs, tokens, order = sort_by_cost(inputs, tokens)
-                costs = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
+                item_bytes = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
                                           self.max_batch_tokens)  # fmt: skip
                 cost = int(tokens.sum()) if tokens is not None else size
                 if self._stopped:
                     raise QueueFull(f"model {self.name} is unloading")
                 self._admit(size, cost, level, deadline, request_id)
                 request = QueuedRequest(
-                    inputs, size, deadline, arrival, request_id, is_disconnected, loop.create_future(),
-                    costs, tokens, order, level, trace, pending=size,
+                    inputs, size, context, arrival, loop.create_future(), item_bytes, tokens, order, level,
+                    trace, pending=size,
                 )  # fmt: skip
                 self.queue.put(request)
                 if self.queue.items - self._reported_depth >= self.max_batch_size:
@@ -279,9 +263,9 @@ class ServingUnit:
                 return await request.future
         except TimeoutError:
             self.observer.rejected("deadline")
+            budget_s = deadline - (arrival if context.arrival is None else context.arrival)
             raise DeadlineExceeded(
-                f"model {self.name}: request {request_id} did not finish within "
-                f"{(deadline - arrival) * 1000:.0f} ms"
+                f"model {self.name}: request {request_id} did not finish within {budget_s * 1000:.0f} ms"
             ) from None
         except DeadlineExceeded:
             if request is not None:
@@ -297,6 +281,18 @@ class ServingUnit:
             self._active -= 1
             if not self._active and self._idle is not None:
                 self._idle.set()
+
+    def _items(self, inputs: Mapping[str, np.ndarray]) -> int:
+        """B, the request's items; InvalidInput when 0 or more than the queue capacity."""
+        size = len(next(iter(inputs.values())))
+        if size < 1:
+            raise InvalidInput("a request needs at least one item")
+        if size > self.queue_capacity:
+            raise InvalidInput(
+                f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
+                "per request"
+            )
+        return size
 
     def _admit(self, size: int, cost: float, level: int, deadline: float, request_id: str) -> None:
         """Ask admission (``cost`` 0: before pricing, a certain refusal only); raise its refusal."""

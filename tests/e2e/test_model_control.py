@@ -12,6 +12,7 @@ import shutil
 import signal
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -176,3 +177,41 @@ def test_poll_mode_serves_a_new_version_on_every_worker_with_nothing_failed(
         client = httpclient.InferenceServerClient(f"127.0.0.1:{srv.port}")
         with pytest.raises(InferenceServerException, match="mode is 'poll'"):
             client.load_model("feed-ranker")
+
+
+def test_workers_agree_after_a_load_that_answers_200_when_the_only_model_was_unloaded(tmp_path: Path) -> None:
+    """The only model of the server unloaded leaves both workers with nothing ready (published
+    "loading", not "ready"): model control still reaches both. Load v2 (200), a broken v3
+    (400, v2 serves), unload, load while the broken v3 is the latest (400 naming both workers),
+    remove v3, load again (200): both workers serve v2, under load, nothing answers 503."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "scale", version="1", folder_name="scale-1")
+    marker = tmp_path / "v3-is-broken"
+    marker.touch()
+    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "2", "SCORING_MODEL_CONTROL_MODE": "explicit"}
+    load_path, unload_path = "/v2/repository/models/scale/load", "/v2/repository/models/scale/unload"
+    with Gunicorn(tmp_path, env) as srv:
+        srv.wait_ready(120, count=2)
+        pids = sorted(w.pid for w in srv.workers())
+        write_scale_model(repo, "scale", version="2", folder_name="scale-2")
+        assert srv.post(load_path, {})[0] == 200
+        assert versions_by_worker(srv, SCALE, X) == {pid: (200, "2") for pid in pids}
+        write_scale_model(repo, "scale", version="3", folder_name="scale-3", fail_load_if_exists=str(marker))
+        status, _, answer = srv.post(load_path, {})
+        assert status == 400 and "version 3" in answer["error"], answer
+        assert versions_by_worker(srv, SCALE, X) == {pid: (200, "2") for pid in pids}
+        assert srv.post(unload_path, {})[0] == 200
+        status, _, answer = srv.post(load_path, {})  # v3, the latest, still broken
+        assert status == 400 and all(f"worker {pid}" in answer["error"] for pid in pids), answer
+        shutil.rmtree(repo / "scale-3")
+        with SteadyLoad(srv.port, SCALE, X) as load:
+            status, _, answer = srv.post(load_path, {})
+            assert status == 200, answer
+            load.wait_for_more(100)
+            mark = Counter(load.statuses)
+            load.wait_for_more(200)
+        after = load.statuses - mark
+        assert set(after) == {200}, (after, load.errors[-3:])
+        assert versions_by_worker(srv, SCALE, X) == {pid: (200, "2") for pid in pids}
+        index = {(m["version"], m["state"]) for m in srv.post("/v2/repository/index", {})[2]}
+        assert index == {("2", "READY")}, index

@@ -34,6 +34,7 @@ import torch
 
 from app.models.repository import ModelConfig, read_config
 from app.models.runner import ModelRunner
+from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
 from app.serving.unit import ServingUnit
 from benchmarks import gpu_check
@@ -89,20 +90,12 @@ async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> 
         InferenceThread("inference"), InferenceThread("prepare", threads=2), InferenceThread("finish")
     )
     batcher = ServingUnit(
-        config.name,
-        runner,
-        threads,
-        max_batch_size=config.max_batch_size,
-        max_queue_delay_ms=config.max_queue_delay_ms,
-        queue_capacity=config.queue_capacity,
-        max_batch_tokens=config.max_batch_tokens,
-        item_costs=runner.item_costs if runner.prices_items else None,
-        staged=True,
+        config, runner, threads, item_costs=runner.item_costs if runner.prices_items else None, staged=True
     )
     batcher.start()
     deadline = asyncio.get_running_loop().time() + 120
     try:
-        return list(await asyncio.gather(*(batcher.infer(r, deadline=deadline) for r in requests)))
+        return list(await asyncio.gather(*(batcher.infer(r, RequestContext("-", deadline)) for r in requests)))
     finally:
         await batcher.stop()
         for pool in (threads.inference, threads.prepare, threads.finish):

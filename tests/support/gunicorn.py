@@ -173,14 +173,18 @@ class Gunicorn:
     def worker_states(self) -> dict[int, str]:
         """pid -> published state of every live worker (``app.server.balance``'s state names;
         "" where it has no slot yet)."""
-        from app.server.balance import STATE_NAMES, LoadTable
+        from app.server import balance
+        from app.server.balance import LoadTable
+
+        names = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
+        assert [getattr(balance, n.upper()) for n in names] == list(range(len(names)))
 
         try:
             table = LoadTable(self.run_dir, readonly=True)
         except OSError:
             return {worker.pid: "" for worker in self.workers()}
         try:
-            published = {load.pid: STATE_NAMES[load.state] for load in table.snapshot() if load.pid > 0}
+            published = {load.pid: names[load.state] for load in table.snapshot() if load.pid > 0}
         finally:
             table.close()
         return {worker.pid: published.get(worker.pid, "") for worker in self.workers()}

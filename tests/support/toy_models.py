@@ -15,6 +15,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from app.models.repository import ModelConfig, TensorSpec
+
 SCALE_TOML = """
 name = "{name}"
 version = "{version}"
@@ -138,6 +140,18 @@ def write_scale_model(
         )
     )
     return folder
+
+
+def unit_config(name: str = "m", **fields: Any) -> ModelConfig:
+    """The config of a model with input ``x`` FP32 [2] and output ``y`` FP32 [2], for a serving
+    unit built in a test: ``fields`` (``ModelConfig``'s: bounds, admission, priority levels)
+    over ``gather_turns = 0`` (a partial batch closes at its delay: batch compositions the tests
+    can count)."""
+    spec = [TensorSpec("x", "FP32", [2])], [TensorSpec("y", "FP32", [2])]
+    return ModelConfig(
+        name=name, format="handler", handler="tests.support.toy_models:ScaleHandler", inputs=spec[0],
+        outputs=spec[1], **({"gather_turns": 0} | fields),
+    )  # fmt: skip
 
 
 class TinyRanker(torch.nn.Module):
@@ -265,7 +279,9 @@ class EmbedHandler:
     bytes; ``tokens`` INT64 [1], its number of words. Refuses a text that is not UTF-8."""
 
     def load(self, device: torch.device, config: Any) -> None:
-        pass
+        gate = dict(config.parameters).get("load_gate")  # the name of an Event in ScaleHandler.GATES
+        if gate:
+            assert ScaleHandler.GATES[gate].wait(30)
 
     def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
         return [bytes(t).decode("utf-8") for t in inputs["text"].reshape(-1)]
@@ -281,9 +297,11 @@ class EmbedHandler:
         return {"embedding": vectors, "tokens": np.array([[len(t.split())] for t in texts], dtype=np.int64)}
 
 
-def write_embed_model(repo: Path, name: str = "embed") -> Path:
-    """Write an EmbedHandler model folder into ``repo``; returns the folder."""
+def write_embed_model(repo: Path, name: str = "embed", load_gate: str = "") -> Path:
+    """Write an EmbedHandler model folder into ``repo`` (``load_gate``: its load waits for that
+    Event of ``ScaleHandler.GATES``); returns the folder."""
     folder = repo / name
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "model.toml").write_text(EMBED_TOML.format(name=name))
+    gate = f'[parameters]\nload_gate = "{load_gate}"\n' if load_gate else ""
+    (folder / "model.toml").write_text(EMBED_TOML.format(name=name) + gate)
     return folder

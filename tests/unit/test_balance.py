@@ -146,3 +146,26 @@ def test_a_worker_that_does_not_balance_publishes_but_never_decides(tmp_path: Pa
     me.add_load(5)
     assert table.read(me.slot).items == 5 and table.read(me.slot).state == READY
     assert me.may_accept() and not me.should_shed() and me.others_serving()
+
+
+async def test_model_control_reaches_every_ticking_sibling_ready_or_not(tmp_path: Path) -> None:
+    """A sibling whose only model was unloaded publishes "loading": balancing skips it, model
+    control must not (else it keeps a state the others left); one draining, or stale, is left out."""
+    table = LoadTable(tmp_path)
+    me = Balancer(table, table.claim(1), 1)
+    sent: list[int] = []
+
+    async def control(pid: int, action: str, name: str) -> str | None:
+        sent.append(pid)
+        return None if pid != 4 else "broken"
+
+    me.control = control
+    for pid, state in ((2, balance.LOADING), (3, READY), (4, READY), (5, DRAINING), (6, BOOTING)):
+        slot = table.claim(pid, state)
+        table.beat(slot)
+    loading = next(s for s in me.siblings() if s.pid == 2)
+    now = loading.heartbeat
+    assert loading.reachable(now) and not loading.live(now)
+    assert not loading.reachable(now + balance.STALE_S + 0.1)  # stopped ticking
+    assert await me.apply("load", "scale") == {4: "broken"}
+    assert sorted(sent) == [2, 3, 4]

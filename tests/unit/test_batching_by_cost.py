@@ -21,12 +21,13 @@ from app.models.base import Segment
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
 from app.serving.admission import Backlog, MeasuredRate
+from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
 from app.serving.queue import Budget, QueuedRequest, RequestQueue
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
 from tests.support.gunicorn import ROOT
-from tests.support.toy_models import write_scale_model
+from tests.support.toy_models import unit_config, write_scale_model
 
 
 class Priced:
@@ -102,6 +103,11 @@ def soon(seconds: float) -> float:
     return asyncio.get_running_loop().time() + seconds
 
 
+def at(deadline: float, **context: Any) -> RequestContext:
+    """A request's context with ``deadline`` (loop time) and ``context``'s other fields."""
+    return RequestContext("-", deadline, **context)
+
+
 def measured(unit: ServingUnit) -> MeasuredRate:
     """``unit``'s admission policy, the measured rate."""
     assert isinstance(unit.admission, MeasuredRate)
@@ -110,7 +116,8 @@ def measured(unit: ServingUnit) -> MeasuredRate:
 
 def batcher(model: Priced, threads: Threads, **kw: Any) -> ServingUnit:
     opts: dict[str, Any] = {"max_batch_size": 8, "max_queue_delay_ms": 0.0, "queue_capacity": 256} | kw
-    b = ServingUnit("m", model, threads, item_costs=model.item_costs, **opts)
+    staged = bool(opts.pop("staged", False))
+    b = ServingUnit(unit_config(**opts), model, threads, item_costs=model.item_costs, staged=staged)
     b.start()
     return b
 
@@ -119,20 +126,23 @@ async def held(b: ServingUnit, model: Priced, first: dict[str, np.ndarray]) -> a
     """Hold the model on a batch of ``first``: what is sent next queues behind it."""
     model.gate.clear()
     model.predicting.clear()
-    task = asyncio.create_task(b.infer(first, deadline=soon(30)))
+    task = asyncio.create_task(b.infer(first, at(soon(30))))
     await asyncio.to_thread(model.predicting.wait, 5)
     return task
 
 
 # --- the queue alone ----------------------------------------------------------------------
 
+#: A queue that closes a batch at its delay without gathering, aging at three quarters.
+NO_GATHER: dict[str, Any] = {"gather_turns": 0, "gather_max_s": 0.0, "aging": 0.75}
+
 
 def queued(tokens: list[int], arrival: float) -> QueuedRequest:
     t = np.sort(np.array(tokens, dtype=np.int64))
     return QueuedRequest(
-        inputs={"x": np.zeros((len(t), 1), np.float32)}, size=len(t), deadline=1e9, arrival=arrival,
-        request_id=f"r{arrival}", is_disconnected=None,
-        future=asyncio.get_running_loop().create_future(), costs=None, tokens=t,
+        inputs={"x": np.zeros((len(t), 1), np.float32)}, size=len(t),
+        context=RequestContext(f"r{arrival}", 1e9), arrival=arrival,
+        future=asyncio.get_running_loop().create_future(), item_bytes=None, tokens=t,
     )  # fmt: skip
 
 
@@ -149,7 +159,7 @@ async def test_the_token_budget_counts_what_the_batch_computes() -> None:
 
 
 async def test_requests_are_taken_oldest_first_whole_and_only_the_last_is_split() -> None:
-    queue = RequestQueue(max_batch_size=8, max_queue_delay_s=0.0)
+    queue = RequestQueue(max_batch_size=8, max_queue_delay_s=0.0, **NO_GATHER)
     requests = [queued([200] * 4, 0.0), queued([10, 12], 1.0), queued([8, 100, 220], 2.0), queued([9] * 6, 3.0)]
     for r in requests:
         queue.put(r)
@@ -177,7 +187,7 @@ async def test_batches_respect_the_token_budget_and_results_keep_their_order(thr
     first = await held(b, model, items((0, 1)))
     rng = np.random.default_rng(0)
     requests = [[(float(100 * r + i), int(rng.integers(5, 200))) for i in range(5)] for r in range(12)]
-    tasks = [asyncio.create_task(b.infer(items(*req), deadline=soon(30))) for req in requests]
+    tasks = [asyncio.create_task(b.infer(items(*req), at(soon(30)))) for req in requests]
     await eventually(lambda: b.queue.items == 60)
     model.gate.set()
     results = await asyncio.gather(first, *tasks)
@@ -195,14 +205,12 @@ async def test_the_handlers_batch_cost_is_what_the_batcher_counts(threads: Threa
 
     async def padding(batch_cost: Any) -> tuple[float, list[list[int]]]:
         model = Priced()
-        b = ServingUnit(
-            "m", model, threads, item_costs=model.item_costs, batch_cost=batch_cost,
-            max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000,
-        )  # fmt: skip
+        config = unit_config(max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000)
+        b = ServingUnit(config, model, threads, item_costs=model.item_costs, batch_cost=batch_cost)
         b.start()
         first = await held(b, model, items((0, 1)))
         lengths = [16, 200] * 8
-        tasks = [asyncio.create_task(b.infer(items((float(i), n)), deadline=soon(30))) for i, n in enumerate(lengths)]
+        tasks = [asyncio.create_task(b.infer(items((float(i), n)), at(soon(30)))) for i, n in enumerate(lengths)]
         await eventually(lambda: b.queue.items == 16)
         model.gate.set()
         await asyncio.gather(first, *tasks)
@@ -222,9 +230,9 @@ async def test_no_request_is_passed_over_for_long(threads: Threads) -> None:
     model = Priced()
     b = batcher(model, threads, max_batch_size=4)
     first = await held(b, model, items((0, 1)))
-    long = asyncio.create_task(b.infer(items((1, 250)), deadline=soon(30)))
+    long = asyncio.create_task(b.infer(items((1, 250)), at(soon(30))))
     await eventually(lambda: b.queue.items == 1)
-    shorts = [asyncio.create_task(b.infer(items((float(10 + i), 3)), deadline=soon(30))) for i in range(12)]
+    shorts = [asyncio.create_task(b.infer(items((float(10 + i), 3)), at(soon(30)))) for i in range(12)]
     await eventually(lambda: b.queue.items == 13)
     model.gate.set()
     await asyncio.gather(first, long, *shorts)
@@ -236,7 +244,7 @@ async def test_stages_run_on_their_own_threads_and_overlap(threads: Threads) -> 
     model = Priced()
     b = batcher(model, threads, staged=True, max_batch_size=2)
     first = await held(b, model, items((1, 4), (2, 4)))
-    second = asyncio.create_task(b.infer(items((3, 4), (4, 4)), deadline=soon(30)))
+    second = asyncio.create_task(b.infer(items((3, 4), (4, 4)), at(soon(30))))
     # batch 2 is prepared while batch 1 is still on the (held) inference thread
     await eventually(lambda: ("prepare", "prepare", [3.0, 4.0]) in model.stages)
     assert not any(stage == "finish" for stage, _, _ in model.stages)
@@ -255,14 +263,14 @@ async def test_one_requests_bad_items_fail_only_that_request(threads: Threads, p
     # the batch closes when 4 items are queued (a long delay otherwise): the four share it;
     # the deadline leaves the 20 s delay inside the admission headroom
     b = batcher(model, threads, staged=pipelined, max_batch_size=4, max_queue_delay_ms=20_000)
-    good = [asyncio.create_task(b.infer(items((float(v), 5)), deadline=soon(60))) for v in (1, 2, 3)]
-    bad = asyncio.create_task(b.infer(items((-1, 5)), deadline=soon(60)))  # preprocess cannot take it
+    good = [asyncio.create_task(b.infer(items((float(v), 5)), at(soon(60)))) for v in (1, 2, 3)]
+    bad = asyncio.create_task(b.infer(items((-1, 5)), at(soon(60))))  # preprocess cannot take it
     results = await asyncio.gather(*good, bad, return_exceptions=True)
     assert [r["y"][0, 0] for r in results[:3]] == [2.0, 4.0, 6.0]  # type: ignore[index]
     assert isinstance(results[3], InvalidInput) and "cannot be taken" in str(results[3])
     assert len(model.stages[0][2]) == 4  # they did share the first batch
     with pytest.raises(InvalidInput, match="below zero"):  # refused by pricing, before the queue
-        await b.infer(items((5, -3)), deadline=soon(30))
+        await b.infer(items((5, -3)), at(soon(30)))
     await b.stop()
 
 
@@ -270,7 +278,7 @@ async def test_stop_fails_queued_and_running_requests_with_503(threads: Threads)
     model = Priced()
     b = batcher(model, threads, staged=True, max_batch_size=1)
     first = await held(b, model, items((0, 1)))
-    waiting = asyncio.create_task(b.infer(items((1, 1)), deadline=soon(30)))
+    waiting = asyncio.create_task(b.infer(items((1, 1)), at(soon(30))))
     await eventually(lambda: b.queue.items == 1 or ("prepare", "prepare", [1.0]) in model.stages)
     await b.stop()
     model.gate.set()
@@ -283,12 +291,12 @@ async def test_an_idle_model_admits_whatever_a_past_burst_taught_it(threads: Thr
     model = Priced()
     b = batcher(model, threads)
     measured(b).rate.item_s, measured(b).rate.overhead_s = 10.0, 5.0  # "learned" in an overload: 10 s per token
-    out = await b.infer(items((1, 3)), deadline=soon(1.0))
+    out = await b.infer(items((1, 3)), at(soon(1.0)))
     assert out["y"][0, 0] == 2.0
     # busy, the same estimate refuses: 504 when even alone the request could not finish
     first = await held(b, model, items((0, 1)))
     with pytest.raises(DeadlineExceeded, match="even alone"):
-        await b.infer(items((2, 3)), deadline=soon(1.0))
+        await b.infer(items((2, 3)), at(soon(1.0)))
     model.gate.set()
     await first
     await b.stop()
@@ -337,12 +345,12 @@ async def test_a_higher_level_is_batched_first_and_admitted_against_its_own_back
     b = batcher(model, threads, max_batch_size=2, priority_levels=2, default_priority_level=2)
     measured(b).rate.item_s, measured(b).rate.overhead_s = 0.1, 0.0  # 10 tokens/s: 0.1 s per token
     first = await held(b, model, items((0, 1)))
-    low = [asyncio.create_task(b.infer(items((float(10 + i), 1)), deadline=soon(60))) for i in range(10)]
+    low = [asyncio.create_task(b.infer(items((float(10 + i), 1)), at(soon(60)))) for i in range(10)]
     await eventually(lambda: b.queue.items == 10)
     # alone behind the running batch: well within 2 s; behind the low backlog it would need 1+ s more
-    high = asyncio.create_task(b.infer(items((99, 1)), deadline=soon(2.0), level=b.level(1)))
+    high = asyncio.create_task(b.infer(items((99, 1)), at(soon(2.0), priority=1)))
     with pytest.raises(QueueFull):  # the same request at the low level does not fit 2 s
-        await b.infer(items((98, 1)), deadline=soon(2.0))
+        await b.infer(items((98, 1)), at(soon(2.0)))
     await eventually(lambda: b.queue.items == 11)
     model.gate.set()
     await asyncio.gather(first, high, *low)
@@ -357,8 +365,8 @@ async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: 
     # an aging share so small that the low request has aged by the time the next batch forms
     b = batcher(model, threads, max_batch_size=1, priority_levels=2, default_priority_level=2, priority_aging=1e-9)
     first = await held(b, model, items((0, 1)))
-    low = asyncio.create_task(b.infer(items((7, 1)), deadline=soon(60)))
-    high = [asyncio.create_task(b.infer(items((float(20 + i), 1)), deadline=soon(60), level=0)) for i in range(3)]
+    low = asyncio.create_task(b.infer(items((7, 1)), at(soon(60))))
+    high = [asyncio.create_task(b.infer(items((float(20 + i), 1)), at(soon(60), priority=1))) for i in range(3)]
     await eventually(lambda: b.queue.items == 4)
     model.gate.set()
     await asyncio.gather(first, low, *high)
@@ -370,18 +378,19 @@ async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: 
 def test_a_priority_above_the_levels_is_invalid() -> None:
     from app.serving.queue import RequestQueue
 
-    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3)
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3, **NO_GATHER)
     assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
     with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
         queue.level(4, default=2)
-    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0).level(7, default=0) == 0  # no levels: ignored
+    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, **NO_GATHER).level(7, default=0) == 0  # no levels: ignored
 
 
 
 def _queued(level: int, size: int, loop: asyncio.AbstractEventLoop) -> QueuedRequest:
     now = loop.time()
     inputs = {"x": np.zeros((size, 1), np.float32)}
-    return QueuedRequest(inputs, size, now + 60, now, f"r{level}", None, loop.create_future(), None, level=level)
+    context = RequestContext(f"r{level}", now + 60)
+    return QueuedRequest(inputs, size, context, now, loop.create_future(), None, level=level)
 
 
 @pytest.mark.parametrize(("overhead_s", "item_s", "low_items"), [(0.0, 0.01, 1), (1.0, 0.001, 6)])
@@ -395,7 +404,7 @@ async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_littl
     policy.rate.overhead_s, policy.rate.item_s = overhead_s, item_s
     loop = asyncio.get_running_loop()
     for fill, expected in ((lambda cost: policy.fill_limit(cost, 0.25), low_items), (lambda cost: math.inf, 6)):
-        queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill)
+        queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill, **NO_GATHER)
         queue.put(_queued(1, 6, loop))
         queue.put(_queued(0, 4, loop))
         batch = queue.take(loop.time(), lambda *_: None)
@@ -410,7 +419,7 @@ async def test_a_lower_level_goes_first_when_two_of_the_longest_batches_are_left
     aging share, goes before the high level once two of the longest recent batches (``margin``,
     seconds) would not fit in what is left: the batch running and its own."""
     loop = asyncio.get_running_loop()
-    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, aging=0.75, margin=lambda: longest_s)
+    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, margin=lambda: longest_s, **NO_GATHER)
     queue.put(_queued(1, 4, loop))
     queue.put(_queued(0, 4, loop))
     batch = queue.take(loop.time(), lambda *_: None)

@@ -20,6 +20,7 @@ from app.server import peers as wire
 from app.server.balance import BOOTING, DRAINING, READY, Balancer, Load, LoadTable
 from app.server.peers import PATH, PeerClient, socket_path
 from app.server.router import Router, pick_target
+from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
 
 NOW = 100.5
@@ -106,7 +107,7 @@ def live_sibling() -> Load:
 INPUTS = {"x": np.arange(6, dtype=np.float32).reshape(3, 2)}
 
 
-async def run_here(inputs: dict[str, np.ndarray], deadline: float) -> dict[str, np.ndarray]:
+async def run_here(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {"y": -inputs["x"]}
 
 
@@ -130,7 +131,7 @@ def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -
     return Router(balancer, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
 
 
-async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Path) -> None:
+async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp_path: Path) -> None:
     seen: list[wire.ShardRequest] = []
 
     async def answer(shard: wire.ShardRequest) -> wire.ShardResponse:
@@ -142,13 +143,13 @@ async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Pa
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)
     try:
-        out = await forward.route(entry(), INPUTS, soon(5.0), "rid-7", run_here, pinned=True)
+        out = await forward.route(entry(), INPUTS, RequestContext("rid-7", soon(5.0), 2, pinned=True), run_here)
     finally:
         await forward.peers.close()
         await runner.cleanup()
     assert out is not None and np.array_equal(out["y"], 2 * INPUTS["x"])
     (shard,) = seen
-    assert (shard.model, shard.version, shard.request_id) == ("scale", "1", "rid-7")
+    assert (shard.model, shard.version, shard.request_id, shard.priority) == ("scale", "1", "rid-7", 2)
     assert 0 < shard.timeout_s <= 5.0
     assert counted == [("scale", "1")] and forward.pending == {}
 
@@ -156,7 +157,7 @@ async def test_a_busy_worker_forwards_whole_keeping_id_and_deadline(tmp_path: Pa
 async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 0, counted)
-    assert await forward.route(entry(), INPUTS, soon(5.0), "rid", run_here, pinned=True) is None
+    assert await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here) is None
     assert counted == []
 
 
@@ -182,7 +183,7 @@ async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_pa
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)  # no socket at the sibling's path
     try:
-        out = await forward.route(entry(), INPUTS, soon(5.0), "rid", run_here, pinned=True)
+        out = await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here)
     finally:
         await forward.peers.close()
     assert out is not None and np.array_equal(out["y"], -INPUTS["x"])
@@ -196,7 +197,7 @@ async def test_a_sibling_with_a_full_queue_sends_the_request_back_here(tmp_path:
     runner = await served(tmp_path, full)
     forward = forwarder(tmp_path, 4, [])
     try:
-        out = await forward.route(entry(), INPUTS, soon(5.0), "rid", run_here, pinned=True)
+        out = await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here)
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -216,7 +217,7 @@ async def test_a_stalled_sibling_costs_deadline_exceeded_not_a_hang(tmp_path: Pa
         with pytest.raises(errors.DeadlineExceeded, match="did not answer"):
             # the outer bound only keeps a regression from hanging the suite
             await asyncio.wait_for(
-                forward.route(entry(), INPUTS, soon(0.2), "rid", run_here, pinned=True), 30
+                forward.route(entry(), INPUTS, RequestContext("rid", soon(0.2), pinned=True), run_here), 30
             )
     finally:
         never.set()
@@ -235,8 +236,8 @@ async def test_the_router_forwards_only_pinned_requests(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     router = forwarder(tmp_path, 4, counted)
     try:
-        assert await router.route(entry(), INPUTS, soon(5.0), "http", run_here) is None
-        out = await router.route(entry(), INPUTS, soon(5.0), "grpc", run_here, pinned=True)
+        assert await router.route(entry(), INPUTS, RequestContext("http", soon(5.0)), run_here) is None
+        out = await router.route(entry(), INPUTS, RequestContext("grpc", soon(5.0), pinned=True), run_here)
     finally:
         await router.peers.close()
         await runner.cleanup()

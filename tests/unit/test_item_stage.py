@@ -113,16 +113,14 @@ def plane_for(
     tmp_path: Path,
     pool: ThreadPoolExecutor,
     runner: Doubler,
-    stage: ItemStage[Any] = IDENTITY,
+    stage: ItemStage[Any] | None = None,
     capacity: int = 64,
 ) -> DataPlane:
     """A data plane over one started scale model (max batch size 4) whose unit runs ``runner``."""
     model = ModelVersion(
         read_config(write_scale_model(tmp_path, "scale", max_batch_size=4, queue_capacity=capacity))
     )
-    unit = ServingUnit(
-        "scale", runner, pool, max_batch_size=4, max_queue_delay_ms=1.0, queue_capacity=capacity
-    )
+    unit = ServingUnit(model.config, runner, pool)
     unit.start()
     model.unit = unit
     registry = ModelRegistry()
@@ -143,9 +141,12 @@ def request(*first: float, priority: int | None = None) -> InferRequest:
     )
 
 
-async def test_the_default_stage_queues_every_item_as_it_is(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
+@pytest.mark.parametrize("stage", [None, IDENTITY], ids=["none", "identity"])
+async def test_the_default_stage_queues_every_item_as_it_is(
+    tmp_path: Path, pool: ThreadPoolExecutor, stage: ItemStage[Any] | None
+) -> None:
     runner = Doubler()
-    plane = plane_for(tmp_path, pool, runner)
+    plane = plane_for(tmp_path, pool, runner, stage)
     response = await plane.infer(request(1.0, 2.0, 3.0), request_id="r1")
     y = response.outputs[0]
     assert y.name == "y" and y.array.tolist() == [[2.0, 4.0], [4.0, 6.0], [6.0, 8.0]]

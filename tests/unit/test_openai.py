@@ -4,7 +4,9 @@ V2, OpenAI's error shape for what is refused."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,9 @@ import numpy as np
 import openai
 import pytest
 
-from tests.support.fixtures import Client, MakeClient
-from tests.support.toy_models import write_embed_model, write_scale_model
+from app.observability.metrics import METRICS
+from tests.support.fixtures import Client, MakeClient, eventually
+from tests.support.toy_models import ScaleHandler, write_embed_model, write_scale_model
 
 TEXTS = ["a short title", "a somewhat longer description of an item", "ünïcödé"]
 
@@ -89,3 +92,25 @@ async def test_bad_requests_get_openais_error_shape(make_client: MakeClient, tmp
     )  # none ok
     assert 'code="400",model="embed",protocol="openai"' in metrics
     await client.close()
+
+
+async def test_an_embeddings_request_counts_in_flight_under_its_model(make_client: MakeClient, tmp_path: Path) -> None:
+    """Its model is in the body: it enters the in-flight gauge once the handler knows it, and its
+    requests are labelled protocol "openai" (the route's, not its path's)."""
+    gate = threading.Event()
+    ScaleHandler.GATES["embed-in-flight"] = gate
+    write_embed_model(tmp_path, load_gate="embed-in-flight")
+    http: Client = await make_client(tmp_path, wait=False)
+    metrics = http.app[METRICS].registry
+    assert metrics is not None
+    labels = {"model": "embed", "version": "1"}
+    try:
+        waiting = asyncio.ensure_future(http.post("/v1/embeddings", json={"model": "embed", "input": "a b"}))
+        # it waits in the handler for the model to load
+        await eventually(lambda: metrics.get_sample_value("scoring_requests_in_flight", labels) == 1.0)
+    finally:
+        gate.set()
+    assert (await waiting).status == 200
+    assert metrics.get_sample_value("scoring_requests_in_flight", labels) == 0.0
+    counted = {**labels, "protocol": "openai", "code": "200"}
+    assert metrics.get_sample_value("scoring_requests_total", counted) == 1.0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -12,6 +13,7 @@ from app import errors
 from app.server import peers as wire
 from app.server.balance import DRAINING, READY, Load
 from app.server.router import pick_siblings, shard_bounds
+from app.serving.context import RequestContext
 
 
 def test_tensors_round_trip_without_pickle() -> None:
@@ -25,6 +27,25 @@ def test_tensors_round_trip_without_pickle() -> None:
     x, t = wire.from_tensor(decoded.inputs["x"]), wire.from_tensor(decoded.inputs["t"])
     assert x.dtype == np.float16 and np.array_equal(x, numeric) and x.flags.writeable
     assert t.dtype == object and t.tolist() == texts.tolist()
+
+
+def test_a_shard_carries_the_requests_context() -> None:
+    """Priority and id in the body, the deadline relative, the trace in the headers; the
+    receiver's context is the sender's, forwarded, its deadline anchored on arrival."""
+    sent = RequestContext("rid-9", 100.0, 2, (("traceparent", "00-ab-cd-01"),), pinned=True)
+    body = wire.encode(wire.ShardRequest("m", "1", sent.request_id, 0.75, {}, sent.priority))
+    shard = wire.decode_request(body)
+    headers = {"X-Request-Id": "rid-9", **dict(sent.trace)}
+    got = wire.shard_context(shard, 500.0, headers)
+    assert got == RequestContext("rid-9", 500.75, 2, sent.trace, forwarded=True, arrival=500.0)
+    # a sender without the field (priority 0: the model's default level)
+    legacy = msgspec.msgpack.encode({"model": "m", "version": "1", "request_id": "r", "timeout_s": 1.0, "inputs": {}})
+    assert wire.decode_request(legacy).priority == 0
+    with pytest.raises(errors.InvalidInput):
+        wire.shard_context(wire.ShardRequest("m", "1", "r", 1.0, {}, -1), 0.0, {})
+    with pytest.raises(errors.InvalidInput):
+        wire.decode_request(msgspec.msgpack.encode({"model": "m", "version": "1", "request_id": "r",
+                                                    "timeout_s": 1.0, "inputs": {}, "priority": "high"}))
 
 
 @pytest.mark.parametrize(

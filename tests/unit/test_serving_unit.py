@@ -28,12 +28,13 @@ from app.errors import (
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.models.runner import ModelRunner
-from app.protocols.tensors import ItemCosts
+from app.protocols.tensors import ItemBytes
 from app.serving.admission import SETTLED_BATCHES, MeasuredRate, ServiceRate
+from app.serving.context import RequestContext
 from app.serving.queue import GATHER_IDLE_TURNS
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
-from tests.support.toy_models import ScaleHandler, write_scale_model
+from tests.support.toy_models import ScaleHandler, unit_config, write_scale_model
 
 
 class Recorder:
@@ -70,6 +71,11 @@ def soon(seconds: float) -> float:
     return asyncio.get_running_loop().time() + seconds
 
 
+def at(deadline: float, **context: Any) -> RequestContext:
+    """A request's context with ``deadline`` (loop time) and ``context``'s other fields."""
+    return RequestContext("-", deadline, **context)
+
+
 def service_rate(unit: ServingUnit) -> ServiceRate:
     """The measured service rate of ``unit``'s admission policy."""
     assert isinstance(unit.admission, MeasuredRate)
@@ -78,14 +84,8 @@ def service_rate(unit: ServingUnit) -> ServiceRate:
 
 def make(executor: ThreadPoolExecutor, fn: Recorder, **kw: float) -> ServingUnit:
     opts = {"max_batch_size": 4, "max_queue_delay_ms": 20.0, "queue_capacity": 32} | kw
-    batcher = ServingUnit(
-        "m",
-        fn,
-        executor,
-        max_batch_size=int(opts["max_batch_size"]),
-        max_queue_delay_ms=opts["max_queue_delay_ms"],
-        queue_capacity=int(opts["queue_capacity"]),
-    )
+    bounds: dict[str, Any] = {"max_batch_size": int(opts["max_batch_size"]), "queue_capacity": int(opts["queue_capacity"])}
+    batcher = ServingUnit(unit_config(max_queue_delay_ms=opts["max_queue_delay_ms"], **bounds), fn, executor)
     batcher.start()
     return batcher
 
@@ -96,7 +96,7 @@ async def start_held(
     """Hold the model (``rec.gate``), send ``inputs`` and return once their batch runs: the
     requests sent next queue behind it. ``rec.gate.set()`` lets it finish."""
     rec.gate.clear()
-    task = asyncio.create_task(b.infer(inputs, deadline=soon(timeout_s)))
+    task = asyncio.create_task(b.infer(inputs, at(soon(timeout_s))))
     await asyncio.to_thread(rec.started.wait, 5)
     return task
 
@@ -109,7 +109,7 @@ async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolE
     rec = Recorder()
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=5)
     first = await start_held(b, rec, items(0), timeout_s=5)  # hold the first batch so the rest queue up
-    rest = [asyncio.create_task(b.infer(items(v), deadline=soon(5))) for v in range(1, 11)]
+    rest = [asyncio.create_task(b.infer(items(v), at(soon(5)))) for v in range(1, 11)]
     await eventually(lambda: b.queue.items == 10)
     rec.gate.set()
     results = await asyncio.gather(first, *rest)
@@ -121,10 +121,10 @@ async def test_concurrent_requests_share_batches_up_to_max(executor: ThreadPoolE
 async def test_requests_within_the_max_queue_delay_share_a_batch(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=10_000)
-    first = asyncio.create_task(b.infer(items(1), deadline=soon(30)))
+    first = asyncio.create_task(b.infer(items(1), at(soon(30))))
     await eventually(lambda: b.queue.holding)  # the batcher has seen one item and waits for more
     assert rec.batches == [] and b.queue.items == 1
-    out = await b.infer(items(2, 3, 4, 5, 6, 7, 8), deadline=soon(30))  # fills the batch: it closes
+    out = await b.infer(items(2, 3, 4, 5, 6, 7, 8), at(soon(30)))  # fills the batch: it closes
     assert (await first)["y"][0, 0] == 2.0 and out["y"][:, 0].tolist() == [4, 6, 8, 10, 12, 14, 16]
     assert rec.batches == [[1, 2, 3, 4, 5, 6, 7, 8]]
     await b.stop()
@@ -133,7 +133,7 @@ async def test_requests_within_the_max_queue_delay_share_a_batch(executor: Threa
 async def test_a_zero_delay_runs_a_lone_request_at_once(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
-    assert (await b.infer(items(3), deadline=soon(20)))["y"].tolist() == [[6.0, 6.0]]
+    assert (await b.infer(items(3), at(soon(20))))["y"].tolist() == [[6.0, 6.0]]
     assert rec.batches == [[3.0]]
     await b.stop()
 
@@ -141,7 +141,7 @@ async def test_a_zero_delay_runs_a_lone_request_at_once(executor: ThreadPoolExec
 async def test_full_batch_does_not_wait_for_the_delay(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=10_000)
-    out = await asyncio.wait_for(b.infer(items(1, 2, 3, 4), deadline=soon(20)), 5)
+    out = await asyncio.wait_for(b.infer(items(1, 2, 3, 4), at(soon(20))), 5)
     assert out["y"][:, 0].tolist() == [2, 4, 6, 8]
     await b.stop()
 
@@ -150,7 +150,7 @@ async def test_large_request_is_split_and_reassembled_in_order(executor: ThreadP
     rec = Recorder()
     b = make(executor, rec, max_batch_size=4, max_queue_delay_ms=1)
     values = list(range(10))
-    out = await b.infer(items(*values), deadline=soon(5))
+    out = await b.infer(items(*values), at(soon(5)))
     assert out["y"][:, 0].tolist() == [2.0 * v for v in values]
     assert [len(batch) for batch in rec.batches] == [4, 4, 2]
     assert all(len(batch) <= 4 for batch in rec.batches)
@@ -161,10 +161,10 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
     rec = Recorder()
     b = make(executor, rec, max_batch_size=2, queue_capacity=4, max_queue_delay_ms=0)
     running = await start_held(b, rec, items(0, 0), timeout_s=5)
-    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), deadline=soon(5)))
+    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), at(soon(5))))
     await eventually(lambda: b.queue.items == 4)
     with pytest.raises(QueueFull) as info:
-        await b.infer(items(5), deadline=soon(5))
+        await b.infer(items(5), at(soon(5)))
     assert info.value.retry_after_s == 1  # a small backlog: the shortest wait
     rec.gate.set()
     await asyncio.gather(running, queued)
@@ -174,7 +174,7 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
 async def test_request_larger_than_the_queue_is_invalid(executor: ThreadPoolExecutor) -> None:
     b = make(executor, Recorder(), queue_capacity=8)
     with pytest.raises(InvalidInput, match="at most 8"):
-        await b.infer(items(*range(9)), deadline=soon(1))
+        await b.infer(items(*range(9)), at(soon(1)))
     await b.stop()
 
 
@@ -183,11 +183,11 @@ async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExe
     b = make(executor, rec, max_batch_size=1, max_queue_delay_ms=0)
     blocker = await start_held(b, rec, items(0), timeout_s=5)
     with pytest.raises(DeadlineExceeded):
-        await b.infer(items(99), deadline=soon(0.05))
+        await b.infer(items(99), at(soon(0.05)))
     assert b.queue.items == 0
     rec.gate.set()
     await blocker
-    await b.infer(items(1), deadline=soon(5))
+    await b.infer(items(1), at(soon(5)))
     assert [99.0] not in rec.batches  # the expired item never reached the model
     await b.stop()
 
@@ -196,8 +196,8 @@ async def test_disconnected_client_items_never_reach_the_model(executor: ThreadP
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
     blocker = await start_held(b, rec, items(0), timeout_s=5)
-    gone = asyncio.create_task(b.infer(items(42), deadline=soon(5), is_disconnected=lambda: True))
-    stays = asyncio.create_task(b.infer(items(7), deadline=soon(5), is_disconnected=lambda: False))
+    gone = asyncio.create_task(b.infer(items(42), at(soon(5), is_disconnected=lambda: True)))
+    stays = asyncio.create_task(b.infer(items(7), at(soon(5), is_disconnected=lambda: False)))
     await eventually(lambda: b.queue.items == 2)
     rec.gate.set()
     with pytest.raises(ClientDisconnected):
@@ -212,9 +212,9 @@ async def test_model_exception_fails_only_that_batch(executor: ThreadPoolExecuto
     rec = Recorder(fail_on=13)
     b = make(executor, rec, max_batch_size=2, max_queue_delay_ms=1)
     with pytest.raises(InferenceFailed, match=r"model m .*request rid-1: RuntimeError") as info:
-        await b.infer(items(13), deadline=soon(5), request_id="rid-1")
+        await b.infer(items(13), RequestContext("rid-1", soon(5)))
     assert "Traceback" not in str(info.value)
-    out = await b.infer(items(1), deadline=soon(5))
+    out = await b.infer(items(1), at(soon(5)))
     assert out["y"][0, 0] == 2.0
     await b.stop()
 
@@ -225,10 +225,10 @@ async def test_simulated_oom_splits_the_batch_and_every_request_succeeds(
     config = read_config(write_scale_model(tmp_path, "oom", max_batch_size=8, oom_above=2))
     runner = ModelRunner(config)
     runner.load(torch.device("cpu"))
-    b = ServingUnit("oom", runner, executor, max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64)
+    b = ServingUnit(unit_config("oom", max_batch_size=8, max_queue_delay_ms=50, queue_capacity=64), runner, executor)
     b.start()
     tag = np.array([[b""]], dtype=object)
-    reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, deadline=soon(5)) for v in range(8)]
+    reqs = [b.infer({"x": np.full((1, 2), v, np.float32), "tag": tag}, at(soon(5))) for v in range(8)]
     outs = await asyncio.gather(*reqs)
     assert [o["y"][0, 0] for o in outs] == [2.0 * v for v in range(8)]
     seen = ScaleHandler.BATCHES["oom"]
@@ -254,12 +254,12 @@ async def test_an_item_that_fails_alone_gets_507_and_the_rest_succeed(
             segs.append(Segment(start, len(x), {"y": x[start:] * 2}))
         return segs
 
-    b = ServingUnit("m", Runs(run), executor, max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64)
+    b = ServingUnit(unit_config(max_batch_size=8, max_queue_delay_ms=30, queue_capacity=64), Runs(run), executor)
     b.start()
     results = await asyncio.gather(
-        b.infer(items(1), deadline=soon(5)),
-        b.infer(items(4, 5, 6), deadline=soon(5)),
-        b.infer(items(7), deadline=soon(5)),
+        b.infer(items(1), at(soon(5))),
+        b.infer(items(4, 5, 6), at(soon(5))),
+        b.infer(items(7), at(soon(5))),
         return_exceptions=True,
     )
     assert isinstance(results[1], InsufficientStorage)
@@ -304,7 +304,7 @@ class Counts:
 def observed(executor: ThreadPoolExecutor, fn: Recorder, **kw: Any) -> tuple[ServingUnit, Counts]:
     counts = Counts()
     opts: dict[str, Any] = {"max_batch_size": 4, "max_queue_delay_ms": 0.0, "queue_capacity": 64} | kw
-    batcher = ServingUnit("m", fn, executor, observer=counts, **opts)
+    batcher = ServingUnit(unit_config(**opts), fn, executor, observer=counts)
     batcher.start()
     return batcher, counts
 
@@ -314,15 +314,15 @@ async def test_admission_refuses_at_once_what_cannot_finish_in_time(executor: Th
     b, counts = observed(executor, rec, max_batch_size=4)
     service_rate(b).observe(10, 1.0)  # a known service rate: 10 items/s, as seeded from warmup
     running = await start_held(b, rec, items(0), timeout_s=60)
-    queued = asyncio.create_task(b.infer(items(*range(1, 21)), deadline=soon(60)))  # 2 s of work
+    queued = asyncio.create_task(b.infer(items(*range(1, 21)), at(soon(60))))  # 2 s of work
     await eventually(lambda: b.queue.items == 20)
     assert b.admission.backlog_s(asyncio.get_running_loop().time()) >= 2.0
     with pytest.raises(QueueFull, match="cannot take request r-late within its deadline") as info:
-        await b.infer(items(99), deadline=soon(1.0), request_id="r-late")  # needs >= 2.1 s
+        await b.infer(items(99), RequestContext("r-late", soon(1.0)))  # needs >= 2.1 s
     assert info.value.retry_after_s in (2, 3)  # the backlog, in whole seconds
     assert counts.rejections == {"admission": 1}
     # The same request with a deadline that fits is admitted.
-    fits = asyncio.create_task(b.infer(items(7), deadline=soon(60)))
+    fits = asyncio.create_task(b.infer(items(7), at(soon(60))))
     await eventually(lambda: b.queue.items == 21)
     rec.gate.set()
     await asyncio.gather(running, queued, fits)
@@ -335,7 +335,7 @@ async def late(b: ServingUnit, value: float, turns: int) -> dict[str, np.ndarray
     or an HTTP body already read takes a few turns to reach the queue)."""
     for _ in range(turns):
         await asyncio.sleep(0)
-    return await b.infer(items(value), deadline=soon(5))
+    return await b.infer(items(value), at(soon(5)))
 
 
 @pytest.mark.parametrize(("gather_turns", "batches"), [(32, [[1.0, 2.0]]), (0, [[1.0], [2.0]])])
@@ -344,7 +344,7 @@ async def test_a_partial_batch_waits_a_few_loop_turns_for_requests_on_their_way(
 ) -> None:
     rec = Recorder()
     b, _ = observed(executor, rec, max_batch_size=4, gather_turns=gather_turns)
-    await asyncio.gather(b.infer(items(1), deadline=soon(5)), late(b, 2, 3))
+    await asyncio.gather(b.infer(items(1), at(soon(5))), late(b, 2, 3))
     assert rec.batches == batches
     await b.stop()
 
@@ -353,10 +353,10 @@ async def test_gathering_stops_after_idle_loop_turns(executor: ThreadPoolExecuto
     rec = Recorder()
     b, _ = observed(executor, rec, max_batch_size=4, gather_turns=32)
     # one request alone waits GATHER_IDLE_TURNS turns, not 32; one due later runs apart
-    await asyncio.gather(b.infer(items(1), deadline=soon(5)), late(b, 2, 3 * GATHER_IDLE_TURNS))
+    await asyncio.gather(b.infer(items(1), at(soon(5))), late(b, 2, 3 * GATHER_IDLE_TURNS))
     assert rec.batches == [[1.0], [2.0]]
     # a full batch closes at once
-    await asyncio.gather(*(b.infer(items(v), deadline=soon(5)) for v in (3, 4, 5, 6)), late(b, 7, 2))
+    await asyncio.gather(*(b.infer(items(v), at(soon(5))) for v in (3, 4, 5, 6)), late(b, 7, 2))
     assert rec.batches[2] == [3.0, 4.0, 5.0, 6.0]
     await b.stop()
 
@@ -367,7 +367,7 @@ async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(execu
     service_rate(b).observe(1, 0.0005)  # a fast model: 0.5 ms per item
     now = asyncio.get_running_loop().time()
     running = await start_held(b, rec, items(0), timeout_s=60)
-    queued = asyncio.create_task(b.infer(items(*range(1, 21)), deadline=soon(60)))  # 10 ms of work
+    queued = asyncio.create_task(b.infer(items(*range(1, 21)), at(soon(60))))  # 10 ms of work
     await eventually(lambda: b.queue.items == 20)
     # 10 ms late (a thread waiting two switch intervals for the interpreter lock): no stretch
     assert b.admission.backlog_s(now + 0.010) < 0.030
@@ -380,9 +380,10 @@ async def test_a_batch_late_by_scheduling_noise_does_not_stretch_the_queue(execu
 
 async def test_service_rate_is_measured_from_batches(executor: ThreadPoolExecutor) -> None:
     b, _ = observed(executor, Recorder(), max_batch_size=4)
-    assert service_rate(b).items_per_s is None and service_rate(b).seconds_for(100) == 0.0  # unknown: admit
-    await b.infer(items(1, 2, 3, 4), deadline=soon(5))
-    rate = service_rate(b).items_per_s
+    assert service_rate(b).item_s is None and service_rate(b).seconds_for(100) == 0.0  # unknown: admit
+    await b.infer(items(1, 2, 3, 4), at(soon(5)))
+    item_s = service_rate(b).item_s
+    rate = 1.0 / item_s if item_s else None
     assert rate is not None and rate > 0 and service_rate(b).overhead_s == 0.0  # the first batch seeds it
     await b.stop()
 
@@ -435,7 +436,7 @@ def test_one_stalled_batch_does_not_become_the_cost_per_item() -> None:
         rate.observe(n, 0.0015 + n * 0.00001)
     before = rate.seconds_for(512, 8)
     rate.observe(104, 0.26)
-    assert rate.items_per_s is not None and rate.items_per_s > 10_000  # it serves 100,000
+    assert rate.item_s is not None and 1.0 / rate.item_s > 10_000  # it serves 100,000
     assert rate.seconds_for(512, 8) < 2 * before
     for n in (112, 32, 40, 24, 48):  # what followed it: normal batches
         rate.observe(n, 0.0015 + n * 0.00001)
@@ -470,11 +471,11 @@ async def test_a_request_expiring_in_the_queue_is_counted_once(executor: ThreadP
     # capacity admission: admitted whatever the held batch's age, they expire in the queue
     b, counts = observed(executor, rec, max_batch_size=1, admission="capacity")
     blocker = await start_held(b, rec, items(0), timeout_s=30)
-    expiring = [asyncio.create_task(b.infer(items(9), deadline=soon(0.01))) for _ in range(5)]
+    expiring = [asyncio.create_task(b.infer(items(9), at(soon(0.01)))) for _ in range(5)]
     done, _ = await asyncio.wait(expiring)
     rec.gate.set()
     await blocker
-    await b.infer(items(1), deadline=soon(5))  # _take now sees (and skips) the expired requests
+    await b.infer(items(1), at(soon(5)))  # _take now sees (and skips) the expired requests
     assert all(isinstance(t.exception(), DeadlineExceeded) for t in done)
     assert counts.rejections == {"deadline": 5}
     await b.stop()
@@ -484,7 +485,7 @@ async def test_batches_are_split_by_input_bytes(executor: ThreadPoolExecutor) ->
     rec = Recorder()
     row = items(0)["x"].nbytes  # 8 bytes per item
     b, _ = observed(executor, rec, max_batch_size=16, max_batch_bytes=3 * row)
-    out = await b.infer(items(*range(8)), deadline=soon(5))
+    out = await b.infer(items(*range(8)), at(soon(5)))
     assert out["y"][:, 0].tolist() == [2.0 * v for v in range(8)]
     assert [len(batch) for batch in rec.batches] == [3, 3, 2]
     await b.stop()
@@ -495,18 +496,18 @@ async def test_an_item_over_the_batch_cost_bound_is_413(executor: ThreadPoolExec
     b, _ = observed(executor, rec, max_batch_bytes=100)
     texts = np.array([[b"short"], [b"x" * 101]], dtype=object)
     with pytest.raises(PayloadTooLarge, match="109 bytes of input; model m runs at most 100"):
-        await b.infer({"x": np.zeros((2, 2), np.float32), "t": texts}, deadline=soon(5))
+        await b.infer({"x": np.zeros((2, 2), np.float32), "t": texts}, at(soon(5)))
     assert rec.batches == [] and b.queue.items == 0
     await b.stop()
 
 
 def test_item_costs_count_bytes_per_item() -> None:
     texts = np.array([[b"ab", b""], [b"abcd", b"x"]], dtype=object)
-    costs = ItemCosts({"t": texts, "x": np.zeros((2, 3), np.float32)})
+    costs = ItemBytes({"t": texts, "x": np.zeros((2, 3), np.float32)})
     assert costs.cumulative is not None and costs.cumulative.tolist() == [0, 2 + 12, 2 + 12 + 5 + 12]
     assert costs.items_within(0, 2, 14) == 1 and costs.items_within(0, 2, 13) == 0
     assert costs.items_within(1, 2, 1e9) == 1 and costs.largest() == 17
-    numeric = ItemCosts({"x": np.zeros((4, 3), np.float32)})
+    numeric = ItemBytes({"x": np.zeros((4, 3), np.float32)})
     assert numeric.each == 12 and numeric.between(1, 3) == 24 and numeric.items_within(0, 4, 30) == 2
 
 
@@ -516,7 +517,7 @@ async def test_refuse_early_judges_the_smallest_recent_request(executor: ThreadP
     service_rate(b).observe(10, 1.0)  # 10 items/s
     assert b.refuse_early(soon(0.5)) is None  # nothing queued, 1 item: 0.1 s
     running = await start_held(b, rec, items(0), timeout_s=60)
-    queued = asyncio.create_task(b.infer(items(*range(1, 11)), deadline=soon(60)))  # 1 s queued
+    queued = asyncio.create_task(b.infer(items(*range(1, 11)), at(soon(60))))  # 1 s queued
     await eventually(lambda: b.queue.items == 10)
     # The smallest recent request has 1 item: 1.1 s and more, over 80 % of 1 s.
     refusal = b.refuse_early(soon(1.0))
@@ -545,14 +546,15 @@ async def test_capacity_admission_refuses_only_a_full_queue(executor: ThreadPool
     rec = Recorder()
     b, counts = observed(executor, rec, max_batch_size=2, queue_capacity=4, admission="capacity")
     running = await start_held(b, rec, items(0), timeout_s=30)
-    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), deadline=soon(30)))  # would wait long: admitted
+    queued = asyncio.create_task(b.infer(items(1, 2, 3, 4), at(soon(30))))  # would wait long: admitted
     await eventually(lambda: b.queue.items == 4)
     with pytest.raises(QueueFull, match="queue is full") as info:
-        await b.infer(items(5), deadline=soon(30))
+        await b.infer(items(5), at(soon(30)))
     assert info.value.retry_after_s == 1.0 and counts.rejections == {"queue_full": 1}
     assert b.refuse_early(soon(0.001)) is None  # no early refusal: the size decides
     rec.gate.set()
     await asyncio.gather(running, queued)
     with pytest.raises(ValueError, match="measured_rate' or 'capacity"):
-        ServingUnit("m", rec, executor, max_batch_size=1, max_queue_delay_ms=0, queue_capacity=1, admission="fifo")
+        fifo: Any = "fifo"
+        ServingUnit(unit_config(max_batch_size=1, max_queue_delay_ms=0, queue_capacity=1, admission=fifo), rec, executor)
     await b.stop()

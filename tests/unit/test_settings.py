@@ -3,6 +3,8 @@ tests/deploy/test_settings.py."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from pydantic import ValidationError
 
@@ -26,3 +28,15 @@ def test_invalid_values_are_rejected_with_the_field_named(monkeypatch: pytest.Mo
     monkeypatch.setenv("SCORING_FOREIGN_PROCESS_POLICY", "maybe")
     with pytest.raises(ValidationError, match="foreign_process_policy"):
         Settings()
+
+
+def test_the_workers_settings_resolve_torch_threads_for_the_servers_worker_count(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The gunicorn worker builds its one Settings with gunicorn's worker count (GPUs x
+    max_processes_per_gpu): torch threads fit the cores for that count, unless set."""
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("SCORING_TORCH_THREADS", raising=False)
+    assert Settings().for_workers(4).torch_threads == 4
+    assert Settings().for_workers(32).torch_threads == 1
+    assert Settings(torch_threads=3).for_workers(4).torch_threads == 3
