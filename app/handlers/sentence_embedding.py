@@ -419,6 +419,10 @@ class SentenceEmbeddingHandler:
         self.window_policy = windowing.WindowPolicy.from_parameters(
             parameters, int(model.max_seq_length or 512), default_truncation="truncate"
         )
+        if self.window_policy.truncation != "truncate" and not getattr(model.tokenizer, "is_fast", False):
+            raise ValueError(
+                f'truncation = "{self.window_policy.truncation}" needs a fast tokenizer (tokenizer.json)'
+            )
         self._device = device
         self._model = model
         if onnx:
