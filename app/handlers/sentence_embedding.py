@@ -27,7 +27,11 @@ Outputs:
     Tokens of each ``text`` as encoded: special tokens included, after truncation to
     ``max_seq_length`` (OpenAI's ``usage.prompt_tokens`` sums them).
 
-``[parameters]`` of ``model.toml`` (exactly one of the first two):
+``windows`` INT64 ``[B, 1]`` (served when ``model.toml`` declares it)
+    Windows the text took (:mod:`app.serving.windows`: 1 per item here, summed per text there).
+
+``[parameters]`` of ``model.toml`` (exactly one of the first two; and the window parameters of
+:mod:`app.handlers.windows`, ``truncation = "truncate"`` by default for embeddings):
 
 ``model_dir`` (str)
     The model folder, absolute or relative to the model's folder in the repository.
