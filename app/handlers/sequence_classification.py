@@ -37,7 +37,9 @@ scores by ``aggregate`` (``"max"`` by default: MaxP for pairs, "flagged if any p
 moderation; ``"mean"`` selectable).
 
 ``[parameters]`` of ``model.toml``: ``model_dir`` / ``model_package``, ``dtype``,
-``attn_implementation`` and ``call_overhead_tokens`` as for
+``attn_implementation``, ``call_overhead_tokens``, ``backend`` (``"torch"`` or ``"onnx"``:
+``onnx_file``, default ``model.onnx`` in the model's folder, a graph of the classifier whose
+inputs are the tokenizer's and whose first output is the logits) and ``tensorrt`` as for
 :mod:`app.handlers.sentence_embedding` (``call_overhead_tokens`` defaults to ``inf``: one forward
 call per batch; it decides length groups as there); ``max_seq_length`` (tokens per window;
 default the tokenizer's ``model_max_length``, capped by the model's positions); ``score_label``
@@ -79,6 +81,9 @@ _PARAMETERS = (
     "attn_implementation",
     "call_overhead_tokens",
     "score_label",
+    "backend",
+    "onnx_file",
+    "tensorrt",
     *windowing.PARAMETERS,
 )
 
@@ -147,6 +152,9 @@ class SequenceClassificationHandler:
         self.score_index = 0
         self.sigmoid = False
         self.call_overhead_tokens = math.inf
+        #: The ONNX Runtime session (``backend = "onnx"``); None: the torch model runs.
+        self.session: Any = None
+        self._onnx_inputs: list[str] = []
 
     @property
     def model(self) -> Any:
@@ -201,6 +209,39 @@ class SequenceClassificationHandler:
             raise ValueError(f"parameters.call_overhead_tokens must be a number >= 0, got {overhead!r}")
         self.call_overhead_tokens = float(overhead)
         self._device, self._model, self._tokenizer = device, model, tokenizer
+        backend = parameters.get("backend", "torch")
+        if backend not in ("torch", "onnx"):
+            raise ValueError(f'parameters.backend must be "torch" or "onnx", got {backend!r}')
+        if backend == "onnx":
+            self._open_onnx(device, config, str(parameters.get("onnx_file", "model.onnx")))
+
+    def _open_onnx(self, device: torch.device, config: ModelConfigLike, file: str) -> None:
+        """Open the graph (inputs among the tokenizer's, first output the logits ``[batch,
+        labels]``) on ``device`` and drop the torch model's weights: only the graph runs."""
+        from app import onnx_session  # onnxruntime only for the models that ask for it
+
+        shown = f"{config.path.name}/{file}"
+        session = onnx_session.open_session(
+            config.path / file,
+            shown,
+            device,
+            torch.get_num_threads(),
+            tensorrt=bool(config.parameters.get("tensorrt")),
+        )
+        names = [t.name for t in onnx_session.graph_inputs(session)]
+        unknown = sorted(set(names) - {"input_ids", "attention_mask", "token_type_ids"})
+        if unknown:
+            raise ValueError(f"{shown}: graph inputs {unknown} are not the tokenizer's")
+        self.session, self._onnx_inputs = session, names
+        self.model.to("meta")
+
+    def _logits(self, group: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The logits ``[U_g, labels]`` of one padded group, by the torch model or the graph."""
+        if self.session is None:
+            logits: torch.Tensor = self.model(**group).logits
+            return logits.float()
+        feed = {name: group[name].cpu().numpy() for name in self._onnx_inputs}
+        return torch.from_numpy(self.session.run(None, feed)[0]).float().to(self._device)
 
     def _check_outputs(self, config: ModelConfigLike) -> None:
         for spec in config.outputs:
@@ -321,7 +362,7 @@ class SequenceClassificationHandler:
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
         """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),
         ``windows`` (1 each: a window is an item) and ``tokens`` int64 ``[B]``."""
-        parts = [self.model(**group).logits.float() for group in batch.groups]
+        parts = [self._logits(group) for group in batch.groups]
         logits = (parts[0] if len(parts) == 1 else torch.cat(parts))[batch.position]
         probabilities = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
         return {

@@ -6,6 +6,7 @@ refused before it runs."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -201,3 +202,30 @@ def test_weighted_mean_renormalises() -> None:
     assert np.allclose(
         windows.aggregate(np.array([[1.0], [3.0], [5.0]]), np.array([2, 1]), "mean"), [[2.0], [5.0]]
     )
+
+
+def test_onnx_backend_equals_torch(classifier: Path, tmp_path: Path) -> None:
+    """The classifier exported with ``torch.onnx.export`` runs on ONNX Runtime with the same
+    probabilities as transformers' own (<= 1e-5)."""
+    pytest.importorskip("onnxruntime")
+    folder = tmp_path / "clf"
+    folder.mkdir()
+    (folder / "hf").symlink_to(classifier)
+    model = AutoModelForSequenceClassification.from_pretrained(classifier, local_files_only=True).eval()
+    example = AutoTokenizer.from_pretrained(classifier)(
+        ["two texts", "of which one is longer"], padding=True, return_tensors="pt"
+    )
+    names = ["input_ids", "attention_mask", "token_type_ids"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(
+            model, tuple(example[n] for n in names), str(folder / "model.onnx"), dynamo=False, opset_version=17,
+            input_names=names, output_names=["logits"],
+            dynamic_axes={n: {0: "batch", 1: "tokens"} for n in names} | {"logits": {0: "batch"}},
+        )  # fmt: skip
+    handler = _load(folder / "hf", LABELS, backend="onnx")
+    assert handler.session is not None
+    out = _run(handler, {"text": _bytes(*SHORT)})
+    assert np.abs(out["probabilities"] - _reference_probabilities(classifier, SHORT)).max() <= 1e-5
+    with pytest.raises(ValueError, match="backend"):
+        _load(classifier, LABELS, backend="tensorflow")
