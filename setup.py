@@ -93,6 +93,7 @@ setup(
             "tritonclient[http,grpc]>=2.40",
             "kserve>=0.21",
             "openai>=1.40",  # tests: the stock client of POST /v1/embeddings
+            "cohere>=5.0",  # tests: the stock client of POST /v1/rerank
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
             "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries

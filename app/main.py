@@ -7,6 +7,8 @@ with its siblings and itself as supervisor).
 
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 
 from app.binding import BINDING, WorkerBinding
@@ -24,6 +26,7 @@ from app.protocols.tensors import RequestLimits
 from app.serving.control import models_ctx
 from app.serving.dataplane import DATAPLANE, DataPlane
 from app.serving.item_cache import ItemCache
+from app.serving.items import ItemStage, Stages
 from app.serving.lifecycle import on_shutdown, resolve_device
 from app.serving.redis_tier import RedisTier
 from app.serving.registry import (
@@ -38,6 +41,7 @@ from app.serving.registry import (
 )
 from app.serving.response_cache import ResponseCache
 from app.serving.siblings import Alone, Siblings, Supervisor
+from app.serving.windows import WindowStage
 from app.settings import Settings
 
 
@@ -90,8 +94,10 @@ async def create_app(
         app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests
     app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
     cache = response_cache(settings, app[BINDING].device, metrics, tracing)
+    # windows first (nearest the client), then the cache: each window is one cached item
+    items: ItemStage[Any] = WindowStage() if cache is None else Stages([WindowStage(), cache])
     app[DATAPLANE] = DataPlane(
-        registry, settings, limits, app[SIBLINGS], tracing, items=cache, cache=cache
+        registry, settings, limits, app[SIBLINGS], tracing, items=items, cache=cache
     )
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
     app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata

@@ -27,7 +27,11 @@ Outputs:
     Tokens of each ``text`` as encoded: special tokens included, after truncation to
     ``max_seq_length`` (OpenAI's ``usage.prompt_tokens`` sums them).
 
-``[parameters]`` of ``model.toml`` (exactly one of the first two):
+``windows`` INT64 ``[B, 1]`` (served when ``model.toml`` declares it)
+    Windows the text took (:mod:`app.serving.windows`: 1 per item here, summed per text there).
+
+``[parameters]`` of ``model.toml`` (exactly one of the first two; and the window parameters of
+:mod:`app.handlers.windows`, ``truncation = "truncate"`` by default for embeddings):
 
 ``model_dir`` (str)
     The model folder, absolute or relative to the model's folder in the repository.
@@ -90,11 +94,13 @@ from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
 from app.handlers import onnx_encoder
+from app.handlers import windows as windowing
 
 __all__ = [
     "EmbeddingOutputs",
     "EncodedBatch",
     "SentenceEmbeddingHandler",
+    "decode_texts",
     "length_groups",
     "padded_tokens",
     "resolve_model_dir",
@@ -109,6 +115,7 @@ _PARAMETERS = (
     "attn_implementation",
     "call_overhead_tokens",
     *onnx_encoder.PARAMETERS,
+    *windowing.PARAMETERS,
 )
 #: The two calls timed at load to measure a call's overhead: (strings, tokens each).
 _CALIBRATION = ((1, 16), (8, 64))
@@ -285,7 +292,7 @@ def resolve_model_dir(parameters: Mapping[str, Any], model_path: Path) -> Path:
     return path
 
 
-def _decode_texts(name: str, array: npt.NDArray[Any]) -> list[str]:
+def decode_texts(name: str, array: npt.NDArray[Any]) -> list[str]:
     """Flatten a BYTES input of shape [B] or [B, 1] into B strings, decoding UTF-8 strictly."""
     if array.ndim == 0 or array.ndim > 2 or (array.ndim == 2 and array.shape[1] != 1):
         raise ValueError(f"input {name!r} must have shape [B] or [B, 1], got {list(array.shape)}")
@@ -349,6 +356,8 @@ class SentenceEmbeddingHandler:
         self.onnx: onnx_encoder.OnnxTextEncoder | None = None
         #: What one forward call costs beyond its tokens, in tokens (:func:`length_groups`).
         self.call_overhead_tokens = math.inf
+        #: What the model does with long texts (``truncation``: "truncate" unless it says).
+        self.window_policy = windowing.WindowPolicy("truncate", 512, 0)
 
     @property
     def model(self) -> SentenceTransformer:
@@ -411,6 +420,13 @@ class SentenceEmbeddingHandler:
                     f"{declared} but the model gives {embedding_dim} values per item; "
                     f"declare shape = [{embedding_dim}]"
                 )
+        self.window_policy = windowing.WindowPolicy.from_parameters(
+            parameters, int(model.max_seq_length or 512), default_truncation="truncate"
+        )
+        if self.window_policy.truncation != "truncate" and not getattr(model.tokenizer, "is_fast", False):
+            raise ValueError(
+                f'truncation = "{self.window_policy.truncation}" needs a fast tokenizer (tokenizer.json)'
+            )
         self._device = device
         self._model = model
         if onnx:
@@ -493,6 +509,16 @@ class SentenceEmbeddingHandler:
         computes, padding included: its length groups (:func:`padded_tokens`)."""
         return padded_tokens(costs, self.call_overhead_tokens)
 
+    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[windowing.Span]]:
+        """The windows of each text, with this thread's tokenizer (:func:`app.handlers.windows.spans`;
+        the query is not part of a window: it is embedded on its own).
+
+        Raises:
+            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.spans`.
+        """
+        self._lengths([])  # this thread's tokenizer
+        return windowing.spans(self._local.tokenizer, texts, None, self.window_policy)
+
     def _lengths(self, strings: list[str]) -> list[int]:
         """Tokens of each string, special tokens included, truncated to ``max_seq_length``,
         from a tokenizer of this thread's own."""
@@ -519,10 +545,10 @@ class SentenceEmbeddingHandler:
         """
         if "text" not in inputs:
             raise ValueError("required input 'text' is missing")
-        texts = _decode_texts("text", np.asarray(inputs["text"]))
+        texts = decode_texts("text", np.asarray(inputs["text"]))
         query_array = inputs.get("query")
         queries = (
-            _decode_texts("query", np.asarray(query_array)) if query_array is not None else [""] * len(texts)
+            decode_texts("query", np.asarray(query_array)) if query_array is not None else [""] * len(texts)
         )
         if len(queries) != len(texts):
             raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
@@ -573,12 +599,14 @@ class SentenceEmbeddingHandler:
         return EmbeddingOutputs(embedding=text_embeddings, score=score.unsqueeze(1), tokens=batch.tokens)
 
     def postprocess(self, outputs: EmbeddingOutputs) -> dict[str, npt.NDArray[Any]]:
-        """``{"embedding": float32 [B, dim], "score": float32 [B, 1], "tokens": int64 [B, 1]}`` as
-        host numpy arrays."""
+        """``{"embedding": float32 [B, dim], "score": float32 [B, 1], "tokens": int64 [B, 1],
+        "windows": int64 [B, 1]}`` as host numpy arrays (``windows``: 1 each, a window is an item:
+        :mod:`app.serving.windows` sums them per text)."""
         return {
             "embedding": outputs.embedding.to("cpu", torch.float32).numpy(),
             "score": outputs.score.to("cpu", torch.float32).numpy(),
             "tokens": outputs.tokens.reshape(-1, 1),
+            "windows": np.ones((len(outputs.tokens), 1), dtype=np.int64),
         }
 
     def _on_device(self, features: Mapping[str, Any]) -> dict[str, torch.Tensor]:

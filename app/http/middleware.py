@@ -62,8 +62,9 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
 REQUEST_ID = web.RequestKey("request_id", str)
-#: The path whose errors take OpenAI's shape (``app.protocols.openai.error_body``).
-OPENAI_PATH = "/v1/embeddings"
+#: The paths whose errors take OpenAI's shape (``app.protocols.openai.error_body``): OpenAI's
+#: embeddings, and the rerank and classify APIs (OpenAI's error shape, as vLLM answers them).
+OPENAI_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify"})
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
 #: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
@@ -157,7 +158,7 @@ def edge_middleware(
         request[REQUEST_ID] = rid
         if tracing is not None:
             tracing.tag(rid)
-        recording, openai = None, request.path == OPENAI_PATH
+        recording, openai = None, request.path in OPENAI_PATHS
         protocol = by_handler.get(request.match_info.handler) if metrics is not None else None
         if metrics is not None and protocol is not None:
             recording = request[RECORDING] = Recording(metrics, protocol)

@@ -133,6 +133,8 @@ def generate() -> dict[str, Any]:
             {"name": "triton", "description": "Triton's extensions of the V2 protocol"},
             {"name": "v1", "description": "KServe V1"},
             {"name": "openai", "description": "OpenAI's embeddings API"},
+            {"name": "rerank", "description": "Cohere's rerank API (as vLLM, Infinity and Jina serve it)"},
+            {"name": "classify", "description": "vLLM's classify API"},
             {"name": "health"},
             {"name": "server"},
         ],

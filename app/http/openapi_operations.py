@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.protocols import openai, schemas, v1, v2
+from app.protocols import classify, openai, rerank, schemas, v1, v2
 from app.protocols.v2 import HEADER_LENGTH
 
 REF = "#/components/schemas/{name}"
@@ -265,6 +265,29 @@ OPERATIONS: list[Op] = [
         body="EmbeddingRequest",
         errors=tuple(_INFER_ERRORS),
     ),
+    *(
+        Op(
+            path,
+            "post",
+            operation,
+            "rerank",
+            "Rerank documents against a query (Cohere's API) with a cross-encoder or an embedding model",
+            ("RerankResponse", "The documents by relevance, highest first; windows each took."),
+            body="RerankRequest",
+            errors=tuple(_INFER_ERRORS),
+        )
+        for path, operation in (("/v1/rerank", "rerank"), ("/v2/rerank", "rerankV2"))
+    ),
+    Op(
+        "/v1/classify",
+        "post",
+        "classify",
+        "classify",
+        "Classify texts (vLLM's API) with a sequence classifier",
+        ("ClassifyResponse", "Per text, in order: the top label, the probabilities, windows taken."),
+        body="ClassifyRequest",
+        errors=tuple(_INFER_ERRORS),
+    ),
     Op(
         "/metrics",
         "get",
@@ -304,6 +327,10 @@ TYPES: list[Any] = [
     schemas.RepositoryModelRequest,
     openai.EmbeddingRequest,
     openai.EmbeddingResponse,
+    rerank.RerankRequest,
+    rerank.RerankResponse,
+    classify.ClassifyRequest,
+    classify.ClassifyResponse,
     schemas.RepositoryIndexEntry,
 ]
 

@@ -1,4 +1,5 @@
-"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, OpenAI embeddings, health.
+"""HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, OpenAI embeddings, rerank, classify,
+health.
 
 The inference handlers only decode the body into an inference request, hand it to the data
 plane (:class:`app.serving.dataplane.DataPlane`) and encode the response it returns; model
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
+import numpy as np
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -22,8 +24,10 @@ from app import SERVER_NAME, __version__
 from app.binding import BINDING
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import model_known, request_id_of
+from app.models.repository import ModelConfig
 from app.observability.metrics import METRICS
-from app.protocols import openai, triton, v1, v2
+from app.protocols import classify, openai, rerank, triton, v1, v2
+from app.protocols.infer import InferRequest
 from app.protocols.v2 import HEADER_LENGTH, attach_binary, split_body
 from app.serving.dataplane import DATAPLANE
 from app.serving.registry import HEALTH, REGISTRY, ModelRegistry, ModelVersion
@@ -230,28 +234,70 @@ async def v1_predict(request: web.Request) -> web.Response:
     return web.Response(body=v1.encode_response(response), content_type="application/json")
 
 
-@inference_routes.post("/v1/embeddings")
-async def embeddings(request: web.Request) -> web.Response:
-    """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
-    (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
+async def _infer_named(
+    request: web.Request, name: str, build: Callable[[ModelConfig], InferRequest], arrival: float
+) -> tuple[ModelConfig, dict[str, np.ndarray]]:
+    """Run the inference request ``build`` makes for the model named in the body (OpenAI's,
+    rerank, classify): the same admission, deadlines, batching and metrics as V2. Returns the
+    model's config and the outputs by name."""
     plane = request.app[DATAPLANE]
-    arrival = asyncio.get_running_loop().time()
     deadline = header_deadline(request, arrival)
-    body = openai.decode(await _read_body(request), plane.limits)
-    model = plane.admit(body.model, None, arrival, deadline)
+    model = plane.admit(name, None, arrival, deadline)
     model_known(request, model.config.name, model.config.version)
-    parsed = openai.infer_request(model.config, body)
+    parsed = build(model.config)
     parsed.arrival, parsed.deadline = arrival, deadline
     response = await plane.infer(
         parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
     )
-    outputs = {o.name: o.array for o in response.outputs}
-    return web.Response(body=openai.encode(body, model.config.name, outputs), content_type="application/json")
+    return model.config, {o.name: o.array for o in response.outputs}
+
+
+@inference_routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
+    (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
+    arrival = asyncio.get_running_loop().time()
+    body = openai.decode(await _read_body(request), request.app[DATAPLANE].limits)
+    config, outputs = await _infer_named(
+        request, body.model, lambda c: openai.infer_request(c, body), arrival
+    )
+    return web.Response(body=openai.encode(body, config.name, outputs), content_type="application/json")
+
+
+@inference_routes.post("/v1/rerank")
+@inference_routes.post("/v2/rerank")
+async def rerank_documents(request: web.Request) -> web.Response:
+    """``POST /v1/rerank`` (and ``/v2/rerank``, where Cohere's v2 client posts): Cohere's rerank
+    API over a cross-encoder or an embedding model (``app.protocols.rerank``)."""
+    arrival = asyncio.get_running_loop().time()
+    body = rerank.decode(await _read_body(request), request.app[DATAPLANE].limits)
+    config, outputs = await _infer_named(
+        request, body.model, lambda c: rerank.infer_request(c, body), arrival
+    )
+    return web.Response(body=rerank.encode(body, config.name, outputs), content_type="application/json")
+
+
+@inference_routes.post("/v1/classify")
+async def classify_texts(request: web.Request) -> web.Response:
+    """``POST /v1/classify``: vLLM's classify API over a sequence classifier
+    (``app.protocols.classify``)."""
+    arrival = asyncio.get_running_loop().time()
+    body = classify.decode(await _read_body(request), request.app[DATAPLANE].limits)
+    config, outputs = await _infer_named(
+        request, body.model, lambda c: classify.infer_request(c, body), arrival
+    )
+    return web.Response(body=classify.encode(config, outputs), content_type="application/json")
 
 
 #: The protocol of each inference handler: the label of its requests' metrics (the edge
 #: middleware, ``app.http.middleware``).
-PROTOCOLS: dict[Handler, str] = {infer: "v2", v1_predict: "v1", embeddings: "openai"}
+PROTOCOLS: dict[Handler, str] = {
+    infer: "v2",
+    v1_predict: "v1",
+    embeddings: "openai",
+    rerank_documents: "rerank",
+    classify_texts: "classify",
+}
 
 
 @routes.get("/openapi.json")

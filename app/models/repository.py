@@ -60,6 +60,9 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     datatype: str
     shape: list[int]
     optional: bool = False
+    #: A classifier's label per value of the last axis, in order (Triton's ``label_filename``
+    #: inline): Triton's classification extension and the classify API name labels from it.
+    labels: list[str] | None = None
 
     def filled(self, batch_size: int, *, text: bytes = b"", variable_dim: int = 1) -> np.ndarray:
         """A ``[batch_size, *shape]`` array of zeros, or of ``text`` for BYTES; -1 dims become

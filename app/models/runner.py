@@ -223,6 +223,7 @@ class ModelRunner:
 
         Raises:
             InvalidInput: the handler refused an item (its ``ValueError``/``UnicodeError``).
+            ScoringError: what the handler raised of these (``PayloadTooLarge``: 413).
             InferenceFailed: the handler raised anything else, or returned a wrong shape.
         """
         if self._item_costs is None:
@@ -232,6 +233,8 @@ class ModelRunner:
             costs = np.asarray(self._item_costs(inputs), dtype=np.int64).reshape(-1)
         except (ValueError, UnicodeError) as exc:
             raise InvalidInput(f"model {self.config.name}: {exc}") from None
+        except ScoringError:  # the handler's own outcome (PayloadTooLarge: too many windows)
+            raise
         except Exception as exc:
             log.exception("model %s: item_costs failed", self.config.name)
             raise InferenceFailed(f"model {self.config.name} could not price the request: {exc!r}") from exc

@@ -12,8 +12,12 @@ and the ``ModelConfig`` message of ``model_config.proto`` (field names, ``TYPE_*
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from app.errors import InvalidInput
 from app.models.repository import ModelConfig, TensorSpec
 
 if TYPE_CHECKING:
@@ -21,7 +25,15 @@ if TYPE_CHECKING:
 
 #: The extensions ``GET /v2`` lists (the model repository extension: index, load and unload;
 #: see docs/protocols.md).
-EXTENSIONS: list[str] = ["binary_tensor_data", "model_configuration", "statistics", "model_repository"]
+EXTENSIONS: list[str] = [
+    "binary_tensor_data",
+    "classification",
+    "model_configuration",
+    "statistics",
+    "model_repository",
+]
+#: The output parameter of Triton's classification extension: the top k classes instead of values.
+CLASSIFICATION = "classification"
 
 #: Open Inference Protocol datatype -> Triton ``DataType`` enum name.
 TRITON_TYPES: dict[str, str] = {
@@ -172,3 +184,39 @@ def repository_entry(name: str, version: str, state: str, reason: str = "") -> d
     """One entry of Triton's ``$repository_index_response``: ``state`` READY, LOADING or
     UNAVAILABLE, ``reason`` why it is not READY."""
     return {"name": name, "version": version, "state": state, "reason": reason}
+
+
+def classification_count(value: Any, output: str, datatype: str) -> int:
+    """The k of an output's ``"parameters": {"classification": k}``.
+
+    Raises:
+        InvalidInput: k not a positive integer, or the output not numeric.
+    """
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise InvalidInput(
+            f"outputs: {output!r} parameters.classification must be a positive integer, got {value!r}"
+        )
+    if datatype in ("BYTES", "BOOL"):
+        raise InvalidInput(f"outputs: {output!r} is {datatype}; classification needs a numeric output")
+    return value
+
+
+def classification(values: np.ndarray, k: int, labels: Sequence[str] | None) -> np.ndarray:
+    """Triton's classification extension: for each item of ``values`` (``[B, ...]``, flattened per
+    item) its ``k`` largest values, highest first (ties by index), as BYTES
+    ``b"<value>:<index>[:<label>]"`` (the value as C's ``%f``, the label where ``labels`` names
+    the index): an object array ``[B, min(k, C)]``.
+
+    Source: Triton's ``docs/protocol/extension_classification.md``.
+    """
+    flat = np.asarray(values).reshape(len(values), -1)
+    k = min(k, flat.shape[1])
+    order = np.argsort(-flat.astype(np.float64), axis=1, kind="stable")[:, :k]
+    out = np.empty((len(flat), k), dtype=object)
+    for b, row in enumerate(order):
+        for j, index in enumerate(row):
+            text = f"{float(flat[b, index]):f}:{int(index)}"
+            if labels is not None and index < len(labels):
+                text += f":{labels[index]}"
+            out[b, j] = text.encode()
+    return out

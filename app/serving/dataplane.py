@@ -26,6 +26,7 @@ from aiohttp import web
 from app.errors import InvalidInput, ModelNotReady
 from app.models.repository import ModelConfig
 from app.observability.tracing import Tracing
+from app.protocols import triton
 from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
 from app.protocols.tensors import (
     RequestLimits,
@@ -367,6 +368,10 @@ def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
     if len(set(wanted)) != len(wanted):
         twice = sorted({n for n in wanted if wanted.count(n) > 1})
         raise InvalidInput(f"outputs: {twice} asked for more than once")
+    for o in request.outputs:
+        if o.parameters and triton.CLASSIFICATION in o.parameters:
+            datatype = next(s.datatype for s in config.outputs if s.name == o.name)
+            triton.classification_count(o.parameters[triton.CLASSIFICATION], o.name, datatype)
     return wanted
 
 
@@ -374,16 +379,25 @@ def build_response(
     config: ModelConfig, request: InferRequest, outputs: Arrays, wanted: list[str]
 ) -> InferResponse:
     """The response to ``request``: the outputs ``wanted``, in that order, each marked binary when
-    the request wants it so (per output ``binary_data``, else ``binary_data_output``)."""
+    the request wants it so (per output ``binary_data``, else ``binary_data_output``); an output
+    asked for with ``"classification": k`` becomes its top k classes (Triton's classification
+    extension, :func:`app.protocols.triton.classification`)."""
     datatypes = {s.name: s.datatype for s in config.outputs}
+    labels = {s.name: s.labels for s in config.outputs}
     binary = {o.name: o.binary_data for o in request.outputs or ()}
+    classify = {
+        o.name: o.parameters[triton.CLASSIFICATION]
+        for o in request.outputs or ()
+        if o.parameters and triton.CLASSIFICATION in o.parameters
+    }
     tensors = []
     for name in wanted:
         wants = binary.get(name)
+        datatype, array = datatypes[name], outputs[name]
+        if name in classify:  # Triton's classification extension: top k as "score:index:label"
+            datatype, array = "BYTES", triton.classification(array, classify[name], labels[name])
         tensors.append(
-            OutputTensor(
-                name, datatypes[name], outputs[name], request.binary_data_output if wants is None else wants
-            )
+            OutputTensor(name, datatype, array, request.binary_data_output if wants is None else wants)
         )
     return InferResponse(config.name, config.version, tensors, request.id)
 

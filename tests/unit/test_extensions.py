@@ -26,6 +26,7 @@ async def test_server_metadata_lists_the_extensions_served(make_client: MakeClie
     meta = await (await client.get("/v2")).json()
     assert meta["extensions"] == [
         "binary_tensor_data",
+        "classification",
         "model_configuration",
         "statistics",
         "model_repository",

@@ -14,6 +14,7 @@ import jsonschema
 from app.http.routes import OPENAPI
 from tests.support.fixtures import Client, MakeClient
 from tests.support.openapi import SPEC_PATH, spec
+from tests.support.text_models import write_classifier_model
 from tests.support.toy_models import write_embed_model
 
 
@@ -26,6 +27,7 @@ async def test_real_answers_validate_against_their_documented_schemas(make_clien
     """Every documented 200 JSON answer of the in-process app matches the schema generated from
     the msgspec types, so the types and the handlers cannot drift apart."""
     write_embed_model(scale_repo)
+    write_classifier_model(scale_repo, "clf", ["ok", "spam"])
     client: Client = await make_client(scale_repo, model_control_mode="explicit")
     x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
     bodies = {
@@ -34,6 +36,9 @@ async def test_real_answers_validate_against_their_documented_schemas(make_clien
         "/v1/models/{name}:predict": {"instances": [[1, 2]]},
         "/v2/repository/index": {"ready": True},
         "/v1/embeddings": {"model": "embed", "input": ["a text", "another"]},
+        "/v1/rerank": {"model": "clf", "query": "q", "documents": ["a", "b"], "return_documents": True},
+        "/v2/rerank": {"model": "clf", "query": "q", "documents": ["a", "b"], "top_n": 1},
+        "/v1/classify": {"model": "clf", "input": ["a text", "another"]},
     }
     await client.post("/v2/models/scale/infer", json={"inputs": [x]})  # so the stats have batches
     checked = 0

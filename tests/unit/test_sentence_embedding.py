@@ -14,7 +14,7 @@ import torch
 from app.handlers.sentence_embedding import (
     EncodedBatch,
     SentenceEmbeddingHandler,
-    _decode_texts,
+    decode_texts,
     length_groups,
     padded_tokens,
     resolve_model_dir,
@@ -131,12 +131,12 @@ def test_free_calls_leave_no_padding_and_groups_cover_every_string() -> None:
 
 
 def test_decode_accepts_b_and_b1_shapes_and_names_bad_input() -> None:
-    assert _decode_texts("text", _bytes("a", "é")) == ["a", "é"]
-    assert _decode_texts("text", _bytes("a", "b").reshape(2, 1)) == ["a", "b"]
+    assert decode_texts("text", _bytes("a", "é")) == ["a", "é"]
+    assert decode_texts("text", _bytes("a", "b").reshape(2, 1)) == ["a", "b"]
     with pytest.raises(ValueError, match=r"'query' item 1 is not valid UTF-8"):
-        _decode_texts("query", _bytes("ok", b"\xff\xfe"))
+        decode_texts("query", _bytes("ok", b"\xff\xfe"))
     with pytest.raises(ValueError, match=r"'text' must have shape \[B\] or \[B, 1\]"):
-        _decode_texts("text", _bytes("a", "b").reshape(1, 2))
+        decode_texts("text", _bytes("a", "b").reshape(1, 2))
 
 
 # --- the real all-MiniLM-L6-v2 weights -----------------------------------------------------

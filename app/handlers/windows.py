@@ -1,0 +1,258 @@
+"""Long texts in windows: what a text model does with a text longer than its ``max_seq_length``,
+and how the windows' results are put back together per text.
+
+``[parameters]`` of ``model.toml`` (read by the text handlers that take windows):
+
+``truncation`` (str)
+    ``"window"`` (the default of the sequence-classification handler):
+    a long text becomes several windows of ``max_seq_length`` tokens (special tokens and, for a
+    (query, text) pair, the query included), each repeating the last ``stride`` tokens of the one
+    before; each window is priced and run, and the results are aggregated per text.
+    ``"truncate"``: the text is cut after ``max_seq_length`` tokens (one window).
+    ``"error"``: a longer text is refused (400 naming its tokens and the limit).
+    Why windows by default for classifiers and cross-encoders: a moderation model that never sees
+    the end of a post, or a reranker that never sees the relevant part of a document, is wrong
+    without saying so; windows cost more, but the cost is priced before anything is queued and
+    bounded by ``max_windows`` and ``max_request_tokens``.
+``stride`` (int, tokens, default ``max_seq_length // 8``)
+    Tokens each window repeats from the one before (Hugging Face tokenizers' ``stride``), so that
+    a phrase cut at a window's edge is whole in the next one. The step between windows is the
+    window's text tokens minus ``stride``.
+``max_windows`` (int, default 16)
+    Windows one text may take; a text needing more is refused with 413.
+``max_request_tokens`` (int, default none)
+    Tokens (all windows of all texts of one request) a request may cost; above: 413, before any
+    window is queued.
+``aggregate`` (str)
+    How windows' class probabilities and scores become one per text: ``"max"`` (default: a post is
+    flagged if any part of it is; for (query, text) pairs MaxP, the best passage's score: Dai and
+    Callan, "Deeper Text Understanding for IR with Contextual Neural Language Modeling", SIGIR
+    2019) or ``"mean"``. Embeddings are always aggregated by the token-weighted mean,
+    renormalised (:func:`weighted_mean`).
+
+Splitting uses the tokenizer's own overflow support (``return_overflowing_tokens`` with
+``stride``, ``truncation="only_second"`` for pairs, ``return_offsets_mapping``), the mechanism
+Hugging Face's question-answering pipeline uses for long contexts. A window travels as the span
+of the text its tokens cover, so that each window is an ordinary item of the model (priced,
+admitted, batched with other requests' items: :mod:`app.serving.windows`).
+
+A handler offers windows by two attributes (duck-typed, :class:`Windowed`): ``window_policy``
+(a :class:`WindowPolicy`) and ``text_windows(texts, queries)`` (:func:`spans` with a tokenizer
+of the calling thread's own).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+import numpy.typing as npt
+
+from app.errors import PayloadTooLarge
+
+__all__ = [
+    "AGGREGATES",
+    "TRUNCATIONS",
+    "Span",
+    "WindowPolicy",
+    "Windowed",
+    "aggregate",
+    "spans",
+    "weighted_mean",
+]
+
+TRUNCATIONS = ("window", "truncate", "error")
+AGGREGATES = ("max", "mean")
+PARAMETERS = ("truncation", "stride", "max_windows", "max_request_tokens", "aggregate")
+
+
+def _positive_int(
+    parameters: Mapping[str, Any], name: str, default: int | None, minimum: int = 1
+) -> int | None:
+    value = parameters.get(name, default)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"parameters.{name} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class WindowPolicy:
+    """What a model does with long texts (see the module docstring for each field).
+
+    Attributes:
+        truncation: ``"window"``, ``"truncate"`` or ``"error"``.
+        max_length: tokens per window, special tokens (and a pair's query) included.
+        stride: tokens a window repeats from the one before (0 <= stride < max_length // 2).
+        max_windows: windows per text, >= 1.
+        max_request_tokens: tokens per request over all windows; None = no bound.
+        aggregate: ``"max"`` or ``"mean"``.
+    """
+
+    truncation: str
+    max_length: int
+    stride: int
+    max_windows: int = 16
+    max_request_tokens: int | None = None
+    aggregate: str = "max"
+
+    @classmethod
+    def from_parameters(
+        cls, parameters: Mapping[str, Any], max_length: int, default_truncation: str = "window"
+    ) -> WindowPolicy:
+        """The policy ``[parameters]`` give, for windows of ``max_length`` tokens.
+
+        Raises:
+            ValueError: a value of the wrong type or out of range, naming the parameter.
+        """
+        truncation = parameters.get("truncation", default_truncation)
+        if truncation not in TRUNCATIONS:
+            raise ValueError(f"parameters.truncation must be one of {list(TRUNCATIONS)}, got {truncation!r}")
+        how = parameters.get("aggregate", "max")
+        if how not in AGGREGATES:
+            raise ValueError(f"parameters.aggregate must be one of {list(AGGREGATES)}, got {how!r}")
+        stride = _positive_int(parameters, "stride", max_length // 8, minimum=0)
+        assert stride is not None
+        if stride >= max_length // 2:
+            raise ValueError(
+                f"parameters.stride ({stride}) must be under half of max_seq_length ({max_length})"
+            )
+        max_windows = _positive_int(parameters, "max_windows", 16)
+        assert max_windows is not None
+        return cls(
+            truncation=truncation,
+            max_length=max_length,
+            stride=stride,
+            max_windows=max_windows,
+            max_request_tokens=_positive_int(parameters, "max_request_tokens", None),
+            aggregate=how,
+        )
+
+
+@dataclass(frozen=True)
+class Span:
+    """One window of a text: the characters ``[start, stop)`` its tokens cover, and ``tokens``,
+    how many text tokens it has (special tokens and a pair's query not counted: the weight of
+    its embedding in :func:`weighted_mean`)."""
+
+    start: int
+    stop: int
+    tokens: int
+
+
+class Windowed(Protocol):
+    """A handler that splits long texts into windows (module docstring)."""
+
+    @property
+    def window_policy(self) -> WindowPolicy: ...
+
+    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[Span]]: ...
+
+
+def spans(
+    tokenizer: Any, texts: Sequence[str], queries: Sequence[str] | None, policy: WindowPolicy
+) -> list[list[Span]]:
+    """The windows of each text (with its query, as a pair, where given and non-empty) per
+    ``policy``: one :class:`Span` per window, in text order; a text that fits is one span.
+
+    Args:
+        tokenizer: a fast Hugging Face tokenizer (offsets and overflow).
+        texts: B strings.
+        queries: B strings ("" = no query) or None.
+        policy: the model's :class:`WindowPolicy` (``"window"`` or ``"error"``).
+
+    Raises:
+        ValueError: (``"error"``) a text over ``max_length`` tokens; a query so long that too
+            little text fits beside it in a window.
+        PayloadTooLarge: a text needing more than ``max_windows`` windows; windows over
+            ``max_request_tokens`` tokens in all.
+    """
+    queries = list(queries) if queries is not None else [""] * len(texts)
+    out: list[list[Span]] = [[] for _ in texts]
+    total = 0
+    for group, paired in (
+        ([i for i, q in enumerate(queries) if not q], False),
+        ([i for i, q in enumerate(queries) if q], True),
+    ):
+        if not group:
+            continue
+        kwargs: dict[str, Any] = {
+            "truncation": "only_second" if paired else True,
+            "max_length": policy.max_length,
+            "stride": policy.stride,
+            "return_overflowing_tokens": True,
+            "return_offsets_mapping": True,
+        }
+        if paired:
+            room = (policy.max_length - policy.stride - 4) // 2
+            for n in tokenizer([queries[i] for i in group], add_special_tokens=False, return_length=True)[
+                "length"
+            ]:
+                if n > room:
+                    raise ValueError(
+                        f"a query of {n} tokens leaves too little room for text in windows of "
+                        f"{policy.max_length} tokens; at most {room}"
+                    )
+            encoded = tokenizer([queries[i] for i in group], [texts[i] for i in group], **kwargs)
+        else:
+            encoded = tokenizer([texts[i] for i in group], **kwargs)
+        side = 1 if paired else 0
+        for w, sample in enumerate(encoded["overflow_to_sample_mapping"]):
+            item = group[sample]
+            sequence = encoded.sequence_ids(w)
+            offsets = [o for o, s in zip(encoded["offset_mapping"][w], sequence, strict=True) if s == side]
+            total += len(encoded["input_ids"][w])
+            if offsets:
+                out[item].append(Span(int(offsets[0][0]), int(offsets[-1][1]), len(offsets)))
+            elif not out[item]:
+                out[item].append(Span(0, len(texts[item]), 0))  # an empty text: one empty window
+    for item, windows in enumerate(out):
+        if policy.truncation == "error" and len(windows) > 1:
+            raise ValueError(
+                f"item {item} is longer than the model's {policy.max_length} tokens "
+                '(truncation = "error"; "window" or "truncate" in model.toml takes it)'
+            )
+        if len(windows) > policy.max_windows:
+            raise PayloadTooLarge(
+                f"item {item} needs {len(windows)} windows of {policy.max_length} tokens, over the "
+                f"model's max_windows ({policy.max_windows}); shorten or split the text"
+            )
+    if policy.max_request_tokens is not None and total > policy.max_request_tokens:
+        raise PayloadTooLarge(
+            f"the request's texts take {total} tokens in windows, over the model's max_request_tokens "
+            f"({policy.max_request_tokens}); send fewer or shorter texts"
+        )
+    return out
+
+
+def aggregate(values: npt.NDArray[Any], counts: npt.NDArray[np.int64], how: str) -> npt.NDArray[Any]:
+    """Per-window ``values`` ``[W, ...]`` (each item's windows consecutive, ``counts`` ``[B]`` of
+    them, all >= 1) put together per item, ``[B, ...]``: ``"max"`` element-wise, ``"mean"``, or
+    ``"sum"``."""
+    starts = np.concatenate(([0], np.cumsum(counts)[:-1])).astype(np.int64)
+    if how == "max":
+        return np.maximum.reduceat(values, starts, axis=0)
+    total = np.add.reduceat(values, starts, axis=0)
+    if how == "sum":
+        return total
+    return (total / counts.reshape(-1, *([1] * (values.ndim - 1)))).astype(values.dtype)
+
+
+def weighted_mean(
+    vectors: npt.NDArray[np.float32], weights: npt.NDArray[Any], counts: npt.NDArray[np.int64]
+) -> npt.NDArray[np.float32]:
+    """Window embeddings ``[W, dim]`` to one unit vector per item ``[B, dim]``: the mean of an
+    item's window vectors weighted by their text tokens (``weights``, ``[W]``; all 0 counts
+    as equal weights), L2-normalised again (a zero vector stays zero).
+
+    Borrowed from vLLM's chunked processing of long embedding inputs (a mean over chunks),
+    weighted here so that a short last window counts for its share of the text.
+    """
+    w = np.asarray(weights, dtype=np.float64).reshape(-1, 1)
+    w = np.where(w > 0, w, 1e-9)
+    summed = aggregate(vectors.astype(np.float64) * w, counts, "sum")
+    norms = np.linalg.norm(summed, axis=1, keepdims=True)
+    return (summed / np.where(norms > 0, norms, 1.0)).astype(np.float32)

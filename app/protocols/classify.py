@@ -1,0 +1,139 @@
+"""The classify API (``POST /v1/classify``) in the shape vLLM serves: the request and response
+bodies, and which models can serve it. No aiohttp here.
+
+A model classifies when it takes text (a BYTES input ``text``) and returns FP32
+``probabilities`` whose ``labels`` ``model.toml`` declares (``app.handlers.sequence_classification``).
+Each input is one item; each result names the most probable label, all the probabilities in
+label order and (extension) the windows the text took (``app.serving.windows``: a long text's
+probabilities are its windows', put together by the model's ``aggregate``). Errors have OpenAI's
+shape, as vLLM answers them.
+
+Source: vLLM's ``/classify`` (``ClassificationRequest``: ``model``, ``input``;
+``ClassificationResponse``: ``data`` of ``index``, ``label``, ``probs``, ``num_classes``;
+``usage``); Infinity's ``/classify`` serves the same texts with a list of label scores.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from app.errors import InvalidInput
+from app.models.repository import ModelConfig
+from app.protocols.infer import InferInput, InferRequest, RequestedOutput
+from app.protocols.tensors import RequestLimits, decode_json
+
+TEXT, PROBABILITIES, TOKENS, WINDOWS = "text", "probabilities", "tokens", "windows"
+
+
+class ClassifyRequest(msgspec.Struct, omit_defaults=True):
+    """vLLM's ``ClassificationRequest``: ``input`` a string or a list of them."""
+
+    input: str | list[Any]
+    model: str
+    user: str | None = None
+
+
+class Classification(msgspec.Struct):
+    """One text's result."""
+
+    index: int
+    label: str
+    probs: list[float]
+    num_classes: int
+    windows: int = 1
+    object: str = "classification"
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class ClassifyResponse(msgspec.Struct):
+    """vLLM's ``ClassificationResponse``."""
+
+    id: str
+    created: int
+    model: str
+    data: list[Classification]
+    usage: Usage
+    object: str = "list"
+
+
+_decoder = msgspec.json.Decoder(ClassifyRequest)
+
+
+def decode(body: bytes, limits: RequestLimits) -> ClassifyRequest:
+    """The request, its ``input`` a non-empty list of strings (a lone string is one).
+
+    Raises:
+        InvalidInput: malformed JSON, a field of the wrong type, no input, token arrays.
+    """
+    request = decode_json(_decoder, body, limits.max_json_depth, "classify request")
+    if isinstance(request.input, str):
+        request.input = [request.input]
+    if not request.input:
+        raise InvalidInput("input: give a string or a non-empty list of strings")
+    if not all(isinstance(text, str) for text in request.input):
+        raise InvalidInput("input: token arrays are not supported; send the texts as strings")
+    limits.check_items(len(request.input), "input")
+    return request
+
+
+def labels(config: ModelConfig) -> list[str]:
+    """The label names of the model's ``probabilities``.
+
+    Raises:
+        InvalidInput: the model takes no text or has no FP32 ``probabilities`` with labels.
+    """
+    outputs = {s.name: s for s in config.outputs}
+    spec = outputs.get(PROBABILITIES)
+    takes_text = any(s.name == TEXT and s.datatype == "BYTES" for s in config.inputs)
+    if spec is None or spec.datatype != "FP32" or not spec.labels or not takes_text:
+        raise InvalidInput(
+            f"model {config.name!r} does not classify (it needs a BYTES input 'text' and an FP32 output "
+            "'probabilities' with labels)"
+        )
+    return list(spec.labels)
+
+
+def infer_request(config: ModelConfig, request: ClassifyRequest) -> InferRequest:
+    """The inference request: the texts, ``[N, 1]`` BYTES; asking for ``probabilities`` (and
+    ``tokens``, ``windows`` where the model has them).
+
+    Raises:
+        InvalidInput: see :func:`labels`.
+    """
+    labels(config)
+    texts = list(request.input)
+    outputs = {s.name: s for s in config.outputs}
+    wanted = [RequestedOutput(PROBABILITIES)]
+    wanted += [
+        RequestedOutput(n) for n in (TOKENS, WINDOWS) if n in outputs and outputs[n].datatype == "INT64"
+    ]
+    return InferRequest(
+        model_name=config.name, inputs=[InferInput(TEXT, "BYTES", [len(texts), 1], texts)], outputs=wanted
+    )
+
+
+def encode(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
+    """The response body: one result per input, in order."""
+    names = labels(config)
+    probabilities = np.asarray(outputs[PROBABILITIES], dtype=np.float32).reshape(-1, len(names))
+    count = len(probabilities)
+    windows = np.asarray(outputs[WINDOWS]).reshape(-1) if WINDOWS in outputs else np.ones(count, np.int64)
+    data = [
+        Classification(i, names[int(np.argmax(row))], row.tolist(), len(names), int(windows[i]))
+        for i, row in enumerate(probabilities)
+    ]
+    tokens = int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
+    response = ClassifyResponse(
+        f"classify-{uuid.uuid4().hex}", int(time.time()), config.name, data, Usage(tokens, tokens)
+    )
+    return msgspec.json.encode(response)

@@ -1,0 +1,181 @@
+"""The rerank API (``POST /v1/rerank``) in the shape Cohere's API defined and vLLM, Infinity and
+Jina serve: the request and response bodies, and which models can serve it. No aiohttp here.
+
+A model reranks when it takes a text and a query (BYTES inputs ``text`` and ``query``) and
+returns an FP32 ``score``: a cross-encoder's relevance (``app.handlers.sequence_classification``)
+or an embedding model's cosine of query and text, a bi-encoder
+(``app.handlers.sentence_embedding``). Each document becomes one item, the pair (query,
+document); the results come back sorted by score, highest first, cut to ``top_n``. A document
+longer than the model's window takes several windows (``app.serving.windows``; its score is the
+best window's, MaxP) and ``windows`` in its result says how many. Errors have OpenAI's shape, as
+vLLM's ``/v1/rerank`` answers them (:func:`app.protocols.openai.error_body`).
+
+Source: Cohere's API reference, "Rerank" (v1 and v2: ``query``, ``documents``, ``top_n``,
+``return_documents`` -> ``results`` of ``index``, ``relevance_score``, ``document``); vLLM's
+and Infinity's ``/rerank``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import msgspec
+import numpy as np
+
+from app.errors import InvalidInput
+from app.models.repository import ModelConfig
+from app.protocols.infer import InferInput, InferRequest, RequestedOutput
+from app.protocols.tensors import RequestLimits, decode_json
+
+TEXT, QUERY, SCORE, TOKENS, WINDOWS = "text", "query", "score", "tokens", "windows"
+
+
+class Document(msgspec.Struct):
+    """A document given as an object (Cohere v1's ``{"text": ...}``)."""
+
+    text: str
+
+
+class RerankRequest(msgspec.Struct, omit_defaults=True):
+    """Cohere's rerank request (v1 and v2 fields; ``rank_fields`` and ``max_chunks_per_doc`` are
+    accepted and not used: windows follow the model's ``model.toml``)."""
+
+    query: str
+    documents: list[str | Document]
+    model: str
+    top_n: int | None = None
+    return_documents: bool = False
+    rank_fields: list[str] | None = None
+    max_chunks_per_doc: int | None = None
+    max_tokens_per_doc: int | None = None
+
+
+class ResultDocument(msgspec.Struct):
+    text: str
+
+
+class RerankResult(msgspec.Struct, omit_defaults=True):
+    """One ranked document: its ``index`` in the request, its score and (extension) the windows
+    it took."""
+
+    index: int
+    relevance_score: float
+    windows: int
+    document: ResultDocument | None = None
+
+
+class ApiVersion(msgspec.Struct):
+    version: str = "2"
+
+
+class BilledUnits(msgspec.Struct):
+    search_units: int = 1
+
+
+class Meta(msgspec.Struct):
+    api_version: ApiVersion = msgspec.field(default_factory=ApiVersion)
+    billed_units: BilledUnits = msgspec.field(default_factory=BilledUnits)
+
+
+class Usage(msgspec.Struct):
+    """Tokens the model ran (vLLM's ``usage``)."""
+
+    total_tokens: int
+
+
+class RerankResponse(msgspec.Struct):
+    """Cohere's rerank response, with vLLM's ``model`` and ``usage``."""
+
+    id: str
+    model: str
+    results: list[RerankResult]
+    meta: Meta
+    usage: Usage
+
+
+_decoder = msgspec.json.Decoder(RerankRequest)
+
+
+def decode(body: bytes, limits: RequestLimits) -> RerankRequest:
+    """The request, checked.
+
+    Raises:
+        InvalidInput: malformed JSON, a field of the wrong type, no documents, an empty query,
+            a ``top_n`` that is not positive.
+    """
+    request = decode_json(_decoder, body, limits.max_json_depth, "rerank request")
+    if not request.documents:
+        raise InvalidInput("documents: give a non-empty list of documents to rank against the query")
+    if not request.query:
+        raise InvalidInput("query: give a non-empty query")
+    if request.top_n is not None and request.top_n < 1:
+        raise InvalidInput("top_n must be a positive number")
+    limits.check_items(len(request.documents), "documents")
+    return request
+
+
+def texts(request: RerankRequest) -> list[str]:
+    """The documents' texts, in order."""
+    return [d if isinstance(d, str) else d.text for d in request.documents]
+
+
+def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
+    """The inference request: each document with the query, ``[N, 1]`` BYTES each; asking for
+    ``score`` (and ``tokens``, ``windows`` where the model has them).
+
+    Raises:
+        InvalidInput: the model takes no (text, query) or returns no FP32 ``score``.
+    """
+    inputs = {s.name: s for s in config.inputs}
+    outputs = {s.name: s for s in config.outputs}
+    if (
+        TEXT not in inputs
+        or QUERY not in inputs
+        or inputs[TEXT].datatype != "BYTES"
+        or inputs[QUERY].datatype != "BYTES"
+        or SCORE not in outputs
+        or outputs[SCORE].datatype != "FP32"
+    ):
+        raise InvalidInput(
+            f"model {config.name!r} does not rerank (it needs BYTES inputs 'text' and 'query' and an "
+            "FP32 output 'score')"
+        )
+    documents = texts(request)
+    wanted = [RequestedOutput(SCORE)]
+    wanted += [
+        RequestedOutput(n) for n in (TOKENS, WINDOWS) if n in outputs and outputs[n].datatype == "INT64"
+    ]
+    return InferRequest(
+        model_name=config.name,
+        inputs=[
+            InferInput(TEXT, "BYTES", [len(documents), 1], documents),
+            InferInput(QUERY, "BYTES", [len(documents), 1], [request.query] * len(documents)),
+        ],
+        outputs=wanted,
+    )
+
+
+def encode(request: RerankRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
+    """The response body: documents by score, highest first (ties by index), ``top_n`` of them."""
+    scores = np.asarray(outputs[SCORE], dtype=np.float64).reshape(-1)
+    windows = (
+        np.asarray(outputs[WINDOWS]).reshape(-1) if WINDOWS in outputs else np.ones(len(scores), np.int64)
+    )
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    if request.top_n is not None:
+        order = order[: request.top_n]
+    documents = texts(request)
+    results: list[Any] = [
+        RerankResult(
+            index=i,
+            relevance_score=float(scores[i]),
+            windows=int(windows[i]),
+            document=ResultDocument(documents[i]) if request.return_documents else None,
+        )
+        for i in order
+    ]
+    tokens = int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
+    return msgspec.json.encode(
+        RerankResponse(f"rerank-{uuid.uuid4().hex}", model, results, Meta(), Usage(tokens))
+    )

