@@ -40,6 +40,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn,
     repo.mkdir()
     (repo / MINILM).symlink_to(ROOT / "model_repository" / MINILM)
     write_classifier_model(repo, "clf", LABELS, parameters="max_seq_length = 64\nstride = 8", seed=1)
+    # the same weights (seed) with the response cache on: windows and the cache together
+    cached = "max_seq_length = 64\nstride = 8\n\n[response_cache]\nenable = true"
+    write_classifier_model(repo, "clf-cached", LABELS, parameters=cached, seed=1)
     write_classifier_model(
         repo, "ce", ["relevance"], parameters="max_seq_length = 48\nstride = 8\nmax_windows = 24", seed=2
     )
@@ -139,3 +142,30 @@ def test_minilm_windows_follow_the_whole_text(server: tuple[Gunicorn, Path]) -> 
     assert [r["index"] for r in ranked["results"]] == [0, 1] and ranked["results"][0]["windows"] == 3
     cosines = st.encode([query, *documents], normalize_embeddings=True)
     assert cosines[1] @ cosines[0] < cosines[2] @ cosines[0]  # truncated: the long document loses
+
+
+def cache_hits(srv: Gunicorn, model: str) -> float:
+    """``scoring_response_cache_items_total{result="hit"}`` of ``model`` (0 before the first)."""
+    for line in srv.scrape().splitlines():
+        if line.startswith("scoring_response_cache_items_total{") and f'model="{model}"' in line:
+            if 'result="hit"' in line:
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_windows_are_cached_one_by_one_and_answer_bit_identical(server: tuple[Gunicorn, Path]) -> None:
+    """A long text's windows go through the response cache as items: the second request is
+    answered from it, bit-identical to the first and to the same weights without a cache."""
+    srv, _ = server
+    texts = [SHORT[0], LONG]
+    first = srv.post("/v1/classify", {"model": "clf-cached", "input": texts})
+    hits_before = cache_hits(srv, "clf-cached")
+    second = srv.post("/v1/classify", {"model": "clf-cached", "input": texts})
+    uncached = srv.post("/v1/classify", {"model": "clf", "input": texts})
+    assert first[0] == second[0] == uncached[0] == 200, (first, second, uncached)
+    probs = [[d["probs"] for d in answer[2]["data"]] for answer in (first, second, uncached)]
+    assert probs[0] == probs[1] == probs[2]
+    windows = [d["windows"] for d in second[2]["data"]]
+    assert windows[0] == 1 and windows[1] > 4
+    # every item of the second request (the short text and each window of the long one) hit
+    assert cache_hits(srv, "clf-cached") - hits_before == sum(windows)
