@@ -147,9 +147,9 @@ def test_minilm_windows_follow_the_whole_text(server: tuple[Gunicorn, Path]) -> 
 def cache_hits(srv: Gunicorn, model: str) -> float:
     """``scoring_response_cache_items_total{result="hit"}`` of ``model`` (0 before the first)."""
     for line in srv.scrape().splitlines():
-        if line.startswith("scoring_response_cache_items_total{") and f'model="{model}"' in line:
-            if 'result="hit"' in line:
-                return float(line.rsplit(" ", 1)[1])
+        metric = line.startswith("scoring_response_cache_items_total{")
+        if metric and f'model="{model}"' in line and 'result="hit"' in line:
+            return float(line.rsplit(" ", 1)[1])
     return 0.0
 
 
