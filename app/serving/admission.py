@@ -64,8 +64,9 @@ class ServiceRate:
     items (its cost: items, or padded tokens), fitted by exponentially weighted least squares.
 
     The first batch (timed alone after warmup) seeds ``item_s``; until :data:`SETTLED_BATCHES`
-    batches only the overhead moves; then the slope is refitted while recent batch sizes differ
-    enough, never steeper than the line through the origin and the mean, and a batch enters the
+    batches only the overhead moves (and the slope comes down to the line through the origin and
+    the mean where the batches ran faster than the seed); then the slope is refitted while recent
+    batch sizes differ enough, never steeper than that line, and a batch enters the
     fit as at most :data:`OUTLIER_RATIO` times its prediction. :attr:`lag` (>= 1) multiplies
     every prediction: raised at once when two batches in a row were slower than the fit says,
     brought back towards 1 by the others. Why each rule (figures): docs/architecture.md,
@@ -117,6 +118,10 @@ class ServiceRate:
             slope = min((self._snt / self._s0 - mean_n * mean_t) / var_n, mean_t / mean_n)
             if slope > 0:
                 self.item_s = slope
+        # Never steeper than the line through the origin and the mean, settled or not: a seed
+        # taken from one small batch (its overhead counted as items) would otherwise stay while
+        # batches of one size give no slope, and refuse long after the real batches ran faster.
+        self.item_s = min(self.item_s, mean_t / mean_n)
         self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
 
     def seconds_for(self, items: float, batches: int = 1) -> float:

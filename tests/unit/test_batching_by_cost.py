@@ -293,6 +293,9 @@ async def test_an_idle_model_admits_whatever_a_past_burst_taught_it(threads: Thr
     measured(b).rate.item_s, measured(b).rate.overhead_s = 10.0, 5.0  # "learned" in an overload: 10 s per token
     out = await b.infer(items((1, 3)), at(soon(1.0)))
     assert out["y"][0, 0] == 2.0
+    rate = measured(b).rate
+    assert rate.item_s is not None and rate.item_s < 1.0  # the batch that ran corrected it
+    rate.item_s, rate.overhead_s = 10.0, 5.0
     # busy, the same estimate refuses: 504 when even alone the request could not finish
     first = await held(b, model, items((0, 1)))
     with pytest.raises(DeadlineExceeded, match="even alone"):

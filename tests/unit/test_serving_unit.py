@@ -426,6 +426,18 @@ def test_a_young_fit_keeps_its_seed_slope() -> None:
     assert rate.item_s == pytest.approx(0.00033, rel=0.15)
 
 
+def test_a_seed_from_one_small_batch_comes_down_to_what_batches_take() -> None:
+    """A seed timed on one small batch counts its overhead as cost per item (50 ms for 1 item);
+    batches of one size give no slope to refit, so the seed stayed and predicted 400 ms for the
+    8-item batches that took 10 ms: a model stuck refusing under steady load. The slope comes
+    down to the line through the origin and the mean of what ran."""
+    rate = ServiceRate()
+    rate.observe(1, 0.05)
+    for _ in range(40):
+        rate.observe(8, 0.01)
+    assert rate.seconds_for(8) == pytest.approx(0.01, rel=0.05)
+
+
 def test_one_stalled_batch_does_not_become_the_cost_per_item() -> None:
     """Batches of 1-4 ms and one of 260 ms for 104 items (the feed-ranker under gRPC load, its
     inference thread descheduled): through that one point a least-squares slope read 3.5 ms
