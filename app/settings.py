@@ -195,6 +195,12 @@ class Settings(BaseSettings):
         None, description="TLS certificate chain (PEM) to serve HTTPS; needs keyfile."
     )
     keyfile: Path | None = Field(None, description="TLS private key (PEM) of certfile.")
+    client_ca_file: Path | None = Field(
+        None,
+        description="CA certificates (PEM) that sign client certificates: when set, HTTPS and "
+        "gRPC both require a client certificate signed by one of them (mutual TLS); needs "
+        "certfile and keyfile.",
+    )
 
     # --- observability --------------------------------------------------------
     metrics_enabled: bool = Field(
@@ -297,10 +303,11 @@ class Settings(BaseSettings):
         60.0, gt=0, description="How long a worker waits for a free GPU slot before exiting."
     )
     strict_readiness: bool = Field(
-        False,
+        True,
         description="Readiness (GET /v2/health/ready) needs every model of the repository warm "
-        "(Triton's --strict-readiness); false: every model that can load is warm and at least "
-        "one is, while the others are reported unavailable with their reason.",
+        "(Triton's --strict-readiness, on by default there too), so a model that cannot load "
+        "keeps the pod unready; false: ready once every model that can load is warm and at "
+        "least one is, the others reported unavailable with their reason.",
     )
     model_load_retry_max_s: float = Field(
         300.0,
@@ -379,6 +386,8 @@ class Settings(BaseSettings):
     def _tls_pair(self) -> Settings:
         if (self.certfile is None) != (self.keyfile is None):
             raise ValueError("SCORING_CERTFILE and SCORING_KEYFILE go together: set both or neither")
+        if self.client_ca_file is not None and self.certfile is None:
+            raise ValueError("SCORING_CLIENT_CA_FILE needs TLS: set SCORING_CERTFILE and SCORING_KEYFILE too")
         return self
 
     @property

@@ -280,6 +280,7 @@ def build_image(podman: Podman, args: argparse.Namespace, state_dir: Path) -> fl
         "--pull=missing",
         "--tag", args.tag,
         "--build-arg", f"BASE={args.base}",
+        "--build-arg", "ONNXRUNTIME=onnxruntime",  # a CPU image: ONNX Runtime's CPU build
         *sources.podman_args(),
         "--file", str(ROOT / "Dockerfile"),
         str(ROOT),

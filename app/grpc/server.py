@@ -87,7 +87,9 @@ def _address(host: str, port: int) -> str:
 async def start_server(app: web.Application, host: str, port: int) -> tuple[Any, int]:
     """Create, bind and start a ``grpc.aio`` server for ``app`` on the running loop.
 
-    Serves TLS when the settings give ``certfile``/``keyfile`` (the HTTP certificate).
+    Serves TLS when the settings give ``certfile``/``keyfile`` (the HTTP certificate), and
+    requires a client certificate signed by ``client_ca_file`` when that is set (mutual TLS,
+    as ``ca_certs`` + ``CERT_REQUIRED`` do on the HTTP side).
 
     Returns:
         (the ``grpc.aio.Server``, the port bound: ``port``, or the one chosen for 0).
@@ -103,8 +105,11 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(app)),))
     address = _address(host, port)
     if settings.certfile is not None and settings.keyfile is not None:
+        client_ca = settings.client_ca_file
         credentials = grpc.ssl_server_credentials(
-            [(settings.keyfile.read_bytes(), settings.certfile.read_bytes())]
+            [(settings.keyfile.read_bytes(), settings.certfile.read_bytes())],
+            root_certificates=client_ca.read_bytes() if client_ca is not None else None,
+            require_client_auth=client_ca is not None,
         )
         bound = server.add_secure_port(address, credentials)
     else:

@@ -47,6 +47,7 @@ import logging
 import os
 import shutil
 import signal
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -125,6 +126,9 @@ max_requests_jitter = _settings.max_requests_jitter
 if _settings.certfile is not None and _settings.keyfile is not None:
     certfile = str(_settings.certfile)
     keyfile = str(_settings.keyfile)
+if _settings.client_ca_file is not None:  # mutual TLS; gRPC reads the same setting
+    ca_certs = str(_settings.client_ca_file)
+    cert_reqs = ssl.CERT_REQUIRED
 if _settings.api_keys_file is not None:
     try:
         read_key_file(_settings.api_keys_file)

@@ -144,6 +144,22 @@ def test_dockerfile_base_is_a_build_arg_and_torch_comes_first() -> None:
     assert "-c " in runs[package_at], "the package install must keep the pinned torch"
 
 
+def test_the_gpu_image_swaps_in_onnxruntime_gpu_and_the_cpu_check_keeps_the_cpu_build() -> None:
+    """Both builds provide the ``onnxruntime`` module: the default (GPU) image must end with
+    onnxruntime-gpu alone, or the ONNX models never reach the GPU; the CPU image keeps the CPU
+    build (scripts/container_check.py asks for it)."""
+    instructions = dockerfile_instructions(DOCKERFILE.read_text(encoding="utf-8"))
+    args = dict(a.split("=", 1) for w, a in instructions if w == "ARG" and "=" in a)
+    assert args["ONNXRUNTIME"].strip('"').startswith("onnxruntime-gpu[")
+    runs = [a for w, a in instructions if w == "RUN"]
+    package_at = next(i for i, r in enumerate(runs) if re.search(r"pip install [^&]*\"\.", r))
+    swap_at = next(i for i, r in enumerate(runs) if "pip uninstall -y onnxruntime" in r)
+    assert swap_at > package_at and '"$ONNXRUNTIME"' in runs[swap_at]
+    assert "-c /tmp/torch-constraint.txt" in runs[swap_at], "the swap keeps the pinned torch"
+    source = (ROOT / "scripts" / "container_check.py").read_text(encoding="utf-8")
+    assert '"ONNXRUNTIME=onnxruntime"' in source
+
+
 def test_dockerfile_pip_sources_are_empty_build_args() -> None:
     """pip reads the build stage's PIP_* build arguments as its own variables: empty (PyPI) by
     default, and never in the runtime stage's environment."""
@@ -663,4 +679,21 @@ def test_systemd_unit() -> None:
     graceful = int(env.get("SCORING_GRACEFUL_TIMEOUT_S", Settings.model_fields["graceful_timeout_s"].default))
     assert int(unit["TimeoutStopSec"][0]) > graceful
     runtime_dirs = {f"/run/{d}" for d in unit["RuntimeDirectory"][0].split()}
-    assert env["PROMETHEUS_MULTIPROC_DIR"] in runtime_dirs, "systemd creates the metrics folder"
+    assert env["SCORING_RUN_DIR"] in runtime_dirs, "systemd creates the run directory"
+    metrics = env.get("PROMETHEUS_MULTIPROC_DIR")
+    assert metrics is None or Path(metrics).parent == Path(env["SCORING_RUN_DIR"]), "inside the run dir"
+
+
+def test_systemd_runtime_directory_mode_is_one_the_server_accepts(tmp_path: Path) -> None:
+    """systemd makes the RuntimeDirectory with RuntimeDirectoryMode (default 0755) before the
+    server starts; the server then checks it (app/server/rundir.py) and must accept it."""
+    from app.server import rundir
+
+    (mode,) = _unit().get("RuntimeDirectoryMode", ["0755"])
+    made = tmp_path / "scoring-server"
+    made.mkdir()
+    made.chmod(int(mode, 8))
+    assert rundir.prepare(made) == made
+    made.chmod(0o750)  # what the unit used to set: refused, so the test can fail
+    with pytest.raises(rundir.RunDirError, match="open to other users"):
+        rundir.prepare(made)

@@ -70,7 +70,8 @@ def rankers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn
     script.export(repo / RANKER, "torch_export", seed=0)
     script.export(repo / RANKER_ONNX, "onnx", seed=0)
     reasons = write_broken_onnx_models(repo)
-    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "2"}
+    # Lenient readiness: ready with the broken models reported unavailable (the default is strict).
+    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "2", "SCORING_STRICT_READINESS": "false"}
     with Gunicorn(tmp, env) as srv:
         srv.wait_ready(180, count=2)
         yield srv, reasons, repo

@@ -21,7 +21,7 @@ async def test_a_repository_with_broken_models_serves_the_good_one(make_client: 
     repo = tmp_path / "repo"
     write_scale_model(repo, "good")
     expected = write_broken_models(repo)
-    client: Client = await make_client(repo, wait=False)
+    client: Client = await make_client(repo, wait=False, strict_readiness=False)
 
     async def settled() -> dict[str, Any] | None:
         resp = await client.get("/v2/health/ready")
@@ -51,11 +51,14 @@ async def test_a_repository_with_broken_models_serves_the_good_one(make_client: 
     assert_no_absolute_paths(json.dumps(index), repo)
 
 
-async def test_strict_readiness_needs_every_model(make_client: MakeClient, tmp_path: Path) -> None:
+async def test_readiness_is_strict_by_default_and_needs_every_model(make_client: MakeClient, tmp_path: Path) -> None:
+    """Default settings (as deployed): a broken model keeps the server unready (Triton's
+    --strict-readiness), while the good model serves."""
     repo = tmp_path / "repo"
     write_scale_model(repo, "good")
     write_broken_models(repo)
-    client: Client = await make_client(repo, wait=False, strict_readiness=True)
+    client: Client = await make_client(repo, wait=False)
+    assert client.app[REGISTRY].strict is True
     await eventually(lambda: _settled(client), 60)
     resp = await client.get("/v2/health/ready")
     assert resp.status == 503 and (await resp.json())["ready"] is False

@@ -371,3 +371,43 @@ async def test_tls_with_the_http_certificate(
             assert info.value.code() == Code.UNAVAILABLE
     finally:
         await server.stop(None)
+
+
+async def test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca(
+    make_client: Callable[..., Any], scale_repo: Path, tmp_path: Path
+) -> None:
+    """SCORING_CLIENT_CA_FILE: a client with a certificate the CA signed is served; one without
+    a certificate, or with another, is refused at the handshake (UNAVAILABLE)."""
+    (tmp_path / "server").mkdir()
+    (tmp_path / "client").mkdir()
+    (tmp_path / "stranger").mkdir()
+    cert, key = self_signed(tmp_path / "server")
+    client_cert, client_key = self_signed(tmp_path / "client")  # self-signed: its own CA
+    stranger_cert, stranger_key = self_signed(tmp_path / "stranger")
+    http = await make_client(scale_repo, certfile=cert, keyfile=key, client_ca_file=client_cert)
+    server, port = await start_server(http.server.app, "127.0.0.1", 0)
+
+    root = cert.read_bytes()
+    pairs = {
+        "client": (client_key.read_bytes(), client_cert.read_bytes()),
+        "stranger": (stranger_key.read_bytes(), stranger_cert.read_bytes()),
+        "none": (None, None),
+    }
+
+    async def live(who: str) -> bool:
+        private, chain = pairs[who]
+        credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=private, certificate_chain=chain)
+        async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
+            stub = pb_grpc.GRPCInferenceServiceStub(channel)
+            try:
+                return bool((await stub.ServerLive(pb.ServerLiveRequest(), timeout=5)).live)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == Code.UNAVAILABLE, exc
+                return False
+
+    try:
+        assert await live("client") is True
+        assert await live("none") is False
+        assert await live("stranger") is False
+    finally:
+        await server.stop(None)

@@ -40,3 +40,14 @@ def test_the_workers_settings_resolve_torch_threads_for_the_servers_worker_count
     assert Settings().for_workers(4).torch_threads == 4
     assert Settings().for_workers(32).torch_threads == 1
     assert Settings(torch_threads=3).for_workers(4).torch_threads == 3
+
+
+def test_client_certificates_need_tls() -> None:
+    with pytest.raises(ValidationError, match="SCORING_CLIENT_CA_FILE needs TLS"):
+        Settings(client_ca_file="ca.pem")
+    assert Settings(certfile="c.pem", keyfile="k.pem", client_ca_file="ca.pem").client_ca_file is not None
+
+
+def test_readiness_is_strict_by_default() -> None:
+    """As in Triton (--strict-readiness): a model that cannot load keeps the server unready."""
+    assert Settings().strict_readiness is True
