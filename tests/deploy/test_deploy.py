@@ -93,6 +93,8 @@ def rendered() -> dict[str, list[dict[str, Any]]]:
         pytest.skip("kubectl not installed: kustomizations not rendered")
     out: dict[str, list[dict[str, Any]]] = {}
     for directory in _kustomization_dirs():
+        if yaml_docs(directory / "kustomization.yaml")[0]["kind"] == "Component":
+            continue  # rendered where a Kustomization uses it
         result = subprocess.run(
             [KUBECTL, "kustomize", str(directory)], capture_output=True, text=True, timeout=60
         )
@@ -515,7 +517,49 @@ def test_service_monitor_structure() -> None:
     for endpoint in monitor["spec"]["endpoints"]:
         assert endpoint["port"] in port_names, _rel(path)
         assert endpoint["path"] == METRICS_PATH
-        assert set(endpoint) <= {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings"}
+        allowed = {"port", "path", "interval", "scrapeTimeout", "scheme", "relabelings", "authorization"}
+        assert set(endpoint) <= allowed
+
+
+def test_the_service_monitor_scrapes_with_a_key_the_server_accepts(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """With API keys on, /metrics needs a key (SCORING_METRICS_AUTH defaults to true): the
+    ServiceMonitor's bearer token is a key of the Secret that the api-keys component hands the
+    server as SCORING_API_KEYS. tests/unit/test_auth.py shows the server accepts it as a Bearer."""
+    assert Settings.model_fields["metrics_auth"].default is True
+    ((_, monitor),) = docs_of_kind("ServiceMonitor")
+    (endpoint,) = monitor["spec"]["endpoints"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    secret = endpoint["authorization"]["credentials"]
+    docs = rendered["deploy/kubernetes/examples/keys-and-volume"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (container,) = deployment["spec"]["template"]["spec"]["containers"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SCORING_API_KEYS"]["valueFrom"]["secretKeyRef"] == secret
+    volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["api-keys"]["secret"]["secretName"] == secret["name"]
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "api-keys")
+    assert Path(env["SCORING_API_KEYS_FILE"]["value"]).parent == Path(mount["mountPath"])
+
+
+def test_the_model_volume_is_the_repository_and_model_control_follows_it(
+    rendered: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Kubernetes can serve models that are not baked into the image: the model-volume
+    component mounts a shared claim at SCORING_MODEL_REPOSITORY and turns on polling."""
+    docs = rendered["deploy/kubernetes/examples/keys-and-volume"]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    (claim,) = [d for d in docs if d["kind"] == "PersistentVolumeClaim"]
+    pod = deployment["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    env = _env_list(container)
+    volumes = _pod_volumes(pod)
+    mounts = {m["mountPath"]: m for m in container["volumeMounts"]}
+    mount = mounts[env["SCORING_MODEL_REPOSITORY"]]
+    assert mount["readOnly"] is True
+    assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
+    assert env["SCORING_MODEL_CONTROL_MODE"] == "poll"
 
 
 # --- KServe -----------------------------------------------------------------------------
@@ -613,6 +657,62 @@ def test_serving_runtime_structure() -> None:
         pod = {k: v for k, v in spec.items() if k not in _RUNTIME_ONLY}
         for version in KUBERNETES_VERSIONS:
             _validate(_as_deployment(name, pod), version, f"ServingRuntime {name} as a pod")
+
+
+def test_kserve_runtime_passes_restricted_pod_security_and_exposes_grpc() -> None:
+    """The restricted Pod Security level needs seccompProfile RuntimeDefault; service links off
+    (a Service named scoring-grpc would inject SCORING_GRPC_PORT=tcp://...); gRPC exposed on the
+    port the server binds; the image set by kustomize, not written in the runtime."""
+    for name, runtime in _runtimes().items():
+        (container,) = runtime["spec"]["containers"]
+        assert container["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        assert container["securityContext"]["runAsNonRoot"] is True
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        assert ports["h2c"] == _effective_port(container, "grpc_port")
+        assert "grpc-v2" in runtime["spec"]["protocolVersions"]
+        assert "/" not in container["image"], "the registry comes from deploy/kserve/kustomization.yaml"
+    for path, isvc in docs_of_kind("InferenceService"):
+        assert isvc["spec"]["predictor"]["enableServiceLinks"] is False, _rel(path)
+    kustomization = yaml_docs(KSERVE / "kustomization.yaml")[0]
+    assert {i["name"] for i in kustomization["images"]} == {c["image"] for r in _runtimes().values() for c in r["spec"]["containers"]}
+    with pytest.raises(ValueError):  # what a service link would inject
+        Settings.model_validate({"grpc_port": "tcp://10.0.0.1:8081"})
+
+
+def _cpus(quantity: str) -> float:
+    return float(quantity[:-1]) / 1000 if quantity.endswith("m") else float(quantity)
+
+
+def _sized_containers(rendered: dict[str, list[dict[str, Any]]]) -> Iterator[tuple[str, dict[str, Any], dict[str, str]]]:
+    """(where, container with its resources, its SCORING_* env) for every rendered Deployment
+    and every InferenceService merged with its runtime."""
+    for where, docs in rendered.items():
+        for doc in docs:
+            if doc["kind"] == "Deployment":
+                (container,) = doc["spec"]["template"]["spec"]["containers"]
+                yield where, container, _env_list(container)
+    runtimes = _runtimes()
+    for path, isvc in docs_of_kind("InferenceService"):
+        model = isvc["spec"]["predictor"]["model"]
+        (runtime_container,) = runtimes[model["runtime"]]["spec"]["containers"]
+        env = {**_env_list(runtime_container), **_env_list(model)}
+        yield _rel(path), model, env
+
+
+def test_workers_per_gpu_and_cpus_follow_the_sizing_rule(rendered: dict[str, list[dict[str, Any]]]) -> None:
+    """4 workers per GPU (measured best on an H100 and an H200, docs/benchmarks.md), and CPUs
+    = workers x (torch threads + 1) (docs/deploy.md, Sizing workers per GPU)."""
+    checked = 0
+    for where, container, env in _sized_containers(rendered):
+        per_gpu = int(env["SCORING_MAX_PROCESSES_PER_GPU"])
+        assert per_gpu == 4, where
+        gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+        threads = int(env.get("SCORING_TORCH_THREADS", "1"))
+        needed = gpus * per_gpu * (threads + 1)
+        assert _cpus(container["resources"]["requests"]["cpu"]) >= needed, f"{where}: {needed} CPUs"
+        checked += 1
+    assert checked >= 4
+    assert re.search(r"^Environment=SCORING_MAX_PROCESSES_PER_GPU=4$", SYSTEMD_UNIT.read_text(), re.M)
 
 
 def test_inference_service_structure() -> None:

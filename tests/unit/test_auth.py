@@ -70,6 +70,8 @@ async def test_health_is_open_and_metrics_follow_the_setting(make_client: MakeCl
     assert (await protected.get("/v2/health/ready")).status == 200
     await assert_unauthorized(await protected.get("/metrics"))
     assert (await protected.get("/metrics", headers={"X-API-Key": "secret"})).status == 200
+    # What a Prometheus ServiceMonitor's bearer authorization sends.
+    assert (await protected.get("/metrics", headers={"Authorization": "Bearer secret"})).status == 200
     scraped = await make_client(scale_repo, api_keys="secret", metrics_auth=False)
     assert (await scraped.get("/metrics")).status == 200
     await assert_unauthorized(await scraped.get("/v2"))
