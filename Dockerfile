@@ -59,8 +59,8 @@ RUN echo "torch==${TORCH_VERSION}" > /tmp/torch-constraint.txt \
     && pip install --no-cache-dir -c /tmp/torch-constraint.txt ".${EXTRAS:+[$EXTRAS]}"
 # ONNX Runtime for the ONNX models: the extras bring the CPU build (onnxruntime); a GPU image
 # swaps it for onnxruntime-gpu with the CUDA and cuDNN libraries as pip packages (the same
-# module, so never both installed). onnxruntime-gpu 1.31 is built for CUDA 13, as is the PyPI
-# torch 2.13; the worker imports torch before ONNX Runtime, which then finds those libraries.
+# module, so never both installed). onnxruntime-gpu 1.31 is built for CUDA 13 and cuDNN 9; its
+# extras install those libraries as pip packages (docs/deploy.md, Container).
 # CPU image: --build-arg ONNXRUNTIME=onnxruntime (keeps the CPU build).
 ARG ONNXRUNTIME="onnxruntime-gpu[cuda,cudnn]"
 RUN if [ "$ONNXRUNTIME" != onnxruntime ] && pip show onnxruntime >/dev/null 2>&1; then \
@@ -95,6 +95,9 @@ ENV SCORING_PORT=8080
 # KServe V2 gRPC (inference.GRPCInferenceService), every worker on this port (SO_REUSEPORT).
 ENV SCORING_GRPC_HOST=0.0.0.0
 ENV SCORING_GRPC_PORT=8081
+# Workers per GPU: 4, measured best for the demo models on an H100 and an H200 (one worker keeps
+# the GPU 11-14 % busy, four 80-92 %: docs/benchmarks.md). CPU mode ignores it (SCORING_WORKERS).
+ENV SCORING_MAX_PROCESSES_PER_GPU=4
 # Mount another repository over /models, or point this at one (KServe: /mnt/models).
 ENV SCORING_MODEL_REPOSITORY=/models
 # Kubernetes: terminationGracePeriodSeconds > preStop sleep + this (deploy/kubernetes: 10 + 30 < 60).

@@ -32,6 +32,10 @@ creates one instance per worker with no arguments and calls:
 ``postprocess(outputs)``  -- a *finish thread* (staged pipeline) or the inference thread
     Returns one numpy array per declared output, axis 0 = the B items (the copy back to the
     host belongs here). May run while ``predict`` runs the next batch.
+``close()``  -- optional; the inference thread, once
+    After the version's last batch (it is unloaded, or the worker stops), and after a load or
+    warmup that failed. Free what the garbage collector cannot (open files, sessions); the
+    server then drops its reference and, on a GPU, empties torch's cache.
 
 Which of these may run at once: with the staged pipeline (``pipeline`` in ``model.toml``; on
 by default on a GPU) ``item_costs``, ``preprocess`` of batch N+1, ``predict`` of batch N and

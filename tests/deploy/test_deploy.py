@@ -126,6 +126,7 @@ def test_dockerfile_defaults(image: ImageConfig) -> None:
     assert env["SCORING_MODEL_REPOSITORY"] == "/models"
     assert env["PROMETHEUS_MULTIPROC_DIR"].startswith("/dev/shm/")
     assert "SCORING_GRACEFUL_TIMEOUT_S" in env
+    assert env["SCORING_MAX_PROCESSES_PER_GPU"] == "4", "measured best on an H100 and an H200"
     assert image.user is not None
     uid = image.user.split(":")[0]
     assert uid.isdigit() and int(uid) != 0, "numeric non-root USER (runAsNonRoot can check it)"
