@@ -72,6 +72,7 @@ KSERVE_GROUP = "serving.kserve.io"
 KSERVE_PROTOCOLS = frozenset({"v1", "v2", "grpc-v1", "grpc-v2"})
 KSERVE_STORAGE_MOUNT = "/mnt/models"
 QUEUE_METRIC = "scoring_queue_items"
+REFUSAL_METRIC = "scoring_refusals_per_second"
 KUBECTL = shutil.which("kubectl")
 
 
@@ -394,7 +395,7 @@ def _validate(doc: dict[str, Any], version: str, where: str) -> None:
 CORE_DOCS = [
     pytest.param(path, doc, id=f"{_rel(path)}:{doc['kind']}")
     for path, doc in all_docs()
-    if path.is_relative_to(KUBERNETES) and doc["kind"] not in ("ServiceMonitor",)
+    if path.is_relative_to(KUBERNETES) and doc["kind"] not in ("ServiceMonitor", "PrometheusRule", "ScaledObject")
 ]
 
 
@@ -494,10 +495,16 @@ def _assert_grace_fits(grace: int, container: dict[str, Any], where: str) -> Non
     assert grace > needed, f"{where}: terminationGracePeriodSeconds {grace} <= preStop + drain {needed}"
 
 
-def test_hpa_scales_on_the_queue_metric_the_adapter_serves() -> None:
+def test_hpa_scales_on_the_queue_and_refusal_metrics_the_adapter_serves() -> None:
     ((_, hpa),) = docs_of_kind("HorizontalPodAutoscaler")
     names = {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"}
-    assert names == {QUEUE_METRIC}
+    assert names == {QUEUE_METRIC, REFUSAL_METRIC}
+    assert names <= {r["name"]["as"] for r in adapter_rules()}
+    (refusals,) = [r for r in adapter_rules() if r["name"]["as"] == REFUSAL_METRIC]
+    # No refusal yet = no scoring_rejected_total series: the query must still give 0 per pod,
+    # from a series every live worker exports, or the HPA never scales down.
+    assert "scoring_rejected_total" in refusals["metricsQuery"] and " or " in refusals["metricsQuery"]
+    assert series_name(refusals) == "scoring_worker_binding_info"
     assert QUEUE_METRIC.startswith("scoring_")
     assert hpa["spec"]["scaleTargetRef"]["name"] == docs_of_kind("Deployment")[0][1]["metadata"]["name"]
     (rule,) = [r for r in adapter_rules() if r["name"]["as"] == QUEUE_METRIC]
@@ -561,6 +568,20 @@ def test_the_model_volume_is_the_repository_and_model_control_follows_it(
     assert mount["readOnly"] is True
     assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert env["SCORING_MODEL_CONTROL_MODE"] == "poll"
+
+
+def test_keda_scaled_object_uses_the_same_signals_and_reads_zero_without_refusals() -> None:
+    ((path, scaled),) = docs_of_kind("ScaledObject")
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    deployment = docs_of_kind("Deployment")[0][1]
+    assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    triggers = {t["name"]: t for t in scaled["spec"]["triggers"]}
+    assert set(triggers) == {"queue", "refusals"}
+    for trigger in triggers.values():
+        assert trigger["type"] == "prometheus" and trigger["metricType"] == "AverageValue"
+        assert trigger["metadata"]["query"].rstrip().endswith("or vector(0)"), _rel(path)
+    assert "scoring_queue_depth" in triggers["queue"]["metadata"]["query"]
+    assert "scoring_rejected_total" in triggers["refusals"]["metadata"]["query"]
 
 
 # --- KServe -----------------------------------------------------------------------------
