@@ -16,11 +16,13 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 PODMAN = shutil.which("podman")
 RUNC = shutil.which("runc")
@@ -39,10 +41,21 @@ def missing() -> str | None:
     return None
 
 
+def _env() -> dict[str, str]:
+    """podman's environment: a containers.conf of our own (as scripts/container_check.py
+    writes), with no default rlimits, which a nested container may not raise."""
+    conf = Path(tempfile.gettempdir()) / "scoring-engines-containers.conf"
+    if not conf.exists():
+        conf.write_text('[containers]\ndefault_ulimits = []\n\n[engine]\nruntime = "runc"\n', encoding="utf-8")
+    return {**os.environ, "CONTAINERS_CONF": str(conf)}
+
+
 def podman(*args: str, timeout: float = 120, check: bool = True) -> subprocess.CompletedProcess[str]:
     """Run ``podman`` with the runtime flags above; raise with its output when ``check`` fails."""
     assert PODMAN is not None
-    done = subprocess.run([PODMAN, *PODMAN_BASE, *args], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(
+        [PODMAN, *PODMAN_BASE, *args], capture_output=True, text=True, timeout=timeout, env=_env()
+    )
     if check and done.returncode != 0:
         raise AssertionError(f"podman {' '.join(args)}: {done.returncode}\n{done.stdout}\n{done.stderr}")
     return done
