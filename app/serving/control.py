@@ -236,6 +236,20 @@ class ModelControl:
                     if why:
                         log.warning("poll: %s", why)
             self._seen = seen
+            # A folder whose model.toml could not be read is in no snapshot: once it is gone
+            # from the repository, it no longer keeps readiness (strict) at 503.
+            broken = await asyncio.get_running_loop().run_in_executor(None, self._broken_names)
+            for name in [n for n in registry.unavailable if n not in seen and n not in broken]:
+                log.info("model %s left the repository: no longer unavailable", name)
+                registry.unavailable.pop(name, None)
+
+    def _broken_names(self) -> set[str]:
+        """Names (or folder names) of the repository's folders that cannot be read now; on a
+        scan error, every name already unavailable (nothing is cleared)."""
+        try:
+            return {u.name for u in scan(self.settings.model_repository).unavailable}
+        except ModelLoadError:
+            return set(self.app[REGISTRY].unavailable)
 
     def _snapshot(self, names: set[str]) -> dict[str, dict[str, str]]:
         """name -> version -> fingerprint of every selected version in the repository (only

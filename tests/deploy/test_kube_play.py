@@ -2,10 +2,14 @@
 scripts/container_check.py builds (``localhost/scoring-server:0.1.0-cpu``).
 
 What is played: ``kubectl kustomize deploy/kubernetes/examples/keys-and-volume`` (the base with
-the api-keys and model-volume components) and a Secret ``scoring-server-api-keys``. Changed
+the api-keys and model-volume components), its Secret projected as files (podman 4.3 cannot
+mount a Secret volume of a Deployment: ``_secret_as_files``) and its emptyDirs as the kubelet
+makes them (0777: ``_empty_dirs_as_the_kubelet_makes_them``), and this checkout's ``app``
+over the image's (``_this_checkouts_server``: the server as it is now). Changed
 for this machine only, by a kustomize overlay written here: the image (the local CPU build), no
-``nvidia.com/gpu`` (no GPU: CPU mode), 2 CPUs (this machine has 2), a hostPort on 127.0.0.1 for
-each container port, and a 1 s repository poll. What it shows:
+``nvidia.com/gpu`` (no GPU: CPU mode), 2 CPUs (this machine has 2), one replica (podman makes
+a pod per replica, on the same host ports), a hostPort on 127.0.0.1 for each container port,
+and a 1 s repository poll. What it shows:
 
 - the pod comes up under the manifests' security context (read-only root, no capabilities,
   uid 10001) with the claim mounted at ``/models`` and the Secret's keys read;
@@ -21,8 +25,8 @@ Marked ``podman``; skipped, saying why, without podman and runc or without the i
 
 from __future__ import annotations
 
-import base64
 import json
+import os
 import shutil
 import subprocess
 import uuid
@@ -69,6 +73,9 @@ patches:
   - target:
       kind: Deployment
     patch: |-
+      - op: replace
+        path: /spec/replicas
+        value: 1
       - op: remove
         path: /spec/template/spec/containers/0/resources/limits/nvidia.com~1gpu
       - op: remove
@@ -97,23 +104,40 @@ patches:
 """
 
 
-def _secret() -> dict[str, Any]:
-    def b64(text: str) -> str:
-        return base64.b64encode(text.encode()).decode()
+SECRET = {"clients": f"{CLIENT_KEY}\n", "metrics": METRICS_KEY}
 
-    return {
-        "apiVersion": "v1",
-        "kind": "Secret",
-        "metadata": {"name": "scoring-server-api-keys"},
-        "data": {"clients": b64(f"{CLIENT_KEY}\n"), "metrics": b64(METRICS_KEY)},
-    }
+
+def _secret_as_files(deployment: dict[str, Any], folder: Path) -> dict[str, Any]:
+    """The Secret ``scoring-server-api-keys`` as the kubelet projects it: a folder with one file
+    per key, and the keys an env var takes from it as values. podman 4.3's kube play crashes on
+    a Secret volume in a Deployment (a nil secrets manager in kube/volume.go), so the folder is a
+    hostPath here; the paths, names and keys are the component's."""
+    folder.mkdir(exist_ok=True)
+    for key, value in SECRET.items():
+        (folder / key).write_text(value, encoding="utf-8")
+    folder.chmod(0o755)
+    pod = deployment["spec"]["template"]["spec"]
+    for volume in pod["volumes"]:
+        if "secret" in volume:
+            assert volume["secret"]["secretName"] == "scoring-server-api-keys"
+            del volume["secret"]
+            volume["hostPath"] = {"path": str(folder), "type": "Directory"}
+    for container in pod["containers"]:
+        for env in container["env"]:
+            ref = env.get("valueFrom", {}).get("secretKeyRef")
+            if ref:
+                assert ref["name"] == "scoring-server-api-keys"
+                env["value"] = SECRET[ref["key"]]
+                del env["valueFrom"]
+    return deployment
 
 
 def _render(tmp: Path, http_port: int, grpc_port: int) -> list[dict[str, Any]]:
     overlay = tmp / "overlay"
     overlay.mkdir()
     (overlay / "kustomization.yaml").write_text(
-        OVERLAY.format(example=EXAMPLE, http_port=http_port, grpc_port=grpc_port), encoding="utf-8"
+        OVERLAY.format(example=os.path.relpath(EXAMPLE, overlay), http_port=http_port, grpc_port=grpc_port),
+        encoding="utf-8",
     )
     assert KUBECTL is not None
     done = subprocess.run([KUBECTL, "kustomize", "--load-restrictor", "LoadRestrictionsNone", str(overlay)],
@@ -135,6 +159,34 @@ def _fill_volume(name: str, broken: bool) -> Path:
     return mountpoint
 
 
+def _empty_dirs_as_the_kubelet_makes_them(deployment: dict[str, Any], tmp: Path) -> dict[str, Any]:
+    """The kubelet makes each emptyDir a fresh folder of mode 0777, which the image's uid 10001
+    can write; podman 4.3 makes it root's, 0755, and the server cannot create its run directory
+    or metrics folder there. So each emptyDir is played as such a folder (hostPath)."""
+    for volume in deployment["spec"]["template"]["spec"]["volumes"]:
+        if "emptyDir" in volume:
+            folder = tmp / f"empty-{volume['name']}"
+            folder.mkdir(exist_ok=True)
+            folder.chmod(0o777)
+            del volume["emptyDir"]
+            volume["hostPath"] = {"path": str(folder), "type": "Directory"}
+    return deployment
+
+
+def _this_checkouts_server(deployment: dict[str, Any]) -> dict[str, Any]:
+    """This checkout's ``app`` package mounted read-only over the image's, so the manifests are
+    played with the server as it is now, in the image's environment (the image is built once,
+    in minutes; the server code changes more often than its dependencies)."""
+    installed = engines.podman(
+        "run", "--rm", "--network", "none", "--entrypoint", "python", IMAGE,
+        "-c", "import app, os; print(os.path.dirname(app.__file__))",
+    ).stdout.strip()  # fmt: skip
+    pod = deployment["spec"]["template"]["spec"]
+    pod["volumes"].append({"name": "checkout-app", "hostPath": {"path": str(ROOT / "app"), "type": "Directory"}})
+    pod["containers"][0]["volumeMounts"].append({"name": "checkout-app", "mountPath": installed, "readOnly": True})
+    return deployment
+
+
 @pytest.fixture(scope="module")
 def played(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp = tmp_path_factory.mktemp("kube")
@@ -144,10 +196,15 @@ def played(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     volume = claim["metadata"]["name"]
     engines.podman("volume", "rm", "-f", volume, check=False)
     repository = _fill_volume(volume, broken=True)
+    deployments = [
+        _this_checkouts_server(_empty_dirs_as_the_kubelet_makes_them(_secret_as_files(d, tmp / "api-keys"), tmp))
+        for d in docs
+        if d["kind"] == "Deployment"
+    ]
     play = tmp / "play.yaml"
-    play.write_text(yaml.safe_dump_all([_secret(), *[d for d in docs if d["kind"] == "Deployment"]]), encoding="utf-8")
-    engines.podman("kube", "play", str(play), timeout=300)
+    play.write_text(yaml.safe_dump_all(deployments), encoding="utf-8")
     try:
+        engines.podman("kube", "play", str(play), timeout=300)
         yield f"http://127.0.0.1:{http_port}", repository
     finally:
         engines.podman("kube", "down", str(play), timeout=120, check=False)
@@ -180,8 +237,15 @@ def test_the_pod_runs_strictly_ready_with_keys_and_the_model_volume(played: tupl
                 interval_s=1, diagnostics=_logs)  # fmt: skip
     assert body["ready"] is False
     headers = {"Authorization": f"Bearer {CLIENT_KEY}"}
-    status, _, out = http("POST", f"{url}/v2/models/feed-ranker/infer", FEATURES, headers=headers)
-    assert status == 200 and len(out["outputs"][0]["data"]) == 1, out  # the good model serves meanwhile
+
+    def served() -> Any:
+        status, _, out = http("POST", f"{url}/v2/models/feed-ranker/infer", FEATURES, headers=headers)
+        return out if status == 200 else None
+
+    out = poll(served, 300, "the good model serving beside the broken one", interval_s=1, diagnostics=_logs)
+    assert len(out["outputs"][0]["data"]) == 1
+    status, _, body = http("GET", f"{url}/v2/health/ready")
+    assert status == 503 and "broken" in body["unavailable"], body  # strict: still unready
     assert http("POST", f"{url}/v2/models/feed-ranker/infer", FEATURES)[0] == 401
 
     shutil.rmtree(repository / "broken")  # what a fix published to the volume does

@@ -185,6 +185,21 @@ async def test_poll_mode_loads_new_versions_and_unloads_removed_models(
     assert (await infer(client))[0] == 404
 
 
+async def test_poll_mode_forgets_a_broken_folder_once_it_is_removed(make_client: MakeClient, tmp_path: Path) -> None:
+    """A model.toml that cannot be read keeps strict readiness at 503; removing its folder from
+    the repository is noticed by the poll, and the server turns ready."""
+    write_scale_model(tmp_path, "scale")
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "model.toml").write_text("name = \n")
+    client: Client = await make_client(tmp_path, wait=False, model_control_mode="poll", repository_poll_s=0.05)
+    await eventually(lambda: all(e.ready for e in client.app[REGISTRY].entries()) or None)
+    assert "broken" in client.app[REGISTRY].unavailable
+    assert (await client.get("/v2/health/ready")).status == 503
+    shutil.rmtree(tmp_path / "broken")
+    await eventually(lambda: "broken" not in client.app[REGISTRY].unavailable)
+    assert (await client.get("/v2/health/ready")).status == 200
+
+
 async def test_requests_queued_on_the_old_copy_finish_there(make_client: MakeClient, tmp_path: Path) -> None:
     """A reload swaps units: a request already queued on the old one is answered by it (the old
     factor), the ones after the swap by the new."""
