@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import ssl
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +52,7 @@ print(json.dumps({"settings": settings, "workers": workers, "torch": "torch" in 
 """
 
 
-def read_config(form: str, tmp: Path) -> dict[str, Any]:
+def read_config(form: str, tmp: Path, **extra: str) -> dict[str, Any]:
     write_unavailable(tmp / "nvml.json")  # CPU mode on any machine
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCORING_", "GPU_STAT_", "PROMETHEUS_"))}
     env.update(
@@ -59,6 +60,7 @@ def read_config(form: str, tmp: Path) -> dict[str, Any]:
         GPU_STAT_FAKE_NVML=str(tmp / "nvml.json"),
         SCORING_GRPC_PORT="0",
         PYTHONPATH=str(ROOT),
+        **extra,
     )
     env.pop("GUNICORN_CMD_ARGS", None)
     done = subprocess.run(
@@ -113,3 +115,16 @@ def test_the_console_command_shows_gunicorns_help() -> None:
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: scoring-server [OPTIONS] [APP_MODULE]")
     assert "--worker-class" in done.stdout and "--config CONFIG" in done.stdout
+
+
+def test_client_certificates_are_required_on_https_when_a_client_ca_is_set(tmp_path: Path) -> None:
+    """SCORING_CLIENT_CA_FILE gives gunicorn ca_certs and CERT_REQUIRED (the HTTP side of mutual
+    TLS; the gRPC side: tests/unit/test_grpc.py); without it, no client certificate is asked."""
+    from tests.support.tls import self_signed
+
+    cert, key = self_signed(tmp_path)
+    tls = {"SCORING_CERTFILE": str(cert), "SCORING_KEYFILE": str(key)}
+    mutual = read_config("gunicorn.conf.py", tmp_path, **tls, SCORING_CLIENT_CA_FILE=str(cert))["settings"]
+    assert mutual["ca_certs"] == repr(str(cert)) and mutual["cert_reqs"] == repr(int(ssl.CERT_REQUIRED))
+    plain = read_config("gunicorn.conf.py", tmp_path, **tls)["settings"]
+    assert plain["ca_certs"] == repr(None) and plain["cert_reqs"] == repr(int(ssl.CERT_NONE))
