@@ -304,9 +304,10 @@ class Settings(BaseSettings):
     )
     strict_readiness: bool = Field(
         True,
-        description="Readiness (GET /v2/health/ready) needs every model of the repository warm "
-        "(Triton's --strict-readiness, on by default there too), so a model that cannot load "
-        "keeps the pod unready; false: ready once every model that can load is warm and at "
+        description="Readiness (GET /v2/health/ready) needs every model of the repository "
+        "serving a warm version (Triton's --strict-readiness, on by default there too), so a "
+        "model that cannot load keeps the pod unready (a new version that fails beside a "
+        "serving one does not); false: ready once every model that can load is warm and at "
         "least one is, the others reported unavailable with their reason.",
     )
     model_load_retry_max_s: float = Field(

@@ -91,7 +91,7 @@ class ModelRegistry:
     #: Models of the repository that model control unloaded, or has not loaded (explicit mode):
     #: name -> why (their requests get 404; the index lists them UNAVAILABLE).
     unloaded: dict[str, str] = field(default_factory=dict)
-    #: Readiness needs every model of the repository warm (Triton's ``--strict-readiness``);
+    #: Readiness needs every model of the repository serving (Triton's ``--strict-readiness``);
     #: False: every model that can load has, and at least one is warm.
     strict: bool = False
     draining: bool = False
@@ -242,13 +242,19 @@ class ModelRegistry:
 
     @property
     def ready(self) -> bool:
-        """Server readiness: not draining, and every model warm (:attr:`strict`), or else every
-        model that can load warm and at least one of them."""
+        """Server readiness: not draining, and every model serving (:attr:`strict`: no folder
+        unavailable and every model with a warm version; a new version still loading, or one
+        whose load failed, beside a warm one does not count against it), or else every model
+        that can load warm and at least one of them."""
         if self.draining:
             return False
         entries = self.entries()
         if self.strict:
-            return bool(entries) and not self.unavailable and all(m.ready for m in entries)
+            return (
+                bool(entries)
+                and not self.unavailable
+                and all(any(m.ready for m in versions.values()) for versions in self.versions.values())
+            )
         return any(m.ready for m in entries) and all(m.ready or m.error is not None for m in entries)
 
 

@@ -200,6 +200,24 @@ async def test_poll_mode_forgets_a_broken_folder_once_it_is_removed(make_client:
     assert (await client.get("/v2/health/ready")).status == 200
 
 
+async def test_a_failed_new_version_beside_a_serving_one_keeps_strict_readiness(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Strict readiness (the default) asks that every model serves: a new version that fails to
+    load while the old one serves does not take the pod out of its Service (every pod would
+    leave at once, since the load goes to all of them); a model with no serving version does."""
+    write_scale_model(tmp_path, "scale", version="1", folder_name="scale-1")
+    client: Client = await make_client(tmp_path, model_control_mode="explicit")
+    marker = tmp_path / "break"
+    marker.touch()
+    write_scale_model(tmp_path, "scale", version="2", folder_name="scale-2", fail_load_if_exists=str(marker))
+    assert (await client.post(LOAD)).status == 400
+    assert client.app[REGISTRY].versions["scale"]["2"].error is not None
+    assert (await client.get("/v2/health/ready")).status == 200
+    status, body = await infer(client)
+    assert status == 200 and body["model_version"] == "1"
+
+
 async def test_requests_queued_on_the_old_copy_finish_there(make_client: MakeClient, tmp_path: Path) -> None:
     """A reload swaps units: a request already queued on the old one is answered by it (the old
     factor), the ones after the swap by the new."""
