@@ -57,7 +57,9 @@ def _toml_type(annotation: Any) -> str:
         return "string"
     if origin is list:
         (item,) = typing.get_args(annotation)
-        return "array of tables" if isinstance(item, type) and issubclass(item, msgspec.Struct) else "array of integers"
+        if isinstance(item, type) and issubclass(item, msgspec.Struct):
+            return "array of tables"
+        return "array of strings" if item is str else "array of integers"
     if origin is dict or (isinstance(annotation, type) and issubclass(annotation, msgspec.Struct)):
         return "table"
     return {bool: "boolean", int: "integer", float: "float"}[annotation]
@@ -74,8 +76,9 @@ def _toml_default(field: msgspec.structs.FieldInfo) -> str:
     if isinstance(value, str):
         return f'`"{value}"`'
     if isinstance(value, msgspec.Struct):  # version_policy: the keys that are set
-        shown = {k: v for k, v in msgspec.structs.asdict(value).items() if v not in (None, False)}
-        return "`{ " + ", ".join(f"{k} = {v}" for k, v in shown.items()) + " }`"
+        every = msgspec.structs.asdict(value)
+        shown = {k: v for k, v in every.items() if v not in (None, False)} or every
+        return "`{ " + ", ".join(f"{k} = {str(v).lower() if isinstance(v, bool) else v}" for k, v in shown.items()) + " }`"
     return f"`{value}`"
 
 
