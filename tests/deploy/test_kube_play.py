@@ -203,6 +203,7 @@ def played(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path
     ]
     play = tmp / "play.yaml"
     play.write_text(yaml.safe_dump_all(deployments), encoding="utf-8")
+    engines.podman("kube", "down", str(play), timeout=120, check=False)  # a run cut off before its teardown
     try:
         engines.podman("kube", "play", str(play), timeout=300)
         yield f"http://127.0.0.1:{http_port}", repository
