@@ -76,5 +76,6 @@ def test_metadata_names_the_handler_platform(demo: Gunicorn) -> None:
         "embedding": ("FP32", [-1, 384]),
         "score": ("FP32", [-1, 1]),
         "tokens": ("INT64", [-1, 1]),
+        "windows": ("INT64", [-1, 1]),
     }
     assert Path(ROOT / "model_repository" / "all-MiniLM-L6-v2" / "model.toml").is_file()
