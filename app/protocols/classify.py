@@ -25,6 +25,7 @@ import numpy as np
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
+from app.protocols.openai import input_texts
 from app.protocols.tensors import RequestLimits, decode_json
 
 TEXT, PROBABILITIES, TOKENS, WINDOWS = "text", "probabilities", "tokens", "windows"
@@ -76,12 +77,7 @@ def decode(body: bytes, limits: RequestLimits) -> ClassifyRequest:
         InvalidInput: malformed JSON, a field of the wrong type, no input, token arrays.
     """
     request = decode_json(_decoder, body, limits.max_json_depth, "classify request")
-    if isinstance(request.input, str):
-        request.input = [request.input]
-    if not request.input:
-        raise InvalidInput("input: give a string or a non-empty list of strings")
-    if not all(isinstance(text, str) for text in request.input):
-        raise InvalidInput("input: token arrays are not supported; send the texts as strings")
+    request.input = input_texts(request.input)
     limits.check_items(len(request.input), "input")
     return request
 

@@ -69,6 +69,20 @@ class EmbeddingResponse(msgspec.Struct):
 _decoder = msgspec.json.Decoder(EmbeddingRequest)
 
 
+def input_texts(value: str | list[Any]) -> list[str]:
+    """An OpenAI-style ``input`` as a non-empty list of strings (a lone string is one).
+
+    Raises:
+        InvalidInput: no input, or token arrays instead of strings.
+    """
+    texts = [value] if isinstance(value, str) else value
+    if not texts:
+        raise InvalidInput("input: give a string or a non-empty list of strings")
+    if not all(isinstance(text, str) for text in texts):
+        raise InvalidInput("input: token arrays are not supported; send the texts as strings")
+    return texts
+
+
 def decode(body: bytes, limits: RequestLimits) -> EmbeddingRequest:
     """The request, its ``input`` a non-empty list of strings (a lone string is one).
 
@@ -77,12 +91,7 @@ def decode(body: bytes, limits: RequestLimits) -> EmbeddingRequest:
             ``dimensions`` that is not positive.
     """
     request = decode_json(_decoder, body, limits.max_json_depth, "embeddings request")
-    if isinstance(request.input, str):
-        request.input = [request.input]
-    if not request.input:
-        raise InvalidInput("input: give a string or a non-empty list of strings")
-    if not all(isinstance(text, str) for text in request.input):
-        raise InvalidInput("input: token arrays are not supported; send the texts as strings")
+    request.input = input_texts(request.input)
     if request.dimensions is not None and request.dimensions < 1:
         raise InvalidInput("dimensions must be a positive number")
     return request

@@ -8,7 +8,9 @@ import asyncio
 import threading
 from pathlib import Path
 
-from tests.support.fixtures import Client, MakeClient
+from aiohttp import ClientResponse
+
+from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
 V2 = "/v2/models/scale/infer"
@@ -23,14 +25,12 @@ async def test_an_overloaded_pod_answers_its_probes(make_client: MakeClient, tmp
     one = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
     held = asyncio.create_task(client.post(V2, json=stuck))  # holds the inference thread
     try:
-        refused = None
-        for _ in range(200):  # until admission refuses: the model is far behind its deadlines
+        async def refused_for_load() -> ClientResponse | None:  # the model is far behind its deadlines
             resp = await client.post(V2, json=one)
-            if resp.status == 503:
-                refused = resp
-                break
-            await asyncio.sleep(0.01)
-        assert refused is not None and int(refused.headers["Retry-After"]) >= 1
+            return resp if resp.status == 503 else None
+
+        refused = await eventually(refused_for_load, 10.0)
+        assert int(refused.headers["Retry-After"]) >= 1
         assert "unavailable" not in await refused.text(), "refused for load, not a missing model"
         assert (await client.get("/v2/health/ready")).status == 200
         assert (await client.get("/v2/health/live")).status == 200

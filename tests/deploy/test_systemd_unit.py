@@ -12,6 +12,7 @@ their engines*)."""
 from __future__ import annotations
 
 import shlex
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,36 +21,13 @@ import pytest
 from benchmarks.driver import free_port, http, poll
 from tests.support import engines
 from tests.support.gunicorn import ROOT
+from tests.support.toy_models import write_scale_model
 
 pytestmark = [pytest.mark.systemd, pytest.mark.skipif(engines.missing() is not None, reason=str(engines.missing()))]
 
 UNIT = ROOT / "deploy" / "systemd" / "scoring-server.service"
 NAME = "scoring-server"
 BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
-SCALE_TOML = """
-name = "scale"
-format = "handler"
-handler = "tests.support.toy_models:ScaleHandler"
-max_batch_size = 8
-max_queue_delay_ms = 0.0
-[[inputs]]
-name = "x"
-datatype = "FP32"
-shape = [2]
-[[inputs]]
-name = "tag"
-datatype = "BYTES"
-shape = [1]
-optional = true
-[[outputs]]
-name = "y"
-datatype = "FP32"
-shape = [2]
-[[outputs]]
-name = "tag_length"
-datatype = "INT64"
-shape = [1]
-"""
 
 
 def _python_home() -> str:
@@ -81,12 +59,18 @@ def _drop_in(port: int, extra: str = "") -> str:
     )
 
 
+def _scale_toml() -> str:
+    """The toy scale model's model.toml, as the in-process tests write it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        return (write_scale_model(Path(tmp), max_queue_delay_ms=0.0) / "model.toml").read_text()
+
+
 def _install(host: engines.SystemdHost, drop_in: str) -> None:
     script = f"""
 set -e
 id scoring >/dev/null 2>&1 || useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin scoring
 mkdir -p /srv/model-repository/scale /etc/systemd/system/{NAME}.service.d
-printf '%s' {shlex.quote(SCALE_TOML)} > /srv/model-repository/scale/model.toml
+printf '%s' {shlex.quote(_scale_toml())} > /srv/model-repository/scale/model.toml
 cp {shlex.quote(str(UNIT))} /etc/systemd/system/{NAME}.service
 printf '%s\\n' {shlex.quote(drop_in)} > /etc/systemd/system/{NAME}.service.d/paths.conf
 systemctl daemon-reload

@@ -17,12 +17,13 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from benchmarks.driver import poll
 
 PODMAN = shutil.which("podman")
 RUNC = shutil.which("runc")
@@ -89,14 +90,11 @@ def systemd_host(boot_timeout_s: float = 90) -> Iterator[SystemdHost]:
     )  # fmt: skip
     host = SystemdHost(name)
     try:
-        deadline = time.monotonic() + boot_timeout_s
-        while True:  # "starting" still manages units; "offline" means no systemd yet
+        def managing() -> bool:  # "starting" still manages units; "offline" means no systemd yet
             state = host.sh("systemctl is-system-running", check=False).stdout.strip()
-            if state in ("starting", "running", "degraded"):
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError(f"systemd did not come up in {boot_timeout_s} s: {state!r}")
-            time.sleep(0.5)
+            return state in ("starting", "running", "degraded")
+
+        poll(managing, boot_timeout_s, "systemd managing units", interval_s=0.5)
         yield host
     finally:
         podman("rm", "-f", "-t", "5", name, check=False)
