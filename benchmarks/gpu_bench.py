@@ -6,11 +6,15 @@
    ``max_batch_size``: ``ModelRunner.forward`` p50 at 1 and 8 items (ms; copies to and from the
    device included, no HTTP: ``benchmarks.batching.in_process``'s figure), items/s at the max batch size,
    and the device memory reserved after the load (MiB).
-2. **all-MiniLM-L6-v2**, ``dtype`` float32 and float16 (``attn_implementation = "sdpa"``): p50
-   at 8 texts and items/s at 32 and 128 texts of the text set (those of them ``--texts`` allows).
+2. **all-MiniLM-L6-v2**, ``dtype`` float32 and float16 (``attn_implementation = "sdpa"``), each
+   eager and with CUDA graphs (``cuda_graph_batch_sizes`` = powers of two up to its
+   ``max_batch_size``, token buckets by default: :mod:`app.handlers.text_graphs`): p50 at 8
+   texts and items/s at 32 and 128 texts of the text set (those of them ``--texts`` allows;
+   128 strings are above the largest graph and run eagerly).
 3. **float16 accuracy**: the cosine of each float16 embedding to its float32 one over the text
    set (:func:`benchmarks.payloads.feed_texts`: titles of 5-15 words and descriptions of 40-200
-   words, seeded, drawn from the tokenizer's vocabulary): mean, 1st percentile and min.
+   words, seeded, drawn from the tokenizer's vocabulary): mean, 1st percentile and min; and the
+   same of the graphs' float32 embeddings to the eager ones.
 
 It prints each figure, the two targets (feed-ranker with graphs: p50 at 8 items <= 0.08 ms;
 float16: min cosine >= 0.999) and writes every figure to ``--out`` (JSON). A measurement, not a
@@ -166,18 +170,27 @@ def minilm(repository: Path, device: Any, seconds: float, count: int) -> dict[st
     """p50 at 8 texts and items/s at 32 and 128, float32 and float16; float16's accuracy over
     ``count`` texts of :func:`benchmarks.payloads.feed_texts`."""
     rows: dict[str, Any] = {}
-    runners = {
-        "float32": load(minilm_config(repository), device),
-        "float16": load(minilm_config(repository, dtype="float16", attn_implementation="sdpa"), device),
+    fp32 = minilm_config(repository)
+    fp16 = minilm_config(repository, dtype="float16", attn_implementation="sdpa")
+    sizes = powers_of_two(fp32.max_batch_size)
+    configs = {
+        "float32": fp32,
+        "float16": fp16,
+        "float32_graphs": with_graphs(fp32, sizes),
+        "float16_graphs": with_graphs(fp16, sizes),
     }
+    runners = {name: load(config, device) for name, config in configs.items()}
     texts = feed_texts(tokenizer_words(runners["float32"].handler.model.tokenizer), count)
     for name, runner in runners.items():
         rows[name] = {"p50_ms_at_8": p50_ms(runner, texts_input(texts[:8]), seconds)}
         for items in (n for n in (32, 128) if n <= len(texts)):
             rows[name][f"items_per_s_at_{items}"] = per_s(runner, texts_input(texts[:items]), seconds)
+        rows[name]["graph_shapes"] = len(getattr(runner.handler, "cuda_graph_shapes", []))
         print(f"all-MiniLM-L6-v2 {name}: {rows[name]}", flush=True)
     rows["fp16_accuracy"] = fp16_agreement(runners["float32"], runners["float16"], texts)
     print(f"float16 vs float32 cosine: {rows['fp16_accuracy']}", flush=True)
+    rows["graphs_accuracy"] = fp16_agreement(runners["float32"], runners["float32_graphs"], texts)
+    print(f"float32 graphs vs eager cosine: {rows['graphs_accuracy']}", flush=True)
     return rows
 
 

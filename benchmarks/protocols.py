@@ -49,9 +49,19 @@ def perf_analyzer_options(parser: argparse.ArgumentParser, stability: float) -> 
 def perf_analyzer(
     url: str, protocol: str, model: str, *options: str, timeout: float
 ) -> subprocess.CompletedProcess[str]:
-    """One ``scripts/perf_analyzer`` run against ``url`` over ``protocol``, its output captured."""
+    """One ``scripts/perf_analyzer`` run against ``url`` over ``protocol``, its output captured; one
+    that runs past ``timeout`` seconds is killed and reported with exit status 124 and the output
+    it had written."""
     command = [str(PERF_ANALYZER), "-m", model, "-u", url, *PROTOCOLS[protocol], *options]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    try:
+        return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+
+        def text(out: bytes | str | None) -> str:
+            return out.decode(errors="replace") if isinstance(out, bytes) else out or ""
+
+        output = f"{text(exc.stdout)}{text(exc.stderr)}\n(killed after {timeout:.0f} s)"
+        return subprocess.CompletedProcess(command, 124, output, "")
 
 
 def run_level(
@@ -131,7 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         tempfile.TemporaryDirectory() as tmp,
         server.start(Path(tmp), args.repository, args.model, args.workers) as srv,
     ):
-        srv.wait_ready(300, count=args.workers)
+        srv.wait_ready(120, count=args.workers)
+        print(f"server ready: {len(srv.workers())} worker(s)", flush=True)
         for protocol in args.protocols:
             url = srv.grpc_url if protocol == "grpc" else f"{HOST}:{srv.port}"
             if protocol == "grpc":
@@ -145,6 +156,7 @@ def main(argv: list[str] | None = None) -> None:
                     continue
             rows = []
             for c in args.concurrency:
+                print(f"{protocol}: concurrency {c} ...", flush=True)
                 before = worker_items(srv.scrape())
                 row = run_level(url, protocol, args.model, c, args)
                 row["worker_share"] = worker_shares(before, worker_items(srv.scrape()))

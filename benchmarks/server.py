@@ -8,6 +8,7 @@ The launcher is the tests' (:class:`tests.support.gunicorn.Gunicorn`): gunicorn 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
@@ -30,14 +31,16 @@ def start(
     config: str | Path = "gunicorn.conf.py",
 ) -> Gunicorn:
     """gunicorn on 127.0.0.1 serving ``models`` (comma-separated; "" = all) of ``repository``
-    with ``workers`` workers, access log off. ``SCORING_*`` settings of this process's
-    environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``, ``SCORING_TORCH_THREADS``),
-    ``env`` over them; ``root``: the checkout whose server runs. Not yet ready: call
-    ``wait_ready``."""
+    with ``workers`` workers (on a GPU host: ``workers`` per GPU, ``SCORING_MAX_PROCESSES_PER_GPU``,
+    so that ``wait_ready(count=workers)`` is met there too), access log off. ``SCORING_*`` settings
+    of this process's environment pass through (e.g. ``SCORING_MAX_PROCESSES_PER_GPU``,
+    ``SCORING_TORCH_THREADS``), ``env`` over them; ``root``: the checkout whose server runs. Not
+    yet ready: call ``wait_ready``."""
     settings = {
         "SCORING_MODEL_REPOSITORY": str(repository),
         "SCORING_MODELS": models,
         "SCORING_WORKERS": str(workers),
+        "SCORING_MAX_PROCESSES_PER_GPU": os.environ.get("SCORING_MAX_PROCESSES_PER_GPU", str(workers)),
         "SCORING_ACCESS_LOG": "",
         "SCORING_LOG_LEVEL": "warning",
         **(env or {}),

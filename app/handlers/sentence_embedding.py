@@ -50,6 +50,12 @@ Outputs:
 ``call_overhead_tokens`` (number >= 0, may be ``inf``)
     What one forward call costs beyond its tokens, in tokens' worth of time; default: measured
     at load (one call of 16 tokens against one of 8 x 64). It decides the length groups below.
+``cuda_graph_sequence_lengths`` (list of int, tokens)
+    With ``cuda_graph_batch_sizes`` in ``model.toml`` (strings per forward call) and a CUDA
+    device, the torch pipeline is captured as CUDA graphs at load, one per (strings, tokens)
+    pair, and a batch runs padded to the smallest that holds it (:mod:`app.handlers.text_graphs`):
+    these are the token buckets, ascending, each <= ``max_seq_length``; default 16, 32, 64, ...
+    up to ``max_seq_length``. Ignored on the CPU; not with ``backend = "onnx"``.
 ``backend`` (str)
     ``"torch"`` (default) or ``"onnx"``: the transformer runs as an ONNX graph in ONNX Runtime
     (``onnx_file``, default ``"model.onnx"`` in the model's folder), tokenizer, pooling and
@@ -78,6 +84,7 @@ from __future__ import annotations
 import copy
 import importlib
 import itertools
+import logging
 import math
 import threading
 import time
@@ -93,8 +100,11 @@ import torch.nn.functional as F
 from sentence_transformers import SentenceTransformer
 from transformers.utils import logging as transformers_logging
 
+from app.errors import ModelLoadError
 from app.handlers import onnx_encoder
 from app.handlers import windows as windowing
+from app.handlers.text_graphs import TextGraphs, default_sequence_lengths
+from app.models.torch_formats import CAPTURE_LOCK
 
 __all__ = [
     "EmbeddingOutputs",
@@ -114,12 +124,14 @@ _PARAMETERS = (
     "dtype",
     "attn_implementation",
     "call_overhead_tokens",
+    "cuda_graph_sequence_lengths",
     *onnx_encoder.PARAMETERS,
     *windowing.PARAMETERS,
 )
 #: The two calls timed at load to measure a call's overhead: (strings, tokens each).
 _CALIBRATION = ((1, 16), (8, 64))
 _ATTENTION = ("sdpa", "eager")
+log = logging.getLogger(__name__)
 
 
 class TensorSpecLike(Protocol):
@@ -336,6 +348,17 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
         raise ValueError(
             f"parameters.attn_implementation must be one of {list(_ATTENTION)}, got {attention!r}"
         )
+    lengths = parameters.get("cuda_graph_sequence_lengths")
+    if lengths is not None and (
+        not isinstance(lengths, list)
+        or not lengths
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in lengths)
+        or lengths != sorted(set(lengths))
+    ):
+        raise ValueError(
+            "parameters.cuda_graph_sequence_lengths must be ascending positive token counts without "
+            f"repeats, e.g. [16, 32, 64, 128], got {lengths!r}"
+        )
     onnx_encoder.check_parameters(parameters)
 
 
@@ -358,6 +381,8 @@ class SentenceEmbeddingHandler:
         self.call_overhead_tokens = math.inf
         #: What the model does with long texts (``truncation``: "truncate" unless it says).
         self.window_policy = windowing.WindowPolicy("truncate", 512, 0)
+        #: The torch pipeline's CUDA graphs (None: eager).
+        self.graphs: TextGraphs | None = None
 
     @property
     def model(self) -> SentenceTransformer:
@@ -375,6 +400,11 @@ class SentenceEmbeddingHandler:
     def max_seq_length(self) -> int:
         """Tokens kept per string; longer strings are truncated."""
         return int(self.model.max_seq_length or 0)
+
+    @property
+    def cuda_graph_shapes(self) -> list[tuple[int, int]]:
+        """The (strings, tokens) shapes captured as CUDA graphs at load (empty: eager)."""
+        return self.graphs.shapes if self.graphs is not None else []
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only.
@@ -431,8 +461,54 @@ class SentenceEmbeddingHandler:
         self._model = model
         if onnx:
             self._load_onnx(device, config)
+        self._capture_graphs(device, config)
         overhead = parameters.get("call_overhead_tokens")
         self.call_overhead_tokens = float(overhead) if overhead is not None else self._measure_call_overhead()
+
+    def _capture_graphs(self, device: torch.device, config: ModelConfigLike) -> None:
+        """Capture the torch pipeline as CUDA graphs (:mod:`app.handlers.text_graphs`) when
+        ``model.toml`` names ``cuda_graph_batch_sizes`` and the device is a GPU.
+
+        Raises:
+            ValueError: graphs asked of the ONNX backend, or a token bucket over
+                ``max_seq_length``.
+            ModelLoadError: the pipeline cannot be captured.
+        """
+        rows = list(getattr(config, "cuda_graph_batch_sizes", None) or [])
+        if not rows:
+            return
+        if self.onnx is not None:
+            raise ValueError('cuda_graph_batch_sizes applies to backend = "torch", not "onnx"')
+        lengths = config.parameters.get("cuda_graph_sequence_lengths") or default_sequence_lengths(
+            self.max_seq_length
+        )
+        if lengths[-1] > self.max_seq_length:
+            raise ValueError(
+                f"parameters.cuda_graph_sequence_lengths {lengths} go past "
+                f"max_seq_length {self.max_seq_length}"
+            )
+        if device.type != "cuda":
+            log.info("model %s: cuda_graph_batch_sizes ignored on %s (CUDA graphs need a CUDA device)",
+                     config.name, device)  # fmt: skip
+            return
+        names = sorted(self._on_device(self.model.preprocess(["graph"])))
+        try:
+            self.graphs = TextGraphs.capture(self._encode_torch, names, rows, lengths, device)
+        except Exception as exc:
+            raise ModelLoadError(
+                f"model {config.name}: cannot capture it as CUDA graphs ({exc}); remove "
+                "cuda_graph_batch_sizes from its model.toml to run it eagerly"
+            ) from exc
+        self._encode = self.graphs
+
+    def close(self) -> None:
+        """Drop the CUDA graphs once the device has run what they launched (as
+        ``app.models.torch_formats``' handlers do: never during another model's capture)."""
+        if self.graphs is not None:
+            with CAPTURE_LOCK:
+                torch.cuda.synchronize(self._device)
+            self.graphs = None
+            self._encode = self._encode_torch
 
     def _load_onnx(self, device: torch.device, config: ModelConfigLike) -> None:
         """Open the ONNX graph, check ``min_cosine`` against the torch pipeline (on the CPU), then

@@ -167,7 +167,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
     #: Batch sizes (ascending, each <= ``max_batch_size``) at which a ``torch_export`` or
     #: ``torchscript`` model on a CUDA device is captured as one CUDA graph each at load; a
     #: batch runs as the graph of the smallest size that holds it, padded with zeros. Empty =
-    #: off; ignored on the CPU (``app.models.torch_formats.GraphBuckets``).
+    #: off; ignored on the CPU (``app.models.torch_formats.GraphBuckets``). A handler that
+    #: captures graphs (the text handlers: strings per forward call, with token buckets of
+    #: their own, ``app.handlers.text_graphs``) reads it too; other handlers refuse it at load.
     cuda_graph_batch_sizes: list[int] = msgspec.field(default_factory=list)
     allow_non_finite: bool = False
     #: Admission policy (app.serving.admission): "measured_rate" (admission by time at the
@@ -288,9 +290,11 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         if not sizes:
             return
         where = f"{self.where}: cuda_graph_batch_sizes"
-        if self.format not in ("torch_export", "torchscript"):
-            kind = "handlers" if self.format == "handler" else f"{self.format} models"
-            raise ModelLoadError(f"{where} applies to torch_export and torchscript models, not {kind}")
+        if self.format not in ("torch_export", "torchscript", "handler"):
+            raise ModelLoadError(
+                f"{where} applies to torch_export and torchscript models and the text handlers, "
+                f"not {self.format} models"
+            )
         if sizes != sorted(set(sizes)):
             raise ModelLoadError(f"{where} must be ascending without repeats, e.g. [1, 2, 4, 8], got {sizes}")
         if sizes[0] < 1 or sizes[-1] > self.max_batch_size:
@@ -298,7 +302,7 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 f"{where} must lie in 1..max_batch_size ({self.max_batch_size}), got {sizes}"
             )
         variable = [s.name for s in self.inputs if -1 in s.shape]
-        if variable:
+        if variable and self.format != "handler":
             raise ModelLoadError(
                 f"{where}: a CUDA graph replays fixed shapes, but inputs {variable} have a variable (-1) "
                 "dimension"

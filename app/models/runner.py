@@ -175,6 +175,12 @@ class ModelRunner:
         start = time.perf_counter()
         self.device = device
         self.streams = Streams(device)
+        graphs = self.config.format == "handler" and self.config.cuda_graph_batch_sizes
+        if graphs and not hasattr(self.handler, "cuda_graph_shapes"):
+            raise ModelLoadError(
+                f"model {self.config.name}: handler {self.config.handler!r} does not capture CUDA graphs; "
+                "remove cuda_graph_batch_sizes from its model.toml"
+            )
         try:
             self.handler.load(device, self.config)
         except ModelLoadError:

@@ -17,9 +17,10 @@ PyTorch's CUDA Graphs notes for the capture itself.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import logging
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,12 +36,43 @@ log = logging.getLogger(__name__)
 #: allows one capture at a time in a process (``torch.cuda.graph``), and a device-wide
 #: synchronisation during another thread's capture would break it. Two models can load at once
 #: (a failed load retried beside another).
-_CAPTURING = threading.Lock()
+CAPTURE_LOCK = threading.Lock()
 
 #: Eager runs of each batch size before its capture, on the capture stream: lazy
 #: initialisation (cuBLAS handles and workspaces, TorchScript's profiling runs) must not
 #: happen inside a capture. PyTorch's CUDA Graphs notes and ``make_graphed_callables`` use 3.
 CAPTURE_WARMUP_RUNS = 3
+
+
+@contextlib.contextmanager
+def capturing(device: torch.device) -> Iterator[tuple[Any, Any]]:
+    """Where graphs are captured on CUDA ``device``: :data:`CAPTURE_LOCK` held, inference mode, a
+    side stream that first waits for the current one and is made current; yields (memory pool,
+    stream) for :func:`capture_graph`. After the block the current stream waits for the side
+    stream. PyTorch's CUDA Graphs notes ("Whole-network capture")."""
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with CAPTURE_LOCK, torch.inference_mode(), torch.cuda.stream(stream):
+        yield pool, stream
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def capture_graph(call: Callable[[], Any], pool: Any, stream: Any) -> tuple[Any, Callable[[], object]]:
+    """Run ``call`` :data:`CAPTURE_WARMUP_RUNS` times on ``stream``, then capture it as one CUDA
+    graph into memory pool ``pool`` (``torch.cuda.graph_pool_handle()``), in ``thread_local``
+    mode; returns what the captured call returned (the static outputs each replay overwrites)
+    and the graph's ``replay``. Call it with :data:`CAPTURE_LOCK` held and ``stream`` current.
+
+    Raises:
+        RuntimeError: whatever CUDA or PyTorch raised when ``call`` cannot be captured.
+    """
+    for _ in range(CAPTURE_WARMUP_RUNS):
+        call()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+        outputs = call()
+    return outputs, graph.replay
 
 
 def _map_outputs(fn: Callable[[torch.Tensor], torch.Tensor], outputs: Any) -> Any:
@@ -145,20 +177,12 @@ class GraphBuckets:
                 the default stream, or changes shape with the data): whatever CUDA or
                 PyTorch raised.
         """
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        stream.wait_stream(torch.cuda.current_stream(device))
         buckets = []
-        with _CAPTURING, torch.inference_mode(), torch.cuda.stream(stream):
+        with capturing(device) as (pool, stream):
             for size in sorted(sizes, reverse=True):
                 inputs = [torch.from_numpy(spec.filled(size)).to(device) for spec in specs]
-                for _ in range(CAPTURE_WARMUP_RUNS):
-                    module(*inputs)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
-                    outputs = module(*inputs)
-                buckets.append(Bucket(size, inputs, outputs, graph.replay))
-        torch.cuda.current_stream(device).wait_stream(stream)
+                outputs, replay = capture_graph(lambda: module(*inputs), pool, stream)  # noqa: B023
+                buckets.append(Bucket(size, inputs, outputs, replay))
         return cls(buckets, module)
 
 
@@ -234,7 +258,7 @@ class _TensorHandler:
         """Drop the module and its CUDA graphs, the graphs once the device has run what they
         launched (their static tensors and memory pool go back to the allocator with them)."""
         if isinstance(self._forward, GraphBuckets):
-            with _CAPTURING:
+            with CAPTURE_LOCK:
                 torch.cuda.synchronize(self._device)
         self._module = self._forward = None
 

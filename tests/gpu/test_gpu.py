@@ -10,7 +10,8 @@ torch sees no CUDA device (tests/conftest.py). On the GPU machine::
   float32 on CUDA, min cosine >= 0.999 over 1,000 texts of varied length;
 - **CUDA graphs** (``cuda_graph_batch_sizes``): the feed-ranker, torch.export and TorchScript,
   matches its eager self at batch sizes on, between and above the buckets, directly and through
-  the staged pipeline, and a batch's outputs survive the next replay;
+  the staged pipeline, and a batch's outputs survive the next replay; all-MiniLM-L6-v2's
+  graphs per (strings, tokens) bucket match its eager self, directly and staged;
 - **binding** on the real NVML (no ``GPU_STAT_FAKE_NVML``): the checks of
   ``benchmarks/gpu_check.py`` (``check_nvml``, ``check_binding``) under real gunicorn.
 
@@ -67,6 +68,8 @@ FP16_MIN_COSINE = 0.999
 FP16_TEXTS = 1000
 #: Graph buckets for the feed-ranker (max_batch_size 256): batches of 129-256 items run eagerly.
 BUCKETS = [1, 2, 4, 8, 16, 32, 64, 128]
+#: Row buckets for all-MiniLM-L6-v2 (max_batch_size 32).
+MINILM_ROWS = [1, 2, 4, 8, 16, 32]
 
 
 def features(items: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -95,7 +98,9 @@ async def staged(runner: ModelRunner, requests: list[dict[str, np.ndarray]]) -> 
     batcher.start()
     deadline = asyncio.get_running_loop().time() + 120
     try:
-        return list(await asyncio.gather(*(batcher.infer(r, RequestContext("-", deadline)) for r in requests)))
+        return list(
+            await asyncio.gather(*(batcher.infer(r, RequestContext("-", deadline)) for r in requests))
+        )
     finally:
         await batcher.stop()
         for pool in (threads.inference, threads.prepare, threads.finish):
@@ -223,7 +228,10 @@ def graphed(
 ) -> Iterator[dict[str, ModelRunner]]:
     """The feed-ranker on CUDA, eager and with ``cuda_graph_batch_sizes = BUCKETS``."""
     config = ranker_config(request.param, tmp_path_factory.mktemp(request.param))
-    runners = {"eager": load(with_graphs(config, []), CUDA), "graphs": load(with_graphs(config, BUCKETS), CUDA)}
+    runners = {
+        "eager": load(with_graphs(config, []), CUDA),
+        "graphs": load(with_graphs(config, BUCKETS), CUDA),
+    }
     yield runners
     for runner in runners.values():
         runner.close()
@@ -263,6 +271,46 @@ async def test_cuda_graphs_staged_match_eager(
     assert_no_serial_fallback(caplog)
     for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):
         assert_close(answer, graphed["eager"].forward(request), RANKER_ATOL, f"request {i}")
+
+
+@pytest.fixture(scope="module")
+def minilm_graphed() -> Iterator[ModelRunner]:
+    """all-MiniLM-L6-v2 float32 on CUDA with ``cuda_graph_batch_sizes = MINILM_ROWS`` and the
+    default token buckets (16 ... 256)."""
+    runner = load(with_graphs(minilm_config(REPOSITORY), MINILM_ROWS), CUDA)
+    yield runner
+    runner.close()
+
+
+def test_minilm_graphs_are_captured_for_every_shape(minilm_graphed: ModelRunner) -> None:
+    shapes = minilm_graphed.handler.cuda_graph_shapes  # type: ignore[attr-defined]
+    assert shapes == [(r, t) for r in MINILM_ROWS for t in (16, 32, 64, 128, 256)]
+
+
+@pytest.mark.parametrize("items", [1, 3, 8, 13, 32])
+def test_minilm_graphs_match_eager(
+    minilm: dict[str, ModelRunner], minilm_graphed: ModelRunner, texts: list[str], items: int
+) -> None:
+    """Texts of 5 to 200 words, every other item with a query: strings (rows) on, between and
+    above the row buckets (32 items with 16 queries: 48 rows, eager), tokens padded to a bucket."""
+    request = minilm_request(texts, 3 * items, items)
+    assert_minilm_close(minilm_graphed.forward(request), minilm["cuda"].forward(request), f"{items} items")
+
+
+async def test_minilm_graphs_staged_match_eager(
+    minilm: dict[str, ModelRunner],
+    minilm_graphed: ModelRunner,
+    texts: list[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Batches in flight on the pipeline's three threads replay the same graphs: each keeps its own
+    outputs."""
+    requests = [minilm_request(texts, 11 * i, 1 + i % 9) for i in range(48)]
+    with caplog.at_level(logging.INFO):
+        answers = await staged(minilm_graphed, requests)
+    assert_no_serial_fallback(caplog)
+    for i, (request, answer) in enumerate(zip(requests, answers, strict=True)):
+        assert_minilm_close(answer, minilm["cuda"].forward(request), f"request {i}")
 
 
 # --- binding on the real NVML -----------------------------------------------------------------

@@ -210,7 +210,7 @@ def test_cuda_graphs_do_not_apply_to_onnx(tmp_path: Path) -> None:
         tmp_path, "ranker", toml=_toml(**{"[1, 16]": "[1, 16]\ncuda_graph_batch_sizes = [1]"})
     )
     with pytest.raises(
-        ModelLoadError, match="applies to torch_export and torchscript models, not onnx models"
+        ModelLoadError, match="applies to torch_export and torchscript models and the text handlers, not onnx models"
     ):
         read_config(folder)
 
