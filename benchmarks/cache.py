@@ -61,12 +61,21 @@ def lru_hits(sequence: Sequence[int] | np.ndarray, capacity: int) -> int:
     return hits
 
 
-def sent_items(ranks: np.ndarray, items: int, requests: int, concurrency: int) -> np.ndarray:
-    """The items of the requests a closed loop of ``concurrency`` clients sent (client i sends
-    requests i, i + c, i + 2c, ...; ``benchmarks.driver.cycling``), in request order."""
+def sent_items(ranks: np.ndarray, items: int, requests: int, concurrency: int, start: int = 0) -> np.ndarray:
+    """The items of the requests a closed loop of ``concurrency`` clients sent over the request
+    sequence rotated to begin at request ``start`` (client i sends requests i, i + c, i + 2c, ...;
+    ``benchmarks.driver.cycling``), in request order."""
     per_client = -(-requests // concurrency)
     sent = sorted(i + k * concurrency for i in range(concurrency) for k in range(per_client))[:requests]
-    return ranks.reshape(-1, items)[np.array(sent, dtype=np.int64) % (len(ranks) // items)].ravel()
+    order = (start + np.array(sent, dtype=np.int64)) % (len(ranks) // items)
+    return ranks.reshape(-1, items)[order].ravel()
+
+
+def lru_hits_after(history: Sequence[np.ndarray], seen: np.ndarray, capacity: int) -> int:
+    """Hits of an LRU of ``capacity`` entries over ``seen`` alone, its state being what
+    ``history`` (the items sent before, in order) left in it."""
+    before = np.concatenate(history) if history else np.zeros(0, dtype=np.int64)
+    return lru_hits(np.concatenate([before, seen]), capacity) - lru_hits(before, capacity)
 
 
 def repository(tmp: Path, demo: Path) -> Path:
@@ -112,33 +121,56 @@ def main(argv: list[str] | None = None) -> None:
         repo = repository(tmp, args.repository)
         with server.start(tmp, repo, f"{CACHED},{PLAIN}", args.workers) as srv:
             srv.wait_ready(600, count=args.workers)
-            for concurrency in sorted(args.concurrency, reverse=True):
-                for model in (PLAIN, CACHED):
-                    before = cache_counts(srv.scrape(), model)
-                    url = f"{srv.url}/v2/models/{model}/infer"
-                    row = asyncio.run(driver.drive(url, bodies, args.items, concurrency, args.seconds))
-                    row["model"] = model
-                    if model == CACHED:
-                        hits, misses = (
-                            a - b for a, b in zip(cache_counts(srv.scrape(), model), before, strict=True)
-                        )
-                        row["hit_ratio"] = hits / max(1.0, hits + misses)
-                        first = not any(r["model"] == CACHED for r in rows)
-                        if first:  # a cold store: the ideal LRU sees the same requests from the start
-                            seen = sent_items(ranks, args.items, row["requests"] + row["errors"], concurrency)
-                            row["ideal_lru_hit_ratio"] = lru_hits(seen, args.store_items) / max(1, len(seen))
-                            row["lru_hit_ratio_by_capacity"] = {
-                                str(c): lru_hits(seen, c) / max(1, len(seen)) for c in args.lru_sizes
-                            }
-                    rows.append(row)
-                    print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
+            rows = measure(srv, bodies, ranks, args)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     result = report.record(
         benchmark="cache", pool=args.pool, s=args.s, items=args.items, seconds=args.seconds,
+        warm_seconds=args.warm_seconds, warm_concurrency=args.warm_concurrency,
         workers=args.workers, store_items=args.store_items, runs=rows,
     )  # fmt: skip
     report.write_json(args.out, result)
+
+
+def measure(srv: Any, bodies: list[bytes], ranks: np.ndarray, args: Any) -> list[dict[str, Any]]:
+    """The runs: the warm-up of the cached model, then per level the uncached and the cached
+    model on the same stretch of the request sequence, each stretch continuing where the cached
+    model's last run stopped (a feed's stream of requests goes on; the store stays warm)."""
+    rows: list[dict[str, Any]] = []
+    history: list[np.ndarray] = []  # the items the cached model was sent, in order
+    offset = 0
+
+    def drive(model: str, concurrency: int, seconds: float) -> dict[str, Any]:
+        rotated = bodies[offset:] + bodies[:offset]
+        url = f"{srv.url}/v2/models/{model}/infer"
+        row: dict[str, Any] = asyncio.run(driver.drive(url, rotated, args.items, concurrency, seconds))
+        row["model"] = model
+        return row
+
+    plan = [(args.warm_concurrency, [(CACHED, args.warm_seconds)])] if args.warm_seconds > 0 else []
+    plan += [
+        (c, [(PLAIN, args.seconds), (CACHED, args.seconds)]) for c in sorted(args.concurrency, reverse=True)
+    ]
+    for concurrency, runs in plan:
+        for model, seconds in runs:
+            before = cache_counts(srv.scrape(), model)
+            row = drive(model, concurrency, seconds)
+            row["concurrency"], row["warm_up"] = concurrency, len(runs) == 1
+            if model == CACHED:
+                hits, misses = (a - b for a, b in zip(cache_counts(srv.scrape(), model), before, strict=True))
+                row["hit_ratio"] = hits / max(1.0, hits + misses)
+                seen = sent_items(ranks, args.items, row["requests"] + row["errors"], concurrency, offset)
+                row["ideal_lru_hit_ratio"] = lru_hits_after(history, seen, args.store_items) / max(
+                    1, len(seen)
+                )
+                row["lru_hit_ratio_by_capacity"] = {
+                    str(c): lru_hits_after(history, seen, c) / max(1, len(seen)) for c in args.lru_sizes
+                }
+                history.append(seen)
+                offset = (offset + row["requests"] + row["errors"]) % len(bodies)
+            rows.append(row)
+            print({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()}, flush=True)
+    return rows
 
 
 def parse(argv: list[str] | None) -> Any:
@@ -148,6 +180,11 @@ def parse(argv: list[str] | None) -> Any:
     result.add_argument("--items", type=int, default=8, help="items per request")
     result.add_argument("--requests", type=int, default=20_000, help="requests prepared (cycled)")
     result.add_argument("--seconds", type=float, default=8.0, help="length of each closed-loop run")
+    result.add_argument(
+        "--warm-seconds", type=float, default=0.0,
+        help="a run of the cached model before the measured ones (0: the store starts cold)",
+    )  # fmt: skip
+    result.add_argument("--warm-concurrency", type=int, default=8, help="closed-loop clients of the warm-up")
     result.add_argument("--concurrency", type=server.levels, default=[1, 64])
     result.add_argument(
         "--store-items", type=int, default=163_000,

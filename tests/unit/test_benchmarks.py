@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from app.grpc.codec import decode_request as decode_grpc
@@ -141,3 +142,14 @@ def test_every_harness_runs_as_a_module(name: str) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "usage:" in done.stdout
+
+
+def test_the_cache_benchmarks_ideal_lru_continues_from_what_was_sent_before() -> None:
+    from benchmarks.cache import lru_hits, lru_hits_after, sent_items
+
+    assert lru_hits([1, 2, 1, 3, 1, 2], 2) == 2  # 1 hits twice; 2 was evicted by 3
+    assert lru_hits_after([np.array([1, 2])], np.array([1, 3, 1, 2]), 2) == 2  # warm: 1 hits twice
+    assert lru_hits_after([], np.array([1, 3, 1]), 2) == 1
+    ranks = np.arange(12)  # 6 requests of 2 items
+    assert sent_items(ranks, 2, 3, 1).tolist() == [0, 1, 2, 3, 4, 5]
+    assert sent_items(ranks, 2, 3, 1, start=5).tolist() == [10, 11, 0, 1, 2, 3]  # wraps around
