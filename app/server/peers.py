@@ -14,6 +14,9 @@ serving layer, hence torch).
 (``"<f4"``), shape and raw bytes; a BYTES tensor (a numpy object array of ``bytes``/``str``) as
 its shape and the list of its elements. Decoding accepts numeric dtypes only for raw buffers
 (never ``object``), checks the buffer size against the shape, and copies into a writable array.
+The messages only ever gain fields, each with a default, and ignore fields they do not know: a
+HUP that upgrades the code leaves old and new workers side by side for a while, and each must
+understand what the other sends (protobuf's rule for unknown fields).
 """
 
 from __future__ import annotations
@@ -66,7 +69,7 @@ class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     items: list[Any] | None = None  # bytes or str (checked when decoded)
 
 
-class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
+class ShardRequest(msgspec.Struct):
     """A shard of an inference request sent to a sibling's internal endpoint, with the request's
     context (``app.serving.context.RequestContext``).
 
@@ -84,20 +87,20 @@ class ShardRequest(msgspec.Struct, forbid_unknown_fields=True):
     priority: int = 0
 
 
-class ControlRequest(msgspec.Struct, forbid_unknown_fields=True):
+class ControlRequest(msgspec.Struct):
     """A model control change for a sibling to apply here: ``action`` (``load``, ``unload``)."""
 
     action: str
     model: str
 
 
-class ControlResponse(msgspec.Struct, forbid_unknown_fields=True):
+class ControlResponse(msgspec.Struct):
     """Why the change failed on the sibling, or None when it applied."""
 
     error: str | None = None
 
 
-class ShardResponse(msgspec.Struct, forbid_unknown_fields=True):
+class ShardResponse(msgspec.Struct):
     """The outputs of a shard, or the name and message of the :mod:`app.errors` class it raised."""
 
     outputs: dict[str, Tensor] | None = None

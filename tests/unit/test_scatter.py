@@ -39,13 +39,38 @@ def test_a_shard_carries_the_requests_context() -> None:
     got = wire.shard_context(shard, 500.0, headers)
     assert got == RequestContext("rid-9", 500.75, 2, sent.trace, forwarded=True, arrival=500.0)
     # a sender without the field (priority 0: the model's default level)
-    legacy = msgspec.msgpack.encode({"model": "m", "version": "1", "request_id": "r", "timeout_s": 1.0, "inputs": {}})
+    legacy = msgspec.msgpack.encode(
+        {"model": "m", "version": "1", "request_id": "r", "timeout_s": 1.0, "inputs": {}}
+    )
     assert wire.decode_request(legacy).priority == 0
+    # a sender with a field this worker does not know (a newer worker beside it after a HUP)
+    newer = msgspec.msgpack.encode(
+        {
+            "model": "m",
+            "version": "1",
+            "request_id": "r",
+            "timeout_s": 1.0,
+            "inputs": {},
+            "priority": 3,
+            "tenant": "x",
+        }
+    )
+    assert wire.decode_request(newer).priority == 3
     with pytest.raises(errors.InvalidInput):
         wire.shard_context(wire.ShardRequest("m", "1", "r", 1.0, {}, -1), 0.0, {})
     with pytest.raises(errors.InvalidInput):
-        wire.decode_request(msgspec.msgpack.encode({"model": "m", "version": "1", "request_id": "r",
-                                                    "timeout_s": 1.0, "inputs": {}, "priority": "high"}))
+        wire.decode_request(
+            msgspec.msgpack.encode(
+                {
+                    "model": "m",
+                    "version": "1",
+                    "request_id": "r",
+                    "timeout_s": 1.0,
+                    "inputs": {},
+                    "priority": "high",
+                }
+            )
+        )
 
 
 @pytest.mark.parametrize(
@@ -97,3 +122,10 @@ def test_pick_siblings_takes_the_least_loaded_live_ones_up_to_one_per_batch() ->
     assert [s.slot for s in pick_siblings(siblings, 256, 32, 10.5)] == [2, 3, 1]
     assert [s.slot for s in pick_siblings(siblings, 64, 32, 10.5)] == [2]  # two batches: one sibling
     assert pick_siblings(siblings, 32, 32, 10.5) == []
+
+
+def test_a_reply_with_a_field_this_worker_does_not_know_is_read() -> None:
+    """A newer sibling's reply (after a HUP that upgraded the code) still decodes here."""
+    body = msgspec.msgpack.encode({"outputs": None, "error": "QueueFull", "message": "full", "shed": True})
+    reply = wire.decode_response(body)
+    assert (reply.error, reply.message) == ("QueueFull", "full")
