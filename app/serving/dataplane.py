@@ -17,6 +17,7 @@ and assembles their results. Source: KServe's ``DataPlane``
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -40,7 +41,7 @@ from app.protocols.tensors import (
 )
 from app.serving.context import RequestContext
 from app.serving.item_cache import ItemCache
-from app.serving.items import ItemStage
+from app.serving.items import ItemStage, for_model
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.settings import Settings
@@ -78,6 +79,8 @@ class DataPlane:
     ) -> None:
         self.registry = registry
         self.items = items
+        #: What of ``items`` applies, per loaded runner (``_stage_for``).
+        self._stages: weakref.WeakKeyDictionary[Any, ItemStage[Any] | None] = weakref.WeakKeyDictionary()
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
@@ -205,7 +208,7 @@ class DataPlane:
             request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
             pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
         )  # fmt: skip
-        stage = self.items
+        stage = self._stage_for(model)
         if stage is None:
             outputs = await self.run(model, inputs, context)
         else:
@@ -214,6 +217,19 @@ class DataPlane:
             results = None if queued is None else await self.run(model, queued, context)
             outputs = stage.assemble(plan, results)
         return build_response(config, request, outputs, wanted)
+
+    def _stage_for(self, model: ModelVersion) -> ItemStage[Any] | None:
+        """What of the item stage applies to ``model`` (``app.serving.items.for_model``), asked
+        once per loaded runner (a load or reload makes a new one, with its config); the whole
+        stage while the model has no runner (each stage then decides per request)."""
+        runner = model.runner
+        if self.items is None or runner is None:
+            return self.items
+        try:
+            return self._stages[runner]
+        except KeyError:
+            stage = self._stages[runner] = for_model(self.items, model)
+            return stage
 
     def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in

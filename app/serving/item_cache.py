@@ -78,6 +78,11 @@ class ItemCache:
             env = self._environments[package] = environment(package)
         return "\0".join((config.name, config.version, fingerprint, env, self.device_kind)).encode()
 
+    def applies(self, model: ModelVersion) -> bool:
+        """Whether ``model`` has ``[response_cache] enable`` and is loaded (its files' identity
+        known)."""
+        return bool(model.config.response_cache.enable and model.fingerprint)
+
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Plan | None]:

@@ -51,6 +51,12 @@ class ItemStage(Protocol[Plan]):
     store on disk, keeps it short or moves it to a thread itself).
     """
 
+    def applies(self, model: ModelVersion) -> bool:
+        """Whether the stage may do anything for ``model`` as loaded (its runner and config): the
+        data plane asks once per loaded runner and leaves a stage that does not apply out of
+        that model's requests (:func:`for_model`). True where unsure."""
+        ...
+
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Plan]:
@@ -87,6 +93,10 @@ class ItemStage(Protocol[Plan]):
 class Identity:
     """One item -> one item; the plan is nothing (the default stage)."""
 
+    def applies(self, model: ModelVersion) -> bool:
+        """Never: it does nothing."""
+        return False
+
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, None]:
@@ -107,6 +117,17 @@ class Identity:
 IDENTITY = Identity()
 
 
+def for_model(stage: ItemStage[Any] | None, model: ModelVersion) -> ItemStage[Any] | None:
+    """What of ``stage`` applies to ``model`` (:meth:`ItemStage.applies`; :meth:`Stages.for_model`
+    for several): the stage, some of its stages, or None (the request goes to the queue as it is,
+    through none of the stages' code)."""
+    if stage is None:
+        return None
+    if isinstance(stage, Stages):
+        return stage.for_model(model)
+    return stage if stage.applies(model) else None
+
+
 class Stages:
     """Several stages as one: each expands what the one before it left, and the results are
     assembled in the reverse order. A stage that leaves nothing ends the expansion (the stages
@@ -118,6 +139,17 @@ class Stages:
 
     def __init__(self, stages: Sequence[ItemStage[Any]]) -> None:
         self.stages = tuple(stages)
+
+    def applies(self, model: ModelVersion) -> bool:
+        """Whether any of the stages applies."""
+        return any(stage.applies(model) for stage in self.stages)
+
+    def for_model(self, model: ModelVersion) -> ItemStage[Any] | None:
+        """The stages that apply to ``model``: None, the one, or those as one :class:`Stages`."""
+        chosen = [stage for stage in self.stages if stage.applies(model)]
+        if len(chosen) > 1:
+            return Stages(chosen)
+        return chosen[0] if chosen else None
 
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays

@@ -64,6 +64,14 @@ def _decode(name: str, array: np.ndarray) -> list[str]:
 class WindowStage:
     """The item stage of windows (module docstring); holds no per-request state."""
 
+    def applies(self, model: ModelVersion) -> bool:
+        """Whether ``model``'s handler splits texts (a ``window_policy`` other than "truncate")
+        and it has a ``text`` input."""
+        handler = model.runner.handler if model.runner is not None else None
+        policy: WindowPolicy | None = getattr(handler, "window_policy", None)
+        has_text = any(spec.name == TEXT for spec in model.config.inputs)
+        return policy is not None and policy.truncation != "truncate" and has_text
+
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, WindowPlan | None]:

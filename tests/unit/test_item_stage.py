@@ -57,6 +57,9 @@ class Cache:
         self.known = known  # x[0] -> y[0] (y[1] = y[0] + 1)
         self.contexts: list[RequestContext] = []
 
+    def applies(self, model: ModelVersion) -> bool:
+        return True
+
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Any]:
@@ -85,6 +88,9 @@ class Windows:
 
     def __init__(self, per_item: int) -> None:
         self.per_item = per_item
+
+    def applies(self, model: ModelVersion) -> bool:
+        return True
 
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
@@ -216,6 +222,9 @@ async def test_a_stage_that_leaves_nothing_ends_the_expansion(
 
 async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
     class Refuses:
+        def applies(self, model: ModelVersion) -> bool:
+            return True
+
         def expand(
             self, model: ModelVersion, context: RequestContext, inputs: Arrays
         ) -> tuple[Arrays | None, None]:
@@ -229,3 +238,43 @@ async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: Thr
     with pytest.raises(InvalidInput, match="too long"):
         await plane.infer(request(1.0), request_id="r8")
     assert runner.batches == []
+
+
+class Asked:
+    """A stage that counts how often the data plane asks whether it applies, and fails if run
+    where it said it does not."""
+
+    def __init__(self, applies: bool) -> None:
+        self.answer = applies
+        self.asked = 0
+
+    def applies(self, model: ModelVersion) -> bool:
+        self.asked += 1
+        return self.answer
+
+    def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, None]:
+        assert self.answer, "expand of a stage that does not apply"
+        return inputs, None
+
+    def assemble(self, plan: None, results: Arrays | None) -> Arrays:
+        assert self.answer and results is not None, "assemble of a stage that does not apply"
+        return results
+
+
+async def test_a_stage_that_does_not_apply_is_left_out_asked_once_per_loaded_runner(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    never, always = Asked(False), Asked(True)
+    plane = plane_for(tmp_path, pool, runner, Stages([never, always]))
+    model = plane.registry.versions["scale"]["1"]
+    model.runner = runner  # type: ignore[assignment]  # loaded
+    for value in (1.0, 2.0, 3.0):
+        response = await plane.infer(request(value), request_id=f"r{value}")
+        assert response.outputs[0].array.tolist() == [[2 * value, 2 * value + 2]]
+    assert (never.asked, always.asked) == (1, 1)
+    model.runner = Doubler()  # type: ignore[assignment]  # a reload: a new runner, asked again
+    await plane.infer(request(4.0), request_id="r4")
+    assert (never.asked, always.asked) == (2, 2)
