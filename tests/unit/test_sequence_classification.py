@@ -6,7 +6,6 @@ refused before it runs."""
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from app.handlers.sequence_classification import SequenceClassificationHandler
 from app.serving.context import RequestContext
 from app.serving.windows import WindowStage
 from tests.support.text_models import write_classifier_folder
+from tests.support.tools import load_tool
 
 LABELS = ["ok", "insult", "threat"]
 SHORT = ["a short post", "you are all wonderful people", "ünïcödé text"]
@@ -205,27 +205,27 @@ def test_weighted_mean_renormalises() -> None:
 
 
 def test_onnx_backend_equals_torch(classifier: Path, tmp_path: Path) -> None:
-    """The classifier exported with ``torch.onnx.export`` runs on ONNX Runtime with the same
-    probabilities as transformers' own (<= 1e-5)."""
+    """The classifier exported by scripts/export_sequence_classification.py runs on ONNX Runtime
+    with the same probabilities as transformers' own (<= 1e-5)."""
     pytest.importorskip("onnxruntime")
     folder = tmp_path / "clf"
     folder.mkdir()
     (folder / "hf").symlink_to(classifier)
-    model = AutoModelForSequenceClassification.from_pretrained(classifier, local_files_only=True).eval()
-    example = AutoTokenizer.from_pretrained(classifier)(
-        ["two texts", "of which one is longer"], padding=True, return_tensors="pt"
-    )
-    names = ["input_ids", "attention_mask", "token_type_ids"]
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        torch.onnx.export(
-            model, tuple(example[n] for n in names), str(folder / "model.onnx"), dynamo=False, opset_version=17,
-            input_names=names, output_names=["logits"],
-            dynamic_axes={n: {0: "batch", 1: "tokens"} for n in names} | {"logits": {0: "batch"}},
-        )  # fmt: skip
+    script = load_tool("export_sequence_classification.py")
+    assert script.main(["--model-dir", str(classifier), "--out", str(folder / "model.onnx")]) == 0
     handler = _load(folder / "hf", LABELS, backend="onnx")
     assert handler.session is not None
     out = _run(handler, {"text": _bytes(*SHORT)})
     assert np.abs(out["probabilities"] - _reference_probabilities(classifier, SHORT)).max() <= 1e-5
     with pytest.raises(ValueError, match="backend"):
         _load(classifier, LABELS, backend="tensorflow")
+
+
+def test_the_export_refuses_a_graph_further_from_torch_than_asked(classifier: Path, tmp_path: Path) -> None:
+    pytest.importorskip("onnxruntime")
+    script = load_tool("export_sequence_classification.py")
+    out = tmp_path / "model.onnx"
+    # no difference is below a negative bound: the check fails and the file is not kept
+    assert script.main(["--model-dir", str(classifier), "--out", str(out), "--atol", "-1"]) == 1
+    assert not out.exists()
+    assert script.main(["--model-dir", str(tmp_path / "none"), "--out", str(out)]) == 1
