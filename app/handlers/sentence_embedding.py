@@ -632,7 +632,9 @@ class SentenceEmbeddingHandler:
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> EncodedBatch:
         """Decode, deduplicate and tokenise the batch in length groups (:func:`length_groups`);
-        move the tensors to the device.
+        move the tensors to the device. Where a call costs more than any padding
+        (``call_overhead_tokens`` = inf: a GPU) the batch is one call, tokenised once (the
+        lengths from its attention mask); else a first pass counts the tokens to cut the groups.
 
         ``inputs["text"]`` and the optional ``inputs["query"]`` are object arrays of UTF-8
         ``bytes``, shape ``[B]`` or ``[B, 1]``.
@@ -643,16 +645,20 @@ class SentenceEmbeddingHandler:
         """
         model = self.model
         strings, text_rows, query_rows = _distinct(*self._texts(inputs))
-        lengths = self._lengths(strings)
-        groups = length_groups(lengths, self.call_overhead_tokens)
+        one_call = not math.isfinite(self.call_overhead_tokens)
+        if one_call:  # whatever the lengths (a GPU): tokenised once, the lengths from its mask
+            groups = [np.arange(len(strings), dtype=np.int64)]
+        else:
+            lengths = self._lengths(strings)
+            groups = length_groups(lengths, self.call_overhead_tokens)
         # position[r]: where distinct string r lands in the groups' rows, concatenated
         position = np.empty(len(strings), dtype=np.int64)
         position[np.concatenate(groups)] = np.arange(len(strings))
-        encoded = []
         with self._tokenizing:
-            for group in groups:
-                features = model.preprocess([strings[i] for i in group])
-                encoded.append(self._on_device(features))
+            tokenised = [model.preprocess([strings[i] for i in group]) for group in groups]
+        if one_call:
+            lengths = tokenised[0]["attention_mask"].sum(dim=1).tolist()
+        encoded = [self._on_device(features) for features in tokenised]
         text_index = position[text_rows]
         query_index = np.where(np.asarray(query_rows) >= 0, position[np.maximum(query_rows, 0)], -1)
         return EncodedBatch(

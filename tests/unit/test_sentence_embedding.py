@@ -212,6 +212,26 @@ def test_a_call_costs_some_tokens_on_the_cpu_and_mixed_lengths_run_in_groups(
 
 
 @pytest.mark.slow
+def test_one_call_tokenises_once_and_counts_the_same_tokens(
+    handler: SentenceEmbeddingHandler, reference: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a call costs more than any padding (a GPU), the batch is tokenised once: no counting
+    pass, the tokens from the attention mask equal the counting pass's, the embeddings unchanged."""
+    texts = ["Short title", "word " * 200, "Another short one", "word " * 400]
+    counted = handler._lengths(texts)
+    monkeypatch.setattr(handler, "call_overhead_tokens", float("inf"))
+
+    def no_counting_pass(strings: list[str]) -> list[int]:
+        raise AssertionError("a counting pass on the one-call path")
+
+    monkeypatch.setattr(handler, "_lengths", no_counting_pass)
+    out = _run(handler, {"text": _bytes(*texts), "query": _bytes("", "", RELATED[0], "")})
+    assert out["tokens"].reshape(-1).tolist() == counted and counted[3] == handler.max_seq_length
+    expected = reference.encode(texts, convert_to_numpy=True)
+    np.testing.assert_allclose(out["embedding"], expected, atol=1e-6)
+
+
+@pytest.mark.slow
 def test_call_overhead_tokens_from_model_toml(tmp_path: Path) -> None:
     one_call = SentenceEmbeddingHandler()
     one_call.load(
