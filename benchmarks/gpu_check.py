@@ -104,7 +104,10 @@ def serving(repo: Path, models: list[str], per_gpu: int) -> Iterator[Gunicorn]:
         "SCORING_ACCESS_LOG": "",
         "SCORING_LOG_LEVEL": "info",
     }
-    with tempfile.TemporaryDirectory() as tmp, Gunicorn(Path(tmp), env, torch_threads=None) as srv:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        Gunicorn(Path(tmp), env, torch_threads=None, drain_grace_s=None) as srv,
+    ):
         yield srv
 
 

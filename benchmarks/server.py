@@ -45,7 +45,9 @@ def start(
         "SCORING_LOG_LEVEL": "warning",
         **(env or {}),
     }
-    return Gunicorn(tmp, settings, clean_env=False, torch_threads=None, root=root, config=config)
+    return Gunicorn(
+        tmp, settings, clean_env=False, torch_threads=None, drain_grace_s=None, root=root, config=config
+    )
 
 
 def parser(

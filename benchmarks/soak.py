@@ -120,7 +120,9 @@ class Soak:
             "SCORING_ACCESS_LOG": "",
             "SCORING_GRACEFUL_TIMEOUT_S": str(self.args.graceful_timeout_s),
         }
-        self.server = Gunicorn(self.tmp, env, config=config, torch_threads=self.args.torch_threads or None)
+        self.server = Gunicorn(
+            self.tmp, env, config=config, torch_threads=self.args.torch_threads or None, drain_grace_s=None
+        )
         return self.server
 
     @property

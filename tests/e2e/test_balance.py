@@ -113,7 +113,8 @@ def test_hup_reload_with_a_slow_model_load_fails_no_request(tmp_path: Path) -> N
     worker keeps serving until its replacement is warm; every request gets a 200."""
     repo = tmp_path / "repo"
     write_scale_model(repo, "scale", load_delay_s=4.0)
-    with Gunicorn(tmp_path, env(repo, 1, SCORING_GRACEFUL_TIMEOUT_S="4")) as srv:
+    grace = {"SCORING_GRACEFUL_TIMEOUT_S": "4", "SCORING_DRAIN_GRACE_S": "1"}  # the server's default grace
+    with Gunicorn(tmp_path, env(repo, 1, **grace)) as srv:
         (old,) = srv.wait_workers(1)
         srv.wait_ready(120)
         statuses: list[int] = []

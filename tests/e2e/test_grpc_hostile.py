@@ -8,6 +8,7 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -55,6 +56,15 @@ def serve(tmp_path: Path, **env: str) -> Gunicorn:
     return Gunicorn(tmp_path, {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1", **env})
 
 
+@pytest.fixture(scope="module")
+def srv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    """One server (the default stream cap) for the floods: each test checks that its flood
+    left the worker serving, so the next one starts from a worker in the same state."""
+    with serve(tmp_path_factory.mktemp("grpc-hostile")) as server:
+        server.wait_ready(60)
+        yield server
+
+
 def floods_beside_honest(
     srv: Gunicorn, seconds: float, read: bool
 ) -> tuple[list[tuple[Outcome, float, float]], list[float]]:
@@ -76,39 +86,37 @@ def floods_beside_honest(
     return results, [s for t, s in calls if began <= t <= ended]
 
 
-def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(tmp_path: Path) -> None:
+def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(srv: Gunicorn) -> None:
     """Two peers, each in a process of its own, open and cancel streams as fast as they can
     (CVE-2023-44487) without ever reading, on the worker an honest client uses: grpcio stops
     reading them, and each is disconnected once a PING of the server goes unanswered
     (``app.grpc.server.PING_TIMEOUT_MS``); every honest call meanwhile succeeds, p99 < 50 ms."""
-    with serve(tmp_path) as srv:
-        srv.wait_ready(60)
-        results, during = floods_beside_honest(srv, 9.0, read=False)
-        ok = [s for s in during if s >= 0]
-        assert len(ok) == len(during) > 50, (len(ok), len(during))
-        p99 = float(np.percentile(ok, 99)) * 1000
-        opened = [outcome.streams_opened for outcome, _, _ in results]
-        assert p99 < 50, f"honest p99 {p99:.1f} ms while the floods opened {opened} streams"
-        for outcome, start, end in results:
-            assert outcome.closed, outcome
-            assert end - start < 8.5, f"cut off only after {end - start:.1f} s"  # the flood ran 9 s
-        assert srv.proc.poll() is None and len(srv.workers()) == 1
+    (worker,) = srv.workers()
+    results, during = floods_beside_honest(srv, 9.0, read=False)
+    ok = [s for s in during if s >= 0]
+    assert len(ok) == len(during) > 50, (len(ok), len(during))
+    p99 = float(np.percentile(ok, 99)) * 1000
+    opened = [outcome.streams_opened for outcome, _, _ in results]
+    assert p99 < 50, f"honest p99 {p99:.1f} ms while the floods opened {opened} streams"
+    for outcome, start, end in results:
+        assert outcome.closed, outcome
+        assert end - start < 8.5, f"cut off only after {end - start:.1f} s"  # the flood ran 9 s
+    assert srv.proc.poll() is None and [w.pid for w in srv.workers()] == [worker.pid]
 
 
-def test_a_rapid_reset_peer_that_answers_pings_leaves_an_honest_client_served(tmp_path: Path) -> None:
+def test_a_rapid_reset_peer_that_answers_pings_leaves_an_honest_client_served(srv: Gunicorn) -> None:
     """Two peers that read and answer the server's PINGs (so no timeout cuts them off), each in
     a process of its own, open and cancel streams as fast as they can on the worker an honest
     client uses: every honest call succeeds and its median stays far below what it was
     without the stream cap and the PING options (0.3–0.8 s)."""
-    with serve(tmp_path) as srv:
-        srv.wait_ready(60)
-        results, during = floods_beside_honest(srv, 6.0, read=True)
-        ok = [s for s in during if s >= 0]
-        assert len(ok) == len(during) > 20, (len(ok), len(during))
-        p50 = float(np.percentile(ok, 50)) * 1000
-        opened = [outcome.streams_opened for outcome, _, _ in results]
-        assert p50 < 100, f"honest p50 {p50:.1f} ms while the peers reset {opened} streams"
-        assert srv.proc.poll() is None and len(srv.workers()) == 1
+    (worker,) = srv.workers()
+    results, during = floods_beside_honest(srv, 6.0, read=True)
+    ok = [s for s in during if s >= 0]
+    assert len(ok) == len(during) > 20, (len(ok), len(during))
+    p50 = float(np.percentile(ok, 50)) * 1000
+    opened = [outcome.streams_opened for outcome, _, _ in results]
+    assert p50 < 100, f"honest p50 {p50:.1f} ms while the peers reset {opened} streams"
+    assert srv.proc.poll() is None and [w.pid for w in srv.workers()] == [worker.pid]
 
 
 def test_streams_per_connection_are_capped(tmp_path: Path) -> None:

@@ -93,6 +93,7 @@ def test_tls_with_api_keys_and_a_hung_batch_that_recycles_its_worker(tmp_path: P
         "SCORING_API_KEYS_FILE": str(keys),
         "SCORING_HUNG_INFERENCE_S": "1",
         "SCORING_GRACEFUL_TIMEOUT_S": "6",
+        "SCORING_DRAIN_GRACE_S": "1",  # the server's default: liveness answers 503 while it drains
     }
     context = ssl.create_default_context(cafile=str(cert))
     with Gunicorn(tmp_path, env(repo, **extra), context=context, headers={"X-API-Key": "tls-key"}) as srv:
@@ -237,7 +238,8 @@ def test_stopping_the_server_under_load_resets_no_request(tmp_path: Path) -> Non
     repo = tmp_path / "repo"
     write_scale_model(repo, "scale", max_queue_delay_ms=0.0)
     payload = json.dumps(body(1.0)).encode()
-    with Gunicorn(tmp_path, env(repo, SCORING_WORKERS="2")) as srv:
+    # The server's default drain grace: the test is about the drain of a real stop.
+    with Gunicorn(tmp_path, env(repo, SCORING_WORKERS="2", SCORING_DRAIN_GRACE_S="1")) as srv:
         srv.wait_ready(60, count=2)
 
         async def load() -> tuple[int, int, list[str]]:

@@ -82,6 +82,11 @@ class Gunicorn:
         torch_threads: ``SCORING_TORCH_THREADS`` of every worker unless ``env`` names it (one
             per worker by default, so that tests on a shared machine do not oversubscribe it);
             None leaves it to the environment or the server's default (cores / workers).
+        drain_grace_s: ``SCORING_DRAIN_GRACE_S`` (seconds) of every worker unless ``env`` names it:
+            0 by default, so that each stop (and any drain the test does not look at) closes
+            the listener at once instead of after the server's 1 s; a test of the drain or of a
+            reload sets its own. None leaves it to the environment or the server's default
+            (the benchmarks, which measure drains and reloads as deployed).
         root: the checkout to run (working directory and ``PYTHONPATH``; default this one;
             another commit's checkout for ``benchmarks/regression.py``).
     """
@@ -97,6 +102,7 @@ class Gunicorn:
         headers: dict[str, str] | None = None,
         clean_env: bool = True,
         torch_threads: int | None = 1,
+        drain_grace_s: float | None = 0.0,
         root: Path = ROOT,
     ) -> None:
         self.port = free_port()
@@ -113,9 +119,11 @@ class Gunicorn:
             if not clean_env or (not k.startswith(_SERVER_ENV_PREFIXES) and k != "CUDA_VISIBLE_DEVICES")
         }
         threads = {} if torch_threads is None else {"SCORING_TORCH_THREADS": str(torch_threads)}
+        grace = {} if drain_grace_s is None else {"SCORING_DRAIN_GRACE_S": str(drain_grace_s)}
         full_env = {
             **inherited,
             **threads,
+            **grace,
             "SCORING_HOST": HOST,
             "SCORING_PORT": str(self.port),
             "SCORING_GRPC_PORT": str(self.grpc_port),
