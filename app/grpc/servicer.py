@@ -73,7 +73,7 @@ def _request_id(context: Context, sent: str = "") -> str:
 
 
 class InferenceServicer:
-    """The RPCs of ``proto/grpc_service.proto`` over one worker's app state.
+    """The RPCs of ``proto/grpc_service.proto`` over one worker's serving core.
 
     Each RPC method takes (request message, context, request id) and returns the response
     message; :meth:`handler` wraps it for grpcio.
