@@ -1,4 +1,4 @@
-"""This worker's binding as typed app state: made once by ``create_app``, read by whoever needs it.
+"""This worker's binding: made once by ``create_app`` (``ServingCore.binding``), read by whoever needs it.
 
 Under gunicorn, ``post_fork`` binds the worker to a (GPU, slot) before the app is imported
 (``gpu_stat.binding.bind_worker``); the app, in the same process, takes that fact from
@@ -15,11 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from gpu_stat.binding import Binding, current_binding
 
-__all__ = ["BINDING", "WorkerBinding"]
+__all__ = ["WorkerBinding"]
 
 
 @dataclass(frozen=True)
@@ -56,5 +54,3 @@ class WorkerBinding:
             "binding": {**self.labels(), "rank": self.binding.rank},
         }
 
-
-BINDING = web.AppKey("binding", WorkerBinding)

@@ -11,34 +11,27 @@ from typing import Any
 
 from aiohttp import web
 
-from app.binding import BINDING, WorkerBinding
+from app.binding import WorkerBinding
 from app.grpc.server import grpc_ctx
 from app.http.auth import API_KEYS, ApiKeys, authorizer
 from app.http.connections import parser_limits, quiet_parser_errors, setup_connections
 from app.http.extensions import routes as extension_routes
 from app.http.middleware import edge_middleware
 from app.http.routes import PROTOCOLS, inference_routes, metrics_handler, routes
+from app.http.state import CORE, models_ctx, on_shutdown, tracing_ctx
 from app.observability.gpu import gpu_metrics_ctx
-from app.observability.metrics import METRICS, ServerMetrics, create_metrics
-from app.observability.tracing import TRACING, Tracing, tracing_ctx
+from app.observability.metrics import ServerMetrics, create_metrics
+from app.observability.tracing import Tracing
 from app.observability.tracing import setup as setup_tracing
 from app.protocols.tensors import RequestLimits
-from app.serving.control import models_ctx
-from app.serving.dataplane import DATAPLANE, DataPlane
+from app.serving.control import ModelControl
+from app.serving.core import ServingCore
+from app.serving.dataplane import DataPlane
 from app.serving.item_cache import ItemCache
 from app.serving.items import ItemStage, Stages
-from app.serving.lifecycle import on_shutdown, resolve_device
+from app.serving.lifecycle import resolve_device
 from app.serving.redis_tier import RedisTier
-from app.serving.registry import (
-    HEALTH,
-    LIMITS,
-    REGISTRY,
-    SETTINGS,
-    SIBLINGS,
-    SUPERVISOR,
-    ModelRegistry,
-    WorkerHealth,
-)
+from app.serving.registry import ModelRegistry, WorkerHealth
 from app.serving.response_cache import ResponseCache
 from app.serving.siblings import Alone, Siblings, Supervisor
 from app.serving.windows import WindowStage
@@ -82,32 +75,28 @@ async def create_app(
         max_string_bytes=settings.max_string_bytes,
         max_json_depth=settings.max_json_depth,
     )
-    app[SETTINGS] = settings
-    app[HEALTH] = WorkerHealth()
-    app[REGISTRY] = registry
     app[API_KEYS] = keys
-    app[LIMITS] = limits
-    app[SIBLINGS] = siblings or alone
-    app[SUPERVISOR] = supervisor or alone
-    if tracing is not None:
-        app[TRACING] = tracing
-        app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests
-    app[BINDING] = WorkerBinding.current(str(resolve_device(settings.device)))
-    cache = response_cache(settings, app[BINDING].device, metrics, tracing)
+    device = resolve_device(settings.device)
+    binding = WorkerBinding.current(str(device))
+    cache = response_cache(settings, binding.device, metrics, tracing)
     # windows first (nearest the client), then the cache: each window is one cached item
     items: ItemStage[Any] = WindowStage() if cache is None else Stages([WindowStage(), cache])
-    app[DATAPLANE] = DataPlane(
-        registry, settings, limits, app[SIBLINGS], tracing, items=items, cache=cache
-    )
+    siblings = siblings or alone
+    plane = DataPlane(registry, settings, limits, siblings, tracing, items=items, cache=cache)
+    core = ServingCore(
+        settings=settings, registry=registry, health=WorkerHealth(), limits=limits, siblings=siblings,
+        supervisor=supervisor or alone, dataplane=plane, binding=binding, metrics=metrics, tracing=tracing,
+    )  # fmt: skip
+    core.control = ModelControl(core, device)
+    app[CORE] = core
+    if tracing is not None:
+        app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)
     app.add_routes(extension_routes)  # before routes: /v2/models/stats is not a model's metadata
     app.add_routes(routes)
     if metrics is not None:
-        app[METRICS] = metrics
         app.router.add_get("/metrics", metrics_handler)
-        app.cleanup_ctx.append(
-            gpu_metrics_ctx(metrics, app[BINDING].labels(), settings.gpu_metrics_interval_s)
-        )
+        app.cleanup_ctx.append(gpu_metrics_ctx(metrics, binding.labels(), settings.gpu_metrics_interval_s))
     app.cleanup_ctx.append(models_ctx)
     app.cleanup_ctx.append(grpc_ctx)  # after models_ctx: starts once it listens, stops first
     app.on_shutdown.append(on_shutdown)

@@ -31,8 +31,7 @@ import grpc
 from aiohttp import web
 
 from app.grpc.servicer import InferenceServicer, generic_handler
-from app.observability.tracing import TRACING
-from app.serving.registry import SETTINGS
+from app.http.state import CORE
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -98,8 +97,8 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
         RuntimeError: the address cannot be bound.
         OSError: the certificate or key cannot be read.
     """
-    settings = app[SETTINGS]
-    tracing = app.get(TRACING)
+    core = app[CORE]
+    settings, tracing = core.settings, core.tracing
     interceptors = tracing.grpc_interceptors() if tracing is not None else None
     server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
     server.add_generic_rpc_handlers((generic_handler(InferenceServicer(app)),))
@@ -133,7 +132,7 @@ async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
     2 workers on 2 cores: 1 server per worker 18-19k items/s, 4 servers 24.6-25.8k, 8 servers
     20-25k (11 connections over 16 listeners spread unevenly over the workers).
     """
-    settings = app[SETTINGS]
+    settings = app[CORE].settings
     if settings.grpc_port == 0:
         yield
         return

@@ -28,18 +28,15 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
-from app.binding import BINDING
 from app.errors import InvalidInput, ModelNotReady, ScoringError, Unauthorized
 from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.http.middleware import request_id
-from app.observability.metrics import METRICS
+from app.http.state import CORE
 from app.protocols import triton, v2
-from app.serving.control import CONTROL, LOAD, UNLOAD
-from app.serving.dataplane import DATAPLANE
-from app.serving.registry import HEALTH, REGISTRY
+from app.serving.control import LOAD, UNLOAD
 
 Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
@@ -76,24 +73,27 @@ def _request_id(context: Context, sent: str = "") -> str:
 
 
 class InferenceServicer:
-    """The RPCs of ``proto/grpc_service.proto`` over one worker's app state.
+    """The RPCs of ``proto/grpc_service.proto`` over one worker's serving core.
 
     Each RPC method takes (request message, context, request id) and returns the response
     message; :meth:`handler` wraps it for grpcio.
 
     Args:
-        app: the worker's aiohttp application (its registry, settings, limits, keys, metrics).
+        app: the worker's aiohttp application: its serving core (``app.http.state.CORE``) and
+            its API keys.
     """
 
     def __init__(self, app: web.Application) -> None:
         self.app = app
-        self.registry = app[REGISTRY]
-        self.plane = app[DATAPLANE]
-        self.health = app[HEALTH]
+        #: The worker's serving core, from its app (``app.http.state.CORE``).
+        self.core = core = app[CORE]
+        self.registry = core.registry
+        self.plane = core.dataplane
+        self.health = core.health
         keys = app.get(API_KEYS)
         #: None when no API keys are configured (no check per call).
         self.keys = keys if keys is not None and keys.enabled else None
-        self.metrics = app.get(METRICS)
+        self.metrics = core.metrics
 
     def handler(self, name: str) -> Callable[[bytes, Context], Awaitable[Message]]:
         """The grpcio behaviour of RPC ``name``: serialized request in, response message out.
@@ -191,7 +191,7 @@ class InferenceServicer:
     ) -> pb.ModelConfigResponse:
         """Triton's model configuration, as ``GET /v2/models/{name}/config`` answers it."""
         entry = self.registry.get(request.name, request.version or None)
-        document = triton.model_config(entry.config, self.app[BINDING].device)
+        document = triton.model_config(entry.config, self.core.binding.device)
         return pb.ModelConfigResponse(config=_message(document, pb.ModelConfig()))
 
     async def ModelStatistics(
@@ -207,7 +207,7 @@ class InferenceServicer:
                 e for e in entries if e.config.name == request.name and version in (None, e.config.version)
             ]
         stats = [triton.model_statistics(e.config.name, e.config.version, e.stats) for e in entries]
-        document = triton.statistics(stats, self.app[BINDING].pid)
+        document = triton.statistics(stats, self.core.binding.pid)
         return _message(document, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(
@@ -226,14 +226,14 @@ class InferenceServicer:
         """Load (or reload) a model on every worker, as ``POST /v2/repository/models/{name}/load``."""
         if "config" in request.parameters or any(k.startswith("file:") for k in request.parameters):
             raise InvalidInput("parameters config and file: overrides are not supported")
-        await self.app[CONTROL].request(LOAD, request.model_name)
+        await self.core.control.request(LOAD, request.model_name)
         return pb.RepositoryModelLoadResponse()
 
     async def RepositoryModelUnload(
         self, request: pb.RepositoryModelUnloadRequest, context: Context, rid: str
     ) -> pb.RepositoryModelUnloadResponse:
         """Unload a model on every worker, as ``POST /v2/repository/models/{name}/unload``."""
-        await self.app[CONTROL].request(UNLOAD, request.model_name)
+        await self.core.control.request(UNLOAD, request.model_name)
         return pb.RepositoryModelUnloadResponse()
 
     # --- inference -----------------------------------------------------------------------

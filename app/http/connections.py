@@ -62,7 +62,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.web import RequestHandler
 
-from app.serving.registry import HEALTH, REGISTRY, SETTINGS, SIBLINGS
+from app.http.state import CORE
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -85,8 +85,8 @@ def setup_connections(app: web.Application) -> None:
 
 async def _on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
     app = request.app
-    app[HEALTH].responses += 1
-    if response.headers.get("Connection") == "close" or app[REGISTRY].draining:
+    app[CORE].health.responses += 1
+    if response.headers.get("Connection") == "close" or app[CORE].registry.draining:
         _close_after(response)
         return
     transport = request.transport
@@ -98,7 +98,7 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
             else:
                 _close_after(response)
             return
-    cap = app[SETTINGS].max_requests_per_connection
+    cap = app[CORE].settings.max_requests_per_connection
     if cap and transport is not None:
         counts = app[_PER_CONNECTION]
         served = counts.get(transport, 0) + 1
@@ -106,7 +106,7 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         if served >= cap:
             _close_after(response)
             return
-    if app[SIBLINGS].should_shed():
+    if app[CORE].siblings.should_shed():
         _close_after(response)
 
 
@@ -134,7 +134,7 @@ def _impatient_hold_s(
         return None
     streak = streaks.get(transport, 0)
     streaks[transport] = streak + 1
-    settings = app[SETTINGS]
+    settings = app[CORE].settings
     base_ms = settings.impatient_hold_ms
     hold_ms = min(base_ms * 2 ** min(streak, 16), max(base_ms, settings.impatient_hold_max_ms))
     return float(hold_ms) / 1000

@@ -13,11 +13,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from app.binding import BINDING
 from app.errors import InvalidInput
+from app.http.state import CORE
 from app.protocols import triton
-from app.serving.control import CONTROL, LOAD, UNLOAD
-from app.serving.registry import REGISTRY, ModelVersion
+from app.serving.control import LOAD, UNLOAD
+from app.serving.registry import ModelVersion
 
 routes = web.RouteTableDef()
 
@@ -30,8 +30,8 @@ def _json(body: Any) -> web.Response:
 @routes.get("/v2/models/{name}/versions/{version}/config")
 async def model_config(request: web.Request) -> web.Response:
     """``GET .../config``: Triton's model configuration (dims without the batch dimension)."""
-    entry = request.app[REGISTRY].get(request.match_info["name"], request.match_info.get("version"))
-    return _json(triton.model_config(entry.config, request.app[BINDING].device))
+    entry = request.app[CORE].registry.get(request.match_info["name"], request.match_info.get("version"))
+    return _json(triton.model_config(entry.config, request.app[CORE].binding.device))
 
 
 def _stat(model: ModelVersion) -> dict[str, Any]:
@@ -41,8 +41,8 @@ def _stat(model: ModelVersion) -> dict[str, Any]:
 @routes.get("/v2/models/stats")
 async def all_model_stats(request: web.Request) -> web.Response:
     """``GET /v2/models/stats``: this worker's statistics of every model version."""
-    entries = request.app[REGISTRY].entries()
-    return _json(triton.statistics([_stat(e) for e in entries], request.app[BINDING].pid))
+    entries = request.app[CORE].registry.entries()
+    return _json(triton.statistics([_stat(e) for e in entries], request.app[CORE].binding.pid))
 
 
 @routes.get("/v2/models/{name}/stats")
@@ -50,11 +50,11 @@ async def all_model_stats(request: web.Request) -> web.Response:
 async def model_stats(request: web.Request) -> web.Response:
     """``GET /v2/models/{name}[/versions/{version}]/stats``: this worker's statistics of one model
     (every version of it when no version is named); 404 for an unknown model."""
-    registry = request.app[REGISTRY]
+    registry = request.app[CORE].registry
     name, version = request.match_info["name"], request.match_info.get("version")
     registry.get(name, version)  # raises ModelNotFound
     entries = [e for e in registry.entries() if e.config.name == name and version in (None, e.config.version)]
-    return _json(triton.statistics([_stat(e) for e in entries], request.app[BINDING].pid))
+    return _json(triton.statistics([_stat(e) for e in entries], request.app[CORE].binding.pid))
 
 
 @routes.post("/v2/repository/index")
@@ -71,7 +71,7 @@ async def repository_index(request: web.Request) -> web.Response:
         if not isinstance(parsed, dict) or not isinstance(parsed.get("ready", False), bool):
             raise InvalidInput('repository index request: expected {"ready": true|false}')
         only_ready = parsed.get("ready", False)
-    rows = request.app[REGISTRY].index(only_ready)
+    rows = request.app[CORE].registry.index(only_ready)
     return _json([triton.repository_entry(*row) for row in rows])
 
 
@@ -104,7 +104,7 @@ async def repository_load(request: web.Request) -> web.Response:
     if "config" in parameters or any(k.startswith("file:") for k in parameters):
         raise InvalidInput("this server loads models from their folder in the repository; "
                            "parameters.config and file: overrides are not supported")  # fmt: skip
-    await request.app[CONTROL].request(LOAD, request.match_info["name"])
+    await request.app[CORE].control.request(LOAD, request.match_info["name"])
     return _json({})
 
 
@@ -114,5 +114,5 @@ async def repository_unload(request: web.Request) -> web.Response:
     requests get 404 from then on, those already queued finish; 200 once every worker has
     freed it."""
     await _repository_parameters(request, "repository unload")
-    await request.app[CONTROL].request(UNLOAD, request.match_info["name"])
+    await request.app[CORE].control.request(UNLOAD, request.match_info["name"])
     return _json({})

@@ -51,10 +51,10 @@ from app.errors import (
     ScoringError,
     UnsupportedMediaType,
 )
+from app.http.state import CORE
 from app.observability.metrics import RequestMetrics, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.openai import error_body
-from app.serving.dataplane import DATAPLANE
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def _model_labels(request: web.Request) -> tuple[str, str]:
     info = request.match_info
     name = info["name"]
     try:
-        config = request.app[DATAPLANE].version(name, info.get("version")).config
+        config = request.app[CORE].dataplane.version(name, info.get("version")).config
     except ScoringError:  # unknown, or unavailable: answered 404 / 503
         return "", ""
     return config.name, config.version

@@ -21,16 +21,14 @@ from aiohttp.typedefs import Handler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import SERVER_NAME, __version__
-from app.binding import BINDING
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import model_known, request_id_of
+from app.http.state import CORE
 from app.models.repository import ModelConfig
-from app.observability.metrics import METRICS
 from app.protocols import classify, openai, rerank, triton, v1, v2
 from app.protocols.infer import InferRequest
 from app.protocols.v2 import HEADER_LENGTH, attach_binary, split_body
-from app.serving.dataplane import DATAPLANE
-from app.serving.registry import HEALTH, REGISTRY, ModelRegistry, ModelVersion
+from app.serving.registry import ModelRegistry, ModelVersion
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 _BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
@@ -109,7 +107,7 @@ async def server_metadata(request: web.Request) -> web.Response:
             "name": SERVER_NAME,
             "version": __version__,
             "extensions": triton.EXTENSIONS,
-            "worker": request.app[BINDING].describe(),
+            "worker": request.app[CORE].binding.describe(),
         }
     )
 
@@ -118,7 +116,7 @@ async def server_metadata(request: web.Request) -> web.Response:
 async def live(request: web.Request) -> web.Response:
     """Liveness: 200 while the worker's event loop answers; 503 once its inference thread is
     stuck (the worker is then restarting itself)."""
-    hung = request.app[HEALTH].hung
+    hung = request.app[CORE].health.hung
     if hung is not None:
         return _json({"live": False, "error": f"inference thread stuck: {hung}"}, 503)
     return _json({"live": True})
@@ -129,7 +127,7 @@ async def ready(request: web.Request) -> web.Response:
     """Readiness: 200 once every model that can load is warm (every model with
     ``SCORING_STRICT_READINESS``); 503 while loading or draining. Models that cannot be served
     are listed under ``unavailable`` with their reason."""
-    registry = request.app[REGISTRY]
+    registry = request.app[CORE].registry
     body: dict[str, Any] = {"ready": registry.ready}
     failures = registry.failures()
     if failures:
@@ -141,7 +139,7 @@ async def ready(request: web.Request) -> web.Response:
 @routes.get("/v2/models/{name}/versions/{version}")
 async def model_metadata(request: web.Request) -> web.Response:
     """Model metadata: name, versions, platform, inputs/outputs with -1 batch dims."""
-    entry = request.app[REGISTRY].get(request.match_info["name"], request.match_info.get("version"))
+    entry = request.app[CORE].registry.get(request.match_info["name"], request.match_info.get("version"))
     return _json(v2.model_metadata(entry.config))
 
 
@@ -155,7 +153,7 @@ def _model_readiness(registry: ModelRegistry, entry: ModelVersion) -> web.Respon
 @routes.get("/v2/models/{name}/versions/{version}/ready")
 async def model_ready(request: web.Request) -> web.Response:
     """Model readiness: 200 when ready, 503 while loading; 404 for an unknown model."""
-    registry = request.app[REGISTRY]
+    registry = request.app[CORE].registry
     entry = registry.get(request.match_info["name"], request.match_info.get("version"))
     return _model_readiness(registry, entry)
 
@@ -165,7 +163,7 @@ async def model_ready(request: web.Request) -> web.Response:
 async def infer(request: web.Request) -> web.Response:
     """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
     may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
-    plane = request.app[DATAPLANE]
+    plane = request.app[CORE].dataplane
     arrival = asyncio.get_running_loop().time()
     deadline = header_deadline(request, arrival)
     model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
@@ -199,7 +197,7 @@ async def infer(request: web.Request) -> web.Response:
 async def v1_live(request: web.Request) -> web.Response:
     """``GET /``: KServe V1 liveness, ``{"status": "alive"}`` (what kserve's V1
     ``is_server_live`` reads); 503 once the inference thread is stuck, like ``/v2/health/live``."""
-    hung = request.app[HEALTH].hung
+    hung = request.app[CORE].health.hung
     if hung is not None:
         return _json({"status": "stuck", "error": f"inference thread stuck: {hung}"}, 503)
     return _json({"status": "alive"})
@@ -208,13 +206,13 @@ async def v1_live(request: web.Request) -> web.Response:
 @routes.get("/v1/models")
 async def v1_models(request: web.Request) -> web.Response:
     """``GET /v1/models``: the names of the models served."""
-    return _json({"models": sorted(request.app[REGISTRY].versions)})
+    return _json({"models": sorted(request.app[CORE].registry.versions)})
 
 
 @routes.get("/v1/models/{name:[^/:]+}")
 async def v1_model(request: web.Request) -> web.Response:
     """``GET /v1/models/{name}``: 200 ``{"name", "ready": true}`` when ready, else 503."""
-    registry = request.app[REGISTRY]
+    registry = request.app[CORE].registry
     entry = registry.get(request.match_info["name"])
     return _model_readiness(registry, entry)
 
@@ -222,7 +220,7 @@ async def v1_model(request: web.Request) -> web.Response:
 @inference_routes.post("/v1/models/{name:[^/:]+}:predict")
 async def v1_predict(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
-    plane = request.app[DATAPLANE]
+    plane = request.app[CORE].dataplane
     arrival = asyncio.get_running_loop().time()
     deadline = header_deadline(request, arrival)
     model = plane.admit(request.match_info["name"], None, arrival, deadline)
@@ -240,7 +238,7 @@ async def _infer_named(
     """Run the inference request ``build`` makes for the model named in the body (OpenAI's,
     rerank, classify): the same admission, deadlines, batching and metrics as V2. Returns the
     model's config and the outputs by name."""
-    plane = request.app[DATAPLANE]
+    plane = request.app[CORE].dataplane
     deadline = header_deadline(request, arrival)
     model = plane.admit(name, None, arrival, deadline)
     model_known(request, model.config.name, model.config.version)
@@ -257,7 +255,7 @@ async def embeddings(request: web.Request) -> web.Response:
     """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
     (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
     arrival = asyncio.get_running_loop().time()
-    body = openai.decode(await _read_body(request), request.app[DATAPLANE].limits)
+    body = openai.decode(await _read_body(request), request.app[CORE].dataplane.limits)
     config, outputs = await _infer_named(
         request, body.model, lambda c: openai.infer_request(c, body), arrival
     )
@@ -270,7 +268,7 @@ async def rerank_documents(request: web.Request) -> web.Response:
     """``POST /v1/rerank`` (and ``/v2/rerank``, where Cohere's v2 client posts): Cohere's rerank
     API over a cross-encoder or an embedding model (``app.protocols.rerank``)."""
     arrival = asyncio.get_running_loop().time()
-    body = rerank.decode(await _read_body(request), request.app[DATAPLANE].limits)
+    body = rerank.decode(await _read_body(request), request.app[CORE].dataplane.limits)
     config, outputs = await _infer_named(
         request, body.model, lambda c: rerank.infer_request(c, body), arrival
     )
@@ -282,7 +280,7 @@ async def classify_texts(request: web.Request) -> web.Response:
     """``POST /v1/classify``: vLLM's classify API over a sequence classifier
     (``app.protocols.classify``)."""
     arrival = asyncio.get_running_loop().time()
-    body = classify.decode(await _read_body(request), request.app[DATAPLANE].limits)
+    body = classify.decode(await _read_body(request), request.app[CORE].dataplane.limits)
     config, outputs = await _infer_named(
         request, body.model, lambda c: classify.infer_request(c, body), arrival
     )
@@ -308,5 +306,7 @@ async def openapi(request: web.Request) -> web.Response:
 
 async def metrics_handler(request: web.Request) -> web.Response:
     """``GET /metrics``: Prometheus text format, the whole server's figures."""
-    body = await asyncio.get_running_loop().run_in_executor(None, request.app[METRICS].render)
+    metrics = request.app[CORE].metrics
+    assert metrics is not None  # the route exists only with metrics on (create_app)
+    body = await asyncio.get_running_loop().run_in_executor(None, metrics.render)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

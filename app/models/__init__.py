@@ -2,6 +2,6 @@
 runner, and the model repository.
 
 Nothing here imports aiohttp; the runner and the loaders run on the model's threads. This package
-imports nothing itself, so that the request path (the serving core, the app state, the routes) can
+imports nothing itself, so that the request path (the serving core, the routes) can
 use ``repository`` and ``base`` without importing torch.
 """

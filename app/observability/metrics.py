@@ -36,7 +36,6 @@ _DIR_AT_FIRST_IMPORT: str | None = (
     None if "prometheus_client" in sys.modules else os.environ.get(ENV_MULTIPROC_DIR, "")
 )
 
-from aiohttp import web  # noqa: E402 - after the look at sys.modules above
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
 
@@ -415,8 +414,6 @@ class ModelObserver:
         else:
             self._metrics.priority_requests.labels(*self._labels, priority, outcome).inc()
 
-
-METRICS = web.AppKey("metrics", ServerMetrics)
 
 
 def create_metrics() -> ServerMetrics:

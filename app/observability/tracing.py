@@ -31,11 +31,9 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-from aiohttp import web
 
 if TYPE_CHECKING:  # OpenTelemetry is imported only where tracing is on
     from opentelemetry.sdk.trace import TracerProvider
@@ -221,11 +219,3 @@ def setup() -> Tracing | None:
     """This worker's tracing, or None when the ``OTEL_*`` variables configure none."""
     return Tracing.from_environment() if configured() else None
 
-
-async def tracing_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx`` of an app with tracing: on cleanup, flush and stop it."""
-    yield
-    app[TRACING].close()
-
-
-TRACING = web.AppKey("tracing", Tracing)

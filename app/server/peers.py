@@ -35,9 +35,9 @@ import numpy as np
 from aiohttp import web
 
 from app import errors
+from app.http.state import CORE
 from app.serving.context import RequestContext
-from app.serving.dataplane import DATAPLANE
-from app.serving.registry import SETTINGS
+from app.serving.core import ServingCore
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ CONTROL_TIMEOUT_S = 600.0
 REPLY_GRACE_S = 0.25
 #: The W3C trace context headers a shard's context keeps.
 TRACE_HEADERS = ("traceparent", "tracestate")
-_MAIN = web.AppKey("main_app", web.Application)
 
 
 #: numpy dtype kinds a raw buffer may carry: bool, signed, unsigned, float, complex.
@@ -190,10 +189,11 @@ def socket_path(run_dir: str | os.PathLike[str], pid: int) -> Path:
     return Path(run_dir) / PEERS_DIR / f"{pid}.sock"
 
 
-def internal_app(main: web.Application) -> web.Application:
-    """The internal endpoint's app, serving shards with ``main``'s models."""
-    app = web.Application(client_max_size=main[SETTINGS].max_request_bytes * 2)
-    app[_MAIN] = main
+def internal_app(core: ServingCore) -> web.Application:
+    """The internal endpoint's app, serving shards and model control changes with ``core``'s
+    models (the core under the same key, :data:`app.http.state.CORE`, as on the main app)."""
+    app = web.Application(client_max_size=core.settings.max_request_bytes * 2)
+    app[CORE] = core
     app.router.add_post(PATH, _handle_shard)
     app.router.add_post(CONTROL_PATH, _handle_control)
     return app
@@ -219,7 +219,7 @@ async def _handle_shard(request: web.Request) -> web.Response:
         shard = decode_request(await request.read())
         context = shard_context(shard, asyncio.get_running_loop().time(), request.headers)
         inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
-        plane = request.app[_MAIN][DATAPLANE]
+        plane = request.app[CORE].dataplane
         model = plane.version(shard.model, shard.version)
         outputs = await plane.run(model, inputs, context)
         reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
@@ -232,11 +232,9 @@ async def _handle_shard(request: web.Request) -> web.Response:
 
 
 async def _handle_control(request: web.Request) -> web.Response:
-    from app.serving.control import CONTROL
-
     try:
         change = msgspec.msgpack.decode(await request.read(), type=ControlRequest)
-        error = await request.app[_MAIN][CONTROL].apply(change.action, change.model)
+        error = await request.app[CORE].control.apply(change.action, change.model)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         error = f"bad model control request: {exc}"
     return web.Response(body=_encoder.encode(ControlResponse(error)), content_type="application/msgpack")

@@ -102,14 +102,15 @@ class Membership:
         Raises:
             RunDirError: ``<run dir>/peers`` exists and is not a private folder of this user.
         """
-        from app.observability.metrics import METRICS
+        from app.http.state import CORE
         from app.server.peers import PeerClient, internal_app, socket_path
         from app.server.router import Router
 
         balancer = self.balancer
         if balancer is None or self.run_dir is None:
             return
-        metrics = app.get(METRICS)
+        core = app[CORE]
+        metrics = core.metrics
         label = str(self.pid)
         if metrics is not None:
             shed = metrics.connections_shed.labels(label)
@@ -131,7 +132,7 @@ class Membership:
         else:
             rundir.private_subdir(self.run_dir, path.parent.name)  # whoever can connect gives it work
             path.unlink(missing_ok=True)
-            runner = web.AppRunner(internal_app(app), access_log=None)
+            runner = web.AppRunner(internal_app(core), access_log=None)
             await runner.setup()
             await web.UnixSite(runner, str(path)).start()
             self._internal = runner

@@ -255,7 +255,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     async def _tick_until_stopped(self) -> None:
         """Every tick: notify gunicorn, publish state and load, resume/pause the listener,
         recycle at max_requests, stop when the master is gone."""
-        from app.serving.registry import HEALTH, REGISTRY
+        from app.http.state import CORE
 
         assert self._app is not None and self._stopped is not None
         app, siblings, stopped = self._app, self._siblings, self._stopped
@@ -270,15 +270,15 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             if now - last > _STALL_S:  # SIGSTOP, or a call that held the GIL
                 self.log.warning("worker %s: event loop stalled for %.1f s", pid, now - last)
             last = now
-            registry = app.get(REGISTRY)
-            ready = registry is not None and registry.ready and not self._draining
+            core = app.get(CORE)
+            ready = core is not None and core.registry.ready and not self._draining
             state = balance.READY if ready else balance.DRAINING if self._draining else balance.LOADING
             self._publish_load(state)
             if self.ppid != os.getppid():
                 self.log.info("worker %s: parent changed, shutting down", pid)
                 self.alive = False
                 break
-            served = app[HEALTH].responses
+            served = core.health.responses if core is not None else 0
             if (
                 not self._draining
                 and self._recycle_after
@@ -321,19 +321,19 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         if self._app is None:  # still booting: nothing to drain
             self._stop()
             return
-        from app.serving.registry import REGISTRY
+        from app.http.state import CORE
 
-        self._app[REGISTRY].begin_drain(reason)
+        self._app[CORE].registry.begin_drain(reason)
         self._siblings.publish(balance.DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
 
     async def _hold_then_stop(self, reason: str) -> None:
-        from app.serving.registry import SETTINGS
+        from app.http.state import CORE
 
         assert self._app is not None
-        settings = self._app[SETTINGS]
+        settings = self._app[CORE].settings
         loop = asyncio.get_running_loop()
         started = loop.time()
         await asyncio.sleep(settings.drain_grace_s)

@@ -31,20 +31,19 @@ failed and why.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import os
 from collections.abc import AsyncIterator
 
 import torch
-from aiohttp import web
 
-from app.binding import BINDING
 from app.errors import ModelControlFailed, ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scan, scrub_paths, serving
 from app.models.runner import describe
-from app.serving.lifecycle import LOAD_TASK, TASKS, release_all, resolve_device, try_load, unload_version
-from app.serving.registry import REGISTRY, SETTINGS, SIBLINGS
+from app.serving.core import ServingCore
+from app.serving.lifecycle import release_all, try_load, unload_version
 from app.serving.watchdog import watch_inference
 from app.settings import Settings
 from gpu_stat.verify import verify_binding
@@ -60,14 +59,14 @@ class ModelControl:
     """This worker's model control (module docstring).
 
     Args:
-        app: the worker's app (its settings, registry and siblings).
-        device: the torch device models load onto.
+        core: the worker's serving core (its settings, registry and siblings).
+        device: the torch device models load onto (``app.serving.lifecycle.resolve_device``).
     """
 
-    def __init__(self, app: web.Application, device: torch.device) -> None:
-        self.app = app
+    def __init__(self, core: ServingCore, device: torch.device) -> None:
+        self.core = core
         self.device = device
-        self.settings: Settings = app[SETTINGS]
+        self.settings: Settings = core.settings
         self.mode = self.settings.model_control_mode
         run_dir = self.settings.run_dir
         self.model_set_path = run_dir / MODEL_SET_FILE if run_dir else None
@@ -115,13 +114,13 @@ class ModelControl:
                 f"model control mode is {self.mode!r}: the server {why}; set "
                 "SCORING_MODEL_CONTROL_MODE=explicit to load and unload models through the API"
             )
-        registry = self.app[REGISTRY]
+        registry = self.core.registry
         current = self.model_set() or sorted(set(registry.versions) | set(registry.unloaded))
         if action == LOAD:
             self._write_model_set([*current, name])
         else:
             self._write_model_set([n for n in current if n != name])
-        siblings = self.app[SIBLINGS]
+        siblings = self.core.siblings
         here, there = await asyncio.gather(self.apply(action, name), siblings.apply(action, name))
         failures = {os.getpid(): here} if here else {}
         failures.update(there)
@@ -153,7 +152,7 @@ class ModelControl:
             ModelLoadError: no folder declares the model (or its ``model.toml`` cannot be read).
         """
         found = scan(self.settings.model_repository)
-        registry = self.app[REGISTRY]
+        registry = self.core.registry
         broken = {u.name: u.reason for u in found.unavailable}
         configs = [c for c in serving(found).configs if c.name == name]
         registry.set_unavailable(name, broken.get(name))
@@ -164,7 +163,7 @@ class ModelControl:
         return configs
 
     async def _load(self, name: str) -> str | None:
-        registry = self.app[REGISTRY]
+        registry = self.core.registry
         selected = self._selected(name)
         registry.set_unloaded(name, None)
         versions = registry.versions.get(name, {})
@@ -174,7 +173,7 @@ class ModelControl:
             if model is not None and model.ready and model.fingerprint == fingerprint(config.path):
                 continue  # unchanged: it keeps serving
             model = registry.to_load(config)
-            if not await try_load(self.app, model, self.device, config, retry=False):
+            if not await try_load(self.core, model, self.device, config, retry=False):
                 failures.append(f"version {config.version}: {model.error}")
         if name in registry.unavailable:  # a folder of it that cannot be read: the call fails
             failures.append(registry.unavailable[name])
@@ -183,7 +182,7 @@ class ModelControl:
         wanted = {c.version for c in selected}
         await asyncio.gather(
             *(
-                unload_version(self.app, m)
+                unload_version(self.core, m)
                 for v, m in list(versions.items())
                 if v not in wanted and not m.unloading
             )
@@ -191,12 +190,12 @@ class ModelControl:
         return None
 
     async def _unload(self, name: str, why: str) -> str | None:
-        registry = self.app[REGISTRY]
+        registry = self.core.registry
         models = [m for m in registry.versions.get(name, {}).values() if not m.unloading]
         if not models and name not in registry.unloaded and name not in registry.unavailable:
             return f"model {name!r} is not loaded"
         registry.set_unloaded(name, why)
-        await asyncio.gather(*(unload_version(self.app, m) for m in models))
+        await asyncio.gather(*(unload_version(self.core, m) for m in models))
         return None
 
     # --- after boot, and polling ---------------------------------------------------------------
@@ -207,7 +206,7 @@ class ModelControl:
         wanted = self.model_set()
         if wanted is None:
             return
-        registry = self.app[REGISTRY]
+        registry = self.core.registry
         for name in wanted:
             if name not in registry.versions and name not in registry.unavailable:
                 why = await self.apply(LOAD, name)
@@ -224,7 +223,7 @@ class ModelControl:
         while True:
             await asyncio.sleep(self.settings.repository_poll_s)
             seen = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, names)
-            registry = self.app[REGISTRY]
+            registry = self.core.registry
             for name in sorted(set(seen) | set(self._seen)):
                 if name not in seen:
                     if name in registry.versions:
@@ -249,7 +248,7 @@ class ModelControl:
         try:
             return {u.name for u in scan(self.settings.model_repository).unavailable}
         except ModelLoadError:
-            return set(self.app[REGISTRY].unavailable)
+            return set(self.core.registry.unavailable)
 
     def _snapshot(self, names: set[str]) -> dict[str, dict[str, str]]:
         """name -> version -> fingerprint of every selected version in the repository (only
@@ -266,21 +265,24 @@ class ModelControl:
         return out
 
 
-CONTROL = web.AppKey("model_control", ModelControl)
+
+# --- the worker's model set from start to stop ------------------------------------------------
 
 
-# --- the worker's model set from start to stop (the app's ``cleanup_ctx``) --------------------
+@contextlib.asynccontextmanager
+async def serve_models(core: ServingCore) -> AsyncIterator[None]:
+    """The worker's models from start to stop (the HTTP layer runs it as the app's
+    ``cleanup_ctx``): the models of :meth:`ModelControl.boot_names` loaded in the background,
+    the hung-inference watchdog, repository polling (``poll`` mode); it enters once this worker
+    may listen (:func:`_defer_listening`); on exit the units stop and the models are freed (not
+    when an inference thread is stuck or a load is still under way).
 
-
-async def models_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx``: the models of :meth:`ModelControl.boot_names` loaded in the background,
-    the hung-inference watchdog, repository polling (``poll`` mode); on cleanup the units stop
-    and the models are freed (not when an inference thread is stuck or a load is still under way).
+    Raises:
+        ModelLoadError: the repository cannot be scanned.
     """
-    settings = app[SETTINGS]
-    registry = app[REGISTRY]
-    device = resolve_device(settings.device)
-    control = app[CONTROL] = ModelControl(app, device)
+    settings = core.settings
+    registry = core.registry
+    control = core.control
     names = control.boot_names()
     found = scan(settings.model_repository, names if control.model_set() is None else ())
     chosen = serving(found)
@@ -294,15 +296,13 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
             registry.set_unavailable(broken.name, broken.reason)
     registry.strict = settings.strict_readiness
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
-    app[TASKS] = set()
     loop = asyncio.get_running_loop()
-    task = loop.create_task(_load_all(app, device, control))
-    app[LOAD_TASK] = task
+    task = core.load_task = loop.create_task(_load_all(core, control))
     background = []
     if settings.hung_inference_s > 0:
-        background.append(loop.create_task(watch_inference(app, settings.hung_inference_s), name="watchdog"))
+        background.append(loop.create_task(watch_inference(core, settings.hung_inference_s), name="watchdog"))
     try:
-        await _defer_listening(app)
+        await _defer_listening(core)
         yield
     finally:
         registry.draining = True
@@ -311,24 +311,25 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
             and not task.cancelled()
             and not any(m.error is None and not m.ready for m in registry.entries())
         )
-        pending = [task, *background, *app[TASKS]]
+        pending = [task, *background, *core.tasks]
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await release_all(app, loaded)
+        await release_all(core, loaded)
 
 
-async def _load_all(app: web.Application, device: torch.device, control: ModelControl) -> None:
-    registry = app[REGISTRY]
+async def _load_all(core: ServingCore, control: ModelControl) -> None:
+    registry = core.registry
+    device = control.device
     for name, reason in registry.unavailable.items():
         log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
     loaded = False
     async with control._lock:  # a change a sibling sends meanwhile applies after the boot loads
         for model in registry.entries():
-            loaded = await try_load(app, model, device) or loaded
+            loaded = await try_load(core, model, device) or loaded
     # Now that the models hold their CUDA context, check through NVML that it is on the
     # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
-    worker = app[BINDING]
+    worker = core.binding
     if loaded and worker.binding.gpu_uuid is not None:
         await asyncio.get_running_loop().run_in_executor(None, verify_binding, worker.binding)
     binding = worker.describe()["binding"]
@@ -344,14 +345,14 @@ async def _load_all(app: web.Application, device: torch.device, control: ModelCo
         await control.poll()
 
 
-async def _defer_listening(app: web.Application) -> None:
+async def _defer_listening(core: ServingCore) -> None:
     """While another worker serves, keep this one off the listener until it is ready (every
     model that can load is warm), or it is asked to stop. A replacement whose models cannot load
     so stays off the listener, retrying, while its siblings serve. The gunicorn worker's boot
     heartbeat keeps gunicorn informed meanwhile."""
     loop = asyncio.get_running_loop()
-    registry = app[REGISTRY]
-    others_serving = app[SIBLINGS].others_serving
+    registry = core.registry
+    others_serving = core.siblings.others_serving
     waited = False
     while not registry.ready and not registry.draining and await loop.run_in_executor(None, others_serving):
         waited = True

@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import numpy as np
-from aiohttp import web
 
 from app.errors import InvalidInput, ModelNotReady
 from app.models.repository import ModelConfig
@@ -417,6 +416,3 @@ def build_response(
         )
     return InferResponse(config.name, config.version, tensors, request.id)
 
-
-#: The worker's data plane (created with the app; front ends read it).
-DATAPLANE = web.AppKey("dataplane", DataPlane)

@@ -28,24 +28,21 @@ from functools import partial
 from typing import Any
 
 import torch
-from aiohttp import web
 
 from app.errors import ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scrub_paths
 from app.models.runner import ModelRunner, describe, synthetic_inputs
-from app.observability.metrics import METRICS, ModelObserver
-from app.observability.tracing import TRACING, Tracing
+from app.observability.metrics import ModelObserver
+from app.observability.tracing import Tracing
+from app.serving.core import ServingCore
 from app.serving.executor import InferenceThread, Threads
-from app.serving.registry import HEALTH, REGISTRY, SETTINGS, ModelVersion
+from app.serving.registry import ModelVersion
 from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
 
-LOAD_TASK = web.AppKey("model_load_task", asyncio.Task)
 #: The first wait before a failed model load is retried, seconds (then doubled each time).
 FIRST_RETRY_S = 2.0
-#: Background tasks of the lifecycle: load retries, old units draining.
-TASKS = web.AppKey("model_lifecycle_tasks", set[asyncio.Task[None]])
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -83,10 +80,10 @@ def _timed_batch(runner: ModelRunner) -> tuple[float, float]:
     return (runner.batch_cost(costs) if costs is not None else float(items)), seconds
 
 
-def _spawn(app: web.Application, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
+def _spawn(core: ServingCore, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
     task = asyncio.get_running_loop().create_task(coro, name=name)
-    app[TASKS].add(task)
-    task.add_done_callback(app[TASKS].discard)
+    core.tasks.add(task)
+    task.add_done_callback(core.tasks.discard)
     return task
 
 
@@ -107,7 +104,7 @@ def unit_for(config: ModelConfig, runner: ModelRunner, threads: Threads, observe
 
 
 def _threads(
-    app: web.Application, config: ModelConfig, inference: InferenceThread, runner: ModelRunner
+    core: ServingCore, config: ModelConfig, inference: InferenceThread, runner: ModelRunner
 ) -> Threads:
     """The version's threads: its inference thread and, when it prices its items or runs the
     staged pipeline, a prepare pool (``prepare_threads``: 1 on the CPU, else 2) and a finish
@@ -115,7 +112,7 @@ def _threads(
     pipelined = staged(config.pipeline, runner.device)
     if not pipelined and not runner.prices_items:
         return Threads(inference)
-    init = partial(torch.set_num_threads, _torch_threads(app))
+    init = partial(torch.set_num_threads, _torch_threads(core))
     count = config.prepare_threads or (1 if runner.device.type == "cpu" else 2)
     tag = f"{config.name}/{config.version}"
     prepare = InferenceThread(name=f"prepare:{tag}", initializer=init, threads=count)
@@ -123,13 +120,13 @@ def _threads(
     return Threads(inference, prepare, finish)
 
 
-def _torch_threads(app: web.Application) -> int:
-    settings = app[SETTINGS]
+def _torch_threads(core: ServingCore) -> int:
+    settings = core.settings
     return settings.effective_torch_threads(settings.workers)
 
 
 async def load_version(
-    app: web.Application, model: ModelVersion, device: torch.device, config: ModelConfig | None = None
+    core: ServingCore, model: ModelVersion, device: torch.device, config: ModelConfig | None = None
 ) -> None:
     """Load, warm up and time ``model`` (as ``config`` says: its folder read again; default its
     own) on a new inference thread, start its serving unit and put it in service; a unit it
@@ -146,10 +143,10 @@ async def load_version(
     loop = asyncio.get_running_loop()
     inference = InferenceThread(
         name=f"inference:{config.name}/{config.version}",
-        initializer=partial(torch.set_num_threads, _torch_threads(app)),
+        initializer=partial(torch.set_num_threads, _torch_threads(core)),
     )
     runner = ModelRunner(config)
-    metrics = app.get(METRICS)
+    metrics = core.metrics
     # Before the load: files replaced while it runs then differ from this and are loaded again
     # (model control), and no result of the new files is cached under the old ones' identity.
     files = fingerprint(config.path)
@@ -167,8 +164,8 @@ async def load_version(
         metrics.model_loads.labels(config.name, config.version, "success").inc()
         metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
     observer = ModelObserver(model.stats, metrics, config.name, config.version)
-    threads = _threads(app, config, inference, runner)
-    unit = unit_for(config, runner, threads, observer, app[SETTINGS].max_batch_bytes, app.get(TRACING))
+    threads = _threads(core, config, inference, runner)
+    unit = unit_for(config, runner, threads, observer, core.settings.max_batch_bytes, core.tracing)
     unit.admission.observe(seed[0], seed[1], 0)
     unit.start()
     old = (model.unit, model.runner, model.threads)
@@ -176,23 +173,23 @@ async def load_version(
     model.unit, model.runner, model.threads = unit, runner, threads
     model.error = None
     model.settled.set()
-    app[REGISTRY].refresh(config.name)
+    core.registry.refresh(config.name)
     figures = describe(runner)
     log.info("model %s v%s %s %s", config.name, config.version, "reloaded" if old[0] else "ready", figures,
              extra={"event": "model_ready", **figures})  # fmt: skip
     if old[0] is not None:
-        _spawn(app, retire(app, *old, what=f"{config.name} v{config.version}"), f"retire:{config.name}")
+        _spawn(core, retire(core, *old, what=f"{config.name} v{config.version}"), f"retire:{config.name}")
 
 
-async def unload_version(app: web.Application, model: ModelVersion) -> None:
+async def unload_version(core: ServingCore, model: ModelVersion) -> None:
     """Take ``model`` out of service: new requests go to another version (or get 404), those
     already routed to it finish (its unit drains), then it stops, its model is freed and it
     leaves the registry."""
-    registry = app[REGISTRY]
+    registry = core.registry
     model.unloading = True
     registry.refresh(model.config.name)
     config = model.config
-    await retire(app, model.unit, model.runner, model.threads, what=f"{config.name} v{config.version}")
+    await retire(core, model.unit, model.runner, model.threads, what=f"{config.name} v{config.version}")
     model.unit = model.runner = model.threads = None
     registry.remove(model)
     log.info("model %s v%s unloaded", config.name, config.version,
@@ -200,7 +197,7 @@ async def unload_version(app: web.Application, model: ModelVersion) -> None:
 
 
 async def retire(
-    app: web.Application,
+    core: ServingCore,
     unit: ServingUnit | None,
     runner: ModelRunner | None,
     threads: Threads | None,
@@ -209,7 +206,7 @@ async def retire(
 ) -> None:
     """Let ``unit`` finish what was routed to it (up to the longest deadline a request may have),
     stop it, free its model on its own thread and give the memory back."""
-    settings = app[SETTINGS]
+    settings = core.settings
     if unit is not None:
         await unit.drain(settings.max_request_timeout_ms / 1000.0)
         await unit.stop()
@@ -222,13 +219,13 @@ async def retire(
                  extra={"event": "model_freed", "freed_bytes": freed})  # fmt: skip
 
 
-def _reason(app: web.Application, exc: BaseException) -> str:
+def _reason(core: ServingCore, exc: BaseException) -> str:
     message = str(exc) if isinstance(exc, ModelLoadError) else f"{type(exc).__name__}: {exc}"
-    return scrub_paths(message, app[SETTINGS].model_repository)
+    return scrub_paths(message, core.settings.model_repository)
 
 
 async def try_load(
-    app: web.Application,
+    core: ServingCore,
     model: ModelVersion,
     device: torch.device,
     config: ModelConfig | None = None,
@@ -239,15 +236,15 @@ async def try_load(
     older copy keeps serving), wake its waiters and, with ``retry``, schedule retries (loads
     that model control asked for are not retried: the operator asks again). True when it serves."""
     try:
-        await load_version(app, model, device, config)
+        await load_version(core, model, device, config)
         return True
     except asyncio.CancelledError:
         raise
     except Exception as exc:
         config = config or model.config
-        model.error = _reason(app, exc)
+        model.error = _reason(core, exc)
         model.settled.set()  # requests waiting for it get 503 with the reason now
-        retry_max_s = app[SETTINGS].model_load_retry_max_s if retry else 0
+        retry_max_s = core.settings.model_load_retry_max_s if retry else 0
         log.error(
             "model %s v%s %s: %s%s",
             config.name, config.version,
@@ -258,22 +255,22 @@ async def try_load(
             extra={"event": "model_unavailable", "model": config.name, "version": config.version},
         )  # fmt: skip
         name = f"retry-load:{config.name}/{config.version}"
-        if retry_max_s and model.unit is None and not any(t.get_name() == name for t in app[TASKS]):
-            _spawn(app, _retry(app, model, device, retry_max_s), name)
+        if retry_max_s and model.unit is None and not any(t.get_name() == name for t in core.tasks):
+            _spawn(core, _retry(core, model, device, retry_max_s), name)
         return False
 
 
-async def _retry(app: web.Application, model: ModelVersion, device: torch.device, max_s: float) -> None:
+async def _retry(core: ServingCore, model: ModelVersion, device: torch.device, max_s: float) -> None:
     """Retry a failed load after FIRST_RETRY_S, then twice as long each time, up to ``max_s``."""
     wait_s = min(FIRST_RETRY_S, max_s)
-    while model.error is not None and not model.retired and not app[REGISTRY].draining:
+    while model.error is not None and not model.retired and not core.registry.draining:
         await asyncio.sleep(wait_s)
         try:
-            await load_version(app, model, device)
+            await load_version(core, model, device)
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            model.error = _reason(app, exc)
+            model.error = _reason(core, exc)
             wait_s = min(wait_s * 2, max_s)
             log.warning(
                 "model %s v%s still unavailable (next try in %.0f s): %s",
@@ -283,13 +280,14 @@ async def _retry(app: web.Application, model: ModelVersion, device: torch.device
         log.info("model %s v%s loaded on retry", model.config.name, model.config.version)
 
 
-async def release_all(app: web.Application, loaded: bool) -> None:
-    """Stop the units; free the models on their inference threads unless one is stuck."""
-    models = app[REGISTRY].entries()
+async def release_all(core: ServingCore, loaded: bool) -> None:
+    """Stop ``core``'s units; free the models on their inference threads unless one is stuck
+    or, ``loaded`` False, a load is still under way."""
+    models = core.registry.entries()
     for model in models:
         if model.unit is not None:
             await model.unit.stop()
-    hung = app[HEALTH].hung
+    hung = core.health.hung
     if hung is not None or not loaded:
         # Anything queued now would wait behind the stuck (or still loading) call; the
         # daemon threads die with the process, and so does the device memory they hold.
@@ -306,8 +304,3 @@ async def release_all(app: web.Application, loaded: bool) -> None:
             await loop.run_in_executor(None, model.threads.shutdown, True)
         model.unit = model.runner = model.threads = None
 
-
-async def on_shutdown(app: web.Application) -> None:
-    """Turn readiness 503 when the app shuts down (under gunicorn the worker did it earlier,
-    at SIGTERM, before its listener closed)."""
-    app[REGISTRY].begin_drain("shutdown")

@@ -1,4 +1,4 @@
-"""The model versions this worker serves, their states, and the typed app state around them.
+"""The model versions this worker serves, their states, and the worker's health.
 
 :class:`ModelRegistry` holds one :class:`ModelVersion` per (name, version): its config, its
 state (Triton's ``LOADING``, ``READY``, ``UNLOADING``, ``UNAVAILABLE`` with a reason) and, once
@@ -20,14 +20,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from aiohttp import web
-
 from app.errors import ModelNotFound, ModelNotReady, ModelUnloaded
 from app.models.repository import ModelConfig, version_key
 from app.observability.metrics import ModelStats
-from app.protocols.tensors import RequestLimits
-from app.serving.siblings import Siblings, Supervisor
-from app.settings import Settings
 
 if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
     from app.models.runner import ModelRunner
@@ -268,10 +263,3 @@ class WorkerHealth:
     #: Passes the hung-inference watchdog has made over the units.
     watchdog_passes: int = 0
 
-
-SETTINGS = web.AppKey("settings", Settings)
-REGISTRY = web.AppKey("registry", ModelRegistry)
-HEALTH = web.AppKey("health", WorkerHealth)
-LIMITS = web.AppKey("request_limits", RequestLimits)
-SIBLINGS = web.AppKey("siblings", Siblings)
-SUPERVISOR = web.AppKey("supervisor", Supervisor)

@@ -13,22 +13,21 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from aiohttp import web
-
-from app.observability.metrics import METRICS
+from app.serving.core import ServingCore
 from app.serving.executor import RunningBatch
-from app.serving.registry import HEALTH, REGISTRY, SUPERVISOR, ModelVersion
+from app.serving.registry import ModelVersion
 
 log = logging.getLogger(__name__)
 
 
-async def watch_inference(app: web.Application, hung_s: float) -> None:
-    """Report batches that run longer than ``hung_s`` seconds, once each (until cancelled)."""
-    registry = app[REGISTRY]
+async def watch_inference(core: ServingCore, hung_s: float) -> None:
+    """Report batches of ``core``'s units that run longer than ``hung_s`` seconds, once each
+    (until cancelled)."""
+    registry = core.registry
     loop = asyncio.get_running_loop()
     interval = min(max(hung_s / 4, 0.05), 5.0)
     reported: set[tuple[str, str, float]] = set()
-    health = app[HEALTH]
+    health = core.health
     while True:
         await asyncio.sleep(interval)
         health.watchdog_passes += 1
@@ -40,11 +39,11 @@ async def watch_inference(app: web.Application, hung_s: float) -> None:
             key = (model.config.name, model.config.version, batch.started)
             if key not in reported:
                 reported.add(key)
-                _report(app, model, batch, now - batch.started, hung_s)
+                _report(core, model, batch, now - batch.started, hung_s)
 
 
 def _report(
-    app: web.Application, model: ModelVersion, batch: RunningBatch, running_s: float, hung_s: float
+    core: ServingCore, model: ModelVersion, batch: RunningBatch, running_s: float, hung_s: float
 ) -> None:
     config = model.config
     message = (
@@ -57,12 +56,11 @@ def _report(
         extra={"event": "hung_inference", "model": config.name, "version": config.version,
                "items": batch.items, "running_s": round(running_s, 3)},
     )  # fmt: skip
-    metrics = app.get(METRICS)
-    if metrics is not None:
-        metrics.hung_batches.labels(config.name, config.version).inc()
-    health = app[HEALTH]
+    if core.metrics is not None:
+        core.metrics.hung_batches.labels(config.name, config.version).inc()
+    health = core.health
     first = health.hung is None
     health.hung = message
-    app[REGISTRY].begin_drain("hung inference")
-    if first and not app[SUPERVISOR].request_stop("hung inference"):
+    core.registry.begin_drain("hung inference")
+    if first and not core.supervisor.request_stop("hung inference"):
         log.warning("not under gunicorn: nothing restarts this process; liveness stays 503")

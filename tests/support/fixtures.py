@@ -15,8 +15,8 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient
 
+from app.http.state import CORE
 from app.serving.admission import MeasuredRate
-from app.serving.registry import REGISTRY
 from app.serving.siblings import Siblings, Supervisor
 from app.serving.unit import ServingUnit
 from app.settings import Settings
@@ -63,7 +63,7 @@ async def eventually(check: Callable[[], Any], timeout_s: float = 10.0) -> Any:
 
 async def wait_ready(app: web.Application, timeout_s: float = 30.0) -> None:
     """Wait (bounded) until every model of the in-process app is warm."""
-    registry = app[REGISTRY]
+    registry = app[CORE].registry
 
     async def warm() -> bool:
         if registry.failures():
@@ -107,7 +107,7 @@ def scale_repo(tmp_path: Path) -> Path:
 
 def served(app: web.Application, name: str) -> ServingUnit:
     """The serving unit of model ``name`` (its default version) in an in-process app."""
-    unit = app[REGISTRY].get(name).unit
+    unit = app[CORE].registry.get(name).unit
     assert unit is not None, f"model {name} is not serving"
     return unit
 
@@ -121,7 +121,7 @@ def measured(unit: ServingUnit) -> MeasuredRate:
 def hold(app: web.Application, name: str) -> threading.Event:
     """Block the inference thread of model ``name`` until the returned event is set (the
     batches sent meanwhile queue behind it)."""
-    threads = app[REGISTRY].get(name).threads
+    threads = app[CORE].registry.get(name).threads
     assert threads is not None
     held = threading.Event()
     threads.inference.submit(held.wait, 30)

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from app.serving.registry import REGISTRY
+from app.http.state import CORE
 from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.toy_models import assert_no_absolute_paths, write_broken_models, write_scale_model
 
@@ -58,7 +58,7 @@ async def test_readiness_is_strict_by_default_and_needs_every_model(make_client:
     write_scale_model(repo, "good")
     write_broken_models(repo)
     client: Client = await make_client(repo, wait=False)
-    assert client.app[REGISTRY].strict is True
+    assert client.app[CORE].registry.strict is True
     await eventually(lambda: _settled(client), 60)
     resp = await client.get("/v2/health/ready")
     assert resp.status == 503 and (await resp.json())["ready"] is False
@@ -66,5 +66,5 @@ async def test_readiness_is_strict_by_default_and_needs_every_model(make_client:
 
 
 def _settled(client: Client) -> bool:
-    registry = client.app[REGISTRY]
+    registry = client.app[CORE].registry
     return all(e.ready or e.error is not None for e in registry.entries())

@@ -22,11 +22,9 @@ from app.grpc.errors import outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
-from app.observability.metrics import METRICS
+from app.http.state import CORE
 from app.protocols.infer import InferRequest
 from app.protocols.tensors import deserialize_bytes
-from app.serving.dataplane import DATAPLANE
-from app.serving.registry import REGISTRY
 from tests.support.fixtures import Client
 from tests.support.messages import scale_request
 from tests.support.tls import self_signed
@@ -105,7 +103,7 @@ async def test_health_and_metadata(served: Callable[..., Any]) -> None:
 
 async def test_draining_worker_is_unready(served: Callable[..., Any]) -> None:
     g = await served()
-    g.app[REGISTRY].draining = True
+    g.app[CORE].registry.draining = True
     assert not (await g.stub.ServerReady(pb.ServerReadyRequest())).ready
     assert not (await g.stub.ModelReady(pb.ModelReadyRequest(name="scale"))).ready
     assert (await g.stub.ServerLive(pb.ServerLiveRequest())).live
@@ -226,7 +224,7 @@ async def test_requests_are_counted_with_protocol_grpc(served: Callable[..., Any
     await g.stub.ModelInfer(scale_request([[1.0, 2.0]], [b"t"]))
     await g.error("ModelInfer", scale_request([[1.0, 2.0]], [b"t"], model_version="9"))
     await g.error("ModelInfer", hostile_requests()[0][1])
-    registry = g.app[METRICS].registry
+    registry = g.app[CORE].metrics.registry
 
     def count(code: str) -> float | None:
         labels = {"model": "scale", "version": "1", "protocol": "grpc", "code": code}
@@ -258,7 +256,7 @@ async def test_deadline_is_the_earlier_of_grpc_and_the_timeout_parameter(
     make_client: Callable[..., Any], scale_repo: Path, remaining: Any, timeout_us: Any, expected: float
 ) -> None:
     http = await make_client(scale_repo, request_timeout_ms=10_000)
-    plane = http.server.app[DATAPLANE]
+    plane = http.server.app[CORE].dataplane
     model = plane.version("scale", None)
     params = {} if timeout_us is None else {"timeout": timeout_us}
     transport = FakeContext(remaining).time_remaining()

@@ -19,10 +19,11 @@ from typing import Any
 
 import pytest
 
+from app.http.state import CORE
 from app.models.repository import read_config
 from app.protocols.tensors import RequestLimits, check_json_depth
 from app.serving.dataplane import DataPlane
-from app.serving.registry import REGISTRY, ModelRegistry, ModelVersion
+from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Alone
 from app.settings import Settings
 from tests.support.fixtures import Client, MakeClient, eventually, hold, measured, served
@@ -268,8 +269,8 @@ async def test_without_a_hold_an_impatient_client_pays_a_reconnect(
 async def test_draining_serves_but_closes_every_connection(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo)
     assert await raw_requests(port_of(client), 2) == ["keep-alive", "keep-alive"]
-    client.app[REGISTRY].begin_drain("test")
-    assert client.app[REGISTRY].draining
+    client.app[CORE].registry.begin_drain("test")
+    assert client.app[CORE].registry.draining
     assert (await client.get("/v2/health/ready")).status == 503
     resp = await client.post(V2, json=v2_body(1))  # requests that still arrive are served
     assert resp.status == 200 and resp.headers["Connection"] == "close"

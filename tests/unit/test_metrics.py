@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from app.serving.registry import REGISTRY
+from app.http.state import CORE
 from gpu_stat.binding import BindingPolicy, bind_worker, release_binding
 from tests.support.fake_gpus import GIB, gpu, gpu_uuid, write_fake
 from tests.support.fixtures import eventually
@@ -50,7 +50,7 @@ async def test_inference_requests_batches_and_worker_are_recorded(
     assert total(m, "scoring_requests_total") == 6
     assert value(m, "scoring_request_duration_seconds_count", **scale, protocol="v2") == 3
     assert value(m, "scoring_batch_size_sum", **scale) == 3 + 2 * 2
-    entry = client.server.app[REGISTRY].get("scale")
+    entry = client.server.app[CORE].registry.get("scale")
     assert entry.runner is not None
     batches = value(m, "scoring_batch_size_count", **scale)
     assert batches == len(ScaleHandler.BATCHES["scale"]) - before  # every batch the model ran

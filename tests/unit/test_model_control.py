@@ -11,9 +11,8 @@ from typing import Any
 import pytest
 
 from app.errors import ModelLoadError
+from app.http.state import CORE
 from app.models.repository import Scan, VersionPolicy, read_config, serving
-from app.serving.control import CONTROL
-from app.serving.registry import REGISTRY
 from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.toy_models import write_scale_model
 
@@ -72,9 +71,9 @@ async def test_explicit_load_swaps_a_new_version_in_and_the_old_one_out(
     assert (await client.post(LOAD)).status == 200
     assert (await infer(client))[1]["outputs"][0]["data"] == [5.0, 5.0]
     # nothing changed: nothing reloads
-    unit = client.app[REGISTRY].get("scale").unit
+    unit = client.app[CORE].registry.get("scale").unit
     assert (await client.post(LOAD)).status == 200
-    assert client.app[REGISTRY].get("scale").unit is unit
+    assert client.app[CORE].registry.get("scale").unit is unit
 
 
 async def test_unload_then_load_again(make_client: MakeClient, tmp_path: Path) -> None:
@@ -172,15 +171,15 @@ async def test_poll_mode_loads_new_versions_and_unloads_removed_models(
     write_scale_model(tmp_path, "scale", version="1", folder_name="scale-1")
     client: Client = await make_client(tmp_path, model_control_mode="poll", repository_poll_s=0.05)
     write_scale_model(tmp_path, "scale", version="2", folder_name="scale-2", factor=4)
-    await eventually(lambda: client.app[REGISTRY].get("scale").config.version == "2")
+    await eventually(lambda: client.app[CORE].registry.get("scale").config.version == "2")
     status, body = await infer(client)
     assert status == 200 and body["outputs"][0]["data"] == [4.0, 4.0]
-    await eventually(lambda: "1" not in client.app[REGISTRY].versions["scale"])
+    await eventually(lambda: "1" not in client.app[CORE].registry.versions["scale"])
     shutil.rmtree(tmp_path / "scale-1")
     shutil.rmtree(tmp_path / "scale-2")
     write_scale_model(tmp_path, "other")
     await eventually(
-        lambda: "scale" in client.app[REGISTRY].unloaded and "other" in client.app[REGISTRY].versions
+        lambda: "scale" in client.app[CORE].registry.unloaded and "other" in client.app[CORE].registry.versions
     )
     assert (await infer(client))[0] == 404
 
@@ -192,11 +191,11 @@ async def test_poll_mode_forgets_a_broken_folder_once_it_is_removed(make_client:
     (tmp_path / "broken").mkdir()
     (tmp_path / "broken" / "model.toml").write_text("name = \n")
     client: Client = await make_client(tmp_path, wait=False, model_control_mode="poll", repository_poll_s=0.05)
-    await eventually(lambda: all(e.ready for e in client.app[REGISTRY].entries()) or None)
-    assert "broken" in client.app[REGISTRY].unavailable
+    await eventually(lambda: all(e.ready for e in client.app[CORE].registry.entries()) or None)
+    assert "broken" in client.app[CORE].registry.unavailable
     assert (await client.get("/v2/health/ready")).status == 503
     shutil.rmtree(tmp_path / "broken")
-    await eventually(lambda: "broken" not in client.app[REGISTRY].unavailable)
+    await eventually(lambda: "broken" not in client.app[CORE].registry.unavailable)
     assert (await client.get("/v2/health/ready")).status == 200
 
 
@@ -212,7 +211,7 @@ async def test_a_failed_new_version_beside_a_serving_one_keeps_strict_readiness(
     marker.touch()
     write_scale_model(tmp_path, "scale", version="2", folder_name="scale-2", fail_load_if_exists=str(marker))
     assert (await client.post(LOAD)).status == 400
-    assert client.app[REGISTRY].versions["scale"]["2"].error is not None
+    assert client.app[CORE].registry.versions["scale"]["2"].error is not None
     assert (await client.get("/v2/health/ready")).status == 200
     status, body = await infer(client)
     assert status == 200 and body["model_version"] == "1"
@@ -225,11 +224,11 @@ async def test_requests_queued_on_the_old_copy_finish_there(make_client: MakeCli
     client: Client = await make_client(tmp_path, model_control_mode="explicit", max_request_timeout_ms=30_000)
     path, body = v2()
     first = asyncio.create_task(client.post(path, json=body))
-    old = client.app[REGISTRY].get("scale").unit
+    old = client.app[CORE].registry.get("scale").unit
     assert old is not None
     await eventually(lambda: old.running_batch is not None)
     write_scale_model(tmp_path, "scale", version="1", folder_name="scale-1", factor=7)
     assert (await client.post(LOAD)).status == 200
     assert (await (await first).json())["outputs"][0]["data"] == [2.0, 2.0]
     assert (await infer(client))[1]["outputs"][0]["data"] == [7.0, 7.0]
-    assert client.app[CONTROL].mode == "explicit"
+    assert client.app[CORE].control.mode == "explicit"

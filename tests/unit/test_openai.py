@@ -14,7 +14,7 @@ import numpy as np
 import openai
 import pytest
 
-from app.observability.metrics import METRICS
+from app.http.state import CORE
 from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.toy_models import ScaleHandler, write_embed_model, write_scale_model
 
@@ -101,8 +101,9 @@ async def test_an_embeddings_request_counts_in_flight_under_its_model(make_clien
     ScaleHandler.GATES["embed-in-flight"] = gate
     write_embed_model(tmp_path, load_gate="embed-in-flight")
     http: Client = await make_client(tmp_path, wait=False)
-    metrics = http.app[METRICS].registry
-    assert metrics is not None
+    server_metrics = http.app[CORE].metrics
+    assert server_metrics is not None and server_metrics.registry is not None
+    metrics = server_metrics.registry
     labels = {"model": "embed", "version": "1"}
     try:
         waiting = asyncio.ensure_future(http.post("/v1/embeddings", json={"model": "embed", "input": "a b"}))

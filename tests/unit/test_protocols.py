@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.observability.metrics import METRICS
+from app.http.state import CORE
 from tests.support.fixtures import Client, MakeClient, eventually, wait_ready
 from tests.support.toy_models import ScaleHandler, TinyRanker, write_scale_model
 
@@ -265,8 +265,9 @@ async def test_readiness_is_503_until_warmup_then_200(make_client: MakeClient, t
     # a request that arrives while the model loads waits for it (within its deadline)
     waiting = asyncio.ensure_future(client.post(V2_INFER, json=v2_body([[3, 4]])))
     in_flight = {"model": "scale", "version": "1"}
-    metrics = client.app[METRICS].registry
-    assert metrics is not None
+    server_metrics = client.app[CORE].metrics
+    assert server_metrics is not None and server_metrics.registry is not None
+    metrics = server_metrics.registry
     # until the request is in the handler, waiting for the model
     await eventually(lambda: metrics.get_sample_value("scoring_requests_in_flight", in_flight) == 1.0)
     assert not waiting.done()

@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
+from app.http.state import CORE
 from app.server import balance
 from app.server.siblings import Membership
 from app.server.worker import RestartBackoff
 from app.serving.executor import InferenceThread
-from app.serving.registry import HEALTH, REGISTRY
 from tests.support.fixtures import Client, MakeClient, eventually, served
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
@@ -67,7 +67,7 @@ async def test_watchdog_in_process_without_a_process_manager(
 
 async def test_fast_batches_never_trip_the_watchdog(make_client: MakeClient, scale_repo: Path) -> None:
     client: Client = await make_client(scale_repo, hung_inference_s=0.2)
-    lifecycle = client.app[HEALTH]
+    lifecycle = client.app[CORE].health
     for _ in range(5):
         assert (await client.post(V2, json=body(1.0))).status == 200
     passes = lifecycle.watchdog_passes
@@ -106,7 +106,7 @@ async def test_a_draining_worker_still_serves_what_reaches_it(
     make_client: MakeClient, scale_repo: Path
 ) -> None:
     client: Client = await make_client(scale_repo)
-    client.app[REGISTRY].begin_drain("test")
+    client.app[CORE].registry.begin_drain("test")
     resp = await client.post("/v1/models/scale:predict", json={"instances": [[1, 2]]})
     assert resp.status == 200 and resp.headers["Connection"] == "close"
 
@@ -183,7 +183,7 @@ async def test_the_inference_thread_runs_with_the_workers_torch_threads(
 
     client: Client = await make_client(scale_repo, torch_threads=1)
     assert (await client.post(V2, json=body(1.0))).status == 200
-    threads = client.app[REGISTRY].get("scale").threads
+    threads = client.app[CORE].registry.get("scale").threads
     assert threads is not None
     executor = threads.inference
     # OpenMP first: torch.get_num_threads() itself lazily sets up a new thread's count.

@@ -15,9 +15,9 @@ import lmdb
 import numpy as np
 import pytest
 
+from app.http.state import CORE
 from app.models.repository import read_config
 from app.serving.context import RequestContext
-from app.serving.dataplane import DATAPLANE
 from app.serving.item_cache import ItemCache
 from app.serving.redis_tier import RedisTier
 from app.serving.registry import ModelVersion
@@ -280,7 +280,7 @@ async def test_cached_and_computed_outputs_are_bit_identical(tmp_path: Path, mak
     repo = tmp_path / "repo"
     cached_scale_model(repo, factor=1 / 3)  # thirds: every bit of the float32 mantissa in use
     client = await make_client(repo, response_cache_path=tmp_path / "cache")
-    plane = client.app[DATAPLANE]
+    plane = client.app[CORE].dataplane
     x = np.random.default_rng(0).random((6, 2), dtype=np.float32)
 
     async def outputs() -> dict[str, tuple[str, str, bytes]]:
