@@ -4,7 +4,7 @@ ONNX graph for the sequence-classification handler's ONNX backend (``backend = "
 Usage::
 
     python scripts/export_sequence_classification.py --model-dir /models/ms-marco-MiniLM-L-6-v2 \\
-        --out model_repository/reranker/model.onnx
+        --out /models/repository/reranker/model.onnx
 
 ``--out`` gets ``transformers.AutoModelForSequenceClassification`` of ``--model-dir`` exported with
 ``torch.onnx.export`` (the TorchScript exporter, opset 17): the tokenizer's tensors (``input_ids``,
