@@ -1,9 +1,10 @@
 """HTTP handlers: Open Inference Protocol (V2) REST, KServe V1, OpenAI embeddings, rerank, classify,
 health.
 
-The inference handlers only decode the body into an inference request, hand it to the data
-plane (:class:`app.serving.dataplane.DataPlane`) and encode the response it returns; model
-code never runs here (it runs on the inference thread).
+Every inference handler is one line: :func:`serve`, the one path, with its API's codec
+(:mod:`app.protocols.codec`): admission, decoding into an inference request, the data plane
+(:class:`app.serving.dataplane.DataPlane`), encoding; model code never runs here (it runs on
+the inference thread).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
-import numpy as np
 import orjson
 from aiohttp import web
 from aiohttp.typedefs import Handler
@@ -24,10 +24,8 @@ from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
 from app.http.middleware import model_known, request_id_of
 from app.http.state import CORE
-from app.models.repository import ModelConfig
 from app.protocols import classify, openai, rerank, triton, v1, v2
-from app.protocols.infer import InferRequest
-from app.protocols.v2 import HEADER_LENGTH, attach_binary, split_body
+from app.protocols.codec import Codec
 from app.serving.registry import ModelRegistry, ModelVersion
 
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
@@ -158,36 +156,45 @@ async def model_ready(request: web.Request) -> web.Response:
     return _model_readiness(registry, entry)
 
 
+async def serve(request: web.Request, codec: Codec) -> web.Response:
+    """The one path of every HTTP inference API: the deadline from the headers, admission (before
+    the body is read where the path names the model), the codec's decoding, the data plane, the
+    codec's encoding (a span of its own where tracing is on). Errors are raised as
+    :mod:`app.errors` and answered by the edge middleware, in the API's shape.
+
+    Raises:
+        ScoringError: what admission, decoding or the data plane raised (4xx, 503, 504).
+    """
+    plane = request.app[CORE].dataplane
+    arrival = asyncio.get_running_loop().time()
+    deadline = header_deadline(request, arrival)
+    model = None
+    if codec.named_in_path:
+        model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
+    call = codec.call(await _read_body(request), request.headers, plane.limits)
+    if model is None:
+        assert call.name is not None, f"the {codec.protocol} codec named no model"
+        model = plane.admit(call.name, call.version, arrival, deadline)
+        model_known(request, model.config.name, model.config.version)
+    parsed = call.build(model.config)
+    parsed.arrival, parsed.deadline = arrival, deadline
+    response = await plane.infer(
+        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
+    )
+    if plane.tracing is None:
+        body, content_type, headers = call.encode(model.config, response)
+    else:
+        with plane.tracing.encoding():
+            body, content_type, headers = call.encode(model.config, response)
+    return web.Response(body=body, content_type=content_type, headers=headers)
+
+
 @inference_routes.post("/v2/models/{name}/versions/{version}/infer")
 @inference_routes.post("/v2/models/{name}/infer")  # innermost: added first
 async def infer(request: web.Request) -> web.Response:
     """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
     may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
-    plane = request.app[CORE].dataplane
-    arrival = asyncio.get_running_loop().time()
-    deadline = header_deadline(request, arrival)
-    model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
-    config = model.config
-    head, binary = split_body(await _read_body(request), request.headers.get(HEADER_LENGTH))
-    parsed = v2.decode_request(head, config.name, config.version, plane.limits)
-    attach_binary(parsed, binary)
-    parsed.arrival, parsed.deadline = arrival, deadline
-    response = await plane.infer(
-        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
-    )
-    tracing = plane.tracing
-    if tracing is None:
-        payload, header_length = v2.encode_response(response)
-    else:
-        with tracing.encoding():
-            payload, header_length = v2.encode_response(response)
-    if header_length is None:
-        return web.Response(body=payload, content_type="application/json")
-    return web.Response(
-        body=payload,
-        content_type="application/octet-stream",
-        headers={HEADER_LENGTH: str(header_length)},
-    )
+    return await serve(request, v2.CODEC)
 
 
 # --- KServe V1 -------------------------------------------------------------------------
@@ -220,46 +227,14 @@ async def v1_model(request: web.Request) -> web.Response:
 @inference_routes.post("/v1/models/{name:[^/:]+}:predict")
 async def v1_predict(request: web.Request) -> web.Response:
     """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
-    plane = request.app[CORE].dataplane
-    arrival = asyncio.get_running_loop().time()
-    deadline = header_deadline(request, arrival)
-    model = plane.admit(request.match_info["name"], None, arrival, deadline)
-    parsed = v1.decode_request(model.config, await _read_body(request), plane.limits)
-    parsed.arrival, parsed.deadline = arrival, deadline
-    response = await plane.infer(
-        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
-    )
-    return web.Response(body=v1.encode_response(response), content_type="application/json")
-
-
-async def _infer_named(
-    request: web.Request, name: str, build: Callable[[ModelConfig], InferRequest], arrival: float
-) -> tuple[ModelConfig, dict[str, np.ndarray]]:
-    """Run the inference request ``build`` makes for the model named in the body (OpenAI's,
-    rerank, classify): the same admission, deadlines, batching and metrics as V2. Returns the
-    model's config and the outputs by name."""
-    plane = request.app[CORE].dataplane
-    deadline = header_deadline(request, arrival)
-    model = plane.admit(name, None, arrival, deadline)
-    model_known(request, model.config.name, model.config.version)
-    parsed = build(model.config)
-    parsed.arrival, parsed.deadline = arrival, deadline
-    response = await plane.infer(
-        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
-    )
-    return model.config, {o.name: o.array for o in response.outputs}
+    return await serve(request, v1.CODEC)
 
 
 @inference_routes.post("/v1/embeddings")
 async def embeddings(request: web.Request) -> web.Response:
     """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
     (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
-    arrival = asyncio.get_running_loop().time()
-    body = openai.decode(await _read_body(request), request.app[CORE].dataplane.limits)
-    config, outputs = await _infer_named(
-        request, body.model, lambda c: openai.infer_request(c, body), arrival
-    )
-    return web.Response(body=openai.encode(body, config.name, outputs), content_type="application/json")
+    return await serve(request, openai.CODEC)
 
 
 @inference_routes.post("/v1/rerank")
@@ -267,34 +242,24 @@ async def embeddings(request: web.Request) -> web.Response:
 async def rerank_documents(request: web.Request) -> web.Response:
     """``POST /v1/rerank`` (and ``/v2/rerank``, where Cohere's v2 client posts): Cohere's rerank
     API over a cross-encoder or an embedding model (``app.protocols.rerank``)."""
-    arrival = asyncio.get_running_loop().time()
-    body = rerank.decode(await _read_body(request), request.app[CORE].dataplane.limits)
-    config, outputs = await _infer_named(
-        request, body.model, lambda c: rerank.infer_request(c, body), arrival
-    )
-    return web.Response(body=rerank.encode(body, config.name, outputs), content_type="application/json")
+    return await serve(request, rerank.CODEC)
 
 
 @inference_routes.post("/v1/classify")
 async def classify_texts(request: web.Request) -> web.Response:
     """``POST /v1/classify``: vLLM's classify API over a sequence classifier
     (``app.protocols.classify``)."""
-    arrival = asyncio.get_running_loop().time()
-    body = classify.decode(await _read_body(request), request.app[CORE].dataplane.limits)
-    config, outputs = await _infer_named(
-        request, body.model, lambda c: classify.infer_request(c, body), arrival
-    )
-    return web.Response(body=classify.encode(config, outputs), content_type="application/json")
+    return await serve(request, classify.CODEC)
 
 
 #: The protocol of each inference handler: the label of its requests' metrics (the edge
 #: middleware, ``app.http.middleware``).
 PROTOCOLS: dict[Handler, str] = {
-    infer: "v2",
-    v1_predict: "v1",
-    embeddings: "openai",
-    rerank_documents: "rerank",
-    classify_texts: "classify",
+    infer: v2.CODEC.protocol,
+    v1_predict: v1.CODEC.protocol,
+    embeddings: openai.CODEC.protocol,
+    rerank_documents: rerank.CODEC.protocol,
+    classify_texts: classify.CODEC.protocol,
 }
 
 

@@ -24,6 +24,7 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.codec import BodyNamedCodec
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.openai import input_texts
 from app.protocols.tensors import RequestLimits, decode_json
@@ -133,3 +134,7 @@ def encode(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
         f"classify-{uuid.uuid4().hex}", int(time.time()), config.name, data, Usage(tokens, tokens)
     )
     return msgspec.json.encode(response)
+
+
+#: vLLM's classify API as a codec (``app.protocols.codec``).
+CODEC = BodyNamedCodec("classify", decode, infer_request, lambda body, config, out: encode(config, out))

@@ -24,6 +24,7 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.codec import BodyNamedCodec
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
 
@@ -160,3 +161,9 @@ def error_body(status: int, message: str) -> bytes:
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     code = "model_not_found" if status == 404 else None
     return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+
+
+#: OpenAI's embeddings API as a codec (``app.protocols.codec``).
+CODEC = BodyNamedCodec(
+    "openai", decode, infer_request, lambda body, config, out: encode(body, config.name, out)
+)

@@ -25,6 +25,7 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.codec import BodyNamedCodec
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
 
@@ -179,3 +180,9 @@ def encode(request: RerankRequest, model: str, outputs: dict[str, np.ndarray]) -
     return msgspec.json.encode(
         RerankResponse(f"rerank-{uuid.uuid4().hex}", model, results, Meta(), Usage(tokens))
     )
+
+
+#: Cohere's rerank API as a codec (``app.protocols.codec``).
+CODEC = BodyNamedCodec(
+    "rerank", decode, infer_request, lambda body, config, out: encode(body, config.name, out)
+)

@@ -14,6 +14,8 @@ Source: KServe "V1 Inference Protocol" and TF-Serving's REST "row format".
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -22,6 +24,7 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.codec import JSON, Call
 from app.protocols.infer import InferInput, InferRequest, InferResponse
 from app.protocols.tensors import RequestLimits, decode_json
 
@@ -108,3 +111,22 @@ def encode_response(response: InferResponse) -> bytes:
     else:
         predictions = [{o.name: _row(o.array[i]) for o in outputs} for i in range(batch)]
     return orjson.dumps({"predictions": predictions}, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+@dataclass(frozen=True)
+class V1Codec:
+    """KServe V1 as a codec (``app.protocols.codec``): ``{"instances": [...]}`` in,
+    ``{"predictions": [...]}`` out; the model named in the path."""
+
+    protocol: str = "v1"
+    named_in_path: bool = True
+
+    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call:
+        """Decode the instances against the model's inputs once it is known."""
+        return Call(
+            lambda config: decode_request(config, body, limits),
+            lambda config, response: (encode_response(response), JSON, {}),
+        )
+
+
+CODEC = V1Codec()

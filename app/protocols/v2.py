@@ -21,6 +21,8 @@ client's ``tritonclient/http/_utils.py`` (``_get_inference_request``). No aiohtt
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Annotated, Any
 
 import msgspec
@@ -30,6 +32,7 @@ import orjson
 from app.datatypes import DATATYPES
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols.codec import JSON, Answer, Call
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RawData, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
 
@@ -282,3 +285,39 @@ def response_document(response: InferResponse) -> tuple[dict[str, Any], list[byt
         tensors.append(tensor)
     body["outputs"] = tensors
     return body, chunks
+
+
+@dataclass(frozen=True)
+class V2Codec:
+    """Open Inference Protocol REST as a codec (``app.protocols.codec``): ``$inference_request``
+    in, ``$inference_response`` out, either with Triton's binary tensor data extension
+    (``Inference-Header-Content-Length``); the model named in the path."""
+
+    protocol: str = "v2"
+    named_in_path: bool = True
+
+    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call:
+        """Split the JSON head from the binary tensors; decode the head once the model is known.
+
+        Raises:
+            InvalidInput: a bad ``Inference-Header-Content-Length``.
+        """
+        head, binary = split_body(body, headers.get(HEADER_LENGTH))
+
+        def build(config: ModelConfig) -> InferRequest:
+            parsed = decode_request(head, config.name, config.version, limits)
+            attach_binary(parsed, binary)
+            return parsed
+
+        return Call(build, self.encode)
+
+    @staticmethod
+    def encode(config: ModelConfig, response: InferResponse) -> Answer:
+        """JSON, or the JSON head and the binary outputs the request asked for."""
+        payload, header_length = encode_response(response)
+        if header_length is None:
+            return payload, JSON, {}
+        return payload, "application/octet-stream", {HEADER_LENGTH: str(header_length)}
+
+
+CODEC = V2Codec()
