@@ -36,6 +36,7 @@ from app.http.auth import API_KEY_HEADER, API_KEYS
 from app.http.middleware import request_id
 from app.http.state import CORE
 from app.protocols import triton, v2
+from app.protocols.codec import Call
 from app.serving.control import LOAD, UNLOAD
 
 Reply = TypeVar("Reply")
@@ -257,19 +258,16 @@ class InferenceServicer:
         remaining = context.time_remaining()  # None without a gRPC deadline
         deadline = None if remaining is None else arrival + remaining
         model = plane.admit(message.model_name, message.model_version or None, arrival, deadline)
-        request = codec.decode_request(message, model.config, plane.limits)
-        request.arrival, request.deadline = arrival, deadline
-        response = await plane.infer(
-            request,
-            request_id=rid,
-            model=model,
+        raw = bool(message.raw_input_contents)
+        call = Call(
+            lambda config: codec.decode_request(message, config, plane.limits),
+            lambda config, response: codec.encode_response(response, raw=raw),
+        )
+        return await plane.serve(
+            model, call, arrival=arrival, deadline=deadline, request_id=rid,
             is_disconnected=context.cancelled,
             pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
-        )
-        if plane.tracing is None:
-            return codec.encode_response(response, raw=bool(message.raw_input_contents))
-        with plane.tracing.encoding():
-            return codec.encode_response(response, raw=bool(message.raw_input_contents))
+        )  # fmt: skip
 
     async def _observed(self, labels: tuple[str, str], work: Awaitable[Reply]) -> Reply:
         """Count and time one ModelInfer in the Prometheus metrics, labelled (model, version)

@@ -176,16 +176,10 @@ async def serve(request: web.Request, codec: Codec) -> web.Response:
         assert call.name is not None, f"the {codec.protocol} codec named no model"
         model = plane.admit(call.name, call.version, arrival, deadline)
         model_known(request, model.config.name, model.config.version)
-    parsed = call.build(model.config)
-    parsed.arrival, parsed.deadline = arrival, deadline
-    response = await plane.infer(
-        parsed, request_id=request_id_of(request), model=model, is_disconnected=_disconnected(request)
-    )
-    if plane.tracing is None:
-        body, content_type, headers = call.encode(model.config, response)
-    else:
-        with plane.tracing.encoding():
-            body, content_type, headers = call.encode(model.config, response)
+    body, content_type, headers = await plane.serve(
+        model, call, arrival=arrival, deadline=deadline, request_id=request_id_of(request),
+        is_disconnected=_disconnected(request),
+    )  # fmt: skip
     return web.Response(body=body, content_type=content_type, headers=headers)
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
@@ -29,13 +29,15 @@ if TYPE_CHECKING:
 __all__ = ["JSON", "Answer", "BodyNamedCodec", "Call", "Codec"]
 
 JSON = "application/json"
-#: An API's answer: the body, its content type, more headers.
+#: An HTTP API's answer: the body, its content type, more headers.
 Answer = tuple[bytes, str, dict[str, str]]
+#: What a call encodes a response into (an HTTP :data:`Answer`, a gRPC message).
+Encoded = TypeVar("Encoded")
 
 
 @dataclass(frozen=True)
-class Call:
-    """One decoded inference call.
+class Call(Generic[Encoded]):
+    """One decoded inference call (``app.serving.dataplane.DataPlane.serve`` serves it).
 
     Attributes:
         build: the inference request for the model's config (decoding what depends on it, e.g.
@@ -45,7 +47,7 @@ class Call:
     """
 
     build: Callable[[ModelConfig], InferRequest]
-    encode: Callable[[ModelConfig, InferResponse], Answer]
+    encode: Callable[[ModelConfig, InferResponse], Encoded]
     name: str | None = None
     version: str | None = None
 
@@ -59,7 +61,7 @@ class Codec(Protocol):
     @property
     def named_in_path(self) -> bool: ...
 
-    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call:
+    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
         """Decode ``body`` (its headers beside it).
 
         Raises:
@@ -85,7 +87,7 @@ class BodyNamedCodec:
     answer: Callable[[Any, ModelConfig, dict[str, np.ndarray]], bytes]
     named_in_path: bool = False
 
-    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call:
+    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
         """Decode the body; its ``model`` names the model."""
         request = self.decode(body, limits)
 

@@ -24,7 +24,7 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import JSON, Call
+from app.protocols.codec import JSON, Answer, Call
 from app.protocols.infer import InferInput, InferRequest, InferResponse
 from app.protocols.tensors import RequestLimits, decode_json
 
@@ -121,7 +121,7 @@ class V1Codec:
     protocol: str = "v1"
     named_in_path: bool = True
 
-    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call:
+    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
         """Decode the instances against the model's inputs once it is known."""
         return Call(
             lambda config: decode_request(config, body, limits),

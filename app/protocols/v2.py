@@ -296,7 +296,7 @@ class V2Codec:
     protocol: str = "v2"
     named_in_path: bool = True
 
-    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call:
+    def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
         """Split the JSON head from the binary tensors; decode the head once the model is known.
 
         Raises:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -27,6 +27,7 @@ from app.errors import InvalidInput, ModelNotReady
 from app.models.repository import ModelConfig
 from app.observability.tracing import Tracing
 from app.protocols import triton
+from app.protocols.codec import Call
 from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
 from app.protocols.tensors import (
     RequestLimits,
@@ -48,6 +49,8 @@ from app.settings import Settings
 Arrays = dict[str, np.ndarray]
 _NO_VERSIONS: dict[str, ModelVersion] = {}
 _LIMITS = RequestLimits()
+#: What a front end's call encodes a response into.
+Answer = TypeVar("Answer")
 
 
 class DataPlane:
@@ -165,6 +168,39 @@ class DataPlane:
             if refusal is not None:
                 raise refusal
         return model
+
+    async def serve(
+        self,
+        model: ModelVersion,
+        call: Call[Answer],
+        *,
+        arrival: float,
+        deadline: float | None,
+        request_id: str,
+        is_disconnected: Callable[[], bool] | None = None,
+        pinned: bool = False,
+    ) -> Answer:
+        """Serve one decoded call (``app.protocols.codec.Call``) on an admitted model: build its
+        inference request for the model's config, stamp its arrival and deadline (the loop's
+        clock, seconds), :meth:`infer`, and encode the response (an ``encoding`` span where
+        tracing is on). What every front end does once its transport has named the model.
+
+        Returns:
+            What the call's ``encode`` makes of the response (HTTP: bytes, content type and
+            headers; gRPC: a ``ModelInferResponse``).
+
+        Raises:
+            What the call's ``build`` raises (InvalidInput, 400) and what :meth:`infer` raises.
+        """
+        request = call.build(model.config)
+        request.arrival, request.deadline = arrival, deadline
+        response = await self.infer(
+            request, request_id=request_id, model=model, is_disconnected=is_disconnected, pinned=pinned
+        )
+        if self.tracing is None:
+            return call.encode(model.config, response)
+        with self.tracing.encoding():
+            return call.encode(model.config, response)
 
     async def infer(
         self,
@@ -415,4 +451,3 @@ def build_response(
             OutputTensor(name, datatype, array, request.binary_data_output if wants is None else wants)
         )
     return InferResponse(config.name, config.version, tensors, request.id)
-
