@@ -49,8 +49,8 @@ async def create_app(
 
     Args:
         settings: defaults to ``Settings()`` read from ``SCORING_*`` env vars.
-        siblings: the server's other workers (``app.server.balance.Balancer`` under gunicorn);
-            default :class:`~app.serving.siblings.Alone`.
+        siblings: the server's other workers (``app.server.siblings.WorkerSiblings`` under
+            gunicorn with a load table); default :class:`~app.serving.siblings.Alone`.
         supervisor: what restarts this process (the gunicorn worker); default: nothing.
 
     Raises:

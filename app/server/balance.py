@@ -1,5 +1,6 @@
-"""Balancing among sibling workers: the load table in shared memory, the decisions read from it,
-and this worker's side of it (:class:`Balancer`, the data plane's ``app.serving.siblings.Siblings``).
+"""Balancing among sibling workers: the load table in shared memory and the decisions read from
+it, as pure functions of the loads. A worker's side of it (its slot, the hot-path writes, the
+decisions applied to itself) is ``app.server.siblings.WorkerSiblings``.
 
 **The load table**, ``<run dir>/load``: one fixed-size slot per worker in an mmap'd file; a
 worker writes its own slot (a ``struct.pack_into`` on the mmap: no system call, no lock) and
@@ -54,29 +55,23 @@ See docs/architecture.md (Balancing) for why this and not request forwarding or 
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import fcntl
 import logging
-import math
 import mmap
 import os
 import struct
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import psutil
 
 from app.server import rundir
 
-if TYPE_CHECKING:
-    from app.server.router import Router
-    from app.serving.context import RequestContext
-    from app.serving.siblings import Arrays, LocalRun
-    from app.serving.unit import ServingUnit
-
+#: The balancing decisions' log (``balance: ...`` at debug level; ``app.server.siblings`` writes
+#: a worker's shed decisions to it).
 log = logging.getLogger(__name__)
 
 FILE_NAME = "load"
@@ -350,160 +345,3 @@ def splits(scatter: bool, max_batch_size: int, items: int) -> bool:
     """Whether a request of ``items`` items is cut into shards: ``scatter`` on and more items
     than one batch holds."""
     return scatter and items > max_batch_size
-
-
-class Balancer:
-    """This worker's side of the table, and the data plane's view of its siblings
-    (``app.serving.siblings.Siblings``): publishes its load, decides for its listener and its
-    keep-alive policy, and routes requests that leave the worker (``app.server.router``, once
-    :meth:`attach` gave it one).
-
-    Args:
-        table: the run directory's load table.
-        slot: this worker's claimed slot.
-        pid: this worker's pid.
-        balancing: decide at all (``SCORING_BALANCE``); False: accept always, never shed or
-            route, but publish the load and the state.
-    """
-
-    def __init__(self, table: LoadTable, slot: int, pid: int, *, balancing: bool = True) -> None:
-        self.table = table
-        self.slot = slot
-        self.pid = pid
-        self.balancing = balancing
-        self.items = 0
-        self.recent = 0.0
-        self.connections = 0
-        self.ready = False
-        self.router: Router | None = None
-        #: Sends a model control change to one sibling (pid, action, name) -> why it failed or
-        #: None (``app.server.peers.PeerClient.control``); None: no internal endpoints.
-        self.control: Callable[[int, str, str], Awaitable[str | None]] | None = None
-        self._count_connections: Callable[[], int] = lambda: 0
-        #: Called once per shed connection (metrics), with the sibling's pid.
-        self.on_shed: Callable[[int], None] | None = None
-        #: Called at the end of every tick (the balancing gauges).
-        self.on_tick: Callable[[], object] | None = None
-        self._last_shed = 0.0
-        self._next_check = 0.0
-        self._changed = time.monotonic()  # last change of ``items``
-        self._area = 0.0  # item-seconds since the last tick
-        self._tick = self._changed
-
-    def attach(self, connections: Callable[[], int], router: Router | None) -> None:
-        """Start counting the worker's open connections and routing through ``router``."""
-        self._count_connections = connections
-        self.router = router
-
-    # --- app.serving.siblings.Siblings --------------------------------------------------------
-
-    def add_load(self, items: int) -> None:
-        """Admission (+items) or completion (-items) of an inference request: published."""
-        now = time.monotonic()
-        self._area += self.items * (now - self._changed)
-        self._changed = now
-        self.items += items
-        self.table.set_items(self.slot, self.items)
-
-    def should_shed(self) -> bool:
-        """Whether the response being prepared should close its connection (:func:`should_shed`,
-        at most once per ``SHED_INTERVAL_S``; the table is looked at most once per
-        ``SHED_CHECK_S``; never while not ready, e.g. draining)."""
-        now = time.monotonic()
-        if not self.ready or now < self._next_check or now - self._last_shed < SHED_INTERVAL_S:
-            return False
-        self._next_check = now + SHED_CHECK_S
-        if not self.balancing:
-            return False
-        target = should_shed(self.me(), self.siblings(), now)
-        if target is None:
-            return False
-        self._last_shed = now
-        self.connections -= 1
-        self.table.set_connections(self.slot, self.connections)
-        log.debug(
-            "balance: shedding a connection (%d open, recent load %.1f items) towards pid %d (%d open, %.1f)",
-            self.connections + 1, self.recent, target.pid, target.connections, target.recent,
-        )  # fmt: skip
-        if self.on_shed is not None:
-            self.on_shed(target.pid)
-        return True
-
-    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
-        """Whether a request may leave: this worker ready and routing, and the request split
-        (:func:`splits`) or pinned and waiting at least ``MIN_WAIT_S`` here (for a model whose
-        batches take a fraction of a millisecond the hop costs more than the wait it saves)."""
-        if self.router is None or not self.ready:
-            return False
-        if splits(unit.scatter, unit.max_batch_size, items):
-            return True
-        return (
-            pinned
-            and self.router.forward
-            and unit.expected_wait_s(asyncio.get_running_loop().time()) >= MIN_WAIT_S
-        )
-
-    async def route(
-        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
-    ) -> Arrays | None:
-        """The router's answer (``app.server.router.Router.route``); None without a router."""
-        if self.router is None:
-            return None
-        return await self.router.route(unit, inputs, context, local)
-
-    def others_serving(self) -> bool:
-        """Another worker accepts requests (:func:`others_serving`). Reads /proc: off the loop."""
-        return others_serving(state for pid, state in self.table.states().items() if pid != self.pid)
-
-    async def apply(self, action: str, name: str) -> dict[int, str]:
-        """Send a model control change to every sibling that ticks and is not leaving, ready or
-        not (one with no model ready must hear it too, or it keeps its old state), at once;
-        pid -> why, for each that failed (``app.serving.control``)."""
-        control = self.control
-        if control is None:
-            return {}
-        now = time.monotonic()
-        pids = [load.pid for load in self.siblings() if load.reachable(now)]
-        answers = await asyncio.gather(*(control(pid, action, name) for pid in pids))
-        return {pid: why for pid, why in zip(pids, answers, strict=True) if why is not None}
-
-    # --- the listener and the tick --------------------------------------------------------------
-
-    def accepted(self) -> None:
-        """A connection was accepted (counted before aiohttp sees it)."""
-        self.connections += 1
-        self.table.set_connections(self.slot, self.connections)
-
-    def tick(self, state: int) -> None:
-        """Publish state, heartbeat, recent load and the true connection count (every tick)."""
-        self.ready = state == READY
-        now = time.monotonic()
-        self._area += self.items * (now - self._changed)
-        self._changed = now
-        elapsed = now - self._tick
-        if elapsed > 0:
-            alpha = 1.0 - math.exp(-elapsed / RECENT_TAU_S)
-            self.recent += alpha * (self._area / elapsed - self.recent)
-        self._area, self._tick = 0.0, now
-        self.table.set_recent(self.slot, self.recent)
-        self.connections = self._count_connections()
-        self.table.set_connections(self.slot, self.connections)
-        self.table.set_state(self.slot, state)
-        self.table.beat(self.slot)
-        if self.on_tick is not None:
-            self.on_tick()
-
-    def me(self) -> Load:
-        """This worker's load as siblings see it."""
-        return self.table.read(self.slot)
-
-    def siblings(self) -> list[Load]:
-        """The other claimed slots (check :meth:`Load.live`)."""
-        return [load for load in self.table.snapshot() if load.slot != self.slot]
-
-    def may_accept(self) -> bool:
-        """Whether the listener should accept now (:func:`may_accept`); always True while this
-        worker is not ready (it is then not listening, or draining) or does not balance."""
-        if not self.ready or not self.balancing:
-            return True
-        return may_accept(self.me(), self.siblings(), time.monotonic())

@@ -1,6 +1,6 @@
 """Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
 
-The data plane asks its siblings (``app.server.balance.Balancer.considers``) of every request
+The data plane asks its siblings (``app.server.siblings.WorkerSiblings.considers``) of every request
 (one cheap condition) and awaits the router only for the requests they consider; the router then
 makes one of two choices:
 
@@ -42,15 +42,19 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from app import errors
-from app.server.balance import Balancer, Load, clearly_busier, splits
+from app.server.balance import Load, clearly_busier, splits
 from app.server.peers import PeerClient, PeerUnavailable
 from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
+
+if TYPE_CHECKING:
+    from app.server.siblings import WorkerSiblings
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +108,11 @@ def pick_target(
 
 
 class Router:
-    """Where requests that leave this worker go (module docstring); the balancer
-    (``app.server.balance.Balancer``) hands it the requests it considers.
+    """Where requests that leave this worker go (module docstring); the worker's siblings
+    (``app.server.siblings.WorkerSiblings``) hand it the requests they consider.
 
     Args:
-        balancer: this worker's view of the load table (its own items, siblings).
+        siblings: this worker's view of the load table (its own items, its siblings' loads).
         peers: the client of the siblings' internal endpoints.
         on_scatter: called with (model, version, shards sent to siblings) per scattered request.
         on_forward: called with (model, version) per request sent whole to a sibling (one
@@ -119,7 +123,7 @@ class Router:
 
     def __init__(
         self,
-        balancer: Balancer,
+        siblings: WorkerSiblings,
         peers: PeerClient,
         *,
         on_scatter: Callable[[str, str, int], None] | None = None,
@@ -127,7 +131,7 @@ class Router:
         forward: bool = True,
         rng: random.Random | None = None,
     ) -> None:
-        self.balancer = balancer
+        self.siblings = siblings
         self.peers = peers
         self.on_scatter = on_scatter
         self.on_forward = on_forward
@@ -147,7 +151,7 @@ class Router:
         """
         items = len(next(iter(inputs.values())))
         if splits(unit.scatter, unit.max_batch_size, items):
-            siblings = pick_siblings(self.balancer.siblings(), items, unit.max_batch_size, time.monotonic())
+            siblings = pick_siblings(self.siblings.others(), items, unit.max_batch_size, time.monotonic())
             if siblings:
                 return await self._scatter(unit, inputs, items, context, local, siblings)
         if context.pinned and self.forward:
@@ -202,8 +206,8 @@ class Router:
         self, unit: ServingUnit, inputs: Arrays, items: int, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         request_id = context.request_id
-        mine = self.balancer.items
-        target = pick_target(mine, self.balancer.siblings(), time.monotonic(), self.pending, self.rng)
+        mine = self.siblings.items
+        target = pick_target(mine, self.siblings.others(), time.monotonic(), self.pending, self.rng)
         if target is None:
             log.debug("balance: request %s runs here (%d items here)", request_id, mine)
             return None

@@ -37,9 +37,11 @@ recycle, a HUP reload) starts listening only once its models are warm
 until warm).
 
 **Worker states and load** for the above and for balancing: one record, the load table
-(:mod:`app.server.balance`), through :class:`app.server.siblings.Membership`. The app factory
-gets the worker's balancer as its ``siblings`` and the worker itself as its ``supervisor``
-(``app.serving.siblings``): nothing is installed into the app after it is made.
+(:mod:`app.server.balance`), through :class:`app.server.siblings.SiblingSlot`. The app factory
+gets the worker's siblings (:class:`app.server.siblings.WorkerSiblings`; without a load table
+none, and the app stands alone) as its ``siblings`` and the worker itself as its ``supervisor``
+(``app.serving.siblings``): neither is replaced after the app is made; once the app has started,
+``SiblingSlot.join`` gives the siblings their router and model control client.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from gunicorn.workers.base import Worker
 
 from app.server import balance
 from app.server.listener import Listener, new_event_loop, ssl_context
-from app.server.siblings import Membership
+from app.server.siblings import SiblingSlot
 from app.settings import Settings
 
 # The master imports this module to find the worker class and must never import torch:
@@ -103,7 +105,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
-        self._siblings = Membership(None, os.getpid())  # alone until init_process
+        self._slot = SiblingSlot(None, os.getpid())  # alone until init_process
         self._draining = False
         self._aborted = False
         self._serving = threading.Event()
@@ -123,7 +125,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self.loop = self.new_loop()
         asyncio.set_event_loop(self.loop)
         self.settings = Settings().for_workers(self.cfg.workers)
-        self._siblings = Membership(self.settings.run_dir, os.getpid(), self.settings.balance)
+        self._slot = SiblingSlot(self.settings.run_dir, os.getpid(), self.settings.balance)
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
@@ -153,7 +155,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         try:
             self.loop.run_until_complete(self._serve())
         finally:
-            self._siblings.release()
+            self._slot.release()
             if not self._aborted:  # an abort leaves generators mid-await: nothing to finish
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
@@ -175,7 +177,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self.exit_code = 1
         self._aborted = True
         self.cfg.worker_abort(self)
-        self._siblings.release()
+        self._slot.release()
         sys.exit(1)
 
     # --- boot ---------------------------------------------------------------------
@@ -192,7 +194,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         if isinstance(factory, web.Application):
             app = factory
         else:
-            app = await factory(self.settings, siblings=self._siblings.balancer, supervisor=self)
+            app = await factory(self.settings, siblings=self._slot.siblings, supervisor=self)
         self._attach(app)
         access_log = self.log.access_log if self.cfg.accesslog else None
         kwargs: dict[str, Any] = {}
@@ -210,17 +212,17 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
         server = runner.server
         assert server is not None
-        await self._siblings.join(app, server)
+        await self._slot.join(app, server)
         from app.http.connections import json_errors_protocol
 
-        balancer = self._siblings.balancer
+        siblings = self._slot.siblings
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
             functools.partial(json_errors_protocol, server),
             ssl_context(self.cfg) if self.cfg.is_ssl else None,
-            may_accept=balancer.may_accept if balancer is not None else (lambda: True),
-            accepted=balancer.accepted if balancer is not None else (lambda: None),
+            may_accept=siblings.may_accept if siblings is not None else (lambda: True),
+            accepted=siblings.accepted if siblings is not None else (lambda: None),
         )
         if not self._draining:
             self._listener.start()
@@ -228,12 +230,12 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await self._tick_until_stopped()
         self._listener.stop(close=True)
         await runner.cleanup()
-        await self._siblings.close()
+        await self._slot.close()
 
     def _attach(self, app: web.Application) -> None:
         self._app = app
         app.on_shutdown.append(self._cancel_tasks)
-        self._siblings.publish(balance.LOADING)
+        self._slot.publish(balance.LOADING)
 
     def request_stop(self, reason: str) -> bool:
         """``app.serving.siblings.Supervisor``: drain and exit (:meth:`stop_gracefully`)."""
@@ -258,7 +260,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         from app.http.state import CORE
 
         assert self._app is not None and self._stopped is not None
-        app, siblings, stopped = self._app, self._siblings, self._stopped
+        app, slot, stopped = self._app, self._slot, self._stopped
         pid = os.getpid()
         ticks = 0
         loop = asyncio.get_running_loop()
@@ -284,7 +286,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 and self._recycle_after
                 and served >= self._recycle_after
                 and ticks % _STATES_EVERY == 0
-                and await _off_loop(siblings.may_recycle)
+                and await _off_loop(slot.may_recycle)
             ):
                 self.log.info(
                     "worker %s: %d responses (max_requests %d), recycling", pid, served, self._recycle_after
@@ -294,13 +296,13 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 await asyncio.wait_for(stopped.wait(), _TICK_S)
 
     def _publish_load(self, state: int) -> None:
-        self._siblings.tick(state)
-        balancer, listener = self._siblings.balancer, self._listener
+        self._slot.tick(state)
+        siblings, listener = self._slot.siblings, self._listener
         if (
             listener is not None
             and listener.listening
             and listener.paused
-            and (balancer is not None and balancer.may_accept())
+            and (siblings is not None and siblings.may_accept())
         ):
             listener.resume()
 
@@ -324,7 +326,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         from app.http.state import CORE
 
         self._app[CORE].registry.begin_drain(reason)
-        self._siblings.publish(balance.DRAINING)
+        self._slot.publish(balance.DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
@@ -339,7 +341,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await asyncio.sleep(settings.drain_grace_s)
         waited = False
         while loop.time() - started < settings.drain_max_hold_s and await _off_loop(
-            self._siblings.replacement_booting
+            self._slot.replacement_booting
         ):
             waited = True
             await asyncio.sleep(_TICK_S * 2)
@@ -357,7 +359,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._stop()
 
     def _stop(self) -> None:
-        self._siblings.publish(balance.STOPPING)
+        self._slot.publish(balance.STOPPING)
         self.alive = False
         self._wake()
 

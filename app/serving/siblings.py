@@ -8,11 +8,12 @@ workers: two small interfaces, handed to :func:`app.main.create_app` at construc
   another worker serves already; model control applies a change on every sibling.
 - :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
 
-The gunicorn worker implements both (``app.server.balance.Balancer``, balancing on or off, and
-``app.server.worker.ScoringWebWorker``); :class:`Alone` implements both for a worker with no
-load table and nothing that restarts it: in-process tests, ``python -m aiohttp.web``. The
-``Balancer`` gets its router and model control client once the app has started
-(``app.server.siblings.Membership.join``); until then it routes nothing and reaches no sibling.
+The gunicorn worker implements both (``app.server.siblings.WorkerSiblings``, balancing on or
+off, and ``app.server.worker.ScoringWebWorker``); :class:`Alone` stands in for the siblings of a
+worker with no load table (no run directory, or one whose table cannot be opened) and for both
+where nothing restarts the process: in-process tests, ``python -m aiohttp.web``. The gunicorn
+worker's siblings get their router and model control client once the app has started
+(``app.server.siblings.SiblingSlot.join``); until then they route nothing and reach no sibling.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""The load table and the balancing decisions (app.server.balance)."""
+"""The load table and the balancing decisions (app.server.balance), and a worker's side of them
+(app.server.siblings.WorkerSiblings)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from app.server import balance
-from app.server.balance import BOOTING, DRAINING, READY, Balancer, Load, LoadTable
+from app.server.balance import BOOTING, DRAINING, READY, Load, LoadTable
+from app.server.siblings import WorkerSiblings
 
 
 def load(
@@ -100,13 +102,13 @@ def test_should_shed_only_when_moving_one_narrows_the_gap(me: Load, other: Load,
     assert (target is not None) is shed
 
 
-def test_balancer_publishes_and_sheds_at_most_once_per_interval(tmp_path: Path) -> None:
+def test_worker_siblings_publish_and_shed_at_most_once_per_interval(tmp_path: Path) -> None:
     table = LoadTable(tmp_path)
     sibling = table.claim(os.getppid())
     table.set_state(sibling, READY)
     table.beat(sibling)
     open_connections = [8]
-    me = Balancer(table, table.claim(os.getpid()), os.getpid())
+    me = WorkerSiblings(table, table.claim(os.getpid()), os.getpid())
     me.attach(lambda: open_connections[0], None)
     me.tick(READY)
     me.add_load(8)
@@ -126,7 +128,7 @@ def test_a_worker_that_is_not_ready_always_accepts(tmp_path: Path) -> None:
     sibling = table.claim(os.getppid())
     table.set_state(sibling, READY)
     table.beat(sibling)
-    me = Balancer(table, table.claim(os.getpid()), os.getpid())
+    me = WorkerSiblings(table, table.claim(os.getpid()), os.getpid())
     me.attach(lambda: 10, None)
     me.tick(DRAINING)
     assert me.may_accept() and not me.should_shed()
@@ -140,7 +142,7 @@ def test_a_worker_that_does_not_balance_publishes_but_never_decides(tmp_path: Pa
     sibling = table.claim(os.getppid())
     table.set_state(sibling, READY)
     table.beat(sibling)
-    me = Balancer(table, table.claim(os.getpid()), os.getpid(), balancing=False)
+    me = WorkerSiblings(table, table.claim(os.getpid()), os.getpid(), balancing=False)
     me.attach(lambda: 10, None)
     me.tick(READY)
     me.add_load(5)
@@ -152,7 +154,7 @@ async def test_model_control_reaches_every_ticking_sibling_ready_or_not(tmp_path
     """A sibling whose only model was unloaded publishes "loading": balancing skips it, model
     control must not (else it keeps a state the others left); one draining, or stale, is left out."""
     table = LoadTable(tmp_path)
-    me = Balancer(table, table.claim(1), 1)
+    me = WorkerSiblings(table, table.claim(1), 1)
     sent: list[int] = []
 
     async def control(pid: int, action: str, name: str) -> str | None:
@@ -163,7 +165,7 @@ async def test_model_control_reaches_every_ticking_sibling_ready_or_not(tmp_path
     for pid, state in ((2, balance.LOADING), (3, READY), (4, READY), (5, DRAINING), (6, BOOTING)):
         slot = table.claim(pid, state)
         table.beat(slot)
-    loading = next(s for s in me.siblings() if s.pid == 2)
+    loading = next(s for s in me.others() if s.pid == 2)
     now = loading.heartbeat
     assert loading.reachable(now) and not loading.live(now)
     assert not loading.reachable(now + balance.STALE_S + 0.1)  # stopped ticking

@@ -17,9 +17,10 @@ from aiohttp import web
 
 from app import errors
 from app.server import peers as wire
-from app.server.balance import BOOTING, DRAINING, READY, Balancer, Load, LoadTable
+from app.server.balance import BOOTING, DRAINING, READY, Load, LoadTable
 from app.server.peers import PATH, PeerClient, socket_path
 from app.server.router import Router, pick_target
+from app.server.siblings import WorkerSiblings
 from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
 
@@ -76,16 +77,16 @@ def test_power_of_two_choices_among_more_siblings() -> None:
 # --- the forward itself ------------------------------------------------------------------
 
 
-class FakeBalancer:
-    """What the Router reads of app.server.balance.Balancer."""
+class FakeSiblings:
+    """What the Router reads of app.server.siblings.WorkerSiblings."""
 
     def __init__(self, items: int, siblings: list[Load]) -> None:
         self.ready = True
         self.items = items
-        self._siblings = siblings
+        self._others = siblings
 
-    def siblings(self) -> list[Load]:
-        return self._siblings
+    def others(self) -> list[Load]:
+        return self._others
 
 
 def entry(wait_s: float = 1.0) -> ServingUnit:
@@ -127,8 +128,8 @@ async def served(tmp_path: Path, handler: Any) -> web.AppRunner:
 
 
 def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -> Router:
-    balancer = cast(Balancer, FakeBalancer(items_here, [live_sibling()]))
-    return Router(balancer, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
+    siblings = cast(WorkerSiblings, FakeSiblings(items_here, [live_sibling()]))
+    return Router(siblings, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
 
 
 async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp_path: Path) -> None:
@@ -162,21 +163,21 @@ async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
 
 
 async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_than_the_hop(tmp_path: Path) -> None:
-    """The balancer's cheap question, asked of every request: a pinned (gRPC) request may be
+    """The siblings' cheap question, asked of every request: a pinned (gRPC) request may be
     forwarded only while it would wait at least MIN_WAIT_S here (a fast model's 1 ms backlog:
     the hop would cost more than it saves), HTTP (not pinned) only when it is split."""
     table = LoadTable(tmp_path)
-    balancer = Balancer(table, table.claim(1), 1)
-    router = Router(balancer, PeerClient(tmp_path))
-    assert not balancer.considers(entry(), 3, pinned=True)  # no router yet, not ready
-    balancer.attach(lambda: 0, router)
-    balancer.tick(READY)
-    assert balancer.considers(entry(0.050), 3, pinned=True)
-    assert not balancer.considers(entry(0.001), 3, pinned=True)
-    assert not balancer.considers(entry(0.050), 3, pinned=False)
-    assert balancer.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
-    balancer.tick(DRAINING)
-    assert not balancer.considers(entry(0.050), 9, pinned=True)
+    siblings = WorkerSiblings(table, table.claim(1), 1)
+    router = Router(siblings, PeerClient(tmp_path))
+    assert not siblings.considers(entry(), 3, pinned=True)  # no router yet, not ready
+    siblings.attach(lambda: 0, router)
+    siblings.tick(READY)
+    assert siblings.considers(entry(0.050), 3, pinned=True)
+    assert not siblings.considers(entry(0.001), 3, pinned=True)
+    assert not siblings.considers(entry(0.050), 3, pinned=False)
+    assert siblings.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
+    siblings.tick(DRAINING)
+    assert not siblings.considers(entry(0.050), 9, pinned=True)
 
 
 async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:

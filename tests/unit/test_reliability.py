@@ -16,7 +16,7 @@ import pytest
 
 from app.http.state import CORE
 from app.server import balance
-from app.server.siblings import Membership
+from app.server.siblings import SiblingSlot
 from app.server.worker import RestartBackoff
 from app.serving.executor import InferenceThread
 from tests.support.fixtures import Client, MakeClient, eventually, served
@@ -205,12 +205,12 @@ def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
         False, False, True, True,
     ]  # fmt: skip
     # the states come from the one record, the load table, of live processes only
-    siblings = Membership(str(tmp_path), os.getpid())
-    assert siblings.table is not None and siblings.slot is not None
-    siblings.publish(READY)
-    assert siblings.table.states() == {os.getpid(): READY}
-    siblings.release()
-    assert siblings.table.states() == {}
+    slot = SiblingSlot(str(tmp_path), os.getpid())
+    assert slot.table is not None and slot.slot is not None
+    slot.publish(READY)
+    assert slot.table.states() == {os.getpid(): READY}
+    slot.release()
+    assert slot.table.states() == {}
 
 
 def test_workers_that_keep_dying_while_they_boot_are_forked_more_and_more_slowly() -> None:

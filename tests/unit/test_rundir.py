@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from app.server import balance, rundir
-from app.server.siblings import Membership
+from app.server.siblings import SiblingSlot
 from gpu_stat.leases import try_lock
 
 
@@ -85,4 +85,4 @@ def test_links_planted_in_the_run_dir_are_never_followed(tmp_path: Path) -> None
         try_lock(run / "lease.lock")
     assert caught.value.errno == errno.ELOOP and not (elsewhere / "lease.lock").exists()
     # a worker whose table is refused works alone rather than through the link
-    assert Membership(str(run), os.getpid()).table is None
+    assert SiblingSlot(str(run), os.getpid()).table is None
