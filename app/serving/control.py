@@ -240,7 +240,7 @@ class ModelControl:
             broken = await asyncio.get_running_loop().run_in_executor(None, self._broken_names)
             for name in [n for n in registry.unavailable if n not in seen and n not in broken]:
                 log.info("model %s left the repository: no longer unavailable", name)
-                registry.unavailable.pop(name, None)
+                registry.set_unavailable(name, None)
 
     def _broken_names(self) -> set[str]:
         """Names (or folder names) of the repository's folders that cannot be read now; on a

@@ -168,17 +168,17 @@ async def load_version(
     unit = unit_for(config, runner, threads, observer, core.settings.max_batch_bytes, core.tracing)
     unit.admission.observe(seed[0], seed[1], 0)
     unit.start()
-    old = (model.unit, model.runner, model.threads)
-    model.config, model.fingerprint = config, files
-    model.unit, model.runner, model.threads = unit, runner, threads
-    model.error = None
-    model.settled.set()
+    what = f"{config.name} v{config.version}"
+    if model.unloading or model.retired:  # unloaded while a retry loaded it: free the new copy
+        await retire(core, unit, runner, threads, what=what)
+        raise ModelLoadError(f"model {config.name} v{config.version} was unloaded while it loaded")
+    old = model.serve(config, files, unit, runner, threads)
     core.registry.refresh(config.name)
     figures = describe(runner)
     log.info("model %s v%s %s %s", config.name, config.version, "reloaded" if old[0] else "ready", figures,
              extra={"event": "model_ready", **figures})  # fmt: skip
     if old[0] is not None:
-        _spawn(core, retire(core, *old, what=f"{config.name} v{config.version}"), f"retire:{config.name}")
+        _spawn(core, retire(core, *old, what=what), f"retire:{config.name}")
 
 
 async def unload_version(core: ServingCore, model: ModelVersion) -> None:
@@ -186,11 +186,10 @@ async def unload_version(core: ServingCore, model: ModelVersion) -> None:
     already routed to it finish (its unit drains), then it stops, its model is freed and it
     leaves the registry."""
     registry = core.registry
-    model.unloading = True
+    model.begin_unload()
     registry.refresh(model.config.name)
     config = model.config
     await retire(core, model.unit, model.runner, model.threads, what=f"{config.name} v{config.version}")
-    model.unit = model.runner = model.threads = None
     registry.remove(model)
     log.info("model %s v%s unloaded", config.name, config.version,
              extra={"event": "model_unloaded", "model": config.name, "version": config.version})  # fmt: skip
@@ -242,8 +241,9 @@ async def try_load(
         raise
     except Exception as exc:
         config = config or model.config
-        model.error = _reason(core, exc)
-        model.settled.set()  # requests waiting for it get 503 with the reason now
+        if model.unloading or model.retired:  # unloaded meanwhile: nothing to record
+            return False
+        model.fail(_reason(core, exc))  # requests waiting for it get 503 with the reason now
         retry_max_s = core.settings.model_load_retry_max_s if retry else 0
         log.error(
             "model %s v%s %s: %s%s",
@@ -270,7 +270,9 @@ async def _retry(core: ServingCore, model: ModelVersion, device: torch.device, m
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            model.error = _reason(core, exc)
+            if model.unloading or model.retired:  # unloaded meanwhile: no more tries
+                return
+            model.fail(_reason(core, exc))
             wait_s = min(wait_s * 2, max_s)
             log.warning(
                 "model %s v%s still unavailable (next try in %.0f s): %s",
@@ -302,5 +304,5 @@ async def release_all(core: ServingCore, loaded: bool) -> None:
         if model.runner is not None and model.threads is not None:
             await loop.run_in_executor(model.threads.inference, model.runner.close)
             await loop.run_in_executor(None, model.threads.shutdown, True)
-        model.unit = model.runner = model.threads = None
+        model.release()
 

@@ -2,9 +2,10 @@
 
 :class:`ModelRegistry` holds one :class:`ModelVersion` per (name, version): its config, its
 state (Triton's ``LOADING``, ``READY``, ``UNLOADING``, ``UNAVAILABLE`` with a reason) and, once
-loaded and warm, its serving unit (``app.serving.unit``). ``app.serving.lifecycle`` changes it;
-the data plane reads it on every request as plain dictionaries (``versions``, ``latest``), so
-a lookup is two dict lookups and no call.
+loaded and warm, its serving unit (``app.serving.unit``). ``app.serving.lifecycle`` and
+``app.serving.control`` change it only through :class:`ModelVersion`'s transition methods and
+the registry's own methods; the data plane reads it on every request as plain dictionaries
+(``versions``, ``latest``), so a lookup is two dict lookups and no call.
 
 Which version a request that names none gets (``latest``): the highest version that serves,
 else the highest version (its requests then wait for it to load). A version that replaces
@@ -34,12 +35,31 @@ log = logging.getLogger(__name__)
 LOADING, READY, UNLOADING, UNAVAILABLE = "LOADING", "READY", "UNLOADING", "UNAVAILABLE"
 
 
+class IllegalTransition(RuntimeError):
+    """A model version was asked to change state in a way its lifecycle does not allow (a bug
+    in the caller: the message names the model, its state and the transition)."""
+
+
 @dataclass(eq=False)
 class ModelVersion:
-    """One model version in this worker: its config and, once loaded and warm, its runner and
-    serving unit."""
+    """One model version in this worker: its config, its state and, once loaded and warm, its
+    runner and serving unit.
+
+    Its state changes only through the transition methods (:meth:`begin_load`, :meth:`serve`,
+    :meth:`fail`, :meth:`begin_unload`, :meth:`retire`, :meth:`release`)::
+
+        LOADING --serve--> READY --begin_unload--> UNLOADING --retire--> (retired)
+           |                 |  ^  (a reload: begin_load, then serve or fail, stays READY)
+          fail              fail (a failed reload: READY, the reason in ``error``)
+           v
+        UNAVAILABLE --begin_load--> LOADING;  UNAVAILABLE --serve--> READY (a retry)
+
+    Any other change raises :class:`IllegalTransition`.
+    """
 
     config: ModelConfig
+    #: Triton's model state: ``LOADING``, ``READY``, ``UNLOADING`` or ``UNAVAILABLE``.
+    state: str = LOADING
     runner: ModelRunner | None = None
     unit: ServingUnit | None = None
     #: The threads its runner and unit run on (its own: a swap loads beside the old copy).
@@ -51,8 +71,6 @@ class ModelVersion:
     #: Why the version cannot serve, or why its last load failed while an older copy serves
     #: (no absolute paths); None when its last load succeeded or is under way.
     error: str | None = None
-    #: True while its unit drains and its model is freed (unload, or replaced by a newer version).
-    unloading: bool = False
     #: True once removed from the registry: a request that holds it looks its model up again.
     retired: bool = False
     #: What identifies the files it was loaded from (model control compares it).
@@ -60,17 +78,102 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
-        """True while a serving unit takes its requests."""
-        return self.unit is not None and not self.unloading
+        """True while a serving unit takes its requests (state ``READY``)."""
+        return self.state == READY
 
     @property
-    def state(self) -> str:
-        """Triton's model state: ``READY``, ``LOADING``, ``UNLOADING`` or ``UNAVAILABLE``."""
-        if self.unloading:
-            return UNLOADING
-        if self.unit is not None:
-            return READY
-        return UNAVAILABLE if self.error is not None else LOADING
+    def unloading(self) -> bool:
+        """True while its unit drains and its model is freed (unload, or replaced by a newer
+        version), and once retired."""
+        return self.state == UNLOADING
+
+    def _require(self, transition: str, *allowed: str) -> None:
+        """Raises:
+        IllegalTransition: the version is retired or its state is not one of ``allowed``."""
+        if self.retired or self.state not in allowed:
+            state = f"{self.state}, retired" if self.retired else self.state
+            raise IllegalTransition(
+                f"model {self.config.name} v{self.config.version}: cannot {transition} in state {state}"
+                f" (allowed from {', '.join(allowed)})"
+            )
+
+    def begin_load(self, config: ModelConfig) -> None:
+        """A (re)load of ``config`` starts: its error is cleared and its waiters wait again; a
+        version that does not serve (LOADING, UNAVAILABLE) takes ``config`` and is LOADING, one
+        that serves stays READY (the new copy loads beside it).
+
+        Raises:
+            IllegalTransition: the version is UNLOADING or retired.
+        """
+        self._require("begin a load", LOADING, READY, UNAVAILABLE)
+        if self.state != READY:
+            self.config = config
+            self.state = LOADING
+        self.settled.clear()
+        self.error = None
+
+    def serve(
+        self, config: ModelConfig, fingerprint: str, unit: ServingUnit, runner: ModelRunner, threads: Threads
+    ) -> tuple[ServingUnit | None, ModelRunner | None, Threads | None]:
+        """The loaded, warm copy (``unit`` on ``runner`` and ``threads``, loaded from ``config``
+        whose files had ``fingerprint``) takes the version's requests: READY, error cleared,
+        waiters woken.
+
+        Returns:
+            The copy it replaces (unit, runner, threads; all None when none served), for the
+            caller to drain and free.
+
+        Raises:
+            IllegalTransition: the version is UNLOADING or retired.
+        """
+        self._require("serve", LOADING, READY, UNAVAILABLE)
+        old = (self.unit, self.runner, self.threads)
+        self.config, self.fingerprint = config, fingerprint
+        self.unit, self.runner, self.threads = unit, runner, threads
+        self.state = READY
+        self.error = None
+        self.settled.set()
+        return old
+
+    def fail(self, reason: str) -> None:
+        """A load failed (``reason``: no absolute paths): UNAVAILABLE, or, when an older copy
+        serves, still READY with ``reason`` in :attr:`error`; its waiters are woken (they get
+        503 with the reason, or the older copy).
+
+        Raises:
+            IllegalTransition: the version is UNLOADING or retired.
+        """
+        self._require("fail a load", LOADING, READY, UNAVAILABLE)
+        self.error = reason
+        if self.unit is None:
+            self.state = UNAVAILABLE
+        self.settled.set()
+
+    def begin_unload(self) -> None:
+        """UNLOADING: it takes no new requests by name; its unit (if any) drains.
+
+        Raises:
+            IllegalTransition: already UNLOADING, or retired.
+        """
+        self._require("begin an unload", LOADING, READY, UNAVAILABLE)
+        self.state = UNLOADING
+
+    def retire(self) -> None:
+        """Its unit drained and its model freed: it leaves the registry (``retired``; requests
+        still holding it look their model up again). Stays UNLOADING.
+
+        Raises:
+            IllegalTransition: not UNLOADING, or already retired.
+        """
+        self._require("retire", UNLOADING)
+        self.unit = self.runner = self.threads = None
+        self.retired = True
+
+    def release(self) -> None:
+        """The worker stops: its unit stopped and its model freed (or left to the process's
+        exit); UNLOADING, from any state."""
+        self.unit = self.runner = self.threads = None
+        self.state = UNLOADING
 
 
 @dataclass(eq=False)
@@ -99,14 +202,19 @@ class ModelRegistry:
         return model
 
     def remove(self, model: ModelVersion) -> None:
-        """Take ``model`` out: requests no longer reach it (those holding it look again)."""
+        """Take ``model`` out once it has unloaded (:meth:`ModelVersion.retire`): requests no
+        longer reach it (those holding it look again).
+
+        Raises:
+            IllegalTransition: ``model`` is not UNLOADING, or already retired.
+        """
         name = model.config.name
         versions = self.versions.get(name, {})
         if versions.get(model.config.version) is model:
             del versions[model.config.version]
         if not versions:
             self.versions.pop(name, None)
-        model.retired = True
+        model.retire()
         self.refresh(name)
 
     def refresh(self, name: str) -> None:
@@ -141,14 +249,11 @@ class ModelRegistry:
         """The version of ``config`` about to be (re)loaded: a new entry when there is none or
         the one there is unloading; else the one there, its error cleared and, when it does not
         serve (a failed or unloaded load), its config taken from the folder as it is now. Its
-        waiters wait again."""
+        waiters wait again (:meth:`ModelVersion.begin_load`)."""
         model = self.versions.get(config.name, {}).get(config.version)
         if model is None or model.unloading:
             model = self.add(config)
-        elif model.unit is None:
-            model.config = config
-        model.settled.clear()
-        model.error = None
+        model.begin_load(config)
         return model
 
     def entries(self) -> list[ModelVersion]:
