@@ -38,6 +38,8 @@ class ClassifyRequest(msgspec.Struct, omit_defaults=True):
     input: str | list[Any]
     model: str
     user: str | None = None
+    #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``.
+    priority: int | None = None
 
 
 class Classification(msgspec.Struct):

@@ -73,6 +73,9 @@ class Codec(Protocol):
 @dataclass(frozen=True)
 class BodyNamedCodec:
     """An API whose JSON body names the model (``"model"``): OpenAI's embeddings, rerank, classify.
+    A ``priority`` in the body (vLLM's field on these APIs) becomes the inference request's
+    ``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default), checked
+    by the data plane as V2's.
 
     Attributes:
         protocol: the metrics label.
@@ -95,4 +98,11 @@ class BodyNamedCodec:
             outputs = {o.name: o.array for o in response.outputs}
             return self.answer(request, config, outputs), JSON, {}
 
-        return Call(lambda config: self.build(config, request), encode, request.model)
+        def build(config: ModelConfig) -> InferRequest:
+            parsed = self.build(config, request)
+            priority = getattr(request, "priority", None)
+            if priority is not None:
+                parsed.parameters["priority"] = priority
+            return parsed
+
+        return Call(build, encode, request.model)

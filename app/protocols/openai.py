@@ -41,6 +41,9 @@ class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: int | None = None
     user: str | None = None
+    #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``
+    #: (1 = the highest, 0 = the model's default; the model's ``priority_levels``).
+    priority: int | None = None
 
 
 class Embedding(msgspec.Struct):

@@ -50,6 +50,8 @@ class RerankRequest(msgspec.Struct, omit_defaults=True):
     rank_fields: list[str] | None = None
     max_chunks_per_doc: int | None = None
     max_tokens_per_doc: int | None = None
+    #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``.
+    priority: int | None = None
 
 
 class ResultDocument(msgspec.Struct):

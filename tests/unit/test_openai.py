@@ -94,7 +94,9 @@ async def test_bad_requests_get_openais_error_shape(make_client: MakeClient, tmp
     await client.close()
 
 
-async def test_an_embeddings_request_counts_in_flight_under_its_model(make_client: MakeClient, tmp_path: Path) -> None:
+async def test_an_embeddings_request_counts_in_flight_under_its_model(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
     """Its model is in the body: it enters the in-flight gauge once the handler knows it, and its
     requests are labelled protocol "openai" (the route's, not its path's)."""
     gate = threading.Event()
@@ -115,3 +117,31 @@ async def test_an_embeddings_request_counts_in_flight_under_its_model(make_clien
     assert metrics.get_sample_value("scoring_requests_in_flight", labels) == 0.0
     counted = {**labels, "protocol": "openai", "code": "200"}
     assert metrics.get_sample_value("scoring_requests_total", counted) == 1.0
+
+
+async def test_a_priority_in_the_body_is_the_requests_level(make_client: MakeClient, tmp_path: Path) -> None:
+    """vLLM's ``priority`` field: admitted at that level (the per-level metrics count it there),
+    refused in OpenAI's error shape where the model has no such level or it is not a level."""
+    folder = write_embed_model(tmp_path)
+    toml = folder / "model.toml"
+    toml.write_text(
+        toml.read_text().replace(
+            "[[inputs]]", "priority_levels = 2\ndefault_priority_level = 2\n[[inputs]]", 1
+        )
+    )
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    await client.embeddings.create(model="embed", input=TEXTS, extra_body={"priority": 1})
+    await client.embeddings.create(model="embed", input=TEXTS)
+    metrics = await (await http.get("/metrics")).text()
+    for level in ("1", "2"):
+        line = next(
+            row for row in metrics.splitlines()
+            if row.startswith("scoring_priority_requests_total{") and 'outcome="admitted"' in row
+            and f'priority="{level}"' in row
+        )  # fmt: skip
+        assert float(line.rsplit(" ", 1)[1]) == 1.0, line
+    for priority, message in ((3, "priority"), (-1, "whole number")):
+        with pytest.raises(openai.BadRequestError, match=message):
+            await client.embeddings.create(model="embed", input="x", extra_body={"priority": priority})
+    await client.close()
