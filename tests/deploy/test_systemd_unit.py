@@ -53,6 +53,9 @@ def _drop_in(port: int, extra: str = "") -> str:
             # /root and /home hidden (an empty tmpfs) but for that one folder, read-only.
             "ProtectHome=tmpfs",
             f"BindReadOnlyPaths={_python_home()}",
+            # A checkout under /tmp (a CI clone) is hidden by the unit's PrivateTmp=yes: bind it
+            # (and its venv) into the service's own /tmp, read-only.
+            *(f"BindReadOnlyPaths={path}" for path in sorted({ROOT, venv}) if path.is_relative_to("/tmp")),
             "Environment=SCORING_MODEL_REPOSITORY=/srv/model-repository",
             extra,
         ]

@@ -80,8 +80,12 @@ def systemd_host(boot_timeout_s: float = 90) -> Iterator[SystemdHost]:
     """Boot systemd in a container over this machine's root (host network: its ports are this
     machine's), wait until it manages units, and remove the container afterwards."""
     name = f"scoring-systemd-{uuid.uuid4().hex[:8]}"
+    # The container's /tmp is a fresh tmpfs: a checkout under /tmp (a CI clone) is bound over it.
+    checkout = Path(__file__).resolve().parents[2]
+    under_tmp = checkout.is_relative_to("/tmp")
+    binds = ["--volume", f"{checkout}:{checkout}"] if under_tmp else []
     podman(
-        "run", "-d", "--name", name, "--network", "host", "--privileged",
+        "run", "-d", "--name", name, "--network", "host", "--privileged", *binds,
         "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=4096:4096",
         "--systemd=always",
         "--tmpfs", "/run:rw,notmpcopyup", "--tmpfs", "/run/lock:rw,notmpcopyup",
