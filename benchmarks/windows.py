@@ -12,9 +12,11 @@ Prints posts/s of runs 1 and 2 (their ratio is the figure: >= 1.0 means server-s
 the client nothing in throughput) and the p99 of run 1's requests without a long post against run
 3's p99 (what long posts in other requests do to short ones).
 
-With ``--priorities`` both models have two priority levels (the lower one the default) and every
-request without a long post asks for level 1 (``"priority": 1``, vLLM's field): what a feed service
-does to keep short requests apart from long posts once the server is saturated.
+With ``--priorities`` both models have two priority levels (the lower one the default, no lower
+items filling a batch of higher ones, no aging before the deadline) and every request without a
+long post asks for level 1 (``"priority": 1``, vLLM's field): what a feed service does to keep
+short requests apart from long posts once the server is saturated (the long ones then take what is
+left, and time out first).
 
 Run: ``python -m benchmarks.windows [--workers 1] [--concurrency 8] [--duration 12] [--priorities]``;
 the JSON and a markdown table go to ``out/windows.json`` / ``.md``. Figures: docs/benchmarks.md.
@@ -80,9 +82,9 @@ def repository(tmp: Path, priorities: bool = False) -> Path:
         .replace("timeout_ms = 5000", 'timeout_ms = 30000\nadmission = "capacity"')
     )
     if priorities:
-        source = source.replace(
-            "[[inputs]]", "priority_levels = 2\ndefault_priority_level = 2\n[[inputs]]", 1
-        )
+        levels = "priority_levels = 2\ndefault_priority_level = 2\n"
+        levels += "priority_fill = 0.0\npriority_aging = 1.0\n"  # short first; long ones never promoted
+        source = source.replace("[[inputs]]", levels + "[[inputs]]", 1)
     (repo / MINILM / "model.toml").write_text(source)
     (repo / TRUNCATE).mkdir()
     copy = source.replace(f'name = "{MINILM}"', f'name = "{TRUNCATE}"').replace(
