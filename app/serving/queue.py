@@ -17,7 +17,9 @@ round up to ``gather_turns`` more times (requests already on their way join). Tr
 **No level starves** (aging): a lower-level request goes before every level once it has waited
 ``priority_aging`` of its time to deadline (default three quarters: past admission's one half,
 so only requests pushed back by higher levels age) or has two of the longest recent batches left
-(the one running, its own). **Fill**: lower levels join a batch holding higher-level items only
+(the one running, its own). ``priority_aging = 1`` turns both rules off: strict priority, as
+Triton's, where a lower level waits while higher levels have items (and may time out). **Fill**:
+lower levels join a batch holding higher-level items only
 while they add at most ``priority_fill`` to its expected time (``fill``, the measured rate).
 
 Requests of a priced model arrive with their items sorted by cost (:func:`sort_by_cost`) and are
@@ -167,7 +169,8 @@ class RequestQueue:
         max_batch_tokens: most tokens (the handler's cost unit, padding included); None = none.
         batch_cost: what a batch of priced items computes (``[N]`` costs -> cost).
         levels: priority levels (at least 1).
-        aging: after this share of its time to deadline a lower-level request goes first.
+        aging: after this share of its time to deadline a lower-level request goes first; 1:
+            never (strict priority, the margin rule off too).
         margin: the longest recent batch, seconds (aging keeps two before a deadline); None: 0.
         fill: with levels, the most a batch may cost (``batch_cost``, or items unpriced) once
             it holds the items of its highest level, costing the argument; None: no bound.
@@ -352,6 +355,8 @@ class RequestQueue:
 
     def _is_aged(self, request: QueuedRequest, now: float) -> bool:
         span = request.deadline - request.arrival
+        if self.aging >= 1:  # strict priority (Triton's): a lower level waits, and may time out
+            return False
         return request.deadline - now <= self._margin_s or now - request.arrival >= self.aging * span
 
     def _take_from(

@@ -68,7 +68,9 @@ class Priced:
         self.stages.append(("finish", threading.current_thread().name, predicted["y"][:, 0].tolist()))
         return predicted
 
-    def run_batch(self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()) -> list[Segment]:
+    def run_batch(
+        self, inputs: Mapping[str, np.ndarray], groups: Sequence[tuple[int, int]] = ()
+    ) -> list[Segment]:
         n = len(inputs["x"])
         try:
             prepared = self.prepare(inputs)
@@ -77,7 +79,10 @@ class Priced:
                 out: list[Segment] = []
                 for start, stop in groups:
                     part = {k: v[start:stop] for k, v in inputs.items()}
-                    out += [Segment(s.start + start, s.stop + start, s.outputs, s.error) for s in self.run_batch(part)]
+                    out += [
+                        Segment(s.start + start, s.stop + start, s.outputs, s.error)
+                        for s in self.run_batch(part)
+                    ]
                 return out
             return [Segment(0, n, None, InvalidInput(str(exc)))]
         return [Segment(0, n, self.finish(self.predict(prepared)))]
@@ -160,7 +165,12 @@ async def test_the_token_budget_counts_what_the_batch_computes() -> None:
 
 async def test_requests_are_taken_oldest_first_whole_and_only_the_last_is_split() -> None:
     queue = RequestQueue(max_batch_size=8, max_queue_delay_s=0.0, **NO_GATHER)
-    requests = [queued([200] * 4, 0.0), queued([10, 12], 1.0), queued([8, 100, 220], 2.0), queued([9] * 6, 3.0)]
+    requests = [
+        queued([200] * 4, 0.0),
+        queued([10, 12], 1.0),
+        queued([8, 100, 220], 2.0),
+        queued([9] * 6, 3.0),
+    ]
     for r in requests:
         queue.put(r)
     dropped: list[Any] = []
@@ -205,12 +215,16 @@ async def test_the_handlers_batch_cost_is_what_the_batcher_counts(threads: Threa
 
     async def padding(batch_cost: Any) -> tuple[float, list[list[int]]]:
         model = Priced()
-        config = unit_config(max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000)
+        config = unit_config(
+            max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=256, max_batch_tokens=1000
+        )
         b = ServingUnit(config, model, threads, item_costs=model.item_costs, batch_cost=batch_cost)
         b.start()
         first = await held(b, model, items((0, 1)))
         lengths = [16, 200] * 8
-        tasks = [asyncio.create_task(b.infer(items((float(i), n)), at(soon(30)))) for i, n in enumerate(lengths)]
+        tasks = [
+            asyncio.create_task(b.infer(items((float(i), n)), at(soon(30)))) for i, n in enumerate(lengths)
+        ]
         await eventually(lambda: b.queue.items == 16)
         model.gate.set()
         await asyncio.gather(first, *tasks)
@@ -290,7 +304,10 @@ async def test_stop_fails_queued_and_running_requests_with_503(threads: Threads)
 async def test_an_idle_model_admits_whatever_a_past_burst_taught_it(threads: Threads) -> None:
     model = Priced()
     b = batcher(model, threads)
-    measured(b).rate.item_s, measured(b).rate.overhead_s = 10.0, 5.0  # "learned" in an overload: 10 s per token
+    measured(b).rate.item_s, measured(b).rate.overhead_s = (
+        10.0,
+        5.0,
+    )  # "learned" in an overload: 10 s per token
     out = await b.infer(items((1, 3)), at(soon(1.0)))
     assert out["y"][0, 0] == 2.0
     rate = measured(b).rate
@@ -317,7 +334,9 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
     handler.load(torch.device("cpu"), config)
     texts = np.array([[b"a"], ["word " * 400], ["caf\u00e9"]], dtype=object)
     texts[2, 0] = texts[2, 0].encode()
-    costs = handler.item_costs({"text": texts, "query": np.array([[b""], [b""], [b"hello there"]], dtype=object)})
+    costs = handler.item_costs(
+        {"text": texts, "query": np.array([[b""], [b""], [b"hello there"]], dtype=object)}
+    )
     assert costs.tolist()[0] == 3 and costs.tolist()[1] == handler.max_seq_length  # CLS a SEP; truncated
     assert costs.tolist()[2] > 3
     # what preprocess encodes once is priced once: a shared query, a repeated text
@@ -366,10 +385,14 @@ async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: 
     is taken before the high-priority ones that keep arriving."""
     model = Priced()
     # an aging share so small that the low request has aged by the time the next batch forms
-    b = batcher(model, threads, max_batch_size=1, priority_levels=2, default_priority_level=2, priority_aging=1e-9)
+    b = batcher(
+        model, threads, max_batch_size=1, priority_levels=2, default_priority_level=2, priority_aging=1e-9
+    )
     first = await held(b, model, items((0, 1)))
     low = asyncio.create_task(b.infer(items((7, 1)), at(soon(60))))
-    high = [asyncio.create_task(b.infer(items((float(20 + i), 1)), at(soon(60), priority=1))) for i in range(3)]
+    high = [
+        asyncio.create_task(b.infer(items((float(20 + i), 1)), at(soon(60), priority=1))) for i in range(3)
+    ]
     await eventually(lambda: b.queue.items == 4)
     model.gate.set()
     await asyncio.gather(first, low, *high)
@@ -385,8 +408,9 @@ def test_a_priority_above_the_levels_is_invalid() -> None:
     assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
     with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
         queue.level(4, default=2)
-    assert RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, **NO_GATHER).level(7, default=0) == 0  # no levels: ignored
-
+    assert (
+        RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, **NO_GATHER).level(7, default=0) == 0
+    )  # no levels: ignored
 
 
 def _queued(level: int, size: int, loop: asyncio.AbstractEventLoop) -> QueuedRequest:
@@ -406,7 +430,10 @@ async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_littl
     policy = MeasuredRate(cast(Backlog, None))  # the rate alone decides the bound
     policy.rate.overhead_s, policy.rate.item_s = overhead_s, item_s
     loop = asyncio.get_running_loop()
-    for fill, expected in ((lambda cost: policy.fill_limit(cost, 0.25), low_items), (lambda cost: math.inf, 6)):
+    for fill, expected in (
+        (lambda cost: policy.fill_limit(cost, 0.25), low_items),
+        (lambda cost: math.inf, 6),
+    ):
         queue = RequestQueue(max_batch_size=10, max_queue_delay_s=0.0, levels=2, fill=fill, **NO_GATHER)
         queue.put(_queued(1, 6, loop))
         queue.put(_queued(0, 4, loop))
@@ -414,15 +441,22 @@ async def test_lower_levels_fill_a_higher_levels_batch_only_while_it_costs_littl
         assert [(c.request.level, c.stop - c.start) for c in batch] == [(0, 4), (1, expected)]
 
 
-@pytest.mark.parametrize(("longest_s", "low_first"), [(0.0, False), (5.0, False), (31.0, True)])
+@pytest.mark.parametrize(
+    ("longest_s", "aging", "low_first"),
+    [(0.0, 0.75, False), (5.0, 0.75, False), (31.0, 0.75, True), (31.0, 1.0, False)],
+)
 async def test_a_lower_level_goes_first_when_two_of_the_longest_batches_are_left(
-    longest_s: float, low_first: bool
+    longest_s: float, aging: float, low_first: bool
 ) -> None:
     """Aging keeps a margin: a low-priority request with 60 s to its deadline, far from its
     aging share, goes before the high level once two of the longest recent batches (``margin``,
-    seconds) would not fit in what is left: the batch running and its own."""
+    seconds) would not fit in what is left: the batch running and its own. With
+    ``priority_aging = 1`` (strict priority) it never does."""
     loop = asyncio.get_running_loop()
-    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=2, margin=lambda: longest_s, **NO_GATHER)
+    options = {**NO_GATHER, "aging": aging}
+    queue = RequestQueue(
+        max_batch_size=4, max_queue_delay_s=0.0, levels=2, margin=lambda: longest_s, **options
+    )
     queue.put(_queued(1, 4, loop))
     queue.put(_queued(0, 4, loop))
     batch = queue.take(loop.time(), lambda *_: None)
