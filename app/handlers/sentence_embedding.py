@@ -104,7 +104,7 @@ from app.errors import ModelLoadError
 from app.handlers import onnx_encoder
 from app.handlers import windows as windowing
 from app.handlers.text_graphs import TextGraphs, default_sequence_lengths
-from app.models.torch_formats import CAPTURE_LOCK
+from app.models.torch_formats import settle_graphs
 
 __all__ = [
     "EmbeddingOutputs",
@@ -505,8 +505,7 @@ class SentenceEmbeddingHandler:
         """Drop the CUDA graphs once the device has run what they launched (as
         ``app.models.torch_formats``' handlers do: never during another model's capture)."""
         if self.graphs is not None:
-            with CAPTURE_LOCK:
-                torch.cuda.synchronize(self._device)
+            settle_graphs(self._device)
             self.graphs = None
             self._encode = self._encode_torch
 

@@ -58,6 +58,13 @@ def capturing(device: torch.device) -> Iterator[tuple[Any, Any]]:
     torch.cuda.current_stream(device).wait_stream(stream)
 
 
+def settle_graphs(device: torch.device) -> None:
+    """Wait until ``device`` has run what its graphs launched, outside any capture
+    (:data:`CAPTURE_LOCK`): after this a model's graphs may be dropped."""
+    with CAPTURE_LOCK:
+        torch.cuda.synchronize(device)
+
+
 def capture_graph(call: Callable[[], Any], pool: Any, stream: Any) -> tuple[Any, Callable[[], object]]:
     """Run ``call`` :data:`CAPTURE_WARMUP_RUNS` times on ``stream``, then capture it as one CUDA
     graph into memory pool ``pool`` (``torch.cuda.graph_pool_handle()``), in ``thread_local``
@@ -258,8 +265,7 @@ class _TensorHandler:
         """Drop the module and its CUDA graphs, the graphs once the device has run what they
         launched (their static tensors and memory pool go back to the allocator with them)."""
         if isinstance(self._forward, GraphBuckets):
-            with CAPTURE_LOCK:
-                torch.cuda.synchronize(self._device)
+            settle_graphs(self._device)
         self._module = self._forward = None
 
     def postprocess(self, outputs: Any) -> dict[str, np.ndarray]:

@@ -93,10 +93,9 @@ class ItemCache:
         Returns:
             ``(items, plan)`` (``app.serving.items.ItemStage``).
         """
-        fingerprint = model.fingerprint
-        if not model.config.response_cache.enable or not fingerprint:
+        if not self.applies(model):
             return inputs, None
-        keys = item_keys(self.identity(model, fingerprint), inputs)
+        keys = item_keys(self.identity(model, model.fingerprint), inputs)
         if keys is None:
             return inputs, None
         start = time.perf_counter()

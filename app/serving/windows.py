@@ -64,13 +64,18 @@ def _decode(name: str, array: np.ndarray) -> list[str]:
 class WindowStage:
     """The item stage of windows (module docstring); holds no per-request state."""
 
+    @staticmethod
+    def _policy(model: ModelVersion) -> WindowPolicy | None:
+        """``model``'s window policy where its handler splits texts (not "truncate"); else None."""
+        handler = model.runner.handler if model.runner is not None else None
+        policy: WindowPolicy | None = getattr(handler, "window_policy", None)
+        return policy if policy is not None and policy.truncation != "truncate" else None
+
     def applies(self, model: ModelVersion) -> bool:
         """Whether ``model``'s handler splits texts (a ``window_policy`` other than "truncate")
         and it has a ``text`` input."""
-        handler = model.runner.handler if model.runner is not None else None
-        policy: WindowPolicy | None = getattr(handler, "window_policy", None)
         has_text = any(spec.name == TEXT for spec in model.config.inputs)
-        return policy is not None and policy.truncation != "truncate" and has_text
+        return has_text and self._policy(model) is not None
 
     def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
@@ -83,10 +88,10 @@ class WindowStage:
             PayloadTooLarge: more windows than ``max_windows`` for a text, or tokens than
                 ``max_request_tokens`` for the request.
         """
-        handler = model.runner.handler if model.runner is not None else None
-        policy: WindowPolicy | None = getattr(handler, "window_policy", None)
-        if policy is None or policy.truncation == "truncate" or TEXT not in inputs:
+        policy = self._policy(model)
+        if policy is None or TEXT not in inputs:
             return inputs, None
+        handler = model.runner.handler if model.runner is not None else None
         text_array = inputs[TEXT]
         query_array = inputs.get(QUERY)
         sizes = np.fromiter((len(t) for t in text_array.reshape(-1)), np.int64, len(text_array))
