@@ -12,18 +12,18 @@ from typing import Any
 from aiohttp import web
 
 from app.binding import WorkerBinding
-from app.grpc.server import grpc_ctx
-from app.http.auth import API_KEYS, ApiKeys, authorizer
+from app.http.auth import authorizer
 from app.http.connections import parser_limits, quiet_parser_errors, setup_connections
 from app.http.extensions import routes as extension_routes
 from app.http.middleware import edge_middleware
 from app.http.routes import PROTOCOLS, inference_routes, metrics_handler, routes
-from app.http.state import CORE, models_ctx, on_shutdown, tracing_ctx
+from app.http.state import CORE, grpc_ctx, models_ctx, on_shutdown, tracing_ctx
 from app.observability.gpu import gpu_metrics_ctx
 from app.observability.metrics import ServerMetrics, create_metrics
 from app.observability.tracing import Tracing
 from app.observability.tracing import setup as setup_tracing
 from app.protocols.tensors import RequestLimits
+from app.serving.auth import ApiKeys
 from app.serving.control import ModelControl
 from app.serving.core import ServingCore
 from app.serving.dataplane import DataPlane
@@ -75,7 +75,6 @@ async def create_app(
         max_string_bytes=settings.max_string_bytes,
         max_json_depth=settings.max_json_depth,
     )
-    app[API_KEYS] = keys
     device = resolve_device(settings.device)
     binding = WorkerBinding.current(str(device))
     cache = response_cache(settings, binding.device, metrics, tracing)
@@ -86,6 +85,7 @@ async def create_app(
     core = ServingCore(
         settings=settings, registry=registry, health=WorkerHealth(), limits=limits, siblings=siblings,
         supervisor=supervisor or alone, dataplane=plane, binding=binding, metrics=metrics, tracing=tracing,
+        keys=keys,
     )  # fmt: skip
     core.control = ModelControl(core, device)
     app[CORE] = core

@@ -1,7 +1,7 @@
 """The gRPC server of one worker: ``grpc.aio`` on the worker's own event loop, beside HTTP.
 
 Every worker runs its own listeners on ``grpc_host:grpc_port`` (``grpc_servers`` of them,
-see :func:`grpc_ctx`) with ``SO_REUSEPORT`` (``grpc.so_reuseport``, which is also grpcio's
+see :func:`serving_grpc`) with ``SO_REUSEPORT`` (``grpc.so_reuseport``, which is also grpcio's
 default on Linux), so the kernel hands each new connection to one of the workers, as
 gunicorn's shared socket does for HTTP. A gRPC
 channel is one long-lived HTTP/2 connection, so all calls of one channel reach one worker;
@@ -10,9 +10,9 @@ balanced among sibling workers, for gRPC as for HTTP.
 
 Nothing here runs in the gunicorn master: ``app.main`` (which imports this module, and so
 grpc) is imported by each worker after the fork, and the server is created on the worker's
-loop by :func:`grpc_ctx`. grpcio's threads and file descriptors therefore never cross a fork.
+loop by :func:`serving_grpc`. grpcio's threads and file descriptors therefore never cross a fork.
 
-Lifecycle: :func:`grpc_ctx` starts the server after the models' context (so a replacement
+Lifecycle: :func:`serving_grpc` starts the server after the models' context (so a replacement
 worker that waits for its models before listening does so for gRPC too) and stops it first
 on cleanup, before the serving units stop: in-flight calls get ``grpc_grace_s`` seconds to
 finish, new calls are refused, and clients get HTTP/2 GOAWAY and reconnect to a sibling
@@ -25,13 +25,13 @@ import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
-from aiohttp import web
 
 from app.grpc.servicer import InferenceServicer, generic_handler
-from app.http.state import CORE
+from app.serving.core import ServingCore
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -83,8 +83,8 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def start_server(app: web.Application, host: str, port: int) -> tuple[Any, int]:
-    """Create, bind and start a ``grpc.aio`` server for ``app`` on the running loop.
+async def start_server(core: ServingCore, host: str, port: int) -> tuple[Any, int]:
+    """Create, bind and start a ``grpc.aio`` server over ``core`` on the running loop.
 
     Serves TLS when the settings give ``certfile``/``keyfile`` (the HTTP certificate), and
     requires a client certificate signed by ``client_ca_file`` when that is set (mutual TLS,
@@ -97,11 +97,10 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
         RuntimeError: the address cannot be bound.
         OSError: the certificate or key cannot be read.
     """
-    core = app[CORE]
     settings, tracing = core.settings, core.tracing
     interceptors = tracing.grpc_interceptors() if tracing is not None else None
     server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
-    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(app)),))
+    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(core)),))
     address = _address(host, port)
     if settings.certfile is not None and settings.keyfile is not None:
         client_ca = settings.client_ca_file
@@ -119,8 +118,9 @@ async def start_server(app: web.Application, host: str, port: int) -> tuple[Any,
     return server, int(bound)
 
 
-async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
-    """``cleanup_ctx``: serve gRPC on ``grpc_host:grpc_port`` in this worker (not when the
+@asynccontextmanager
+async def serving_grpc(core: ServingCore) -> AsyncIterator[None]:
+    """Serve gRPC on ``grpc_host:grpc_port`` in this worker (not when the
     port is 0) from ``grpc_servers`` servers on that port; on cleanup stop them, giving
     in-flight calls ``grpc_grace_s`` seconds.
 
@@ -132,15 +132,15 @@ async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
     2 workers on 2 cores: 1 server per worker 18-19k items/s, 4 servers 24.6-25.8k, 8 servers
     20-25k (11 connections over 16 listeners spread unevenly over the workers).
     """
-    settings = app[CORE].settings
+    settings = core.settings
     if settings.grpc_port == 0:
         yield
         return
-    server, port = await start_server(app, settings.grpc_host, settings.grpc_port)
+    server, port = await start_server(core, settings.grpc_host, settings.grpc_port)
     servers = [server]
     try:
         for _ in range(settings.grpc_servers - 1):  # on the port the first one bound
-            servers.append((await start_server(app, settings.grpc_host, port))[0])
+            servers.append((await start_server(core, settings.grpc_host, port))[0])
     except BaseException:
         await asyncio.gather(*(s.stop(None) for s in servers))
         raise

@@ -23,7 +23,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import grpc
-from aiohttp import web
 from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
@@ -32,12 +31,12 @@ from app.errors import InvalidInput, ModelNotReady, ScoringError, Unauthorized
 from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
-from app.http.auth import API_KEY_HEADER, API_KEYS
-from app.http.middleware import request_id
-from app.http.state import CORE
 from app.protocols import triton, v2
 from app.protocols.codec import Call
+from app.serving.auth import API_KEY_HEADER, presented_key
+from app.serving.context import request_id
 from app.serving.control import LOAD, UNLOAD
+from app.serving.core import ServingCore
 
 Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
@@ -59,12 +58,9 @@ def _metadata(context: Context, key: str) -> str | None:
     return None
 
 
-def presented_key(context: Context) -> str | None:
+def call_key(context: Context) -> str | None:
     """The key a call presents: ``authorization: Bearer <key>`` metadata, else ``x-api-key``."""
-    scheme, _, credentials = (_metadata(context, "authorization") or "").partition(" ")
-    if scheme.lower() == "bearer" and credentials.strip():
-        return credentials.strip()
-    return _metadata(context, _API_KEY) or None
+    return presented_key(_metadata(context, "authorization"), _metadata(context, _API_KEY))
 
 
 def _request_id(context: Context, sent: str = "") -> str:
@@ -80,20 +76,16 @@ class InferenceServicer:
     message; :meth:`handler` wraps it for grpcio.
 
     Args:
-        app: the worker's aiohttp application: its serving core (``app.http.state.CORE``) and
-            its API keys.
+        core: the worker's serving core (its data plane, registry, health, API keys, metrics).
     """
 
-    def __init__(self, app: web.Application) -> None:
-        self.app = app
-        #: The worker's serving core, from its app (``app.http.state.CORE``).
-        self.core = core = app[CORE]
+    def __init__(self, core: ServingCore) -> None:
+        self.core = core
         self.registry = core.registry
         self.plane = core.dataplane
         self.health = core.health
-        keys = app.get(API_KEYS)
         #: None when no API keys are configured (no check per call).
-        self.keys = keys if keys is not None and keys.enabled else None
+        self.keys = core.keys if core.keys is not None and core.keys.enabled else None
         self.metrics = core.metrics
 
     def handler(self, name: str) -> Callable[[bytes, Context], Awaitable[Message]]:
@@ -136,7 +128,7 @@ class InferenceServicer:
 
     def authorized(self, context: Context) -> bool:
         """True when no API keys are configured or the call presents one of them."""
-        return self.keys is None or self.keys.check(presented_key(context))
+        return self.keys is None or self.keys.check(call_key(context))
 
     # --- health and metadata -------------------------------------------------------------
 

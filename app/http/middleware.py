@@ -5,7 +5,8 @@ metrics.
 In order, for each request (:func:`edge_middleware`):
 
 1. the **request id**: ``X-Request-Id`` when sane (1-128 of ``[A-Za-z0-9._:-]``), else a new
-   one (:func:`request_id`); every response carries it, and ``Server-Timing: app;dur=<ms>``;
+   one (:func:`app.serving.context.request_id`); every response carries it, and
+   ``Server-Timing: app;dur=<ms>``;
 2. **header limits** (:func:`check_headers`: ``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``;
    431). aiohttp's parser runs at twice these bounds (``app.http.connections``), so the usual
    oversized request gets the server's JSON 431 and only a grossly oversized one its 400;
@@ -33,8 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import random
-import re
 import time
 from collections.abc import Callable, Mapping
 
@@ -55,6 +54,7 @@ from app.http.state import CORE
 from app.observability.metrics import RequestMetrics, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.openai import error_body
+from app.serving.context import request_id
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -67,7 +67,6 @@ REQUEST_ID = web.RequestKey("request_id", str)
 OPENAI_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify"})
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
 #: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
-_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 #: Bytes of a request line besides the path: method, spaces, "HTTP/1.1".
 _REQUEST_LINE_OVERHEAD = 16
 #: The content codings aiohttp's parser decodes (a ``br`` or ``zstd`` body needs its library).
@@ -76,14 +75,6 @@ CONTENT_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
 _BODY_TICK_S = 0.5
 
 
-def request_id(*candidates: str) -> str:
-    """The first candidate that is a sane request id, else a new one: 128 random bits as 32 hex
-    digits. An id names a request in logs and errors; it is no secret, so it comes from
-    ``random`` (reseeded in each forked worker), not a syscall. (The gRPC edge uses it too.)"""
-    for candidate in candidates:
-        if candidate and _VALID_REQUEST_ID.match(candidate):
-            return candidate
-    return f"{random.getrandbits(128):032x}"
 
 
 def request_id_of(request: web.Request) -> str:

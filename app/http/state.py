@@ -1,10 +1,11 @@
 """The worker's serving core on the aiohttp application: one typed key, :data:`CORE`, and the
 hooks that run the core's models and tracing with the app.
 
-Handlers read ``request.app[CORE]`` (its registry, data plane, health, ...); the gRPC front end,
-the internal endpoint and the gunicorn worker read the same key. ``app.main.create_app`` puts the
-core there and appends :func:`models_ctx` and :func:`tracing_ctx` to the app's ``cleanup_ctx``
-and :func:`on_shutdown` to its ``on_shutdown``.
+Handlers read ``request.app[CORE]`` (its registry, data plane, health, ...); the internal
+endpoint and the gunicorn worker read the same key, and :func:`grpc_ctx` hands the core to the
+gRPC front end. ``app.main.create_app`` puts the core there and appends :func:`models_ctx`,
+:func:`grpc_ctx` and :func:`tracing_ctx` to the app's ``cleanup_ctx`` and :func:`on_shutdown` to
+its ``on_shutdown``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ async def models_ctx(app: web.Application) -> AsyncIterator[None]:
     from app.serving.control import serve_models  # imports torch: not in the gunicorn master
 
     async with serve_models(app[CORE]):
+        yield
+
+
+async def grpc_ctx(app: web.Application) -> AsyncIterator[None]:
+    """``cleanup_ctx``: the core's gRPC front end (:func:`app.grpc.server.serving_grpc`), started
+    after the models' context (so a worker that waits for its models before listening does so
+    for gRPC too) and stopped before it."""
+    from app.grpc.server import serving_grpc  # imports grpc: not in the gunicorn master
+
+    async with serving_grpc(app[CORE]):
         yield
 
 

@@ -8,8 +8,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 
-from aiohttp import web
-
 import gpu_stat
 from app.observability.metrics import ServerMetrics
 
@@ -48,11 +46,12 @@ async def poll_gpus(metrics: ServerMetrics, uuid: str, index: str, interval_s: f
 
 def gpu_metrics_ctx(
     metrics: ServerMetrics, labels: Mapping[str, str], interval_s: float
-) -> Callable[[web.Application], AsyncIterator[None]]:
-    """A ``cleanup_ctx``: publish this worker's binding (``labels``: ``gpu_stat.binding.Binding.as_labels``
-    keys) and, in GPU mode, poll its GPU through NVML every ``interval_s`` seconds."""
+) -> Callable[[object], AsyncIterator[None]]:
+    """A ``cleanup_ctx`` of the worker's app (which it does not read): publish this worker's
+    binding (``labels``: ``gpu_stat.binding.Binding.as_labels`` keys) and, in GPU mode, poll its
+    GPU through NVML every ``interval_s`` seconds."""
 
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
+    async def ctx(_app: object) -> AsyncIterator[None]:
         metrics.set_binding(labels)
         task: asyncio.Task[None] | None = None
         if labels["gpu_uuid"]:

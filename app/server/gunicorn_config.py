@@ -55,10 +55,10 @@ from typing import Any
 
 from gunicorn.config import KNOWN_SETTINGS
 
-from app.http.auth import read_key_file
 from app.observability.logconfig import log_config
 from app.server import balance, rundir
 from app.server.worker import RestartBackoff, wait_before_booting
+from app.serving.auth import read_key_file
 from app.settings import Settings
 from gpu_stat import backend_name
 from gpu_stat.binding import (

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from app.binding import WorkerBinding
 from app.protocols.tensors import RequestLimits
+from app.serving.auth import ApiKeys
 from app.serving.dataplane import DataPlane
 from app.serving.registry import ModelRegistry, WorkerHealth
 from app.serving.siblings import Siblings, Supervisor
@@ -43,6 +44,7 @@ class ServingCore:
         binding: where this worker is bound (GPU, slot) and the torch device its models use.
         metrics: the Prometheus metrics, or None when ``SCORING_METRICS_ENABLED`` is off.
         tracing: the OpenTelemetry tracing, or None when the ``OTEL_*`` variables set none.
+        keys: the API keys every front end checks (``app.serving.auth``); None: no check.
         control: model control (load, reload, unload while serving); set by ``create_app``
             right after the core is made (it holds the core in turn).
         tasks: the lifecycle's background tasks (load retries, old units draining); cancelled
@@ -61,6 +63,7 @@ class ServingCore:
     binding: WorkerBinding
     metrics: ServerMetrics | None = None
     tracing: Tracing | None = None
+    keys: ApiKeys | None = None
     control: ModelControl = field(init=False)
     tasks: set[asyncio.Task[None]] = field(default_factory=set)
     load_task: asyncio.Task[None] | None = None

@@ -15,7 +15,8 @@ import pytest
 from aiohttp import ClientResponse
 from pydantic import ValidationError
 
-from app.http.auth import API_KEYS, KEY_FILE_RECHECK_S, ApiKeys, read_key_file
+from app.http.state import CORE
+from app.serving.auth import KEY_FILE_RECHECK_S, ApiKeys, read_key_file
 from app.settings import Settings
 from tests.support.fake_gpus import write_unavailable
 from tests.support.fixtures import MakeClient
@@ -89,7 +90,9 @@ async def test_keys_rotate_through_the_file_without_restart(
     keys.write_text("# rotated monthly\nold-key\n\n  spare-key  # the spare\n")
     client = await make_client(scale_repo, api_keys_file=keys, api_keys="env-key")
     clock = FakeClock()
-    client.app[API_KEYS].clock = clock  # the file is looked at once per recheck_s at most
+    served = client.app[CORE].keys
+    assert served is not None
+    served.clock = clock  # the file is looked at once per recheck_s at most
     for key in ("old-key", "spare-key", "env-key"):
         assert (await client.post(V2, json=BODY, headers={"X-API-Key": key})).status == 200, key
     await assert_unauthorized(await client.post(V2, json=BODY, headers={"X-API-Key": "# rotated monthly"}))

@@ -56,7 +56,7 @@ async def served(make_client: Callable[..., Any], scale_repo: Path) -> AsyncIter
 
     async def serve(**settings: Any) -> Grpc:
         http = await make_client(scale_repo, **settings)
-        server, port = await start_server(http.server.app, "127.0.0.1", 0)
+        server, port = await start_server(http.server.app[CORE], "127.0.0.1", 0)
         servers.append(server)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         channels.append(channel)
@@ -357,7 +357,7 @@ async def test_tls_with_the_http_certificate(
 ) -> None:
     cert, key = self_signed(tmp_path)
     http = await make_client(scale_repo, certfile=cert, keyfile=key)
-    server, port = await start_server(http.server.app, "127.0.0.1", 0)
+    server, port = await start_server(http.server.app[CORE], "127.0.0.1", 0)
     credentials = grpc.ssl_channel_credentials(root_certificates=cert.read_bytes())
     try:
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
@@ -383,7 +383,7 @@ async def test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca(
     client_cert, client_key = self_signed(tmp_path / "client")  # self-signed: its own CA
     stranger_cert, stranger_key = self_signed(tmp_path / "stranger")
     http = await make_client(scale_repo, certfile=cert, keyfile=key, client_ca_file=client_cert)
-    server, port = await start_server(http.server.app, "127.0.0.1", 0)
+    server, port = await start_server(http.server.app[CORE], "127.0.0.1", 0)
 
     root = cert.read_bytes()
     pairs = {

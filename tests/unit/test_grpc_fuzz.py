@@ -21,6 +21,7 @@ from app.datatypes import DATATYPES
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
+from app.http.state import CORE
 from tests.support.fuzz import FUZZ
 from tests.support.toy_models import write_scale_model
 
@@ -98,7 +99,7 @@ def infer_requests(draw: st.DrawFn) -> pb.ModelInferRequest:
 async def stub(make_client: Any, tmp_path: Path) -> AsyncIterator[Any]:
     write_scale_model(tmp_path, "scale")
     http = await make_client(tmp_path, max_items_per_request=64)
-    server, port = await start_server(http.server.app, "127.0.0.1", 0)
+    server, port = await start_server(http.server.app[CORE], "127.0.0.1", 0)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
     yield channel
     await channel.close()

@@ -19,6 +19,7 @@ import pytest
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
+from app.http.state import CORE
 from app.protocols import tensors
 from tests.support.fixtures import Client, MakeClient
 from tests.support.messages import binary_body, scale_request
@@ -35,7 +36,7 @@ async def served(make_client: MakeClient, scale_repo: Path) -> AsyncIterator[Cal
     async def serve(**settings: Any) -> tuple[Client, Any]:
         http: Client = await make_client(scale_repo, **settings)
         assert http.app is not None
-        server, port = await start_server(http.app, "127.0.0.1", 0)
+        server, port = await start_server(http.app[CORE], "127.0.0.1", 0)
         servers.append(server)
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         channels.append(channel)

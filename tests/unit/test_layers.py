@@ -1,7 +1,8 @@
-"""The serving core and the layers below it know no HTTP framework: no module under app/serving,
-app/models, app/protocols or app/handlers imports aiohttp (an ``import`` or ``from ... import``
-anywhere in the module, inside functions and ``TYPE_CHECKING`` blocks included). The front ends
-(app/http, app/grpc) and the process layer (app/server) hold the aiohttp side."""
+"""The serving core, the layers below it and the gRPC front end know no HTTP framework: no module
+under app/serving, app/models, app/protocols, app/handlers, app/grpc or app/observability imports
+aiohttp (an ``import`` or ``from ... import`` anywhere in the module, inside functions and
+``TYPE_CHECKING`` blocks included). The HTTP front end (app/http, app/main.py) and the process
+layer (app/server) hold the aiohttp side."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from tests.support.gunicorn import ROOT
 
-PURE = ("app/serving", "app/models", "app/protocols", "app/handlers")
+PURE = ("app/serving", "app/models", "app/protocols", "app/handlers", "app/grpc", "app/observability")
 
 
 def imported_modules(source: str, filename: str = "<source>") -> set[str]:

@@ -18,6 +18,7 @@ import pytest
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
+from app.http.state import CORE
 from app.protocols.tensors import deserialize_bytes
 from tests.support.fixtures import Client, MakeClient
 from tests.support.text_models import write_classifier_model
@@ -148,7 +149,7 @@ async def test_tritons_classification_extension_over_http_and_grpc(
         resp = await http.post("/v2/models/clf/infer", json=body)
         assert resp.status == 400 and "classification" in (await resp.json())["error"]
     assert http.app is not None
-    server, port = await start_server(http.app, "127.0.0.1", 0)
+    server, port = await start_server(http.app[CORE], "127.0.0.1", 0)
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             request = pb.ModelInferRequest(model_name="clf")
