@@ -18,6 +18,7 @@ and the request's ``timeout`` parameter (microseconds, Triton's); with neither, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -31,6 +32,7 @@ from app.errors import InvalidInput, ModelNotReady, ScoringError, Unauthorized
 from app.grpc import codec
 from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
 from app.grpc.generated import grpc_service_pb2 as pb
+from app.observability.metrics import Recording
 from app.protocols import triton, v2
 from app.protocols.codec import Call
 from app.serving.auth import API_KEY_HEADER, presented_key
@@ -38,7 +40,6 @@ from app.serving.context import request_id
 from app.serving.control import LOAD, UNLOAD
 from app.serving.core import ServingCore
 
-Reply = TypeVar("Reply")
 MessageT = TypeVar("MessageT", bound=Message)
 #: The service served, as the proto declares it (``inference.GRPCInferenceService``).
 SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
@@ -234,22 +235,44 @@ class InferenceServicer:
     async def ModelInfer(
         self, request: pb.ModelInferRequest, context: Context, rid: str
     ) -> pb.ModelInferResponse:
-        """Inference; raw inputs get raw outputs, typed inputs typed outputs."""
+        """Inference; raw inputs get raw outputs, typed inputs typed outputs. Counted in the
+        request metrics as HTTP's are (``app.observability.metrics.Recording``,
+        ``protocol="grpc"``, ``code`` = the gRPC status name)."""
+        if self.metrics is None:
+            return await self._infer(request, context, rid)
+        recording = Recording(self.metrics, "grpc")
+        start = time.perf_counter()
+        code = grpc.StatusCode.INTERNAL.name
         try:
-            config = self.plane.version(request.model_name, request.model_version or None).config
-            labels = (config.name, config.version)
-        except ScoringError:
-            labels = ("", "")  # counted as HTTP counts an unknown or unavailable model's 404 / 503
-        return await self._observed(labels, self._infer(request, context, rid))
+            reply = await self._infer(request, context, rid, recording)
+            code = grpc.StatusCode.OK.name
+            return reply
+        except ScoringError as exc:
+            code = status_of(exc).name
+            raise
+        except asyncio.CancelledError:
+            code = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
+            raise
+        finally:
+            recording.answered(code, time.perf_counter() - start)
 
     async def _infer(
-        self, message: pb.ModelInferRequest, context: Context, rid: str
+        self,
+        message: pb.ModelInferRequest,
+        context: Context,
+        rid: str,
+        recording: Recording | None = None,
     ) -> pb.ModelInferResponse:
         plane = self.plane
         arrival = asyncio.get_running_loop().time()
         remaining = context.time_remaining()  # None without a gRPC deadline
         deadline = None if remaining is None else arrival + remaining
-        model = plane.admit(message.model_name, message.model_version or None, arrival, deadline)
+        name, version = message.model_name, message.model_version or None
+        if recording is not None:  # labelled by its model from here, refused early included
+            with contextlib.suppress(ScoringError):  # (an unknown model: labelled "", as HTTP)
+                config = plane.version(name, version).config
+                recording.model(config.name, config.version)
+        model = plane.admit(name, version, arrival, deadline)
         raw = bool(message.raw_input_contents)
         call = Call(
             lambda config: codec.decode_request(message, config, plane.limits),
@@ -260,28 +283,6 @@ class InferenceServicer:
             is_disconnected=context.cancelled,
             pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
         )  # fmt: skip
-
-    async def _observed(self, labels: tuple[str, str], work: Awaitable[Reply]) -> Reply:
-        """Count and time one ModelInfer in the Prometheus metrics, labelled (model, version)
-        (``protocol="grpc"``, ``code`` = the gRPC status name)."""
-        if self.metrics is None:
-            return await work
-        recorded = self.metrics.for_requests(*labels, "grpc")
-        recorded.in_flight.inc()
-        start = time.perf_counter()
-        code = grpc.StatusCode.INTERNAL.name
-        try:
-            reply = await work
-            code = grpc.StatusCode.OK.name
-            return reply
-        except ScoringError as exc:
-            code = status_of(exc).name
-            raise
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
-            raise
-        finally:
-            recorded.answered(code, time.perf_counter() - start)
 
 
 def _message(document: dict[str, Any], message: MessageT) -> MessageT:

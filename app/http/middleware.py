@@ -51,7 +51,7 @@ from app.errors import (
     UnsupportedMediaType,
 )
 from app.http.state import CORE
-from app.observability.metrics import RequestMetrics, ServerMetrics
+from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.openai import error_body
 from app.serving.context import request_id
@@ -80,30 +80,6 @@ _BODY_TICK_S = 0.5
 def request_id_of(request: web.Request) -> str:
     """This request's id (accepted from ``X-Request-Id`` or generated)."""
     return str(request.get(REQUEST_ID, "-"))
-
-
-class Recording:
-    """One inference request's metrics, made once its model is known (``recorded``)."""
-
-    __slots__ = ("metrics", "protocol", "recorded")
-
-    def __init__(self, metrics: ServerMetrics, protocol: str) -> None:
-        self.metrics, self.protocol = metrics, protocol
-        self.recorded: RequestMetrics | None = None
-
-    def model(self, name: str, version: str) -> None:
-        """The request addresses ``name`` ``version``: it counts in flight from now (once)."""
-        if self.recorded is None:
-            self.recorded = self.metrics.for_requests(name, version, self.protocol)
-            self.recorded.in_flight.inc()
-
-    def answered(self, code: int, seconds: float) -> None:
-        """It left with ``code`` after ``seconds`` (not counted in flight when its model was never
-        known: labelled model "")."""
-        if self.recorded is not None:
-            self.recorded.answered(code, seconds)
-        else:
-            self.metrics.for_requests("", "", self.protocol).answered(code, seconds, in_flight=False)
 
 
 RECORDING = web.RequestKey("recording", Recording)

@@ -301,6 +301,31 @@ class RequestMetrics:
         counter.inc()
 
 
+class Recording:
+    """One inference request's metrics, whatever its front end: made once its model is known
+    (``recorded``), answered once with its code (the HTTP status or the gRPC status name)."""
+
+    __slots__ = ("metrics", "protocol", "recorded")
+
+    def __init__(self, metrics: ServerMetrics, protocol: str) -> None:
+        self.metrics, self.protocol = metrics, protocol
+        self.recorded: RequestMetrics | None = None
+
+    def model(self, name: str, version: str) -> None:
+        """The request addresses ``name`` ``version``: it counts in flight from now (once)."""
+        if self.recorded is None:
+            self.recorded = self.metrics.for_requests(name, version, self.protocol)
+            self.recorded.in_flight.inc()
+
+    def answered(self, code: int | str, seconds: float) -> None:
+        """It left with ``code`` after ``seconds`` (not counted in flight when its model was never
+        known: labelled model "")."""
+        if self.recorded is not None:
+            self.recorded.answered(code, seconds)
+        else:
+            self.metrics.for_requests("", "", self.protocol).answered(code, seconds, in_flight=False)
+
+
 @dataclass
 class Duration:
     """Triton's ``$duration_stat``: how many, and their cumulative nanoseconds."""
