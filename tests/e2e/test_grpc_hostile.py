@@ -98,6 +98,7 @@ def honest_calls_beside_floods(
     return results, [s * 1000 for s in ok], [outcome.streams_opened for outcome, _, _ in results]
 
 
+@pytest.mark.alone  # a latency bound: not beside other tests (tests/conftest.py)
 def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(srv: Gunicorn) -> None:
     """Two peers, each in a process of its own, open and cancel streams as fast as they can
     (CVE-2023-44487) without ever reading, on the worker an honest client uses: grpcio stops
@@ -113,6 +114,7 @@ def test_a_rapid_reset_flood_is_cut_off_and_an_honest_client_keeps_its_p99(srv: 
     assert srv.proc.poll() is None and [w.pid for w in srv.workers()] == [worker.pid]
 
 
+@pytest.mark.alone  # a latency bound: not beside other tests (tests/conftest.py)
 def test_a_rapid_reset_peer_that_answers_pings_leaves_an_honest_client_served(srv: Gunicorn) -> None:
     """Two peers that read and answer the server's PINGs (so no timeout cuts them off), each in
     a process of its own, open and cancel streams as fast as they can on the worker an honest

