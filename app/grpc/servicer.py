@@ -191,17 +191,9 @@ class InferenceServicer:
     async def ModelStatistics(
         self, request: pb.ModelStatisticsRequest, context: Context, rid: str
     ) -> pb.ModelStatisticsResponse:
-        """This worker's statistics of every model (empty name), of every version of one model
+        """The server's statistics of every model (empty name), of every version of one model
         (empty version), or of one version, as ``GET /v2/models[/{name}]/stats`` answers them."""
-        entries = self.registry.entries()
-        if request.name:
-            self.registry.get(request.name, request.version or None)  # raises ModelNotFound
-            version = request.version or None
-            entries = [
-                e for e in entries if e.config.name == request.name and version in (None, e.config.version)
-            ]
-        stats = [triton.model_statistics(e.config.name, e.config.version, e.stats) for e in entries]
-        document = triton.statistics(stats, self.core.binding.pid)
+        document = await self.plane.statistics(request.name or None, request.version or None)
         return _message(document, pb.ModelStatisticsResponse())
 
     async def RepositoryIndex(

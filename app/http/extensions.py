@@ -17,7 +17,6 @@ from app.errors import InvalidInput
 from app.http.state import CORE
 from app.protocols import triton
 from app.serving.control import LOAD, UNLOAD
-from app.serving.registry import ModelVersion
 
 routes = web.RouteTableDef()
 
@@ -34,27 +33,20 @@ async def model_config(request: web.Request) -> web.Response:
     return _json(triton.model_config(entry.config, request.app[CORE].binding.device))
 
 
-def _stat(model: ModelVersion) -> dict[str, Any]:
-    return triton.model_statistics(model.config.name, model.config.version, model.stats)
-
-
 @routes.get("/v2/models/stats")
 async def all_model_stats(request: web.Request) -> web.Response:
-    """``GET /v2/models/stats``: this worker's statistics of every model version."""
-    entries = request.app[CORE].registry.entries()
-    return _json(triton.statistics([_stat(e) for e in entries], request.app[CORE].binding.pid))
+    """``GET /v2/models/stats``: the server's statistics of every model version (every worker's,
+    summed: ``app.serving.dataplane.DataPlane.statistics``)."""
+    return _json(await request.app[CORE].dataplane.statistics())
 
 
 @routes.get("/v2/models/{name}/stats")
 @routes.get("/v2/models/{name}/versions/{version}/stats")
 async def model_stats(request: web.Request) -> web.Response:
-    """``GET /v2/models/{name}[/versions/{version}]/stats``: this worker's statistics of one model
+    """``GET /v2/models/{name}[/versions/{version}]/stats``: the server's statistics of one model
     (every version of it when no version is named); 404 for an unknown model."""
-    registry = request.app[CORE].registry
-    name, version = request.match_info["name"], request.match_info.get("version")
-    registry.get(name, version)  # raises ModelNotFound
-    entries = [e for e in registry.entries() if e.config.name == name and version in (None, e.config.version)]
-    return _json(triton.statistics([_stat(e) for e in entries], request.app[CORE].binding.pid))
+    plane = request.app[CORE].dataplane
+    return _json(await plane.statistics(request.match_info["name"], request.match_info.get("version")))
 
 
 @routes.post("/v2/repository/index")

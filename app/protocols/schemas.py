@@ -173,10 +173,12 @@ class ModelStat(msgspec.Struct):
 
 
 class ModelStatistics(msgspec.Struct):
-    """``GET /v2/models[/{name}]/stats``: counts of the answering worker (``worker_pid``)."""
+    """``GET /v2/models[/{name}]/stats``: the server's counts, ``workers`` workers' summed
+    (``worker_pid`` answered)."""
 
     model_stats: list[ModelStat]
     worker_pid: int
+    workers: int
 
 
 class RepositoryIndexRequest(msgspec.Struct, omit_defaults=True):

@@ -12,6 +12,7 @@ and the ``ModelConfig`` message of ``model_config.proto`` (field names, ``TYPE_*
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -175,9 +176,44 @@ def _version_policy(config: ModelConfig) -> dict[str, Any]:
     return {"latest": {"num_versions": policy.latest or 1}}
 
 
-def statistics(model_stats: list[dict[str, Any]], pid: int) -> dict[str, Any]:
-    """Triton's ``$stats_model_response``; ``worker_pid`` (ours) names the worker counted."""
-    return {"model_stats": model_stats, "worker_pid": pid}
+def statistics(model_stats: list[dict[str, Any]], pid: int, workers: int = 1) -> dict[str, Any]:
+    """Triton's ``$stats_model_response``; ``worker_pid`` (ours) names the worker that answered,
+    ``workers`` (ours) how many workers' statistics are summed in it."""
+    return {"model_stats": model_stats, "worker_pid": pid, "workers": workers}
+
+
+def _add_durations(into: dict[str, Any], other: dict[str, Any]) -> None:
+    for key, value in other.items():
+        if isinstance(value, dict) and "count" in value:
+            into[key] = {"count": into[key]["count"] + value["count"], "ns": into[key]["ns"] + value["ns"]}
+
+
+def sum_statistics(per_worker: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The ``$model_stat`` objects of several workers (each a list, as :func:`model_statistics`
+    makes them) summed per (name, version), as one server's: counts and ns added,
+    ``last_inference`` the latest, ``batch_stats`` added per batch size. Sorted by (name, version).
+    A model version some workers lack counts what the others have."""
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for stats in per_worker:
+        for stat in stats:
+            key = (stat["name"], stat["version"])
+            into = merged.get(key)
+            if into is None:
+                merged[key] = copy.deepcopy(stat)
+                continue
+            into["last_inference"] = max(into["last_inference"], stat["last_inference"])
+            into["inference_count"] += stat["inference_count"]
+            into["execution_count"] += stat["execution_count"]
+            _add_durations(into["inference_stats"], stat["inference_stats"])
+            sizes = {b["batch_size"]: b for b in into["batch_stats"]}
+            for batch in stat["batch_stats"]:
+                known = sizes.get(batch["batch_size"])
+                if known is None:
+                    sizes[batch["batch_size"]] = copy.deepcopy(batch)
+                else:
+                    _add_durations(known, batch)
+            into["batch_stats"] = [sizes[size] for size in sorted(sizes)]
+    return [merged[key] for key in sorted(merged)]
 
 
 def repository_entry(name: str, version: str, state: str, reason: str = "") -> dict[str, str]:

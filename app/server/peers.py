@@ -1,7 +1,8 @@
 """Shards between sibling workers: each worker's internal endpoint on a Unix socket in the run
 directory, and the client that sends shards to it.
 
-The endpoint (``POST /internal/shard``, msgpack: the wire format below) is served by a second
+The endpoint (``POST /internal/shard``, msgpack: the wire format below; ``POST /internal/models``,
+model control; ``GET /internal/stats``, the worker's statistics as JSON) is served by a second
 ``AppRunner`` on a ``UnixSite`` at ``<run dir>/peers/<pid>.sock`` (directory mode 0700), never
 on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.DataPlane.run` under
 the sender's request context (``app.serving.context``) marked forwarded (a shard is never split
@@ -45,6 +46,10 @@ PEERS_DIR = "peers"
 PATH = "/internal/shard"
 #: Model control changes between workers (``app.serving.control``).
 CONTROL_PATH = "/internal/models"
+#: A worker's Triton statistics, for a sibling answering the server's (``app.serving.dataplane``).
+STATS_PATH = "/internal/stats"
+#: How long a worker waits for a sibling's statistics before answering without them, seconds.
+STATS_TIMEOUT_S = 2.0
 #: How long a worker waits for a sibling to apply a model control change (a load may take
 #: minutes on a busy CPU), seconds.
 CONTROL_TIMEOUT_S = 600.0
@@ -190,12 +195,14 @@ def socket_path(run_dir: str | os.PathLike[str], pid: int) -> Path:
 
 
 def internal_app(core: ServingCore) -> web.Application:
-    """The internal endpoint's app, serving shards and model control changes with ``core``'s
-    models (the core under the same key, :data:`app.http.state.CORE`, as on the main app)."""
+    """The internal endpoint's app, serving shards, model control changes and this worker's
+    statistics with ``core``'s models (the core under the same key, :data:`app.http.state.CORE`,
+    as on the main app)."""
     app = web.Application(client_max_size=core.settings.max_request_bytes * 2)
     app[CORE] = core
     app.router.add_post(PATH, _handle_shard)
     app.router.add_post(CONTROL_PATH, _handle_control)
+    app.router.add_get(STATS_PATH, _handle_stats)
     return app
 
 
@@ -238,6 +245,11 @@ async def _handle_control(request: web.Request) -> web.Response:
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         error = f"bad model control request: {exc}"
     return web.Response(body=_encoder.encode(ControlResponse(error)), content_type="application/msgpack")
+
+
+async def _handle_stats(request: web.Request) -> web.Response:
+    stats = request.app[CORE].dataplane.local_statistics()
+    return web.Response(body=msgspec.json.encode(stats), content_type="application/json")
 
 
 class PeerUnavailable(Exception):
@@ -324,6 +336,24 @@ class PeerClient:
             return f"unreachable ({exc})"
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             return f"answered something else than a model control response ({exc})"
+
+    async def statistics(self, pid: int) -> list[dict[str, Any]] | None:
+        """Sibling ``pid``'s Triton statistics of its model versions (``$model_stat`` objects),
+        or None when it did not answer them within :data:`STATS_TIMEOUT_S`."""
+        timeout = aiohttp.ClientTimeout(total=STATS_TIMEOUT_S)
+        try:
+            async with self._session(pid).get(f"http://peer{STATS_PATH}", timeout=timeout) as resp:
+                raw = await resp.read()
+                if resp.status != 200:
+                    return None
+            return msgspec.json.decode(raw, type=list[dict[str, Any]])
+        except TimeoutError:
+            return None
+        except aiohttp.ClientError:
+            self._forget(pid)
+            return None
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
 
     def _forget(self, pid: int) -> None:
         session = self._sessions.pop(pid, None)

@@ -34,7 +34,7 @@ import math
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -83,6 +83,9 @@ class WorkerSiblings:
         #: Sends a model control change to one sibling (pid, action, name) -> why it failed or
         #: None (``app.server.peers.PeerClient.control``); None: no internal endpoints.
         self.control: Callable[[int, str, str], Awaitable[str | None]] | None = None
+        #: A sibling's statistics (pid) -> its ``$model_stat`` objects, or None when it did not
+        #: answer (``app.server.peers.PeerClient.statistics``); None: no internal endpoints.
+        self.statistics_of: Callable[[int], Awaitable[list[dict[str, Any]] | None]] | None = None
         self._count_connections: Callable[[], int] = lambda: 0
         #: Called once per shed connection (metrics), with the sibling's pid.
         self.on_shed: Callable[[int], None] | None = None
@@ -173,6 +176,16 @@ class WorkerSiblings:
         pids = [load.pid for load in self.others() if load.reachable(now)]
         answers = await asyncio.gather(*(control(pid, action, name) for pid in pids))
         return {pid: why for pid, why in zip(pids, answers, strict=True) if why is not None}
+
+    async def statistics(self) -> list[list[dict[str, Any]]]:
+        """Every reachable sibling's statistics, asked at once; those that did not answer in
+        time (``app.server.peers.STATS_TIMEOUT_S``) left out."""
+        ask = self.statistics_of
+        if ask is None:
+            return []
+        now = time.monotonic()
+        answers = await asyncio.gather(*(ask(load.pid) for load in self.others() if load.reachable(now)))
+        return [stats for stats in answers if stats is not None]
 
     # --- the listener and the tick --------------------------------------------------------------
 
@@ -317,6 +330,7 @@ class SiblingSlot:
             self._internal = runner
             self._peers = peers = PeerClient(self.run_dir)
             siblings.control = peers.control
+            siblings.statistics_of = peers.statistics
 
             def on_scatter(model: str, version: str, shards: int) -> None:
                 if metrics is not None:

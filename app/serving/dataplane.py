@@ -17,6 +17,7 @@ and assembles their results. Source: KServe's ``DataPlane``
 from __future__ import annotations
 
 import math
+import os
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -88,6 +89,30 @@ class DataPlane:
         self.siblings = siblings
         self.tracing = tracing
         self.cache = cache
+
+    def local_statistics(self) -> list[dict[str, Any]]:
+        """This worker's Triton statistics (``$model_stat``) of every model version it has."""
+        return [
+            triton.model_statistics(e.config.name, e.config.version, e.stats) for e in self.registry.entries()
+        ]
+
+    async def statistics(self, name: str | None = None, version: str | None = None) -> dict[str, Any]:
+        """Triton's ``$stats_model_response`` for the whole server: this worker's statistics and
+        its siblings' (``Siblings.statistics``: each that answers in time), summed per model
+        version (:func:`app.protocols.triton.sum_statistics`); of every model (``name`` None), of
+        every version of one (``version`` None), or of one version. Triton's statistics are the
+        server's; perf_analyzer subtracts two of them, which only works if they are.
+
+        Raises:
+            ModelNotFound: an unknown model or version (404).
+        """
+        if name is not None:
+            self.registry.get(name, version)  # raises ModelNotFound
+        others = await self.siblings.statistics()
+        summed = triton.sum_statistics([self.local_statistics(), *others])
+        if name is not None:
+            summed = [s for s in summed if s["name"] == name and version in (None, s["version"])]
+        return triton.statistics(summed, os.getpid(), workers=1 + len(others))
 
     def version(self, name: str, version: str | None) -> ModelVersion:
         """The model version a request addresses (None: the one requests without a version get).

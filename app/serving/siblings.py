@@ -5,7 +5,8 @@ workers: two small interfaces, handed to :func:`app.main.create_app` at construc
   load through it, asks it whether a request should leave (scatter/gather of a large request,
   forwarding of a request on a pinned gRPC connection) and has it run there; the keep-alive
   policy asks whether a connection should move to a less-loaded sibling; startup asks whether
-  another worker serves already; model control applies a change on every sibling.
+  another worker serves already; model control applies a change on every sibling; the
+  statistics endpoints add the siblings' statistics to this worker's.
 - :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
 
 The gunicorn worker implements both (``app.server.siblings.WorkerSiblings``, balancing on or
@@ -72,6 +73,12 @@ class Siblings(Protocol):
         pid -> why ({} = all did)."""
         ...
 
+    async def statistics(self) -> list[list[dict[str, Any]]]:
+        """Each reachable sibling's Triton statistics of its model versions (``$model_stat``
+        objects, ``app.protocols.triton.model_statistics``); one that does not answer within
+        ``app.server.peers.STATS_TIMEOUT_S`` is left out."""
+        ...
+
 
 class Supervisor(Protocol):
     """The process that runs this app."""
@@ -108,6 +115,10 @@ class Alone:
     async def apply(self, action: str, name: str) -> dict[int, str]:
         """Nobody else to tell."""
         return {}
+
+    async def statistics(self) -> list[list[dict[str, Any]]]:
+        """Nobody else counts."""
+        return []
 
     def request_stop(self, reason: str) -> bool:
         """Nothing restarts this process."""

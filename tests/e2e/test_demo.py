@@ -73,3 +73,19 @@ def test_metadata_names_the_handler_platform(demo: Gunicorn) -> None:
         "windows": ("INT64", [-1, 1]),
     }
     assert Path(ROOT / "model_repository" / "all-MiniLM-L6-v2" / "model.toml").is_file()
+
+
+def test_statistics_are_the_servers_whichever_worker_answers(demo: Gunicorn) -> None:
+    """Triton's statistics are the server's, as perf_analyzer reads them (two answers, before and
+    after a window, from whichever worker its connection reaches): each worker adds its
+    siblings' statistics to its own."""
+    path = "/v2/models/all-MiniLM-L6-v2/stats"
+    assert len(demo.wait_workers(2)) == 2
+    before = demo.get(path)[2]["model_stats"][0]["inference_count"]
+    body = {"inputs": [{"name": "text", "shape": [2], "datatype": "BYTES", "data": SENTENCES[:2]}]}
+    for _ in range(10):  # each on a new connection: the workers take them as they balance
+        assert demo.post("/v2/models/all-MiniLM-L6-v2/infer", body)[0] == 200
+    answers = [demo.get(path)[2] for _ in range(6)]
+    assert {a["workers"] for a in answers} == {2}
+    assert {a["model_stats"][0]["inference_count"] - before for a in answers} == {20}
+    assert {a["worker_pid"] for a in answers} <= {w.pid for w in demo.workers()}

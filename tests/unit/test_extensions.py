@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from app.serving.siblings import Alone
 from tests.support.fixtures import Client, MakeClient
 from tests.support.fuzz import FUZZ, check, v1_bodies
 from tests.support.toy_models import ScaleHandler, write_scale_model
@@ -79,6 +80,53 @@ async def test_statistics_count_this_workers_inferences(make_client: MakeClient,
     every = await (await client.get("/v2/models/stats")).json()
     assert [s["name"] for s in every["model_stats"]] == ["scale"]
     assert (await client.get("/v2/models/nope/stats")).status == 404
+
+
+def _stat(name: str, count: int, last: int, batches: dict[int, int]) -> dict[str, Any]:
+    d = {"count": count, "ns": 10 * count}
+    return {
+        "name": name, "version": "1", "last_inference": last, "inference_count": 3 * count,
+        "execution_count": count,
+        "inference_stats": {k: dict(d) for k in ("success", "fail", "queue", "compute_infer")},
+        "batch_stats": [
+            {"batch_size": size, "compute_infer": {"count": n, "ns": 10 * n}} for size, n in batches.items()
+        ],
+        "memory_usage": [],
+    }  # fmt: skip
+
+
+def test_statistics_of_several_workers_sum_per_model_version() -> None:
+    from app.protocols.triton import sum_statistics
+
+    a = [_stat("scale", 2, 100, {3: 2}), _stat("other", 1, 50, {1: 1})]
+    b = [_stat("scale", 5, 90, {3: 4, 8: 1})]
+    (other, scale) = sum_statistics([a, b])
+    assert other == a[1]  # a version one worker lacks counts what the others have
+    assert (scale["inference_count"], scale["execution_count"], scale["last_inference"]) == (21, 7, 100)
+    assert scale["inference_stats"]["success"] == {"count": 7, "ns": 70}
+    assert [(x["batch_size"], x["compute_infer"]["count"]) for x in scale["batch_stats"]] == [(3, 6), (8, 1)]
+    assert a[0]["inference_count"] == 6 and b[0]["batch_stats"][0]["compute_infer"]["count"] == 4  # unchanged
+
+
+class CountingSiblings(Alone):
+    """A sibling worker that has run the scale model 10 times in batches of 3."""
+
+    async def statistics(self) -> list[list[dict[str, Any]]]:
+        return [[_stat("scale", 10, 1, {3: 10})]]
+
+
+async def test_statistics_are_the_servers_every_worker_summed(make_client: MakeClient, scale_repo: Path) -> None:
+    """perf_analyzer subtracts two statistics answers that over HTTP may come from different
+    workers: every worker answers the server's (its own plus its siblings'), HTTP and gRPC alike."""
+    client: Client = await make_client(scale_repo, siblings=CountingSiblings())
+    assert (await client.post(V2_INFER, json=BODY)).status == 200
+    answer = await (await client.get("/v2/models/scale/stats")).json()
+    assert answer["workers"] == 2 and answer["worker_pid"] == os.getpid()
+    (stat,) = answer["model_stats"]
+    assert (stat["inference_count"], stat["execution_count"]) == (30 + 3, 10 + 1)
+    assert [(b["batch_size"], b["compute_infer"]["count"]) for b in stat["batch_stats"]] == [(3, 11)]
+    every = await (await client.get("/v2/models/stats")).json()
+    assert every["model_stats"] == answer["model_stats"]
 
 
 async def test_statistics_count_a_missed_deadline_as_a_failure(make_client: MakeClient, tmp_path: Path) -> None:
