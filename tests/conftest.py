@@ -24,8 +24,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--alone",
         choices=("all", "skip", "only"),
         default="all",
-        help="the tests marked alone (they hold a latency to a bound, so they must not share the "
-        "CPU with other tests): run them with the rest (all), leave them out (skip: the parallel "
+        help="the tests marked alone (a time held to a bound, or a tool that fails on a shared "
+        "CPU: they must not share it with other tests): run them with the rest (all), leave them out (skip: the parallel "
         "pass of scripts/test), or run only them (only: its pass after, in one process)",
     )
 
