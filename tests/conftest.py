@@ -25,25 +25,29 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         choices=("all", "skip", "only"),
         default="all",
         help="the tests marked alone (a time held to a bound, or a tool that fails on a shared "
-        "CPU: they must not share it with other tests): run them with the rest (all), leave them out (skip: the parallel "
-        "pass of scripts/test), or run only them (only: its pass after, in one process)",
+        "CPU: they must not share it with other tests): run them with the rest (all), leave them "
+        "out (skip: the parallel pass of scripts/test), or run only them (only: its pass after, "
+        "in one process)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep or leave out the ``alone`` tests (``--alone``); under pytest-xdist (``scripts/test``:
-    ``-n``, ``--dist loadgroup``) keep each module's tests
-    in one process (its module-scoped servers start once), those of a named group together (the
-    shared demo server: ``tests.support.fixtures.demo_server``); and skip the ``gpu``-marked tests
-    (tests/gpu/) where torch sees no CUDA device: they check what only a real GPU can show, and a
-    CPU machine (CI) has nothing to check them on."""
+    ``-n``, ``--dist loadgroup``) keep each module's tests in one process (its module-scoped
+    servers start once), those of a named group together (the shared demo server:
+    ``tests.support.fixtures.demo_server``); and skip the ``gpu``-marked tests (tests/gpu/) where
+    torch sees no CUDA device: they check what only a real GPU can show, and a CPU machine (CI)
+    has nothing to check them on."""
     import torch
 
     alone = config.getoption("--alone")
     if alone != "all":
         wanted = alone == "only"
-        kept = [item for item in items if (item.get_closest_marker("alone") is not None) == wanted]
-        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        kept: list[pytest.Item] = []
+        dropped: list[pytest.Item] = []
+        for item in items:
+            (kept if (item.get_closest_marker("alone") is not None) == wanted else dropped).append(item)
+        config.hook.pytest_deselected(items=dropped)
         items[:] = kept
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:

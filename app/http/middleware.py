@@ -65,16 +65,12 @@ REQUEST_ID = web.RequestKey("request_id", str)
 #: The paths whose errors take OpenAI's shape (``app.protocols.openai.error_body``): OpenAI's
 #: embeddings, and the rerank and classify APIs (OpenAI's error shape, as vLLM answers them).
 OPENAI_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify"})
-#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
-#: ``x-request-id`` metadata): a sane token, echoed in responses and logs.
 #: Bytes of a request line besides the path: method, spaces, "HTTP/1.1".
 _REQUEST_LINE_OVERHEAD = 16
 #: The content codings aiohttp's parser decodes (a ``br`` or ``zstd`` body needs its library).
 CONTENT_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
 #: How often the body timer looks at the bytes received, seconds.
 _BODY_TICK_S = 0.5
-
-
 
 
 def request_id_of(request: web.Request) -> str:

@@ -15,7 +15,8 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-#: A request id a client may give (``X-Request-Id``, ``ModelInferRequest.id``): 1 to 128 of these.
+#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
+#: ``x-request-id`` metadata): 1 to 128 of these, echoed in responses and logs.
 _VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
@@ -49,10 +50,12 @@ class RequestContext:
     is_disconnected: Callable[[], bool] | None = None
     arrival: float | None = None
 
+
 def request_id(*candidates: str) -> str:
     """The first candidate that is a sane request id, else a new one: 128 random bits as 32 hex
     digits. An id names a request in logs and errors; it is no secret, so it comes from
-    ``random`` (reseeded in each forked worker), not a syscall. Every front end names its requests with it."""
+    ``random`` (reseeded in each forked worker), not a syscall. Every front end names its
+    requests with it."""
     for candidate in candidates:
         if candidate and _VALID_REQUEST_ID.match(candidate):
             return candidate

@@ -1,6 +1,6 @@
 """The shared fixtures (made available to every test by tests/conftest.py): toy model
-repositories, an in-process app and the shared demo server; and the helpers of in-process tests (``eventually``,
-``wait_ready``) with the types of their clients."""
+repositories, an in-process app and the shared demo server; and the helpers of in-process tests
+(``eventually``, ``wait_ready``) with the types of their clients."""
 
 from __future__ import annotations
 
