@@ -1,6 +1,6 @@
 """Domain exceptions of the serving path, one class per HTTP outcome.
 
-The only place they become HTTP responses is :mod:`app.http.middleware`; model code
+The only place they become HTTP responses is :mod:`app.http.edge`; model code
 and codecs raise these and know nothing of aiohttp.
 
     ScoringError                 status   meaning

@@ -1,4 +1,4 @@
-"""The one place exceptions become gRPC status codes (the gRPC twin of app/http/middleware.py).
+"""The one place exceptions become gRPC status codes (the gRPC twin of app/http/edge.py).
 
     ScoringError (app.errors)      gRPC status           HTTP
     InvalidInput                   INVALID_ARGUMENT      400

@@ -30,7 +30,7 @@ def _is_open(request: web.Request, metrics_open: bool) -> bool:
 
 
 def authorizer(keys: ApiKeys, metrics_open: bool) -> Callable[[web.Request], None]:
-    """The API key check ``app.http.middleware.edge_middleware`` runs after the header limits
+    """The API key check ``app.http.edge.edge_middleware`` runs after the header limits
     and before reading the body. Health paths (and ``/metrics`` when ``metrics_open``) are open.
 
     Raises (from the returned check):

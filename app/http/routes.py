@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from app import SERVER_NAME, __version__
 from app.errors import InvalidInput, UnsupportedMediaType
-from app.http.middleware import model_known, request_id_of
+from app.http.edge import model_known, request_id_of
 from app.http.state import CORE
 from app.protocols import classify, openai, rerank, triton, v1, v2
 from app.protocols.codec import Codec
@@ -247,7 +247,7 @@ async def classify_texts(request: web.Request) -> web.Response:
 
 
 #: The protocol of each inference handler: the label of its requests' metrics (the edge
-#: middleware, ``app.http.middleware``).
+#: middleware, ``app.http.edge``).
 PROTOCOLS: dict[Handler, str] = {
     infer: v2.CODEC.protocol,
     v1_predict: v1.CODEC.protocol,

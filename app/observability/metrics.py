@@ -11,7 +11,7 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 scrape adds prometheus_client's default registry (process and GC collectors).
 
 Every metric is listed in ``docs/observability.md``. This module holds the
-definitions; ``app.http.middleware`` records the HTTP requests, ``app.http.routes`` answers
+definitions; ``app.http.edge`` records the HTTP requests, ``app.http.routes`` answers
 ``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
 (never through CUDA); in CPU mode there are no GPU figures.
 

@@ -85,6 +85,6 @@ async def check(client: Client, path: str, payload: bytes, headers: dict[str, st
     text = await resp.text()
     assert resp.status < 500, (resp.status, text, payload[:300])
     if resp.status == 400 and resp.content_type == "text/plain":
-        return  # refused by aiohttp's HTTP parser before the app runs (app.http.middleware)
+        return  # refused by aiohttp's HTTP parser before the app runs (app.http.edge)
     if resp.status >= 400:
         assert set(json.loads(text)) == {"error"}, text

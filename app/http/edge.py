@@ -1,15 +1,18 @@
-"""What the HTTP edge does around every request, in one middleware (one coroutine per request on
-the hot path): its id, its checks, the one place exceptions become HTTP responses, and its
-metrics.
+"""The HTTP edge: what every request and response passes, in one module. One middleware runs
+around every request (one coroutine per request on the hot path): its id, its checks, the API
+key hook, the one place exceptions become HTTP responses, and its metrics. One signal sees every
+response: the keep-alive policy, which also holds impatient clients. Before either, aiohttp's
+HTTP parser runs at the limits set here, and what it refuses is answered in JSON.
 
-In order, for each request (:func:`edge_middleware`):
+**The middleware.** In order, for each request (:func:`edge_middleware`):
 
 1. the **request id**: ``X-Request-Id`` when sane (1-128 of ``[A-Za-z0-9._:-]``), else a new
    one (:func:`app.serving.context.request_id`); every response carries it, and
    ``Server-Timing: app;dur=<ms>``;
 2. **header limits** (:func:`check_headers`: ``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``;
-   431). aiohttp's parser runs at twice these bounds (``app.http.connections``), so the usual
-   oversized request gets the server's JSON 431 and only a grossly oversized one its 400;
+   431). aiohttp's parser runs at twice these bounds (*The parser's limits and errors*, below),
+   so the usual oversized request gets the server's JSON 431 and only a grossly oversized one
+   its 400;
 3. the **API key** (``app.http.auth``), when keys are configured: no body is read for a client
    without one (401);
 4. the **body**, in a content coding the server decodes (415 otherwise), read within
@@ -27,20 +30,73 @@ In order, for each request (:func:`edge_middleware`):
    ``protocols`` map of the inference handlers) and model: counted in flight on arrival when its
    path names the model, or once its handler knows it (:func:`model_known`: OpenAI's, from
    the body).
+
+**Keep-alive policy**: the one place that decides which responses close their connection
+(:func:`setup_connections`). A response carries ``Connection: close`` (and the server closes the
+connection after it) when
+
+- the error it answers says so (a 408: the body came too slowly, the rest of it may still
+  arrive and cannot be told from a next request);
+- the worker is draining: clients move to another worker *after* a complete response,
+  instead of finding their idle keep-alive connection closed under them when the
+  worker stops (the race in which a client sends on a connection the server is
+  closing, and sees a reset);
+- the connection has served ``max_requests_per_connection`` requests (nginx's
+  ``keepalive_requests``): long-lived clients spread over workers again, and no
+  connection lives forever;
+- it is a 503 to a client that ignored the ``Retry-After`` of the previous 503 on the same
+  connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
+  each further try);
+- the balance among sibling workers says a less-loaded sibling should take this connection
+  (``Siblings.should_shed``: ``app.server.balance``).
+
+The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
+(``SCORING_KEEPALIVE_S``). The policy runs as an ``on_response_prepare`` signal, so it sees every
+response the app produces, error responses included; it also counts them for the
+worker's ``max_requests`` recycling (``app.server.worker``).
+
+**Holding impatient clients.** Under overload a client that resends at once after a 503
+costs the server a whole request (its body read, its refusal written) every round trip,
+thousands a second, and that takes the CPU the models need. By default such a 503 (the
+client came back on the same connection before the previous 503's ``Retry-After`` had
+passed) is *held* for ``impatient_hold_ms`` (35 ms) before it is sent, and the connection
+stays open: a held refusal costs an idle timer, not CPU, and it bounds each such connection
+to one refusal per hold, which a reconnect did not (a fresh connection's first 503 is never
+held, so closing halved the effect). A client that keeps doing it has each further 503 in a
+row held twice as long, up to ``impatient_hold_max_ms`` (280 ms: 35, 70, 140, 280, 280 ...),
+the exponential backoff it was asked for and did not do; the streak ends when the connection
+gets any other answer or the client waits as asked. The first 503 on a connection, and every
+503 to a client that waits as asked, is sent at once. Source: the tarpit idea (delay, not
+refuse harder), as in nginx's ``limit_req ... delay``, with gRPC's retry backoff (doubling
+up to a cap). Measured in docs/reliability.md (overload).
+
+**The parser's limits and errors.** aiohttp's HTTP parser refuses a request line or header
+field longer than ``max_line_size``/``max_field_size`` and more than ``max_headers`` fields
+while it reads them, before any application code runs; it is set to *twice* the configured
+limits (:func:`parser_limits`), and the middleware (:func:`check_headers`) enforces the
+limits themselves with a JSON 431. What the parser refuses (a grossly oversized line,
+malformed framing, an unsupported or truncated content encoding seen early) is answered in JSON
+by :class:`JsonParserErrors` (431 or 400, never quoting what was sent), and aiohttp's traceback
+for it becomes one DEBUG line (:func:`quiet_parser_errors`): a client's malformed request is
+not a server error.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web import RequestHandler
 
 from app.errors import (
     ClientDisconnected,
@@ -58,6 +114,8 @@ from app.serving.context import request_id
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+# The middleware (module docstring).
 
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
@@ -294,3 +352,175 @@ def _http_error(exc: web.HTTPException, rid: str, openai: bool) -> web.Response:
     if "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
     return json_error(exc.status, message, headers, openai=openai)
+
+
+# The keep-alive policy and holding impatient clients (module docstring).
+
+#: Requests answered per connection, keyed by its transport (gone with the connection).
+_PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
+#: Per connection, the loop time until which its last 503 asked the client to wait.
+_RETRY_AFTER = web.AppKey("retry_after_per_connection", weakref.WeakKeyDictionary)
+#: Per connection, how many 503s in a row answered a client that came back too early.
+_STREAK = web.AppKey("impatient_streak_per_connection", weakref.WeakKeyDictionary)
+
+
+def setup_connections(app: web.Application) -> None:
+    """Install the keep-alive policy on ``app``."""
+    app[_PER_CONNECTION] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
+    app[_RETRY_AFTER] = weakref.WeakKeyDictionary[asyncio.BaseTransport, float]()
+    app[_STREAK] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
+    app.on_response_prepare.append(_on_response_prepare)
+
+
+async def _on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    app = request.app
+    app[CORE].health.responses += 1
+    if response.headers.get("Connection") == "close" or app[CORE].registry.draining:
+        _close_after(response)
+        return
+    transport = request.transport
+    if transport is not None:
+        hold_s = _impatient_hold_s(app, transport, response)
+        if hold_s is not None:
+            if hold_s:
+                await asyncio.sleep(hold_s)
+            else:
+                _close_after(response)
+            return
+    cap = app[CORE].settings.max_requests_per_connection
+    if cap and transport is not None:
+        counts = app[_PER_CONNECTION]
+        served = counts.get(transport, 0) + 1
+        counts[transport] = served
+        if served >= cap:
+            _close_after(response)
+            return
+    if app[CORE].siblings.should_shed():
+        _close_after(response)
+
+
+def _impatient_hold_s(
+    app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse
+) -> float | None:
+    """How long to hold this response, seconds: None unless it is a 503 to a client that came
+    back before the ``Retry-After`` of the previous 503 on its connection; else
+    ``impatient_hold_ms`` doubled for each such 503 before it in a row, at most
+    ``impatient_hold_max_ms`` (0 = no hold: close instead). Records this 503's
+    ``Retry-After`` and the streak; any other answer ends the streak."""
+    streaks = app[_STREAK]
+    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
+    if retry_after is None:
+        if streaks:
+            streaks.pop(transport, None)
+        return None
+    now = asyncio.get_running_loop().time()
+    waits = app[_RETRY_AFTER]
+    impatient = now < waits.get(transport, 0.0)
+    with contextlib.suppress(ValueError):
+        waits[transport] = now + float(retry_after)
+    if not impatient:
+        streaks.pop(transport, None)
+        return None
+    streak = streaks.get(transport, 0)
+    streaks[transport] = streak + 1
+    settings = app[CORE].settings
+    base_ms = settings.impatient_hold_ms
+    hold_ms = min(base_ms * 2 ** min(streak, 16), max(base_ms, settings.impatient_hold_max_ms))
+    return float(hold_ms) / 1000
+
+
+def _close_after(response: web.StreamResponse) -> None:
+    # The headers were computed before this signal: say it, and make aiohttp do it.
+    response.headers["Connection"] = "close"
+    response.force_close()
+
+
+# The parser's limits and errors (module docstring).
+
+
+def parser_limits(settings: Settings) -> dict[str, Any]:
+    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits),
+    and no lingering over unread bodies."""
+    return {
+        "max_line_size": 2 * settings.max_header_bytes,
+        "max_field_size": 2 * settings.max_header_bytes,
+        "max_headers": 2 * settings.max_headers,
+        # After an answer given before the whole body arrived (408, 413, 401, a corrupt
+        # encoding), aiohttp by default reads and discards the rest for up to 10 s (and logs
+        # a traceback if that read fails): close at once instead, so a slow or lying client
+        # cannot hold the connection past the body timeout.
+        "lingering_time": 0,
+    }
+
+
+class JsonParserErrors(RequestHandler):
+    """aiohttp's connection protocol, answering what its HTTP parser refuses before the app
+    runs as the server's other errors: ``{"error": ...}`` JSON, 431 for a request line or
+    header field over the parser's hard bound (twice ``SCORING_MAX_HEADER_BYTES``), 400 for
+    other malformed requests, and never an excerpt of what was sent (aiohttp's own answer is a
+    plain-text 400 that quotes the line). The connection still closes. The app's own errors
+    (500, 504) keep aiohttp's handling. The class adds no state: :func:`with_json_parser_errors`
+    turns a handler ``web.Server`` made into one."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not 400 <= status < 500 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        log.debug("malformed request refused: %s %s", status, type(exc).__name__)
+        if isinstance(exc, LineTooLong):
+            status, text = 431, "request line or a header field is too large (SCORING_MAX_HEADER_BYTES)"
+        else:
+            text = f"malformed HTTP request ({type(exc).__name__})"
+        body = orjson.dumps({"error": text})
+        response = web.Response(status=status, body=body, content_type="application/json")
+        response.force_close()
+        return response
+
+
+def json_errors_protocol(server: web.Server) -> RequestHandler:
+    """A new connection's protocol made by ``server`` (``web.Server``), answering parser errors
+    in JSON (:class:`JsonParserErrors`): the listener's protocol factory."""
+    return with_json_parser_errors(server())
+
+
+def with_json_parser_errors(handler: RequestHandler) -> RequestHandler:
+    """``handler`` (a connection's protocol, as ``web.Server()`` makes it) as a
+    :class:`JsonParserErrors`: the same object and state, the JSON answers to parser errors."""
+    handler.__class__ = JsonParserErrors
+    return handler
+
+
+class _ParserErrorFilter(logging.Filter):
+    """Demotes aiohttp's "Error handling request" records caused by a malformed request
+    (an ``HttpProcessingError`` with a 4xx code) to one DEBUG line without a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: {exc.code} {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_PARSER_ERRORS = _ParserErrorFilter()
+
+
+#: aiohttp's server logger, and gunicorn's error log, which aiohttp's gunicorn worker gives it.
+_SERVER_LOGGERS = ("aiohttp.server", "gunicorn.error")
+
+
+def quiet_parser_errors() -> None:
+    """Install the filter on the loggers aiohttp's server logs to (idempotent)."""
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _PARSER_ERRORS not in logger.filters:
+            logger.addFilter(_PARSER_ERRORS)
