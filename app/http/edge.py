@@ -7,7 +7,7 @@ HTTP parser runs at the limits set here, and what it refuses is answered in JSON
 **The middleware.** In order, for each request (:func:`edge_middleware`):
 
 1. the **request id**: ``X-Request-Id`` when sane (1-128 of ``[A-Za-z0-9._:-]``), else a new
-   one (:func:`app.serving.context.request_id`); every response carries it, and
+   one (:func:`app.serving.dataplane.request_id`); every response carries it, and
    ``Server-Timing: app;dur=<ms>``;
 2. **header limits** (:func:`check_headers`: ``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``;
    431). aiohttp's parser runs at twice these bounds (*The parser's limits and errors*, below),
@@ -110,7 +110,7 @@ from app.http.state import CORE
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.openai import error_body
-from app.serving.context import request_id
+from app.serving.dataplane import request_id
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

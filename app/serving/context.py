@@ -10,14 +10,8 @@ Triton's ``InferenceRequest`` keeps id, priority, timeout and trace on one objec
 
 from __future__ import annotations
 
-import random
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
-
-#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
-#: ``x-request-id`` metadata): 1 to 128 of these, echoed in responses and logs.
-_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,14 +43,3 @@ class RequestContext:
     forwarded: bool = False
     is_disconnected: Callable[[], bool] | None = None
     arrival: float | None = None
-
-
-def request_id(*candidates: str) -> str:
-    """The first candidate that is a sane request id, else a new one: 128 random bits as 32 hex
-    digits. An id names a request in logs and errors; it is no secret, so it comes from
-    ``random`` (reseeded in each forked worker), not a syscall. Every front end names its
-    requests with it."""
-    for candidate in candidates:
-        if candidate and _VALID_REQUEST_ID.match(candidate):
-            return candidate
-    return f"{random.getrandbits(128):032x}"

@@ -10,7 +10,8 @@ the one absolute deadline; the priority level; balancing among sibling workers; 
 the response) and :meth:`DataPlane.run` (the array-level step, where shards and requests
 forwarded by sibling workers enter). Between validation and :meth:`DataPlane.run`, and between
 its outputs and the response, the item stage (``app.serving.items``) expands a request's items
-and assembles their results. Source: KServe's ``DataPlane``
+and assembles their results. The data plane also names requests (:func:`request_id`): the rule
+both front ends apply. Source: KServe's ``DataPlane``
 (kserve/protocol/dataplane.py: ``infer`` takes an ``InferRequest``, returns an ``InferResponse``).
 """
 
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import math
 import os
+import random
+import re
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -52,6 +55,21 @@ _NO_VERSIONS: dict[str, ModelVersion] = {}
 _LIMITS = RequestLimits()
 #: What a front end's call encodes a response into.
 Answer = TypeVar("Answer")
+#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
+#: ``x-request-id`` metadata): 1 to 128 of these, echoed in responses and logs.
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(*candidates: str) -> str:
+    """The data plane names requests: the rule both front ends apply (the HTTP edge to
+    ``X-Request-Id``, gRPC to ``ModelInferRequest.id`` or ``x-request-id`` metadata). The first
+    candidate that is a sane request id, else a new one: 128 random bits as 32 hex digits. An
+    id names a request in logs and errors; it is no secret, so it comes from ``random``
+    (reseeded in each forked worker), not a syscall."""
+    for candidate in candidates:
+        if candidate and _VALID_REQUEST_ID.match(candidate):
+            return candidate
+    return f"{random.getrandbits(128):032x}"
 
 
 class DataPlane:
