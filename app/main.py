@@ -13,9 +13,16 @@ from aiohttp import web
 
 from app.binding import WorkerBinding
 from app.http.auth import authorizer
-from app.http.edge import edge_middleware, parser_limits, quiet_parser_errors, setup_connections
+from app.http.edge import (
+    PROTOCOLS,
+    edge_middleware,
+    inference_routes,
+    parser_limits,
+    quiet_parser_errors,
+    setup_connections,
+)
 from app.http.extensions import routes as extension_routes
-from app.http.routes import PROTOCOLS, inference_routes, metrics_handler, routes
+from app.http.routes import metrics_handler, routes
 from app.http.state import CORE, grpc_ctx, models_ctx, on_shutdown, tracing_ctx
 from app.observability.gpu import gpu_metrics_ctx
 from app.observability.metrics import ServerMetrics, create_metrics

@@ -1,8 +1,11 @@
-"""The HTTP edge: what every request and response passes, in one module. One middleware runs
-around every request (one coroutine per request on the hot path): its id, its checks, the API
-key hook, the one place exceptions become HTTP responses, and its metrics. One signal sees every
-response: the keep-alive policy, which also holds impatient clients. Before either, aiohttp's
-HTTP parser runs at the limits set here, and what it refuses is answered in JSON.
+"""The HTTP edge: the path every inference request takes through the HTTP front end, in one
+module. One middleware runs around every request (one coroutine per request on the hot path):
+its id, its checks, the API key hook, the one place exceptions become HTTP responses, and its
+metrics. The inference routes then take one path, :func:`serve`, with their API's codec. One
+signal sees every response: the keep-alive policy, which also holds impatient clients. Before
+all of them, aiohttp's HTTP parser runs at the limits set here, and what it refuses is answered
+in JSON. The other routes (health, metadata, metrics, the OpenAPI document) are
+``app.http.routes``'s.
 
 **The middleware.** In order, for each request (:func:`edge_middleware`):
 
@@ -30,6 +33,13 @@ HTTP parser runs at the limits set here, and what it refuses is answered in JSON
    ``protocols`` map of the inference handlers) and model: counted in flight on arrival when its
    path names the model, or once its handler knows it (:func:`model_known`: OpenAI's, from
    the body).
+
+**The inference routes** (``inference_routes``). Every inference handler is one line:
+:func:`serve`, the one path, with its API's codec (:mod:`app.protocols.codec`): the deadline
+from the headers (``X-Request-Timeout-Ms``), admission, decoding into an inference request, the
+data plane (:class:`app.serving.dataplane.DataPlane`), encoding; model code never runs here (it
+runs on the inference thread). The APIs: the Open Inference Protocol's (V2) ``infer``, KServe
+V1's ``:predict``, OpenAI's embeddings, Cohere's rerank and vLLM's classify.
 
 **Keep-alive policy**: the one place that decides which responses close their connection
 (:func:`setup_connections`). A response carries ``Connection: close`` (and the server closes the
@@ -109,6 +119,8 @@ from app.errors import (
 from app.http.state import CORE
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
+from app.protocols import classify, openai, rerank, v1, v2
+from app.protocols.codec import Codec
 from app.protocols.openai import error_body
 from app.serving.dataplane import request_id
 from app.settings import Settings
@@ -165,7 +177,7 @@ def edge_middleware(
     """The middleware (module docstring). ``authorize`` raises ``Unauthorized`` for a request
     without a valid key (``app.http.auth.authorizer``; None: no keys); ``metrics``: None when
     metrics are off; ``tracing``: tags the request's server span with its id (None: off);
-    ``protocols``: the protocol of each inference handler (``app.http.routes.PROTOCOLS``), the
+    ``protocols``: the protocol of each inference handler (:data:`PROTOCOLS`), the
     label of its requests' metrics."""
     by_handler = protocols or {}
     max_bytes, max_headers = settings.max_header_bytes, settings.max_headers
@@ -352,6 +364,143 @@ def _http_error(exc: web.HTTPException, rid: str, openai: bool) -> web.Response:
     if "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
     return json_error(exc.status, message, headers, openai=openai)
+
+
+# The inference routes: one path for every inference API (module docstring).
+
+#: The header that gives a request its own timeout, in milliseconds.
+TIMEOUT_HEADER = "X-Request-Timeout-Ms"
+#: The Content-Types an inference POST may have (or none).
+_BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
+
+#: The inference POSTs, added to the router before every other table (``app.main``): aiohttp
+#: tries the resources that share a static prefix (``/v2/models``) in the order they were
+#: added, one coroutine each, so the hot path goes first (2 tries per request instead of 10).
+inference_routes = web.RouteTableDef()
+
+
+async def _read_body(request: web.Request) -> bytes:
+    """The (decompressed) body of an inference POST.
+
+    Stock clients send JSON as ``application/json``, as ``application/octet-stream``
+    (``tritonclient.http.aio``, kserve's ``InferRequest``) or with no type
+    (``tritonclient.http``); ``Inference-Header-Content-Length``, not the type, tells whether
+    binary tensor data follows the JSON (docs/protocols.md). Other types (forms, text) are
+    refused.
+
+    Raises:
+        UnsupportedMediaType: a Content-Type other than JSON or octet-stream.
+        aiohttp.web.HTTPRequestEntityTooLarge: body over ``max_request_bytes``.
+    """
+    if "Content-Type" in request.headers and request.content_type not in _BODY_TYPES:
+        raise UnsupportedMediaType(
+            f"Content-Type {request.content_type!r} is not supported; send application/json "
+            "or application/octet-stream"
+        )
+    return await request.read()
+
+
+def header_deadline(request: web.Request, arrival: float) -> float | None:
+    """The deadline ``X-Request-Timeout-Ms`` names (milliseconds from ``arrival``), as loop time;
+    None when absent.
+
+    Raises:
+        InvalidInput: not a positive finite number.
+    """
+    value = request.headers.get(TIMEOUT_HEADER)
+    if value is None:
+        return None
+    try:
+        ms = float(value)
+    except ValueError:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a number of milliseconds") from None
+    if not 0 < ms < math.inf:
+        raise InvalidInput(f"{TIMEOUT_HEADER} must be a positive number of milliseconds")
+    return arrival + ms / 1000.0
+
+
+def _disconnected(request: web.Request) -> Callable[[], bool]:
+    """True once the client of ``request`` has gone (its queued items are then dropped)."""
+    transport = request.transport
+
+    def disconnected() -> bool:
+        return transport is None or transport.is_closing()
+
+    return disconnected
+
+
+async def serve(request: web.Request, codec: Codec) -> web.Response:
+    """The one path of every HTTP inference API: the deadline from the headers, admission (before
+    the body is read where the path names the model), the codec's decoding, the data plane, the
+    codec's encoding (a span of its own where tracing is on). Errors are raised as
+    :mod:`app.errors` and answered by the edge middleware, in the API's shape.
+
+    Raises:
+        ScoringError: what admission, decoding or the data plane raised (4xx, 503, 504).
+    """
+    plane = request.app[CORE].dataplane
+    arrival = asyncio.get_running_loop().time()
+    deadline = header_deadline(request, arrival)
+    model = None
+    if codec.named_in_path:
+        model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
+    call = codec.call(await _read_body(request), request.headers, plane.limits)
+    if model is None:
+        assert call.name is not None, f"the {codec.protocol} codec named no model"
+        model = plane.admit(call.name, call.version, arrival, deadline)
+        model_known(request, model.config.name, model.config.version)
+    body, content_type, headers = await plane.serve(
+        model, call, arrival=arrival, deadline=deadline, request_id=request_id_of(request),
+        is_disconnected=_disconnected(request),
+    )  # fmt: skip
+    return web.Response(body=body, content_type=content_type, headers=headers)
+
+
+@inference_routes.post("/v2/models/{name}/versions/{version}/infer")
+@inference_routes.post("/v2/models/{name}/infer")  # innermost: added first
+async def infer(request: web.Request) -> web.Response:
+    """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
+    may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
+    return await serve(request, v2.CODEC)
+
+
+@inference_routes.post("/v1/models/{name:[^/:]+}:predict")
+async def v1_predict(request: web.Request) -> web.Response:
+    """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
+    return await serve(request, v1.CODEC)
+
+
+@inference_routes.post("/v1/embeddings")
+async def embeddings(request: web.Request) -> web.Response:
+    """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
+    (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
+    return await serve(request, openai.CODEC)
+
+
+@inference_routes.post("/v1/rerank")
+@inference_routes.post("/v2/rerank")
+async def rerank_documents(request: web.Request) -> web.Response:
+    """``POST /v1/rerank`` (and ``/v2/rerank``, where Cohere's v2 client posts): Cohere's rerank
+    API over a cross-encoder or an embedding model (``app.protocols.rerank``)."""
+    return await serve(request, rerank.CODEC)
+
+
+@inference_routes.post("/v1/classify")
+async def classify_texts(request: web.Request) -> web.Response:
+    """``POST /v1/classify``: vLLM's classify API over a sequence classifier
+    (``app.protocols.classify``)."""
+    return await serve(request, classify.CODEC)
+
+
+#: The protocol of each inference handler: the label of its requests' metrics (the edge
+#: middleware, ``app.http.edge``).
+PROTOCOLS: dict[Handler, str] = {
+    infer: v2.CODEC.protocol,
+    v1_predict: v1.CODEC.protocol,
+    embeddings: openai.CODEC.protocol,
+    rerank_documents: rerank.CODEC.protocol,
+    classify_texts: classify.CODEC.protocol,
+}
 
 
 # The keep-alive policy and holding impatient clients (module docstring).

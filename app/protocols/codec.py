@@ -1,6 +1,6 @@
 """The inference APIs as codecs: each says where its request names the model, how its wire format
 becomes an inference request, and how an inference response becomes its answer; the one path that
-admits, decodes, runs and encodes is the front end's (``app.http.routes.serve``).
+admits, decodes, runs and encodes is the front end's (``app.http.edge.serve``).
 
 A codec has ``protocol`` (the label its requests' metrics carry), ``named_in_path`` (the model
 is in the URL: the request is admitted before its body is read, so an overloaded model refuses it
