@@ -16,7 +16,7 @@ it) when
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
 - the balance among sibling workers says a less-loaded sibling should take this connection
-  (``Siblings.should_shed``: ``app.server.balance``).
+  (``Siblings.should_shed``: ``app.server.siblings``).
 
 **Holding impatient clients.** Under overload a client that resends at once after a 503
 costs the server a whole request (its body read, its refusal written) every round trip,
