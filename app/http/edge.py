@@ -58,7 +58,7 @@ connection after it) when
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
 - the balance among sibling workers says a less-loaded sibling should take this connection
-  (``Siblings.should_shed``: ``app.server.balance``).
+  (``Siblings.should_shed``: ``app.server.siblings``).
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). The policy runs as an ``on_response_prepare`` signal, so it sees every

@@ -167,7 +167,7 @@ class ServerMetrics:
         )  # fmt: skip
 
     def _define_balancing_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
-        """Balancing among sibling workers (app.server.balance) and the bound GPUs."""
+        """Balancing among sibling workers (app.server.siblings) and the bound GPUs."""
         self.worker_load_items = Gauge(
             "scoring_worker_load_items", "Inference items queued + in flight in one worker.",
             ["pid"], multiprocess_mode="liveall", registry=r,

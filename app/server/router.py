@@ -23,7 +23,7 @@ makes one of two choices:
   random and the one with fewer items kept, as Ray Serve's request router does; Mitzenmacher,
   "The Power of Two Choices in Randomized Load Balancing"). An idle worker never forwards (no
   hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave while
-  it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.balance``):
+  it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.siblings``):
   for a model whose batches take a fraction of a millisecond the hop costs more CPU on both
   workers than the wait it saves. The sibling's items count at least what this worker has
   forwarded to it and not yet had answered (the table lags the hop). A sibling that cannot be
@@ -42,19 +42,15 @@ import math
 import random
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from app import errors
-from app.server.balance import Load, clearly_busier, splits
 from app.server.peers import PeerClient, PeerUnavailable
+from app.server.siblings import Load, WorkerSiblings, clearly_busier, splits
 from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
-
-if TYPE_CHECKING:
-    from app.server.siblings import WorkerSiblings
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The server's run directory: private to the user that runs the server, never reused from
 someone else, never entered through a link.
 
-It holds the GPU leases (``gpu_stat``), the load table (:mod:`app.server.balance`), the
+It holds the GPU leases (``gpu_stat``), the load table (:class:`app.server.siblings.LoadTable`), the
 workers' shard sockets (``peers/``: whoever can connect to one can hand a worker work and read
 its answers), the Prometheus multiprocess files and gunicorn's control socket. So:
 

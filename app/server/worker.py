@@ -37,11 +37,11 @@ recycle, a HUP reload) starts listening only once its models are warm
 until warm).
 
 **Worker states and load** for the above and for balancing: one record, the load table
-(:mod:`app.server.balance`), through :class:`app.server.siblings.SiblingSlot`. The app factory
-gets the worker's siblings (:class:`app.server.siblings.WorkerSiblings`; without a load table
-none, and the app stands alone) as its ``siblings`` and the worker itself as its ``supervisor``
-(``app.serving.siblings``): neither is replaced after the app is made; once the app has started,
-``SiblingSlot.join`` gives the siblings their router and model control client.
+(:class:`app.server.siblings.LoadTable`), through :class:`app.server.siblings.SiblingSlot`. The
+app factory gets the worker's siblings (:class:`app.server.siblings.WorkerSiblings`; without a
+load table none, and the app stands alone) as its ``siblings`` and the worker itself as its
+``supervisor`` (``app.serving.siblings``): neither is replaced after the app is made; once the
+app has started, ``SiblingSlot.join`` gives the siblings their router and model control client.
 """
 
 from __future__ import annotations
@@ -62,9 +62,8 @@ from typing import Any
 from aiohttp import web
 from gunicorn.workers.base import Worker
 
-from app.server import balance
 from app.server.listener import Listener, new_event_loop, ssl_context
-from app.server.siblings import SiblingSlot
+from app.server.siblings import DRAINING, LOADING, READY, STOPPING, SiblingSlot
 from app.settings import Settings
 
 # The master imports this module to find the worker class and must never import torch:
@@ -235,7 +234,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     def _attach(self, app: web.Application) -> None:
         self._app = app
         app.on_shutdown.append(self._cancel_tasks)
-        self._slot.publish(balance.LOADING)
+        self._slot.publish(LOADING)
 
     def request_stop(self, reason: str) -> bool:
         """``app.serving.siblings.Supervisor``: drain and exit (:meth:`stop_gracefully`)."""
@@ -274,7 +273,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             last = now
             core = app.get(CORE)
             ready = core is not None and core.registry.ready and not self._draining
-            state = balance.READY if ready else balance.DRAINING if self._draining else balance.LOADING
+            state = READY if ready else DRAINING if self._draining else LOADING
             self._publish_load(state)
             if self.ppid != os.getppid():
                 self.log.info("worker %s: parent changed, shutting down", pid)
@@ -326,7 +325,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         from app.http.state import CORE
 
         self._app[CORE].registry.begin_drain(reason)
-        self._slot.publish(balance.DRAINING)
+        self._slot.publish(DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
@@ -359,7 +358,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._stop()
 
     def _stop(self) -> None:
-        self._slot.publish(balance.STOPPING)
+        self._slot.publish(STOPPING)
         self.alive = False
         self._wake()
 

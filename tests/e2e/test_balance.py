@@ -1,5 +1,5 @@
 """End to end on real gunicorn: persistent client connections spread over the workers
-(app.server.balance), a stopped worker does not hold up its siblings, and a HUP reload with a
+(app.server.siblings), a stopped worker does not hold up its siblings, and a HUP reload with a
 model load longer than half the graceful timeout fails no request."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import aiohttp
 import psutil
 import pytest
 
-from app.server.balance import LoadTable
+from app.server.siblings import LoadTable
 from tests.support.balance import both_live, items_per_worker, shares
 from tests.support.gunicorn import (
     ROOT,

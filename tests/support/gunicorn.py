@@ -2,7 +2,7 @@
 
 - :class:`Gunicorn` runs ``gunicorn -c gunicorn.conf.py`` (a free port, a run directory of its
   own), logs to a file, and tells readiness from the workers' states in the load table
-  ``<run dir>/load`` (``ready`` = warm and listening; ``app.server.balance``), not from log
+  ``<run dir>/load`` (``ready`` = warm and listening; ``app.server.siblings``), not from log
   text.
 - :func:`poll` is the one "wait until, bounded" helper; it fails with a diagnostic, and
   :func:`wait_for` is it with a server's log tail as the diagnostic.
@@ -179,13 +179,13 @@ class Gunicorn:
         return workers
 
     def worker_states(self) -> dict[int, str]:
-        """pid -> published state of every live worker (``app.server.balance``'s state names;
+        """pid -> published state of every live worker (``app.server.siblings``' state names;
         "" where it has no slot yet)."""
-        from app.server import balance
-        from app.server.balance import LoadTable
+        from app.server import siblings
+        from app.server.siblings import LoadTable
 
         names = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
-        assert [getattr(balance, n.upper()) for n in names] == list(range(len(names)))
+        assert [getattr(siblings, n.upper()) for n in names] == list(range(len(names)))
 
         try:
             table = LoadTable(self.run_dir, readonly=True)

@@ -1,4 +1,4 @@
-"""The load table and the balancing decisions (app.server.balance), and a worker's side of them
+"""The load table and the balancing rules (app.server.siblings), and a worker's side of them
 (app.server.siblings.WorkerSiblings)."""
 
 from __future__ import annotations
@@ -10,9 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from app.server import balance
-from app.server.balance import BOOTING, DRAINING, READY, Load, LoadTable
-from app.server.siblings import WorkerSiblings
+from app.server.siblings import (
+    BOOTING,
+    DRAINING,
+    EMPTY,
+    LOADING,
+    READY,
+    STALE_S,
+    Load,
+    LoadTable,
+    WorkerSiblings,
+    least_loaded,
+    may_accept,
+    should_shed,
+)
 
 
 def load(
@@ -35,7 +46,7 @@ def test_table_round_trip_between_two_mappings(tmp_path: Path) -> None:
     assert reader.slots_in_use == 1
     assert reader.read(slot) == Load(slot, os.getpid(), 1, READY, 24, 3, 12.25, 42.5)
     writer.release(slot, os.getpid())
-    assert reader.read(slot).pid == 0 and reader.read(slot).state == balance.EMPTY
+    assert reader.read(slot).pid == 0 and reader.read(slot).state == EMPTY
 
 
 def test_claim_skips_live_slots_and_reuses_a_dead_pid(tmp_path: Path) -> None:
@@ -51,14 +62,14 @@ def test_claim_skips_live_slots_and_reuses_a_dead_pid(tmp_path: Path) -> None:
 
 def test_stale_and_unready_slots_are_not_live() -> None:
     assert load(0, 1).live(NOW)
-    assert not load(0, 1, beat=NOW - balance.STALE_S - 0.1).live(NOW)  # stopped or killed
+    assert not load(0, 1, beat=NOW - STALE_S - 0.1).live(NOW)  # stopped or killed
     assert not load(0, 1, state=DRAINING).live(NOW)
     assert not load(0, 1, state=BOOTING).live(NOW)
 
 
 def test_least_loaded_orders_by_connections_then_items() -> None:
     siblings = [load(1, 3), load(2, 1, 16.0), load(3, 1, 8.0), load(4, 0, state=DRAINING)]
-    best = balance.least_loaded(siblings, NOW)
+    best = least_loaded(siblings, NOW)
     assert best is not None and best.slot == 3
 
 
@@ -76,12 +87,12 @@ def test_least_loaded_orders_by_connections_then_items() -> None:
     ],
 )
 def test_may_accept(me: Load, siblings: list[Load], accept: bool) -> None:
-    assert balance.may_accept(me, siblings, NOW) is accept
+    assert may_accept(me, siblings, NOW) is accept
 
 
 def test_the_least_loaded_worker_always_accepts() -> None:
     workers = [load(0, 3), load(1, 2, 40.0), load(2, 2, 8.0), load(3, 5)]
-    accepting = [w for w in workers if balance.may_accept(w, [o for o in workers if o != w], NOW)]
+    accepting = [w for w in workers if may_accept(w, [o for o in workers if o != w], NOW)]
     assert [w.slot for w in accepting] == [2]
 
 
@@ -98,7 +109,7 @@ def test_the_least_loaded_worker_always_accepts() -> None:
     ],
 )
 def test_should_shed_only_when_moving_one_narrows_the_gap(me: Load, other: Load, shed: bool) -> None:
-    target = balance.should_shed(me, [other], NOW)
+    target = should_shed(me, [other], NOW)
     assert (target is not None) is shed
 
 
@@ -162,12 +173,12 @@ async def test_model_control_reaches_every_ticking_sibling_ready_or_not(tmp_path
         return None if pid != 4 else "broken"
 
     me.control = control
-    for pid, state in ((2, balance.LOADING), (3, READY), (4, READY), (5, DRAINING), (6, BOOTING)):
+    for pid, state in ((2, LOADING), (3, READY), (4, READY), (5, DRAINING), (6, BOOTING)):
         slot = table.claim(pid, state)
         table.beat(slot)
     loading = next(s for s in me.others() if s.pid == 2)
     now = loading.heartbeat
     assert loading.reachable(now) and not loading.live(now)
-    assert not loading.reachable(now + balance.STALE_S + 0.1)  # stopped ticking
+    assert not loading.reachable(now + STALE_S + 0.1)  # stopped ticking
     assert await me.apply("load", "scale") == {4: "broken"}
     assert sorted(sent) == [2, 3, 4]

@@ -17,10 +17,9 @@ from aiohttp import web
 
 from app import errors
 from app.server import peers as wire
-from app.server.balance import BOOTING, DRAINING, READY, Load, LoadTable
 from app.server.peers import PATH, PeerClient, socket_path
 from app.server.router import Router, pick_target
-from app.server.siblings import WorkerSiblings
+from app.server.siblings import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSiblings
 from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from app.http.state import CORE
-from app.server import balance
+from app.server import siblings
 from app.server.siblings import SiblingSlot
 from app.server.worker import RestartBackoff
 from app.serving.executor import InferenceThread
@@ -192,16 +192,16 @@ async def test_the_inference_thread_runs_with_the_workers_torch_threads(
 
 
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
-    from app.server.balance import BINDING, BOOTING, DRAINING, LOADING, READY
+    from app.server.siblings import BINDING, BOOTING, DRAINING, LOADING, READY
 
     views = [[], [BINDING], [BOOTING], [LOADING, DRAINING], [READY], [DRAINING]]
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none
     # is ready; one still waiting for a GPU slot may need ours
-    assert [balance.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
+    assert [siblings.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
     # may_recycle: another worker is ready (or there is none)
-    assert [balance.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
+    assert [siblings.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
     # others_serving: a new worker waits for its models before it listens
-    assert [balance.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
+    assert [siblings.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
         False, False, True, True,
     ]  # fmt: skip
     # the states come from the one record, the load table, of live processes only

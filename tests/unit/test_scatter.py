@@ -11,8 +11,8 @@ import pytest
 
 from app import errors
 from app.server import peers as wire
-from app.server.balance import DRAINING, READY, Load
 from app.server.router import pick_siblings, shard_bounds
+from app.server.siblings import DRAINING, READY, Load
 from app.serving.context import RequestContext
 
 
