@@ -84,7 +84,7 @@ def tokenizer_words(tokenizer: Any) -> list[str]:
 
 def load(config: ModelConfig, device: Any) -> Any:
     """A ``ModelRunner`` for ``config`` loaded on ``device`` and warmed up."""
-    from app.models.runner import ModelRunner
+    from app.serving.executor import ModelRunner
 
     runner = ModelRunner(config)
     runner.load(device)

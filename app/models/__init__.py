@@ -1,7 +1,8 @@
-"""Model runtime: the handler contract and a batch's result (``base``), the built-in loaders, the
-runner, and the model repository.
+"""What a model is: the handler contract and a batch's result (``base``), the built-in loaders
+(``torch_formats``, ``onnx_format``), and the model repository (``repository``). How a model
+runs (the runner, its stages and threads) is ``app.serving.executor``.
 
-Nothing here imports aiohttp; the runner and the loaders run on the model's threads. This package
-imports nothing itself, so that the request path (the serving core, the routes) can
-use ``repository`` and ``base`` without importing torch.
+Nothing here imports aiohttp or ``app.serving``; the loaders run on the model's threads. This
+package imports nothing itself, so that the request path (the serving core, the routes) can use
+``repository`` and ``base`` without importing torch.
 """

@@ -41,8 +41,8 @@ import torch
 
 from app.errors import ModelControlFailed, ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scan, scrub_paths, serving
-from app.models.runner import describe
 from app.serving.core import ServingCore
+from app.serving.executor import describe
 from app.serving.lifecycle import release_all, try_load, unload_version
 from app.serving.watchdog import watch_inference
 from app.settings import Settings

@@ -31,11 +31,10 @@ import torch
 
 from app.errors import ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scrub_paths
-from app.models.runner import ModelRunner, describe, synthetic_inputs
 from app.observability.metrics import ModelObserver
 from app.observability.tracing import Tracing
 from app.serving.core import ServingCore
-from app.serving.executor import InferenceThread, Threads
+from app.serving.executor import InferenceThread, ModelRunner, Threads, describe, synthetic_inputs
 from app.serving.registry import ModelVersion
 from app.serving.unit import ServingUnit
 

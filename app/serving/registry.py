@@ -25,9 +25,8 @@ from app.errors import ModelNotFound, ModelNotReady, ModelUnloaded
 from app.models.repository import ModelConfig, version_key
 from app.observability.metrics import ModelStats
 
-if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
-    from app.models.runner import ModelRunner
-    from app.serving.executor import Threads
+if TYPE_CHECKING:  # the executor imports torch; the request path needs none of it
+    from app.serving.executor import ModelRunner, Threads
     from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)

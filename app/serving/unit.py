@@ -77,7 +77,7 @@ class ServingUnit:
             ``gather_turns``, ``gather_max_ms``, ``max_batch_tokens``), admission policy and
             headroom, Triton's priority levels (``priority_levels``, ``default_priority_level``,
             ``priority_aging``, ``priority_fill``) and ``scatter``.
-        runner: ``app.models.runner.ModelRunner`` or a test double; ``threads`` its threads (an
+        runner: ``app.serving.executor.ModelRunner`` or a test double; ``threads`` its threads (an
             ``Executor`` alone: the inference thread); ``staged``: the staged pipeline.
         max_batch_bytes: the server's bound on a batch's input bytes, for a model whose config
             names none (None: no bound).

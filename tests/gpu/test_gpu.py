@@ -34,9 +34,8 @@ import pytest
 import torch
 
 from app.models.repository import ModelConfig, read_config
-from app.models.runner import ModelRunner
 from app.serving.context import RequestContext
-from app.serving.executor import InferenceThread, Threads
+from app.serving.executor import InferenceThread, ModelRunner, Threads
 from app.serving.unit import ServingUnit
 from benchmarks import gpu_check
 from benchmarks.gpu_bench import (

@@ -19,10 +19,9 @@ import torch
 from app.errors import DeadlineExceeded, InvalidInput, QueueFull
 from app.models.base import Segment
 from app.models.repository import read_config
-from app.models.runner import ModelRunner
 from app.serving.admission import Backlog, MeasuredRate
 from app.serving.context import RequestContext
-from app.serving.executor import InferenceThread, Threads
+from app.serving.executor import InferenceThread, ModelRunner, Threads
 from app.serving.queue import Budget, QueuedRequest, RequestQueue
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
