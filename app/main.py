@@ -14,7 +14,6 @@ from aiohttp import web
 from app.binding import WorkerBinding
 from app.http.auth import authorizer
 from app.http.edge import (
-    PROTOCOLS,
     edge_middleware,
     inference_routes,
     parser_limits,
@@ -71,7 +70,7 @@ async def create_app(
     authorize = authorizer(keys, metrics_open=not settings.metrics_auth) if keys.enabled else None
     metrics = create_metrics() if settings.metrics_enabled else None
     app = web.Application(
-        middlewares=[edge_middleware(settings, authorize, metrics, tracing, PROTOCOLS)],
+        middlewares=[edge_middleware(settings, authorize, metrics, tracing)],
         client_max_size=settings.max_request_bytes,
         handler_args=parser_limits(settings),
     )

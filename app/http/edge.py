@@ -30,7 +30,7 @@ in JSON. The other routes (health, metadata, metrics, the OpenAPI document) are
    ``{"error": "<message>"}`` (KServe V1 uses the same shape);
 6. the **request metrics** of an inference request (count by status, latency, in flight; the
    status the client gets, 499 when it left), labelled by its route's protocol (the
-   ``protocols`` map of the inference handlers) and model: counted in flight on arrival when its
+   :data:`PROTOCOLS` map of the inference handlers) and model: counted in flight on arrival when its
    path names the model, or once its handler knows it (:func:`model_known`: OpenAI's, from
    the body).
 
@@ -99,7 +99,7 @@ import logging
 import math
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -172,14 +172,11 @@ def edge_middleware(
     authorize: Callable[[web.Request], None] | None = None,
     metrics: ServerMetrics | None = None,
     tracing: Tracing | None = None,
-    protocols: Mapping[Handler, str] | None = None,
 ) -> Middleware:
     """The middleware (module docstring). ``authorize`` raises ``Unauthorized`` for a request
     without a valid key (``app.http.auth.authorizer``; None: no keys); ``metrics``: None when
-    metrics are off; ``tracing``: tags the request's server span with its id (None: off);
-    ``protocols``: the protocol of each inference handler (:data:`PROTOCOLS`), the
-    label of its requests' metrics."""
-    by_handler = protocols or {}
+    metrics are off; ``tracing``: tags the request's server span with its id (None: off). An
+    inference request's metrics are labelled with its handler's protocol (:data:`PROTOCOLS`)."""
     max_bytes, max_headers = settings.max_header_bytes, settings.max_headers
     timeout_s, grace_s = settings.body_timeout_s, settings.body_grace_s
     min_rate = settings.min_body_rate_bytes_s
@@ -192,7 +189,7 @@ def edge_middleware(
         if tracing is not None:
             tracing.tag(rid)
         recording, openai = None, request.path in OPENAI_PATHS
-        protocol = by_handler.get(request.match_info.handler) if metrics is not None else None
+        protocol = PROTOCOLS.get(request.match_info.handler) if metrics is not None else None
         if metrics is not None and protocol is not None:
             recording = request[RECORDING] = Recording(metrics, protocol)
             if "name" in request.match_info:
