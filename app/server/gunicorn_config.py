@@ -41,6 +41,7 @@ module itself. This module runs in the master: no torch, no CUDA, no aiohttp app
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import ipaddress
 import logging
@@ -186,6 +187,40 @@ def on_starting(server: Any) -> None:
 def on_reload(server: Any) -> None:
     """Master, after a HUP reload read the configuration again (this very module, run afresh)."""
     _read_afresh_next_time()
+
+
+def when_ready(server: Any) -> None:
+    """Master, once it listens: a stop signal reaches the workers at once, not when gunicorn's
+    main loop gets to it.
+
+    gunicorn queues signals for its main loop, and a HUP reload holds that loop for up to the
+    graceful timeout while the old workers exit, which they do only once a new worker is warm
+    (``app.server.worker``, *Drain*). A stop during a reload with slow model loads then reached
+    no worker for that long, and took the graceful timeout again after: past systemd's
+    ``TimeoutStopSec``, which SIGKILLed the lot. So the master's handlers for SIGTERM (graceful:
+    forwarded as SIGTERM) and SIGINT/SIGQUIT (quick: forwarded as SIGQUIT, what gunicorn sends
+    for them) first pass the signal on to every worker: a booting one stops at once, a draining
+    one stops waiting for its replacement; then gunicorn's own handler queues it as before (its
+    stop signals the workers again, which changes nothing)."""
+    master = os.getpid()
+    for sig, forward in (
+        (signal.SIGTERM, signal.SIGTERM),
+        (signal.SIGINT, signal.SIGQUIT),
+        (signal.SIGQUIT, signal.SIGQUIT),
+    ):
+        signal.signal(sig, _forwarding(server, master, forward, signal.getsignal(sig)))
+
+
+def _forwarding(server: Any, master: int, forward: int, queued: Any) -> Any:
+    def handler(signum: int, frame: Any) -> None:
+        if os.getpid() == master:  # not in a worker forked a moment ago that still has it
+            for pid in list(server.WORKERS):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, forward)
+        if callable(queued):
+            queued(signum, frame)
+
+    return handler
 
 
 def _is_loopback(host: str) -> bool:

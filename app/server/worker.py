@@ -23,6 +23,11 @@ the app's own request after a hung batch):
    finish (up to 95% of the graceful timeout), the models unload, the process exits and
    gunicorn forks a replacement (except on a full stop).
 
+**Stopped before ready**: a SIGTERM while the app is imported kills the worker (the default
+action, until the event loop runs); one while its models load or it waits for them off the
+listener stops it at once, without a drain and without waiting for a load under way (the master
+forwards a stop to every worker at once: ``app.server.gunicorn_config.when_ready``).
+
 **Drain-aware recycling**: a worker past ``max_requests`` (gunicorn's, jitter included)
 recycles only while another worker is ready to take its traffic (or when it is the only
 worker), so two workers that reach the limit together recycle one after the other.
@@ -106,6 +111,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._listener: Listener | None = None
         self._slot = SiblingSlot(None, os.getpid())  # alone until init_process
         self._draining = False
+        self._was_ready = False
         self._aborted = False
         self._serving = threading.Event()
         self._stopped: asyncio.Event | None = None
@@ -132,10 +138,15 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         super().init_process()  # init_signals, load_wsgi, then run()
 
     def init_signals(self) -> None:
-        """Signals through the event loop (so a handler runs between callbacks, not inside one)."""
+        """Signals through the event loop (so a handler runs between callbacks, not inside one).
+
+        SIGTERM keeps its default action (set by ``post_fork``) until the event loop runs
+        (:meth:`_serve`): the app's import (torch: seconds) is not a loop callback, and a
+        booting worker has nothing to drain, so a stop that arrives meanwhile ends it at once.
+        """
         assert self.loop is not None
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
         handlers: dict[int, Callable[[int, Any], None]] = {
-            signal.SIGTERM: self.handle_exit,
             signal.SIGQUIT: self.handle_quit,
             signal.SIGINT: self.handle_quit,
             signal.SIGWINCH: self.handle_winch,
@@ -144,7 +155,6 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         }
         for sig, handler in handlers.items():
             self.loop.add_signal_handler(sig, handler, sig, None)
-        signal.siginterrupt(signal.SIGTERM, False)
         signal.siginterrupt(signal.SIGUSR1, False)
         # Inherited from the master: would swallow the exit status of the app's subprocesses.
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -189,11 +199,16 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     async def _serve(self) -> None:
         """Build the app and runner, listen once warm, tick until stopped, shut down."""
         self._stopped = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self.handle_exit, signal.SIGTERM, None)
+        signal.siginterrupt(signal.SIGTERM, False)
         factory = self.wsgi  # an Application or an async factory of one (app.main:create_app)
         if isinstance(factory, web.Application):
             app = factory
         else:
             app = await factory(self.settings, siblings=self._slot.siblings, supervisor=self)
+        if self._draining:  # stopped while the app was being made: nothing loaded, nothing to drain
+            return
         self._attach(app)
         access_log = self.log.access_log if self.cfg.accesslog else None
         kwargs: dict[str, Any] = {}
@@ -274,6 +289,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             core = app.get(CORE)
             ready = core is not None and core.registry.ready and not self._draining
             state = READY if ready else DRAINING if self._draining else LOADING
+            self._was_ready = self._was_ready or ready
             self._publish_load(state)
             if self.ppid != os.getppid():
                 self.log.info("worker %s: parent changed, shutting down", pid)
@@ -324,7 +340,16 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             return
         from app.http.state import CORE
 
-        self._app[CORE].registry.begin_drain(reason)
+        registry = self._app[CORE].registry
+        was_ready = self._was_ready or registry.ready
+        registry.begin_drain(reason)
+        if not was_ready:
+            # Not ready yet (its models still load, or it waits for them off the listener): it
+            # has served nothing worth a drain, and a sibling that drains waits for it (a HUP
+            # reload): stop now; a load under way is left to its thread.
+            self.log.info("worker %s (%s): stopped before it was ready", os.getpid(), reason)
+            self._stop()
+            return
         self._slot.publish(DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said

@@ -265,7 +265,6 @@ class ModelControl:
         return out
 
 
-
 # --- the worker's model set from start to stop ------------------------------------------------
 
 
@@ -357,5 +356,5 @@ async def _defer_listening(core: ServingCore) -> None:
     while not registry.ready and not registry.draining and await loop.run_in_executor(None, others_serving):
         waited = True
         await asyncio.sleep(0.1)
-    if waited:
+    if waited and not registry.draining:
         log.info("worker %d: models warm, listening (another worker served meanwhile)", os.getpid())

@@ -3,7 +3,8 @@ this machine's root, tests/support/engines.py): the unit as shipped, with a drop
 says where this checkout, its virtual environment and a test repository are and which port to
 use (what an operator's own paths replace). It starts (Type=notify), makes a run directory the
 server accepts (0700, the service user's), turns ready, serves, reloads (SIGHUP) while serving
-and stops cleanly; with the 0750 mode the unit used to set, the server refuses to start.
+and stops cleanly, also in the middle of a reload whose model loads never end; with the 0750
+mode the unit used to set, the server refuses to start.
 
 Marked ``systemd``; skipped, saying why, where podman, runc or systemd are missing.
 scripts/engine-checks runs these and the Kubernetes ones (docs/deploy.md, *Deploy files under
@@ -62,10 +63,12 @@ def _drop_in(port: int, extra: str = "") -> str:
     )
 
 
-def _scale_toml() -> str:
-    """The toy scale model's model.toml, as the in-process tests write it."""
+def _scale_toml(load_delay_s: float = 0.0) -> str:
+    """The toy scale model's model.toml, as the in-process tests write it (its load taking
+    ``load_delay_s`` seconds)."""
     with tempfile.TemporaryDirectory() as tmp:
-        return (write_scale_model(Path(tmp), max_queue_delay_ms=0.0) / "model.toml").read_text()
+        folder = write_scale_model(Path(tmp), max_queue_delay_ms=0.0, load_delay_s=load_delay_s)
+        return (folder / "model.toml").read_text()
 
 
 def _install(host: engines.SystemdHost, drop_in: str) -> None:
@@ -113,14 +116,33 @@ def test_the_unit_starts_serves_reloads_and_stops_under_systemd(host: engines.Sy
     metrics = host.sh("ls /run/scoring-server/prometheus").stdout
     assert ".db" in metrics, "the Prometheus files live in the run directory"
 
+    old = _workers(host)
     host.sh(f"systemctl reload {NAME}")
+    poll(lambda: len(_workers(host) - old) == 2 == len(_workers(host)) or None, 180, "the reload",
+         interval_s=0.5, diagnostics=lambda: host.journal(NAME))  # fmt: skip
     _wait_ready(host, url, "ready after the reload")
     assert http("POST", f"{url}/v2/models/scale/infer", BODY)[0] == 200
 
+    # A stop during a reload whose model loads never end: the new workers stop without waiting
+    # for them, the old ones stop waiting for the new ones, well inside TimeoutStopSec.
+    slow = _scale_toml(load_delay_s=600.0)
+    host.sh(f"printf '%s' {shlex.quote(slow)} > /srv/model-repository/scale/model.toml")
+    serving = _workers(host)
+    host.sh(f"systemctl reload {NAME}")
+    poll(lambda: len(_workers(host) - serving) == 2 or None, 180, "the new workers booting",
+         interval_s=0.5, diagnostics=lambda: host.journal(NAME))  # fmt: skip
     host.sh(f"systemctl stop {NAME}", timeout=90)
     shown = host.sh(f"systemctl show {NAME} -p Result -p ExecMainStatus -p ActiveState").stdout
-    assert "Result=success" in shown and "ActiveState=inactive" in shown, shown + host.journal(NAME)
+    journal = host.journal(NAME)
+    assert "Result=success" in shown and "ActiveState=inactive" in shown, shown + journal
+    assert "SIGKILL" not in journal, journal
     assert host.sh("test -e /run/scoring-server", check=False).returncode != 0, "systemd removed it"
+
+
+def _workers(host: engines.SystemdHost) -> set[int]:
+    """The pids of the service's gunicorn workers (the main process's children)."""
+    main = host.sh(f"systemctl show {NAME} -p MainPID --value").stdout.strip()
+    return {int(pid) for pid in host.sh(f"ps --ppid {main} -o pid=", check=False).stdout.split()}
 
 
 def test_a_run_directory_open_to_the_group_is_refused_at_start(host: engines.SystemdHost) -> None:

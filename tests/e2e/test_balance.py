@@ -1,6 +1,7 @@
 """End to end on real gunicorn: persistent client connections spread over the workers
 (app.server.siblings), a stopped worker does not hold up its siblings, and a HUP reload with a
-model load longer than half the graceful timeout fails no request."""
+model load longer than half the graceful timeout fails no request, and a stop during a reload
+whose load never ends is prompt."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ import time
 from pathlib import Path
 
 import aiohttp
-import psutil
 import pytest
 
+from app.server import siblings
 from app.server.siblings import LoadTable
 from tests.support.balance import both_live, items_per_worker, shares
 from tests.support.gunicorn import (
@@ -139,9 +140,13 @@ def test_hup_reload_with_a_slow_model_load_fails_no_request(tmp_path: Path) -> N
         assert "waited for a new worker to be ready" in srv.log()
 
 
-def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_dir(tmp_path: Path) -> None:
-    """``--backlog 77`` is the listen backlog the kernel reports (aiohttp's 128 before); after
-    a HUP reload the master still removes its default run directory (under TMPDIR) at exit."""
+def test_backlog_a_stop_during_a_slow_reload_and_the_default_run_dir_removed(tmp_path: Path) -> None:
+    """``--backlog 77`` is the listen backlog the kernel reports (aiohttp's 128 before). Then a
+    HUP reload whose model load never ends (600 s) and a SIGTERM while it loads: the master
+    passes the signal on at once (the workers hear it before gunicorn's main loop, which the
+    reload holds, does), the loading worker stops without waiting for its load, the draining
+    one stops waiting for it, the master exits 0 with no worker SIGKILLed and, HUP-reloaded,
+    still removes its default run directory (under TMPDIR)."""
     repo = tmp_path / "repo"
     write_scale_model(repo, "scale")
     scratch = tmp_path / "tmp"
@@ -155,6 +160,8 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
     env.update(
         TMPDIR=str(scratch), PYTHONPATH=str(ROOT), SCORING_HOST="127.0.0.1", SCORING_PORT=str(port),
         SCORING_MODEL_REPOSITORY=str(repo), SCORING_WORKERS="1", SCORING_TORCH_THREADS="1",
+        # Longer than any boot on a busy machine: the reload still waits when the SIGTERM comes.
+        SCORING_GRACEFUL_TIMEOUT_S="120",
     )  # fmt: skip
     log = tmp_path / "gunicorn.log"
     with open(log, "wb") as out:
@@ -170,17 +177,34 @@ def test_backlog_is_gunicorns_and_a_hup_reloaded_master_removes_its_default_run_
             except OSError:
                 return False
 
-        tail = lambda: log.read_text(errors="replace")[-4000:]  # noqa: E731
+        def tail() -> str:
+            return log.read_text(errors="replace")[-4000:]
+
         poll(ready, 120, "the server ready", diagnostics=tail)
         (run_dir,) = scratch.glob("scoring-server-*")  # mkdtemp's: a name no one could guess
         assert run_dir.stat().st_mode & 0o777 == 0o700
         listening = subprocess.run(["ss", "-ltnH", f"sport = :{port}"], capture_output=True, text=True).stdout
         assert listening.split()[2] == "77", listening  # LISTEN Recv-Q Send-Q(backlog) ...
-        before = psutil.Process(proc.pid).children()
+        write_scale_model(repo, "scale", load_delay_s=600.0)
         proc.send_signal(signal.SIGHUP)
-        poll(lambda: not any(w.is_running() for w in before) and ready(), 120, "the reload", diagnostics=tail)
+
+        def loading() -> int | None:
+            table = LoadTable(run_dir, readonly=True)
+            try:
+                states = {load.pid: load.state for load in table.snapshot() if load.pid > 0}
+            finally:
+                table.close()
+            if sorted(states.values()) != [siblings.LOADING, siblings.DRAINING]:
+                return None
+            return next(pid for pid, state in states.items() if state == siblings.LOADING)
+
+        booting = poll(loading, 120, "a new worker loading, the old one draining", diagnostics=tail)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(60) == 0
+        assert proc.wait(60) == 0, tail()
+        text = log.read_text(errors="replace")
+        assert "SIGKILL" not in text, text
+        stopped = text.index(f"worker {booting} (SIGTERM): stopped before it was ready")
+        assert stopped < text.index("Handling signal: term"), text
         assert not run_dir.exists(), list(run_dir.rglob("*"))
     finally:
         if proc.poll() is None:
