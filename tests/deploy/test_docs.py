@@ -7,6 +7,7 @@ app/ and gpu_stat/. The README's settings table is checked in tests/deploy/test_
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.util
 import io
@@ -89,6 +90,26 @@ def missing(page: Path, root: Path) -> list[str]:
     return sorted(absent)
 
 
+#: Modules whose import changes this process (the gunicorn master's configuration makes a run
+#: directory and sets PROMETHEUS_MULTIPROC_DIR, which every later in-process app of this test
+#: process would then refuse): their top-level names are read from the source instead.
+NOT_IMPORTED = frozenset({"app.server.gunicorn_config"})
+
+
+def top_level_names(module: str) -> set[str]:
+    """The functions, classes and assigned names at the top of ``module``'s source."""
+    spec = importlib.util.find_spec(module)
+    assert spec is not None and spec.origin is not None
+    names: set[str] = set()
+    for node in ast.parse(Path(spec.origin).read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            names.add(node.name)
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
 @cache
 def resolves(name: str) -> bool:
     """Whether dotted ``name`` is a module of the repository, or a module and attributes of it
@@ -97,6 +118,8 @@ def resolves(name: str) -> bool:
     parts = name.split(".")
     for i in range(len(parts), 0, -1):
         module = ".".join(parts[:i])
+        if any(module.startswith(f"{plain}.") for plain in NOT_IMPORTED):
+            continue  # find_spec would import it to look for a submodule; it has none
         try:
             found = importlib.util.find_spec(module) is not None
         except (ImportError, ValueError):  # a parent is not a package
@@ -105,6 +128,8 @@ def resolves(name: str) -> bool:
             continue
         if i == len(parts):
             return True
+        if module in NOT_IMPORTED:
+            return len(parts) == i + 1 and parts[i] in top_level_names(module)
         target: object = importlib.import_module(module)
         for attribute in parts[i:]:
             if not hasattr(target, attribute):
