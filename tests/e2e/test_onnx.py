@@ -54,7 +54,10 @@ def grpc_outputs(server: Gunicorn, model: str, inputs: dict[str, Any], tmp: Path
 def http_outputs(server: Gunicorn, model: str, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
     """The V2 JSON answer for ``inputs``."""
     body = {"inputs": [{"name": n, **spec} for n, spec in inputs.items()]}
-    status, _, out = server.post(f"/v2/models/{model}/infer", body, timeout=120)
+    # The longest deadline the server grants: these calls are about answers, and a model's own
+    # timeout_ms (5 s for MiniLM) can pass on a loaded 2-core machine.
+    headers = {"X-Request-Timeout-Ms": "60000"}
+    status, _, out = server.post(f"/v2/models/{model}/infer", body, headers, timeout=120)
     assert status == 200, out
     return {o["name"]: np.array(o["data"], dtype=np.float32).reshape(o["shape"]) for o in out["outputs"]}
 

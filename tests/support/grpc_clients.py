@@ -46,7 +46,9 @@ def triton(url: str, model: str, inputs: dict[str, Any]) -> dict[str, Any]:
         tensor = grpcclient.InferInput(name, list(arr.shape), datatype)
         tensor.set_data_from_numpy(arr)
         tensors.append(tensor)
-    result = client.infer(model, tensors, request_id="triton-1")
+    # A 60 s deadline (the longest the server grants): these calls are about answers, and a
+    # model's own timeout_ms (5 s for MiniLM) can pass on a loaded 2-core machine.
+    result = client.infer(model, tensors, request_id="triton-1", client_timeout=60)
     meta = client.get_model_metadata(model)
     config = client.get_model_config(model).config
     stats = client.get_inference_statistics(model)
