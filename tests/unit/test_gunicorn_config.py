@@ -81,7 +81,7 @@ def test_both_forms_give_gunicorn_the_same_settings_and_hooks(configs: dict[str,
     thin, packaged = (configs[form]["settings"] for form in FORMS)
     assert thin == packaged
     module = "app.server.gunicorn_config"
-    for hook in ("on_starting", "on_reload", "pre_fork", "post_fork", "child_exit", "on_exit"):
+    for hook in ("on_starting", "on_reload", "when_ready", "pre_fork", "post_fork", "child_exit", "on_exit"):
         assert thin[hook] == f"{module}.{hook}", hook
     assert thin["wsgi_app"] == repr("app.main:create_app")
     assert thin["worker_class"] == repr("app.server.worker.ScoringWebWorker")
