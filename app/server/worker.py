@@ -143,9 +143,11 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     def init_signals(self) -> None:
         """Signals through the event loop (so a handler runs between callbacks, not inside one).
 
-        SIGTERM keeps its default action (set by ``post_fork``) until the event loop runs
-        (:meth:`_serve`): the app's import (torch: seconds) is not a loop callback, and a
-        booting worker has nothing to drain, so a stop that arrives meanwhile ends it at once.
+        SIGTERM has its default action until the event loop runs (:meth:`_serve`): the app's
+        import (torch: seconds) is not a loop callback, and a booting worker has nothing to
+        drain, so a stop that arrives meanwhile ends it at once. (``post_fork`` already set it
+        so; set here too, as a worker started without this project's hooks would still have the
+        master's handler, which only queues the signal for the master's loop.)
         """
         assert self.loop is not None
         signal.signal(signal.SIGTERM, signal.SIG_DFL)

@@ -153,19 +153,16 @@ async def load_version(
         await loop.run_in_executor(inference, runner.load, device)
         await loop.run_in_executor(inference, runner.warmup)
         seed = await loop.run_in_executor(inference, _timed_batch, runner)
-    except asyncio.CancelledError:
-        # A stop or an unload while the load runs: the inference thread is still inside the
-        # load. Awaiting the close behind it would hold the worker's exit for the whole load
-        # (a SIGTERM during a reload with slow loads outlived systemd's TimeoutStopSec); queue
-        # the close after the load instead: the thread frees the model and ends, or dies with
-        # the process (a daemon thread).
-        inference.submit(runner.close)
-        inference.shutdown(wait=False)
-        if metrics is not None:
-            metrics.model_loads.labels(config.name, config.version, "failure").inc()
-        raise
-    except BaseException:
-        await loop.run_in_executor(inference, runner.close)
+    except BaseException as exc:
+        if isinstance(exc, asyncio.CancelledError):
+            # A stop or an unload while the load runs: the inference thread is still inside
+            # the load, and awaiting the close behind it would hold the worker's exit for the
+            # whole load (a SIGTERM during a reload with slow loads outlived systemd's
+            # TimeoutStopSec). Queued after the load: the thread frees the model and ends, or
+            # dies with the process (a daemon thread).
+            inference.submit(runner.close)
+        else:
+            await loop.run_in_executor(inference, runner.close)
         inference.shutdown(wait=False)
         if metrics is not None:
             metrics.model_loads.labels(config.name, config.version, "failure").inc()

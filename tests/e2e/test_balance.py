@@ -17,7 +17,6 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from app.server import siblings
 from app.server.siblings import LoadTable
 from tests.support.balance import both_live, items_per_worker, shares
 from tests.support.gunicorn import (
@@ -26,6 +25,7 @@ from tests.support.gunicorn import (
     free_port,
     http,
     poll,
+    published_states,
     wait_for,
 )
 from tests.support.toy_models import write_scale_model
@@ -189,14 +189,10 @@ def test_backlog_a_stop_during_a_slow_reload_and_the_default_run_dir_removed(tmp
         proc.send_signal(signal.SIGHUP)
 
         def loading() -> int | None:
-            table = LoadTable(run_dir, readonly=True)
-            try:
-                states = {load.pid: load.state for load in table.snapshot() if load.pid > 0}
-            finally:
-                table.close()
-            if sorted(states.values()) != [siblings.LOADING, siblings.DRAINING]:
+            states = published_states(run_dir)
+            if sorted(states.values()) != ["draining", "loading"]:
                 return None
-            return next(pid for pid, state in states.items() if state == siblings.LOADING)
+            return next(pid for pid, state in states.items() if state == "loading")
 
         booting = poll(loading, 120, "a new worker loading, the old one draining", diagnostics=tail)
         proc.send_signal(signal.SIGTERM)

@@ -67,6 +67,24 @@ def worker_shares(before: Mapping[int, float], after: Mapping[int, float]) -> di
 
 
 
+def published_states(run_dir: Path) -> dict[int, str]:
+    """pid -> the state each claimed slot of ``run_dir``'s load table publishes
+    (``app.server.siblings``' state names, lower case); empty while there is no table."""
+    from app.server import siblings
+    from app.server.siblings import LoadTable
+
+    names = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
+    assert [getattr(siblings, n.upper()) for n in names] == list(range(len(names)))
+    try:
+        table = LoadTable(run_dir, readonly=True)
+    except OSError:
+        return {}
+    try:
+        return {load.pid: names[load.state] for load in table.snapshot() if load.pid > 0}
+    finally:
+        table.close()
+
+
 class Gunicorn:
     """``gunicorn -c <config>`` on 127.0.0.1 as a child process, its output in ``log_path``.
 
@@ -181,20 +199,7 @@ class Gunicorn:
     def worker_states(self) -> dict[int, str]:
         """pid -> published state of every live worker (``app.server.siblings``' state names;
         "" where it has no slot yet)."""
-        from app.server import siblings
-        from app.server.siblings import LoadTable
-
-        names = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
-        assert [getattr(siblings, n.upper()) for n in names] == list(range(len(names)))
-
-        try:
-            table = LoadTable(self.run_dir, readonly=True)
-        except OSError:
-            return {worker.pid: "" for worker in self.workers()}
-        try:
-            published = {load.pid: names[load.state] for load in table.snapshot() if load.pid > 0}
-        finally:
-            table.close()
+        published = published_states(self.run_dir)
         return {worker.pid: published.get(worker.pid, "") for worker in self.workers()}
 
     def ready_workers(self) -> set[int]:
