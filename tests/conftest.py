@@ -4,6 +4,7 @@ and the skip of the ``gpu``-marked tests without a CUDA device."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
@@ -31,6 +32,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's, which reads the groups marked here
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Keep or leave out the ``alone`` tests (``--alone``); under pytest-xdist (``scripts/test``:
     ``-n``, ``--dist loadgroup``) keep each module's tests in one process (its module-scoped
@@ -59,3 +61,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("gpu") is not None:  # not the keyword: tests/gpu/ names one
             item.add_marker(skip)
+
+
+
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """Under ``--dist loadgroup`` (pytest-xdist's controller, as each process reports what it
+    collected): stop the run unless every test's node id carries its group (the suffix the
+    scheduler groups by), rather than let a pytest or pytest-xdist upgrade scatter each
+    module's tests again, silently, over every process (each then starting the module's
+    servers: pytest-dev/pytest-xdist#1386)."""
+    if node.config.getvalue("dist") != "loadgroup":
+        return
+    lost = [nodeid for nodeid in ids if "@" not in nodeid.rpartition("]")[2]]
+    if lost:
+        pytest.exit(
+            f"pytest-xdist's loadgroup lost the group of {len(lost)} of {len(ids)} tests (e.g. "
+            f"{lost[0]}): a pytest and pytest-xdist pair that cannot group (setup.py pins pytest)",
+            returncode=pytest.ExitCode.USAGE_ERROR,
+        )
