@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import socket
 import ssl
 import time
@@ -31,12 +32,15 @@ import urllib.request
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import aiohttp
 import numpy as np
 
 HOST = "127.0.0.1"
+#: The lowest port :func:`free_port` picks (below it: well-known and commonly configured ports).
+_FIRST_PORT = 10000
 JSON_HEADERS = {"Content-Type": "application/json"}
 
 R = TypeVar("R")
@@ -44,10 +48,36 @@ T = TypeVar("T")
 
 
 def free_port(host: str = HOST) -> int:
-    """A TCP port free on ``host`` right now (the OS picks it; a race with others is possible)."""
+    """A TCP port free on ``host`` right now, for a server about to listen on it.
+
+    Picked at random below the kernel's ephemeral range (``ip_local_port_range``, where the
+    kernel also takes the local ports of outgoing connections): a port the OS hands out for
+    ``bind(0)`` can be given to a client's connection before the server binds it (gunicorn then
+    fails with "Address already in use"; seen with four test processes on loopback). Another
+    process picking the same port in the same moment is still possible (1 in about 22,000).
+    Falls back to the OS's pick where that range leaves no room.
+    """
+    low = _ephemeral_low()
+    rng = random.SystemRandom()
+    for _ in range(64 if low > _FIRST_PORT + 1000 else 0):
+        port = rng.randrange(_FIRST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # in use: another pick
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    """The first port of Linux's ephemeral range (32768 where it cannot be read)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def poll(

@@ -8,6 +8,7 @@ import argparse
 import asyncio
 import math
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -64,6 +65,20 @@ def test_poll_returns_the_value_and_fails_with_diagnostics() -> None:
     assert poll(lambda: next(values), 5, "a value", interval_s=0) == "done"
     with pytest.raises(AssertionError, match=r"waiting for never(.|\n)*the log tail"):
         poll(lambda: False, 0.01, "never", interval_s=0.001, diagnostics=lambda: "the log tail")
+
+
+def test_free_ports_are_below_the_ephemeral_range_unless_it_leaves_no_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No outgoing connection can be given the port before the server binds it."""
+    low = driver._ephemeral_low()
+    ports = {driver.free_port() for _ in range(20)}
+    assert all(10000 <= port < low for port in ports) and len(ports) > 1, (low, ports)
+    for port in ports:  # free: bindable now
+        with socket.socket() as s:
+            s.bind((driver.HOST, port))
+    monkeypatch.setattr(driver, "_ephemeral_low", lambda: 10500)  # no room below: the OS's pick
+    assert driver.free_port() >= low
 
 
 @pytest.mark.parametrize("model", [server.MINILM, server.RANKER])
