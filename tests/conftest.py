@@ -64,6 +64,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 
+@pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not loaded
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """Under ``--dist loadgroup`` (pytest-xdist's controller, as each process reports what it
     collected): stop the run unless every test's node id carries its group (the suffix the
