@@ -22,6 +22,7 @@ so ``scripts/loadtest.py`` and ``scripts/container_check.py`` use it too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import socket
@@ -58,15 +59,11 @@ def free_port(host: str = HOST) -> int:
     Falls back to the OS's pick where that range leaves no room.
     """
     low = _ephemeral_low()
-    rng = random.SystemRandom()
-    for _ in range(64 if low > _FIRST_PORT + 1000 else 0):
-        port = rng.randrange(_FIRST_PORT, low)
-        with socket.socket() as s:
-            try:
+    if low > _FIRST_PORT + 1000:  # room for a random pick below the ephemeral range
+        for port in random.SystemRandom().sample(range(_FIRST_PORT, low), 64):
+            with socket.socket() as s, contextlib.suppress(OSError):  # in use: the next pick
                 s.bind((host, port))
-            except OSError:  # in use: another pick
-                continue
-            return port
+                return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])

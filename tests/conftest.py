@@ -63,7 +63,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-
 @pytest.hookimpl(optionalhook=True)  # a pytest-xdist hook: unknown where xdist is not loaded
 def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
     """Under ``--dist loadgroup`` (pytest-xdist's controller, as each process reports what it

@@ -42,10 +42,6 @@ T = TypeVar("T")
 _WORKER_ITEMS = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+]+)$', re.M)
 
 
-
-
-
-
 def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, srv: Gunicorn) -> T:
     """:func:`poll` that fails with ``srv``'s log tail."""
     return poll(predicate, timeout_s, what, diagnostics=srv.log_tail)
@@ -63,8 +59,6 @@ def worker_shares(before: Mapping[int, float], after: Mapping[int, float]) -> di
     done = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
     total = sum(done.values()) or 1.0
     return {pid: round(n / total, 3) for pid, n in sorted(done.items())}
-
-
 
 
 def published_states(run_dir: Path) -> dict[int, str]:
