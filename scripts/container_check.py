@@ -310,7 +310,7 @@ def expected_outputs(items: int) -> Expected:
     from sentence_transformers import SentenceTransformer
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    transformers_logging.disable_progress_bar()
 
     features = np.random.default_rng(0).standard_normal((items, 32)).astype(np.float32)
     with tempfile.TemporaryDirectory(prefix="container-check-") as tmp:

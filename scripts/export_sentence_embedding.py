@@ -80,7 +80,7 @@ def load_pipeline(folder: Path, max_seq_length: int = 256, attn_implementation: 
     from sentence_transformers import SentenceTransformer
     from transformers.utils import logging as transformers_logging
 
-    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+    transformers_logging.disable_progress_bar()
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation

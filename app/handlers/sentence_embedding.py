@@ -426,7 +426,7 @@ class SentenceEmbeddingHandler:
         path = resolve_model_dir(parameters, config.path)
         onnx = parameters.get("backend", "torch") == "onnx"
         # A worker logs one line per model load; transformers' per-load progress bar is noise.
-        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        transformers_logging.disable_progress_bar()
         model_kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
         if "attn_implementation" in parameters:
             model_kwargs["attn_implementation"] = parameters["attn_implementation"]

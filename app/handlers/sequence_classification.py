@@ -183,7 +183,7 @@ class SequenceClassificationHandler:
         if parameters.get("dtype", "float32") not in _DTYPES:
             raise ValueError(f"parameters.dtype must be one of {list(_DTYPES)}, got {parameters['dtype']!r}")
         path = resolve_model_dir(parameters, config.path)
-        transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        transformers_logging.disable_progress_bar()
         kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
         if "attn_implementation" in parameters:
             kwargs["attn_implementation"] = parameters["attn_implementation"]

