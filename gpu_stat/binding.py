@@ -11,7 +11,10 @@ Each gunicorn worker binds itself, typically from the ``post_fork`` hook:
    fresh start gives gpu0 slot0, gpu1 slot0, ..., gpu0 slot1, ...
 4. **Claim**: the worker takes the plan entry at its rank among the siblings that hold no lease
    yet, so siblings starting together aim at different entries, with a non-blocking exclusive
-   ``flock`` on ``<run_dir>/gpu-leases/<uuid>.slot<k>.lock``. The descriptor stays open for the
+   ``flock`` on ``<run_dir>/gpu-leases/<uuid>.slot<k>.lock``. While a held lease names no
+   process of ours (a sibling between its lock and writing its pid) the worker plans again:
+   the plan already lacks that slot, but the sibling would still count as unbound and shift the
+   entries (:func:`_settling`). The descriptor stays open for the
    life of the process; the kernel releases it when the process dies, however it dies. If the
    lock is taken (a sibling won the race) the worker plans again at once; if the plan is empty it
    waits with backoff, calling ``heartbeat`` at least every second, until ``bind_timeout_s``.
@@ -40,8 +43,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from gpu_stat.capacity import assess, gib
-from gpu_stat.family import family
+from gpu_stat.capacity import Assessment, assess, gib
+from gpu_stat.family import Family, family
 from gpu_stat.leases import LEASE_DIR, lock_path, try_lock
 from gpu_stat.planner import Unit, allowed_units, units
 from gpu_stat.query import backend_name, query_gpus
@@ -67,6 +70,7 @@ EXIT_BIND_TIMEOUT = 75
 
 _HEARTBEAT_EVERY_S = 0.25
 _MAX_BACKOFF_S = 1.0
+_SETTLE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -257,6 +261,7 @@ def _bind(
     deadline = started + policy.bind_timeout_s
     first = True
     empty_rounds = 0
+    settling: float | None = None
     notes: list[str] = ["no attempt completed"]
     while True:
         collided = False
@@ -307,13 +312,12 @@ def _bind(
             notes = attempt.skipped + attempt.full or ["no GPU has a free slot"]
             if attempt.plan:
                 empty_rounds = 0
-                unbound = [pid for pid in fam.siblings if pid not in attempt.bound_pids]
-                offset = unbound.index(me) if me in unbound else rank
-                key, slot = attempt.plan[offset % len(attempt.plan)]
-                fd = try_lock(lock_path(policy.run_dir / LEASE_DIR, key, slot))
-                if fd is not None:
-                    unit = attempt.units[key]
-                    return _bound(unit, slot, rank, attempt.skipped, started), fd
+                settling = _settling(attempt, fam, settling)
+                if settling is None or time.monotonic() - settling >= _SETTLE_S:
+                    key, slot = attempt.plan[_offset(attempt, fam, me, rank) % len(attempt.plan)]
+                    fd = try_lock(lock_path(policy.run_dir / LEASE_DIR, key, slot))
+                    if fd is not None:
+                        return _bound(attempt.units[key], slot, rank, attempt.skipped, started), fd
                 collided = True
         if time.monotonic() >= deadline:
             raise BindTimeout(
@@ -329,6 +333,28 @@ def _bind(
             empty_rounds += 1
             backoff = min(_MAX_BACKOFF_S, 0.05 * 2 ** min(empty_rounds, 8))
             _sleep(random.uniform(0.5, 1.0) * backoff, deadline, heartbeat)
+
+
+def _settling(attempt: Assessment, fam: Family, since: float | None) -> float | None:
+    """Since when (``time.monotonic()``, s) some held lease has named no live process of ours, or
+    None when every one does.
+
+    A worker writes its pid into the lock file just after locking it, so for an instant the
+    file is empty, or still names the slot's previous (dead) holder. A sibling that plans in that
+    instant finds the slot taken but cannot tell who took it, so it counts the new holder among
+    the unbound siblings and its own entry shifts by one: two of three workers starting together
+    took one GPU and left another idle (seen in CI, 3 GPUs x 3 slots). It plans again instead,
+    for at most ``_SETTLE_S`` (a lease another server holds in the same run directory never
+    settles)."""
+    if all(pid in fam.ours for pid in attempt.holders):
+        return None
+    return time.monotonic() if since is None else since
+
+
+def _offset(attempt: Assessment, fam: Family, me: int, rank: int) -> int:
+    """This worker's index among the siblings that hold no lease (its rank if it holds one)."""
+    unbound = [pid for pid in fam.siblings if pid not in attempt.holders]
+    return unbound.index(me) if me in unbound else rank
 
 
 def _bound(unit: Unit, slot: int, rank: int, skipped: list[str], started: float) -> Binding:

@@ -51,13 +51,15 @@ class Assessment:
 
     ``plan``: free (uuid, slot) pairs in the order workers take them (``planner.plan_slots``);
     ``units``: uuid -> unit; ``skipped``: GPUs the policy kept from taking a worker, and why;
-    ``full``: GPUs whose slots are all leased; ``bound_pids``: pids that hold a lease."""
+    ``full``: GPUs whose slots are all leased; ``holders``: the pid on record in each held
+    lease (``leases.probe_leases``): None, or the slot's previous holder, while the process that
+    has just locked it has not written its own pid yet."""
 
     plan: list[tuple[str, int]]
     units: dict[str, Unit]
     skipped: list[str]
     full: list[str]
-    bound_pids: frozenset[int]
+    holders: tuple[int | None, ...]
 
 
 def assess(
@@ -79,10 +81,10 @@ def assess(
     states: list[SlotState] = []
     skipped: list[str] = []
     full: list[str] = []
-    bound: set[int] = set()
+    holders: list[int | None] = []
     for unit in candidates:
         held = probes.get(safe_name(unit.gpu.uuid), {})
-        bound.update(pid for pid in held.values() if pid is not None)
+        holders.extend(held.values())
         leases = len(held)
         free_slots = tuple(k for k in range(slots_per_gpu) if k not in held)
         foreign = count_foreign_processes(unit.gpu.processes, our_pids, leases)
@@ -108,5 +110,5 @@ def assess(
             SlotState(unit.gpu.uuid, unit.order, leases, free_slots, capacity, free_memory)
         )
     return Assessment(
-        plan_slots(states), {u.gpu.uuid: u for u in candidates}, skipped, full, frozenset(bound)
+        plan_slots(states), {u.gpu.uuid: u for u in candidates}, skipped, full, tuple(holders)
     )

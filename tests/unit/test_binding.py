@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from gpu_stat import GpuInfo, GpuProcess
+from gpu_stat import binding as binding_module
 from gpu_stat.binding import (
     Binding,
     BindingPolicy,
@@ -32,6 +33,7 @@ from gpu_stat.binding import (
     release_binding,
     usable_gpu_count,
 )
+from gpu_stat.family import Family
 from gpu_stat.leases import LEASE_DIR
 from gpu_stat.planner import SlotState, count_foreign_processes, plan_slots
 from gpu_stat.verify import check_binding, verify_binding
@@ -261,6 +263,66 @@ def test_bind_in_process_holds_a_lease_until_released(tmp_path: Path, fake_file:
     release_binding()
     assert current_binding() is None
     assert lock_is_free(lock)
+
+
+def hold_unrecorded_lease(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded: bytes
+) -> tuple[int, tuple[int, int]]:
+    """Three siblings on 3 GPUs x 3 slots, this process the youngest; the oldest has locked gpu0's
+    slot 0, and the file holds ``recorded`` (its own pid not written yet). The lock's descriptor
+    (close it) and the two older siblings' pids (past pid_max: no process has them)."""
+    oldest, middle, me = 2**22 + 1, 2**22 + 2, os.getpid()
+    ours = Family((oldest, middle, me), frozenset({oldest, middle, me}))
+    monkeypatch.setattr(binding_module, "family", lambda: ours)
+    (tmp_path / LEASE_DIR).mkdir(mode=0o700)
+    fd = os.open(tmp_path / LEASE_DIR / f"{gpu_uuid(0)}.slot0.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    os.pwrite(fd, recorded, 0)
+    return fd, (oldest, middle)
+
+
+@pytest.mark.parametrize("recorded", [b"", b"1\n"], ids=["empty", "previous-holder"])
+def test_a_lease_not_yet_on_record_is_planned_around_once_its_holder_is_known(
+    tmp_path: Path, fake_file: Path, monkeypatch: pytest.MonkeyPatch, recorded: bytes
+) -> None:
+    """Counted as unbound, the oldest sibling would shift the youngest's plan entry onto gpu0's
+    slot 1 (two workers on gpu0, none on gpu1): it plans again until the pid is on record, then
+    takes its own entry, gpu2's slot 0 (the middle sibling's is gpu1's)."""
+    write_fake(fake_file, [gpu(0), gpu(1), gpu(2)])
+    fd, (oldest, _) = hold_unrecorded_lease(tmp_path, monkeypatch, recorded)
+    rounds: list[int] = []
+
+    def heartbeat() -> None:  # called as each attempt begins
+        rounds.append(1)
+        if len(rounds) == 3:
+            os.pwrite(fd, f"{oldest}\n".encode(), 0)
+            os.ftruncate(fd, len(f"{oldest}\n"))
+
+    try:
+        binding = bind_worker(BindingPolicy(tmp_path, max_processes_per_gpu=3), heartbeat=heartbeat)
+    finally:
+        os.close(fd)
+    assert (binding.gpu_uuid, binding.slot) == (gpu_uuid(2), 0)
+    assert len(rounds) >= 3
+
+
+def test_a_lease_that_never_names_one_of_ours_delays_binding_only_a_moment(
+    tmp_path: Path, fake_file: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another server's lease in the same run directory: planned as it stands after ``_SETTLE_S``."""
+    write_fake(fake_file, [gpu(0), gpu(1), gpu(2)])
+    monkeypatch.setattr(binding_module, "_SETTLE_S", 0.05)
+    fd, _ = hold_unrecorded_lease(tmp_path, monkeypatch, b"1\n")
+    rounds: list[int] = []
+    try:
+        binding = bind_worker(
+            BindingPolicy(tmp_path, max_processes_per_gpu=3, bind_timeout_s=5),
+            heartbeat=lambda: rounds.append(1),
+        )
+    finally:
+        os.close(fd)
+    assert binding.device == "cuda:0" and (binding.gpu_uuid, binding.slot) != (gpu_uuid(0), 0)
+    assert len(rounds) >= 2
 
 
 def test_forked_child_does_not_keep_the_lease(tmp_path: Path, fake_file: Path) -> None:
