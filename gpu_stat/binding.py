@@ -14,8 +14,8 @@ Each gunicorn worker binds itself, typically from the ``post_fork`` hook:
    ``flock`` on ``<run_dir>/gpu-leases/<uuid>.slot<k>.lock``. While a held lease names no
    process of ours (a sibling between its lock and writing its pid) the worker plans again:
    the plan already lacks that slot, but the sibling would still count as unbound and shift the
-   entries (:func:`_settling`). The descriptor stays open for the
-   life of the process; the kernel releases it when the process dies, however it dies. If the
+   entries (:func:`_settling`). The descriptor stays open for the life of the process; the
+   kernel releases it when the process dies, however it dies. If the
    lock is taken (a sibling won the race) the worker plans again at once; if the plan is empty it
    waits with backoff, calling ``heartbeat`` at least every second, until ``bind_timeout_s``.
 5. **Bind**: ``CUDA_VISIBLE_DEVICES=<uuid>``; the worker then uses ``cuda:0``.
@@ -342,10 +342,9 @@ def _settling(attempt: Assessment, fam: Family, since: float | None) -> float | 
     A worker writes its pid into the lock file just after locking it, so for an instant the
     file is empty, or still names the slot's previous (dead) holder. A sibling that plans in that
     instant finds the slot taken but cannot tell who took it, so it counts the new holder among
-    the unbound siblings and its own entry shifts by one: two of three workers starting together
-    took one GPU and left another idle (seen in CI, 3 GPUs x 3 slots). It plans again instead,
-    for at most ``_SETTLE_S`` (a lease another server holds in the same run directory never
-    settles)."""
+    the unbound siblings and its own entry shifts by one: of three workers starting together on
+    three GPUs, two took one GPU and the third GPU got none. It plans again instead, for at most
+    ``_SETTLE_S`` (a lease another server holds in the same run directory never settles)."""
     if all(pid in fam.ours for pid in attempt.holders):
         return None
     return time.monotonic() if since is None else since
