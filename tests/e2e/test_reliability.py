@@ -46,8 +46,9 @@ def env(repo: Path, **extra: str) -> dict[str, str]:
 
 def test_slow_boot_then_sigterm_drains_in_flight_requests(tmp_path: Path) -> None:
     """A boot longer than gunicorn's timeout (torch import 2-6 s, model load 4.5 s, timeout
-    3 s: the load alone outlasts it) keeps its worker; then a SIGTERM turns readiness 503 while the listener still answers,
-    serves what arrives, finishes the in-flight request, and the worker is replaced."""
+    3 s: the load alone outlasts it) keeps its worker; then a SIGTERM turns readiness 503 while
+    the listener still answers, serves what arrives, finishes the in-flight request, and the
+    worker is replaced."""
     repo = tmp_path / "repo"
     write_scale_model(repo, "scale", load_delay_s=4.5, hang_on=5.0, hang_s=1.5)
     # Not 1 s: the heartbeat is a Python thread, and loading torch's extension modules holds

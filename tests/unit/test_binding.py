@@ -265,12 +265,11 @@ def test_bind_in_process_holds_a_lease_until_released(tmp_path: Path, fake_file:
     assert lock_is_free(lock)
 
 
-def hold_unrecorded_lease(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded: bytes
-) -> tuple[int, tuple[int, int]]:
+def hold_unrecorded_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recorded: bytes) -> tuple[int, int]:
     """Three siblings on 3 GPUs x 3 slots, this process the youngest; the oldest has locked gpu0's
     slot 0, and the file holds ``recorded`` (its own pid not written yet). The lock's descriptor
-    (close it) and the two older siblings' pids (past pid_max: no process has them)."""
+    (close it) and the oldest sibling's pid (the two older ones are past pid_max: no process has
+    them)."""
     oldest, middle, me = 2**22 + 1, 2**22 + 2, os.getpid()
     ours = Family((oldest, middle, me), frozenset({oldest, middle, me}))
     monkeypatch.setattr(binding_module, "family", lambda: ours)
@@ -278,7 +277,7 @@ def hold_unrecorded_lease(
     fd = os.open(tmp_path / LEASE_DIR / f"{gpu_uuid(0)}.slot0.lock", os.O_RDWR | os.O_CREAT, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.pwrite(fd, recorded, 0)
-    return fd, (oldest, middle)
+    return fd, oldest
 
 
 @pytest.mark.parametrize("recorded", [b"", b"1\n"], ids=["empty", "previous-holder"])
@@ -289,7 +288,7 @@ def test_a_lease_not_yet_on_record_is_planned_around_once_its_holder_is_known(
     slot 1 (two workers on gpu0, none on gpu1): it plans again until the pid is on record, then
     takes its own entry, gpu2's slot 0 (the middle sibling's is gpu1's)."""
     write_fake(fake_file, [gpu(0), gpu(1), gpu(2)])
-    fd, (oldest, _) = hold_unrecorded_lease(tmp_path, monkeypatch, recorded)
+    fd, oldest = hold_unrecorded_lease(tmp_path, monkeypatch, recorded)
     rounds: list[int] = []
 
     def heartbeat() -> None:  # called as each attempt begins
