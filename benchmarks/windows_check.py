@@ -10,6 +10,7 @@ Run: ``python -m benchmarks.windows_check`` (CPU, about 10 s). Figures: docs/tex
 from __future__ import annotations
 
 import argparse
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ def embed(
         inputs["query"] = np.array([q.encode() for q in queries], dtype=object).reshape(-1, 1)
     model: Any = type("Model", (), {"runner": type("Runner", (), {"handler": handler})(), "config": None})()
     stage = WindowStage()
-    items, plan = stage.expand(model, RequestContext("check", 0.0), inputs)
+    items, plan = asyncio.run(stage.expand(model, RequestContext("check", 0.0), inputs))
     assert items is not None
     with torch.inference_mode():
         out = handler.postprocess(handler.predict(handler.preprocess(items)))

@@ -290,7 +290,7 @@ class DataPlane:
         if stage is None:
             outputs = await self.run(model, inputs, context)
         else:
-            queued, plan = stage.expand(model, context, inputs)
+            queued, plan = await stage.expand(model, context, inputs)
             # none left: every item was answered by the stage, no queue, no model
             results = None if queued is None else await self.run(model, queued, context)
             outputs = stage.assemble(plan, results)

@@ -83,7 +83,7 @@ class ItemCache:
         known)."""
         return bool(model.config.response_cache.enable and model.fingerprint)
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Plan | None]:
         """The items of ``inputs`` (one array ``[B, ...]`` per input) to compute: the distinct

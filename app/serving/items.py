@@ -47,8 +47,9 @@ class ItemStage(Protocol[Plan]):
     """Expands a request's items before the queue and assembles their results after it.
 
     Implementations hold no per-request state: everything ``assemble`` needs travels in the
-    plan. Both methods run on the event loop (a stage that needs blocking work, such as a shared
-    store on disk, keeps it short or moves it to a thread itself).
+    plan. Both run on the event loop; ``expand`` is a coroutine so that a stage's blocking work
+    (tokenizing, a shared store on disk or over the network) runs on a thread while the loop
+    serves others; ``assemble`` must be quick.
     """
 
     def applies(self, model: ModelVersion) -> bool:
@@ -57,7 +58,7 @@ class ItemStage(Protocol[Plan]):
         that model's requests (:func:`for_model`). True where unsure."""
         ...
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Plan]:
         """The items to queue for one request, and the plan to put their results back.
@@ -97,7 +98,7 @@ class Identity:
         """Never: it does nothing."""
         return False
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, None]:
         """``inputs`` unchanged."""
@@ -151,14 +152,14 @@ class Stages:
             return Stages(chosen)
         return chosen[0] if chosen else None
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, list[tuple[ItemStage[Any], Any]]]:
         """Each stage's expansion in turn; the plan is each stage that ran with its plan."""
         plans: list[tuple[ItemStage[Any], Any]] = []
         items = inputs
         for stage in self.stages:
-            expanded, plan = stage.expand(model, context, items)
+            expanded, plan = await stage.expand(model, context, items)
             plans.append((stage, plan))
             if expanded is None:
                 return None, plans

@@ -77,7 +77,7 @@ class WindowStage:
         has_text = any(spec.name == TEXT for spec in model.config.inputs)
         return has_text and self._policy(model) is not None
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, WindowPlan | None]:
         """The window items of a request whose texts need them; ``(inputs, None)`` otherwise.

@@ -60,7 +60,7 @@ class Cache:
     def applies(self, model: ModelVersion) -> bool:
         return True
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Any]:
         self.contexts.append(context)
@@ -92,7 +92,7 @@ class Windows:
     def applies(self, model: ModelVersion) -> bool:
         return True
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, Any]:
         n = self.per_item
@@ -225,7 +225,7 @@ async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: Thr
         def applies(self, model: ModelVersion) -> bool:
             return True
 
-        def expand(
+        async def expand(
             self, model: ModelVersion, context: RequestContext, inputs: Arrays
         ) -> tuple[Arrays | None, None]:
             raise InvalidInput("text too long for its windows")
@@ -252,7 +252,7 @@ class Asked:
         self.asked += 1
         return self.answer
 
-    def expand(
+    async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, None]:
         assert self.answer, "expand of a stage that does not apply"

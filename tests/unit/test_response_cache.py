@@ -4,6 +4,7 @@ whose cached items never reach its queue."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import sys
@@ -357,15 +358,15 @@ def test_an_item_one_host_computed_is_found_by_another_through_redis(
     inputs = {"x": np.array([[1.0, 1.0], [2.0, 2.0]], np.float32)}
     outputs = {"y": np.array([[3.0, 3.0], [6.0, 6.0]], np.float32)}
     context = RequestContext("r", 0.0)
-    queued, plan = a.expand(model, context, inputs)
+    queued, plan = asyncio.run(a.expand(model, context, inputs))
     assert queued is not None and len(queued["x"]) == 2
     a.store_outputs(model, model.fingerprint, queued, outputs)
-    queued, plan = b.expand(model, context, inputs)
+    queued, plan = asyncio.run(b.expand(model, context, inputs))
     assert queued is None  # both items came from host a, through Redis
     assert b.assemble(plan, None)["y"].tobytes() == outputs["y"].tobytes()
     proc.terminate()
     proc.wait(10)
-    queued, plan = b.expand(model, context, inputs)  # copied into host b's own store
+    queued, plan = asyncio.run(b.expand(model, context, inputs))  # copied into host b's own store
     assert queued is None and b.assemble(plan, None)["y"].tobytes() == outputs["y"].tobytes()
 
 
@@ -381,7 +382,7 @@ def test_a_stopped_or_corrupt_redis_means_computing(
     model = scale_version(tmp_path)
     inputs = {"x": np.array([[5.0, 5.0]], np.float32)}
     context = RequestContext("r", 0.0)
-    queued, _ = a.expand(model, context, inputs)
+    queued, _ = asyncio.run(a.expand(model, context, inputs))
     assert queued is not None
     a.store_outputs(model, model.fingerprint, queued, {"y": np.array([[15.0, 15.0]], np.float32)})
     client = redis.Redis.from_url(url)
@@ -392,15 +393,15 @@ def test_a_stopped_or_corrupt_redis_means_computing(
     value[-1] ^= 0xFF
     client.set(key, bytes(value))
     client.close()
-    queued, _ = b.expand(model, context, inputs)
+    queued, _ = asyncio.run(b.expand(model, context, inputs))
     assert queued is not None  # a corrupt value is a miss
     proc.terminate()
     proc.wait(10)
     other = {"x": np.array([[7.0, 7.0]], np.float32)}
-    queued, _ = b.expand(model, context, other)  # Redis gone: computed, no error
+    queued, _ = asyncio.run(b.expand(model, context, other))  # Redis gone: computed, no error
     assert queued is not None
     b.store_outputs(model, model.fingerprint, queued, {"y": np.array([[21.0, 21.0]], np.float32)})
-    queued, _ = b.expand(model, context, other)
+    queued, _ = asyncio.run(b.expand(model, context, other))
     assert queued is None  # host b's own store still serves
 
 

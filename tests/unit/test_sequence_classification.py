@@ -6,6 +6,7 @@ refused before it runs."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -124,7 +125,7 @@ def _windowed(
     model = SimpleNamespace(runner=SimpleNamespace(handler=handler), config=SimpleNamespace(name="clf"))
     stage = WindowStage()
     context = RequestContext("r", 0.0)
-    items, plan = stage.expand(model, context, inputs)  # type: ignore[arg-type]
+    items, plan = asyncio.run(stage.expand(model, context, inputs))  # type: ignore[arg-type]
     assert items is not None
     return stage.assemble(plan, _run(handler, items)), items
 

@@ -5,6 +5,7 @@ through untouched; a model that truncates is not split."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,7 +42,7 @@ def through(
     }
     model: Any = SimpleNamespace(runner=SimpleNamespace(handler=handler), config=SimpleNamespace(name="m"))
     stage = WindowStage()
-    items, plan = stage.expand(model, RequestContext("r", 0.0), inputs)
+    items, plan = asyncio.run(stage.expand(model, RequestContext("r", 0.0), inputs))
     assert items is not None
     with torch.inference_mode():
         out = handler.postprocess(handler.predict(handler.preprocess(items)))
@@ -71,11 +72,11 @@ def test_long_text_is_the_weighted_mean_of_the_librarys_windows(handler: Sentenc
 def test_short_texts_and_truncating_models_pass_through(handler: SentenceEmbeddingHandler) -> None:
     model: Any = SimpleNamespace(runner=SimpleNamespace(handler=handler), config=SimpleNamespace(name="m"))
     short = {"text": np.array([b"one", b"two"], dtype=object).reshape(-1, 1)}
-    assert WindowStage().expand(model, RequestContext("r", 0.0), short) == (short, None)
+    assert asyncio.run(WindowStage().expand(model, RequestContext("r", 0.0), short)) == (short, None)
     policy = handler.window_policy
     handler.window_policy = WindowPolicy("truncate", policy.max_length, policy.stride)
     try:
         long = {"text": np.array([LONG.encode()], dtype=object).reshape(-1, 1)}
-        assert WindowStage().expand(model, RequestContext("r", 0.0), long) == (long, None)
+        assert asyncio.run(WindowStage().expand(model, RequestContext("r", 0.0), long)) == (long, None)
     finally:
         handler.window_policy = policy
