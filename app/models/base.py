@@ -15,6 +15,12 @@ creates one instance per worker with no arguments and calls:
     it. Raises ``ValueError`` (or
     ``UnicodeError``) for an item the model cannot take: that request alone gets a 400 /
     INVALID_ARGUMENT with the message, before it can share a batch with anyone.
+    May return a :class:`Priced` instead: the costs and, per item, what the handler made of it
+    while pricing it (a text model's token ids), so that the work is not done twice: the server
+    keeps ``prepared`` beside the request's inputs under the reserved name :data:`PREPARED`
+    (reordered, split into batches, concatenated and halved with them, never looked into) and
+    ``preprocess`` finds it there. ``inputs`` may already hold :data:`PREPARED` (items an item
+    stage made, such as a text's windows, tokenized there): the costs then come from it.
 ``batch_cost(costs)``  -- optional, with ``item_costs``; the event loop, once per batch formed
     ``costs``: the ``item_costs`` of a batch's items, int64 ``[N]``. Returns what the batch
     computes in that unit, padding included (an ``int``; it must be quick). Without it a
@@ -24,8 +30,10 @@ creates one instance per worker with no arguments and calls:
     ``inputs`` maps every declared input name to a numpy array whose axis 0 is
     the batch (B items, 1 <= B <= max_batch_size); BYTES inputs are ``object``
     arrays of ``bytes``; optional inputs a request omitted are filled with
-    ``b""`` (BYTES) or zeros. Returns whatever ``predict`` takes (device tensors: the
-    copy to the device belongs here). May run while ``predict`` runs the previous batch.
+    ``b""`` (BYTES) or zeros; ``inputs[PREPARED]``, where the items were priced with a
+    :class:`Priced` (absent otherwise, e.g. at warmup: the handler then does that work
+    itself). Returns whatever ``predict`` takes (device tensors: the copy to the device
+    belongs here). May run while ``predict`` runs the previous batch.
 ``predict(batch)``  -- the inference thread only, one batch at a time, in batch order
     Runs the model; the server wraps it in ``torch.inference_mode()``. On a GPU it should only
     launch work (no ``.cpu()``, no ``.item()``): the server waits for the device elsewhere.
@@ -61,6 +69,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from app.errors import ScoringError
 
@@ -81,6 +90,23 @@ class Handler(Protocol):
     def predict(self, batch: Any) -> Any: ...
 
     def postprocess(self, outputs: Any) -> Mapping[str, np.ndarray]: ...
+
+
+#: The reserved input name of the items' preparations (:class:`Priced`); never a declared input
+#: (``model.toml`` names cannot start with ``#``) and never read from a client.
+PREPARED = "#prepared"
+
+
+@dataclass(frozen=True)
+class Priced:
+    """What ``item_costs`` may return (module docstring): ``costs`` int64 ``[B]``, each item's
+    cost in the model's unit (tokens), and ``prepared``, an ``object`` array ``[B]`` of what the
+    handler made of each item while pricing it (for a text model its token ids), handed back to
+    ``preprocess`` as ``inputs[PREPARED]`` for the same items in the batch's order. Source:
+    text-embeddings-inference tokenizes once, before its queue, and batches the encodings."""
+
+    costs: npt.NDArray[np.int64]
+    prepared: npt.NDArray[np.object_]
 
 
 @dataclass(frozen=True)

@@ -245,6 +245,9 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
             names = [s.name for s in specs]
             if len(set(names)) != len(names):
                 raise ModelLoadError(f"{where}: duplicate names in {kind}: {names}")
+            reserved = [n for n in names if not n or n.startswith("#")]
+            if reserved:  # "#..." is the server's own (app.models.base.PREPARED)
+                raise ModelLoadError(f"{where}: {kind} names must not be empty or start with '#': {reserved}")
             for s in specs:
                 s.validate(f"{where} {kind}.{s.name}")
         if self.format == "handler":
