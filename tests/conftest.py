@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
+from tests.support.decoder_models import decoder_models
 from tests.support.fixtures import demo_server, make_client, scale_repo, tensor_repo
 
-__all__ = ["demo_server", "make_client", "scale_repo", "tensor_repo"]
+__all__ = ["decoder_models", "demo_server", "make_client", "scale_repo", "tensor_repo"]
 
 # In-process apps record metrics into a registry of their own: a PROMETHEUS_MULTIPROC_DIR
 # inherited from the environment (the Docker image sets one) must go before anything imports
