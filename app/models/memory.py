@@ -22,7 +22,7 @@ import json
 import math
 import struct
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -261,14 +261,20 @@ def plan_folder(
     max_batch_tokens: int | None = None,
     max_seq_length: int | None = None,
     attn_implementation: str = "sdpa",
+    head: str | None = None,
 ) -> ModelMemory:
     """The memory of the Hugging Face folder ``folder`` (``config.json``; safetensors weights
     counted exactly where present) served in ``dtype`` with these batch limits.
     ``max_seq_length`` None: the model's positions, capped by the tokenizer's
-    ``model_max_length``. Raises ``ValueError`` (bad dtype, config without sizes),
-    ``OSError`` (no ``config.json``)."""
+    ``model_max_length``. ``head``: what the handler computes after the layers, where it is not
+    what the class suggests (a causal LM used as a yes/no reranker through
+    :func:`app.handlers.decoder_math.yes_no_score_from_hidden` computes no vocabulary-wide
+    logits: ``"base"``); the weights are counted as stored either way. Raises ``ValueError``
+    (bad dtype, config without sizes), ``OSError`` (no ``config.json``)."""
     config = json.loads((folder / "config.json").read_text())
     arch = Architecture.from_config(config)
+    if head is not None:
+        arch = replace(arch, head=head)
     counted = safetensors_parameters(folder)
     parameters = counted if counted is not None else estimate_parameters(arch, config)
     if max_seq_length is None:

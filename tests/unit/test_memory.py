@@ -145,6 +145,18 @@ def test_safetensors_headers_count_the_loaded_model(decoder_models: dict[str, Pa
     assert memory.estimate_parameters(Architecture.from_config(config), config) == loaded
 
 
+def test_a_reranker_planned_without_vocabulary_logits_needs_less(decoder_models: dict[str, Path]) -> None:
+    """Qwen3-Reranker's logits over 151,669 tokens dominate its activations; scored from the last
+    hidden state (vLLM's way) they are gone, and the weights stay as stored."""
+    folder = decoder_models["qwen3-reranker"]
+    full = memory.plan_folder(folder, name="r", dtype="float32", max_batch_size=16, max_seq_length=1024)
+    last = memory.plan_folder(
+        folder, name="r", dtype="float32", max_batch_size=16, max_seq_length=1024, head="base"
+    )
+    assert last.weight_bytes == full.weight_bytes and last.parameters == full.parameters
+    assert last.activation_bytes < full.activation_bytes
+
+
 def test_a_file_that_is_no_safetensors_is_refused(tmp_path: Path) -> None:
     assert memory.safetensors_parameters(tmp_path) is None
     (tmp_path / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")
