@@ -273,10 +273,10 @@ def plan_folder(
     (bad dtype, config without sizes), ``OSError`` (no ``config.json``)."""
     config = json.loads((folder / "config.json").read_text())
     arch = Architecture.from_config(config)
-    if head is not None:
-        arch = replace(arch, head=head)
     counted = safetensors_parameters(folder)
     parameters = counted if counted is not None else estimate_parameters(arch, config)
+    if head is not None:  # what runs after the layers; the weights are the class's all the same
+        arch = replace(arch, head=head)
     if max_seq_length is None:
         max_seq_length = arch.positions
         tokenizer_config = folder / "tokenizer_config.json"

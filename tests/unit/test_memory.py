@@ -145,7 +145,9 @@ def test_safetensors_headers_count_the_loaded_model(decoder_models: dict[str, Pa
     assert memory.estimate_parameters(Architecture.from_config(config), config) == loaded
 
 
-def test_a_reranker_planned_without_vocabulary_logits_needs_less(decoder_models: dict[str, Path]) -> None:
+def test_a_reranker_planned_without_vocabulary_logits_needs_less(
+    decoder_models: dict[str, Path], tmp_path: Path
+) -> None:
     """Qwen3-Reranker's logits over 151,669 tokens dominate its activations; scored from the last
     hidden state (vLLM's way) they are gone, and the weights stay as stored."""
     folder = decoder_models["qwen3-reranker"]
@@ -155,6 +157,10 @@ def test_a_reranker_planned_without_vocabulary_logits_needs_less(decoder_models:
     )
     assert last.weight_bytes == full.weight_bytes and last.parameters == full.parameters
     assert last.activation_bytes < full.activation_bytes
+    untied = decoder_models["llama-lm"]  # its LM head is weights of its own
+    (tmp_path / "config.json").write_text((untied / "config.json").read_text())  # no weights: by formula
+    by_formula = memory.plan_folder(tmp_path, name="r", dtype="float32", max_batch_size=16, head="base")
+    assert by_formula.parameters == memory.safetensors_parameters(untied)
 
 
 def test_a_file_that_is_no_safetensors_is_refused(tmp_path: Path) -> None:
