@@ -225,8 +225,9 @@ def reranker_prompt(query: str, document: str, instruction: str | None = None) -
     suffix (the answer must follow the suffix): the model card tokenizes prefix, middle and
     suffix apart and truncates the middle to ``max_length - len(prefix) - len(suffix)`` tokens;
     uncut, the three apart give the same ids as the whole string (special tokens and newlines
-    bound them under Qwen's pre-tokenizer). Source: the Qwen/Qwen3-Reranker-0.6B model card (``prefix``, ``suffix``,
-    ``format_instruction``) and vLLM's ``examples/offline_inference/qwen3_reranker.py``
+    bound them under Qwen's pre-tokenizer). Source: the Qwen/Qwen3-Reranker-0.6B model card
+    (``prefix``, ``suffix``, ``format_instruction``) and vLLM's
+    ``examples/offline_inference/qwen3_reranker.py``
     (``query_template = "{prefix}<Instruct>: {instruction}\\n<Query>: {query}\\n"``,
     ``document_template = "<Document>: {doc}{suffix}"``: the same string, cut in two)."""
     instruction = RERANKER_DEFAULT_INSTRUCTION if instruction is None else instruction

@@ -1,4 +1,4 @@
-"""Small decoder-only models of the real classes for tests, built offline in about a second each.
+"""Small decoder-only models of the real classes for tests, built offline in under a second each.
 
 Each is a Hugging Face folder made from a config with a fixed seed (2 layers, hidden 64, 4 query
 heads over 2 key/value heads where the class has grouped-query attention), its weights saved as
