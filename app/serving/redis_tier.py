@@ -8,10 +8,11 @@ with the TTL when one is set; otherwise Redis's own ``maxmemory-policy`` evicts)
 host store's (:func:`app.serving.response_cache.pack_entry`: no pickle, a checksum of the key and
 payload); a value that fails it is a miss.
 
-The calls are synchronous on the worker's event loop with a short socket timeout
-(``SCORING_RESPONSE_CACHE_REDIS_TIMEOUT_MS``): a Redis that is slow, stopped or unreachable costs
-at most one timeout, after which the tier is skipped for :attr:`RedisTier.PAUSE_S` seconds
-(logged at most once a minute); requests are computed meanwhile, never failed.
+The calls block, each with a short socket timeout (``SCORING_RESPONSE_CACHE_REDIS_TIMEOUT_MS``),
+and run on threads of the item stage (``app.serving.response_cache.background``), which waits
+for a lookup only until its bound: a Redis that is slow, stopped or unreachable costs its
+thread at most one timeout, after which the tier is skipped for :attr:`RedisTier.PAUSE_S`
+seconds (logged at most once a minute); requests are computed meanwhile, never failed.
 
 Source: Triton's ``redis_cache`` (triton-inference-server/redis_cache); redis-py's client.
 """

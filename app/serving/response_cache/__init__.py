@@ -10,7 +10,9 @@ users' requests within minutes. Rooms, by job:
   without pickle, behind a header with a checksum of the key and payload;
 - :mod:`~app.serving.response_cache.store`: the host's LMDB store, its bounds and eviction
   (:mod:`~app.serving.response_cache.writes`: its write transactions;
-  :mod:`~app.serving.response_cache.opening`: its environment shared by a worker's threads).
+  :mod:`~app.serving.response_cache.opening`: its environment shared by a worker's threads);
+- :mod:`~app.serving.response_cache.background`: the threads that keep the store's and Redis's
+  I/O off the event loop (lookups bounded in time, writes queued with a bound).
 
 The data plane reaches all of it through one item stage, ``app.serving.item_cache.ItemCache``;
 the tier that hosts share is ``app.serving.redis_tier``. docs/response-cache.md says how to run it.
