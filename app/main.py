@@ -7,6 +7,8 @@ with its siblings and itself as supervisor).
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -86,7 +88,7 @@ async def create_app(
     # windows first (nearest the client), then the cache: each window is one cached item
     items: ItemStage[Any] = WindowStage() if cache is None else Stages([WindowStage(), cache])
     siblings = siblings or alone
-    plane = DataPlane(registry, settings, limits, siblings, tracing, items=items, cache=cache)
+    plane = DataPlane(registry, settings, limits, siblings, tracing, items=items)
     core = ServingCore(
         settings=settings, registry=registry, health=WorkerHealth(), limits=limits, siblings=siblings,
         supervisor=supervisor or alone, dataplane=plane, binding=binding, metrics=metrics, tracing=tracing,
@@ -102,6 +104,8 @@ async def create_app(
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler)
         app.cleanup_ctx.append(gpu_metrics_ctx(metrics, binding.labels(), settings.gpu_metrics_interval_s))
+    if cache is not None:
+        app.cleanup_ctx.append(cache_ctx(cache))  # before models_ctx: cleaned up after the models stop
     app.cleanup_ctx.append(models_ctx)
     app.cleanup_ctx.append(grpc_ctx)  # after models_ctx: starts once it listens, stops first
     app.on_shutdown.append(on_shutdown)
@@ -128,4 +132,16 @@ def response_cache(
             settings.response_cache_redis_timeout_ms / 1000.0,
             settings.response_cache_ttl_s,
         )
-    return ItemCache(store, device, metrics, tracing, shared)
+    lookup_timeout_s = settings.response_cache_lookup_timeout_ms / 1000.0
+    return ItemCache(store, device, metrics, tracing, shared, lookup_timeout_s=lookup_timeout_s)
+
+
+def cache_ctx(cache: ItemCache) -> Callable[[web.Application], AsyncIterator[None]]:
+    """``cleanup_ctx`` of the response cache: on cleanup (after the requests), what is queued is
+    written (at most 2 s) and its threads stop."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        yield
+        await asyncio.to_thread(cache.close, 2.0)
+
+    return ctx

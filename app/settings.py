@@ -377,6 +377,14 @@ class Settings(BaseSettings):
         description="Connect and socket timeout of each call to the response cache's Redis tier, "
         "ms; after a failed call the tier is skipped for 5 s (requests are computed).",
     )
+    response_cache_lookup_timeout_ms: float = Field(
+        100.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Longest a request waits for its response cache lookups (the host's store, "
+        "then Redis), ms; past it the items not yet found are computed (counted in "
+        "scoring_response_cache_late_items_total).",
+    )
 
     @field_validator("model_repository", mode="after")
     @classmethod

@@ -216,6 +216,19 @@ class ServerMetrics:
             "cache (keys and values, as of the last write of any worker).",
             ["model"], multiprocess_mode="mostrecent", registry=r,
         )  # fmt: skip
+        self.cache_dropped = Counter(
+            "scoring_response_cache_dropped_writes", "Computed items of a model not written to the "
+            "response cache, by reason: queue_full (the write queue was full), store_full (no room "
+            "even after evicting), store_error (the store failed), redis_error (the Redis tier "
+            "failed or was paused), unencodable (an output the cache cannot hold).",
+            ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.cache_late = Counter(
+            "scoring_response_cache_late_items", "Items of a model whose response cache lookup "
+            "passed SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS, by the tier that had not answered "
+            "(host, redis): computed, and counted as misses.",
+            ["model", "tier"], registry=r,
+        )  # fmt: skip
         gpu = ["gpu", "gpu_uuid"]
         self.gpu_memory_used = Gauge(
             "scoring_gpu_memory_used_bytes", "Memory in use on a bound GPU (all processes), per NVML.",

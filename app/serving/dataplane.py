@@ -44,7 +44,6 @@ from app.protocols.tensors import (
     typed_array,
 )
 from app.serving.context import RequestContext
-from app.serving.item_cache import ItemCache
 from app.serving.items import ItemStage, for_model
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
@@ -81,11 +80,9 @@ class DataPlane:
         limits: the request limits the codecs and validation enforce.
         siblings: the other workers of the server (``app.serving.siblings``).
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
-        items: the item stage between a validated request and the queue (``app.serving.items``);
-            None: one item -> one item, and nothing is called.
-        cache: the response cache (``app.serving.item_cache``), whose item stage is among
-            ``items``: what this worker's serving units compute for a model that enables it is
-            stored there; None: none.
+        items: the item stages between a validated request and the queue, and what this
+            worker's serving units compute is shown to them (``app.serving.items``: windows,
+            the response cache); None: one item -> one item, and nothing is called.
     """
 
     def __init__(
@@ -96,7 +93,6 @@ class DataPlane:
         siblings: Siblings,
         tracing: Tracing | None = None,
         items: ItemStage[Any] | None = None,
-        cache: ItemCache | None = None,
     ) -> None:
         self.registry = registry
         self.items = items
@@ -106,7 +102,6 @@ class DataPlane:
         self.limits = limits
         self.siblings = siblings
         self.tracing = tracing
-        self.cache = cache
 
     def local_statistics(self) -> list[dict[str, Any]]:
         """This worker's Triton statistics (``$model_stat``) of every model version it has."""
@@ -186,8 +181,8 @@ class DataPlane:
         """The model version a request addresses, once it is clear the request is not refused
         early: with a full batch or more waiting and no request of the size recently seen able
         to finish in time, it is refused before its body is decoded (the full admission, with
-        its own size, happens in :meth:`infer`). A model with a response cache is never refused
-        here (its cached items cost nothing).
+        its own size, happens in :meth:`infer`). A model whose item stage may answer without it
+        (``ItemStage.answers_without_model``: a response cache) is never refused here.
 
         Args:
             name, version: the model addressed (version None = the default one).
@@ -204,9 +199,10 @@ class DataPlane:
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
-        # a model with a response cache is not refused before its items are looked up: those
-        # cached never reach the queue, and admission in ``infer`` prices only the others
-        if unit is not None and not (self.cache is not None and model.config.response_cache.enable):
+        stage = self._stage_for(model)
+        # a stage that may answer without the model (a cache) is asked first: what it answers
+        # never reaches the queue, and admission in ``infer`` prices only what is left
+        if unit is not None and not (stage is not None and stage.answers_without_model(model)):
             refusal = unit.refuse_early(self.deadline(model, arrival, deadline))
             if refusal is not None:
                 raise refusal
@@ -286,6 +282,9 @@ class DataPlane:
             request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
             pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
         )  # fmt: skip
+        if model.runner is None and self.items is not None:
+            # still loading: the stages decide on the model as loaded (windows, the cache's key)
+            await self.registry.serving_unit(model, deadline)
         stage = self._stage_for(model)
         if stage is None:
             outputs = await self.run(model, inputs, context)
@@ -299,7 +298,7 @@ class DataPlane:
     def _stage_for(self, model: ModelVersion) -> ItemStage[Any] | None:
         """What of the item stage applies to ``model`` (``app.serving.items.for_model``), asked
         once per loaded runner (a load or reload makes a new one, with its config); the whole
-        stage while the model has no runner (each stage then decides per request)."""
+        stage while the model has no runner (only :meth:`admit` asks then)."""
         runner = model.runner
         if self.items is None or runner is None:
             return self.items
@@ -339,9 +338,10 @@ class DataPlane:
             if unit is None:  # still loading: wait for it, within the deadline
                 unit = await self.registry.serving_unit(model, context.deadline)
             fingerprint = model.fingerprint  # of the files ``unit`` was loaded from (set together)
+            stage = self._stage_for(model)
             outputs = await unit.infer(inputs, context, trace=trace)
-            if self.cache is not None and model.config.response_cache.enable:
-                self.cache.store_outputs(model, fingerprint, inputs, outputs)
+            if stage is not None:  # e.g. the response cache stores it, under that fingerprint
+                stage.computed(model, fingerprint, inputs, outputs)
             return outputs
         finally:
             siblings.add_load(-items)

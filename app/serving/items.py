@@ -13,10 +13,15 @@ both around everything that prices, admits, balances and batches, so:
   queue, a sibling or a loading model: ``assemble(plan, None)`` answers it;
 - shards and requests forwarded by a sibling worker arrive expanded already
   (``DataPlane.run``): the stage runs once, on the worker the client called;
-- the one judgement made before it is ``DataPlane.admit``'s early refusal, before the body is
-  decoded (a full batch or more waiting and no request of the recent sizes able to finish in
-  time): a stage that answers whole requests without the model (a cache) and wants them served
-  under overload must be consulted before it, or that refusal skipped for its models.
+- stages decide on the model as loaded (its handler's windows, its files' identity): a request
+  that reaches a worker while its model is still loading waits for the model before any stage
+  runs, as it would before the queue;
+- what the data plane needs of a stage besides its two steps is part of this protocol too:
+  whether it may answer a model's requests without the model (:meth:`ItemStage.answers_without_model`:
+  then ``DataPlane.admit`` does not refuse them early, before their body is decoded and their
+  items looked up), and what a serving unit of this worker computed
+  (:meth:`ItemStage.computed`: the items as queued, their outputs, and the identity of the
+  files that unit was loaded from). The data plane calls stages through this protocol only.
 
 Stages compose (:class:`Stages`): expand in order, assemble in the reverse order, so a window
 stage and a cache stage stack either way round. Without a stage (the default) the data plane
@@ -47,9 +52,10 @@ class ItemStage(Protocol[Plan]):
     """Expands a request's items before the queue and assembles their results after it.
 
     Implementations hold no per-request state: everything ``assemble`` needs travels in the
-    plan. Both run on the event loop; ``expand`` is a coroutine so that a stage's blocking work
+    plan. All run on the event loop; ``expand`` is a coroutine so that a stage's blocking work
     (tokenizing, a shared store on disk or over the network) runs on a thread while the loop
-    serves others; ``assemble`` must be quick.
+    serves others; the others must be quick. A stage that subclasses this protocol inherits
+    :meth:`answers_without_model` (False) and :meth:`computed` (nothing).
     """
 
     def applies(self, model: ModelVersion) -> bool:
@@ -57,6 +63,13 @@ class ItemStage(Protocol[Plan]):
         data plane asks once per loaded runner and leaves a stage that does not apply out of
         that model's requests (:func:`for_model`). True where unsure."""
         ...
+
+    def answers_without_model(self, model: ModelVersion) -> bool:
+        """Whether the stage may answer some of ``model``'s requests whole, without the model
+        (a response cache): the data plane then never refuses them before their body is
+        decoded (``DataPlane.admit``'s early refusal); admission prices what :meth:`expand`
+        leaves. False by default."""
+        return False
 
     async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
@@ -90,8 +103,25 @@ class ItemStage(Protocol[Plan]):
         """
         ...
 
+    def computed(self, model: ModelVersion, fingerprint: str, items: Arrays, outputs: Arrays) -> None:
+        """What a serving unit of this worker computed for ``model``: called by the data plane
+        once the unit returns, for every batch of items it ran here (a request's own, a shard or
+        a request a sibling worker sent), before the outputs go anywhere else. Nothing by
+        default.
 
-class Identity:
+        Args:
+            model: the model version the unit serves.
+            fingerprint: the fingerprint of the files that unit was loaded from, read with the
+                unit (``ModelVersion.fingerprint`` when the request took it): results stored
+                under it are those of those files, even where the version was reloaded since.
+            items: the items as queued (after every stage's expansion), ``[N, ...]`` per input.
+            outputs: their outputs, ``[N, ...]`` per model output; the stage must copy what it
+                keeps (the unit may reuse the arrays).
+        """
+        return None
+
+
+class Identity(ItemStage[None]):
     """One item -> one item; the plan is nothing (the default stage)."""
 
     def applies(self, model: ModelVersion) -> bool:
@@ -129,7 +159,7 @@ def for_model(stage: ItemStage[Any] | None, model: ModelVersion) -> ItemStage[An
     return stage if stage.applies(model) else None
 
 
-class Stages:
+class Stages(ItemStage[list[tuple[ItemStage[Any], Any]]]):
     """Several stages as one: each expands what the one before it left, and the results are
     assembled in the reverse order. A stage that leaves nothing ends the expansion (the stages
     after it see no request; only those that ran assemble).
@@ -144,6 +174,16 @@ class Stages:
     def applies(self, model: ModelVersion) -> bool:
         """Whether any of the stages applies."""
         return any(stage.applies(model) for stage in self.stages)
+
+    def answers_without_model(self, model: ModelVersion) -> bool:
+        """Whether any of the stages may answer without the model (its answer alone leaves no
+        item to queue)."""
+        return any(stage.answers_without_model(model) for stage in self.stages)
+
+    def computed(self, model: ModelVersion, fingerprint: str, items: Arrays, outputs: Arrays) -> None:
+        """Each stage's :meth:`ItemStage.computed`, in order."""
+        for stage in self.stages:
+            stage.computed(model, fingerprint, items, outputs)
 
     def for_model(self, model: ModelVersion) -> ItemStage[Any] | None:
         """The stages that apply to ``model``: None, the one, or those as one :class:`Stages`."""

@@ -29,7 +29,7 @@ import numpy.typing as npt
 from app.errors import InvalidInput
 from app.handlers.windows import WindowPolicy, aggregate, weighted_mean
 from app.serving.context import RequestContext
-from app.serving.items import Arrays
+from app.serving.items import Arrays, ItemStage
 from app.serving.registry import ModelVersion
 
 __all__ = ["WindowPlan", "WindowStage"]
@@ -61,7 +61,7 @@ def _decode(name: str, array: np.ndarray) -> list[str]:
     return texts
 
 
-class WindowStage:
+class WindowStage(ItemStage[WindowPlan | None]):
     """The item stage of windows (module docstring); holds no per-request state."""
 
     @staticmethod

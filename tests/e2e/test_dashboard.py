@@ -27,7 +27,7 @@ pytestmark = pytest.mark.e2e
 
 #: A handler in the model's own folder (model.toml: ``handler = "priced_handler:..."``): the
 #: scale toy model, pricing each item at its tag's bytes + 1 tokens.
-PRICED_HANDLER = '''
+PRICED_HANDLER = """
 import numpy as np
 
 from tests.support.toy_models import ScaleHandler
@@ -36,7 +36,7 @@ from tests.support.toy_models import ScaleHandler
 class PricedScaleHandler(ScaleHandler):
     def item_costs(self, inputs):
         return np.array([len(bytes(t)) + 1 for t in inputs["tag"].reshape(-1)], dtype=np.int64)
-'''
+"""
 
 
 def write_repository(repo: Path) -> None:
@@ -61,6 +61,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Gunicorn]:
         "GPU_STAT_FAKE_NVML": str(write_fake(tmp / "gpus.json", gpus)),
         "SCORING_MAX_PROCESSES_PER_GPU": "1",
         "SCORING_DEVICE": "cpu",
+        "SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS": "60000",  # the hit below is not a test of timing
         "SCORING_GPU_METRICS_INTERVAL_S": "0.1",
         "SCORING_ACCESS_LOG": "",
     }
@@ -83,8 +84,10 @@ def send_traffic(srv: Gunicorn) -> None:
     for _ in range(2):
         status, _, answer = srv.post("/v2/models/priced/infer", priced)
         assert status == 200, (answer, srv.log_tail())
-    for _ in range(2):  # a miss, then a hit: the response cache panels
-        assert srv.post("/v2/models/cached/infer", v2_body(1))[0] == 200
+    # a miss, then (once written: writes leave the request path) a hit: the response cache panels
+    assert srv.post("/v2/models/cached/infer", v2_body(1))[0] == 200
+    wait_for(lambda: 'scoring_response_cache_bytes{model="cached"}' in srv.scrape(), 30, "the write", srv)
+    assert srv.post("/v2/models/cached/infer", v2_body(1))[0] == 200
     # 300 ms per batch, 30 ms allowed: refused at admission (503) or timed out (504)
     status, _, answer = srv.post("/v2/models/slow/infer", v2_body(1), headers={"X-Request-Timeout-Ms": "30"})
     assert status in (503, 504), (status, answer)

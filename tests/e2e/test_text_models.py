@@ -46,7 +46,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn,
     write_classifier_model(
         repo, "ce", ["relevance"], parameters="max_seq_length = 48\nstride = 8\nmax_windows = 24", seed=2
     )
-    env = {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": "1"}
+    # a response cache lookup bound no loaded machine reaches: the cache's tests are of hits
+    env = {
+        "SCORING_MODEL_REPOSITORY": str(repo),
+        "SCORING_WORKERS": "1",
+        "SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS": "60000",
+    }
     with Gunicorn(tmp, env) as srv:
         srv.wait_ready(240)
         yield srv, repo

@@ -1,7 +1,10 @@
 """The item stage (app.serving.items) in the data plane: identity by default; a stage that answers
 items itself keeps them out of the queue (all of them: the request never reaches the model); a
 stage that makes several items of one has them priced, admitted and batched one by one; results
-come back in the request's order; stages compose."""
+come back in the request's order; stages compose. The rest of the seam: what a serving unit
+computed is shown to the stages with the fingerprint read with that unit; a stage that may
+answer without the model spares its requests the early refusal; stages decide on the model as
+loaded (a request that arrives while it loads waits for it first)."""
 
 from __future__ import annotations
 
@@ -50,7 +53,7 @@ class Doubler:
         return [v for batch in self.batches for v in batch]
 
 
-class Cache:
+class Cache(ItemStage[Any]):
     """A response cache in miniature: items whose x[0] it knows never reach the queue."""
 
     def __init__(self, known: dict[float, float]) -> None:
@@ -82,7 +85,7 @@ class Cache:
         return {"y": y, "tag_length": lengths}
 
 
-class Windows:
+class Windows(ItemStage[Any]):
     """Long texts in miniature: each item becomes ``per_item`` items (x + window / 4), and an
     item's result is the mean over its windows."""
 
@@ -221,7 +224,7 @@ async def test_a_stage_that_leaves_nothing_ends_the_expansion(
 
 
 async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: ThreadPoolExecutor) -> None:
-    class Refuses:
+    class Refuses(ItemStage[None]):
         def applies(self, model: ModelVersion) -> bool:
             return True
 
@@ -240,7 +243,7 @@ async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: Thr
     assert runner.batches == []
 
 
-class Asked:
+class Asked(ItemStage[None]):
     """A stage that counts how often the data plane asks whether it applies, and fails if run
     where it said it does not."""
 
@@ -278,3 +281,89 @@ async def test_a_stage_that_does_not_apply_is_left_out_asked_once_per_loaded_run
     model.runner = Doubler()  # type: ignore[assignment]  # a reload: a new runner, asked again
     await plane.infer(request(4.0), request_id="r4")
     assert (never.asked, always.asked) == (2, 2)
+
+
+class Seen(ItemStage[None]):
+    """A stage that records what the data plane shows it: the model's runner when it expands,
+    and every batch a unit computed (fingerprint, first column of the items, of the outputs)."""
+
+    def __init__(self, answers: bool = False) -> None:
+        self.answers = answers
+        self.runners: list[Any] = []
+        self.batches: list[tuple[str, list[float], list[float]]] = []
+
+    def applies(self, model: ModelVersion) -> bool:
+        return True
+
+    def answers_without_model(self, model: ModelVersion) -> bool:
+        return self.answers
+
+    async def expand(
+        self, model: ModelVersion, context: RequestContext, inputs: Arrays
+    ) -> tuple[Arrays | None, None]:
+        self.runners.append(model.runner)
+        return inputs, None
+
+    def assemble(self, plan: None, results: Arrays | None) -> Arrays:
+        assert results is not None
+        return results
+
+    def computed(self, model: ModelVersion, fingerprint: str, items: Arrays, outputs: Arrays) -> None:
+        self.batches.append((fingerprint, items["x"][:, 0].tolist(), outputs["y"][:, 0].tolist()))
+
+
+async def test_what_a_unit_computed_is_shown_to_the_stages_with_its_fingerprint(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    runner = Doubler()
+    seen, windows = Seen(), Windows(2)
+    plane = plane_for(tmp_path, pool, runner, Stages([windows, seen]))
+    model = plane.registry.versions["scale"]["1"]
+    model.fingerprint = "files-1"
+    await plane.infer(request(1.0), request_id="r1")
+    assert seen.batches == [("files-1", [1.0, 1.25], [2.0, 2.5])]  # the items as queued: windows
+    # a shard a sibling sent arrives expanded: shown as it ran here, under this unit's files
+    context = RequestContext("shard", asyncio.get_running_loop().time() + 10, forwarded=True)
+    await plane.run(model, {"x": np.array([[7.0, 8.0]], np.float32)}, context)
+    assert seen.batches[-1] == ("files-1", [7.0], [14.0])
+
+
+async def test_a_stage_that_answers_without_the_model_spares_its_requests_the_early_refusal(
+    tmp_path: Path, pool: ThreadPoolExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from app.errors import QueueFull
+
+    for answers in (False, True):
+        plane = plane_for(tmp_path / str(answers), pool, Doubler(), Seen(answers=answers))
+        unit = plane.registry.versions["scale"]["1"].unit
+        monkeypatch.setattr(unit, "refuse_early", lambda deadline: QueueFull("busy", retry_after_s=1))
+        arrival = asyncio.get_running_loop().time()
+        if answers:
+            assert plane.admit("scale", None, arrival, None).config.name == "scale"
+        else:
+            with pytest.raises(QueueFull):
+                plane.admit("scale", None, arrival, None)
+
+
+async def test_a_request_that_arrives_while_its_model_loads_meets_the_stages_once_it_is_loaded(
+    tmp_path: Path, pool: ThreadPoolExecutor
+) -> None:
+    """The stages decide on the loaded model (its handler's windows, its files' identity): a
+    stage that ran before the load would leave a request's texts unsplit or its items uncached,
+    an answer unlike the next one's."""
+    runner = Doubler()
+    seen = Seen()
+    plane = plane_for(tmp_path, pool, runner, seen)
+    model = plane.registry.versions["scale"]["1"]
+    unit = model.unit
+    model.unit = None  # loading: not yet served
+    model.settled.clear()
+    waiting = asyncio.ensure_future(plane.infer(request(1.0), request_id="r1"))
+    for _ in range(3):  # let it run to where it waits (every step before is synchronous)
+        await asyncio.sleep(0)
+    assert not waiting.done() and seen.runners == []  # no stage asked before the load
+    model.unit, model.runner = unit, runner  # type: ignore[assignment]  # served
+    model.settled.set()
+    response = await waiting
+    assert response.outputs[0].array.tolist() == [[2.0, 4.0]]
+    assert seen.runners == [runner]

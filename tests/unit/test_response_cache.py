@@ -1,14 +1,14 @@
-"""The response cache: the host's store (app.serving.response_cache) and the data plane's use of
-it (app.serving.item_cache): keys, bounds, eviction, corruption, a store that fails, and a model
-whose cached items never reach its queue."""
+"""The response cache's host store (app.serving.response_cache): keys, encoding, bounds and
+eviction (three models in a 1 MiB store: never full, nothing dropped), damaged entries and
+entries under the wrong key, a store that fails, another process reading what one stored. The
+item stage in the data plane: tests/unit/test_item_cache.py."""
 
 from __future__ import annotations
 
-import asyncio
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,17 +16,9 @@ import lmdb
 import numpy as np
 import pytest
 
-from app.http.state import CORE
-from app.models.repository import read_config
-from app.serving.context import RequestContext
-from app.serving.item_cache import ItemCache
-from app.serving.redis_tier import RedisTier
-from app.serving.registry import ModelVersion
+from app.models.base import PREPARED
 from app.serving.response_cache import CacheCounts, ResponseCache, decode_item, encode_item, item_keys
-from tests.support.fixtures import MakeClient
 from tests.support.gunicorn import ROOT
-from tests.support.redis_server import redis_server as support_redis_server
-from tests.support.toy_models import ScaleHandler, write_scale_model
 
 MIB = 1 << 20
 IDENTITY = b"model\x001\x00fingerprint\x00env\x00cpu"
@@ -44,7 +36,7 @@ def vector(seed: int, size: int = 384) -> dict[str, np.ndarray]:
 
 def fresh(tmp_path: Path, max_bytes: int = 4 * MIB, **kw: Any) -> ResponseCache:
     store = ResponseCache(tmp_path / "cache", max_bytes, **kw)
-    store.CHECK_S = 0.0  # look for a removed store on every call (no waiting in tests)
+    store.opener.CHECK_S = 0.0  # look for a removed store on every call (no waiting in tests)
     return store
 
 
@@ -69,6 +61,18 @@ def test_keys_are_per_item_and_differ_per_version_input_and_dtype() -> None:
     two = np.array([[b"ab", b"c"], [b"a", b"bc"]], dtype=object)
     split = item_keys(IDENTITY, {"t": two})
     assert split is not None and split[0] != split[1]
+
+
+def test_inputs_the_server_derives_are_not_part_of_the_key() -> None:
+    """A window's token ids travel as ``#prepared`` (an object array of int arrays): the text
+    and the model's identity decide them, so the key leaves them out (and never hashes an
+    object array of arrays by accident)."""
+    plain = texts(b"a", b"b")
+    prepared = np.empty(2, dtype=object)
+    prepared[:] = [np.array([101, 7, 102]), np.array([101, 8, 9, 102])]
+    assert PREPARED.startswith("#")
+    assert item_keys(IDENTITY, {**plain, PREPARED: prepared}) == item_keys(IDENTITY, plain)
+    assert item_keys(IDENTITY, {PREPARED: prepared}) is None  # nothing keyed: not cached
 
 
 def test_encoding_round_trips_bit_for_bit_and_refuses_what_it_cannot_hold() -> None:
@@ -109,13 +113,8 @@ def test_a_stored_item_is_found_bit_identical_and_equal_keys_are_stored_once(tmp
 
 
 def test_the_byte_bound_holds_under_a_workload_ten_times_the_store(tmp_path: Path) -> None:
-    evicted: dict[str, int] = {}
-
-    def seen(counts: CacheCounts) -> None:
-        for model, n in counts.evicted.items():
-            evicted[model] = evicted.get(model, 0) + n
-
-    store = fresh(tmp_path, 2 * MIB, on_change=seen)
+    seen: dict[str, dict[Any, int]] = {}
+    store = fresh(tmp_path, 2 * MIB, on_change=counted(seen))
     item_bytes = 384 * 4
     count = 10 * (2 * MIB) // item_bytes // 8 * 8  # ten times the whole map in values alone
     for start in range(0, count, 8):
@@ -125,7 +124,7 @@ def test_the_byte_bound_holds_under_a_workload_ten_times_the_store(tmp_path: Pat
         assert (tmp_path / "cache" / "data.mdb").stat().st_size <= 2 * MIB
     stats = store.stats()
     assert 0 < stats["bytes"] <= stats["pages_bytes"] <= store.budget
-    assert evicted["model"] == count - stats["entries"]
+    assert seen["evicted"]["model"] == count - stats["entries"] and seen["dropped"] == {}
     newest = item_keys(IDENTITY, texts(str(count - 1).encode()))
     oldest = item_keys(IDENTITY, texts(b"0"))
     assert newest is not None and oldest is not None
@@ -145,25 +144,40 @@ def test_an_item_read_often_outlives_a_scan_of_new_ones(tmp_path: Path) -> None:
         assert store.lookup(hot)[0] is not None
 
 
+def tamper(store: ResponseCache, key: bytes, into: bytes, change: Callable[[bytes], bytes]) -> None:
+    """Put ``change(value of key)`` under ``into``, behind the store's back (it is closed first)."""
+    store.close()
+    env = lmdb.open(str(store.path), max_dbs=3)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"items", txn=txn)
+        value = txn.get(key, db=db)
+        assert value is not None
+        txn.put(into, change(value), db=db)
+    env.close()
+
+
 def test_a_corrupt_entry_is_a_miss_and_is_replaced(tmp_path: Path) -> None:
     store = fresh(tmp_path)
     keys = item_keys(IDENTITY, texts(b"a"))
     assert keys is not None
     store.insert([(keys[0], "model", vector(1))])
-    store.close()
-    env = lmdb.open(str(tmp_path / "cache"), max_dbs=3)
-    with env.begin(write=True) as txn:
-        db = env.open_db(b"items", txn=txn)
-        stored = txn.get(keys[0], db=db)
-        assert stored is not None
-        value = bytearray(stored)
-        value[-1] ^= 0xFF  # one flipped bit of the payload
-        txn.put(keys[0], bytes(value), db=db)
-    env.close()
+    tamper(store, keys[0], keys[0], lambda value: value[:-1] + bytes([value[-1] ^ 0xFF]))  # a flipped bit
     assert store.lookup(keys) == [None]
     store.insert([(keys[0], "model", vector(2))])
     found = store.lookup(keys)[0]
     assert found is not None and found["embedding"].tobytes() == vector(2)["embedding"].tobytes()
+
+
+def test_an_entry_under_another_key_is_a_miss(tmp_path: Path) -> None:
+    """The checksum covers the key: a value that a torn copy of the store (or any bug) puts
+    under another key is never answered for it."""
+    store = fresh(tmp_path)
+    keys = item_keys(IDENTITY, texts(b"a", b"b"))
+    assert keys is not None
+    store.insert([(keys[0], "model", vector(1))])
+    tamper(store, keys[0], keys[1], lambda value: value)  # a's value, whole and valid, under b's key
+    found = store.lookup(keys)
+    assert found[0] is not None and found[1] is None
 
 
 def test_an_expired_entry_is_a_miss(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -205,15 +219,69 @@ def test_a_store_removed_while_open_is_made_again(tmp_path: Path) -> None:
     assert store.lookup(keys)[0] is not None
 
 
+def counted(into: dict[str, dict[Any, int]]) -> Callable[[CacheCounts], None]:
+    """An ``on_change`` that sums what each write evicted and dropped into ``into``."""
+    into.setdefault("evicted", {})
+    into.setdefault("dropped", {})
+
+    def seen(counts: CacheCounts) -> None:
+        for model, n in counts.evicted.items():
+            into["evicted"][model] = into["evicted"].get(model, 0) + n
+        for key, n in counts.dropped.items():
+            into["dropped"][key] = into["dropped"].get(key, 0) + n
+
+    return seen
+
+
+def test_three_models_in_a_1_mib_store_never_fill_it_and_drop_nothing(tmp_path: Path) -> None:
+    """Embeddings, click probabilities and class probabilities of three models, in batches of
+    1 to 63, through a 1 MiB store many times over: eviction runs in bounded transactions and
+    before the map is full, so no write meets a full map and none is dropped; the newest items
+    of every batch are found."""
+    seen: dict[str, dict[Any, int]] = {}
+    store = fresh(tmp_path, 1 * MIB, on_change=counted(seen))
+    rng = np.random.default_rng(0)
+    models: dict[str, Callable[[], dict[str, np.ndarray]]] = {
+        "minilm": lambda: {"embedding": rng.random(384, dtype=np.float32), "tokens": np.array([7])},
+        "feed": lambda: {"click_probability": rng.random(1, dtype=np.float32)},
+        "clf": lambda: {"probabilities": rng.random(3, dtype=np.float32), "windows": np.array([1])},
+    }
+    start = 0
+    for _ in range(150):
+        for model, make in models.items():
+            size = int(rng.integers(1, 64))
+            keys = item_keys(model.encode(), {"x": np.arange(start, start + size)[:, None]})
+            assert keys is not None
+            start += size
+            store.insert([(key, model, make()) for key in keys])
+            assert all(item is not None for item in store.lookup(keys[-4:])), model
+    assert seen["dropped"] == {}
+    assert set(seen["evicted"]) == set(models)
+    assert (tmp_path / "cache" / "data.mdb").stat().st_size <= 1 * MIB
+    assert store.stats()["pages_bytes"] <= store.budget
+
+
+def test_every_write_a_failing_store_drops_is_counted(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("not a folder")
+    seen: dict[str, dict[Any, int]] = {}
+    store = ResponseCache(tmp_path / "file" / "cache", 4 * MIB, on_change=counted(seen))
+    keys = item_keys(IDENTITY, texts(b"a", b"b"))
+    assert keys is not None
+    store.insert([(keys[0], "model", vector(1)), (keys[1], "model", {"s": np.array(["str"], dtype=object)})])
+    assert seen["dropped"] == {("model", "store_error"): 1, ("model", "unencodable"): 1}
+
+
 def test_a_full_map_evicts_and_keeps_storing(tmp_path: Path) -> None:
     """Values of 200 KB take whole overflow pages: LMDB's file fills before the data budget."""
-    store = fresh(tmp_path, 1 * MIB)
+    seen: dict[str, dict[Any, int]] = {}
+    store = fresh(tmp_path, 1 * MIB, on_change=counted(seen))
     for i in range(40):
         keys = item_keys(IDENTITY, texts(str(i).encode()))
         assert keys is not None
         store.insert([(keys[0], "model", vector(i, 50_000))])
         assert store.lookup(keys)[0] is not None, f"item {i} not stored"
     assert (tmp_path / "cache" / "data.mdb").stat().st_size <= 1 * MIB
+    assert seen["dropped"] == {}
 
 
 def test_another_process_reads_what_this_one_stored(tmp_path: Path) -> None:
@@ -231,194 +299,3 @@ def test_another_process_reads_what_this_one_stored(tmp_path: Path) -> None:
         cwd=ROOT, capture_output=True, text=True, timeout=60, check=True,
     )  # fmt: skip
     assert bytes.fromhex(out.stdout) == vector(7)["embedding"].tobytes()
-
-
-# --- in the data plane -------------------------------------------------------------------------
-
-
-def cached_scale_model(repo: Path, **parameters: Any) -> Path:
-    return write_scale_model(repo, "scale", response_cache=True, **parameters)
-
-
-def infer_body(*xs: float) -> dict[str, Any]:
-    return {
-        "inputs": [{"name": "x", "datatype": "FP32", "shape": [len(xs), 2], "data": [[x, x] for x in xs]}]
-    }
-
-
-async def test_cached_items_skip_the_queue_and_equal_items_are_computed_once(
-    tmp_path: Path, make_client: MakeClient
-) -> None:
-    repo = tmp_path / "repo"
-    cached_scale_model(repo)
-    client = await make_client(repo, response_cache_path=tmp_path / "cache")
-    ScaleHandler.BATCHES["scale"].clear()
-    resp = await client.post("/v2/models/scale/infer", json=infer_body(1, 2, 1))
-    assert resp.status == 200, await resp.text()
-    assert (await resp.json())["outputs"][0]["data"] == [2, 2, 4, 4, 2, 2]
-    assert ScaleHandler.BATCHES["scale"] == [[1.0, 2.0]]
-    resp = await client.post("/v2/models/scale/infer", json=infer_body(3, 2, 1, 3))
-    assert resp.status == 200
-    assert (await resp.json())["outputs"][0]["data"] == [6, 6, 4, 4, 2, 2, 6, 6]
-    assert ScaleHandler.BATCHES["scale"] == [[1.0, 2.0], [3.0]]
-    resp = await client.post("/v2/models/scale/infer", json=infer_body(2, 1))
-    assert resp.status == 200 and ScaleHandler.BATCHES["scale"] == [[1.0, 2.0], [3.0]]  # all cached
-    stats = (await (await client.get("/v2/models/scale/stats")).json())["model_stats"][0]["inference_stats"]
-    assert (stats["cache_hit"]["count"], stats["cache_miss"]["count"]) == (4, 5)  # Triton's, per item
-    config = await (await client.get("/v2/models/scale/config")).json()
-    assert config["response_cache"] == {"enable": True}
-    scrape = await (await client.get("/metrics")).text()  # an item repeated in a request counts twice
-    assert 'scoring_response_cache_items_total{model="scale",result="hit",version="1"} 4.0' in scrape
-    assert 'scoring_response_cache_items_total{model="scale",result="miss",version="1"} 5.0' in scrape
-    assert 'scoring_response_cache_bytes{model="scale"}' in scrape
-
-
-async def test_cached_and_computed_outputs_are_bit_identical(tmp_path: Path, make_client: MakeClient) -> None:
-    import asyncio
-
-    from app.protocols.infer import InferInput, InferRequest
-
-    repo = tmp_path / "repo"
-    cached_scale_model(repo, factor=1 / 3)  # thirds: every bit of the float32 mantissa in use
-    client = await make_client(repo, response_cache_path=tmp_path / "cache")
-    plane = client.app[CORE].dataplane
-    x = np.random.default_rng(0).random((6, 2), dtype=np.float32)
-
-    async def outputs() -> dict[str, tuple[str, str, bytes]]:
-        request = InferRequest("scale", [InferInput("x", "FP32", [6, 2], x.copy())])
-        request.arrival = asyncio.get_running_loop().time()
-        response = await plane.infer(request, request_id="t")
-        return {t.name: (t.datatype, t.array.dtype.str, t.array.tobytes()) for t in response.outputs}
-
-    computed = await outputs()
-    batches = len(ScaleHandler.BATCHES["scale"])
-    cached = await outputs()
-    assert len(ScaleHandler.BATCHES["scale"]) == batches  # the second answer came from the store
-    assert cached == computed
-
-
-async def test_a_reloaded_model_never_answers_with_the_old_files_results(
-    tmp_path: Path, make_client: MakeClient
-) -> None:
-    repo = tmp_path / "repo"
-    folder = cached_scale_model(repo, factor=2)
-    client = await make_client(repo, response_cache_path=tmp_path / "cache", model_control_mode="explicit",
-                               models="scale")  # fmt: skip
-    resp = await client.post("/v2/models/scale/infer", json=infer_body(5))
-    assert (await resp.json())["outputs"][0]["data"] == [10, 10]
-    toml = (folder / "model.toml").read_text().replace("factor = 2", "factor = 3")
-    (folder / "model.toml").write_text(toml)
-    resp = await client.post("/v2/repository/models/scale/load", json={})
-    assert resp.status == 200, await resp.text()
-    resp = await client.post("/v2/models/scale/infer", json=infer_body(5))
-    assert (await resp.json())["outputs"][0]["data"] == [15, 15]
-
-
-async def test_a_store_that_fails_means_computing(tmp_path: Path, make_client: MakeClient) -> None:
-    repo = tmp_path / "repo"
-    cached_scale_model(repo)
-    (tmp_path / "file").write_text("not a folder")
-    client = await make_client(repo, response_cache_path=tmp_path / "file" / "cache")
-    for _ in range(2):
-        resp = await client.post("/v2/models/scale/infer", json=infer_body(1, 2))
-        assert resp.status == 200
-        assert (await resp.json())["outputs"][0]["data"] == [2, 2, 4, 4]
-
-
-# --- the Redis tier (a real redis-server, started here) ----------------------------------------
-
-
-@pytest.fixture
-def redis_server(tmp_path: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    with support_redis_server(tmp_path) as server:
-        yield server
-
-
-def two_hosts(tmp_path: Path, url: str) -> tuple[ItemCache, ItemCache]:
-    """Two hosts' caches: stores of their own, one Redis tier."""
-    hosts = []
-    for name in ("a", "b"):
-        store = fresh(tmp_path / name)
-        hosts.append(ItemCache(store, "cpu", shared=RedisTier(url, timeout_s=0.5)))
-    return hosts[0], hosts[1]
-
-
-def scale_version(tmp_path: Path) -> ModelVersion:
-    model = ModelVersion(read_config(write_scale_model(tmp_path / "repo", "scale", response_cache=True)))
-    model.fingerprint = "files"
-    return model
-
-
-def test_an_item_one_host_computed_is_found_by_another_through_redis(
-    tmp_path: Path, redis_server: tuple[str, subprocess.Popen[bytes]]
-) -> None:
-    url, proc = redis_server
-    a, b = two_hosts(tmp_path, url)
-    model = scale_version(tmp_path)
-    inputs = {"x": np.array([[1.0, 1.0], [2.0, 2.0]], np.float32)}
-    outputs = {"y": np.array([[3.0, 3.0], [6.0, 6.0]], np.float32)}
-    context = RequestContext("r", 0.0)
-    queued, plan = asyncio.run(a.expand(model, context, inputs))
-    assert queued is not None and len(queued["x"]) == 2
-    a.store_outputs(model, model.fingerprint, queued, outputs)
-    queued, plan = asyncio.run(b.expand(model, context, inputs))
-    assert queued is None  # both items came from host a, through Redis
-    assert b.assemble(plan, None)["y"].tobytes() == outputs["y"].tobytes()
-    proc.terminate()
-    proc.wait(10)
-    queued, plan = asyncio.run(b.expand(model, context, inputs))  # copied into host b's own store
-    assert queued is None and b.assemble(plan, None)["y"].tobytes() == outputs["y"].tobytes()
-
-
-def test_a_stopped_or_corrupt_redis_means_computing(
-    tmp_path: Path, redis_server: tuple[str, subprocess.Popen[bytes]]
-) -> None:
-    import redis
-
-    from app.serving.redis_tier import PREFIX
-
-    url, proc = redis_server
-    a, b = two_hosts(tmp_path, url)
-    model = scale_version(tmp_path)
-    inputs = {"x": np.array([[5.0, 5.0]], np.float32)}
-    context = RequestContext("r", 0.0)
-    queued, _ = asyncio.run(a.expand(model, context, inputs))
-    assert queued is not None
-    a.store_outputs(model, model.fingerprint, queued, {"y": np.array([[15.0, 15.0]], np.float32)})
-    client = redis.Redis.from_url(url)
-    (key,) = client.keys(PREFIX + b"*")
-    stored = client.get(key)
-    assert isinstance(stored, bytes)
-    value = bytearray(stored)
-    value[-1] ^= 0xFF
-    client.set(key, bytes(value))
-    client.close()
-    queued, _ = asyncio.run(b.expand(model, context, inputs))
-    assert queued is not None  # a corrupt value is a miss
-    proc.terminate()
-    proc.wait(10)
-    other = {"x": np.array([[7.0, 7.0]], np.float32)}
-    queued, _ = asyncio.run(b.expand(model, context, other))  # Redis gone: computed, no error
-    assert queued is not None
-    b.store_outputs(model, model.fingerprint, queued, {"y": np.array([[21.0, 21.0]], np.float32)})
-    queued, _ = asyncio.run(b.expand(model, context, other))
-    assert queued is None  # host b's own store still serves
-
-
-async def test_a_cached_model_is_not_refused_before_its_items_are_looked_up(
-    tmp_path: Path, make_client: MakeClient, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Early refusal (before the body is decoded) would refuse requests the store answers whole;
-    a cached model skips it, and admission prices only what is left."""
-    from app.errors import QueueFull
-    from tests.support.fixtures import served
-
-    repo = tmp_path / "repo"
-    cached_scale_model(repo)
-    write_scale_model(repo, "plain")
-    client = await make_client(repo, response_cache_path=tmp_path / "cache")
-    for name in ("scale", "plain"):
-        unit = served(client.app, name)
-        monkeypatch.setattr(unit, "refuse_early", lambda deadline: QueueFull("busy", retry_after_s=1))
-    assert (await client.post("/v2/models/plain/infer", json=infer_body(1))).status == 503
-    assert (await client.post("/v2/models/scale/infer", json=infer_body(1))).status == 200

@@ -89,7 +89,11 @@ async def test_one_request_is_a_server_span_with_queue_batch_forward_and_encode(
         assert named[child].parent.span_id == server.context.span_id
     batch = named["batch"]
     assert [link.context.span_id for link in batch.links] == [server.context.span_id]
-    assert batch.attributes == {"scoring.batch.items": 1, "scoring.batch.requests": 1, "scoring.batch.cost": 1.0}
+    assert batch.attributes == {
+        "scoring.batch.items": 1,
+        "scoring.batch.requests": 1,
+        "scoring.batch.cost": 1.0,
+    }
     assert named["forward"].parent.span_id == batch.context.span_id
     assert named["forward"].end_time <= batch.end_time
 
@@ -117,7 +121,9 @@ async def test_cached_items_are_marked_on_the_request_span_and_skip_the_queue(
     memory: InMemorySpanExporter, make_client: MakeClient, tmp_path: Path
 ) -> None:
     write_scale_model(tmp_path / "repo", "scale", response_cache=True)
-    client: Client = await make_client(tmp_path / "repo", response_cache_path=tmp_path / "cache")
+    client: Client = await make_client(
+        tmp_path / "repo", response_cache_path=tmp_path / "cache", response_cache_lookup_timeout_ms=60_000
+    )  # a lookup bound no loaded machine reaches: a test of hits, not of timing
     body = {"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1.0, 1.0, 2.0, 2.0]}]}
     for attempt in ("computed", "cached"):
         memory.clear()
