@@ -119,9 +119,8 @@ from app.errors import (
 from app.http.state import CORE
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
-from app.protocols import classify, openai, rerank, v1, v2
-from app.protocols.codec import Codec
-from app.protocols.openai import error_body
+from app.protocols.apis import APIS
+from app.protocols.codec import PLAIN_ERRORS, Api, ErrorShape
 from app.serving.dataplane import request_id
 from app.settings import Settings
 
@@ -132,9 +131,6 @@ log = logging.getLogger(__name__)
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
 REQUEST_ID = web.RequestKey("request_id", str)
-#: The paths whose errors take OpenAI's shape (``app.protocols.openai.error_body``): OpenAI's
-#: embeddings, and the rerank and classify APIs (OpenAI's error shape, as vLLM answers them).
-OPENAI_PATHS = frozenset({"/v1/embeddings", "/v1/rerank", "/v2/rerank", "/v1/classify"})
 #: Bytes of a request line besides the path: method, spaces, "HTTP/1.1".
 _REQUEST_LINE_OVERHEAD = 16
 #: The content codings aiohttp's parser decodes (a ``br`` or ``zstd`` body needs its library).
@@ -160,11 +156,13 @@ def model_known(request: web.Request, name: str, version: str) -> None:
 
 
 def json_error(
-    status: int, message: str, headers: dict[str, str] | None = None, *, openai: bool = False
+    status: int, message: str, headers: dict[str, str] | None = None, shape: ErrorShape = PLAIN_ERRORS
 ) -> web.Response:
-    """A ``{"error": message}`` JSON response; ``openai``: OpenAI's error shape instead."""
-    body = error_body(status, message) if openai else orjson.dumps({"error": message})
-    return web.Response(status=status, body=body, content_type="application/json", headers=headers)
+    """An error response in ``shape`` (an API's, ``app.protocols.codec.ErrorShape``; by default
+    ``{"error": message}``)."""
+    return web.Response(
+        status=status, body=shape.body(status, message), content_type="application/json", headers=headers
+    )
 
 
 def edge_middleware(
@@ -188,10 +186,11 @@ def edge_middleware(
         request[REQUEST_ID] = rid
         if tracing is not None:
             tracing.tag(rid)
-        recording, openai = None, request.path in OPENAI_PATHS
-        protocol = PROTOCOLS.get(request.match_info.handler) if metrics is not None else None
-        if metrics is not None and protocol is not None:
-            recording = request[RECORDING] = Recording(metrics, protocol)
+        api = API_OF.get(request.match_info.handler)  # None: not an inference route
+        shape = PLAIN_ERRORS if api is None else api.errors
+        recording = None
+        if metrics is not None and api is not None:
+            recording = request[RECORDING] = Recording(metrics, api.protocol)
             if "name" in request.match_info:
                 recording.model(*_model_labels(request))
         code = 500
@@ -205,18 +204,18 @@ def edge_middleware(
                     await _read_within(request, timeout_s, min_rate, grace_s)
                 response = await handler(request)
             except ScoringError as exc:
-                response = _domain_error(exc, rid, openai)
+                response = _domain_error(exc, rid, shape)
             except web.HTTPException as exc:
                 if exc.status < 400:
                     raise
-                response = _http_error(exc, rid, openai)
+                response = _http_error(exc, rid, shape)
             except UnicodeDecodeError as exc:
                 message = f"request body is not valid UTF-8 (byte {exc.start}: {exc.reason})"
-                response = json_error(400, message, {REQUEST_ID_HEADER: rid}, openai=openai)
+                response = json_error(400, message, {REQUEST_ID_HEADER: rid}, shape)
             except Exception:
                 log.exception("request %s %s %s failed", rid, request.method, request.path)
                 message = f"internal server error (request id {rid})"
-                response = json_error(500, message, {REQUEST_ID_HEADER: rid}, openai=openai)
+                response = json_error(500, message, {REQUEST_ID_HEADER: rid}, shape)
             else:
                 response.headers[REQUEST_ID_HEADER] = rid
             if not response.prepared:
@@ -342,7 +341,7 @@ async def _read_within(request: web.Request, timeout_s: float, min_rate: float, 
             handle.cancel()
 
 
-def _domain_error(exc: ScoringError, rid: str, openai: bool) -> web.Response:
+def _domain_error(exc: ScoringError, rid: str, shape: ErrorShape) -> web.Response:
     headers = {**exc.headers, REQUEST_ID_HEADER: rid}
     if exc.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after_s)))
@@ -350,17 +349,17 @@ def _domain_error(exc: ScoringError, rid: str, openai: bool) -> web.Response:
         # Overload answers (503) are counted in metrics; a line each would flood the log.
         level = logging.DEBUG if exc.status == 503 else logging.WARNING
         log.log(level, "request %s: %d %s", rid, exc.status, exc.message)
-    return json_error(exc.status, exc.message, headers, openai=openai)
+    return json_error(exc.status, exc.message, headers, shape)
 
 
-def _http_error(exc: web.HTTPException, rid: str, openai: bool) -> web.Response:
+def _http_error(exc: web.HTTPException, rid: str, shape: ErrorShape) -> web.Response:
     message = exc.text if exc.text and not exc.text.startswith(f"{exc.status}:") else exc.reason
     if exc.status == 413:
         message = f"request body too large: {message}"
     headers = {REQUEST_ID_HEADER: rid}
     if "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
-    return json_error(exc.status, message, headers, openai=openai)
+    return json_error(exc.status, message, headers, shape)
 
 
 # The inference routes: one path for every inference API (module docstring).
@@ -369,11 +368,6 @@ def _http_error(exc: web.HTTPException, rid: str, openai: bool) -> web.Response:
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
 #: The Content-Types an inference POST may have (or none).
 _BODY_TYPES = frozenset({"application/json", "text/json", "application/octet-stream"})
-
-#: The inference POSTs, added to the router before every other table (``app.main``): aiohttp
-#: tries the resources that share a static prefix (``/v2/models``) in the order they were
-#: added, one coroutine each, so the hot path goes first (2 tries per request instead of 10).
-inference_routes = web.RouteTableDef()
 
 
 async def _read_body(request: web.Request) -> bytes:
@@ -426,7 +420,7 @@ def _disconnected(request: web.Request) -> Callable[[], bool]:
     return disconnected
 
 
-async def serve(request: web.Request, codec: Codec) -> web.Response:
+async def serve(request: web.Request, api: Api) -> web.Response:
     """The one path of every HTTP inference API: the deadline from the headers, admission (before
     the body is read where the path names the model), the codec's decoding, the data plane, the
     codec's encoding (a span of its own where tracing is on). Errors are raised as
@@ -435,7 +429,7 @@ async def serve(request: web.Request, codec: Codec) -> web.Response:
     Raises:
         ScoringError: what admission, decoding or the data plane raised (4xx, 503, 504).
     """
-    plane = request.app[CORE].dataplane
+    plane, codec = request.app[CORE].dataplane, api.codec
     arrival = asyncio.get_running_loop().time()
     deadline = header_deadline(request, arrival)
     model = None
@@ -443,7 +437,7 @@ async def serve(request: web.Request, codec: Codec) -> web.Response:
         model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
     call = codec.call(await _read_body(request), request.headers, plane.limits)
     if model is None:
-        assert call.name is not None, f"the {codec.protocol} codec named no model"
+        assert call.name is not None, f"the {api.protocol} codec named no model"
         model = plane.admit(call.name, call.version, arrival, deadline)
         model_known(request, model.config.name, model.config.version)
     body, content_type, headers = await plane.serve(
@@ -453,51 +447,23 @@ async def serve(request: web.Request, codec: Codec) -> web.Response:
     return web.Response(body=body, content_type=content_type, headers=headers)
 
 
-@inference_routes.post("/v2/models/{name}/versions/{version}/infer")
-@inference_routes.post("/v2/models/{name}/infer")  # innermost: added first
-async def infer(request: web.Request) -> web.Response:
-    """``POST .../infer``: an ``$inference_request`` in, an ``$inference_response`` out; either
-    may use Triton's binary tensor data extension (``Inference-Header-Content-Length``)."""
-    return await serve(request, v2.CODEC)
+def _handler(api: Api) -> Handler:
+    """The route handler of ``api``: :func:`serve` with it."""
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return await serve(request, api)
+
+    handle.__name__ = handle.__qualname__ = f"serve_{api.protocol}"
+    return handle
 
 
-@inference_routes.post("/v1/models/{name:[^/:]+}:predict")
-async def v1_predict(request: web.Request) -> web.Response:
-    """``POST /v1/models/{name}:predict``: ``{"instances": [...]}`` -> ``{"predictions": [...]}``."""
-    return await serve(request, v1.CODEC)
-
-
-@inference_routes.post("/v1/embeddings")
-async def embeddings(request: web.Request) -> web.Response:
-    """``POST /v1/embeddings``: OpenAI's embeddings API over any model that makes embeddings
-    (``app.protocols.openai``): the same batching, admission, API keys and deadlines as V2."""
-    return await serve(request, openai.CODEC)
-
-
-@inference_routes.post("/v1/rerank")
-@inference_routes.post("/v2/rerank")
-async def rerank_documents(request: web.Request) -> web.Response:
-    """``POST /v1/rerank`` (and ``/v2/rerank``, where Cohere's v2 client posts): Cohere's rerank
-    API over a cross-encoder or an embedding model (``app.protocols.rerank``)."""
-    return await serve(request, rerank.CODEC)
-
-
-@inference_routes.post("/v1/classify")
-async def classify_texts(request: web.Request) -> web.Response:
-    """``POST /v1/classify``: vLLM's classify API over a sequence classifier
-    (``app.protocols.classify``)."""
-    return await serve(request, classify.CODEC)
-
-
-#: The protocol of each inference handler: the label of its requests' metrics (the edge
-#: middleware, ``app.http.edge``).
-PROTOCOLS: dict[Handler, str] = {
-    infer: v2.CODEC.protocol,
-    v1_predict: v1.CODEC.protocol,
-    embeddings: openai.CODEC.protocol,
-    rerank_documents: rerank.CODEC.protocol,
-    classify_texts: classify.CODEC.protocol,
-}
+#: The handler of each inference API (the edge middleware labels its requests and shapes their
+#: errors by it).
+API_OF: dict[Handler, Api] = {_handler(api): api for api in APIS}
+#: One route per URL of each API, in the order of ``app.protocols.apis.APIS``.
+inference_routes = [
+    web.route(api.method, route.path, handler) for handler, api in API_OF.items() for route in api.routes
+]
 
 
 # The keep-alive policy and holding impatient clients (module docstring).

@@ -24,9 +24,9 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import BodyNamedCodec
+from app.protocols import openai
+from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.openai import input_texts
 from app.protocols.tensors import RequestLimits, decode_json
 
 TEXT, PROBABILITIES, TOKENS, WINDOWS = "text", "probabilities", "tokens", "windows"
@@ -80,7 +80,7 @@ def decode(body: bytes, limits: RequestLimits) -> ClassifyRequest:
         InvalidInput: malformed JSON, a field of the wrong type, no input, token arrays.
     """
     request = decode_json(_decoder, body, limits.max_json_depth, "classify request")
-    request.input = input_texts(request.input)
+    request.input = openai.input_texts(request.input)
     limits.check_items(len(request.input), "input")
     return request
 
@@ -138,5 +138,15 @@ def encode(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
     return msgspec.json.encode(response)
 
 
-#: vLLM's classify API as a codec (``app.protocols.codec``).
-CODEC = BodyNamedCodec("classify", decode, infer_request, lambda body, config, out: encode(config, out))
+#: vLLM's classify API (``app.protocols.codec.Api``).
+API = Api(
+    protocol="classify",
+    title="vLLM's classify API",
+    routes=(Route("/v1/classify", "classify"),),
+    codec=BodyNamedCodec(decode, infer_request, lambda body, config, out: encode(config, out)),
+    summary="Classify texts (vLLM's API) with a sequence classifier",
+    request=ClassifyRequest,
+    response=ClassifyResponse,
+    answer="Per text, in order: the top label, the probabilities, windows taken.",
+    errors=openai.ERRORS,
+)

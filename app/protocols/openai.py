@@ -20,11 +20,10 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
-import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import BodyNamedCodec
+from app.protocols.codec import Api, BodyNamedCodec, ErrorShape, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
 
@@ -154,6 +153,22 @@ def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]
     return msgspec.json.encode(EmbeddingResponse(data, model, Usage(tokens, tokens)))
 
 
+class OpenAIErrorDetail(msgspec.Struct):
+    """What went wrong: the message, OpenAI's error type, the parameter (never named here) and a
+    code (``model_not_found`` for a 404)."""
+
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class OpenAIError(msgspec.Struct):
+    """OpenAI's error body."""
+
+    error: OpenAIErrorDetail
+
+
 #: OpenAI's error type of each status class.
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}  # fmt: skip
@@ -163,10 +178,21 @@ def error_body(status: int, message: str) -> bytes:
     """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
     kind = _TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
     code = "model_not_found" if status == 404 else None
-    return orjson.dumps({"error": {"message": message, "type": kind, "param": None, "code": code}})
+    return msgspec.json.encode(OpenAIError(OpenAIErrorDetail(message, kind, None, code)))
 
 
-#: OpenAI's embeddings API as a codec (``app.protocols.codec``).
-CODEC = BodyNamedCodec(
-    "openai", decode, infer_request, lambda body, config, out: encode(body, config.name, out)
+#: OpenAI's error shape: the OpenAI-style APIs' (embeddings; rerank and classify, as vLLM answers).
+ERRORS = ErrorShape(OpenAIError, error_body)
+
+#: OpenAI's embeddings API (``app.protocols.codec.Api``).
+API = Api(
+    protocol="openai",
+    title="OpenAI's embeddings API",
+    routes=(Route("/v1/embeddings", "createEmbedding"),),
+    codec=BodyNamedCodec(decode, infer_request, lambda body, config, out: encode(body, config.name, out)),
+    summary="Embeddings (OpenAI's API) of any model that makes them",
+    request=EmbeddingRequest,
+    response=EmbeddingResponse,
+    answer="One embedding per input, in order; usage in tokens.",
+    errors=ERRORS,
 )

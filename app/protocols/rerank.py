@@ -25,7 +25,8 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import BodyNamedCodec
+from app.protocols import openai
+from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
 
@@ -184,7 +185,15 @@ def encode(request: RerankRequest, model: str, outputs: dict[str, np.ndarray]) -
     )
 
 
-#: Cohere's rerank API as a codec (``app.protocols.codec``).
-CODEC = BodyNamedCodec(
-    "rerank", decode, infer_request, lambda body, config, out: encode(body, config.name, out)
+#: Cohere's rerank API (``app.protocols.codec.Api``); ``/v2/rerank`` is where Cohere's v2 client posts.
+API = Api(
+    protocol="rerank",
+    title="Cohere's rerank API (as vLLM, Infinity and Jina serve it)",
+    routes=(Route("/v1/rerank", "rerank"), Route("/v2/rerank", "rerankV2")),
+    codec=BodyNamedCodec(decode, infer_request, lambda body, config, out: encode(body, config.name, out)),
+    summary="Rerank documents against a query (Cohere's API) with a cross-encoder or an embedding model",
+    request=RerankRequest,
+    response=RerankResponse,
+    answer="The documents by relevance, highest first; windows each took.",
+    errors=openai.ERRORS,
 )
