@@ -440,7 +440,6 @@ class ModelObserver:
             self._metrics.priority_requests.labels(*self._labels, priority, outcome).inc()
 
 
-
 def create_metrics() -> ServerMetrics:
     """This process's metrics: file-backed under gunicorn, else in a registry of their own."""
     return ServerMetrics(None if multiprocess_dir() is not None else CollectorRegistry())

@@ -27,7 +27,8 @@ from app.models.repository import ModelConfig
 from app.protocols import openai
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.tensors import RequestLimits, decode_json
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits
 
 TEXT, PROBABILITIES, TOKENS, WINDOWS = "text", "probabilities", "tokens", "windows"
 

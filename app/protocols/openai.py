@@ -25,7 +25,8 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.codec import Api, BodyNamedCodec, ErrorShape, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.tensors import RequestLimits, decode_json
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits
 
 EMBEDDING = "embedding"
 TOKENS = "tokens"

@@ -26,7 +26,8 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.codec import JSON, Answer, Api, Call, Route
 from app.protocols.infer import InferInput, InferRequest, InferResponse
-from app.protocols.tensors import RequestLimits, decode_json
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits
 
 
 class PredictRequest(msgspec.Struct):
@@ -49,7 +50,7 @@ _DEFAULT_LIMITS = RequestLimits()
 def decode_request(config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferRequest:
     """Parse a V1 predict body into an :class:`InferRequest` with one input per model input
     named in the instances (shape inferred from the nesting; validate with
-    :func:`app.serving.dataplane.validate_inputs`).
+    :func:`app.serving.validation.validate_inputs`).
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, no

@@ -34,7 +34,8 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.codec import JSON, Answer, Api, Call, Route
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RawData, RequestedOutput
-from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits, tensor_bytes
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).
@@ -228,7 +229,7 @@ def attach_binary(request: InferRequest, binary: memoryview) -> None:
     """Give every input that declares ``parameters.binary_data_size`` its part of ``binary``, in
     input order, as :class:`~app.protocols.infer.RawData` (a view: nothing is copied or
     decoded here; validation decodes it once the tensor's name, datatype and size are known to
-    fit the model: :func:`app.serving.dataplane.validate_inputs`).
+    fit the model: :func:`app.serving.validation.validate_inputs`).
 
     Raises:
         InvalidInput: a declared size is not a non-negative integer; sizes do not add up to

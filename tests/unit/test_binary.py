@@ -18,7 +18,7 @@ from app.models.repository import read_config
 from app.protocols import tensors, v2
 from app.protocols.infer import RawData
 from app.protocols.tensors import RequestLimits
-from app.serving.dataplane import validate_inputs
+from app.serving.validation import validate_inputs
 from tests.support.fixtures import Client, MakeClient
 from tests.support.fuzz import FUZZ
 from tests.support.toy_models import write_scale_model
@@ -183,8 +183,20 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
         ({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32"}]}, [], None, 400, "no data"),
         ({"inputs": [{**x_input(2), "shape": [2**40, 2]}]}, [X2], None, 413, "items"),
         ({"inputs": [{**x_input(2), "shape": [-2, 2]}]}, [X2], None, 400, "non-negative"),
-        ({"inputs": [{**x_input(2), "datatype": "FP64"}]}, [X2], None, 400, "FP64 but model scale expects FP32"),
-        ({"inputs": [{**x_input(2), "datatype": "BF16"}]}, [X2], None, 400, "BF16 but model scale expects FP32"),
+        (
+            {"inputs": [{**x_input(2), "datatype": "FP64"}]},
+            [X2],
+            None,
+            400,
+            "FP64 but model scale expects FP32",
+        ),
+        (
+            {"inputs": [{**x_input(2), "datatype": "BF16"}]},
+            [X2],
+            None,
+            400,
+            "BF16 but model scale expects FP32",
+        ),
         (
             {"inputs": [{**x_input(2), "parameters": {"shared_memory_region": "r"}}]},
             [X2],
@@ -301,9 +313,7 @@ def binary_requests(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
 
 @FUZZ
 @given(request=binary_requests())
-async def test_fuzzed_binary_bodies_never_5xx(
-    client: Client, request: tuple[bytes, dict[str, str]]
-) -> None:
+async def test_fuzzed_binary_bodies_never_5xx(client: Client, request: tuple[bytes, dict[str, str]]) -> None:
     body, headers = request
     resp = await client.post(V2_INFER, data=body, headers=headers)
     raw = await resp.read()
