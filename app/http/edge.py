@@ -22,9 +22,12 @@ In order, for each request (:func:`edge_middleware`):
    (``app.protocols.codec.Api.errors``): the Open Inference Protocol's ``{"error": "<message>"}``
    (KServe V1 uses the same shape), OpenAI's on the OpenAI-style APIs;
 6. the **request metrics** of an inference request (count by status, latency, in flight; the
-   status the client gets, 499 when it left), labelled by its route's API's protocol and model:
-   counted in flight on arrival when its path names the model, or once its handler knows it
-   (:func:`model_known`: OpenAI's, from the body).
+   status the client gets, 499 when it left: :class:`app.observability.metrics.Recording`, one
+   per request, as the gRPC servicer's), labelled by its route's API's protocol and model:
+   counted in flight on arrival when its path names the model (so that what is refused here
+   counts under it), else once the data plane has found the model its body names
+   (``DataPlane.admit``). The inference route puts it in the request's context
+   (:data:`RECORDING`).
 """
 
 from __future__ import annotations
@@ -59,15 +62,8 @@ def request_id_of(request: web.Request) -> str:
     return str(request.get(REQUEST_ID, "-"))
 
 
+#: The request metrics of an inference request (metrics on), for its context.
 RECORDING = web.RequestKey("recording", Recording)
-
-
-def model_known(request: web.Request, name: str, version: str) -> None:
-    """An inference handler found the model its request's body names: the request counts in
-    flight from now, under that model (no-op with metrics off)."""
-    recording = request.get(RECORDING)
-    if recording is not None:
-        recording.model(name, version)
 
 
 def json_error(
@@ -108,7 +104,7 @@ def edge_middleware(
         recording = None
         if metrics is not None and api is not None:
             recording = request[RECORDING] = Recording(metrics, api.protocol)
-            if "name" in request.match_info:
+            if api.codec.named_in_path:  # labelled from arrival: refusals here (401, 408, 413) too
                 recording.model(*_model_labels(request))
         code = 500
         try:
@@ -149,7 +145,7 @@ def edge_middleware(
             raise
         finally:
             if recording is not None:
-                recording.answered(code, time.perf_counter() - start)
+                recording.answered(code)
 
     return edge
 
@@ -158,9 +154,8 @@ def _model_labels(request: web.Request) -> tuple[str, str]:
     """(model, version) of the request its path names; ("", "") for one this worker does not
     serve."""
     info = request.match_info
-    name = info["name"]
     try:
-        config = request.app[CORE].dataplane.version(name, info.get("version")).config
+        config = request.app[CORE].dataplane.version(info["name"], info.get("version")).config
     except ScoringError:  # unknown, or unavailable: answered 404 / 503
         return "", ""
     return config.name, config.version

@@ -18,10 +18,11 @@ from aiohttp import web
 from aiohttp.typedefs import Handler
 
 from app.errors import InvalidInput, UnsupportedMediaType
-from app.http.edge import model_known, request_id_of
+from app.http.edge import RECORDING, request_id_of
 from app.http.state import CORE
 from app.protocols.apis import APIS
 from app.protocols.codec import Api
+from app.serving.context import NO_DEADLINE, RequestContext
 
 #: The header that gives a request its own timeout, in milliseconds.
 TIMEOUT_HEADER = "X-Request-Timeout-Ms"
@@ -50,16 +51,16 @@ async def _read_body(request: web.Request) -> bytes:
     return await request.read()
 
 
-def header_deadline(request: web.Request, arrival: float) -> float | None:
+def header_deadline(request: web.Request, arrival: float) -> float:
     """The deadline ``X-Request-Timeout-Ms`` names (milliseconds from ``arrival``), as loop time;
-    None when absent.
+    ``app.serving.context.NO_DEADLINE`` when absent.
 
     Raises:
         InvalidInput: not a positive finite number.
     """
     value = request.headers.get(TIMEOUT_HEADER)
     if value is None:
-        return None
+        return NO_DEADLINE
     try:
         ms = float(value)
     except ValueError:
@@ -80,29 +81,34 @@ def _disconnected(request: web.Request) -> Callable[[], bool]:
 
 
 async def serve(request: web.Request, api: Api) -> web.Response:
-    """The one path of every HTTP inference API: the deadline from the headers, admission (before
-    the body is read where the path names the model), the codec's decoding, the data plane, the
-    codec's encoding (a span of its own where tracing is on). Errors are raised as
-    :mod:`app.errors` and answered by the edge middleware, in the API's shape.
+    """The one path of every HTTP inference API: the request's context (its id and metrics from
+    the edge middleware, its arrival, the deadline of its headers, its trace, its client),
+    admission (before the body is read where the path names the model), the codec's decoding,
+    the data plane, the codec's encoding (a span of its own where tracing is on). Errors are
+    raised as :mod:`app.errors` and answered by the edge middleware, in the API's shape.
 
     Raises:
         ScoringError: what admission, decoding or the data plane raised (4xx, 503, 504).
     """
-    plane, codec = request.app[CORE].dataplane, api.codec
+    core = request.app[CORE]
+    plane, codec, tracing = core.dataplane, api.codec, core.tracing
     arrival = asyncio.get_running_loop().time()
-    deadline = header_deadline(request, arrival)
+    context = RequestContext(
+        request_id_of(request),
+        header_deadline(request, arrival),
+        trace=tracing.carrier() if tracing is not None else (),
+        is_disconnected=_disconnected(request),
+        arrival=arrival,
+        recording=request.get(RECORDING),
+    )
     model = None
     if codec.named_in_path:
-        model = plane.admit(request.match_info["name"], request.match_info.get("version"), arrival, deadline)
+        model = plane.admit(request.match_info["name"], request.match_info.get("version"), context)
     call = codec.call(await _read_body(request), request.headers, plane.limits)
     if model is None:
         assert call.name is not None, f"the {api.protocol} codec named no model"
-        model = plane.admit(call.name, call.version, arrival, deadline)
-        model_known(request, model.config.name, model.config.version)
-    body, content_type, headers = await plane.serve(
-        model, call, arrival=arrival, deadline=deadline, request_id=request_id_of(request),
-        is_disconnected=_disconnected(request),
-    )  # fmt: skip
+        model = plane.admit(call.name, call.version, context)
+    body, content_type, headers = await plane.serve(model, call, context)
     return web.Response(body=body, content_type=content_type, headers=headers)
 
 

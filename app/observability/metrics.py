@@ -11,7 +11,8 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 scrape adds prometheus_client's default registry (process and GC collectors).
 
 Every metric is listed in ``docs/observability.md``. This module holds the
-definitions; ``app.http.edge`` records the HTTP requests, ``app.http.routes`` answers
+definitions and one request's recording (:class:`Recording`, which the HTTP edge middleware
+and the gRPC servicer make); ``app.http.routes`` answers
 ``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
 (never through CUDA); in CPU mode there are no GPU figures.
 
@@ -302,14 +303,23 @@ class RequestMetrics:
 
 
 class Recording:
-    """One inference request's metrics, whatever its front end: made once its model is known
-    (``recorded``), answered once with its code (the HTTP status or the gRPC status name)."""
+    """One inference request's metrics, whatever its front end (the HTTP edge middleware, the
+    gRPC servicer): made when it arrives (its latency counts from here), labelled with its model
+    once the data plane has found it (:meth:`model`; ``app.serving.dataplane.DataPlane.admit``),
+    answered once with its code (the HTTP status, or the gRPC status name).
 
-    __slots__ = ("metrics", "protocol", "recorded")
+    Args:
+        metrics: this process's metrics.
+        protocol: the label (``app.protocols.codec.Api.protocol``, or ``grpc``).
+    """
+
+    __slots__ = ("metrics", "protocol", "recorded", "start")
 
     def __init__(self, metrics: ServerMetrics, protocol: str) -> None:
         self.metrics, self.protocol = metrics, protocol
         self.recorded: RequestMetrics | None = None
+        #: ``time.perf_counter()`` at arrival, seconds.
+        self.start = time.perf_counter()
 
     def model(self, name: str, version: str) -> None:
         """The request addresses ``name`` ``version``: it counts in flight from now (once)."""
@@ -317,9 +327,10 @@ class Recording:
             self.recorded = self.metrics.for_requests(name, version, self.protocol)
             self.recorded.in_flight.inc()
 
-    def answered(self, code: int | str, seconds: float) -> None:
-        """It left with ``code`` after ``seconds`` (not counted in flight when its model was never
-        known: labelled model "")."""
+    def answered(self, code: int | str) -> None:
+        """It left with ``code``, now (not counted in flight when its model was never known:
+        labelled model "")."""
+        seconds = time.perf_counter() - self.start
         if self.recorded is not None:
             self.recorded.answered(code, seconds)
         else:

@@ -1,9 +1,10 @@
 """The data plane: the one serving path every protocol front end calls (HTTP V1/V2, gRPC,
 OpenAI embeddings).
 
-A front end decodes its wire format into an :class:`~app.protocols.infer.InferRequest`, with its
-arrival time and the deadline its transport named (both on the event loop's clock), and encodes
-the :class:`~app.protocols.infer.InferResponse` it gets back. Between the two, once for every
+A front end decodes its wire format into an :class:`~app.protocols.infer.InferRequest`, builds
+the request's :class:`~app.serving.context.RequestContext` (its id, its arrival and the deadline
+its transport named, both on the event loop's clock, its trace, client, connection and metrics),
+and encodes the :class:`~app.protocols.infer.InferResponse` it gets back. Between the two, once for every
 protocol: :meth:`DataPlane.admit` (the model version, 404; early refusal before the body is
 decoded, 503), :meth:`DataPlane.infer` (validation against the model, 4xx; the outputs asked for;
 the one absolute deadline; the priority level; balancing among sibling workers; the serving unit;
@@ -17,11 +18,14 @@ both front ends apply. Source: KServe's ``DataPlane``
 
 from __future__ import annotations
 
+import asyncio
+import math
 import os
 import random
 import re
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
@@ -154,7 +158,8 @@ class DataPlane:
         the server's ``max_request_timeout_ms``).
 
         Clipped rather than refused (as a gRPC deadline longer than the server's limit is); one at
-        or before ``arrival`` counts as none (the parsers refuse those first).
+        or before ``arrival`` counts as none (the parsers refuse those first), as does None or
+        NaN (``app.serving.context.NO_DEADLINE``).
         """
         config, settings = model.config, self.settings
         cap = arrival + (config.max_timeout_ms or settings.max_request_timeout_ms) / 1000.0
@@ -162,32 +167,35 @@ class DataPlane:
             return min(arrival + (config.timeout_ms or settings.request_timeout_ms) / 1000.0, cap)
         return min(requested, cap)
 
-    def request_deadline(self, model: ModelVersion, request: InferRequest) -> float:
-        """:meth:`deadline` of ``request``: the earlier of its transport's deadline and its
-        ``parameters.timeout`` (microseconds from its arrival, Triton's).
+    def request_deadline(self, model: ModelVersion, request: InferRequest, context: RequestContext) -> float:
+        """:meth:`deadline` of ``request``, which arrived with ``context`` (as the edge built it):
+        the earlier of its transport's deadline and its ``parameters.timeout`` (microseconds from
+        its arrival, Triton's).
 
         Raises:
             InvalidInput: a ``parameters.timeout`` that is not a positive number.
         """
-        requested = request.deadline
+        arrival = context.arrival if context.arrival is not None else asyncio.get_running_loop().time()
+        requested = None if math.isnan(context.deadline) else context.deadline
         given = parameters_timeout_s(request.parameters) if request.parameters else None
-        if given is not None and (requested is None or request.arrival + given < requested):
-            requested = request.arrival + given
-        return self.deadline(model, request.arrival, requested)
+        if given is not None and (requested is None or arrival + given < requested):
+            requested = arrival + given
+        return self.deadline(model, arrival, requested)
 
     # --- the steps a front end calls ------------------------------------------------------------
 
-    def admit(self, name: str, version: str | None, arrival: float, deadline: float | None) -> ModelVersion:
+    def admit(self, name: str, version: str | None, context: RequestContext) -> ModelVersion:
         """The model version a request addresses, once it is clear the request is not refused
         early: with a full batch or more waiting and no request of the size recently seen able
         to finish in time, it is refused before its body is decoded (the full admission, with
         its own size, happens in :meth:`infer`). A model with a response cache is never refused
-        here (its cached items cost nothing).
+        here (its cached items cost nothing). The request's metrics (``context.recording``) are
+        labelled with the version found, refused or not.
 
         Args:
             name, version: the model addressed (version None = the default one).
-            arrival, deadline: when it arrived, and the deadline its transport named (a header,
-                a gRPC deadline; None = none), loop time.
+            context: the request's, as its front end built it (its arrival, and the deadline
+                its transport named).
 
         Raises:
             ModelNotFound: unknown model or version (404).
@@ -196,32 +204,30 @@ class DataPlane:
                 time even alone (504).
         """
         model = self.version(name, version)
+        if context.recording is not None:
+            context.recording.model(model.config.name, model.config.version)
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
         # a model with a response cache is not refused before its items are looked up: those
         # cached never reach the queue, and admission in ``infer`` prices only the others
         if unit is not None and not (self.cache is not None and model.config.response_cache.enable):
-            refusal = unit.refuse_early(self.deadline(model, arrival, deadline))
+            arrival = context.arrival if context.arrival is not None else asyncio.get_running_loop().time()
+            refusal = unit.refuse_early(self.deadline(model, arrival, context.deadline))
             if refusal is not None:
                 raise refusal
         return model
 
-    async def serve(
-        self,
-        model: ModelVersion,
-        call: Call[Answer],
-        *,
-        arrival: float,
-        deadline: float | None,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None = None,
-        pinned: bool = False,
-    ) -> Answer:
+    async def serve(self, model: ModelVersion, call: Call[Answer], context: RequestContext) -> Answer:
         """Serve one decoded call (``app.protocols.codec.Call``) on an admitted model: build its
-        inference request for the model's config, stamp its arrival and deadline (the loop's
-        clock, seconds), :meth:`infer`, and encode the response (an ``encoding`` span where
-        tracing is on). What every front end does once its transport has named the model.
+        inference request for the model's config, :meth:`infer` it, and encode the response (an
+        ``encoding`` span where tracing is on). What every front end does once its transport has
+        named the model.
+
+        Args:
+            model: what :meth:`admit` returned.
+            call: the decoded call.
+            context: the request's, as its front end built it.
 
         Returns:
             What the call's ``encode`` makes of the response (HTTP: bytes, content type and
@@ -230,34 +236,23 @@ class DataPlane:
         Raises:
             What the call's ``build`` raises (InvalidInput, 400) and what :meth:`infer` raises.
         """
-        request = call.build(model.config)
-        request.arrival, request.deadline = arrival, deadline
-        response = await self.infer(
-            request, request_id=request_id, model=model, is_disconnected=is_disconnected, pinned=pinned
-        )
+        response = await self.infer(call.build(model.config), context, model=model)
         if self.tracing is None:
             return call.encode(model.config, response)
         with self.tracing.encoding():
             return call.encode(model.config, response)
 
     async def infer(
-        self,
-        request: InferRequest,
-        *,
-        request_id: str,
-        model: ModelVersion | None = None,
-        is_disconnected: Callable[[], bool] | None = None,
-        pinned: bool = False,
+        self, request: InferRequest, context: RequestContext, *, model: ModelVersion | None = None
     ) -> InferResponse:
         """Validate, admit, run and answer one inference request.
 
         Args:
-            request: the decoded request (its tensors not yet validated), with its ``arrival``.
-            request_id: echoed in errors and logs.
+            request: the decoded request (its tensors not yet validated).
+            context: the request's, as its front end built it (id, arrival, the deadline its
+                transport named, trace, client, pinned, metrics); its deadline and priority
+                level are settled here, against the model and ``request.parameters``.
             model: the version :meth:`admit` returned (default: looked up from the request).
-            is_disconnected: True once the client has gone (its queued items are dropped).
-            pinned: it arrived on a connection the worker cannot shed (gRPC's one HTTP/2
-                connection per channel): it may be forwarded whole to a less-loaded sibling.
 
         Returns:
             The response: the outputs asked for, ``[B, ...]`` each, in the request's item order.
@@ -273,14 +268,11 @@ class DataPlane:
         config = model.config
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
-        deadline = self.request_deadline(model, request)
+        deadline = self.request_deadline(model, request, context)
         priority = parameters_priority(request.parameters) if request.parameters else None
         if priority and model.unit is not None:
             model.unit.level(priority)  # one above the model's levels fails before it is balanced
-        context = RequestContext(
-            request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
-            pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
-        )  # fmt: skip
+        context = replace(context, deadline=deadline, priority=priority or 0)
         stage = self._stage_for(model)
         if stage is None:
             outputs = await self.run(model, inputs, context)

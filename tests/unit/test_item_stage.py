@@ -20,7 +20,7 @@ from app.models.base import Segment
 from app.models.repository import read_config
 from app.protocols.infer import InferInput, InferRequest
 from app.protocols.tensors import RequestLimits
-from app.serving.context import RequestContext
+from app.serving.context import NO_DEADLINE, RequestContext
 from app.serving.dataplane import DataPlane
 from app.serving.items import IDENTITY, Arrays, ItemStage, Stages
 from app.serving.registry import ModelRegistry, ModelVersion
@@ -143,8 +143,12 @@ def request(*first: float, priority: int | None = None) -> InferRequest:
         "scale",
         [InferInput("x", "FP32", [len(first), 2], data)],
         parameters=parameters,
-        arrival=asyncio.get_running_loop().time(),
     )
+
+
+def arrived(request_id: str) -> RequestContext:
+    """The context a front end gives a request that arrives now, its transport naming no deadline."""
+    return RequestContext(request_id, NO_DEADLINE, arrival=asyncio.get_running_loop().time())
 
 
 @pytest.mark.parametrize("stage", [None, IDENTITY], ids=["none", "identity"])
@@ -153,7 +157,7 @@ async def test_the_default_stage_queues_every_item_as_it_is(
 ) -> None:
     runner = Doubler()
     plane = plane_for(tmp_path, pool, runner, stage)
-    response = await plane.infer(request(1.0, 2.0, 3.0), request_id="r1")
+    response = await plane.infer(request(1.0, 2.0, 3.0), arrived("r1"))
     y = response.outputs[0]
     assert y.name == "y" and y.array.tolist() == [[2.0, 4.0], [4.0, 6.0], [6.0, 8.0]]
     assert runner.items == [1.0, 2.0, 3.0]
@@ -165,7 +169,7 @@ async def test_cached_items_skip_the_queue_and_results_keep_the_request_order(
     runner = Doubler()
     cache = Cache({2.0: 40.0, 4.0: 80.0})
     plane = plane_for(tmp_path, pool, runner, cache)
-    response = await plane.infer(request(1.0, 2.0, 3.0, 4.0, 5.0, priority=1), request_id="r2")
+    response = await plane.infer(request(1.0, 2.0, 3.0, 4.0, 5.0, priority=1), arrived("r2"))
     assert runner.items == [1.0, 3.0, 5.0]  # only the misses were batched
     assert response.outputs[0].array[:, 0].tolist() == [2.0, 40.0, 6.0, 80.0, 10.0]
     context = cache.contexts[0]
@@ -181,7 +185,7 @@ async def test_a_request_answered_whole_by_the_stage_never_reaches_the_model(
     model = plane.registry.latest["scale"]
     assert model.unit is not None
     await model.unit.stop()  # a queue that would refuse it (503): the request does not need it
-    response = await plane.infer(request(8.0, 7.0), request_id="r3")
+    response = await plane.infer(request(8.0, 7.0), arrived("r3"))
     assert response.outputs[0].array[:, 0].tolist() == [2.0, 1.0]
     assert runner.batches == []
 
@@ -191,12 +195,12 @@ async def test_expanded_items_are_admitted_and_batched_one_by_one(
 ) -> None:
     runner = Doubler()
     plane = plane_for(tmp_path, pool, runner, Windows(3), capacity=8)
-    response = await plane.infer(request(1.0, 10.0), request_id="r4")
+    response = await plane.infer(request(1.0, 10.0), arrived("r4"))
     assert len(runner.items) == 6 and max(len(b) for b in runner.batches) <= 4  # 6 windows, batches of 4
     assert np.allclose(response.outputs[0].array[:, 0], [2.5, 20.5])
     # 3 items are 9 windows: more than the queue's capacity of 8 (admission sees the windows)
     with pytest.raises(InvalidInput, match="request has 9 items"):
-        await plane.infer(request(1.0, 2.0, 3.0), request_id="r5")
+        await plane.infer(request(1.0, 2.0, 3.0), arrived("r5"))
 
 
 async def test_stages_expand_in_order_and_assemble_in_reverse(
@@ -205,7 +209,7 @@ async def test_stages_expand_in_order_and_assemble_in_reverse(
     runner = Doubler()
     windows, cache = Windows(2), Cache({5.25: 100.0})  # the second window of item 5 is cached
     plane = plane_for(tmp_path, pool, runner, Stages([windows, cache]))
-    response = await plane.infer(request(5.0, 6.0), request_id="r6")
+    response = await plane.infer(request(5.0, 6.0), arrived("r6"))
     assert runner.items == [5.0, 6.0, 6.25]
     assert np.allclose(response.outputs[0].array[:, 0], [(10.0 + 100.0) / 2, 12.25])
 
@@ -216,7 +220,7 @@ async def test_a_stage_that_leaves_nothing_ends_the_expansion(
     runner = Doubler()
     cache, after = Cache({1.0: 3.0}), Windows(4)
     plane = plane_for(tmp_path, pool, runner, Stages([cache, after]))
-    response = await plane.infer(request(1.0), request_id="r7")
+    response = await plane.infer(request(1.0), arrived("r7"))
     assert response.outputs[0].array.tolist() == [[3.0, 4.0]] and runner.batches == []
 
 
@@ -236,7 +240,7 @@ async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: Thr
     runner = Doubler()
     plane = plane_for(tmp_path, pool, runner, Refuses())
     with pytest.raises(InvalidInput, match="too long"):
-        await plane.infer(request(1.0), request_id="r8")
+        await plane.infer(request(1.0), arrived("r8"))
     assert runner.batches == []
 
 
@@ -272,9 +276,9 @@ async def test_a_stage_that_does_not_apply_is_left_out_asked_once_per_loaded_run
     model = plane.registry.versions["scale"]["1"]
     model.runner = runner  # type: ignore[assignment]  # loaded
     for value in (1.0, 2.0, 3.0):
-        response = await plane.infer(request(value), request_id=f"r{value}")
+        response = await plane.infer(request(value), arrived(f"r{value}"))
         assert response.outputs[0].array.tolist() == [[2 * value, 2 * value + 2]]
     assert (never.asked, always.asked) == (1, 1)
     model.runner = Doubler()  # type: ignore[assignment]  # a reload: a new runner, asked again
-    await plane.infer(request(4.0), request_id="r4")
+    await plane.infer(request(4.0), arrived("r4"))
     assert (never.asked, always.asked) == (2, 2)
