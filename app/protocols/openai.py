@@ -9,8 +9,13 @@ little-endian float32 bytes, OpenAI's encoding. ``usage`` counts the tokens of t
 the model's INT64 ``tokens`` output when it has one (0 otherwise). Token arrays as ``input``
 are refused: this server tokenises itself. Errors have OpenAI's shape (:func:`error_body`).
 
-Source: OpenAI's API reference, "Embeddings" (``embeddings.create``) and "Errors"; the same
-endpoint in text-embeddings-inference, Infinity and KServe.
+``dimensions`` (Matryoshka): each embedding's first ``dimensions`` values, L2-normalised again;
+more than the model makes is a 400 (:func:`shortened`).
+
+Source: OpenAI's API reference, "Embeddings" (``embeddings.create``, ``dimensions``) and
+"Errors"; the same endpoint in text-embeddings-inference (``dimensions``: cut, then normalised;
+above the model's width refused), Infinity and KServe. Kusupati et al., "Matryoshka
+Representation Learning" (2022).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
     input: str | list[Any]
     model: str
     encoding_format: Literal["float", "base64"] = "float"
+    #: Matryoshka: the first ``dimensions`` values of each embedding, normalised again.
     dimensions: int | None = None
     user: str | None = None
     #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``
@@ -122,15 +128,12 @@ def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferReques
     text input; asking for ``embedding`` (and ``tokens`` when the model has it).
 
     Raises:
-        InvalidInput: see :func:`text_input`; a ``dimensions`` other than the model's.
+        InvalidInput: see :func:`text_input`; a ``dimensions`` above the model's width.
     """
     name = text_input(config)
     spec = next(s for s in config.outputs if s.name == EMBEDDING)
-    if request.dimensions is not None and spec.shape != [-1] and request.dimensions != spec.shape[-1]:
-        raise InvalidInput(
-            f"dimensions: model {config.name!r} makes {spec.shape[-1]}-dimensional embeddings; other "
-            "sizes are not supported"
-        )
+    if request.dimensions is not None and spec.shape[-1] >= 0:
+        _check_dimensions(config.name, request.dimensions, spec.shape[-1])
     texts = list(request.input)
     outputs = [RequestedOutput(EMBEDDING)]
     if any(s.name == TOKENS and s.datatype == "INT64" for s in config.outputs):
@@ -142,9 +145,35 @@ def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferReques
     )
 
 
+def _check_dimensions(model: str, dimensions: int, width: int) -> None:
+    """Raises InvalidInput (400) when ``dimensions`` is more than ``width``, the model's."""
+    if dimensions > width:
+        raise InvalidInput(
+            f"dimensions: model {model!r} makes {width}-dimensional embeddings; ask for at most {width}"
+        )
+
+
+def shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
+    """Matryoshka embeddings: the first ``dimensions`` values of each row of ``vectors`` (float32
+    ``[N, D]``), each row L2-normalised again (a row of zeros stays zeros); float32
+    ``[N, dimensions]``. The norm is summed in float64, as text-embeddings-inference does."""
+    head = vectors[:, :dimensions]
+    norms = np.sqrt(np.square(head, dtype=np.float64).sum(axis=1, keepdims=True))
+    scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0).astype(np.float32)
+    return head * scale
+
+
 def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
-    """The response body: one row per input, in order; ``usage`` from ``tokens`` (0 without)."""
+    """The response body: one row per input, in order (cut to ``dimensions`` when it asks for
+    fewer than the model makes); ``usage`` from ``tokens`` (0 without).
+
+    Raises:
+        InvalidInput: ``dimensions`` above the width of a model whose width is not declared.
+    """
     vectors = np.ascontiguousarray(outputs[EMBEDDING], dtype="<f4").reshape(len(request.input), -1)
+    if request.dimensions is not None and request.dimensions != vectors.shape[1]:
+        _check_dimensions(model, request.dimensions, vectors.shape[1])
+        vectors = np.ascontiguousarray(shortened(vectors, request.dimensions), dtype="<f4")
     if request.encoding_format == "base64":
         rows: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
     else:

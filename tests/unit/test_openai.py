@@ -94,6 +94,38 @@ async def test_bad_requests_get_openais_error_shape(make_client: MakeClient, tmp
     await client.close()
 
 
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+async def test_dimensions_gives_the_first_values_normalised_again(
+    make_client: MakeClient, tmp_path: Path, encoding_format: Any
+) -> None:
+    """Matryoshka, as OpenAI and text-embeddings-inference define ``dimensions``: each vector's
+    first values, of unit length again; the model's own width gives its vectors as they are."""
+    write_embed_model(tmp_path)
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    want = await v2_embeddings(http, TEXTS)
+    for dimensions in (2, 3, 4):
+        got = await client.embeddings.create(
+            model="embed", input=TEXTS, dimensions=dimensions, encoding_format=encoding_format
+        )
+        vectors = np.array(
+            [
+                np.frombuffer(base64.b64decode(d.embedding), "<f4")
+                if isinstance(d.embedding, str)
+                else d.embedding
+                for d in got.data
+            ],
+            np.float32,
+        )
+        head = want[:, :dimensions]
+        assert vectors.shape == (len(TEXTS), dimensions)
+        assert np.abs(vectors - head / np.linalg.norm(head, axis=1, keepdims=True)).max() <= 1e-6
+        assert np.abs(np.linalg.norm(vectors, axis=1) - 1.0).max() <= 1e-6
+    full = await client.embeddings.create(model="embed", input=TEXTS, dimensions=4, encoding_format="float")
+    assert np.array([d.embedding for d in full.data], np.float32).tolist() == want.tolist()
+    await client.close()
+
+
 async def test_an_embeddings_request_counts_in_flight_under_its_model(
     make_client: MakeClient, tmp_path: Path
 ) -> None:
