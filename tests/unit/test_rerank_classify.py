@@ -114,6 +114,26 @@ async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient,
     assert resp.status == 400 and "UTF-8" in (await resp.json())["error"]["message"]
 
 
+async def test_a_lone_surrogate_is_a_400_naming_its_field(make_client: MakeClient, repo: Path) -> None:
+    """A JSON string with half a UTF-16 pair (``\\ud800`` alone) is not text: the 400 says
+    which field holds it (msgspec alone said "Input data was truncated"); a whole pair is fine."""
+    http: Client = await make_client(repo)
+    cases = [
+        ("/v1/classify", rb'{"model": "clf", "input": ["fine", "\ud800"]}', "$.input[1]"),
+        ("/v1/rerank", rb'{"model": "ce", "query": "q\udc00?", "documents": ["a"]}', "$.query"),
+        ("/v2/models/clf/infer", rb'{"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", '
+         rb'"data": ["\ud83d"]}]}', "$.inputs[0].data[0]"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        resp = await http.post(path, data=body, headers={"Content-Type": "application/json"})
+        error = (await resp.json())["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert resp.status == 400 and f"{field} holds a lone UTF-16 surrogate" in message, (path, message)
+    pair = rb'{"model": "clf", "input": ["a smile \ud83d\ude00"]}'
+    resp = await http.post("/v1/classify", data=pair, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
+
+
 async def test_a_refused_request_fails_alone(make_client: MakeClient, repo: Path) -> None:
     """Requests sent together: the one with too many windows gets its 413; the others, batched
     beside it, their scores."""
