@@ -28,13 +28,13 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.protocols import text
 from app.protocols.codec import Api, BodyNamedCodec, ErrorShape, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.jsonbody import decode_json
 from app.protocols.tensors import RequestLimits
 
 EMBEDDING = "embedding"
-TOKENS = "tokens"
 
 
 class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
@@ -50,6 +50,8 @@ class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
     #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``
     #: (1 = the highest, 0 = the model's default; the model's ``priority_levels``).
     priority: int | None = None
+    #: vLLM's extension (``app.protocols.text``).
+    truncate_prompt_tokens: text.TruncatePromptTokens | None = None
 
 
 class Embedding(msgspec.Struct):
@@ -79,31 +81,18 @@ class EmbeddingResponse(msgspec.Struct):
 _decoder = msgspec.json.Decoder(EmbeddingRequest)
 
 
-def input_texts(value: str | list[Any]) -> list[str]:
-    """An OpenAI-style ``input`` as a non-empty list of strings (a lone string is one).
-
-    Raises:
-        InvalidInput: no input, or token arrays instead of strings.
-    """
-    texts = [value] if isinstance(value, str) else value
-    if not texts:
-        raise InvalidInput("input: give a string or a non-empty list of strings")
-    if not all(isinstance(text, str) for text in texts):
-        raise InvalidInput("input: token arrays are not supported; send the texts as strings")
-    return texts
-
-
 def decode(body: bytes, limits: RequestLimits) -> EmbeddingRequest:
     """The request, its ``input`` a non-empty list of strings (a lone string is one).
 
     Raises:
         InvalidInput: malformed JSON, a field of the wrong type, token arrays, no input, a
-            ``dimensions`` that is not positive.
+            ``dimensions`` that is not positive, a ``truncate_prompt_tokens`` of 0.
     """
     request = decode_json(_decoder, body, limits.max_json_depth, "embeddings request")
-    request.input = input_texts(request.input)
+    request.input = text.input_texts(request.input)
     if request.dimensions is not None and request.dimensions < 1:
         raise InvalidInput("dimensions must be a positive number")
+    text.check_truncation(request.truncate_prompt_tokens)
     return request
 
 
@@ -125,23 +114,25 @@ def text_input(config: ModelConfig) -> str:
 
 def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferRequest:
     """The inference request of an embeddings request: its texts, ``[N, 1]`` BYTES, to the model's
-    text input; asking for ``embedding`` (and ``tokens`` when the model has it).
+    text input (and ``truncate_prompt_tokens`` when asked); asking for ``embedding`` (and
+    ``tokens`` when the model has it).
 
     Raises:
-        InvalidInput: see :func:`text_input`; a ``dimensions`` above the model's width.
+        InvalidInput: see :func:`text_input`; a ``dimensions`` above the model's width;
+            ``truncate_prompt_tokens`` for a model that does not take it.
     """
     name = text_input(config)
     spec = next(s for s in config.outputs if s.name == EMBEDDING)
     if request.dimensions is not None and spec.shape[-1] >= 0:
         _check_dimensions(config.name, request.dimensions, spec.shape[-1])
     texts = list(request.input)
-    outputs = [RequestedOutput(EMBEDDING)]
-    if any(s.name == TOKENS and s.datatype == "INT64" for s in config.outputs):
-        outputs.append(RequestedOutput(TOKENS))
     return InferRequest(
         model_name=config.name,
-        inputs=[InferInput(name, "BYTES", [len(texts), 1], texts)],
-        outputs=outputs,
+        inputs=[
+            InferInput(name, "BYTES", [len(texts), 1], texts),
+            *text.truncation_inputs(config, request.truncate_prompt_tokens, len(texts)),
+        ],
+        outputs=[RequestedOutput(EMBEDDING), *text.counts_wanted(config, (text.TOKENS,))],
     )
 
 
@@ -178,7 +169,7 @@ def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]
         rows: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
     else:
         rows = vectors.tolist()
-    tokens = int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
+    tokens = text.token_count(outputs)
     data = [Embedding(i, row) for i, row in enumerate(rows)]
     return msgspec.json.encode(EmbeddingResponse(data, model, Usage(tokens, tokens)))
 

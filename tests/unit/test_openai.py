@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 
 from app.http.state import CORE
 from tests.support.fixtures import Client, MakeClient, eventually
-from tests.support.toy_models import ScaleHandler, write_embed_model, write_scale_model
+from tests.support.toy_models import EmbedHandler, ScaleHandler, write_embed_model, write_scale_model
 
 TEXTS = ["a short title", "a somewhat longer description of an item", "ünïcödé"]
 
@@ -176,4 +177,54 @@ async def test_a_priority_in_the_body_is_the_requests_level(make_client: MakeCli
     for priority, message in ((3, "priority"), (-1, "whole number")):
         with pytest.raises(openai.BadRequestError, match=message):
             await client.embeddings.create(model="embed", input="x", extra_body={"priority": priority})
+    await client.close()
+
+
+class LastWordsHandler(EmbedHandler):
+    """An :class:`EmbedHandler` (a word is a token) that takes ``truncate_prompt_tokens``: k >= 1
+    keeps each text's last k words, -1 its last 3 (its maximum length), 0 (not asked) all."""
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        keep = inputs["truncate_prompt_tokens"].reshape(-1).tolist()
+        texts = super().preprocess(inputs)
+        return [
+            " ".join(t.split()[-(3 if k == -1 else k) :]) if k else t
+            for t, k in zip(texts, keep, strict=True)
+        ]
+
+
+async def test_truncate_prompt_tokens_reaches_a_model_that_takes_it(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the model gets it per item (its last k tokens kept, -1 its
+    maximum) and ``usage`` counts what ran; a model that does not take it refuses it, naming
+    itself, rather than answering another question; 0 is no length."""
+    write_embed_model(tmp_path)
+    folder = write_embed_model(tmp_path, "last-words")
+    toml = folder / "model.toml"
+    toml.write_text(
+        toml.read_text()
+        .replace("toy_models:EmbedHandler", "test_openai:LastWordsHandler")
+        .replace("tests.support.", "tests.unit.")
+        + '[[inputs]]\nname = "truncate_prompt_tokens"\ndatatype = "INT64"\nshape = [1]\noptional = true\n'
+    )
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    texts = ["one two three four five", "six", "seven eight"]
+    for k, tokens in ((None, 8), (2, 2 + 1 + 2), (-1, 3 + 1 + 2)):
+        extra = {} if k is None else {"truncate_prompt_tokens": k}
+        got = await client.embeddings.create(model="last-words", input=texts, extra_body=extra)
+        assert got.usage.prompt_tokens == tokens, k
+    cut = await client.embeddings.create(
+        model="last-words", input=texts[0], extra_body={"truncate_prompt_tokens": 2}
+    )
+    whole = await client.embeddings.create(model="last-words", input="four five")
+    assert cut.data[0].embedding == whole.data[0].embedding
+    with pytest.raises(openai.BadRequestError, match="model 'embed' does not truncate on request"):
+        await client.embeddings.create(model="embed", input=texts, extra_body={"truncate_prompt_tokens": 2})
+    for bad in (0, -2):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            await client.embeddings.create(
+                model="last-words", input=texts, extra_body={"truncate_prompt_tokens": bad}
+            )
     await client.close()

@@ -19,7 +19,9 @@ from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
 from app.http.state import CORE
-from app.protocols.tensors import deserialize_bytes
+from app.models.repository import ModelConfig, TensorSpec
+from app.protocols import classify, rerank
+from app.protocols.tensors import RequestLimits, deserialize_bytes
 from tests.support.fixtures import Client, MakeClient
 from tests.support.text_models import write_classifier_model
 
@@ -102,7 +104,21 @@ async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient,
         ("/v1/classify", {"model": "clf", "input": []}, 400, "non-empty"),
         ("/v1/classify", {"model": "clf", "input": [[1, 2]]}, 400, "token arrays"),
         ("/v1/classify", {"model": "clf", "input": [LONG * 3]}, 413, "max_windows"),
-    ]
+        # what the server does not implement is refused, not ignored (it would rank something else)
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "rank_fields": ["title"]}, 400,
+         "rank_fields"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "rank_fields": ["text"]}, 200, ""),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "max_chunks_per_doc": 4}, 400,
+         "max_chunks_per_doc is not supported"),
+        ("/v2/rerank", {"model": "ce", "query": "q", "documents": ["a"], "max_tokens_per_doc": 512}, 400,
+         "max_tokens_per_doc is not supported"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "truncate_prompt_tokens": 8}, 400,
+         "model 'ce' does not truncate on request"),
+        ("/v1/classify", {"model": "clf", "input": ["a"], "truncate_prompt_tokens": -1}, 400,
+         "model 'clf' does not truncate on request"),
+        ("/v1/classify", {"model": "clf", "input": ["a"], "truncate_prompt_tokens": 0}, 400,
+         "truncate_prompt_tokens must be -1"),
+    ]  # fmt: skip
     for path, body, status, message in cases:
         resp = await http.post(path, json=body)
         assert resp.status == status, (path, body, await resp.text())
@@ -112,6 +128,34 @@ async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient,
     bad = b'{"model": "ce", "query": "q", "documents": ["\xff\xfe"]}'
     resp = await http.post("/v1/rerank", data=bad, headers={"Content-Type": "application/json"})
     assert resp.status == 400 and "UTF-8" in (await resp.json())["error"]["message"]
+
+
+def test_truncate_prompt_tokens_goes_to_each_item_of_a_model_that_takes_it() -> None:
+    """vLLM's ``truncate_prompt_tokens`` on rerank and classify: one INT64 value per document or
+    text, under the input of that name, for the model's handler to cut its text by."""
+    truncate = TensorSpec("truncate_prompt_tokens", "INT64", [1], optional=True)
+    config = ModelConfig(
+        name="m", format="handler", handler="h",
+        inputs=[TensorSpec("text", "BYTES", [1]), TensorSpec("query", "BYTES", [1], optional=True), truncate],
+        outputs=[TensorSpec("score", "FP32", [1]), TensorSpec("probabilities", "FP32", [2], labels=["a", "b"])],
+    )  # fmt: skip
+    ranked = rerank.infer_request(
+        config,
+        rerank.decode(
+            b'{"model": "m", "query": "q", "documents": ["a", "b"], "truncate_prompt_tokens": 7}',
+            RequestLimits(),
+        ),
+    )
+    classified = classify.infer_request(
+        config,
+        classify.decode(
+            b'{"model": "m", "input": ["a", "b", "c"], "truncate_prompt_tokens": -1}', RequestLimits()
+        ),
+    )
+    for request, value, items in ((ranked, 7, 2), (classified, -1, 3)):
+        (given,) = [t for t in request.inputs if t.name == "truncate_prompt_tokens"]
+        assert given.datatype == "INT64" and given.shape == [items, 1]
+        assert np.asarray(given.data).tolist() == [[value]] * items
 
 
 async def test_a_lone_surrogate_is_a_400_naming_its_field(make_client: MakeClient, repo: Path) -> None:
