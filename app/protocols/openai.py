@@ -151,7 +151,8 @@ def shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
     head = vectors[:, :dimensions]
     norms = np.sqrt(np.square(head, dtype=np.float64).sum(axis=1, keepdims=True))
     scale = np.divide(1.0, norms, out=np.zeros_like(norms), where=norms > 0).astype(np.float32)
-    return head * scale
+    rows: np.ndarray = head * scale
+    return rows
 
 
 def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
