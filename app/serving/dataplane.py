@@ -43,6 +43,7 @@ from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
 from app.serving.validation import (
     build_response,
+    check_capacity,
     parameters_priority,
     parameters_timeout_s,
     requested_outputs,
@@ -260,8 +261,9 @@ class DataPlane:
         Raises:
             ModelNotFound (404); InvalidInput: tensors that do not fit the model, unknown or
             repeated outputs, a malformed ``parameters.timeout`` or ``.priority`` (400);
-            PayloadTooLarge: over an item, string or batch-cost limit (413); and what
-            :meth:`app.serving.unit.ServingUnit.infer` raises.
+            PayloadTooLarge: over an item, string or batch-cost limit, or more items to run (the
+            windows of its texts included) than the model's ``queue_capacity`` (413, :meth:`run`);
+            and what :meth:`app.serving.unit.ServingUnit.infer` raises.
         """
         if model is None or model.retired:  # not admitted, or unloaded while its body was read
             model = self.version(request.model_name, request.model_version)
@@ -309,9 +311,16 @@ class DataPlane:
         Returns:
             An awaitable (await it at once) of one array per model output, ``[B, ...]``, in item
             order: a coroutine of this module's, or the siblings' route.
+
+        Raises:
+            PayloadTooLarge: a request (not forwarded) of more items than the model's
+                ``queue_capacity`` (:func:`app.serving.validation.check_capacity`), before it
+                is balanced: the cap does not depend on how many workers would share it.
         """
         unit = model.unit
         items = len(next(iter(inputs.values())))
+        if not context.forwarded:
+            check_capacity(model.config, items)
         siblings = self.siblings
         if unit is not None and not context.forwarded and siblings.considers(unit, items, context.pinned):
             return self._routed(model, inputs, items, context)

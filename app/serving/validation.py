@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import InvalidInput
+from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig
 from app.protocols import triton
 from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
@@ -108,6 +108,22 @@ def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestL
     if not arrays and all(s.optional for s in config.inputs):
         raise InvalidInput(f"inputs: empty; model {config.name} takes {list(specs)}")
     return complete_inputs(config, arrays, "inputs")
+
+
+def check_capacity(config: ModelConfig, items: int) -> None:
+    """The one cap on a request's size at its model: ``items`` (what it will queue, its texts'
+    windows included) at most the model's ``queue_capacity``. Checked before the request is
+    balanced, so that it does not depend on how many workers would share it (a scattered
+    request's shards each fit a queue that the whole does not).
+
+    Raises:
+        PayloadTooLarge: more items than ``queue_capacity`` (413, naming the setting).
+    """
+    if items > config.queue_capacity:
+        raise PayloadTooLarge(
+            f"request has {items} items to run (its texts' windows included); model {config.name} "
+            f"queues at most {config.queue_capacity} (queue_capacity in its model.toml)"
+        )
 
 
 def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:

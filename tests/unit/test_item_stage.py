@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.errors import InvalidInput
+from app.errors import InvalidInput, PayloadTooLarge
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.protocols.infer import InferInput, InferRequest
@@ -24,7 +24,7 @@ from app.serving.context import NO_DEADLINE, RequestContext
 from app.serving.dataplane import DataPlane
 from app.serving.items import IDENTITY, Arrays, ItemStage, Stages
 from app.serving.registry import ModelRegistry, ModelVersion
-from app.serving.siblings import Alone
+from app.serving.siblings import Alone, LocalRun, Siblings
 from app.serving.unit import ServingUnit
 from app.settings import Settings
 from tests.support.toy_models import write_scale_model
@@ -115,12 +115,32 @@ async def pool() -> AsyncIterator[ThreadPoolExecutor]:
     executor.shutdown(wait=True)
 
 
+class Halves(Alone):
+    """Two workers that share every request of more than one item: one half runs here, the other
+    half as a sibling's shard would (forwarded, on a queue of the same capacity)."""
+
+    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+        return items > 1
+
+    async def route(
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
+    ) -> Arrays:
+        half = len(next(iter(inputs.values()))) // 2
+        parts = [
+            {name: a[:half] for name, a in inputs.items()},
+            {name: a[half:] for name, a in inputs.items()},
+        ]
+        outputs = await asyncio.gather(*(local(part) for part in parts))
+        return {name: np.concatenate([o[name] for o in outputs]) for name in outputs[0]}
+
+
 def plane_for(
     tmp_path: Path,
     pool: ThreadPoolExecutor,
     runner: Doubler,
     stage: ItemStage[Any] | None = None,
     capacity: int = 64,
+    siblings: Siblings | None = None,
 ) -> DataPlane:
     """A data plane over one started scale model (max batch size 4) whose unit runs ``runner``."""
     model = ModelVersion(
@@ -132,7 +152,9 @@ def plane_for(
     registry = ModelRegistry()
     registry.versions["scale"] = {"1": model}
     registry.refresh("scale")
-    return DataPlane(registry, Settings(model_repository=tmp_path), RequestLimits(), Alone(), items=stage)
+    return DataPlane(
+        registry, Settings(model_repository=tmp_path), RequestLimits(), siblings or Alone(), items=stage
+    )
 
 
 def request(*first: float, priority: int | None = None) -> InferRequest:
@@ -199,8 +221,23 @@ async def test_expanded_items_are_admitted_and_batched_one_by_one(
     assert len(runner.items) == 6 and max(len(b) for b in runner.batches) <= 4  # 6 windows, batches of 4
     assert np.allclose(response.outputs[0].array[:, 0], [2.5, 20.5])
     # 3 items are 9 windows: more than the queue's capacity of 8 (admission sees the windows)
-    with pytest.raises(InvalidInput, match="request has 9 items"):
+    with pytest.raises(PayloadTooLarge, match=r"request has 9 items to run .*\(queue_capacity"):
         await plane.infer(request(1.0, 2.0, 3.0), arrived("r5"))
+
+
+@pytest.mark.parametrize("siblings", [Alone(), Halves()], ids=["one worker", "two workers"])
+async def test_a_requests_cap_is_its_models_queue_capacity_whatever_the_workers(
+    tmp_path: Path, pool: ThreadPoolExecutor, siblings: Siblings
+) -> None:
+    """One cap, named: a request of more items than ``queue_capacity`` is a 413 saying so, on one
+    worker or shared by two (each half would fit a queue); at the cap it runs."""
+    runner = Doubler()
+    plane = plane_for(tmp_path, pool, runner, capacity=8, siblings=siblings)
+    with pytest.raises(PayloadTooLarge, match=r"request has 12 items .* at most 8 \(queue_capacity"):
+        await plane.infer(request(*range(12)), arrived("r9"))
+    assert runner.items == []
+    response = await plane.infer(request(*range(8)), arrived("r10"))
+    assert response.outputs[0].array[:, 0].tolist() == [2.0 * v for v in range(8)]
 
 
 async def test_stages_expand_in_order_and_assemble_in_reverse(
