@@ -6,6 +6,8 @@ else in the batch fails."""
 from __future__ import annotations
 
 import asyncio
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
@@ -23,7 +26,8 @@ from app.models.repository import ModelConfig, TensorSpec
 from app.protocols import classify, rerank
 from app.protocols.tensors import RequestLimits, deserialize_bytes
 from tests.support.fixtures import Client, MakeClient
-from tests.support.text_models import write_classifier_model
+from tests.support.gunicorn import ROOT
+from tests.support.text_models import write_classifier_folder, write_classifier_model
 
 LABELS = ["ok", "insult", "threat"]
 DOCS = ["the weather at sea", "a cat on a mat", "mountains in winter", "you are all wonderful"]
@@ -87,6 +91,33 @@ async def test_classify_gives_the_v2_probabilities_and_windows(make_client: Make
     assert [d["windows"] for d in body["data"]] == want["windows"].reshape(-1).tolist()
     assert body["data"][1]["windows"] > 4 and body["data"][0]["num_classes"] == 3
     assert body["usage"]["prompt_tokens"] == int(want["tokens"].sum())
+
+
+def documented_models() -> dict[str, str]:
+    """The ``model.toml`` examples of docs/text-models.md, by model name."""
+    text = (ROOT / "docs" / "text-models.md").read_text()
+    blocks = (
+        tomllib.loads(block) | {"toml": block} for block in re.findall(r"```toml\n(.*?)```", text, re.S)
+    )
+    return {block["name"]: block["toml"] for block in blocks if "name" in block}
+
+
+async def test_the_documented_classifier_reports_the_tokens_it_ran(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """The classifier ``model.toml`` of docs/text-models.md, as a user copies it: ``usage`` counts
+    the tokens its tokenizer made of the texts (special tokens included), not 0."""
+    (name, toml), *_ = [(n, t) for n, t in documented_models().items() if "probabilities" in t]
+    labels = tomllib.loads(toml)["outputs"][0]["labels"]
+    folder = tmp_path / name
+    tokenizer = AutoTokenizer.from_pretrained(
+        write_classifier_folder(folder / "hf", labels, max_positions=512)
+    )
+    (folder / "model.toml").write_text(toml)
+    http: Client = await make_client(tmp_path)
+    texts = ["a short post", "another post, somewhat longer than the first one"]
+    body = await (await http.post("/v1/classify", json={"model": name, "input": texts})).json()
+    assert body["usage"]["prompt_tokens"] == sum(len(tokenizer(t)["input_ids"]) for t in texts), body
 
 
 async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient, repo: Path) -> None:
