@@ -310,7 +310,7 @@ class Recording:
 
     Args:
         metrics: this process's metrics.
-        protocol: the label (``app.protocols.codec.Api.protocol``, or ``grpc``).
+        protocol: the label (an HTTP API's, ``app.protocols.codec.Api``, or ``grpc``).
     """
 
     __slots__ = ("metrics", "protocol", "recorded", "start")
