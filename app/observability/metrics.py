@@ -10,11 +10,10 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 ``python -m aiohttp.web``) each app records into a registry of its own and a
 scrape adds prometheus_client's default registry (process and GC collectors).
 
-Every metric is listed in ``docs/observability.md``. This module holds the
-definitions and one request's recording (:class:`Recording`, which the HTTP edge middleware
-and the gRPC servicer make); ``app.http.routes`` answers
-``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
-(never through CUDA); in CPU mode there are no GPU figures.
+Every metric is listed in ``docs/observability.md``. This module holds the definitions and one
+request's recording (:class:`Recording`, both front ends'); ``app.http.routes`` answers
+``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML (never through CUDA);
+in CPU mode there are no GPU figures.
 
 Source: prometheus_client's "Multiprocess Mode (E.g. Gunicorn)" documentation;
 metric names follow Prometheus' naming guide (base units, ``_total``, ``_info``).
@@ -303,22 +302,16 @@ class RequestMetrics:
 
 
 class Recording:
-    """One inference request's metrics, whatever its front end (the HTTP edge middleware, the
-    gRPC servicer): made when it arrives (its latency counts from here), labelled with its model
-    once the data plane has found it (:meth:`model`; ``app.serving.dataplane.DataPlane.admit``),
-    answered once with its code (the HTTP status, or the gRPC status name).
-
-    Args:
-        metrics: this process's metrics.
-        protocol: the label (an HTTP API's, ``app.protocols.codec.Api``, or ``grpc``).
-    """
+    """One inference request's metrics, whatever its front end (HTTP's edge middleware, the gRPC
+    servicer): made on arrival (``start``, ``time.perf_counter()`` seconds), labelled with its
+    model once known (:meth:`model`), answered once with its code (HTTP status, gRPC status name).
+    ``protocol``: an HTTP API's label (``app.protocols.codec.Api``) or ``grpc``."""
 
     __slots__ = ("metrics", "protocol", "recorded", "start")
 
     def __init__(self, metrics: ServerMetrics, protocol: str) -> None:
         self.metrics, self.protocol = metrics, protocol
         self.recorded: RequestMetrics | None = None
-        #: ``time.perf_counter()`` at arrival, seconds.
         self.start = time.perf_counter()
 
     def model(self, name: str, version: str) -> None:
