@@ -25,6 +25,7 @@ from typing import Any, Literal
 
 import msgspec
 import numpy as np
+import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
@@ -156,8 +157,11 @@ def shortened(vectors: np.ndarray, dimensions: int) -> np.ndarray:
 
 
 def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
-    """The response body: one row per input, in order (cut to ``dimensions`` when it asks for
-    fewer than the model makes); ``usage`` from ``tokens`` (0 without).
+    """The response body (:class:`EmbeddingResponse`): one row per input, in order (cut to
+    ``dimensions`` when it asks for fewer than the model makes); ``usage`` from ``tokens`` (0
+    without). A float is written in the shortest form that reads back as the same float32 (as
+    text-embeddings-inference writes them), not as the 17 digits of its float64: 8 unit vectors
+    of 384 values take 38.0 KB instead of 64.8 KB.
 
     Raises:
         InvalidInput: ``dimensions`` above the width of a model whose width is not declared.
@@ -169,10 +173,15 @@ def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]
     if request.encoding_format == "base64":
         rows: list[Any] = [base64.b64encode(row.tobytes()).decode("ascii") for row in vectors]
     else:
-        rows = vectors.tolist()
+        rows = list(vectors)  # float32 rows: orjson writes each value in its shortest float32 form
     tokens = text.token_count(outputs)
-    data = [Embedding(i, row) for i, row in enumerate(rows)]
-    return msgspec.json.encode(EmbeddingResponse(data, model, Usage(tokens, tokens)))
+    body = {
+        "data": [{"index": i, "embedding": row, "object": "embedding"} for i, row in enumerate(rows)],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "object": "list",
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
 
 
 class OpenAIErrorDetail(msgspec.Struct):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -125,6 +126,21 @@ async def test_dimensions_gives_the_first_values_normalised_again(
     full = await client.embeddings.create(model="embed", input=TEXTS, dimensions=4, encoding_format="float")
     assert np.array([d.embedding for d in full.data], np.float32).tolist() == want.tolist()
     await client.close()
+
+
+async def test_floats_are_written_in_their_shortest_float32_form(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Each value of a float embedding is the shortest text that reads back as the same float32
+    (at most 9 significant digits), not the 17 digits of the float64 it widens to."""
+    write_embed_model(tmp_path)
+    http: Client = await make_client(tmp_path)
+    want = await v2_embeddings(http, TEXTS)
+    raw = await (await http.post("/v1/embeddings", json={"model": "embed", "input": TEXTS})).text()
+    rows = re.findall(r'"embedding":\[([^\]]*)\]', raw)
+    numbers = [row.split(",") for row in rows]
+    assert np.array(numbers, np.float64).astype(np.float32).tolist() == want.tolist()
+    assert max(len(re.sub(r"[^0-9]|e.*", "", n).lstrip("0")) for row in numbers for n in row) <= 9
 
 
 async def test_an_embeddings_request_counts_in_flight_under_its_model(
