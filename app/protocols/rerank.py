@@ -155,9 +155,12 @@ def texts(request: RerankRequest) -> list[str]:
     return [d if isinstance(d, str) else d.text for d in request.documents]
 
 
-def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
-    """The inference request: each document with the query, ``[N, 1]`` BYTES each; asking for
-    ``score`` (and ``tokens``, ``windows`` where the model has them).
+def pairs_request(
+    config: ModelConfig, documents: list[str], queries: list[str], truncate_prompt_tokens: int | None = None
+) -> InferRequest:
+    """The inference request scoring each document with its query (``documents[i]`` with
+    ``queries[i]``, ``[N, 1]`` BYTES each, and ``truncate_prompt_tokens`` when asked); asking for
+    ``score`` (and ``tokens``, ``windows`` where the model has them). The rerank and score APIs'.
 
     Raises:
         InvalidInput: the model takes no (text, query) or returns no FP32 ``score``;
@@ -174,19 +177,28 @@ def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
         or outputs[SCORE].datatype != "FP32"
     ):
         raise InvalidInput(
-            f"model {config.name!r} does not rerank (it needs BYTES inputs 'text' and 'query' and an "
-            "FP32 output 'score')"
+            f"model {config.name!r} does not score pairs (it needs BYTES inputs 'text' and 'query' and "
+            "an FP32 output 'score')"
         )
-    documents = texts(request)
     return InferRequest(
         model_name=config.name,
         inputs=[
             InferInput(TEXT, "BYTES", [len(documents), 1], documents),
-            InferInput(QUERY, "BYTES", [len(documents), 1], [request.query] * len(documents)),
-            *text.truncation_inputs(config, request.truncate_prompt_tokens, len(documents)),
+            InferInput(QUERY, "BYTES", [len(queries), 1], queries),
+            *text.truncation_inputs(config, truncate_prompt_tokens, len(documents)),
         ],
         outputs=[RequestedOutput(SCORE), *text.counts_wanted(config)],
     )
+
+
+def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
+    """The inference request: each document with the query (:func:`pairs_request`).
+
+    Raises:
+        InvalidInput: see :func:`pairs_request`.
+    """
+    documents = texts(request)
+    return pairs_request(config, documents, [request.query] * len(documents), request.truncate_prompt_tokens)
 
 
 def encode(request: RerankRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
