@@ -56,21 +56,8 @@ class Classification(msgspec.Struct):
     object: str = "classification"
 
 
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-
-
-class ClassifyResponse(msgspec.Struct):
+class ClassifyResponse(text.PoolingResponse[Classification]):
     """vLLM's ``ClassificationResponse``."""
-
-    id: str
-    created: int
-    model: str
-    data: list[Classification]
-    usage: Usage
-    object: str = "list"
 
 
 _decoder = msgspec.json.Decoder(ClassifyRequest)
@@ -137,9 +124,8 @@ def encode(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
         Classification(i, names[int(np.argmax(row))], row.tolist(), len(names), int(windows[i]))
         for i, row in enumerate(probabilities)
     ]
-    tokens = text.token_count(outputs)
     response = ClassifyResponse(
-        f"classify-{uuid.uuid4().hex}", int(time.time()), config.name, data, Usage(tokens, tokens)
+        f"classify-{uuid.uuid4().hex}", int(time.time()), config.name, data, text.usage(outputs)
     )
     return msgspec.json.encode(response)
 

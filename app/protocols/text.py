@@ -23,7 +23,7 @@ refused).
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Generic, TypeVar
 
 import msgspec
 import numpy as np
@@ -33,6 +33,8 @@ from app.models.repository import ModelConfig
 from app.protocols.infer import InferInput, RequestedOutput
 
 TOKENS, WINDOWS, TRUNCATE = "tokens", "windows", "truncate_prompt_tokens"
+#: A row of a :class:`PoolingResponse`'s ``data``.
+Row = TypeVar("Row")
 
 #: vLLM's ``truncate_prompt_tokens`` (module docstring).
 TruncatePromptTokens = Annotated[
@@ -43,6 +45,27 @@ TruncatePromptTokens = Annotated[
         "maximum length (-1); for a model that declares an INT64 input truncate_prompt_tokens.",
     ),
 ]
+
+
+class UsageInfo(msgspec.Struct):
+    """vLLM's ``usage``: the tokens the model ran (``prompt_tokens`` = ``total_tokens``; nothing
+    is generated)."""
+
+    prompt_tokens: int
+    total_tokens: int
+    completion_tokens: int = 0
+
+
+class PoolingResponse(msgspec.Struct, Generic[Row]):
+    """The answer of vLLM's pooling APIs (classify, score): an id, when, the model, one row of
+    ``data`` per item in order, ``usage``. Each API subclasses it with its row type."""
+
+    id: str
+    created: int
+    model: str
+    data: list[Row]
+    usage: UsageInfo
+    object: str = "list"
 
 
 def input_texts(value: str | list[Any]) -> list[str]:
@@ -96,6 +119,12 @@ def counts_wanted(config: ModelConfig, names: tuple[str, ...] = (TOKENS, WINDOWS
 def token_count(outputs: dict[str, np.ndarray]) -> int:
     """The tokens all the items made the model run (``usage``); 0 without a ``tokens`` output."""
     return int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
+
+
+def usage(outputs: dict[str, np.ndarray]) -> UsageInfo:
+    """vLLM's ``usage`` of a response: :func:`token_count` as prompt and total tokens."""
+    tokens = token_count(outputs)
+    return UsageInfo(tokens, tokens)
 
 
 def windows_each(outputs: dict[str, np.ndarray], count: int) -> np.ndarray:
