@@ -183,20 +183,8 @@ TAG_OK = {"name": "tag", "shape": [2], "datatype": "BYTES", "parameters": {"bina
         ({"inputs": [{"name": "x", "shape": [2, 2], "datatype": "FP32"}]}, [], None, 400, "no data"),
         ({"inputs": [{**x_input(2), "shape": [2**40, 2]}]}, [X2], None, 413, "items"),
         ({"inputs": [{**x_input(2), "shape": [-2, 2]}]}, [X2], None, 400, "non-negative"),
-        (
-            {"inputs": [{**x_input(2), "datatype": "FP64"}]},
-            [X2],
-            None,
-            400,
-            "FP64 but model scale expects FP32",
-        ),
-        (
-            {"inputs": [{**x_input(2), "datatype": "BF16"}]},
-            [X2],
-            None,
-            400,
-            "BF16 but model scale expects FP32",
-        ),
+        ({"inputs": [{**x_input(2), "datatype": "FP64"}]}, [X2], None, 400, "FP64 but model scale expects FP32"),
+        ({"inputs": [{**x_input(2), "datatype": "BF16"}]}, [X2], None, 400, "BF16 but model scale expects FP32"),
         (
             {"inputs": [{**x_input(2), "parameters": {"shared_memory_region": "r"}}]},
             [X2],
@@ -313,7 +301,9 @@ def binary_requests(draw: st.DrawFn) -> tuple[bytes, dict[str, str]]:
 
 @FUZZ
 @given(request=binary_requests())
-async def test_fuzzed_binary_bodies_never_5xx(client: Client, request: tuple[bytes, dict[str, str]]) -> None:
+async def test_fuzzed_binary_bodies_never_5xx(
+    client: Client, request: tuple[bytes, dict[str, str]]
+) -> None:
     body, headers = request
     resp = await client.post(V2_INFER, data=body, headers=headers)
     raw = await resp.read()

@@ -395,9 +395,7 @@ async def test_mutual_tls_requires_a_client_certificate_signed_by_the_client_ca(
 
     async def live(who: str) -> bool:
         private, chain = pairs[who]
-        credentials = grpc.ssl_channel_credentials(
-            root_certificates=root, private_key=private, certificate_chain=chain
-        )
+        credentials = grpc.ssl_channel_credentials(root_certificates=root, private_key=private, certificate_chain=chain)
         async with grpc.aio.secure_channel(f"127.0.0.1:{port}", credentials) as channel:
             stub = pb_grpc.GRPCInferenceServiceStub(channel)
             try:
