@@ -4,7 +4,7 @@ document lists them."""
 
 from __future__ import annotations
 
-from app.protocols import classify, openai, rerank, v1, v2
+from app.protocols import classify, openai, rerank, score, v1, v2
 from app.protocols.codec import Api
 
 APIS: tuple[Api, ...] = (
@@ -13,4 +13,5 @@ APIS: tuple[Api, ...] = (
     openai.API,
     rerank.API,
     classify.API,
+    score.API,
 )

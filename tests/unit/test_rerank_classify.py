@@ -120,6 +120,27 @@ async def test_the_documented_classifier_reports_the_tokens_it_ran(
     assert body["usage"]["prompt_tokens"] == sum(len(tokenizer(t)["input_ids"]) for t in texts), body
 
 
+async def test_the_score_api_gives_the_v2_scores_of_its_pairs(make_client: MakeClient, repo: Path) -> None:
+    """vLLM's ``/score``: ``text_1`` (the query) with each ``text_2`` (1:N) or pairwise (N:N), the
+    scores of the same pairs over V2, in pair order; lengths that do not pair are a 400."""
+    http: Client = await make_client(repo)
+    one = (await v2(http, "ce", DOCS, "weather"))["score"][:, 0]
+    resp = await http.post("/score", json={"model": "ce", "text_1": "weather", "text_2": DOCS})
+    body = await resp.json()
+    assert resp.status == 200 and body["object"] == "list" and body["model"] == "ce"
+    assert [d["index"] for d in body["data"]] == list(range(len(DOCS)))
+    assert np.abs(np.array([d["score"] for d in body["data"]]) - one).max() <= 1e-6
+    assert body["usage"]["prompt_tokens"] > 0
+    queries = ["weather", "cats"]
+    pairwise = [(await v2(http, "ce", [d], q))["score"][0, 0] for q, d in zip(queries, DOCS[:2], strict=True)]
+    body = await (
+        await http.post("/v1/score", json={"model": "ce", "text_1": queries, "text_2": DOCS[:2]})
+    ).json()
+    assert np.abs(np.array([d["score"] for d in body["data"]]) - pairwise).max() <= 1e-6
+    resp = await http.post("/score", json={"model": "ce", "text_1": queries, "text_2": DOCS[:3]})
+    assert resp.status == 400 and "1:1, 1:N or N:N" in (await resp.json())["error"]["message"]
+
+
 async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient, repo: Path) -> None:
     http: Client = await make_client(repo, max_items_per_request=8)
     cases = [
