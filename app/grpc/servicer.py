@@ -65,6 +65,12 @@ def _metadata(context: Context, key: str) -> str | None:
     return None
 
 
+def _answered(recording: Recording | None, status: grpc.StatusCode) -> None:
+    """An inference call's metrics: it ends with ``status`` (no-op for other calls)."""
+    if recording is not None:
+        recording.answered(status.name)
+
+
 def call_key(context: Context) -> str | None:
     """The key a call presents: ``authorization: Bearer <key>`` metadata, else ``x-api-key``."""
     return presented_key(_metadata(context, "authorization"), _metadata(context, _API_KEY))
@@ -112,32 +118,32 @@ class InferenceServicer:
         async def rpc(raw: bytes, context: Context) -> Message:
             rid = ""
             recording = Recording(metrics, PROTOCOL) if metrics is not None else None
-            status = grpc.StatusCode.CANCELLED  # unless it ends: the client left, or its deadline passed
             try:
+                # The key first: a caller without one costs no parsing of its message.
+                if name not in _OPEN and not self.authorized(context):
+                    raise Unauthorized("unauthorized")
                 try:
-                    # The key first: a caller without one costs no parsing of its message.
-                    if name not in _OPEN and not self.authorized(context):
-                        raise Unauthorized("unauthorized")
-                    try:
-                        request = request_type.FromString(raw)
-                    except DecodeError as exc:
-                        raise InvalidInput(f"malformed {request_type.__name__} message: {exc}") from None
-                    rid = _request_id(context, getattr(request, "id", ""))
-                    if self.plane.tracing is not None:
-                        self.plane.tracing.tag(rid)
-                    extra = () if recording is None else (recording,)  # an inference call's
-                    reply: Message = await method(request, context, rid, *extra)
-                except Exception as exc:
-                    rid = rid or _request_id(context)
-                    status, details, trailer = outcome(exc, rid, name)
-                    context.set_trailing_metadata(trailer)
-                    await context.abort(status, details)
-                    raise AssertionError("unreachable: abort raises") from None
-                status = grpc.StatusCode.OK
+                    request = request_type.FromString(raw)
+                except DecodeError as exc:
+                    raise InvalidInput(f"malformed {request_type.__name__} message: {exc}") from None
+                rid = _request_id(context, getattr(request, "id", ""))
+                if self.plane.tracing is not None:
+                    self.plane.tracing.tag(rid)
+                extra = () if recording is None else (recording,)  # an inference call's
+                reply: Message = await method(request, context, rid, *extra)
+            except asyncio.CancelledError:  # the client went away, or its deadline passed
+                _answered(recording, grpc.StatusCode.CANCELLED)
+                raise
+            except Exception as exc:
+                rid = rid or _request_id(context)
+                status, details, trailer = outcome(exc, rid, name)
+                _answered(recording, status)  # before the client can see the answer
+                context.set_trailing_metadata(trailer)
+                await context.abort(status, details)
+                raise AssertionError("unreachable: abort raises") from None
             finally:
                 self.health.responses += 1
-                if recording is not None:
-                    recording.answered(status.name)
+            _answered(recording, grpc.StatusCode.OK)
             context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
             return reply
 
