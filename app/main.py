@@ -15,14 +15,11 @@ from aiohttp import web
 
 from app.binding import WorkerBinding
 from app.http.auth import authorizer
-from app.http.edge import (
-    edge_middleware,
-    inference_routes,
-    parser_limits,
-    quiet_parser_errors,
-    setup_connections,
-)
+from app.http.connections import setup_connections
+from app.http.edge import edge_middleware
 from app.http.extensions import routes as extension_routes
+from app.http.inference import API_OF, inference_routes
+from app.http.limits import parser_limits, quiet_parser_errors
 from app.http.routes import metrics_handler, routes
 from app.http.state import CORE, grpc_ctx, models_ctx, on_shutdown, tracing_ctx
 from app.observability.gpu import gpu_metrics_ctx
@@ -72,7 +69,7 @@ async def create_app(
     authorize = authorizer(keys, metrics_open=not settings.metrics_auth) if keys.enabled else None
     metrics = create_metrics() if settings.metrics_enabled else None
     app = web.Application(
-        middlewares=[edge_middleware(settings, authorize, metrics, tracing)],
+        middlewares=[edge_middleware(settings, API_OF, authorize, metrics, tracing)],
         client_max_size=settings.max_request_bytes,
         handler_args=parser_limits(settings),
     )

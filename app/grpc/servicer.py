@@ -4,9 +4,12 @@ Every RPC goes through :meth:`InferenceServicer.handler`, which parses the reque
 itself (so malformed protobuf is INVALID_ARGUMENT, not grpcio's INTERNAL), assigns the request id, checks
 the API key (``authorization: Bearer <key>`` or ``x-api-key: <key>`` metadata, as the HTTP
 headers; ServerLive and ServerReady are open like the HTTP health probes), counts the
-response for ``max_requests``, and maps every exception to a status through
-:mod:`app.grpc.errors`. ModelInfer decodes the message into the shared
-:class:`app.protocols.infer.InferRequest`, hands it to the data plane
+response for ``max_requests``, maps every exception to a status through :mod:`app.grpc.errors`,
+and records an inference call's metrics as the HTTP edge does (one
+:class:`app.observability.metrics.Recording` per call, ``protocol="grpc"``, ``code`` = the gRPC
+status name). ModelInfer builds the call's :class:`app.serving.context.RequestContext` (pinned:
+a channel's one HTTP/2 connection cannot be shed), decodes the message into the shared
+:class:`app.protocols.infer.InferRequest`, hands both to the data plane
 (:class:`app.serving.dataplane.DataPlane`: validation with the same limits as HTTP, admission,
 balancing among sibling workers, dynamic batching) and encodes the response it returns.
 
@@ -18,8 +21,6 @@ and the request's ``timeout`` parameter (microseconds, Triton's); with neither, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -28,14 +29,15 @@ from google.protobuf import json_format
 from google.protobuf.message import DecodeError, Message
 
 from app import SERVER_NAME, __version__
-from app.errors import InvalidInput, ModelNotReady, ScoringError, Unauthorized
+from app.errors import InvalidInput, ModelNotReady, Unauthorized
 from app.grpc import codec
-from app.grpc.errors import REQUEST_ID_KEY, outcome, status_of
+from app.grpc.errors import REQUEST_ID_KEY, outcome
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.observability.metrics import Recording
 from app.protocols import triton, v2
 from app.protocols.codec import Call
 from app.serving.auth import API_KEY_HEADER, presented_key
+from app.serving.context import NO_DEADLINE, RequestContext
 from app.serving.control import LOAD, UNLOAD
 from app.serving.core import ServingCore
 from app.serving.dataplane import request_id
@@ -46,6 +48,10 @@ SERVICE = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
 Context = Any  # grpc.aio.ServicerContext (grpcio ships no type information)
 
 _OPEN = frozenset({"ServerLive", "ServerReady"})
+#: The inference RPCs: their calls are recorded in the request metrics.
+_RECORDED = frozenset({"ModelInfer"})
+#: The metrics label of gRPC's inference calls.
+PROTOCOL = "grpc"
 _API_KEY = API_KEY_HEADER.lower()
 #: Protocol extensions answered over gRPC (``ServerMetadataResponse.extensions``): Triton's,
 #: as ``GET /v2`` lists them, but the binary tensor data of HTTP (gRPC is binary anyway).
@@ -57,6 +63,12 @@ def _metadata(context: Context, key: str) -> str | None:
         if name == key and isinstance(value, str):
             return value
     return None
+
+
+def _answered(recording: Recording | None, status: grpc.StatusCode) -> None:
+    """An inference call's metrics: it ends with ``status`` (no-op for other calls)."""
+    if recording is not None:
+        recording.answered(status.name)
 
 
 def call_key(context: Context) -> str | None:
@@ -94,14 +106,18 @@ class InferenceServicer:
 
         Checks the API key (before the message is parsed), parses the request, assigns the
         request id (``ModelInferRequest.id`` when sane, else ``x-request-id`` metadata, else a
-        new one; returned as ``x-request-id`` trailing metadata), counts the response, and maps
-        any exception through :func:`app.grpc.errors.outcome` (the one mapping).
+        new one; returned as ``x-request-id`` trailing metadata), counts the response, maps any
+        exception through :func:`app.grpc.errors.outcome` (the one mapping), and records an
+        inference call (its metrics made on arrival, answered with the status it ends with;
+        CANCELLED when the client went away or its deadline passed).
         """
         method = getattr(self, name)
         request_type = getattr(pb, SERVICE.methods_by_name[name].input_type.name)
+        metrics = self.metrics if name in _RECORDED else None
 
         async def rpc(raw: bytes, context: Context) -> Message:
             rid = ""
+            recording = Recording(metrics, PROTOCOL) if metrics is not None else None
             try:
                 # The key first: a caller without one costs no parsing of its message.
                 if name not in _OPEN and not self.authorized(context):
@@ -113,15 +129,21 @@ class InferenceServicer:
                 rid = _request_id(context, getattr(request, "id", ""))
                 if self.plane.tracing is not None:
                     self.plane.tracing.tag(rid)
-                reply: Message = await method(request, context, rid)
+                extra = () if recording is None else (recording,)  # an inference call's
+                reply: Message = await method(request, context, rid, *extra)
+            except asyncio.CancelledError:  # the client went away, or its deadline passed
+                _answered(recording, grpc.StatusCode.CANCELLED)
+                raise
             except Exception as exc:
                 rid = rid or _request_id(context)
-                code, details, trailer = outcome(exc, rid, name)
+                status, details, trailer = outcome(exc, rid, name)
+                _answered(recording, status)  # before the client can see the answer
                 context.set_trailing_metadata(trailer)
-                await context.abort(code, details)
+                await context.abort(status, details)
                 raise AssertionError("unreachable: abort raises") from None
             finally:
                 self.health.responses += 1
+            _answered(recording, grpc.StatusCode.OK)
             context.set_trailing_metadata(((REQUEST_ID_KEY, rid),))
             return reply
 
@@ -225,56 +247,31 @@ class InferenceServicer:
     # --- inference -----------------------------------------------------------------------
 
     async def ModelInfer(
-        self, request: pb.ModelInferRequest, context: Context, rid: str
+        self, message: pb.ModelInferRequest, context: Context, rid: str, recording: Recording | None = None
     ) -> pb.ModelInferResponse:
-        """Inference; raw inputs get raw outputs, typed inputs typed outputs. Counted in the
-        request metrics as HTTP's are (``app.observability.metrics.Recording``,
-        ``protocol="grpc"``, ``code`` = the gRPC status name)."""
-        if self.metrics is None:
-            return await self._infer(request, context, rid)
-        recording = Recording(self.metrics, "grpc")
-        start = time.perf_counter()
-        code = grpc.StatusCode.INTERNAL.name
-        try:
-            reply = await self._infer(request, context, rid, recording)
-            code = grpc.StatusCode.OK.name
-            return reply
-        except ScoringError as exc:
-            code = status_of(exc).name
-            raise
-        except asyncio.CancelledError:
-            code = grpc.StatusCode.CANCELLED.name  # the client went away or its deadline passed
-            raise
-        finally:
-            recording.answered(code, time.perf_counter() - start)
-
-    async def _infer(
-        self,
-        message: pb.ModelInferRequest,
-        context: Context,
-        rid: str,
-        recording: Recording | None = None,
-    ) -> pb.ModelInferResponse:
+        """Inference; raw inputs get raw outputs, typed inputs typed outputs. Its deadline: the
+        earlier of the gRPC deadline and its ``timeout`` parameter (the data plane's); pinned to
+        this worker's connection, so forwarded whole to a less-loaded sibling rather than shed."""
         plane = self.plane
         arrival = asyncio.get_running_loop().time()
         remaining = context.time_remaining()  # None without a gRPC deadline
-        deadline = None if remaining is None else arrival + remaining
-        name, version = message.model_name, message.model_version or None
-        if recording is not None:  # labelled by its model from here, refused early included
-            with contextlib.suppress(ScoringError):  # (an unknown model: labelled "", as HTTP)
-                config = plane.version(name, version).config
-                recording.model(config.name, config.version)
-        model = plane.admit(name, version, arrival, deadline)
+        tracing = plane.tracing
+        request_context = RequestContext(
+            rid,
+            NO_DEADLINE if remaining is None else arrival + remaining,
+            trace=tracing.carrier() if tracing is not None else (),
+            pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
+            is_disconnected=context.cancelled,
+            arrival=arrival,
+            recording=recording,
+        )
+        model = plane.admit(message.model_name, message.model_version or None, request_context)
         raw = bool(message.raw_input_contents)
         call = Call(
             lambda config: codec.decode_request(message, config, plane.limits),
             lambda config, response: codec.encode_response(response, raw=raw),
         )
-        return await plane.serve(
-            model, call, arrival=arrival, deadline=deadline, request_id=rid,
-            is_disconnected=context.cancelled,
-            pinned=True,  # one HTTP/2 connection per channel: forwarded, not shed (dataplane)
-        )  # fmt: skip
+        return await plane.serve(model, call, request_context)
 
 
 def _message(document: dict[str, Any], message: MessageT) -> MessageT:

@@ -1,9 +1,11 @@
 """Generates ``app/openapi.json``, the OpenAPI 3.1 description served at ``GET /openapi.json``.
 
-The component schemas come from the msgspec types the server decodes and answers with
-(:mod:`app.protocols.v2`, :mod:`app.protocols.v1`, :mod:`app.protocols.schemas`) through
-``msgspec.json.schema_components``; what is kept by hand is the table of operations and error
-descriptions in :mod:`app.http.openapi_operations`. Regenerate after changing a route or a type::
+The inference operations come from the APIs' declarations (``app.protocols.apis.APIS``: paths,
+operation, request and answer types, error shape); the component schemas from the msgspec types
+the server decodes and answers with (theirs and :mod:`app.protocols.schemas`) through
+``msgspec.json.schema_components``; what is kept by hand is the table of the other operations
+and of error descriptions in :mod:`app.http.openapi_operations`. Regenerate after changing a
+route or a type::
 
     python -m app.http.openapi          # rewrite app/openapi.json
     python -m app.http.openapi --check  # exit 1 if the file is out of date (tests run this)
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +24,9 @@ from typing import Any
 import msgspec
 
 from app import SERVER_NAME, __version__
-from app.http.openapi_operations import ERRORS, OPERATIONS, PARAMS, REF, TYPES, Op
+from app.http.openapi_operations import ERRORS, INFER_ERRORS, OPERATIONS, PARAMS, REF, TYPES, Op
+from app.protocols.apis import APIS
+from app.protocols.codec import PLAIN_ERRORS, Api
 from app.protocols.v2 import HEADER_LENGTH
 
 PATH = Path(__file__).resolve().parent.parent / "openapi.json"
@@ -29,8 +34,10 @@ PATH = Path(__file__).resolve().parent.parent / "openapi.json"
 DESCRIPTION = (
     "Multi-GPU PyTorch model scoring server: the Open Inference Protocol (KServe V2) REST API with "
     "Triton's binary tensor data, model configuration, statistics and model repository (index) "
-    "extensions, KServe V1, plus Prometheus metrics. Every response carries X-Request-Id. Errors are "
-    '{"error": "..."}. With API keys configured (SCORING_API_KEYS / SCORING_API_KEYS_FILE) every '
+    "extensions, KServe V1, OpenAI's embeddings, Cohere's rerank and vLLM's classify APIs, plus "
+    "Prometheus metrics. Every response carries X-Request-Id. Errors are "
+    '{"error": "..."}, in OpenAI\'s shape on the OpenAI-style APIs. With API keys configured '
+    "(SCORING_API_KEYS / SCORING_API_KEYS_FILE) every "
     "operation but the health probes (and /metrics when SCORING_METRICS_AUTH=false) needs a key. "
     "Limits (docs/reliability.md): body size (413), items per request (413), bytes per string (413), "
     "JSON depth (400), header fields (431). Protocol decisions: docs/protocols.md."
@@ -45,27 +52,17 @@ def _json(ref: str | dict[str, Any], content_type: str = "application/json") -> 
     return {content_type: {"schema": _schema(ref)}}
 
 
+#: The binary alternative of an inference body or answer (Triton's binary tensor data).
+_BINARY = {"type": "string", "format": "binary"}
+
+
 def _operation(op: Op) -> dict[str, Any]:
+    """One operation of the hand-kept table."""
     params = [PARAMS[p] for p in ("name", "version") if "{" + p + "}" in op.path]
-    if op.path.endswith(("infer", ":predict")):
-        params.append(PARAMS["timeout"])
-    if op.path.endswith("/infer"):
-        params.append(PARAMS["header_length"])
     if op.content_type == "application/json" and op.path != "/openapi.json":
         params.append(PARAMS["request_id"])
     ok_schema, ok_text = op.ok
-    ok: dict[str, Any] = {"description": ok_text, "content": _json(ok_schema, op.content_type)}
-    if op.path.endswith("/infer"):
-        ok["content"]["application/octet-stream"] = {
-            "schema": {
-                "type": "string",
-                "format": "binary",
-                "description": f"The response JSON ({HEADER_LENGTH} bytes), then binary outputs.",
-            }
-        }
-        ok["headers"] = {
-            HEADER_LENGTH: {"schema": {"type": "integer"}, "description": "Set when binary outputs follow."}
-        }
+    ok = {"description": ok_text, "content": _json(ok_schema, op.content_type)}
     responses: dict[str, Any] = {"200": ok}
     if op.unavailable:
         responses["503"] = {"description": "Not ready, stuck or draining.", "content": _json(op.unavailable)}
@@ -78,17 +75,54 @@ def _operation(op: Op) -> dict[str, Any]:
         result["security"] = []
     result["responses"] = dict(sorted(responses.items()))
     if op.body:
-        content = _json(op.body)
-        if op.path.endswith(("infer", ":predict")):
-            content["application/octet-stream"] = {
-                "schema": {
-                    "type": "string",
-                    "format": "binary",
-                    "description": f"JSON (all of it, or {HEADER_LENGTH} bytes then binary tensor data).",
-                }
-            }
-        result["requestBody"] = {"required": not op.path.endswith("index"), "content": content}
+        result["requestBody"] = {"required": not op.path.endswith("index"), "content": _json(op.body)}
     return result
+
+
+def openapi_path(path: str) -> str:
+    """An aiohttp route pattern as an OpenAPI path (``{name:[^/:]+}`` -> ``{name}``)."""
+    return re.sub(r"\{(\w+):[^}]*\}", r"{\1}", path)
+
+
+def _inference(api: Api, path: str, operation: str) -> dict[str, Any]:
+    """One URL of an inference API: its declaration's body, answer and errors (in its shape),
+    the timeout and request id headers, and Triton's binary tensor data where it takes it."""
+    params = [PARAMS[p] for p in ("name", "version") if "{" + p + "}" in path]
+    params += [PARAMS["timeout"], *([PARAMS["header_length"]] if api.binary else []), PARAMS["request_id"]]
+    ok: dict[str, Any] = {"description": api.answer, "content": _json(api.response.__name__)}
+    body = _json(api.request.__name__)
+    if api.binary:
+        text = f"The response JSON ({HEADER_LENGTH} bytes), then binary outputs."
+        ok["content"]["application/octet-stream"] = {"schema": {**_BINARY, "description": text}}
+        ok["headers"] = {
+            HEADER_LENGTH: {"schema": {"type": "integer"}, "description": "Set when binary outputs follow."}
+        }
+        text = f"JSON (all of it, or {HEADER_LENGTH} bytes then binary tensor data)."
+        body["application/octet-stream"] = {"schema": {**_BINARY, "description": text}}
+    responses: dict[str, Any] = {"200": ok}
+    for name in INFER_ERRORS:
+        status, text, headers = ERRORS[name]
+        if api.errors is PLAIN_ERRORS:
+            responses[status] = {"$ref": f"#/components/responses/{name}"}
+        else:
+            responses[status] = _error(text, headers, api.errors.schema.__name__)
+    return {
+        "summary": api.summary,
+        "operationId": operation,
+        "tags": [api.protocol],
+        "parameters": params,
+        "responses": dict(sorted(responses.items())),
+        "requestBody": {"required": True, "content": body},
+    }
+
+
+def _error(text: str, headers: list[str], schema: str) -> dict[str, Any]:
+    """An error answer: its description, headers, and body schema."""
+    return {
+        "description": text,
+        **({"headers": {h: {"schema": {"type": "string"}} for h in headers}} if headers else {}),
+        "content": _json(schema),
+    }
 
 
 def _clean(node: Any) -> Any:
@@ -106,19 +140,17 @@ def _clean(node: Any) -> Any:
 
 def generate() -> dict[str, Any]:
     """The whole OpenAPI 3.1 document."""
-    _, components = msgspec.json.schema_components(TYPES, ref_template=REF)
+    types = [*TYPES, *(t for api in APIS for t in (api.request, api.response, api.errors.schema))]
+    _, components = msgspec.json.schema_components(list(dict.fromkeys(types)), ref_template=REF)
     paths: dict[str, dict[str, Any]] = {}
+    for api in APIS:
+        for route in api.routes:
+            path = openapi_path(route.path)
+            paths.setdefault(path, {})[api.method.lower()] = _inference(api, path, route.operation)
     for op in OPERATIONS:
         paths.setdefault(op.path, {})[op.method] = _operation(op)
-    error = {"application/json": {"schema": _schema("Error")}}
-    responses = {
-        name: {
-            "description": text,
-            **({"headers": {h: {"schema": {"type": "string"}} for h in headers}} if headers else {}),
-            "content": error,
-        }
-        for name, (_, text, headers) in ERRORS.items()
-    }
+    responses = {name: _error(text, headers, "Error") for name, (_, text, headers) in ERRORS.items()}
+    tags = {api.protocol: api.title for api in APIS}
     return {
         "openapi": "3.1.0",
         "info": {
@@ -129,12 +161,8 @@ def generate() -> dict[str, Any]:
         },
         "servers": [{"url": "http://127.0.0.1:8080"}],
         "tags": [
-            {"name": "v2", "description": "Open Inference Protocol (KServe V2) REST"},
+            *({"name": name, "description": text} for name, text in tags.items()),
             {"name": "triton", "description": "Triton's extensions of the V2 protocol"},
-            {"name": "v1", "description": "KServe V1"},
-            {"name": "openai", "description": "OpenAI's embeddings API"},
-            {"name": "rerank", "description": "Cohere's rerank API (as vLLM, Infinity and Jina serve it)"},
-            {"name": "classify", "description": "vLLM's classify API"},
             {"name": "health"},
             {"name": "server"},
         ],

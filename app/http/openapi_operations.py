@@ -1,13 +1,14 @@
-"""The hand-kept part of the OpenAPI description: one entry per operation, the error answers,
-the common parameters, and the msgspec types whose schemas become components
-(:mod:`app.http.openapi` generates ``app/openapi.json`` from them)."""
+"""The hand-kept part of the OpenAPI description: one entry per operation besides inference (the
+inference APIs declare theirs: ``app.protocols.apis``), the error answers, the common parameters,
+and the msgspec types whose schemas become components (:mod:`app.http.openapi` generates
+``app/openapi.json`` from them and from the APIs)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from typing import Any
 
-from app.protocols import classify, openai, rerank, schemas, v1, v2
+from app.protocols import schemas
 from app.protocols.v2 import HEADER_LENGTH
 
 REF = "#/components/schemas/{name}"
@@ -48,7 +49,8 @@ ERRORS: dict[str, tuple[str, str, list[str]]] = {
     "DeadlineExceeded": ("504", "The request's deadline passed.", []),
     "InsufficientStorage": ("507", "One item does not fit in device memory even alone.", []),
 }
-_INFER_ERRORS = [
+#: The errors of an inference API.
+INFER_ERRORS = (
     "BadRequest",
     "Unauthorized",
     "NotFound",
@@ -59,7 +61,7 @@ _INFER_ERRORS = [
     "Unavailable",
     "DeadlineExceeded",
     "InsufficientStorage",
-]
+)
 
 
 @dataclass(frozen=True)
@@ -154,18 +156,6 @@ OPERATIONS: list[Op] = [
     ),
     *_versioned(
         Op(
-            "/v2/models/{name}/infer",
-            "post",
-            "modelInfer",
-            "v2",
-            "Run inference (Open Inference Protocol)",
-            ("InferenceResponse", "Outputs, flattened row-major (or as binary tensor data after the JSON)."),
-            body="InferenceRequest",
-            errors=tuple(_INFER_ERRORS),
-        )
-    ),
-    *_versioned(
-        Op(
             "/v2/models/{name}/config",
             "get",
             "modelConfig",
@@ -246,49 +236,6 @@ OPERATIONS: list[Op] = [
         errors=_MODEL,
     ),
     Op(
-        "/v1/models/{name}:predict",
-        "post",
-        "v1Predict",
-        "v1",
-        "Predict (KServe V1)",
-        ("PredictResponse", "One prediction per instance."),
-        body="PredictRequest",
-        errors=tuple(_INFER_ERRORS),
-    ),
-    Op(
-        "/v1/embeddings",
-        "post",
-        "createEmbedding",
-        "openai",
-        "Embeddings (OpenAI's API) of any model that makes them",
-        ("EmbeddingResponse", "One embedding per input, in order; usage in tokens."),
-        body="EmbeddingRequest",
-        errors=tuple(_INFER_ERRORS),
-    ),
-    *(
-        Op(
-            path,
-            "post",
-            operation,
-            "rerank",
-            "Rerank documents against a query (Cohere's API) with a cross-encoder or an embedding model",
-            ("RerankResponse", "The documents by relevance, highest first; windows each took."),
-            body="RerankRequest",
-            errors=tuple(_INFER_ERRORS),
-        )
-        for path, operation in (("/v1/rerank", "rerank"), ("/v2/rerank", "rerankV2"))
-    ),
-    Op(
-        "/v1/classify",
-        "post",
-        "classify",
-        "classify",
-        "Classify texts (vLLM's API) with a sequence classifier",
-        ("ClassifyResponse", "Per text, in order: the top label, the probabilities, windows taken."),
-        body="ClassifyRequest",
-        errors=tuple(_INFER_ERRORS),
-    ),
-    Op(
         "/metrics",
         "get",
         "metrics",
@@ -307,7 +254,7 @@ OPERATIONS: list[Op] = [
     ),
 ]
 
-#: The msgspec types whose schemas become ``components.schemas``.
+#: The msgspec types whose schemas become ``components.schemas`` (and the APIs' own).
 TYPES: list[Any] = [
     schemas.Error,
     schemas.V1Live,
@@ -317,20 +264,10 @@ TYPES: list[Any] = [
     schemas.ModelList,
     schemas.ServerMetadata,
     schemas.ModelMetadata,
-    v2.InferenceRequest,
-    v2.InferenceResponse,
-    v1.PredictRequest,
-    v1.PredictResponse,
     schemas.TritonModelConfig,
     schemas.ModelStatistics,
     schemas.RepositoryIndexRequest,
     schemas.RepositoryModelRequest,
-    openai.EmbeddingRequest,
-    openai.EmbeddingResponse,
-    rerank.RerankRequest,
-    rerank.RerankResponse,
-    classify.ClassifyRequest,
-    classify.ClassifyResponse,
     schemas.RepositoryIndexEntry,
 ]
 

@@ -1,6 +1,6 @@
 """The HTTP routes besides inference: the Open Inference Protocol's (V2) server and model
 metadata, liveness and readiness, KServe V1's liveness and model list, the OpenAPI document and
-``/metrics``. The inference routes, and the one path they take, are ``app.http.edge``'s.
+``/metrics``. The inference routes, and the one path they take, are ``app.http.inference``'s.
 """
 
 from __future__ import annotations

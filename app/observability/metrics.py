@@ -10,10 +10,10 @@ backwards when a worker is replaced. Without the variable (in-process tests,
 ``python -m aiohttp.web``) each app records into a registry of its own and a
 scrape adds prometheus_client's default registry (process and GC collectors).
 
-Every metric is listed in ``docs/observability.md``. This module holds the
-definitions; ``app.http.edge`` records the HTTP requests, ``app.http.routes`` answers
-``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML
-(never through CUDA); in CPU mode there are no GPU figures.
+Every metric is listed in ``docs/observability.md``. This module holds the definitions and one
+request's recording (:class:`Recording`, both front ends'); ``app.http.routes`` answers
+``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML (never through CUDA);
+in CPU mode there are no GPU figures.
 
 Source: prometheus_client's "Multiprocess Mode (E.g. Gunicorn)" documentation;
 metric names follow Prometheus' naming guide (base units, ``_total``, ``_info``).
@@ -315,14 +315,17 @@ class RequestMetrics:
 
 
 class Recording:
-    """One inference request's metrics, whatever its front end: made once its model is known
-    (``recorded``), answered once with its code (the HTTP status or the gRPC status name)."""
+    """One inference request's metrics, whatever its front end (HTTP's edge middleware, the gRPC
+    servicer): made on arrival (``start``, ``time.perf_counter()`` seconds), labelled with its
+    model once known (:meth:`model`), answered once with its code (HTTP status, gRPC status name).
+    ``protocol``: an HTTP API's label (``app.protocols.codec.Api``) or ``grpc``."""
 
-    __slots__ = ("metrics", "protocol", "recorded")
+    __slots__ = ("metrics", "protocol", "recorded", "start")
 
     def __init__(self, metrics: ServerMetrics, protocol: str) -> None:
         self.metrics, self.protocol = metrics, protocol
         self.recorded: RequestMetrics | None = None
+        self.start = time.perf_counter()
 
     def model(self, name: str, version: str) -> None:
         """The request addresses ``name`` ``version``: it counts in flight from now (once)."""
@@ -330,9 +333,10 @@ class Recording:
             self.recorded = self.metrics.for_requests(name, version, self.protocol)
             self.recorded.in_flight.inc()
 
-    def answered(self, code: int | str, seconds: float) -> None:
-        """It left with ``code`` after ``seconds`` (not counted in flight when its model was never
-        known: labelled model "")."""
+    def answered(self, code: int | str) -> None:
+        """It left with ``code``, now (not counted in flight when its model was never known:
+        labelled model "")."""
+        seconds = time.perf_counter() - self.start
         if self.recorded is not None:
             self.recorded.answered(code, seconds)
         else:
@@ -451,7 +455,6 @@ class ModelObserver:
             self._metrics.priority_queue_seconds.labels(*self._labels, priority).observe(waited_s)
         else:
             self._metrics.priority_requests.labels(*self._labels, priority, outcome).inc()
-
 
 
 def create_metrics() -> ServerMetrics:

@@ -24,12 +24,13 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import BodyNamedCodec
+from app.protocols import openai, text
+from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.openai import input_texts
-from app.protocols.tensors import RequestLimits, decode_json
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits
 
-TEXT, PROBABILITIES, TOKENS, WINDOWS = "text", "probabilities", "tokens", "windows"
+TEXT, PROBABILITIES = "text", "probabilities"
 
 
 class ClassifyRequest(msgspec.Struct, omit_defaults=True):
@@ -40,6 +41,8 @@ class ClassifyRequest(msgspec.Struct, omit_defaults=True):
     user: str | None = None
     #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``.
     priority: int | None = None
+    #: vLLM's (``app.protocols.text``).
+    truncate_prompt_tokens: text.TruncatePromptTokens | None = None
 
 
 class Classification(msgspec.Struct):
@@ -53,21 +56,8 @@ class Classification(msgspec.Struct):
     object: str = "classification"
 
 
-class Usage(msgspec.Struct):
-    prompt_tokens: int
-    total_tokens: int
-    completion_tokens: int = 0
-
-
-class ClassifyResponse(msgspec.Struct):
+class ClassifyResponse(text.PoolingResponse[Classification]):
     """vLLM's ``ClassificationResponse``."""
-
-    id: str
-    created: int
-    model: str
-    data: list[Classification]
-    usage: Usage
-    object: str = "list"
 
 
 _decoder = msgspec.json.Decoder(ClassifyRequest)
@@ -77,10 +67,12 @@ def decode(body: bytes, limits: RequestLimits) -> ClassifyRequest:
     """The request, its ``input`` a non-empty list of strings (a lone string is one).
 
     Raises:
-        InvalidInput: malformed JSON, a field of the wrong type, no input, token arrays.
+        InvalidInput: malformed JSON, a field of the wrong type, no input, token arrays, a
+            ``truncate_prompt_tokens`` of 0.
     """
     request = decode_json(_decoder, body, limits.max_json_depth, "classify request")
-    request.input = input_texts(request.input)
+    request.input = text.input_texts(request.input)
+    text.check_truncation(request.truncate_prompt_tokens)
     limits.check_items(len(request.input), "input")
     return request
 
@@ -107,17 +99,18 @@ def infer_request(config: ModelConfig, request: ClassifyRequest) -> InferRequest
     ``tokens``, ``windows`` where the model has them).
 
     Raises:
-        InvalidInput: see :func:`labels`.
+        InvalidInput: see :func:`labels`; ``truncate_prompt_tokens`` for a model that does not
+            take it.
     """
     labels(config)
     texts = list(request.input)
-    outputs = {s.name: s for s in config.outputs}
-    wanted = [RequestedOutput(PROBABILITIES)]
-    wanted += [
-        RequestedOutput(n) for n in (TOKENS, WINDOWS) if n in outputs and outputs[n].datatype == "INT64"
-    ]
     return InferRequest(
-        model_name=config.name, inputs=[InferInput(TEXT, "BYTES", [len(texts), 1], texts)], outputs=wanted
+        model_name=config.name,
+        inputs=[
+            InferInput(TEXT, "BYTES", [len(texts), 1], texts),
+            *text.truncation_inputs(config, request.truncate_prompt_tokens, len(texts)),
+        ],
+        outputs=[RequestedOutput(PROBABILITIES), *text.counts_wanted(config)],
     )
 
 
@@ -126,17 +119,26 @@ def encode(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
     names = labels(config)
     probabilities = np.asarray(outputs[PROBABILITIES], dtype=np.float32).reshape(-1, len(names))
     count = len(probabilities)
-    windows = np.asarray(outputs[WINDOWS]).reshape(-1) if WINDOWS in outputs else np.ones(count, np.int64)
+    windows = text.windows_each(outputs, count)
     data = [
         Classification(i, names[int(np.argmax(row))], row.tolist(), len(names), int(windows[i]))
         for i, row in enumerate(probabilities)
     ]
-    tokens = int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
     response = ClassifyResponse(
-        f"classify-{uuid.uuid4().hex}", int(time.time()), config.name, data, Usage(tokens, tokens)
+        f"classify-{uuid.uuid4().hex}", int(time.time()), config.name, data, text.usage(outputs)
     )
     return msgspec.json.encode(response)
 
 
-#: vLLM's classify API as a codec (``app.protocols.codec``).
-CODEC = BodyNamedCodec("classify", decode, infer_request, lambda body, config, out: encode(config, out))
+#: vLLM's classify API (``app.protocols.codec.Api``).
+API = Api(
+    protocol="classify",
+    title="vLLM's classify API",
+    routes=(Route("/v1/classify", "classify"),),
+    codec=BodyNamedCodec(decode, infer_request, lambda body, config, out: encode(config, out)),
+    summary="Classify texts (vLLM's API) with a sequence classifier",
+    request=ClassifyRequest,
+    response=ClassifyResponse,
+    answer="Per text, in order: the top label, the probabilities, windows taken.",
+    errors=openai.ERRORS,
+)

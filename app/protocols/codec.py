@@ -1,15 +1,17 @@
-"""The inference APIs as codecs: each says where its request names the model, how its wire format
-becomes an inference request, and how an inference response becomes its answer; the one path that
-admits, decodes, runs and encodes is the front end's (``app.http.edge.serve``).
+"""The inference APIs as declarations: each API says, once, in its protocol module, everything the
+front end and the OpenAPI document derive from it: its URLs, method, codec, OpenAPI operation,
+error shape and protocol label (:class:`Api`). ``app.protocols.apis.APIS`` lists them; the HTTP
+front end makes one route per URL (``app.http.inference``), labels the requests' metrics and
+shapes their errors by the route's API (``app.http.edge``), and ``python -m app.http.openapi``
+writes their operations. A new API is its protocol module and one line in that table.
 
-A codec has ``protocol`` (the label its requests' metrics carry), ``named_in_path`` (the model
-is in the URL: the request is admitted before its body is read, so an overloaded model refuses it
-without decoding it) and ``call(body, headers, limits)``, which decodes the body into a
-:class:`Call`. Each API's module defines its codec beside its wire format (``v2.CODEC``,
-``v1.CODEC``, ``openai.CODEC``, ``rerank.CODEC``, ``classify.CODEC``): adding an API is that
-module and one route entry. No aiohttp here: an answer is bytes, a content type and headers.
-Source: KServe's model server, whose REST and gRPC front ends decode into one ``InferRequest``
-for its ``DataPlane``.
+A codec says where its request names the model, how its wire format becomes an inference request,
+and how an inference response becomes its answer: ``named_in_path`` (the model is in the URL: the
+request is admitted before its body is read, so an overloaded model refuses it without decoding
+it) and ``call(body, headers, limits)``, which decodes the body into a :class:`Call`. The one path
+that admits, decodes, runs and encodes is the front end's (``app.http.inference.serve``). No
+aiohttp here: an answer is bytes, a content type and headers. Source: KServe's model server, whose
+REST and gRPC front ends decode into one ``InferRequest`` for its ``DataPlane``.
 """
 
 from __future__ import annotations
@@ -18,15 +20,17 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
+import msgspec
 import numpy as np
 
 from app.protocols.infer import InferRequest, InferResponse
+from app.protocols.schemas import Error
 from app.protocols.tensors import RequestLimits
 
 if TYPE_CHECKING:
     from app.models.repository import ModelConfig
 
-__all__ = ["JSON", "Answer", "BodyNamedCodec", "Call", "Codec"]
+__all__ = ["JSON", "PLAIN_ERRORS", "Answer", "Api", "BodyNamedCodec", "Call", "Codec", "ErrorShape", "Route"]
 
 JSON = "application/json"
 #: An HTTP API's answer: the body, its content type, more headers.
@@ -56,9 +60,6 @@ class Codec(Protocol):
     """One inference API's wire format (module docstring)."""
 
     @property
-    def protocol(self) -> str: ...
-
-    @property
     def named_in_path(self) -> bool: ...
 
     def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
@@ -71,6 +72,73 @@ class Codec(Protocol):
 
 
 @dataclass(frozen=True)
+class ErrorShape:
+    """How an API answers an error.
+
+    Attributes:
+        schema: the msgspec type of the error body (its OpenAPI schema).
+        body: (HTTP status, message) -> the JSON body.
+    """
+
+    schema: type
+    body: Callable[[int, str], bytes]
+
+
+def plain_error(status: int, message: str) -> bytes:
+    """The Open Inference Protocol's error body, ``{"error": "<message>"}`` (KServe V1's too)."""
+    return msgspec.json.encode(Error(message))
+
+
+#: ``{"error": "<message>"}``: the server's errors, but those of an API with a shape of its own.
+PLAIN_ERRORS = ErrorShape(Error, plain_error)
+
+
+@dataclass(frozen=True)
+class Route:
+    """One URL of an API.
+
+    Attributes:
+        path: aiohttp's pattern (``{name}``, ``{name:[^/:]+}``); the OpenAPI path drops the regex.
+        operation: its OpenAPI ``operationId``.
+    """
+
+    path: str
+    operation: str
+
+
+@dataclass(frozen=True)
+class Api:
+    """One inference API, declared once (module docstring).
+
+    Attributes:
+        protocol: the label of its requests' metrics (``protocol``) and its OpenAPI tag.
+        title: the tag's description: whose API it is.
+        routes: its URLs, the first one tried first (aiohttp tries resources in order).
+        codec: its wire format.
+        summary: the OpenAPI operation's summary.
+        request, response: the msgspec types of its JSON body and of its 200 answer (their
+            schemas become OpenAPI components).
+        answer: what its 200 answer holds (OpenAPI).
+        errors: the shape of its error answers.
+        binary: it takes and gives Triton's binary tensor data (``application/octet-stream``
+            bodies, ``Inference-Header-Content-Length``).
+        method: the HTTP method of its routes.
+    """
+
+    protocol: str
+    title: str
+    routes: tuple[Route, ...]
+    codec: Codec
+    summary: str
+    request: type
+    response: type
+    answer: str
+    errors: ErrorShape = PLAIN_ERRORS
+    binary: bool = False
+    method: str = "POST"
+
+
+@dataclass(frozen=True)
 class BodyNamedCodec:
     """An API whose JSON body names the model (``"model"``): OpenAI's embeddings, rerank, classify.
     A ``priority`` in the body (vLLM's field on these APIs) becomes the inference request's
@@ -78,13 +146,11 @@ class BodyNamedCodec:
     by the data plane as V2's.
 
     Attributes:
-        protocol: the metrics label.
         decode: body bytes and limits -> the API's request object (with a ``model`` attribute).
         build: the model's config and that object -> the inference request.
         answer: that object, the model's config and the outputs by name -> the JSON body.
     """
 
-    protocol: str
     decode: Callable[[bytes, RequestLimits], Any]
     build: Callable[[ModelConfig, Any], InferRequest]
     answer: Callable[[Any, ModelConfig, dict[str, np.ndarray]], bytes]

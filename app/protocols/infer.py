@@ -1,10 +1,10 @@
 r"""One inference request type for every protocol front end (HTTP V2 JSON, V2 JSON + binary,
 KServe V1, gRPC, OpenAI embeddings), and one response type.
 
-A front end decodes its wire format into an :class:`InferRequest`, with the time it took the
-request in (``arrival``) and the deadline its transport named (``deadline``), both on the event
-loop's clock, and hands it to the data plane (:meth:`app.serving.dataplane.DataPlane.infer`),
-which validates it against the model, settles its one deadline, runs it and builds the
+A front end decodes its wire format into an :class:`InferRequest` and hands it, with the
+request's context (``app.serving.context.RequestContext``: its arrival, the deadline its
+transport named), to the data plane (:meth:`app.serving.dataplane.DataPlane.infer`), which
+validates it against the model, settles its one deadline, runs it and builds the
 :class:`InferResponse`; the front end then encodes that response in its own wire format.
 
 Source: KServe's ``InferRequest``/``InferInput``/``InferResponse``
@@ -24,7 +24,7 @@ import numpy as np
 class RawData(msgspec.Struct):
     """A tensor's data as raw bytes, not yet decoded (binary tensor data, gRPC
     ``raw_input_contents``): little-endian row-major elements, BYTES length-prefixed.
-    :func:`app.serving.dataplane.validate_inputs` decodes it once its name, datatype and size
+    :func:`app.serving.validation.validate_inputs` decodes it once its name, datatype and size
     fit the model."""
 
     data: memoryview | bytes
@@ -88,13 +88,6 @@ class InferRequest(msgspec.Struct):
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
     outputs: list[RequestedOutput] | None = None
     binary_data_output: bool = False
-
-    #: When the front end took the request in, ``loop.time()`` seconds (its deadline counts
-    #: from here).
-    arrival: float = 0.0
-    #: The deadline its transport named (``X-Request-Timeout-Ms``, a gRPC deadline), as
-    #: ``loop.time()`` seconds; None = none. ``parameters.timeout`` is the data plane's to read.
-    deadline: float | None = None
 
 
 class OutputTensor(msgspec.Struct):

@@ -18,18 +18,22 @@ and Infinity's ``/rerank``.
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import BodyNamedCodec
+from app.protocols import openai, text
+from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.tensors import RequestLimits, decode_json
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits
 
-TEXT, QUERY, SCORE, TOKENS, WINDOWS = "text", "query", "score", "tokens", "windows"
+TEXT, QUERY, SCORE = "text", "query", "score"
+#: What a document is ranked by (Cohere's ``rank_fields``: only this one).
+RANKED_FIELD = "text"
 
 
 class Document(msgspec.Struct):
@@ -38,9 +42,15 @@ class Document(msgspec.Struct):
     text: str
 
 
+#: Cohere's fields that would change how a document is cut, which this server leaves to the
+#: model's ``model.toml`` (windows, ``max_windows``): refused when given (400), not ignored.
+_NOT_SUPPORTED = Annotated[Any, msgspec.Meta(description="Not supported: a request that sets it is a 400.")]
+
+
 class RerankRequest(msgspec.Struct, omit_defaults=True):
-    """Cohere's rerank request (v1 and v2 fields; ``rank_fields`` and ``max_chunks_per_doc`` are
-    accepted and not used: windows follow the model's ``model.toml``)."""
+    """Cohere's rerank request (v1 and v2 fields) with vLLM's extensions. ``rank_fields`` other
+    than ``["text"]``, ``max_chunks_per_doc`` and ``max_tokens_per_doc`` are refused (400): a
+    long document is scored in windows as its model's ``model.toml`` says."""
 
     query: str
     documents: list[str | Document]
@@ -48,10 +58,12 @@ class RerankRequest(msgspec.Struct, omit_defaults=True):
     top_n: int | None = None
     return_documents: bool = False
     rank_fields: list[str] | None = None
-    max_chunks_per_doc: int | None = None
-    max_tokens_per_doc: int | None = None
+    max_chunks_per_doc: _NOT_SUPPORTED | None = None
+    max_tokens_per_doc: _NOT_SUPPORTED | None = None
     #: vLLM's extension: the request's priority level, as Triton's ``parameters.priority``.
     priority: int | None = None
+    #: vLLM's extension (``app.protocols.text``).
+    truncate_prompt_tokens: text.TruncatePromptTokens | None = None
 
 
 class ResultDocument(msgspec.Struct):
@@ -105,9 +117,13 @@ def decode(body: bytes, limits: RequestLimits) -> RerankRequest:
 
     Raises:
         InvalidInput: malformed JSON, a field of the wrong type, no documents, an empty query,
-            a ``top_n`` that is not positive.
+            a ``top_n`` that is not positive, a ``truncate_prompt_tokens`` of 0, a field this
+            server does not implement (``rank_fields`` other than ``["text"]``,
+            ``max_chunks_per_doc``, ``max_tokens_per_doc``).
     """
     request = decode_json(_decoder, body, limits.max_json_depth, "rerank request")
+    _refuse_what_is_not_implemented(request)
+    text.check_truncation(request.truncate_prompt_tokens)
     if not request.documents:
         raise InvalidInput("documents: give a non-empty list of documents to rank against the query")
     if not request.query:
@@ -118,17 +134,37 @@ def decode(body: bytes, limits: RequestLimits) -> RerankRequest:
     return request
 
 
+def _refuse_what_is_not_implemented(request: RerankRequest) -> None:
+    """Raises InvalidInput (400) for a field of Cohere's this server does not implement: ignored,
+    it would rank something other than what the client asked."""
+    if request.rank_fields is not None and request.rank_fields != [RANKED_FIELD]:
+        raise InvalidInput(
+            'rank_fields: only ["text"] is supported; send each document as a string or as '
+            '{"text": ...} holding what to rank'
+        )
+    for name in ("max_chunks_per_doc", "max_tokens_per_doc"):
+        if getattr(request, name) is not None:
+            raise InvalidInput(
+                f"{name} is not supported: a long document is scored in windows as its model's "
+                "model.toml says (max_windows); truncate_prompt_tokens keeps a document's last tokens"
+            )
+
+
 def texts(request: RerankRequest) -> list[str]:
     """The documents' texts, in order."""
     return [d if isinstance(d, str) else d.text for d in request.documents]
 
 
-def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
-    """The inference request: each document with the query, ``[N, 1]`` BYTES each; asking for
-    ``score`` (and ``tokens``, ``windows`` where the model has them).
+def pairs_request(
+    config: ModelConfig, documents: list[str], queries: list[str], truncate_prompt_tokens: int | None = None
+) -> InferRequest:
+    """The inference request scoring each document with its query (``documents[i]`` with
+    ``queries[i]``, ``[N, 1]`` BYTES each, and ``truncate_prompt_tokens`` when asked); asking for
+    ``score`` (and ``tokens``, ``windows`` where the model has them). The rerank and score APIs'.
 
     Raises:
-        InvalidInput: the model takes no (text, query) or returns no FP32 ``score``.
+        InvalidInput: the model takes no (text, query) or returns no FP32 ``score``;
+            ``truncate_prompt_tokens`` for a model that does not take it.
     """
     inputs = {s.name: s for s in config.inputs}
     outputs = {s.name: s for s in config.outputs}
@@ -141,30 +177,34 @@ def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
         or outputs[SCORE].datatype != "FP32"
     ):
         raise InvalidInput(
-            f"model {config.name!r} does not rerank (it needs BYTES inputs 'text' and 'query' and an "
-            "FP32 output 'score')"
+            f"model {config.name!r} does not score pairs (it needs BYTES inputs 'text' and 'query' and "
+            "an FP32 output 'score')"
         )
-    documents = texts(request)
-    wanted = [RequestedOutput(SCORE)]
-    wanted += [
-        RequestedOutput(n) for n in (TOKENS, WINDOWS) if n in outputs and outputs[n].datatype == "INT64"
-    ]
     return InferRequest(
         model_name=config.name,
         inputs=[
             InferInput(TEXT, "BYTES", [len(documents), 1], documents),
-            InferInput(QUERY, "BYTES", [len(documents), 1], [request.query] * len(documents)),
+            InferInput(QUERY, "BYTES", [len(queries), 1], queries),
+            *text.truncation_inputs(config, truncate_prompt_tokens, len(documents)),
         ],
-        outputs=wanted,
+        outputs=[RequestedOutput(SCORE), *text.counts_wanted(config)],
     )
+
+
+def infer_request(config: ModelConfig, request: RerankRequest) -> InferRequest:
+    """The inference request: each document with the query (:func:`pairs_request`).
+
+    Raises:
+        InvalidInput: see :func:`pairs_request`.
+    """
+    documents = texts(request)
+    return pairs_request(config, documents, [request.query] * len(documents), request.truncate_prompt_tokens)
 
 
 def encode(request: RerankRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
     """The response body: documents by score, highest first (ties by index), ``top_n`` of them."""
     scores = np.asarray(outputs[SCORE], dtype=np.float64).reshape(-1)
-    windows = (
-        np.asarray(outputs[WINDOWS]).reshape(-1) if WINDOWS in outputs else np.ones(len(scores), np.int64)
-    )
+    windows = text.windows_each(outputs, len(scores))
     order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     if request.top_n is not None:
         order = order[: request.top_n]
@@ -178,13 +218,20 @@ def encode(request: RerankRequest, model: str, outputs: dict[str, np.ndarray]) -
         )
         for i in order
     ]
-    tokens = int(outputs[TOKENS].sum()) if TOKENS in outputs else 0
     return msgspec.json.encode(
-        RerankResponse(f"rerank-{uuid.uuid4().hex}", model, results, Meta(), Usage(tokens))
+        RerankResponse(f"rerank-{uuid.uuid4().hex}", model, results, Meta(), Usage(text.token_count(outputs)))
     )
 
 
-#: Cohere's rerank API as a codec (``app.protocols.codec``).
-CODEC = BodyNamedCodec(
-    "rerank", decode, infer_request, lambda body, config, out: encode(body, config.name, out)
+#: Cohere's rerank API (``app.protocols.codec.Api``); ``/v2/rerank`` is where Cohere's v2 client posts.
+API = Api(
+    protocol="rerank",
+    title="Cohere's rerank API (as vLLM, Infinity and Jina serve it)",
+    routes=(Route("/v1/rerank", "rerank"), Route("/v2/rerank", "rerankV2")),
+    codec=BodyNamedCodec(decode, infer_request, lambda body, config, out: encode(body, config.name, out)),
+    summary="Rerank documents against a query (Cohere's API) with a cross-encoder or an embedding model",
+    request=RerankRequest,
+    response=RerankResponse,
+    answer="The documents by relevance, highest first; windows each took.",
+    errors=openai.ERRORS,
 )

@@ -9,28 +9,19 @@ row-major elements; a BYTES element is a 4-byte little-endian length, then that 
 Source: triton-inference-server ``docs/protocol/extension_binary_data.md``; the Open Inference
 Protocol's gRPC "raw_input_contents".
 
-**Request limits** (:class:`RequestLimits`): items per request, bytes per string, JSON depth.
-The body size is capped before any of this runs (aiohttp's ``client_max_size``, 413).
-Nesting depth is checked on the raw bytes *before* decoding, so a hostile body such as
-``[[[[...]]]]`` costs a scan, never a deep recursion: msgspec recurses on nested arrays and
-gives up with a ``RecursionError`` near Python's recursion limit, and numpy would spend
-time discovering the dimensions of whatever it gets.
-
-The scan drops JSON strings (so brackets inside texts do not count), keeps only the bracket
-bytes, and tracks the running depth with numpy in chunks. It does not validate JSON: a
-malformed body that passes is rejected by the decoder next.
+**Request limits** (:class:`RequestLimits`): items per request, bytes per string, JSON depth
+(checked before a JSON body is decoded: :mod:`app.protocols.jsonbody`). The body size is capped
+before any of this runs (aiohttp's ``client_max_size``, 413).
 """
 
 from __future__ import annotations
 
 import math
-import re
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
-import msgspec
 import numpy as np
 
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
@@ -41,13 +32,6 @@ from app.models.repository import ModelConfig, TensorSpec
 #: no model needs more).
 MAX_DIMS = 32
 _LENGTH = struct.Struct("<I")
-#: A JSON string, escapes included; possessive, so the scan stays linear on any input.
-_STRING = re.compile(rb'"(?:[^"\\]++|\\.)*+"', re.S)
-_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
-_STEP = np.zeros(256, dtype=np.int8)
-_STEP[[ord("["), ord("{")]] = 1
-_STEP[[ord("]"), ord("}")]] = -1
-_CHUNK = 1 << 20
 
 
 def check_shape(shape: Any, where: str) -> list[int]:
@@ -371,9 +355,6 @@ class ItemBytes:
         return max(0, min(end, stop) - start)
 
 
-T = TypeVar("T")
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """Per-request limits; the defaults are the settings' defaults.
@@ -395,51 +376,6 @@ class RequestLimits:
                 f"{where}: {items} items in one request; the server accepts at most "
                 f"{self.max_items} (SCORING_MAX_ITEMS_PER_REQUEST)"
             )
-
-
-def _brackets(body: bytes) -> bytes:
-    """The bracket bytes of ``body`` outside JSON strings, in order."""
-    if b'"' in body:
-        body = _STRING.sub(b"", body)
-    return body.translate(None, _NOT_BRACKETS)
-
-
-def _deepest(brackets: bytes, stop_above: int | None = None) -> int:
-    deepest = depth = 0
-    steps = np.frombuffer(brackets, dtype=np.uint8)
-    for start in range(0, len(steps), _CHUNK):
-        running = np.cumsum(_STEP[steps[start : start + _CHUNK]], dtype=np.int64) + depth
-        deepest = max(deepest, int(running.max()))
-        depth = int(running[-1])
-        if stop_above is not None and deepest > stop_above:
-            break
-    return deepest
-
-
-def check_json_depth(body: bytes, limit: int) -> None:
-    """Raises ``InvalidInput`` (400) when ``body`` nests arrays/objects deeper than ``limit``."""
-    brackets = _brackets(body)
-    if len(brackets) > limit and _deepest(brackets, stop_above=limit) > limit:
-        raise InvalidInput(
-            f"request body nests arrays/objects deeper than {limit} levels (SCORING_MAX_JSON_DEPTH)"
-        )
-
-
-def decode_json(decoder: msgspec.json.Decoder[T], body: bytes, max_depth: int, what: str) -> T:
-    """``body`` decoded by ``decoder`` (a msgspec typed decoder), its nesting checked first.
-
-    Raises:
-        InvalidInput: nested deeper than ``max_depth``, malformed JSON, invalid UTF-8, or a
-            field of the wrong type (the message starts "invalid {what}:" and names the JSON
-            path, e.g. ``$.inputs[0].shape``).
-    """
-    check_json_depth(body, max_depth)
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as exc:
-        raise InvalidInput(f"invalid {what}: {exc}") from None
-    except RecursionError:  # only with max_depth near Python's recursion limit
-        raise InvalidInput(f"invalid {what}: nested too deeply") from None
 
 
 def typed_array(tensor: Any, shape: list[int], where: str, limits: RequestLimits) -> np.ndarray:

@@ -24,9 +24,10 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import JSON, Answer, Call
+from app.protocols.codec import JSON, Answer, Api, Call, Route
 from app.protocols.infer import InferInput, InferRequest, InferResponse
-from app.protocols.tensors import RequestLimits, decode_json
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits
 
 
 class PredictRequest(msgspec.Struct):
@@ -49,7 +50,7 @@ _DEFAULT_LIMITS = RequestLimits()
 def decode_request(config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferRequest:
     """Parse a V1 predict body into an :class:`InferRequest` with one input per model input
     named in the instances (shape inferred from the nesting; validate with
-    :func:`app.serving.dataplane.validate_inputs`).
+    :func:`app.serving.validation.validate_inputs`).
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, no
@@ -118,7 +119,6 @@ class V1Codec:
     """KServe V1 as a codec (``app.protocols.codec``): ``{"instances": [...]}`` in,
     ``{"predictions": [...]}`` out; the model named in the path."""
 
-    protocol: str = "v1"
     named_in_path: bool = True
 
     def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
@@ -129,4 +129,14 @@ class V1Codec:
         )
 
 
-CODEC = V1Codec()
+#: KServe V1's predict (``app.protocols.codec.Api``).
+API = Api(
+    protocol="v1",
+    title="KServe V1",
+    routes=(Route("/v1/models/{name:[^/:]+}:predict", "v1Predict"),),
+    codec=V1Codec(),
+    summary="Predict (KServe V1)",
+    request=PredictRequest,
+    response=PredictResponse,
+    answer="One prediction per instance.",
+)

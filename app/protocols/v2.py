@@ -32,9 +32,10 @@ import orjson
 from app.datatypes import DATATYPES
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
-from app.protocols.codec import JSON, Answer, Call
+from app.protocols.codec import JSON, Answer, Api, Call, Route
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RawData, RequestedOutput
-from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
+from app.protocols.jsonbody import decode_json
+from app.protocols.tensors import RequestLimits, tensor_bytes
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).
@@ -228,7 +229,7 @@ def attach_binary(request: InferRequest, binary: memoryview) -> None:
     """Give every input that declares ``parameters.binary_data_size`` its part of ``binary``, in
     input order, as :class:`~app.protocols.infer.RawData` (a view: nothing is copied or
     decoded here; validation decodes it once the tensor's name, datatype and size are known to
-    fit the model: :func:`app.serving.dataplane.validate_inputs`).
+    fit the model: :func:`app.serving.validation.validate_inputs`).
 
     Raises:
         InvalidInput: a declared size is not a non-negative integer; sizes do not add up to
@@ -293,7 +294,6 @@ class V2Codec:
     in, ``$inference_response`` out, either with Triton's binary tensor data extension
     (``Inference-Header-Content-Length``); the model named in the path."""
 
-    protocol: str = "v2"
     named_in_path: bool = True
 
     def call(self, body: bytes, headers: Mapping[str, str], limits: RequestLimits) -> Call[Answer]:
@@ -320,4 +320,18 @@ class V2Codec:
         return payload, "application/octet-stream", {HEADER_LENGTH: str(header_length)}
 
 
-CODEC = V2Codec()
+#: The Open Inference Protocol's inference over HTTP (``app.protocols.codec.Api``).
+API = Api(
+    protocol="v2",
+    title="Open Inference Protocol (KServe V2) REST",
+    routes=(
+        Route("/v2/models/{name}/infer", "modelInfer"),
+        Route("/v2/models/{name}/versions/{version}/infer", "modelVersionInfer"),
+    ),
+    codec=V2Codec(),
+    summary="Run inference (Open Inference Protocol)",
+    request=InferenceRequest,
+    response=InferenceResponse,
+    answer="Outputs, flattened row-major (or as binary tensor data after the JSON).",
+    binary=True,
+)

@@ -248,7 +248,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         server = runner.server
         assert server is not None
         await self._slot.join(app, server)
-        from app.http.edge import json_errors_protocol
+        from app.http.limits import json_errors_protocol
 
         siblings = self._slot.siblings
         self._listener = Listener(

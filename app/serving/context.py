@@ -1,6 +1,10 @@
 """One inference request's context: who it is, by when it is due, at which priority level, in
-which trace, and how it travels. Created once at the edge, carried whole through the data plane,
-the sibling router, the serving unit and across to a sibling's shard.
+which trace, how it travels and where it is recorded. Created once at the edge by each front end
+(``app.http.inference.serve``, ``app.grpc.servicer``) with what its transport says (the id, the
+arrival, the deadline its transport named, whether its client is still there, whether its
+connection is pinned, its metrics); the data plane settles its deadline and priority level
+against the model and carries it whole through the sibling router, the serving unit and across
+to a sibling's shard.
 
 The request's tensors are not in it (they change shape on the way: validated, expanded by the
 item stage, cut into shards); only what stays the same for every item of the request is.
@@ -10,8 +14,17 @@ Triton's ``InferenceRequest`` keeps id, priority, timeout and trace on one objec
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from app.observability.metrics import Recording
+
+#: The deadline of a request whose transport named none, until the data plane settles the model's
+#: (NaN: no comparison holds, so nothing reads it as a time by mistake).
+NO_DEADLINE = math.nan
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,9 +34,13 @@ class RequestContext:
     Attributes:
         request_id: the id echoed in errors, logs and the response headers.
         deadline: the absolute time by which its outputs are due, ``loop.time()`` seconds of
-            this worker's event loop (a shard sends what is left, ``app.server.peers``).
+            this worker's event loop (a shard sends what is left, ``app.server.peers``). As the
+            edge builds it: the deadline its transport named (``X-Request-Timeout-Ms``, a gRPC
+            deadline; :data:`NO_DEADLINE` for none); from the data plane's ``infer`` on, the one
+            settled against the model (``app.serving.dataplane.DataPlane.deadline``).
         priority: Triton's request priority (1 = the highest level, 0 = the model's default
-            level; ``app.serving.queue.RequestQueue.level`` maps it to a queue level).
+            level; ``app.serving.queue.RequestQueue.level`` maps it to a queue level), from the
+            request's ``parameters.priority`` (the data plane's to read).
         trace: the W3C trace context (``traceparent``, ``tracestate``) as header pairs, for a
             sibling's spans to join the request's trace; empty when tracing is off.
         pinned: it arrived on a connection the worker cannot shed (gRPC's one HTTP/2
@@ -33,6 +50,9 @@ class RequestContext:
             None: never asked (a shard, a test).
         arrival: when it arrived, ``loop.time()`` seconds (a shard: when it was received): its
             time budget, in messages, is ``deadline - arrival``; None: unknown.
+        recording: its request metrics (``app.observability.metrics.Recording``), labelled
+            with its model once the data plane has found it; None: metrics off, or a shard
+            (the worker that received the request records it).
     """
 
     request_id: str
@@ -43,3 +63,4 @@ class RequestContext:
     forwarded: bool = False
     is_disconnected: Callable[[], bool] | None = None
     arrival: float | None = None
+    recording: Recording | None = None

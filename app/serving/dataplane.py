@@ -1,9 +1,10 @@
 """The data plane: the one serving path every protocol front end calls (HTTP V1/V2, gRPC,
 OpenAI embeddings).
 
-A front end decodes its wire format into an :class:`~app.protocols.infer.InferRequest`, with its
-arrival time and the deadline its transport named (both on the event loop's clock), and encodes
-the :class:`~app.protocols.infer.InferResponse` it gets back. Between the two, once for every
+A front end decodes its wire format into an :class:`~app.protocols.infer.InferRequest`, builds
+the request's :class:`~app.serving.context.RequestContext` (its id, its arrival and the deadline
+its transport named, both on the event loop's clock, its trace, client, connection and metrics),
+and encodes the :class:`~app.protocols.infer.InferResponse` it gets back. Between the two, once for every
 protocol: :meth:`DataPlane.admit` (the model version, 404; early refusal before the body is
 decoded, 503), :meth:`DataPlane.infer` (validation against the model, 4xx; the outputs asked for;
 the one absolute deadline; the priority level; balancing among sibling workers; the serving unit;
@@ -17,41 +18,40 @@ both front ends apply. Source: KServe's ``DataPlane``
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import random
 import re
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import numpy as np
 
-from app.errors import InvalidInput, ModelNotReady
-from app.models.repository import ModelConfig
+from app.errors import ModelNotReady
 from app.observability.tracing import Tracing
 from app.protocols import triton
 from app.protocols.codec import Call
-from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
-from app.protocols.tensors import (
-    RequestLimits,
-    check_against_spec,
-    check_elements,
-    check_shape,
-    complete_inputs,
-    decode_raw,
-    to_array,
-    typed_array,
-)
+from app.protocols.infer import InferRequest, InferResponse
+from app.protocols.tensors import RequestLimits
 from app.serving.context import RequestContext
 from app.serving.items import ItemStage, for_model
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Siblings
+from app.serving.validation import (
+    build_response,
+    check_capacity,
+    parameters_priority,
+    parameters_timeout_s,
+    requested_outputs,
+    validate_inputs,
+)
 from app.settings import Settings
 
 Arrays = dict[str, np.ndarray]
 _NO_VERSIONS: dict[str, ModelVersion] = {}
-_LIMITS = RequestLimits()
 #: What a front end's call encodes a response into.
 Answer = TypeVar("Answer")
 #: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
@@ -154,7 +154,8 @@ class DataPlane:
         the server's ``max_request_timeout_ms``).
 
         Clipped rather than refused (as a gRPC deadline longer than the server's limit is); one at
-        or before ``arrival`` counts as none (the parsers refuse those first).
+        or before ``arrival`` counts as none (the parsers refuse those first), as does None or
+        NaN (``app.serving.context.NO_DEADLINE``).
         """
         config, settings = model.config, self.settings
         cap = arrival + (config.max_timeout_ms or settings.max_request_timeout_ms) / 1000.0
@@ -162,32 +163,36 @@ class DataPlane:
             return min(arrival + (config.timeout_ms or settings.request_timeout_ms) / 1000.0, cap)
         return min(requested, cap)
 
-    def request_deadline(self, model: ModelVersion, request: InferRequest) -> float:
-        """:meth:`deadline` of ``request``: the earlier of its transport's deadline and its
-        ``parameters.timeout`` (microseconds from its arrival, Triton's).
+    def request_deadline(self, model: ModelVersion, request: InferRequest, context: RequestContext) -> float:
+        """:meth:`deadline` of ``request``, which arrived with ``context`` (as the edge built it):
+        the earlier of its transport's deadline and its ``parameters.timeout`` (microseconds from
+        its arrival, Triton's).
 
         Raises:
             InvalidInput: a ``parameters.timeout`` that is not a positive number.
         """
-        requested = request.deadline
+        arrival = context.arrival if context.arrival is not None else asyncio.get_running_loop().time()
+        requested = None if math.isnan(context.deadline) else context.deadline
         given = parameters_timeout_s(request.parameters) if request.parameters else None
-        if given is not None and (requested is None or request.arrival + given < requested):
-            requested = request.arrival + given
-        return self.deadline(model, request.arrival, requested)
+        if given is not None and (requested is None or arrival + given < requested):
+            requested = arrival + given
+        return self.deadline(model, arrival, requested)
 
     # --- the steps a front end calls ------------------------------------------------------------
 
-    def admit(self, name: str, version: str | None, arrival: float, deadline: float | None) -> ModelVersion:
+    def admit(self, name: str, version: str | None, context: RequestContext) -> ModelVersion:
         """The model version a request addresses, once it is clear the request is not refused
         early: with a full batch or more waiting and no request of the size recently seen able
         to finish in time, it is refused before its body is decoded (the full admission, with
         its own size, happens in :meth:`infer`). A model whose item stage may answer without it
-        (``ItemStage.answers_without_model``: a response cache) is never refused here.
+        (``ItemStage.answers_without_model``: a response cache) is never refused here. The
+        request's metrics (``context.recording``) are labelled with the version found, refused or
+        not.
 
         Args:
             name, version: the model addressed (version None = the default one).
-            arrival, deadline: when it arrived, and the deadline its transport named (a header,
-                a gRPC deadline; None = none), loop time.
+            context: the request's, as its front end built it (its arrival, and the deadline
+                its transport named).
 
         Raises:
             ModelNotFound: unknown model or version (404).
@@ -196,6 +201,8 @@ class DataPlane:
                 time even alone (504).
         """
         model = self.version(name, version)
+        if context.recording is not None:
+            context.recording.model(model.config.name, model.config.version)
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
@@ -203,26 +210,22 @@ class DataPlane:
         # a stage that may answer without the model (a cache) is asked first: what it answers
         # never reaches the queue, and admission in ``infer`` prices only what is left
         if unit is not None and not (stage is not None and stage.answers_without_model(model)):
-            refusal = unit.refuse_early(self.deadline(model, arrival, deadline))
+            arrival = context.arrival if context.arrival is not None else asyncio.get_running_loop().time()
+            refusal = unit.refuse_early(self.deadline(model, arrival, context.deadline))
             if refusal is not None:
                 raise refusal
         return model
 
-    async def serve(
-        self,
-        model: ModelVersion,
-        call: Call[Answer],
-        *,
-        arrival: float,
-        deadline: float | None,
-        request_id: str,
-        is_disconnected: Callable[[], bool] | None = None,
-        pinned: bool = False,
-    ) -> Answer:
+    async def serve(self, model: ModelVersion, call: Call[Answer], context: RequestContext) -> Answer:
         """Serve one decoded call (``app.protocols.codec.Call``) on an admitted model: build its
-        inference request for the model's config, stamp its arrival and deadline (the loop's
-        clock, seconds), :meth:`infer`, and encode the response (an ``encoding`` span where
-        tracing is on). What every front end does once its transport has named the model.
+        inference request for the model's config, :meth:`infer` it, and encode the response (an
+        ``encoding`` span where tracing is on). What every front end does once its transport has
+        named the model.
+
+        Args:
+            model: what :meth:`admit` returned.
+            call: the decoded call.
+            context: the request's, as its front end built it.
 
         Returns:
             What the call's ``encode`` makes of the response (HTTP: bytes, content type and
@@ -231,34 +234,23 @@ class DataPlane:
         Raises:
             What the call's ``build`` raises (InvalidInput, 400) and what :meth:`infer` raises.
         """
-        request = call.build(model.config)
-        request.arrival, request.deadline = arrival, deadline
-        response = await self.infer(
-            request, request_id=request_id, model=model, is_disconnected=is_disconnected, pinned=pinned
-        )
+        response = await self.infer(call.build(model.config), context, model=model)
         if self.tracing is None:
             return call.encode(model.config, response)
         with self.tracing.encoding():
             return call.encode(model.config, response)
 
     async def infer(
-        self,
-        request: InferRequest,
-        *,
-        request_id: str,
-        model: ModelVersion | None = None,
-        is_disconnected: Callable[[], bool] | None = None,
-        pinned: bool = False,
+        self, request: InferRequest, context: RequestContext, *, model: ModelVersion | None = None
     ) -> InferResponse:
         """Validate, admit, run and answer one inference request.
 
         Args:
-            request: the decoded request (its tensors not yet validated), with its ``arrival``.
-            request_id: echoed in errors and logs.
+            request: the decoded request (its tensors not yet validated).
+            context: the request's, as its front end built it (id, arrival, the deadline its
+                transport named, trace, client, pinned, metrics); its deadline and priority
+                level are settled here, against the model and ``request.parameters``.
             model: the version :meth:`admit` returned (default: looked up from the request).
-            is_disconnected: True once the client has gone (its queued items are dropped).
-            pinned: it arrived on a connection the worker cannot shed (gRPC's one HTTP/2
-                connection per channel): it may be forwarded whole to a less-loaded sibling.
 
         Returns:
             The response: the outputs asked for, ``[B, ...]`` each, in the request's item order.
@@ -266,22 +258,20 @@ class DataPlane:
         Raises:
             ModelNotFound (404); InvalidInput: tensors that do not fit the model, unknown or
             repeated outputs, a malformed ``parameters.timeout`` or ``.priority`` (400);
-            PayloadTooLarge: over an item, string or batch-cost limit (413); and what
-            :meth:`app.serving.unit.ServingUnit.infer` raises.
+            PayloadTooLarge: over an item, string or batch-cost limit, or more items to run (the
+            windows of its texts included) than the model's ``queue_capacity`` (413, :meth:`run`);
+            and what :meth:`app.serving.unit.ServingUnit.infer` raises.
         """
         if model is None or model.retired:  # not admitted, or unloaded while its body was read
             model = self.version(request.model_name, request.model_version)
         config = model.config
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
-        deadline = self.request_deadline(model, request)
+        deadline = self.request_deadline(model, request, context)
         priority = parameters_priority(request.parameters) if request.parameters else None
         if priority and model.unit is not None:
             model.unit.level(priority)  # one above the model's levels fails before it is balanced
-        context = RequestContext(
-            request_id, deadline, priority or 0, self.tracing.carrier() if self.tracing is not None else (),
-            pinned=pinned, is_disconnected=is_disconnected, arrival=request.arrival,
-        )  # fmt: skip
+        context = replace(context, deadline=deadline, priority=priority or 0)
         if model.runner is None and self.items is not None:
             # still loading: the stages decide on the model as loaded (windows, the cache's key)
             await self.registry.serving_unit(model, deadline)
@@ -321,9 +311,16 @@ class DataPlane:
         Returns:
             An awaitable (await it at once) of one array per model output, ``[B, ...]``, in item
             order: a coroutine of this module's, or the siblings' route.
+
+        Raises:
+            PayloadTooLarge: a request (not forwarded) of more items than the model's
+                ``queue_capacity`` (:func:`app.serving.validation.check_capacity`), before it
+                is balanced: the cap does not depend on how many workers would share it.
         """
         unit = model.unit
         items = len(next(iter(inputs.values())))
+        if not context.forwarded:
+            check_capacity(model.config, items)
         siblings = self.siblings
         if unit is not None and not context.forwarded and siblings.considers(unit, items, context.pinned):
             return self._routed(model, inputs, items, context)
@@ -360,137 +357,3 @@ class DataPlane:
         if outputs is not None:
             return outputs
         return await self._here(model, inputs, items, context)
-
-
-# --- validation: the request's tensors and parameters against the model ------------------------
-
-
-def parameters_timeout_s(parameters: dict[str, Any]) -> float | None:
-    """``parameters.timeout`` (microseconds, Triton's convention) as seconds; None when absent.
-
-    Raises:
-        InvalidInput: not a positive finite number.
-    """
-    value = parameters.get("timeout")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise InvalidInput("parameters.timeout must be a positive number of microseconds")
-    return float(value) / 1e6
-
-
-def parameters_priority(parameters: dict[str, Any]) -> int | None:
-    """``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default);
-    None when absent.
-
-    Raises:
-        InvalidInput: not a whole number >= 0.
-    """
-    value = parameters.get("priority")
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise InvalidInput("parameters.priority must be a whole number >= 0 (1 = the highest level)")
-    return value
-
-
-def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
-    """The request's tensors checked against ``config``, each in this order: its shape (at most
-    ``MAX_DIMS`` non-negative dimensions, ``limits.max_items`` items), its name (a model input,
-    once), its datatype, its element count (all before any per-element work: a hostile tensor
-    costs a few comparisons), then its data, decoded or converted and checked against the spec.
-
-    Returns:
-        One array ``[B, *item_shape]`` per model input (omitted optional inputs filled), one B >= 1.
-
-    Raises:
-        InvalidInput: a malformed shape, unknown/missing/duplicate input, wrong datatype or shape,
-            element count mismatch, malformed raw data, non-finite floats the model forbids.
-        PayloadTooLarge: over ``limits.max_items`` items or ``limits.max_string_bytes`` per string.
-    """
-    specs = {s.name: s for s in config.inputs}
-    arrays: Arrays = {}
-    for i, tensor in enumerate(request.inputs):
-        where = f"inputs[{i}] ({tensor.name!r})"
-        shape = check_shape(tensor.shape, where) if tensor.shape is not None else None
-        if shape:
-            limits.check_items(shape[0], where)
-        if tensor.name in arrays:
-            raise InvalidInput(f"{where}: input given twice")
-        spec = specs.get(tensor.name)
-        if spec is None:
-            raise InvalidInput(f"{where}: unknown input; model {config.name} takes {list(specs)}")
-        if tensor.datatype != spec.datatype:
-            raise InvalidInput(
-                f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
-            )
-        data = tensor.data
-        if data is None:
-            raise InvalidInput(f"{where}: no data: give data or parameters.binary_data_size")
-        if shape is not None:
-            check_elements(shape, spec, limits.max_items, where)
-        if isinstance(data, RawData):
-            if shape is None:
-                raise InvalidInput(f"{where}: raw data needs a shape")
-            arr = decode_raw(tensor.datatype, shape, data.data, where, limits.max_string_bytes).reshape(shape)
-        elif isinstance(data, np.ndarray):
-            arr = typed_array(tensor, shape if shape is not None else list(data.shape), where, limits)
-        else:
-            if shape is not None and shape and len(data) > math.prod(shape):
-                raise InvalidInput(f"{where}: shape {shape} needs {math.prod(shape)} elements, data has more")
-            arr = to_array(data, tensor.datatype, shape, where, limits.max_string_bytes)
-        arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
-    if not arrays and all(s.optional for s in config.inputs):
-        raise InvalidInput(f"inputs: empty; model {config.name} takes {list(specs)}")
-    return complete_inputs(config, arrays, "inputs")
-
-
-def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
-    """Names of the outputs to return: the request's ``outputs`` in its order, or all in model
-    order.
-
-    Raises:
-        InvalidInput: an unknown output name, or one asked for twice.
-    """
-    names = [s.name for s in config.outputs]
-    if not request.outputs:
-        return names
-    wanted = [o.name for o in request.outputs]
-    unknown = [n for n in wanted if n not in names]
-    if unknown:
-        raise InvalidInput(f"outputs: unknown output(s) {unknown}; model {config.name} has {names}")
-    if len(set(wanted)) != len(wanted):
-        twice = sorted({n for n in wanted if wanted.count(n) > 1})
-        raise InvalidInput(f"outputs: {twice} asked for more than once")
-    for o in request.outputs:
-        if o.parameters and triton.CLASSIFICATION in o.parameters:
-            datatype = next(s.datatype for s in config.outputs if s.name == o.name)
-            triton.classification_count(o.parameters[triton.CLASSIFICATION], o.name, datatype)
-    return wanted
-
-
-def build_response(
-    config: ModelConfig, request: InferRequest, outputs: Arrays, wanted: list[str]
-) -> InferResponse:
-    """The response to ``request``: the outputs ``wanted``, in that order, each marked binary when
-    the request wants it so (per output ``binary_data``, else ``binary_data_output``); an output
-    asked for with ``"classification": k`` becomes its top k classes (Triton's classification
-    extension, :func:`app.protocols.triton.classification`)."""
-    datatypes = {s.name: s.datatype for s in config.outputs}
-    labels = {s.name: s.labels for s in config.outputs}
-    binary = {o.name: o.binary_data for o in request.outputs or ()}
-    classify = {
-        o.name: o.parameters[triton.CLASSIFICATION]
-        for o in request.outputs or ()
-        if o.parameters and triton.CLASSIFICATION in o.parameters
-    }
-    tensors = []
-    for name in wanted:
-        wants = binary.get(name)
-        datatype, array = datatypes[name], outputs[name]
-        if name in classify:  # Triton's classification extension: top k as "score:index:label"
-            datatype, array = "BYTES", triton.classification(array, classify[name], labels[name])
-        tensors.append(
-            OutputTensor(name, datatype, array, request.binary_data_output if wants is None else wants)
-        )
-    return InferResponse(config.name, config.version, tensors, request.id)

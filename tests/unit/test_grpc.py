@@ -25,6 +25,7 @@ from app.grpc.server import start_server
 from app.http.state import CORE
 from app.protocols.infer import InferRequest
 from app.protocols.tensors import deserialize_bytes
+from app.serving.context import NO_DEADLINE, RequestContext
 from tests.support.fixtures import Client
 from tests.support.messages import scale_request
 from tests.support.tls import self_signed
@@ -260,9 +261,9 @@ async def test_deadline_is_the_earlier_of_grpc_and_the_timeout_parameter(
     model = plane.version("scale", None)
     params = {} if timeout_us is None else {"timeout": timeout_us}
     transport = FakeContext(remaining).time_remaining()
-    request = InferRequest("scale", [], parameters=params, arrival=100.0)
-    request.deadline = None if transport is None else 100.0 + transport
-    assert plane.request_deadline(model, request) - 100.0 == pytest.approx(expected)
+    request = InferRequest("scale", [], parameters=params)
+    context = RequestContext("r", NO_DEADLINE if transport is None else 100.0 + transport, arrival=100.0)
+    assert plane.request_deadline(model, request, context) - 100.0 == pytest.approx(expected)
 
 
 def test_every_domain_error_has_one_status(caplog: pytest.LogCaptureFixture) -> None:

@@ -94,6 +94,7 @@ async def test_cached_items_skip_the_queue_and_equal_items_are_computed_once(
 
 async def test_cached_and_computed_outputs_are_bit_identical(tmp_path: Path, make_client: MakeClient) -> None:
     from app.protocols.infer import InferInput, InferRequest
+    from app.serving.context import NO_DEADLINE, RequestContext
 
     repo = tmp_path / "repo"
     cached_scale_model(repo, factor=1 / 3)  # thirds: every bit of the float32 mantissa in use
@@ -105,8 +106,8 @@ async def test_cached_and_computed_outputs_are_bit_identical(tmp_path: Path, mak
 
     async def outputs() -> dict[str, tuple[str, str, bytes]]:
         request = InferRequest("scale", [InferInput("x", "FP32", [6, 2], x.copy())])
-        request.arrival = asyncio.get_running_loop().time()
-        response = await plane.infer(request, request_id="t")
+        context = RequestContext("t", NO_DEADLINE, arrival=asyncio.get_running_loop().time())
+        response = await plane.infer(request, context)
         return {t.name: (t.datatype, t.array.dtype.str, t.array.tobytes()) for t in response.outputs}
 
     computed = await outputs()

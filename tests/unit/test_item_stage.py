@@ -18,16 +18,16 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.errors import InvalidInput
+from app.errors import InvalidInput, PayloadTooLarge
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.protocols.infer import InferInput, InferRequest
 from app.protocols.tensors import RequestLimits
-from app.serving.context import RequestContext
+from app.serving.context import NO_DEADLINE, RequestContext
 from app.serving.dataplane import DataPlane
 from app.serving.items import IDENTITY, Arrays, ItemStage, Stages
 from app.serving.registry import ModelRegistry, ModelVersion
-from app.serving.siblings import Alone
+from app.serving.siblings import Alone, LocalRun, Siblings
 from app.serving.unit import ServingUnit
 from app.settings import Settings
 from tests.support.toy_models import write_scale_model
@@ -118,12 +118,32 @@ async def pool() -> AsyncIterator[ThreadPoolExecutor]:
     executor.shutdown(wait=True)
 
 
+class Halves(Alone):
+    """Two workers that share every request of more than one item: one half runs here, the other
+    half as a sibling's shard would (forwarded, on a queue of the same capacity)."""
+
+    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+        return items > 1
+
+    async def route(
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
+    ) -> Arrays:
+        half = len(next(iter(inputs.values()))) // 2
+        parts = [
+            {name: a[:half] for name, a in inputs.items()},
+            {name: a[half:] for name, a in inputs.items()},
+        ]
+        outputs = await asyncio.gather(*(local(part) for part in parts))
+        return {name: np.concatenate([o[name] for o in outputs]) for name in outputs[0]}
+
+
 def plane_for(
     tmp_path: Path,
     pool: ThreadPoolExecutor,
     runner: Doubler,
     stage: ItemStage[Any] | None = None,
     capacity: int = 64,
+    siblings: Siblings | None = None,
 ) -> DataPlane:
     """A data plane over one started scale model (max batch size 4) whose unit runs ``runner``."""
     model = ModelVersion(
@@ -135,7 +155,9 @@ def plane_for(
     registry = ModelRegistry()
     registry.versions["scale"] = {"1": model}
     registry.refresh("scale")
-    return DataPlane(registry, Settings(model_repository=tmp_path), RequestLimits(), Alone(), items=stage)
+    return DataPlane(
+        registry, Settings(model_repository=tmp_path), RequestLimits(), siblings or Alone(), items=stage
+    )
 
 
 def request(*first: float, priority: int | None = None) -> InferRequest:
@@ -146,8 +168,12 @@ def request(*first: float, priority: int | None = None) -> InferRequest:
         "scale",
         [InferInput("x", "FP32", [len(first), 2], data)],
         parameters=parameters,
-        arrival=asyncio.get_running_loop().time(),
     )
+
+
+def arrived(request_id: str) -> RequestContext:
+    """The context a front end gives a request that arrives now, its transport naming no deadline."""
+    return RequestContext(request_id, NO_DEADLINE, arrival=asyncio.get_running_loop().time())
 
 
 @pytest.mark.parametrize("stage", [None, IDENTITY], ids=["none", "identity"])
@@ -156,7 +182,7 @@ async def test_the_default_stage_queues_every_item_as_it_is(
 ) -> None:
     runner = Doubler()
     plane = plane_for(tmp_path, pool, runner, stage)
-    response = await plane.infer(request(1.0, 2.0, 3.0), request_id="r1")
+    response = await plane.infer(request(1.0, 2.0, 3.0), arrived("r1"))
     y = response.outputs[0]
     assert y.name == "y" and y.array.tolist() == [[2.0, 4.0], [4.0, 6.0], [6.0, 8.0]]
     assert runner.items == [1.0, 2.0, 3.0]
@@ -168,7 +194,7 @@ async def test_cached_items_skip_the_queue_and_results_keep_the_request_order(
     runner = Doubler()
     cache = Cache({2.0: 40.0, 4.0: 80.0})
     plane = plane_for(tmp_path, pool, runner, cache)
-    response = await plane.infer(request(1.0, 2.0, 3.0, 4.0, 5.0, priority=1), request_id="r2")
+    response = await plane.infer(request(1.0, 2.0, 3.0, 4.0, 5.0, priority=1), arrived("r2"))
     assert runner.items == [1.0, 3.0, 5.0]  # only the misses were batched
     assert response.outputs[0].array[:, 0].tolist() == [2.0, 40.0, 6.0, 80.0, 10.0]
     context = cache.contexts[0]
@@ -184,7 +210,7 @@ async def test_a_request_answered_whole_by_the_stage_never_reaches_the_model(
     model = plane.registry.latest["scale"]
     assert model.unit is not None
     await model.unit.stop()  # a queue that would refuse it (503): the request does not need it
-    response = await plane.infer(request(8.0, 7.0), request_id="r3")
+    response = await plane.infer(request(8.0, 7.0), arrived("r3"))
     assert response.outputs[0].array[:, 0].tolist() == [2.0, 1.0]
     assert runner.batches == []
 
@@ -194,12 +220,27 @@ async def test_expanded_items_are_admitted_and_batched_one_by_one(
 ) -> None:
     runner = Doubler()
     plane = plane_for(tmp_path, pool, runner, Windows(3), capacity=8)
-    response = await plane.infer(request(1.0, 10.0), request_id="r4")
+    response = await plane.infer(request(1.0, 10.0), arrived("r4"))
     assert len(runner.items) == 6 and max(len(b) for b in runner.batches) <= 4  # 6 windows, batches of 4
     assert np.allclose(response.outputs[0].array[:, 0], [2.5, 20.5])
     # 3 items are 9 windows: more than the queue's capacity of 8 (admission sees the windows)
-    with pytest.raises(InvalidInput, match="request has 9 items"):
-        await plane.infer(request(1.0, 2.0, 3.0), request_id="r5")
+    with pytest.raises(PayloadTooLarge, match=r"request has 9 items to run .*\(queue_capacity"):
+        await plane.infer(request(1.0, 2.0, 3.0), arrived("r5"))
+
+
+@pytest.mark.parametrize("siblings", [Alone(), Halves()], ids=["one worker", "two workers"])
+async def test_a_requests_cap_is_its_models_queue_capacity_whatever_the_workers(
+    tmp_path: Path, pool: ThreadPoolExecutor, siblings: Siblings
+) -> None:
+    """One cap, named: a request of more items than ``queue_capacity`` is a 413 saying so, on one
+    worker or shared by two (each half would fit a queue); at the cap it runs."""
+    runner = Doubler()
+    plane = plane_for(tmp_path, pool, runner, capacity=8, siblings=siblings)
+    with pytest.raises(PayloadTooLarge, match=r"request has 12 items .* at most 8 \(queue_capacity"):
+        await plane.infer(request(*range(12)), arrived("r9"))
+    assert runner.items == []
+    response = await plane.infer(request(*range(8)), arrived("r10"))
+    assert response.outputs[0].array[:, 0].tolist() == [2.0 * v for v in range(8)]
 
 
 async def test_stages_expand_in_order_and_assemble_in_reverse(
@@ -208,7 +249,7 @@ async def test_stages_expand_in_order_and_assemble_in_reverse(
     runner = Doubler()
     windows, cache = Windows(2), Cache({5.25: 100.0})  # the second window of item 5 is cached
     plane = plane_for(tmp_path, pool, runner, Stages([windows, cache]))
-    response = await plane.infer(request(5.0, 6.0), request_id="r6")
+    response = await plane.infer(request(5.0, 6.0), arrived("r6"))
     assert runner.items == [5.0, 6.0, 6.25]
     assert np.allclose(response.outputs[0].array[:, 0], [(10.0 + 100.0) / 2, 12.25])
 
@@ -219,7 +260,7 @@ async def test_a_stage_that_leaves_nothing_ends_the_expansion(
     runner = Doubler()
     cache, after = Cache({1.0: 3.0}), Windows(4)
     plane = plane_for(tmp_path, pool, runner, Stages([cache, after]))
-    response = await plane.infer(request(1.0), request_id="r7")
+    response = await plane.infer(request(1.0), arrived("r7"))
     assert response.outputs[0].array.tolist() == [[3.0, 4.0]] and runner.batches == []
 
 
@@ -239,7 +280,7 @@ async def test_a_stage_refusing_a_request_is_its_error(tmp_path: Path, pool: Thr
     runner = Doubler()
     plane = plane_for(tmp_path, pool, runner, Refuses())
     with pytest.raises(InvalidInput, match="too long"):
-        await plane.infer(request(1.0), request_id="r8")
+        await plane.infer(request(1.0), arrived("r8"))
     assert runner.batches == []
 
 
@@ -275,11 +316,11 @@ async def test_a_stage_that_does_not_apply_is_left_out_asked_once_per_loaded_run
     model = plane.registry.versions["scale"]["1"]
     model.runner = runner  # type: ignore[assignment]  # loaded
     for value in (1.0, 2.0, 3.0):
-        response = await plane.infer(request(value), request_id=f"r{value}")
+        response = await plane.infer(request(value), arrived(f"r{value}"))
         assert response.outputs[0].array.tolist() == [[2 * value, 2 * value + 2]]
     assert (never.asked, always.asked) == (1, 1)
     model.runner = Doubler()  # type: ignore[assignment]  # a reload: a new runner, asked again
-    await plane.infer(request(4.0), request_id="r4")
+    await plane.infer(request(4.0), arrived("r4"))
     assert (never.asked, always.asked) == (2, 2)
 
 
@@ -320,7 +361,7 @@ async def test_what_a_unit_computed_is_shown_to_the_stages_with_its_fingerprint(
     plane = plane_for(tmp_path, pool, runner, Stages([windows, seen]))
     model = plane.registry.versions["scale"]["1"]
     model.fingerprint = "files-1"
-    await plane.infer(request(1.0), request_id="r1")
+    await plane.infer(request(1.0), arrived("r1"))
     assert seen.batches == [("files-1", [1.0, 1.25], [2.0, 2.5])]  # the items as queued: windows
     # a shard a sibling sent arrives expanded: shown as it ran here, under this unit's files
     context = RequestContext("shard", asyncio.get_running_loop().time() + 10, forwarded=True)
@@ -337,12 +378,11 @@ async def test_a_stage_that_answers_without_the_model_spares_its_requests_the_ea
         plane = plane_for(tmp_path / str(answers), pool, Doubler(), Seen(answers=answers))
         unit = plane.registry.versions["scale"]["1"].unit
         monkeypatch.setattr(unit, "refuse_early", lambda deadline: QueueFull("busy", retry_after_s=1))
-        arrival = asyncio.get_running_loop().time()
         if answers:
-            assert plane.admit("scale", None, arrival, None).config.name == "scale"
+            assert plane.admit("scale", None, arrived("r")).config.name == "scale"
         else:
             with pytest.raises(QueueFull):
-                plane.admit("scale", None, arrival, None)
+                plane.admit("scale", None, arrived("r"))
 
 
 async def test_a_request_that_arrives_while_its_model_loads_meets_the_stages_once_it_is_loaded(
@@ -358,7 +398,7 @@ async def test_a_request_that_arrives_while_its_model_loads_meets_the_stages_onc
     unit = model.unit
     model.unit = None  # loading: not yet served
     model.settled.clear()
-    waiting = asyncio.ensure_future(plane.infer(request(1.0), request_id="r1"))
+    waiting = asyncio.ensure_future(plane.infer(request(1.0), arrived("r1")))
     for _ in range(3):  # let it run to where it waits (every step before is synchronous)
         await asyncio.sleep(0)
     assert not waiting.done() and seen.runners == []  # no stage asked before the load

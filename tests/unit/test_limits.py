@@ -21,7 +21,8 @@ import pytest
 
 from app.http.state import CORE
 from app.models.repository import read_config
-from app.protocols.tensors import RequestLimits, check_json_depth
+from app.protocols.jsonbody import check_json_depth
+from app.protocols.tensors import RequestLimits
 from app.serving.dataplane import DataPlane
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Alone

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import re
 import threading
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +18,7 @@ import pytest
 
 from app.http.state import CORE
 from tests.support.fixtures import Client, MakeClient, eventually
-from tests.support.toy_models import ScaleHandler, write_embed_model, write_scale_model
+from tests.support.toy_models import EmbedHandler, ScaleHandler, write_embed_model, write_scale_model
 
 TEXTS = ["a short title", "a somewhat longer description of an item", "ünïcödé"]
 
@@ -94,6 +96,53 @@ async def test_bad_requests_get_openais_error_shape(make_client: MakeClient, tmp
     await client.close()
 
 
+@pytest.mark.parametrize("encoding_format", ["float", "base64"])
+async def test_dimensions_gives_the_first_values_normalised_again(
+    make_client: MakeClient, tmp_path: Path, encoding_format: Any
+) -> None:
+    """Matryoshka, as OpenAI and text-embeddings-inference define ``dimensions``: each vector's
+    first values, of unit length again; the model's own width gives its vectors as they are."""
+    write_embed_model(tmp_path)
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    want = await v2_embeddings(http, TEXTS)
+    for dimensions in (2, 3, 4):
+        got = await client.embeddings.create(
+            model="embed", input=TEXTS, dimensions=dimensions, encoding_format=encoding_format
+        )
+        vectors = np.array(
+            [
+                np.frombuffer(base64.b64decode(d.embedding), "<f4")
+                if isinstance(d.embedding, str)
+                else d.embedding
+                for d in got.data
+            ],
+            np.float32,
+        )
+        head = want[:, :dimensions]
+        assert vectors.shape == (len(TEXTS), dimensions)
+        assert np.abs(vectors - head / np.linalg.norm(head, axis=1, keepdims=True)).max() <= 1e-6
+        assert np.abs(np.linalg.norm(vectors, axis=1) - 1.0).max() <= 1e-6
+    full = await client.embeddings.create(model="embed", input=TEXTS, dimensions=4, encoding_format="float")
+    assert np.array([d.embedding for d in full.data], np.float32).tolist() == want.tolist()
+    await client.close()
+
+
+async def test_floats_are_written_in_their_shortest_float32_form(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Each value of a float embedding is the shortest text that reads back as the same float32
+    (at most 9 significant digits), not the 17 digits of the float64 it widens to."""
+    write_embed_model(tmp_path)
+    http: Client = await make_client(tmp_path)
+    want = await v2_embeddings(http, TEXTS)
+    raw = await (await http.post("/v1/embeddings", json={"model": "embed", "input": TEXTS})).text()
+    rows = re.findall(r'"embedding":\[([^\]]*)\]', raw)
+    numbers = [row.split(",") for row in rows]
+    assert np.array(numbers, np.float64).astype(np.float32).tolist() == want.tolist()
+    assert max(len(re.sub(r"[^0-9]|e.*", "", n).lstrip("0")) for row in numbers for n in row) <= 9
+
+
 async def test_an_embeddings_request_counts_in_flight_under_its_model(
     make_client: MakeClient, tmp_path: Path
 ) -> None:
@@ -144,4 +193,54 @@ async def test_a_priority_in_the_body_is_the_requests_level(make_client: MakeCli
     for priority, message in ((3, "priority"), (-1, "whole number")):
         with pytest.raises(openai.BadRequestError, match=message):
             await client.embeddings.create(model="embed", input="x", extra_body={"priority": priority})
+    await client.close()
+
+
+class LastWordsHandler(EmbedHandler):
+    """An :class:`EmbedHandler` (a word is a token) that takes ``truncate_prompt_tokens``: k >= 1
+    keeps each text's last k words, -1 its last 3 (its maximum length), 0 (not asked) all."""
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> list[str]:
+        keep = inputs["truncate_prompt_tokens"].reshape(-1).tolist()
+        texts = super().preprocess(inputs)
+        return [
+            " ".join(t.split()[-(3 if k == -1 else k) :]) if k else t
+            for t, k in zip(texts, keep, strict=True)
+        ]
+
+
+async def test_truncate_prompt_tokens_reaches_a_model_that_takes_it(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """vLLM's ``truncate_prompt_tokens``: the model gets it per item (its last k tokens kept, -1 its
+    maximum) and ``usage`` counts what ran; a model that does not take it refuses it, naming
+    itself, rather than answering another question; 0 is no length."""
+    write_embed_model(tmp_path)
+    folder = write_embed_model(tmp_path, "last-words")
+    toml = folder / "model.toml"
+    toml.write_text(
+        toml.read_text()
+        .replace("toy_models:EmbedHandler", "test_openai:LastWordsHandler")
+        .replace("tests.support.", "tests.unit.")
+        + '[[inputs]]\nname = "truncate_prompt_tokens"\ndatatype = "INT64"\nshape = [1]\noptional = true\n'
+    )
+    http: Client = await make_client(tmp_path)
+    client = client_of(http)
+    texts = ["one two three four five", "six", "seven eight"]
+    for k, tokens in ((None, 8), (2, 2 + 1 + 2), (-1, 3 + 1 + 2)):
+        extra = {} if k is None else {"truncate_prompt_tokens": k}
+        got = await client.embeddings.create(model="last-words", input=texts, extra_body=extra)
+        assert got.usage.prompt_tokens == tokens, k
+    cut = await client.embeddings.create(
+        model="last-words", input=texts[0], extra_body={"truncate_prompt_tokens": 2}
+    )
+    whole = await client.embeddings.create(model="last-words", input="four five")
+    assert cut.data[0].embedding == whole.data[0].embedding
+    with pytest.raises(openai.BadRequestError, match="model 'embed' does not truncate on request"):
+        await client.embeddings.create(model="embed", input=texts, extra_body={"truncate_prompt_tokens": 2})
+    for bad in (0, -2):
+        with pytest.raises(openai.BadRequestError, match="truncate_prompt_tokens"):
+            await client.embeddings.create(
+                model="last-words", input=texts, extra_body={"truncate_prompt_tokens": bad}
+            )
     await client.close()

@@ -39,6 +39,8 @@ async def test_real_answers_validate_against_their_documented_schemas(make_clien
         "/v1/rerank": {"model": "clf", "query": "q", "documents": ["a", "b"], "return_documents": True},
         "/v2/rerank": {"model": "clf", "query": "q", "documents": ["a", "b"], "top_n": 1},
         "/v1/classify": {"model": "clf", "input": ["a text", "another"]},
+        "/score": {"model": "clf", "text_1": "q", "text_2": ["a", "b"]},
+        "/v1/score": {"model": "clf", "text_1": ["q", "r"], "text_2": ["a", "b"]},
     }
     await client.post("/v2/models/scale/infer", json={"inputs": [x]})  # so the stats have batches
     checked = 0

@@ -6,6 +6,8 @@ else in the batch fails."""
 from __future__ import annotations
 
 import asyncio
+import re
+import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,14 +16,18 @@ import grpc
 import httpx
 import numpy as np
 import pytest
+from transformers import AutoTokenizer
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.grpc.server import start_server
 from app.http.state import CORE
-from app.protocols.tensors import deserialize_bytes
+from app.models.repository import ModelConfig, TensorSpec
+from app.protocols import classify, rerank
+from app.protocols.tensors import RequestLimits, deserialize_bytes
 from tests.support.fixtures import Client, MakeClient
-from tests.support.text_models import write_classifier_model
+from tests.support.gunicorn import ROOT
+from tests.support.text_models import write_classifier_folder, write_classifier_model
 
 LABELS = ["ok", "insult", "threat"]
 DOCS = ["the weather at sea", "a cat on a mat", "mountains in winter", "you are all wonderful"]
@@ -87,6 +93,54 @@ async def test_classify_gives_the_v2_probabilities_and_windows(make_client: Make
     assert body["usage"]["prompt_tokens"] == int(want["tokens"].sum())
 
 
+def documented_models() -> dict[str, str]:
+    """The ``model.toml`` examples of docs/text-models.md, by model name."""
+    text = (ROOT / "docs" / "text-models.md").read_text()
+    blocks = (
+        tomllib.loads(block) | {"toml": block} for block in re.findall(r"```toml\n(.*?)```", text, re.S)
+    )
+    return {block["name"]: block["toml"] for block in blocks if "name" in block}
+
+
+async def test_the_documented_classifier_reports_the_tokens_it_ran(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """The classifier ``model.toml`` of docs/text-models.md, as a user copies it: ``usage`` counts
+    the tokens its tokenizer made of the texts (special tokens included), not 0."""
+    (name, toml), *_ = [(n, t) for n, t in documented_models().items() if "probabilities" in t]
+    labels = tomllib.loads(toml)["outputs"][0]["labels"]
+    folder = tmp_path / name
+    tokenizer = AutoTokenizer.from_pretrained(
+        write_classifier_folder(folder / "hf", labels, max_positions=512)
+    )
+    (folder / "model.toml").write_text(toml)
+    http: Client = await make_client(tmp_path)
+    texts = ["a short post", "another post, somewhat longer than the first one"]
+    body = await (await http.post("/v1/classify", json={"model": name, "input": texts})).json()
+    assert body["usage"]["prompt_tokens"] == sum(len(tokenizer(t)["input_ids"]) for t in texts), body
+
+
+async def test_the_score_api_gives_the_v2_scores_of_its_pairs(make_client: MakeClient, repo: Path) -> None:
+    """vLLM's ``/score``: ``text_1`` (the query) with each ``text_2`` (1:N) or pairwise (N:N), the
+    scores of the same pairs over V2, in pair order; lengths that do not pair are a 400."""
+    http: Client = await make_client(repo)
+    one = (await v2(http, "ce", DOCS, "weather"))["score"][:, 0]
+    resp = await http.post("/score", json={"model": "ce", "text_1": "weather", "text_2": DOCS})
+    body = await resp.json()
+    assert resp.status == 200 and body["object"] == "list" and body["model"] == "ce"
+    assert [d["index"] for d in body["data"]] == list(range(len(DOCS)))
+    assert np.abs(np.array([d["score"] for d in body["data"]]) - one).max() <= 1e-6
+    assert body["usage"]["prompt_tokens"] > 0
+    queries = ["weather", "cats"]
+    pairwise = [(await v2(http, "ce", [d], q))["score"][0, 0] for q, d in zip(queries, DOCS[:2], strict=True)]
+    body = await (
+        await http.post("/v1/score", json={"model": "ce", "text_1": queries, "text_2": DOCS[:2]})
+    ).json()
+    assert np.abs(np.array([d["score"] for d in body["data"]]) - pairwise).max() <= 1e-6
+    resp = await http.post("/score", json={"model": "ce", "text_1": queries, "text_2": DOCS[:3]})
+    assert resp.status == 400 and "1:1, 1:N or N:N" in (await resp.json())["error"]["message"]
+
+
 async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient, repo: Path) -> None:
     http: Client = await make_client(repo, max_items_per_request=8)
     cases = [
@@ -102,7 +156,21 @@ async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient,
         ("/v1/classify", {"model": "clf", "input": []}, 400, "non-empty"),
         ("/v1/classify", {"model": "clf", "input": [[1, 2]]}, 400, "token arrays"),
         ("/v1/classify", {"model": "clf", "input": [LONG * 3]}, 413, "max_windows"),
-    ]
+        # what the server does not implement is refused, not ignored (it would rank something else)
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "rank_fields": ["title"]}, 400,
+         "rank_fields"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "rank_fields": ["text"]}, 200, ""),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "max_chunks_per_doc": 4}, 400,
+         "max_chunks_per_doc is not supported"),
+        ("/v2/rerank", {"model": "ce", "query": "q", "documents": ["a"], "max_tokens_per_doc": 512}, 400,
+         "max_tokens_per_doc is not supported"),
+        ("/v1/rerank", {"model": "ce", "query": "q", "documents": ["a"], "truncate_prompt_tokens": 8}, 400,
+         "model 'ce' does not truncate on request"),
+        ("/v1/classify", {"model": "clf", "input": ["a"], "truncate_prompt_tokens": -1}, 400,
+         "model 'clf' does not truncate on request"),
+        ("/v1/classify", {"model": "clf", "input": ["a"], "truncate_prompt_tokens": 0}, 400,
+         "truncate_prompt_tokens must be -1"),
+    ]  # fmt: skip
     for path, body, status, message in cases:
         resp = await http.post(path, json=body)
         assert resp.status == status, (path, body, await resp.text())
@@ -112,6 +180,54 @@ async def test_bad_requests_get_a_4xx_in_the_apis_shape(make_client: MakeClient,
     bad = b'{"model": "ce", "query": "q", "documents": ["\xff\xfe"]}'
     resp = await http.post("/v1/rerank", data=bad, headers={"Content-Type": "application/json"})
     assert resp.status == 400 and "UTF-8" in (await resp.json())["error"]["message"]
+
+
+def test_truncate_prompt_tokens_goes_to_each_item_of_a_model_that_takes_it() -> None:
+    """vLLM's ``truncate_prompt_tokens`` on rerank and classify: one INT64 value per document or
+    text, under the input of that name, for the model's handler to cut its text by."""
+    truncate = TensorSpec("truncate_prompt_tokens", "INT64", [1], optional=True)
+    config = ModelConfig(
+        name="m", format="handler", handler="h",
+        inputs=[TensorSpec("text", "BYTES", [1]), TensorSpec("query", "BYTES", [1], optional=True), truncate],
+        outputs=[TensorSpec("score", "FP32", [1]), TensorSpec("probabilities", "FP32", [2], labels=["a", "b"])],
+    )  # fmt: skip
+    ranked = rerank.infer_request(
+        config,
+        rerank.decode(
+            b'{"model": "m", "query": "q", "documents": ["a", "b"], "truncate_prompt_tokens": 7}',
+            RequestLimits(),
+        ),
+    )
+    classified = classify.infer_request(
+        config,
+        classify.decode(
+            b'{"model": "m", "input": ["a", "b", "c"], "truncate_prompt_tokens": -1}', RequestLimits()
+        ),
+    )
+    for request, value, items in ((ranked, 7, 2), (classified, -1, 3)):
+        (given,) = [t for t in request.inputs if t.name == "truncate_prompt_tokens"]
+        assert given.datatype == "INT64" and given.shape == [items, 1]
+        assert np.asarray(given.data).tolist() == [[value]] * items
+
+
+async def test_a_lone_surrogate_is_a_400_naming_its_field(make_client: MakeClient, repo: Path) -> None:
+    """A JSON string with half a UTF-16 pair (``\\ud800`` alone) is not text: the 400 says
+    which field holds it (msgspec alone said "Input data was truncated"); a whole pair is fine."""
+    http: Client = await make_client(repo)
+    cases = [
+        ("/v1/classify", rb'{"model": "clf", "input": ["fine", "\ud800"]}', "$.input[1]"),
+        ("/v1/rerank", rb'{"model": "ce", "query": "q\udc00?", "documents": ["a"]}', "$.query"),
+        ("/v2/models/clf/infer", rb'{"inputs": [{"name": "text", "shape": [1, 1], "datatype": "BYTES", '
+         rb'"data": ["\ud83d"]}]}', "$.inputs[0].data[0]"),
+    ]  # fmt: skip
+    for path, body, field in cases:
+        resp = await http.post(path, data=body, headers={"Content-Type": "application/json"})
+        error = (await resp.json())["error"]
+        message = error if isinstance(error, str) else error["message"]
+        assert resp.status == 400 and f"{field} holds a lone UTF-16 surrogate" in message, (path, message)
+    pair = rb'{"model": "clf", "input": ["a smile \ud83d\ude00"]}'
+    resp = await http.post("/v1/classify", data=pair, headers={"Content-Type": "application/json"})
+    assert resp.status == 200, await resp.text()
 
 
 async def test_a_refused_request_fails_alone(make_client: MakeClient, repo: Path) -> None:
