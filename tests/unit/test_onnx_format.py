@@ -25,7 +25,7 @@ from app.models.onnx_format import OnnxHandler
 from app.models.repository import read_config
 from app.onnx_session import CPU, CUDA, open_session, providers
 from app.protocols.triton import model_config
-from app.serving.executor import ModelRunner, resolve_handler
+from app.serving.runner import ModelRunner, resolve_handler
 from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.onnx_models import (
     ONNX_FILE,
