@@ -34,9 +34,9 @@ from app.models.repository import ModelConfig, fingerprint, scrub_paths
 from app.observability.metrics import ModelObserver
 from app.observability.tracing import Tracing
 from app.serving.core import ServingCore
+from app.serving.executor import InferenceThread, Threads
 from app.serving.registry import ModelVersion
 from app.serving.runner import ModelRunner, describe
-from app.serving.threads import InferenceThread, Threads
 from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)

@@ -8,6 +8,7 @@ adaptive batching (a batch's latency estimated from past batches).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 #: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before its
@@ -121,7 +122,9 @@ class ServiceRate:
     def fastest_s(self, items: float, batches: int = 1) -> float:
         """Seconds for ``items`` in ``batches`` batches at the fastest the model has run: the
         calibrated line or the fit, whichever is faster, without :attr:`lag` (0 while unknown)."""
-        lines = [self.calibrated] if self.calibrated is not None else []
+        best = math.inf
+        if self.calibrated is not None:
+            best = batches * self.calibrated[0] + items * self.calibrated[1]
         if self.item_s is not None:
-            lines.append((self.overhead_s, self.item_s))
-        return min((batches * o + items * c for o, c in lines), default=0.0)
+            best = min(best, batches * self.overhead_s + items * self.item_s)
+        return best if best != math.inf else 0.0

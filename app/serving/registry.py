@@ -26,8 +26,8 @@ from app.models.repository import ModelConfig, version_key
 from app.observability.metrics import ModelStats
 
 if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
+    from app.serving.executor import Threads
     from app.serving.runner import ModelRunner
-    from app.serving.threads import Threads
     from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)

@@ -6,7 +6,8 @@ stages a batch goes through.
 ``predict`` -> ``postprocess``, each under ``torch.inference_mode()``). The executor
 (:mod:`app.serving.executor`) runs them on three threads (the staged pipeline) or all three on
 the inference thread (:meth:`ModelRunner.run_batch`). On a CUDA device each stage runs on a
-stream of its own (:class:`app.serving.streams.Streams`).
+stream of its own (:class:`Streams`: copies in, kernels, copies out, ordered by events), so the
+copies of one batch overlap the kernels of another.
 
 **Failures contained.** :meth:`ModelRunner.run_batch` is where failures stay contained: when the
 device runs out of memory it halves the batch and retries each half (recursively), so only an
@@ -23,11 +24,9 @@ first request.
 
 from __future__ import annotations
 
+import contextlib
 import gc
-import importlib
-import importlib.util
 import logging
-import sys
 import time
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -38,9 +37,8 @@ import torch
 from app.datatypes import NUMPY_DTYPES
 from app.errors import InferenceFailed, InvalidInput, ModelLoadError, ScoringError
 from app.models.base import PREPARED, Handler, Priced, Segment
+from app.models.loading import resolve_handler
 from app.models.repository import ModelConfig, TensorSpec
-from app.models.torch_formats import TorchExportHandler, TorchScriptHandler
-from app.serving.streams import Staged, Streams
 
 log = logging.getLogger(__name__)
 
@@ -51,51 +49,6 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, oom_type) or (
         isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
     )
-
-
-def resolve_handler(config: ModelConfig) -> Handler:
-    """Instantiate the handler for ``config``'s format.
-
-    ``handler = "module:Class"``: a ``module.py`` inside the model folder wins
-    over an importable module of that name. Importing a handler runs its code:
-    a model repository is trusted like the server's own code.
-
-    Raises:
-        ModelLoadError: module or class not found, the module raised while importing, or the
-            class lacks a hook.
-    """
-    if config.format == "torch_export":
-        return TorchExportHandler()
-    if config.format == "torchscript":
-        return TorchScriptHandler()
-    if config.format == "onnx":
-        from app.models.onnx_format import OnnxHandler  # onnxruntime is imported when a session opens
-
-        return OnnxHandler()
-    assert config.handler is not None
-    module_name, _, class_name = config.handler.partition(":")
-    local = config.path / (module_name.replace(".", "/") + ".py")
-    try:
-        if local.is_file():
-            qualified = f"_scoring_model_{config.name.replace('-', '_')}_{module_name}"
-            spec = importlib.util.spec_from_file_location(qualified, local)
-            assert spec is not None and spec.loader is not None
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[qualified] = module
-            spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(module_name)
-        cls = getattr(module, class_name)
-    except Exception as exc:  # a handler module may raise anything while it imports
-        shown = exc if isinstance(exc, (ImportError, AttributeError)) else f"{type(exc).__name__}: {exc}"
-        raise ModelLoadError(
-            f"model {config.name}: cannot import handler {config.handler!r}: {shown}"
-        ) from exc
-    handler = cls()
-    missing = [h for h in ("load", "preprocess", "predict", "postprocess") if not hasattr(handler, h)]
-    if missing:
-        raise ModelLoadError(f"model {config.name}: handler {config.handler!r} lacks {', '.join(missing)}")
-    return handler  # type: ignore[no-any-return]
 
 
 def synthetic_inputs(specs: list[TensorSpec], batch_size: int) -> dict[str, np.ndarray]:
@@ -110,6 +63,51 @@ def synthetic_inputs(specs: list[TensorSpec], batch_size: int) -> dict[str, np.n
             flat[:] = [b"warmup item %d" % i for i in range(flat.size)]
         out[spec.name] = array
     return out
+
+
+class Streams:
+    """The CUDA streams of the three stages, and the events that order them (None on the CPU).
+
+    ``prepare`` copies to the device on the copy stream and records ``ready``; ``predict``
+    makes the compute stream wait for it, launches the kernels and records ``done``;
+    ``finish`` makes the copy-back stream wait for ``done`` and copies to the host. Tensors
+    stay referenced (by the batch in flight) until ``finish`` has synchronised, so the caching
+    allocator never hands their memory to another stream too early.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.copy_in = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.compute = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+        self.copy_out = torch.cuda.Stream(device) if self.cuda else None  # type: ignore[no-untyped-call]
+
+    def on(self, stream: Any) -> Any:
+        """A context manager making ``stream`` current (nothing on the CPU)."""
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    def mark(self, stream: Any) -> Any:
+        """An event recorded on ``stream`` now (None on the CPU)."""
+        if stream is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record(stream)
+        return event
+
+    @staticmethod
+    def after(stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event`` (device-side; the host does not block)."""
+        if stream is not None and event is not None:
+            stream.wait_event(event)
+
+
+class Staged:
+    """A batch between stages: the handler's own object, and the event that says it is ready."""
+
+    __slots__ = ("event", "value")
+
+    def __init__(self, value: Any, event: Any) -> None:
+        self.value = value
+        self.event = event
 
 
 class ModelRunner:

@@ -50,9 +50,8 @@ from app.serving.batch import (
     price,
 )
 from app.serving.context import RequestContext
-from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch
+from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads
 from app.serving.queue import RequestQueue
-from app.serving.threads import Threads
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ at the batch each serving unit is running (the hot path only appends a record pe
 
 A batch running longer than the limit is logged and counted (``scoring_hung_batches_total``);
 liveness turns 503 and the worker asks its supervisor (the gunicorn worker) to drain and exit,
-so that it is replaced. Inference threads are daemons (``app.serving.threads.InferenceThread``),
+so that it is replaced. Inference threads are daemons (``app.serving.executor.InferenceThread``),
 so a stuck call does not keep the process alive; a call stuck while holding the GIL freezes the
 event loop too, and then gunicorn's worker timeout kills the process.
 """

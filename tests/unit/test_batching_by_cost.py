@@ -22,9 +22,9 @@ from app.models.repository import read_config
 from app.serving.admission import Backlog, MeasuredRate
 from app.serving.batch import Budget, QueuedRequest
 from app.serving.context import RequestContext
+from app.serving.executor import InferenceThread, Threads
 from app.serving.queue import RequestQueue
 from app.serving.runner import ModelRunner
-from app.serving.threads import InferenceThread, Threads
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
 from tests.support.gunicorn import ROOT

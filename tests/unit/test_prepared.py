@@ -18,8 +18,8 @@ import torch
 
 from app.models.base import PREPARED, Priced
 from app.serving.context import RequestContext
+from app.serving.executor import InferenceThread, Threads
 from app.serving.runner import ModelRunner
-from app.serving.threads import InferenceThread, Threads
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
 from tests.support.toy_models import unit_config

@@ -18,7 +18,7 @@ from app.http.state import CORE
 from app.server import siblings
 from app.server.siblings import SiblingSlot
 from app.server.worker import RestartBackoff
-from app.serving.threads import InferenceThread
+from app.serving.executor import InferenceThread
 from tests.support.fixtures import Client, MakeClient, eventually, served
 from tests.support.toy_models import ScaleHandler, write_scale_model
 
