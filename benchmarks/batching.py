@@ -42,7 +42,7 @@ def in_process(repository: Path, model: str, items: int, seconds: float) -> dict
     size, each timed for ``seconds`` (5 calls at least), on CUDA where torch sees it."""
     import torch
 
-    from app.serving.executor import ModelRunner
+    from app.serving.runner import ModelRunner
 
     config = read_config(repository / model)
     runner = ModelRunner(config)

@@ -84,7 +84,7 @@ def tokenizer_words(tokenizer: Any) -> list[str]:
 
 def load(config: ModelConfig, device: Any) -> Any:
     """A ``ModelRunner`` for ``config`` loaded on ``device`` and warmed up."""
-    from app.serving.executor import ModelRunner
+    from app.serving.runner import ModelRunner
 
     runner = ModelRunner(config)
     runner.load(device)

@@ -149,7 +149,7 @@ def cpu_reference(repo: Path, bodies: dict[str, list[payloads.Tensor]]) -> dict[
     """Each model's outputs for its parity request, computed on the CPU in this process."""
     import torch
 
-    from app.serving.executor import ModelRunner
+    from app.serving.runner import ModelRunner
 
     reference: dict[str, dict[str, np.ndarray]] = {}
     for name, request in bodies.items():

@@ -63,7 +63,7 @@ def load(repository: Path, variant: str, device: str) -> Any:
     import torch
 
     from app.models.repository import read_config
-    from app.serving.executor import ModelRunner
+    from app.serving.runner import ModelRunner
 
     config = read_config(repository / MODEL)
     parameters = {

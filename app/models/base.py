@@ -21,9 +21,12 @@ creates one instance per worker with no arguments and calls:
     (reordered, split into batches, concatenated and halved with them, never looked into) and
     ``preprocess`` finds it there. ``inputs`` may already hold :data:`PREPARED` (items an item
     stage made, such as a text's windows, tokenized there): the costs then come from it.
-``batch_cost(costs)``  -- optional, with ``item_costs``; the event loop, once per batch formed
+``batch_cost(costs)``  -- optional, with ``item_costs``; the event loop, once per batch formed,
+    and a prepare thread, once per request (the request's own batches, which admission judges)
     ``costs``: the ``item_costs`` of a batch's items, int64 ``[N]``. Returns what the batch
-    computes in that unit, padding included (an ``int``; it must be quick). Without it a
+    computes in that unit, padding included (an ``int``; it must be quick and may run on two
+    threads at once). Admission takes a batch's time as ``o + c * batch_cost``, so a cost
+    proportional to time across lengths is what makes its first estimates right. Without it a
     batch costs its costliest item times N (every item padded to the longest); a handler that
     runs a batch in length groups (``app.handlers.sentence_embedding``) says what they cost.
 ``preprocess(inputs)``  -- a *prepare thread* (staged pipeline) or the inference thread

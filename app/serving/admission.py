@@ -13,9 +13,11 @@ items, a request of ``b`` items expects to finish after
     wait = max(0, t(n) - s) + ceil((q + b) / M) o + (q + b) c (+ the max queue delay)
 
 seconds (Little's law read backwards, W = L / lambda). Past ``admission_headroom`` of its time
-to deadline it is refused at once (503 + Retry-After, the backlog in seconds), or 504 when it
-could not finish even alone. The cost unit is the model's (tokens, padding included, for a
-model that prices its items).
+to deadline it is refused at once: 503 + Retry-After (the backlog in seconds). A request that
+could not finish within its deadline even alone, at the fastest the model has run (its
+calibration at load, or the fit if faster), is refused at once with 504, busy or idle: waiting
+would not help it. The cost unit is the model's (tokens, padding included, for a model that
+prices its items).
 
 ``capacity``: **capacity plus deadline**, as text-embeddings-inference (a permit per queued
 request) and Triton's queue policy (``max_queue_size``, reject on timeout): refused only when
@@ -31,20 +33,17 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from app.errors import DeadlineExceeded, PayloadTooLarge, QueueFull, ScoringError
+from app.errors import DeadlineExceeded, InvalidInput, PayloadTooLarge, QueueFull, ScoringError
+from app.models.base import PREPARED
 from app.protocols.tensors import ItemBytes
+from app.serving.rate import ServiceRate
 
-#: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before its
-#: :attr:`ServiceRate.lag` moves (docs/architecture.md, *Tuned numbers*).
-SETTLED_BATCHES = 8
-#: Once settled, a batch enters the fit as at most this many times the fit's prediction.
-OUTLIER_RATIO = 4.0
 #: Requests whose sizes :meth:`MeasuredRate.refuse_early` remembers.
 RECENT_REQUESTS = 32
 
@@ -59,77 +58,21 @@ def overdue_slack_s() -> float:
     return 4 * sys.getswitchinterval()
 
 
-class ServiceRate:
-    """A model's batch cost, ``t(n) = overhead_s + n * item_s`` seconds for a batch of ``n``
-    items (its cost: items, or padded tokens), fitted by exponentially weighted least squares.
+def check_items(model: str, inputs: Mapping[str, np.ndarray], queue_capacity: int) -> int:
+    """B, a request's items (axis 0 of ``inputs``).
 
-    The first batch (timed alone after warmup) seeds ``item_s``; until :data:`SETTLED_BATCHES`
-    batches only the overhead moves (and the slope comes down to the line through the origin and
-    the mean where the batches ran faster than the seed); then the slope is refitted while recent
-    batch sizes differ enough, never steeper than that line, and a batch enters the
-    fit as at most :data:`OUTLIER_RATIO` times its prediction. :attr:`lag` (>= 1) multiplies
-    every prediction: raised at once when two batches in a row were slower than the fit says,
-    brought back towards 1 by the others. Why each rule (figures): docs/architecture.md,
-    *Admission by time*.
-
-    Args:
-        weight: the weight of the newest batch, 0 < weight <= 1.
+    Raises:
+        InvalidInput: none, or more than the model's ``queue_capacity`` (400, naming it).
     """
-
-    def __init__(self, weight: float = 0.2) -> None:
-        self._decay = 1.0 - weight
-        self._weight = weight
-        #: Recent batches' time over the fit's prediction, >= 1.
-        self.lag = 1.0
-        self._batches = 0
-        self._last_ratio = 1.0
-        # Weighted sums: count, n, t, n^2, n*t.
-        self._s0 = self._sn = self._st = self._snn = self._snt = 0.0
-        self.item_s: float | None = None
-        self.overhead_s = 0.0
-
-    def observe(self, items: float, seconds: float) -> None:
-        """Record one batch of ``items`` (its cost) that took ``seconds``."""
-        if items < 1 or seconds <= 0:
-            return
-        if self._batches >= SETTLED_BATCHES and self.item_s is not None:
-            predicted = self.overhead_s + items * self.item_s
-            ratio = seconds / predicted
-            sustained = min(ratio, self._last_ratio)
-            if sustained > self.lag:
-                self.lag = sustained
-            else:
-                self.lag = max(1.0, self.lag + self._weight * (min(ratio, self.lag) - self.lag))
-            self._last_ratio = ratio
-            seconds = min(seconds, OUTLIER_RATIO * predicted)
-        self._batches += 1
-        d = self._decay
-        self._s0 = d * self._s0 + 1.0
-        self._sn = d * self._sn + items
-        self._st = d * self._st + seconds
-        self._snn = d * self._snn + items * items
-        self._snt = d * self._snt + items * seconds
-        if self.item_s is None:
-            self.item_s = seconds / items
-            return
-        mean_n, mean_t = self._sn / self._s0, self._st / self._s0
-        var_n = self._snn / self._s0 - mean_n * mean_n
-        if self._batches >= SETTLED_BATCHES and var_n > (0.1 * mean_n) ** 2:
-            slope = min((self._snt / self._s0 - mean_n * mean_t) / var_n, mean_t / mean_n)
-            if slope > 0:
-                self.item_s = slope
-        # Never steeper than the line through the origin and the mean, settled or not: a seed
-        # taken from one small batch (its overhead counted as items) would otherwise stay while
-        # batches of one size give no slope, and refuse long after the real batches ran faster.
-        self.item_s = min(self.item_s, mean_t / mean_n)
-        self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
-
-    def seconds_for(self, items: float, batches: int = 1) -> float:
-        """Expected seconds for ``items`` items in ``batches`` batches (the fit times
-        :attr:`lag`); 0 while unknown or empty."""
-        if self.item_s is None or items <= 0:
-            return 0.0
-        return self.lag * (batches * self.overhead_s + items * self.item_s)
+    size = len(next(iter(inputs.values())))
+    if size < 1:
+        raise InvalidInput("a request needs at least one item")
+    if size > queue_capacity:
+        raise InvalidInput(
+            f"request has {size} items; model {model} accepts at most {queue_capacity} per request "
+            "(model.toml queue_capacity)"
+        )
+    return size
 
 
 def check_item_bounds(
@@ -153,6 +96,8 @@ def check_item_bounds(
         )
     if max_batch_bytes is None:
         return None
+    if PREPARED in inputs:  # the handler's own preparations are not the client's bytes
+        inputs = {name: array for name, array in inputs.items() if name != PREPARED}
     item_bytes = ItemBytes(inputs)
     largest = item_bytes.largest()
     if largest > max_batch_bytes:
@@ -197,17 +142,24 @@ class AdmissionPolicy(Protocol):
     """Whether a model version takes one more request (module docstring)."""
 
     def refusal(
-        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
-    ) -> Refusal | None:
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str,
+        alone: tuple[float, int] | None = None,
+    ) -> Refusal | None:  # fmt: skip
         """The refusal of ``items`` more items costing ``cost`` at priority ``level``, with
-        ``budget_s`` seconds left to their deadline at loop time ``now``; None = admitted. With
-        ``cost`` 0 (the least it can be: asked before a request is priced) a refusal is certain
-        and the request is not remembered."""
+        ``budget_s`` seconds left to their deadline at loop time ``now``; None = admitted.
+        ``alone``: what the request computes in its own batches (cost, padding included, and
+        their count; None: ``cost`` padded as recent batches were). With ``cost`` 0 (the least
+        it can be: asked before a request is priced) a refusal is certain and the request is
+        not remembered."""
         ...
 
     def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
         """The refusal a request of a size recently seen would get at ``level``, judged before
         its body is decoded (so a refusal under overload costs no decoding); None = decode it."""
+        ...
+
+    def seed(self, points: Sequence[tuple[float, float]]) -> None:
+        """The calibration at load: batches ``(cost, seconds)`` timed alone after warmup."""
         ...
 
     def observe(self, cost: float, seconds: float, real_tokens: int) -> None:
@@ -241,10 +193,14 @@ class Capacity:
         self._backlog = backlog
 
     def refusal(
-        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
-    ) -> Refusal | None:
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str,
+        alone: tuple[float, int] | None = None,
+    ) -> Refusal | None:  # fmt: skip
         """See :meth:`AdmissionPolicy.refusal`."""
         return _full(self._backlog, items, lambda: 1.0)
+
+    def seed(self, points: Sequence[tuple[float, float]]) -> None:
+        """Nothing is measured."""
 
     def refuse_early(self, budget_s: float, now: float, level: int | None) -> Refusal | None:
         """Never: the request's size decides, once decoded."""
@@ -281,6 +237,10 @@ class MeasuredRate:
         self._recent: deque[tuple[int, float]] = deque(maxlen=RECENT_REQUESTS)  # (items, cost)
         self._slack_s = overdue_slack_s()
 
+    def seed(self, points: Sequence[tuple[float, float]]) -> None:
+        """See :meth:`AdmissionPolicy.seed` (:meth:`ServiceRate.seed`)."""
+        self.rate.seed(points)
+
     def observe(self, cost: float, seconds: float, real_tokens: int) -> None:
         """See :meth:`AdmissionPolicy.observe`."""
         self.rate.observe(cost, seconds)
@@ -314,41 +274,34 @@ class MeasuredRate:
         return rest + overdue * rate.seconds_for(cost, batches) + backlog.max_queue_delay_s
 
     def refusal(
-        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
-    ) -> Refusal | None:
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str,
+        alone: tuple[float, int] | None = None,
+    ) -> Refusal | None:  # fmt: skip
         """See :meth:`AdmissionPolicy.refusal`: 503 when the queue is full or the backlog would
-        not let the items finish within ``headroom`` of ``budget_s``, 504 when they could not
-        even alone. An idle model admits everything: a rate measured under a past overload
-        never keeps refusing once the load has gone."""
+        not let the items finish within ``headroom`` of ``budget_s``; 504 when they could not
+        finish within ``budget_s`` even alone, at the fastest the model has run
+        (:meth:`ServiceRate.fastest_s`). An idle model admits whatever its calibration says can
+        finish: a rate learned under a past overload never keeps refusing once the load has gone."""
         if cost:
             self._recent.append((items, cost))
-        return self._judge(items, cost, level, budget_s, now, what)
+        return self._judge(items, cost, level, budget_s, now, what, alone)
 
     def _judge(
-        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str
-    ) -> Refusal | None:
+        self, items: int, cost: float, level: int | None, budget_s: float, now: float, what: str,
+        alone: tuple[float, int] | None = None,
+    ) -> Refusal | None:  # fmt: skip
         backlog = self._backlog
         full = _full(backlog, items, lambda: self._retry_after_s(now))
         if full is not None:
             return full
-        if not backlog.queued()[0] and not backlog.running():
+        idle = not backlog.queued()[0] and not backlog.running()
+        if cost and (not idle or self.rate.calibrated is not None):
+            hopeless = self._hopeless(items, cost, budget_s, what, alone)
+            if hopeless is not None:
+                return hopeless
+        if idle or (expected_s := self.backlog_s(now, items, cost, level)) <= self.headroom * budget_s:
             return None
-        limit_s = self.headroom * budget_s
-        expected_s = self.backlog_s(now, items, cost, level)
-        if expected_s <= limit_s:
-            return None
-        rate = self.rate
-        alone_s = rate.seconds_for(cost * self.padding)
-        unit = "tokens" if backlog.priced else "items"
-        if alone_s > limit_s:
-            return Refusal(
-                "deadline",
-                DeadlineExceeded(
-                    f"model {backlog.name} cannot finish {what} within its deadline "
-                    f"({budget_s * 1000:.0f} ms) even alone (expected {alone_s * 1000:.0f} ms for "
-                    f"{cost:.0f} {unit})"
-                ),
-            )
+        rate, unit = self.rate, "tokens" if backlog.priced else "items"
         per_s = 1 / rate.item_s if rate.item_s else 0
         return Refusal(
             "admission",
@@ -357,6 +310,25 @@ class MeasuredRate:
                 f"expected {expected_s * 1000:.0f} ms at {per_s:.0f} {unit}/s and "
                 f"{rate.overhead_s * 1000:.1f} ms per batch)",
                 retry_after_s=self._retry_after_s(now),
+            ),
+        )
+
+    def _hopeless(
+        self, items: int, cost: float, budget_s: float, what: str, alone: tuple[float, int] | None
+    ) -> Refusal | None:
+        """504 for a request that could not finish within ``budget_s`` even alone."""
+        backlog = self._backlog
+        alone_cost, batches = alone or (cost * self.padding, math.ceil(items / backlog.max_batch_size))
+        alone_s = self.rate.fastest_s(alone_cost, batches)
+        if alone_s <= budget_s:
+            return None
+        unit = "tokens" if backlog.priced else "items"
+        return Refusal(
+            "deadline",
+            DeadlineExceeded(
+                f"model {backlog.name} cannot finish {what} within its deadline ({budget_s * 1000:.0f} ms) "
+                f"even alone (expected {alone_s * 1000:.0f} ms for {alone_cost:.0f} {unit} at the fastest "
+                "it has run): send it with a longer deadline or fewer items"
             ),
         )
 

@@ -42,8 +42,8 @@ import torch
 from app.errors import ModelControlFailed, ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scan, scrub_paths, serving
 from app.serving.core import ServingCore
-from app.serving.executor import describe
 from app.serving.lifecycle import release_all, try_load, unload_version
+from app.serving.runner import describe
 from app.serving.watchdog import watch_inference
 from app.settings import Settings
 from gpu_stat.verify import verify_binding

@@ -1,9 +1,10 @@
 """Model versions in and out of service in this worker: load, warm up, swap, drain, free.
 
 **A load** (:func:`load_version`) runs on an inference thread of the version's own: the model
-loads and warms up, one batch of the largest warmup size is timed to seed its admission's service
-rate (the very first requests are judged at a measured rate), and only then does its serving unit
-start and take requests. What loads when is :mod:`app.serving.control`'s (start, model control).
+loads and warms up, a small and a large batch are timed to seed its admission's service rate
+(``ModelRunner.calibrate``: the very first requests are judged at a measured rate), and only
+then does its serving unit start and take requests. What loads when is
+:mod:`app.serving.control`'s (start, model control).
 
 **A swap fails nothing.** Loading a version that already serves (a reload) builds the new unit
 beside the old one while the old serves; once warm, new requests go to the new unit; requests
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Coroutine
 from functools import partial
 from typing import Any
@@ -34,8 +34,9 @@ from app.models.repository import ModelConfig, fingerprint, scrub_paths
 from app.observability.metrics import ModelObserver
 from app.observability.tracing import Tracing
 from app.serving.core import ServingCore
-from app.serving.executor import InferenceThread, ModelRunner, Threads, describe, synthetic_inputs
+from app.serving.executor import InferenceThread, Threads
 from app.serving.registry import ModelVersion
+from app.serving.runner import ModelRunner, describe
 from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
@@ -64,19 +65,6 @@ def staged(config_value: str, device: torch.device) -> bool:
     if config_value == "auto":
         return device.type == "cuda"
     return config_value == "on"
-
-
-def _timed_batch(runner: ModelRunner) -> tuple[float, float]:
-    """One batch of the largest warmup size, timed (after warmup, so no first-call costs):
-    (its cost: items, or padded tokens for a priced model; seconds), the seed of the service
-    rate."""
-    items = max(runner.config.warmup_batch_sizes)
-    inputs = synthetic_inputs(runner.config.inputs, items)
-    costs = runner.item_costs(inputs)
-    start = time.perf_counter()
-    runner.run_batch(inputs)
-    seconds = time.perf_counter() - start
-    return (runner.batch_cost(costs) if costs is not None else float(items)), seconds
 
 
 def _spawn(core: ServingCore, coro: Coroutine[Any, Any, None], name: str) -> asyncio.Task[None]:
@@ -152,7 +140,7 @@ async def load_version(
     try:
         await loop.run_in_executor(inference, runner.load, device)
         await loop.run_in_executor(inference, runner.warmup)
-        seed = await loop.run_in_executor(inference, _timed_batch, runner)
+        seed = await loop.run_in_executor(inference, runner.calibrate)
     except BaseException as exc:
         if isinstance(exc, asyncio.CancelledError):
             # A stop or an unload while the load runs: the inference thread is still inside
@@ -173,7 +161,7 @@ async def load_version(
     observer = ModelObserver(model.stats, metrics, config.name, config.version)
     threads = _threads(core, config, inference, runner)
     unit = unit_for(config, runner, threads, observer, core.settings.max_batch_bytes, core.tracing)
-    unit.admission.observe(seed[0], seed[1], 0)
+    unit.admission.seed(seed)
     unit.start()
     what = f"{config.name} v{config.version}"
     if model.unloading or model.retired:  # unloaded while a retry loaded it: free the new copy

@@ -22,7 +22,7 @@ Triton's, where a lower level waits while higher levels have items (and may time
 lower levels join a batch holding higher-level items only
 while they add at most ``priority_fill`` to its expected time (``fill``, the measured rate).
 
-Requests of a priced model arrive with their items sorted by cost (:func:`sort_by_cost`) and are
+Requests of a priced model arrive with their items sorted by cost (``app.serving.batch.price``) and are
 never passed over within a level, so the backlog ahead of a request is what admission counts
 (docs/architecture.md: why not a queue sorted by length). Source: text-embeddings-inference's
 ``max_batch_tokens`` (``core/src/queue.rs``), Triton's dynamic batcher and priority queue.
@@ -33,126 +33,20 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Callable
 
 import numpy as np
 
 from app.errors import ClientDisconnected, DeadlineExceeded, InvalidInput, ScoringError
-from app.protocols.tensors import ItemBytes
-from app.serving.context import RequestContext
+from app.serving.batch import Budget, Chunk, QueuedRequest, padded_to_longest
 
-Tensors = dict[str, np.ndarray]
 #: Gathering stops after this many event-loop turns in a row that queued no request (an idle
 #: loop turns in ~3 µs: one client alone waits ~10 µs).
 GATHER_IDLE_TURNS = 4
 
 
-@dataclass(eq=False)
-class QueuedRequest:
-    """One inference request in a model version's queue: its inputs ``[B, ...]``, its context
-    (id, deadline, ...: ``app.serving.context``), arrival (``loop.time()`` seconds), priority
-    ``level`` (0 = the highest), and where its items are. ``tokens`` (priced models): int64
-    ``[B]``, each item's cost, ascending (``order`` is that permutation of the items as sent,
-    None when none was needed)."""
-
-    inputs: Mapping[str, np.ndarray]
-    size: int
-    context: RequestContext
-    arrival: float
-    future: asyncio.Future[Tensors]
-    item_bytes: ItemBytes | None  # input bytes per item; None without a batch byte bound
-    tokens: np.ndarray | None = None
-    order: np.ndarray | None = None
-    level: int = 0
-    trace: Any = None  # its OpenTelemetry context; None when not traced
-    queued: int = 0  # items still waiting
-    queued_cost: int = 0  # their cost
-    pending: int = 0  # items not yet computed
-    parts: list[tuple[int, Tensors]] = field(default_factory=list)
-    dead: bool = False
-
-    @property
-    def deadline(self) -> float:
-        """When its outputs are due, ``loop.time()`` seconds."""
-        return self.context.deadline
-
-    @property
-    def request_id(self) -> str:
-        """Its id (errors, logs)."""
-        return self.context.request_id
-
-    @property
-    def is_disconnected(self) -> Callable[[], bool] | None:
-        """True once its client has gone; None: never asked."""
-        return self.context.is_disconnected
-
-    @property
-    def cost(self) -> int:
-        """The request's cost: its tokens (priced models), else its items."""
-        return int(self.tokens.sum()) if self.tokens is not None else self.size
-
-    def cost_between(self, start: int, stop: int) -> int:
-        """The cost of items ``[start, stop)``."""
-        return int(self.tokens[start:stop].sum()) if self.tokens is not None else stop - start
-
-
-@dataclass(eq=False)
-class Chunk:
-    """Items ``[start, stop)`` of ``request``."""
-
-    request: QueuedRequest
-    start: int
-    stop: int
-
-
 #: Drops a queued request: (request, its error, the rejection to count; None: its own 504).
 Drop = Callable[[QueuedRequest, ScoringError, "str | None"], None]
-
-
-def padded_to_longest(costs: np.ndarray) -> float:
-    """A batch's cost when every item is padded to the costliest: ``max * N`` (0 when empty)."""
-    return float(costs.max()) * len(costs) if len(costs) else 0.0
-
-
-@dataclass
-class Budget:
-    """What one batch may still hold: items, input bytes, and tokens as ``batch_cost`` counts
-    them (padding included) over every priced item taken."""
-
-    items: int
-    bytes: float = math.inf
-    tokens: float = math.inf
-    batch_cost: Callable[[np.ndarray], float] = padded_to_longest
-    taken: list[np.ndarray] = field(default_factory=list)  # the costs of the items taken
-
-    def fit(self, request: QueuedRequest, start: int, stop: int) -> int:
-        """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit."""
-        n = min(stop - start, self.items)
-        item_bytes = request.item_bytes
-        if item_bytes is not None and self.bytes != math.inf:
-            n = min(n, item_bytes.items_within(start, start + n, self.bytes))
-        tokens = request.tokens
-        if tokens is not None and self.tokens != math.inf and n > 0:
-            # the most items whose batch costs at most the budget: a binary search
-            fits, low, high = 0, 1, n
-            while low <= high:
-                k = (low + high) // 2
-                if self.batch_cost(np.concatenate([*self.taken, tokens[start : start + k]])) <= self.tokens:
-                    fits, low = k, k + 1
-                else:
-                    high = k - 1
-            n = fits
-        return n
-
-    def take(self, request: QueuedRequest, start: int, stop: int) -> None:
-        """Account for items ``[start, stop)`` of ``request`` joining the batch."""
-        self.items -= stop - start
-        if request.item_bytes is not None and self.bytes != math.inf:
-            self.bytes -= request.item_bytes.between(start, stop)
-        if request.tokens is not None:
-            self.taken.append(request.tokens[start:stop])
 
 
 class RequestQueue:
@@ -407,14 +301,3 @@ def _expired(request: QueuedRequest, now: float, drop: Drop) -> bool:
         drop(request, DeadlineExceeded(f"request {request.request_id} expired in queue"), None)
         return True
     return False
-
-
-def sort_by_cost(
-    inputs: Mapping[str, np.ndarray], tokens: np.ndarray
-) -> tuple[Mapping[str, np.ndarray], np.ndarray, np.ndarray | None]:
-    """A request's inputs and costs with its items sorted by cost (ascending, stable), and the
-    permutation (None when they already were)."""
-    if len(tokens) < 2 or bool((tokens[1:] >= tokens[:-1]).all()):
-        return inputs, tokens, None
-    order = np.argsort(tokens, kind="stable")
-    return {k: v[order] for k, v in inputs.items()}, tokens[order], order

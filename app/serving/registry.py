@@ -25,8 +25,9 @@ from app.errors import ModelNotFound, ModelNotReady, ModelUnloaded
 from app.models.repository import ModelConfig, version_key
 from app.observability.metrics import ModelStats
 
-if TYPE_CHECKING:  # the executor imports torch; the request path needs none of it
-    from app.serving.executor import ModelRunner, Threads
+if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
+    from app.serving.executor import Threads
+    from app.serving.runner import ModelRunner
     from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
@@ -366,4 +367,3 @@ class WorkerHealth:
     hung: str | None = None
     #: Passes the hung-inference watchdog has made over the units.
     watchdog_passes: int = 0
-

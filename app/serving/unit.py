@@ -5,7 +5,8 @@
 - the **admission policy** (:mod:`app.serving.admission`): whether one more request is taken
   now, and what it learns from each batch;
 - the **executor** (:mod:`app.serving.executor`): the version's threads, running each batch
-  inline or staged (prepare -> predict -> finish), and pricing requests.
+  inline or staged (prepare -> predict -> finish) through the model's runner
+  (:mod:`app.serving.runner`), and pricing requests.
 
 :meth:`ServingUnit.infer` takes one request's validated arrays and absolute deadline (the event
 loop's clock), prices it, asks admission, queues it and waits for its outputs; the unit's task
@@ -21,6 +22,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
+from functools import partial
 from typing import Protocol
 
 import numpy as np
@@ -29,26 +31,27 @@ from app.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InsufficientStorage,
-    InvalidInput,
     QueueFull,
     ScoringError,
 )
-from app.models.base import Segment
+from app.models.base import Priced, Segment
 from app.models.repository import ModelConfig
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
-from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
-from app.serving.context import RequestContext
-from app.serving.executor import (
+from app.serving.admission import AdmissionPolicy, check_item_bounds, check_items, policy
+from app.serving.batch import (
     Batch,
-    BatchExecutor,
-    BatchRunner,
-    RunningBatch,
-    Threads,
+    Chunk,
+    QueuedRequest,
+    Tensors,
     assemble,
     outputs_between,
+    padded_to_longest,
+    price,
 )
-from app.serving.queue import Chunk, QueuedRequest, RequestQueue, Tensors, padded_to_longest, sort_by_cost
+from app.serving.context import RequestContext
+from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads
+from app.serving.queue import RequestQueue
 
 log = logging.getLogger(__name__)
 
@@ -77,12 +80,14 @@ class ServingUnit:
             ``gather_turns``, ``gather_max_ms``, ``max_batch_tokens``), admission policy and
             headroom, Triton's priority levels (``priority_levels``, ``default_priority_level``,
             ``priority_aging``, ``priority_fill``) and ``scatter``.
-        runner: ``app.serving.executor.ModelRunner`` or a test double; ``threads`` its threads (an
+        runner: ``app.serving.runner.ModelRunner`` or a test double; ``threads`` its threads (an
             ``Executor`` alone: the inference thread); ``staged``: the staged pipeline.
         max_batch_bytes: the server's bound on a batch's input bytes, for a model whose config
             names none (None: no bound).
-        item_costs: one request's items -> int64 ``[B]`` (the handler's cost unit, tokens; None:
-            not priced); ``batch_cost``: int64 ``[N]`` -> a batch's cost.
+        item_costs: one request's items -> int64 ``[B]`` (the handler's cost unit, tokens) or
+            ``app.models.base.Priced`` (costs and each item's preparation, kept in the request's
+            inputs under ``PREPARED``); None: not priced. ``batch_cost``: int64 ``[N]`` -> a
+            batch's cost.
         observer: receives batches and refusals; ``tracing``: the requests' spans.
 
     Raises:
@@ -96,7 +101,7 @@ class ServingUnit:
         threads: Threads | Executor,
         *,
         max_batch_bytes: int | None = None,
-        item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | None] | None = None,
+        item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | Priced | None] | None = None,
         batch_cost: Callable[[np.ndarray], float] | None = None,
         staged: bool = False,
         observer: UnitObserver | None = None,
@@ -130,7 +135,11 @@ class ServingUnit:
             fill=lambda cost: self.admission.fill_limit(cost, fill),
             margin=lambda: self.longest_batch_s,
         )
-        self.executor = BatchExecutor(name, runner, threads, staged=staged, item_costs=item_costs)
+        pricing = None if item_costs is None else partial(
+            price, item_costs=item_costs, batch_cost=self.queue.batch_cost, max_batch_size=max_batch_size,
+            max_batch_tokens=self.max_batch_tokens,
+        )  # fmt: skip
+        self.executor = BatchExecutor(name, runner, threads, staged=staged, pricing=pricing)
         self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
         self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, config.version)
         self.tracing = tracing
@@ -230,7 +239,7 @@ class ServingUnit:
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
         """
-        size = self._items(inputs)
+        size = check_items(self.name, inputs, self.queue_capacity)
         deadline, request_id = context.deadline, context.request_id
         level = self.level(context.priority)
         loop = asyncio.get_running_loop()
@@ -243,16 +252,14 @@ class ServingUnit:
             async with asyncio.timeout_at(deadline):
                 if self.priced and self.queue.items:
                     self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
-                tokens = await self.executor.price(inputs) if self.priced else None
-                order = None
-                if tokens is not None:
-                    inputs, tokens, order = sort_by_cost(inputs, tokens)
+                pricing = await self.executor.price(inputs) if self.priced else None
+                inputs, tokens, order, alone = pricing.unpacked() if pricing else (inputs, None, None, None)
                 item_bytes = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
                                           self.max_batch_tokens)  # fmt: skip
                 cost = int(tokens.sum()) if tokens is not None else size
                 if self._stopped:
                     raise QueueFull(f"model {self.name} is unloading")
-                self._admit(size, cost, level, deadline, request_id)
+                self._admit(size, cost, level, deadline, request_id, alone)
                 request = QueuedRequest(
                     inputs, size, context, arrival, loop.create_future(), item_bytes, tokens, order, level,
                     trace, pending=size,
@@ -282,22 +289,15 @@ class ServingUnit:
             if not self._active and self._idle is not None:
                 self._idle.set()
 
-    def _items(self, inputs: Mapping[str, np.ndarray]) -> int:
-        """B, the request's items; InvalidInput when 0 or more than the queue capacity."""
-        size = len(next(iter(inputs.values())))
-        if size < 1:
-            raise InvalidInput("a request needs at least one item")
-        if size > self.queue_capacity:
-            raise InvalidInput(
-                f"request has {size} items; model {self.name} accepts at most {self.queue_capacity} "
-                "per request"
-            )
-        return size
-
-    def _admit(self, size: int, cost: float, level: int, deadline: float, request_id: str) -> None:
-        """Ask admission (``cost`` 0: before pricing, a certain refusal only); raise its refusal."""
+    def _admit(
+        self, size: int, cost: float, level: int, deadline: float, request_id: str,
+        alone: tuple[float, int] | None = None,
+    ) -> None:  # fmt: skip
+        """Ask admission (``cost`` 0: before pricing, a certain refusal only; ``alone``: the
+        request's own batches, cost and count); raise its refusal."""
         now = asyncio.get_running_loop().time()
-        refusal = self.admission.refusal(size, cost, level, deadline - now, now, f"request {request_id}")
+        what = f"request {request_id}"
+        refusal = self.admission.refusal(size, cost, level, deadline - now, now, what, alone)
         if refusal is None and not cost:
             return
         if self._levels:

@@ -35,7 +35,8 @@ import torch
 
 from app.models.repository import ModelConfig, read_config
 from app.serving.context import RequestContext
-from app.serving.executor import InferenceThread, ModelRunner, Threads
+from app.serving.executor import InferenceThread, Threads
+from app.serving.runner import ModelRunner
 from app.serving.unit import ServingUnit
 from benchmarks import gpu_check
 from benchmarks.gpu_bench import (

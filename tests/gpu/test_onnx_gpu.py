@@ -29,7 +29,7 @@ import torch
 
 from app.models.onnx_format import OnnxHandler
 from app.models.repository import read_config
-from app.serving.executor import ModelRunner
+from app.serving.runner import ModelRunner
 from tests.support.gunicorn import ROOT
 from tests.support.tools import load_tool
 

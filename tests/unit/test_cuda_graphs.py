@@ -21,7 +21,7 @@ import torch
 from app.errors import ModelLoadError
 from app.models.repository import ModelConfig, read_config
 from app.models.torch_formats import Bucket, GraphBuckets, TorchExportHandler
-from app.serving.executor import ModelRunner
+from app.serving.runner import ModelRunner
 from tests.support.toy_models import TinyRanker, write_scale_model, write_tensor_model
 
 

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from app.errors import ModelLoadError
+from app.models.loading import resolve_handler
 from app.models.onnx_format import OnnxHandler
 from app.models.repository import read_config
 from app.onnx_session import CPU, CUDA, open_session, providers
 from app.protocols.triton import model_config
-from app.serving.executor import ModelRunner, resolve_handler
+from app.serving.runner import ModelRunner
 from tests.support.fixtures import Client, MakeClient, eventually
 from tests.support.onnx_models import (
     ONNX_FILE,

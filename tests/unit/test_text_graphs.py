@@ -19,7 +19,7 @@ import torch
 from app.handlers.sentence_embedding import SentenceEmbeddingHandler
 from app.handlers.text_graphs import TextBucket, TextGraphs, default_sequence_lengths
 from app.models.repository import read_config
-from app.serving.executor import ModelRunner
+from app.serving.runner import ModelRunner
 from tests.support.gunicorn import ROOT
 
 MINILM = ROOT / "model_repository" / "all-MiniLM-L6-v2"
