@@ -24,6 +24,7 @@ from app.http.extensions import routes as extension_routes
 from app.http.routes import metrics_handler, routes
 from app.http.state import CORE, grpc_ctx, models_ctx, on_shutdown, tracing_ctx
 from app.observability.gpu import gpu_metrics_ctx
+from app.observability.looplag import loop_lag_ctx
 from app.observability.metrics import ServerMetrics, create_metrics
 from app.observability.tracing import Tracing
 from app.observability.tracing import setup as setup_tracing
@@ -102,6 +103,7 @@ async def create_app(
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler)
         app.cleanup_ctx.append(gpu_metrics_ctx(metrics, binding.labels(), settings.gpu_metrics_interval_s))
+        app.cleanup_ctx.append(loop_lag_ctx(metrics.registry))
     app.cleanup_ctx.append(models_ctx)
     app.cleanup_ctx.append(grpc_ctx)  # after models_ctx: starts once it listens, stops first
     app.on_shutdown.append(on_shutdown)
