@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import psutil
 
@@ -131,15 +131,34 @@ def summary(starts: Sequence[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def parse_importtime(lines: Iterable[str]) -> list[tuple[str, int]]:
-    """(module, self time in microseconds) of each ``-X importtime`` line among ``lines``
-    (others, and the header, skipped)."""
-    found = []
-    for line in lines:
-        match = _IMPORT.match(line)
-        if match:
-            found.append((match[4], int(match[1])))
-    return found
+class Import(NamedTuple):
+    """One ``-X importtime`` line: the module, its self and cumulative time (microseconds) and
+    its nesting depth (0: imported by no other import, at top level or by a function at run
+    time)."""
+
+    module: str
+    self_us: int
+    cumulative_us: int
+    depth: int
+
+
+def parse_importtime(lines: Iterable[str]) -> list[Import]:
+    """The ``-X importtime`` lines among ``lines``, in order (others, and the header, skipped)."""
+    found = [(m[4], int(m[1]), int(m[2]), len(m[3])) for m in map(_IMPORT.match, lines) if m]
+    top = min((indent for *_, indent in found), default=0)
+    return [Import(module, own, total, (indent - top) // 2) for module, own, total, indent in found]
+
+
+def entry_points(imports: Sequence[Import], count: int = 10) -> dict[str, float]:
+    """The ``count`` costliest imports of depth 0 (what the process itself, or a function at run
+    time, imported: each with everything it pulled in that was not imported yet), cumulative
+    seconds, largest first.
+
+    >>> entry_points([Import("a.b", 5, 5, 1), Import("a", 10, 15, 0), Import("c", 2, 2, 0)])
+    {'a': 1.5e-05, 'c': 2e-06}
+    """
+    roots = sorted((i for i in imports if i.depth == 0), key=lambda i: -i.cumulative_us)
+    return {i.module: i.cumulative_us / 1e6 for i in roots[:count]}
 
 
 def split_at_fork(log: str) -> tuple[list[str], list[str]]:
@@ -150,30 +169,37 @@ def split_at_fork(log: str) -> tuple[list[str], list[str]]:
     return lines[:at], lines[at + 1 :]
 
 
-def by_package(imports: Iterable[tuple[str, int]]) -> dict[str, float]:
+def by_package(imports: Iterable[Import]) -> dict[str, float]:
     """Self time (seconds) summed per top-level package, the standard library's modules
     together as ``stdlib``, largest first.
 
-    >>> by_package([("torch", 900_000), ("torch._C", 100_000), ("json", 5_000), ("json.decoder", 5_000)])
+    >>> by_package([Import("torch", 900_000, 1_000_000, 0), Import("torch._C", 100_000, 100_000, 1),
+    ...             Import("json", 5_000, 10_000, 0), Import("json.decoder", 5_000, 5_000, 1)])
     {'torch': 1.0, 'stdlib': 0.01}
     """
     totals: Counter[str] = Counter()
-    for module, micros in imports:
-        top = module.split(".")[0]
-        totals["stdlib" if top in sys.stdlib_module_names else top] += micros
+    for found in imports:
+        top = found.module.split(".")[0]
+        totals["stdlib" if top in sys.stdlib_module_names else top] += found.self_us
     return {name: micros / 1e6 for name, micros in totals.most_common()}
 
 
 def import_profile(repository: Path, models: str, timeout_s: float) -> dict[str, dict[str, float]]:
-    """One start with one worker under ``PYTHONPROFILEIMPORTTIME=1``: per package, the
-    master's and the worker's import self time (:func:`by_package`), stopped once ready."""
+    """One start with one worker under ``PYTHONPROFILEIMPORTTIME=1``, stopped once ready: per
+    package the master's and the worker's import self time (:func:`by_package`), and the
+    worker's costliest :func:`entry_points` (``worker_entry_points``)."""
     with tempfile.TemporaryDirectory() as tmp:
         env = {"PYTHONPROFILEIMPORTTIME": "1", "SCORING_LOG_LEVEL": "info"}
         with server.start(Path(tmp), repository, models, 1, env) as srv:
             srv.wait_ready(timeout_s)
             log = srv.log()
     master, worker = split_at_fork(log)
-    return {"master": by_package(parse_importtime(master)), "worker": by_package(parse_importtime(worker))}
+    worker_imports = parse_importtime(worker)
+    return {
+        "master": by_package(parse_importtime(master)),
+        "worker": by_package(worker_imports),
+        "worker_entry_points": entry_points(worker_imports),
+    }
 
 
 def seconds(figure: dict[str, float]) -> str:
@@ -211,6 +237,9 @@ def markdown(result: dict[str, Any], top: int = 12) -> str:
             )
             parts.append(f"**{case}**, one worker: import self time per package, seconds (`-X importtime`)")
             parts.append(report.table(("package", "master", "worker"), lines, "lrr"))
+            entries = [(module, f"{s:.3f}") for module, s in imports["worker_entry_points"].items()]
+            parts.append(f"**{case}**: what the worker imported, each with all it pulled in, seconds")
+            parts.append(report.table(("import", "cumulative s"), entries, "lr"))
     return "\n\n".join(parts)
 
 
