@@ -25,6 +25,8 @@ seconds:
   window (idle threads left out), each sample is mapped to a stage (:mod:`benchmarks.stages`)
   and each thread's own CPU is shared out among its samples' stages; ``forward`` is the model's
   own CPU, ``host`` the rest;
+- the share of it an idle worker spends anyway (its timers, measured over ``--idle`` seconds of
+  rest after the start: CPU per second / items per second);
 - the throughput, latency, errors, the longest event loop stall (``scoring_event_loop_lag_seconds``
   histogram, read from ``/metrics`` before and after) and the client's CPU.
 
@@ -189,6 +191,17 @@ def thread_names(workers: Sequence[psutil.Process]) -> dict[int, str]:
     return names
 
 
+def idle_cpu(workers: Sequence[psutil.Process], seconds: float) -> float:
+    """CPU seconds a second that ``workers`` spend with no request (their timers: the load
+    table's tick, the loop-lag sampler, heartbeats), over ``seconds`` of rest; counted in every
+    figure of CPU per item, so the report shows its share."""
+    if seconds <= 0:
+        return 0.0
+    before = cpu_s(workers)
+    time.sleep(seconds)
+    return (cpu_s(workers) - before) / seconds
+
+
 def repository_copy(source: Path, models: Sequence[str], tmp: Path) -> Path:
     """``models`` of ``source`` copied to ``tmp/repository``, each admitted by capacity with a
     60 s timeout: every request of the closed loop is served, so the CPU per item answered holds
@@ -294,6 +307,7 @@ def host_table(rows: Sequence[dict[str, Any]]) -> str:
     body += [
         ["**worker CPU per item**", *(f"**{us(r['worker_cpu_us_per_item'])}**" for r in rows)],
         ["host path (all but the forward)", *(us(r.get("host_us_per_item", float("nan"))) for r in rows)],
+        ["of it, an idle worker's own", *(us(r.get("idle_us_per_item", float("nan"))) for r in rows)],
         ["items/s", *(f"{r['items_per_s']:.0f}" for r in rows)],
         ["p50 / p99 ms", *(f"{r['p50_ms']:.1f} / {r['p99_ms']:.1f}" for r in rows)],
         ["errors", *(str(r["errors"]) for r in rows)],
@@ -327,12 +341,15 @@ def host_path(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ) as srv,
     ):
         srv.wait_ready(600, count=args.workers)
+        result["idle_cpu_s_per_s"] = idle = idle_cpu(srv.workers(), args.idle)
         for model in args.models:
             inputs = case_inputs(args.repository, model, args.items, 64)
             for protocol in (p for p in args.protocols if p in CASES.get(model, PROTOCOLS)):
                 row = measure_case(
                     srv, model, protocol, requests_for(model, protocol, inputs), args, Path(tmp)
                 )
+                answered = row["items_per_s"]
+                row["idle_us_per_item"] = idle * 1e6 / answered if answered else float("nan")
                 print(f"{model} {protocol}: {short(row)}", flush=True)
                 result["rows"].append(row)
     caption = (
@@ -392,6 +409,11 @@ def loop_lag(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     calm_p99 = result["runs"]["no_long_posts"]["p99_ms"]
     short_p99 = result["runs"]["long_posts"]["by_tag"].get("short", {}).get("p99_ms", float("nan"))
     result["short_p99_ratio"] = short_p99 / calm_p99 if calm_p99 else float("nan")
+    return result, loop_lag_table(result)
+
+
+def loop_lag_table(result: dict[str, Any]) -> str:
+    """A caption and one row per run of a :func:`loop_lag` record."""
     rows = [
         (
             name,
@@ -399,22 +421,23 @@ def loop_lag(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             f"{r['p99_ms']:.0f}",
             f"{r['by_tag'].get('short', {}).get('p99_ms', float('nan')):.0f}",
             stall_text(r["stall_s"]),
-            ", ".join(f"{v * 1000:.0f}" for v in r["lag_max_s"].values()),
-            r["errors"],
-            f"{r['client_cpu_s']:.1f}",
+            ", ".join(f"{k}: {n}" for k, n in r["statuses"].items()) or "-",
+            us(r["client_cpu_us_per_item"]),
         )
         for name, r in result["runs"].items()
     ]
     caption = (
-        f"{report.machine_label()}, all-MiniLM-L6-v2 over /v1/embeddings, {args.workers} worker(s), c = "
-        f"{args.concurrency}, {args.items} posts a request, {args.long_share:.0%} long ({result['date']}); "
-        f"p99 of requests without a long post / p99 without long posts: {result['short_p99_ratio']:.2f}."
+        f"{result['machine']['node']} ({result['machine']['cpus']} CPUs), all-MiniLM-L6-v2 over "
+        f"/v1/embeddings, "
+        f"{result['workers']} worker(s), c = {result['concurrency']}, {result['items_per_request']} posts a "
+        f"request, {result['long_share']:.0%} long ({result['date']}); p99 of requests without a long post / "
+        f"p99 without long posts: {result['short_p99_ratio']:.2f}."
     )
     header = (
-        "run", "posts/s", "p99 ms", "p99 ms, requests without a long post", "longest stall ms (bucket)",
-        "max lag ms (gauge)", "errors", "client CPU s",
+        "run", "posts/s", "p99 ms", "p99 ms, requests without a long post", "longest loop stall ms",
+        "other answers", "client CPU µs per post",
     )  # fmt: skip
-    return result, caption + "\n\n" + report.table(header, rows, "lrrrllrr")
+    return caption + "\n\n" + report.table(header, rows, "lrrrllr")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -426,6 +449,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=float, default=10.0, help="seconds of each measured window")
     parser.add_argument("--warmup", type=float, default=2.0, help="seconds of load before each window")
     parser.add_argument("--rate", type=int, default=100, help="py-spy samples a second")
+    parser.add_argument("--idle", type=float, default=5.0, help="seconds of rest to measure idle CPU")
     parser.add_argument("--client", choices=("auto", "wrk", "processes"), default="auto")
     parser.add_argument("--client-processes", type=int, default=2, help="Python client processes")
     parser.add_argument("--wrk-threads", type=int, default=2)

@@ -16,8 +16,10 @@ called it, which is why our own functions are matched by name as well as by file
 so on a busy machine sample counts overstate the threads that wait most. The CPU is therefore
 shared out per thread (:func:`cpu_by_stage`): each thread's own CPU seconds over the window
 (``/proc/<pid>/task/<tid>``, psutil) among the stages of its own samples. A thread that used CPU
-but has no Python sample (gRPC's core threads, a BLAS pool) counts by its name
-(:data:`THREAD_STAGES`), else as ``other``.
+but has no Python sample counts by its name (:data:`THREAD_STAGES`: gRPC core's threads are
+the edge), else as ``native``: threads that run no Python, such as the ``tokenizers`` Rust pool
+that ``encode_batch`` starts (one thread per core, all named like the process), so on the text
+path ``native`` is tokenizing work.
 
 The stages (:data:`STAGES`) are those of issue 48's profile: the edge (aiohttp, gRPC, the event
 loop, our HTTP middleware and listener), decoding, validation, the item stage (windows, the
@@ -45,6 +47,7 @@ STAGES: dict[str, str] = {
     "postprocess": "pre/postprocess",
     "encode": "response encoding",
     "metrics": "metrics / tracing",
+    "native": "threads without Python frames (tokenizer pool)",
     "other": "other",
 }
 
@@ -115,7 +118,7 @@ def frame_of(text: str) -> Frame:
 
 #: Threads without Python frames, by the name the kernel shows (``comm``): gRPC core's threads.
 THREAD_STAGES: tuple[tuple[str, str], ...] = (
-    ("edge", r"^(grpc|default-execut|resolver-execut|grpc_global_tim)"),
+    ("edge", r"^(grpc|event_engine|lifeguard|default-execut|resolver-execut)"),
 )
 
 _THREAD = re.compile(r"^thread \((?P<tid>0x[0-9a-fA-F]+|\d+)\)")
@@ -172,7 +175,7 @@ def by_thread(stacks: Mapping[tuple[Frame, ...], int]) -> dict[int | None, dict[
 
 def thread_stage(name: str) -> str:
     """The stage of a thread without Python samples, by its name (:data:`THREAD_STAGES`)."""
-    return next((stage for stage, pattern in THREAD_STAGES if re.search(pattern, name)), "other")
+    return next((stage for stage, pattern in THREAD_STAGES if re.search(pattern, name)), "native")
 
 
 def cpu_by_stage(

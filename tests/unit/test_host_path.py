@@ -67,6 +67,7 @@ def test_each_sample_counts_as_the_stage_of_its_leaf_most_named_frame() -> None:
         "postprocess": 2,
         "encode": 6,
         "metrics": 1,
+        "native": 0,
         "other": 1,
     }
     assert list(samples) == list(stages.STAGES)
@@ -97,7 +98,8 @@ def test_each_threads_cpu_is_shared_among_its_own_samples_stages() -> None:
     assert cpu["edge"] == pytest.approx(0.31 * 10 / 31 + 0.05)  # gRPC core's thread by its name
     assert cpu["forward"] == pytest.approx(2.9 * 20 / 29)
     assert cpu["tokenizing"] == pytest.approx(2.9 * 7 / 29)
-    assert cpu["other"] == pytest.approx(0.02)  # 303's sample weighs nothing: no CPU measured
+    assert cpu["native"] == pytest.approx(0.02)  # no Python frame, no known name
+    assert cpu["other"] == 0.0  # 303's sample weighs nothing: no CPU measured
     assert sum(cpu.values()) == pytest.approx(0.31 + 2.9 + 0.05 + 0.02)
     per_item = stages.per_item_us({"edge": 0.5, "forward": 1.5}, items=1000)
     assert per_item == {"edge": 500.0, "forward": 1500.0}
