@@ -23,6 +23,7 @@ from app.http.limits import parser_limits, quiet_parser_errors
 from app.http.routes import metrics_handler, routes
 from app.http.state import CORE, grpc_ctx, models_ctx, on_shutdown, tracing_ctx
 from app.observability.gpu import gpu_metrics_ctx
+from app.observability.looplag import loop_lag_ctx
 from app.observability.metrics import ServerMetrics, create_metrics
 from app.observability.tracing import Tracing
 from app.observability.tracing import setup as setup_tracing
@@ -101,6 +102,7 @@ async def create_app(
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler)
         app.cleanup_ctx.append(gpu_metrics_ctx(metrics, binding.labels(), settings.gpu_metrics_interval_s))
+        app.cleanup_ctx.append(loop_lag_ctx(metrics.registry))
     if cache is not None:
         app.cleanup_ctx.append(cache_ctx(cache))  # before models_ctx: cleaned up after the models stop
     app.cleanup_ctx.append(models_ctx)

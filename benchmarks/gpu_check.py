@@ -13,8 +13,14 @@ Run on a machine with an NVIDIA GPU (nothing here is faked):
    CPU's numbers (in this process, same weights) within ``--atol``; after ``kill -9`` of a
    worker and after a HUP reload the (GPU, slot) layout is whole again.
 3. Served load, per model, at the last layout: closed-loop clients at each
-   ``--concurrency`` for ``--duration`` s (:func:`benchmarks.driver.drive`), with NVML's GPU
-   utilisation sampled every 0.2 s (percent of time a kernel ran; nvmlDeviceGetUtilizationRates).
+   ``--concurrency`` for ``--duration`` s from a client that is not the bound
+   (:mod:`benchmarks.loadgen`: ``--client-processes`` client processes by default, or wrk),
+   the client's own CPU reported beside each figure, with NVML's GPU utilisation sampled every
+   0.2 s (percent of time a kernel ran; nvmlDeviceGetUtilizationRates).
+
+``--load-only`` runs step 3 alone on one server (``--per-gpu``'s first value): on a machine
+without a GPU it rehearses the load (CPU mode), e.g.
+``python -m benchmarks.gpu_check --load-only --per-gpu 1 --concurrency 8 --duration 3``.
 
 ``tests/test_gpu.py`` runs checks 1 and 2 (``check_nvml``, ``check_binding``) as pytest tests.
 
@@ -25,7 +31,6 @@ any failed. Traffic goes to 127.0.0.1 only and every phase stops by itself.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import random
@@ -44,10 +49,11 @@ from typing import Any
 import numpy as np
 
 from app.models.repository import read_config
-from benchmarks import driver, payloads, server
+from benchmarks import loadgen, payloads, server
 from benchmarks.driver import poll
+from benchmarks.loadgen import Request
 from benchmarks.report import record, write_json
-from gpu_stat import query_gpus
+from gpu_stat import NvmlUnavailable, query_gpus
 from tests.support.gunicorn import ROOT, Gunicorn
 
 #: Libraries that only a process using CUDA maps. Not ``libcuda.so``: the driver's NVML
@@ -127,13 +133,17 @@ def nvml_compute_pids() -> dict[str, set[int]]:
 @contextmanager
 def utilisation_sampler(period_s: float = 0.2) -> Iterator[list[float]]:
     """Samples NVML's ``utilization.gpu`` (%, ``gpu_stat``) each ``period_s`` into the list
-    yielded, until the block ends; one value per sample, the mean over the GPUs."""
+    yielded, until the block ends; one value per sample, the mean over the GPUs; none without
+    NVML."""
     samples: list[float] = []
     stop = threading.Event()
 
     def run() -> None:
         while not stop.wait(period_s):
-            rates = [g.utilization_percent or 0 for g in query_gpus(respect_visible_devices=False)]
+            try:
+                rates = [g.utilization_percent or 0 for g in query_gpus(respect_visible_devices=False)]
+            except NvmlUnavailable:  # no GPU (--load-only on the CPU): no samples
+                return
             samples.append(sum(rates) / max(1, len(rates)))
 
     thread = threading.Thread(target=run, daemon=True)
@@ -273,19 +283,27 @@ def load_phase(
     levels: list[int],
     seconds: float,
     items: int,
+    client: str = "processes",
+    processes: int = 4,
 ) -> dict[str, Any]:
-    """Closed-loop load per model and level with NVML utilisation sampled during each level."""
+    """Closed-loop load per model and level, V2 JSON, from a client that is not the bound
+    (:func:`benchmarks.loadgen.client`: ``client`` "processes" = ``processes`` client processes,
+    "wrk" or "auto"), with NVML utilisation sampled during each level. Each row carries the
+    client's CPU (seconds, µs per item) and the machine's load average after the level."""
     figures: dict[str, Any] = {}
     for name in models:
-        bodies = payloads.v2_bodies(repo, name, items, 256, seed=1)
-        url = f"{srv.url}/v2/models/{name}/infer"
-        asyncio.run(driver.drive(url, bodies, items, levels[0], 2.0))  # connections, caches
+        path = f"/v2/models/{name}/infer"
+        requests = [Request(path, body) for body in payloads.v2_bodies(repo, name, items, 256, seed=1)]
+        warm = loadgen.client(srv.url, srv.grpc_url, "v2-json", levels[0], client, processes)
+        warm(requests, 2.0)  # connections, caches
         rows = []
         for c in levels:
+            run = loadgen.client(srv.url, srv.grpc_url, "v2-json", c, client, processes)
             with utilisation_sampler() as util:
-                row = asyncio.run(driver.drive(url, bodies, items, c, seconds))
+                row = run(requests, seconds).figures(items)
             row["gpu_util_mean_pct"] = float(np.mean(util)) if util else float("nan")
             row["gpu_util_samples"] = len(util)
+            row["load_average"] = os.getloadavg()[0]
             print(f"load {name} items={items}: {row}", flush=True)
             rows.append(row)
         figures[name] = rows
@@ -294,6 +312,22 @@ def load_phase(
         refused = sum(r["statuses"].get("503", 0) for r in rows)
         report.check(f"{name}: load ran without errors ({refused} refused with 503)", failed == 0, rows=rows)
     return figures
+
+
+def load_only(args: argparse.Namespace, report: Report) -> None:
+    """``--load-only``: no NVML or binding check, one server of ``--per-gpu``'s first value in
+    workers (per GPU on a GPU host; in all on the CPU), the load phase only: a rehearsal of the
+    load on a machine without a GPU, or the load figures alone on one with a GPU."""
+    workers = args.per_gpu[0]
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        server.start(Path(tmp), args.repository.resolve(), ",".join(args.models), workers) as srv,
+    ):
+        srv.wait_ready(600, count=workers)
+        report.figures[f"load_per_gpu_{workers}"] = load_phase(
+            report, srv, args.repository.resolve(), args.models, args.concurrency, args.duration, args.items,
+            args.client, args.client_processes,
+        )  # fmt: skip
 
 
 def main() -> int:
@@ -309,11 +343,24 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=8.0, help="seconds per load level")
     parser.add_argument("--items", type=int, default=8, help="items per request in the load phase")
     parser.add_argument("--atol", type=float, default=1e-3)
+    parser.add_argument(
+        "--client", choices=("processes", "wrk", "auto"), default="processes", help="the load client"
+    )
+    parser.add_argument("--client-processes", type=int, default=4, help="client processes of the load")
+    parser.add_argument(
+        "--load-only", action="store_true", help="only the load phase (runs on the CPU: a rehearsal)"
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    report = Report()
+    if args.load_only:
+        load_only(args, report)
+        result = record(failed=report.failed, **report.figures, checks=report.checks)
+        write_json(args.out, result)
+        print(json.dumps({"failed": report.failed}), flush=True)
+        return 1 if report.failed else 0
     import torch
 
-    report = Report()
     models = args.models
     repo = args.repository.resolve()
     report.figures["torch"] = torch.__version__
@@ -331,7 +378,15 @@ def main() -> int:
             report.figures[f"boot_s_per_gpu_{per_gpu}"] = round(time.monotonic() - started, 1)
             check_binding(report, srv, workers, per_gpu, bodies, reference, args.atol)
             report.figures[f"load_per_gpu_{per_gpu}"] = load_phase(
-                report, srv, repo, models, levels, args.duration, args.items
+                report,
+                srv,
+                repo,
+                models,
+                levels,
+                args.duration,
+                args.items,
+                args.client,
+                args.client_processes,
             )
             report.figures[f"log_tail_per_gpu_{per_gpu}"] = srv.log_tail(3000)
     result = record(failed=report.failed, **report.figures, checks=report.checks)

@@ -173,8 +173,9 @@ def _plain(tensor: Tensor) -> np.ndarray:
     return tensor.array
 
 
-def v2_json(request: Sequence[Tensor]) -> bytes:
-    """An Open Inference Protocol (V2) JSON body: flat row-major ``data``."""
+def v2_json(request: Sequence[Tensor], outputs: Sequence[str] = ()) -> bytes:
+    """An Open Inference Protocol (V2) JSON body: flat row-major ``data``; the ``outputs`` asked
+    for by name (every output when empty)."""
     inputs = [
         {
             "name": t.name,
@@ -184,7 +185,34 @@ def v2_json(request: Sequence[Tensor]) -> bytes:
         }
         for t in request
     ]
-    return json.dumps({"inputs": inputs}).encode()
+    body: dict[str, Any] = {"inputs": inputs}
+    if outputs:
+        body["outputs"] = [{"name": name} for name in outputs]
+    return json.dumps(body).encode()
+
+
+def v2_binary(request: Sequence[Tensor], outputs: Sequence[str] = ()) -> tuple[bytes, dict[str, str]]:
+    """A V2 request in Triton's binary tensor extension, as tritonclient sends it: the JSON
+    header (each input's ``parameters.binary_data_size``, no ``data``; the ``outputs`` asked for
+    as binary data, or every output with ``binary_data_output`` when empty), then each input's
+    raw bytes (:func:`app.protocols.tensors.tensor_bytes`); and the HTTP headers it needs
+    (``Inference-Header-Content-Length``: the JSON's length)."""
+    from app.protocols.tensors import tensor_bytes
+
+    raw = [tensor_bytes(t.array, t.datatype) for t in request]
+    inputs = [
+        {"name": t.name, "shape": list(t.array.shape), "datatype": t.datatype,
+         "parameters": {"binary_data_size": len(data)}}
+        for t, data in zip(request, raw, strict=True)
+    ]  # fmt: skip
+    header: dict[str, Any] = {"inputs": inputs}
+    if outputs:
+        header["outputs"] = [{"name": name, "parameters": {"binary_data": True}} for name in outputs]
+    else:
+        header["parameters"] = {"binary_data_output": True}
+    head = json.dumps(header).encode()
+    headers = {"Content-Type": "application/octet-stream", "Inference-Header-Content-Length": str(len(head))}
+    return head + b"".join(raw), headers
 
 
 def feed_bodies(
@@ -225,8 +253,9 @@ def v1_json(request: Sequence[Tensor]) -> bytes:
     return json.dumps({"instances": instances}).encode()
 
 
-def grpc_request(model: str, request: Sequence[Tensor]) -> Any:
-    """A KServe V2 gRPC ``ModelInferRequest`` with raw input contents, as tritonclient sends it."""
+def grpc_request(model: str, request: Sequence[Tensor], outputs: Sequence[str] = ()) -> Any:
+    """A KServe V2 gRPC ``ModelInferRequest`` with raw input contents, as tritonclient sends it;
+    the ``outputs`` asked for by name (every output when empty)."""
     from app.grpc.generated import grpc_service_pb2 as pb
     from app.protocols.tensors import tensor_bytes
 
@@ -234,7 +263,16 @@ def grpc_request(model: str, request: Sequence[Tensor]) -> Any:
     for t in request:
         message.inputs.add(name=t.name, datatype=t.datatype, shape=list(t.array.shape))
         message.raw_input_contents.append(tensor_bytes(t.array, t.datatype))
+    for name in outputs:
+        message.outputs.add(name=name)
     return message
+
+
+def text_tensor(texts: Sequence[str], name: str = "text") -> Tensor:
+    """A BYTES input of one text per item (``[len(texts), 1]``), as the text models take it."""
+    array = np.empty(len(texts), dtype=object)
+    array[:] = [t.encode() for t in texts]
+    return Tensor(name, "BYTES", array.reshape(-1, 1))
 
 
 def v2_bodies(

@@ -27,7 +27,8 @@ from tests.support.gunicorn import ROOT, poll, worker_items, worker_shares
 HARNESSES = sorted(
     p.stem
     for p in (ROOT / "benchmarks").glob("*.py")
-    if p.stem not in ("__init__", "driver", "payloads", "report", "server", "request_path_conf")
+    if p.stem
+    not in ("__init__", "driver", "payloads", "report", "server", "request_path_conf", "loadgen", "stages")
 )
 
 
