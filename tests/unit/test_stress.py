@@ -7,6 +7,8 @@ and answer reading."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -17,6 +19,7 @@ import pytest
 
 from benchmarks.stress import apis, monitor, oracle, schedule, wire
 from benchmarks.stress.apis import Call, Reply
+from tests.support.gunicorn import ROOT
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa"]
 
@@ -225,3 +228,15 @@ def test_pools_are_deterministic_and_every_answer_reader_checks_the_items() -> N
             Reply(200, {}, json.dumps({"data": [{"index": 3, "probs": [1, 0, 0]}]}).encode()), 1
         )
     assert np.array_equal(apis.APIS["v1"].read(Reply(200, {}, b'{"predictions": [[0.5]]}'), 1), [0.5])
+
+
+def test_the_stress_run_is_a_module_with_options() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stress", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--duration" in done.stdout and "--schedule" in done.stdout
