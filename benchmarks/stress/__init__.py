@@ -6,8 +6,9 @@ Every answer is checked against a reference; the workers' RSS, descriptors and t
 sampled throughout. ``python -m benchmarks.stress --duration 30m`` (docs/reliability.md,
 *Stress run*).
 
-Modules: ``repository`` (the models served), ``apis`` (the requests of each API and how an
-answer is read), ``oracle`` (references, outcomes and the bounds), ``wire`` (the clients),
+Modules: ``repository`` (the models served), ``target`` (the server, Redis, model control),
+``apis`` (the requests of each API and how an answer is read), ``oracle`` (references,
+outcomes and the bounds), ``wire`` (the clients), ``traffic`` (one request sent and judged),
 ``schedule`` (the schedule file and its actions), ``monitor`` (psutil samples),
 ``locustfile`` (the user classes and the load shape), ``run`` (the whole run).
 

@@ -159,15 +159,22 @@ def back_to_baseline(baseline: list[Sample], end: list[Sample]) -> list[str]:
     return broken
 
 
-def idle(monitor: Monitor, phase: str, settle_s: float = 1.0, timeout_s: float = 20.0) -> list[Sample]:
-    """Samples once the workers' descriptor counts stop falling (connections closed after the
-    clients left): every ``settle_s`` until two looks agree, at most ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    last = monitor.sample(phase)
-    while time.monotonic() < deadline:
+def idle(
+    monitor: Monitor, phase: str, *, at_least_s: float = 16.0, settle_s: float = 1.0, timeout_s: float = 60.0
+) -> list[Sample]:
+    """Samples of the idle workers once their descriptors have settled: after ``at_least_s``
+    (the keep-alive connections the workers hold to each other for forwarding close after 15 s
+    idle, aiohttp's default), once three looks ``settle_s`` apart agree, at most ``timeout_s``."""
+    began = time.monotonic()
+    looks = [monitor.sample(phase)]
+    while time.monotonic() - began < timeout_s:
         time.sleep(settle_s)
-        now = monitor.sample(phase)
-        if {(s.pid, s.fds) for s in now} == {(s.pid, s.fds) for s in last}:
-            return now
-        last = now
-    return last
+        looks.append(monitor.sample(phase))
+        counts = [{(s.pid, s.fds, s.threads) for s in look} for look in looks[-3:]]
+        if (
+            time.monotonic() - began >= at_least_s
+            and len(counts) == 3
+            and counts[0] == counts[1] == counts[2]
+        ):
+            break
+    return looks[-1]

@@ -183,7 +183,7 @@ class Run:
         deadline = time.monotonic() + 180
         while runner.user_count and time.monotonic() < deadline:
             time.sleep(0.2)
-        return monitor.idle(watch, phase, timeout_s=max(self.plan.idle_s, 5.0))
+        return monitor.idle(watch, phase, at_least_s=self.plan.idle_s)
 
     def _progress(self, began: float, events: threading.Thread) -> None:
         """Wait out the main phase, a line of outcomes every 30 s."""

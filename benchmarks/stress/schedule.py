@@ -61,39 +61,23 @@ HERE = Path(__file__).resolve().parent
 
 @dataclass(frozen=True)
 class Plan:
-    """The phases of a run, seconds: warm-up under ``users``, an idle pause (the baseline), the
-    main phase of ``main_s`` with the events (none in its last ``tail_s``), an idle end."""
+    """A run's ``[load]`` table: ``users`` started ``spawn_rate`` a second; the phases, seconds:
+    warm-up under the users once all run (``warmup_s``), an idle pause for the baseline of
+    descriptors and threads (at least ``idle_s``, until they settle), the main phase of
+    ``main_s`` with the events (none starting in its last ``tail_s``), an idle end; the
+    monitor's interval ``sample_s``; ``warm_s`` after which a worker forked during the run
+    counts as warm; ``pool`` distinct requests per API; the RSS growth bound, MB."""
 
     users: int = 64
     spawn_rate: float = 16.0
     warmup_s: float = 60.0
-    idle_s: float = 10.0
+    idle_s: float = 20.0
     main_s: float = 1800.0
     tail_s: float = 120.0
     sample_s: float = 5.0
     warm_s: float = 60.0
     pool: int = 256
     rss_growth_mb: float = 50.0
-
-    @property
-    def main_start(self) -> float:
-        return self.warmup_s + self.idle_s
-
-    @property
-    def main_end(self) -> float:
-        return self.main_start + self.main_s
-
-    @property
-    def end(self) -> float:
-        return self.main_end + self.idle_s
-
-    def phase_at(self, t: float) -> str:
-        """The phase at ``t`` seconds from the start: warmup, baseline, main, end, or done."""
-        for name, until in (("warmup", self.warmup_s), ("baseline", self.main_start), ("main", self.main_end),
-                            ("end", self.end)):  # fmt: skip
-            if t < until:
-                return name
-        return "done"
 
 
 @dataclass(frozen=True)
@@ -187,6 +171,8 @@ class Scenario:
             self._threads.append(thread)
         for thread in self._threads:
             thread.join()
+        for model, began in self._unloaded.items():  # unloaded by the schedule, never loaded again
+            self.traffic.oracle.out_of_service(Window(model, began, float("inf")))
 
     def _one(self, event: Event) -> None:
         record = Record(event, began_s=time.monotonic() - self.started)

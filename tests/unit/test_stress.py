@@ -60,12 +60,6 @@ def test_seconds_reads_the_schedules_times() -> None:
     ]
 
 
-def test_phases_follow_the_plan() -> None:
-    plan = schedule.Plan(warmup_s=10, idle_s=5, main_s=60)
-    phases = [plan.phase_at(t) for t in (0, 9.9, 10, 14.9, 15, 74.9, 75, 79.9, 80)]
-    assert phases == ["warmup", "warmup", "baseline", "baseline", "main", "main", "end", "end", "done"]
-
-
 def v2_reply(values: list[float]) -> Reply:
     body = {"outputs": [{"name": "click_probability", "shape": [len(values), 1], "data": values}]}
     return Reply(200, {}, json.dumps(body).encode())
