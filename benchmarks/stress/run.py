@@ -110,6 +110,11 @@ class Run:
         self.out: Path = args.out or Path(tempfile.mkdtemp(prefix="stress-"))
         self.out.mkdir(parents=True, exist_ok=True)
         self.folder = self.out / "server"
+        unknown = sorted(set(args.apis) - set(apis.APIS))
+        named = {e.params["api"] for e in self.events if "api" in e.params}
+        named |= {api for e in self.events for api in e.params.get("apis", [])}
+        if unknown or named - set(args.apis):
+            raise SystemExit(f"--apis: unknown {unknown}; the schedule's events need {sorted(named)}")
         self.apis = [apis.APIS[name] for name in args.apis]
         self.oracle = oracle.Oracle(self.apis)
         self.summary: dict[str, Any] = {}
