@@ -92,6 +92,7 @@ setup(
             "hypothesis>=6.100",
             "h2>=4.1",  # tests/support/h2_peer.py: hostile HTTP/2 peers of the gRPC service
             "schemathesis>=4.0",
+            "locust>=2.30",  # benchmarks/stress: the stress run's users and load shape (gevent)
             "openapi-spec-validator>=0.7",
             "cryptography>=42",
             "tritonclient[http,grpc]>=2.40",

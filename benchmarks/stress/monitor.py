@@ -1,0 +1,180 @@
+"""The workers' resources through a stress run: each live worker's RSS, open descriptors and
+threads (psutil) every ``interval_s``, written as CSV rows as they come, and the bounds on them.
+
+**RSS growth after warm-up**: for each worker, its RSS at its last sample of the main phase
+minus its RSS once warm: its first sample of the main phase taken at least ``warm_s`` after the
+worker was first seen ready (for the first workers, the main phase's start: they warmed up in
+the warm-up phase). Bound: ``rss_growth_mb`` (50 MB).
+
+**Descriptors and threads back to their baseline**: the samples taken with no client connected
+(the idle pause after warm-up, and the idle end) per worker: each worker's count at the end at
+most the baseline (a worker that was not there at the baseline, forked by a HUP or after a
+SIGKILL, against the largest count of the baseline's workers).
+"""
+
+from __future__ import annotations
+
+import csv
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+import psutil
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One worker at one moment: monotonic ``at``, the run's ``phase``, ``rss`` bytes (of which
+    ``anon`` bytes are anonymous memory: the heap, not the files mapped, such as the response
+    cache's LMDB map, which counts in RSS up to its size), open descriptors and threads."""
+
+    at: float
+    phase: str
+    pid: int
+    rss: int
+    anon: int
+    fds: int
+    threads: int
+
+
+def anonymous_bytes(pid: int) -> int:
+    """``RssAnon`` of ``/proc/<pid>/status`` in bytes (Linux); 0 where it cannot be read."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
+def measure(processes: Iterable[psutil.Process], at: float, phase: str) -> list[Sample]:
+    """A :class:`Sample` of each process still alive."""
+    samples = []
+    for p in processes:
+        try:
+            with p.oneshot():
+                rss, fds, threads = p.memory_info().rss, p.num_fds(), p.num_threads()
+        except psutil.Error:
+            continue  # it died between the listing and the look
+        samples.append(Sample(at, phase, p.pid, rss, anonymous_bytes(p.pid), fds, threads))
+    return samples
+
+
+class Monitor:
+    """Samples ``workers()`` every ``interval_s`` on a thread of its own, into memory and the CSV
+    file ``path`` (``t_s, phase, pid, rss_mb, anon_mb, fds, threads``); notes when each pid was first
+    among ``ready()``."""
+
+    def __init__(
+        self,
+        workers: Callable[[], list[psutil.Process]],
+        ready: Callable[[], set[int]],
+        path: Path,
+        interval_s: float,
+    ) -> None:
+        self.workers, self.ready, self.path, self.interval_s = workers, ready, path, interval_s
+        self.samples: list[Sample] = []
+        self.phase = "start"
+        self.began = time.monotonic()
+        self.first_ready: dict[int, float] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="stress-monitor", daemon=True)
+        self._file: TextIO = open(path, "w", newline="")  # noqa: SIM115 - closed in stop()
+        self._csv = csv.writer(self._file)
+        self._csv.writerow(["t_s", "phase", "pid", "rss_mb", "anon_mb", "fds", "threads"])
+
+    def start(self) -> Monitor:
+        self._thread.start()
+        return self
+
+    def sample(self, phase: str | None = None) -> list[Sample]:
+        """Sample every worker now (in ``phase``, default the current one); keep and write it."""
+        now = time.monotonic()
+        taken = measure(self.workers(), now, phase or self.phase)
+        ready = self.ready()
+        with self._lock:
+            for s in taken:
+                if s.pid in ready:
+                    self.first_ready.setdefault(s.pid, now)
+                row = [f"{now - self.began:.1f}", s.phase, s.pid, f"{s.rss / MB:.1f}", f"{s.anon / MB:.1f}"]
+                self._csv.writerow([*row, s.fds, s.threads])
+            self._file.flush()
+            self.samples.extend(taken)
+        return taken
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(30)
+        self._file.close()
+
+
+def rss_growth(
+    samples: list[Sample],
+    main_began: float,
+    warm_s: float,
+    first_ready: dict[int, float],
+    baseline: set[int],
+    field: str = "rss",
+) -> dict[int, float]:
+    """pid -> MB its RSS (``field`` "anon": its anonymous memory) grew from once warm to its last
+    sample of the main phase: from its first main-phase sample at or after ``main_began`` (a
+    worker of the ``baseline``), else ``warm_s`` after it was first seen ready; only workers with
+    two such samples."""
+    growth = {}
+    for pid in sorted({s.pid for s in samples if s.pid in baseline or s.pid in first_ready}):
+        own = [s for s in samples if s.pid == pid and s.phase == "main"]
+        start = main_began if pid in baseline else first_ready[pid] + warm_s
+        warm = [s for s in own if s.at >= start]
+        if len(warm) >= 2:
+            growth[pid] = (getattr(warm[-1], field) - getattr(warm[0], field)) / MB
+    return growth
+
+
+def back_to_baseline(baseline: list[Sample], end: list[Sample]) -> list[str]:
+    """What did not come back: each end sample's descriptors and threads against the same
+    worker's baseline sample, or the largest of the baseline for a worker born since."""
+    if not baseline:
+        return ["no baseline sample"]
+    by_pid = {s.pid: s for s in baseline}
+    most_fds, most_threads = max(s.fds for s in baseline), max(s.threads for s in baseline)
+    broken = []
+    for s in end:
+        base = by_pid.get(s.pid)
+        fds, threads = (base.fds, base.threads) if base else (most_fds, most_threads)
+        if s.fds > fds:
+            broken.append(f"worker {s.pid}: {s.fds} descriptors at the end, {fds} at the baseline")
+        if s.threads > threads:
+            broken.append(f"worker {s.pid}: {s.threads} threads at the end, {threads} at the baseline")
+    return broken
+
+
+def idle(
+    monitor: Monitor, phase: str, *, at_least_s: float = 16.0, settle_s: float = 1.0, timeout_s: float = 60.0
+) -> list[Sample]:
+    """Samples of the idle workers once their descriptors have settled: after ``at_least_s``
+    (the keep-alive connections the workers hold to each other for forwarding close after 15 s
+    idle, aiohttp's default), once three looks ``settle_s`` apart agree, at most ``timeout_s``."""
+    began = time.monotonic()
+    looks = [monitor.sample(phase)]
+    while time.monotonic() - began < timeout_s:
+        time.sleep(settle_s)
+        looks.append(monitor.sample(phase))
+        counts = [{(s.pid, s.fds, s.threads) for s in look} for look in looks[-3:]]
+        if (
+            time.monotonic() - began >= at_least_s
+            and len(counts) == 3
+            and counts[0] == counts[1] == counts[2]
+        ):
+            break
+    return looks[-1]

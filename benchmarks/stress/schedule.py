@@ -1,0 +1,347 @@
+"""The scenario schedule: a TOML file of what happens when (``schedule.toml`` beside this module,
+30 minutes; ``schedule-ci.toml``, 60 seconds), and the actions it names.
+
+A schedule has a ``[load]`` table (users, spawn rate, the phases' lengths, the sampling interval;
+:class:`Plan`) and ``[[event]]`` entries: ``at`` (seconds into the main phase, or ``"m:ss"``), an
+``action`` and its parameters:
+
+==================  ===========================================================================
+action              what it does (and what it expects of the server)
+==================  ===========================================================================
+gone_clients        ``count`` clients send a request of ``api`` and reset the connection,
+                    ``mode`` "mid-body" (half the body sent) or "unread" (all sent, the answer
+                    never read), ``after_ms`` later
+cancel              ``count`` gRPC calls of ``api`` cancelled ``after_ms`` after they start
+timeouts            ``count`` requests of each of ``apis`` with a deadline of ``ms``
+                    (``X-Request-Timeout-Ms``, or the gRPC deadline): 200, 503 or 504
+slow_readers        ``count`` clients of ``api`` read each answer ``chunk`` bytes at a time every
+                    ``pause_ms`` through a small receive buffer, for ``seconds``: every answer right
+reload              touch the model's ``model.toml``, load: 200, the model reloaded beside itself
+unload / load       take the model out of service (its requests: 404 "not loaded") / back: 200
+new_version         copy the spare version 2 (same weights) in and load: 200, version 2 serves
+rollback            remove version 2 and load: 200, version 1 serves
+load_broken         copy a broken version 2 in and load: 400, version 1 keeps serving; after
+                    ``hold_s`` remove it and load again: 200
+sigkill             SIGKILL a worker (stopped first to list what it holds); gunicorn replaces it
+sigterm             SIGTERM a worker: it drains; gunicorn replaces it
+hup                 SIGHUP the master: new workers, the old ones drain
+remove_cache        delete the response cache's store under the workers' feet
+stop_redis          stop the Redis tier (``start_redis`` starts it again on the same port)
+==================  ===========================================================================
+
+Each event runs on a thread of its own at its time (a greenlet under locust), so a slow one
+does not delay the next; what each did, and any expectation it found broken, is recorded.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import os
+import random
+import shutil
+import signal
+import threading
+import time
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from benchmarks.stress import repository, target, wire
+from benchmarks.stress.oracle import Kill, Window
+from benchmarks.stress.traffic import Traffic
+from tests.support.gunicorn import Gunicorn
+
+HERE = Path(__file__).resolve().parent
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A run's ``[load]`` table: ``users`` started ``spawn_rate`` a second; the phases, seconds:
+    warm-up under the users once all run (``warmup_s``), an idle pause for the baseline of
+    descriptors and threads (at least ``idle_s``, until they settle), the main phase of
+    ``main_s`` with the events (none starting in its last ``tail_s``), an idle end; the
+    monitor's interval ``sample_s``; ``warm_s`` after which a worker forked during the run
+    counts as warm; ``pool`` distinct requests per API; the RSS growth bound, MB."""
+
+    users: int = 64
+    spawn_rate: float = 16.0
+    warmup_s: float = 60.0
+    idle_s: float = 20.0
+    main_s: float = 1800.0
+    tail_s: float = 120.0
+    sample_s: float = 5.0
+    warm_s: float = 60.0
+    pool: int = 256
+    rss_growth_mb: float = 50.0
+
+
+@dataclass(frozen=True)
+class Event:
+    at_s: float
+    action: str
+    params: dict[str, Any]
+
+
+@dataclass
+class Record:
+    """What an event did: when it began and ended (seconds into the main phase), a note, and
+    the expectation it found broken ("" when none)."""
+
+    event: Event
+    began_s: float = 0.0
+    ended_s: float = 0.0
+    note: str = ""
+    failure: str = ""
+
+
+class ActionFailed(Exception):
+    """The server did not answer an action as documented."""
+
+
+def seconds(value: float | str) -> float:
+    """``90``, ``"90"``, ``"90s"``, ``"1:30"`` or ``"30m"`` -> seconds."""
+    text = str(value).strip()
+    if ":" in text:
+        minutes, secs = text.split(":")
+        return int(minutes) * 60 + float(secs)
+    unit = {"s": 1, "m": 60, "h": 3600}.get(text[-1:], 0)
+    return float(text[:-1]) * unit if unit else float(text)
+
+
+def read(path: Path, duration_s: float | None = None) -> tuple[Plan, list[Event]]:
+    """The plan and events of the schedule at ``path`` (``duration_s`` overrides the main phase's
+    length).
+
+    Raises:
+        ValueError: an unknown action, a parameter the action does not take or a missing one.
+    """
+    data = tomllib.loads(path.read_text())
+    load: dict[str, Any] = {k: seconds(v) if k.endswith("_s") else v for k, v in data.get("load", {}).items()}
+    if duration_s is not None:
+        load["main_s"] = duration_s
+    try:
+        plan = Plan(**load)
+    except TypeError as exc:
+        raise ValueError(f"{path.name} [load]: {exc}") from None
+    events = []
+    for raw in data.get("event", []):
+        params = {k: v for k, v in raw.items() if k not in ("at", "action")}
+        action = ACTIONS.get(raw.get("action", ""))
+        if action is None:
+            raise ValueError(f"{path.name}: unknown action {raw.get('action')!r}; known: {sorted(ACTIONS)}")
+        try:
+            inspect.signature(action).bind(None, **params)
+        except TypeError as exc:
+            raise ValueError(f"{path.name}: {raw['action']} at {raw.get('at')}: {exc}") from None
+        events.append(Event(seconds(raw["at"]), raw["action"], params))
+    return plan, sorted(events, key=lambda e: e.at_s)
+
+
+class Scenario:
+    """Runs the events of a schedule against ``srv`` (``workers`` workers, models of
+    ``folder``'s repository, Redis ``redis``), sending faulty traffic through ``traffic``."""
+
+    def __init__(
+        self, srv: Gunicorn, workers: int, folder: Path, redis: target.RedisProcess, traffic: Traffic
+    ) -> None:
+        self.srv, self.workers, self.redis, self.traffic = srv, workers, redis, traffic
+        self.repo, self.spares = repository.repository_of(folder), repository.spares_of(folder)
+        self.records: list[Record] = []
+        self.started = time.monotonic()
+        self._unloaded: dict[str, float] = {}
+        self._threads: list[threading.Thread] = []
+        self._rng = random.Random(0)
+
+    def run(self, events: list[Event], until_s: float) -> None:
+        """Start each event at its time (seconds after this call) up to ``until_s``; return once
+        every started event has finished."""
+        self.started = time.monotonic()
+        for event in events:
+            if event.at_s >= until_s:
+                self.records.append(Record(event, note="not reached: after the main phase's events end"))
+                continue
+            time.sleep(max(0.0, self.started + event.at_s - time.monotonic()))
+            thread = threading.Thread(target=self._one, args=(event,), name=f"event-{event.action}")
+            thread.start()
+            self._threads.append(thread)
+        for thread in self._threads:
+            thread.join()
+        for model, began in self._unloaded.items():  # unloaded by the schedule, never loaded again
+            self.traffic.oracle.out_of_service(Window(model, began, float("inf")))
+
+    def _one(self, event: Event) -> None:
+        record = Record(event, began_s=time.monotonic() - self.started)
+        self.records.append(record)
+        try:
+            record.note = ACTIONS[event.action](self, **event.params)
+        except (ActionFailed, RuntimeError, OSError, AssertionError) as exc:
+            record.failure = f"{type(exc).__name__}: {exc}"
+        record.ended_s = time.monotonic() - self.started
+
+    # --- the server ---------------------------------------------------------------------
+
+    def _settled(self, gone: set[int]) -> float:
+        return target.settle(self.srv, self.workers, gone)
+
+    def hup(self) -> str:
+        old = {w.pid for w in self.srv.workers()}
+        os.kill(self.srv.proc.pid, signal.SIGHUP)
+        return f"workers {sorted(old)} replaced in {self._settled(old):.1f} s"
+
+    def sigterm(self) -> str:
+        victim = self.srv.workers()[0].pid
+        os.kill(victim, signal.SIGTERM)
+        return f"worker {victim} drained and replaced in {self._settled({victim}):.1f} s"
+
+    def sigkill(self) -> str:
+        victim = self.srv.workers()[0].pid
+        os.kill(victim, signal.SIGSTOP)
+        time.sleep(0.3)  # what runs elsewhere completes; the victim's requests cannot
+        process = psutil.Process(victim)
+        connections = (getattr(process, "net_connections", None) or process.connections)("tcp")
+        ports = frozenset(c.raddr.port for c in connections if c.raddr and c.laddr.port == self.srv.port)
+        grpc = sum(1 for c in connections if c.raddr and c.laddr.port == self.srv.grpc_port)  # IPv6-mapped
+        self.traffic.oracle.killed(Kill(time.monotonic(), victim, ports, grpc))
+        os.kill(victim, signal.SIGKILL)
+        settled = self._settled({victim})
+        return f"worker {victim} ({len(ports)} HTTP, {grpc} gRPC connections) replaced in {settled:.1f} s"
+
+    def _control(self, action: str, model: str, expect: int = 200) -> str:
+        began = time.monotonic()
+        status, answer = target.control(self.srv, action, model)
+        if status != expect:
+            raise ActionFailed(f"{action} {model}: HTTP {status} {str(answer)[:300]} (expected {expect})")
+        return f"{action} {model}: {status} in {time.monotonic() - began:.1f} s"
+
+    def reload(self, model: str) -> str:
+        os.utime(self.repo / model / "model.toml")
+        return self._control("load", model)
+
+    def unload(self, model: str) -> str:
+        self._unloaded[model] = time.monotonic()
+        return self._control("unload", model)
+
+    def load(self, model: str) -> str:
+        try:
+            return self._control("load", model)
+        finally:
+            began = self._unloaded.pop(model, None)
+            if began is not None:
+                self.traffic.oracle.out_of_service(Window(model, began, time.monotonic()))
+
+    def new_version(self, model: str) -> str:
+        shutil.copytree(self.spares / f"{model}-2", self.repo / f"{model}-2")
+        return self._control("load", model)
+
+    def rollback(self, model: str) -> str:
+        shutil.rmtree(self.repo / f"{model}-2")
+        return self._control("load", model)
+
+    def load_broken(self, model: str, hold_s: float = 5.0) -> str:
+        broken = self.repo / f"{model}-broken"
+        shutil.copytree(self.spares / f"{model}-broken", broken, symlinks=True)
+        try:
+            refused = self._control("load", model, expect=400)
+            time.sleep(hold_s)
+        finally:
+            shutil.rmtree(broken)
+        return f"{refused}; removed: {self._control('load', model)}"
+
+    def remove_cache(self) -> str:
+        store = self.srv.run_dir / "response-cache"
+        shutil.rmtree(store, ignore_errors=True)
+        return f"removed {store.name}"
+
+    def stop_redis(self) -> str:
+        self.redis.stop()
+        return "redis-server stopped"
+
+    def start_redis(self) -> str:
+        self.redis.start()
+        return "redis-server started"
+
+    # --- faulty clients -----------------------------------------------------------------
+
+    def _in_parallel(self, count: int, one: Callable[[int], None]) -> None:
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(count)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    def gone_clients(self, api: str, count: int = 16, mode: str = "unread", after_ms: float = 5.0) -> str:
+        def one(i: int) -> None:
+            call = self.traffic.draw(api, random.Random(i))
+            with contextlib.suppress(OSError):  # the server may close first: the client leaves either way
+                wire.gone_mid_request(self.traffic.port, call, mode, after_ms / 1000)
+            self.traffic.oracle.count(api, "abandoned")
+
+        self._in_parallel(count, one)
+        return f"{count} clients of {api} gone ({mode}, {after_ms} ms)"
+
+    def cancel(self, api: str, count: int = 16, after_ms: float = 5.0) -> str:
+        def one(i: int) -> None:
+            client = wire.GrpcClient(self.traffic.grpc_port)
+            try:
+                self.traffic.grpc(
+                    api, client, self.traffic.draw(api, random.Random(i)), cancel_after_s=after_ms / 1000
+                )
+            finally:
+                client.close()
+
+        self._in_parallel(count, one)
+        return f"{count} calls of {api} cancelled after {after_ms} ms"
+
+    def timeouts(self, apis: list[str], count: int = 8, ms: float = 20.0) -> str:
+        def one(i: int) -> None:
+            api = apis[i % len(apis)]
+            call = self.traffic.draw(api, random.Random(i))
+            if self.traffic.oracle.apis[api].protocol == "grpc":
+                client = wire.GrpcClient(self.traffic.grpc_port)
+                try:
+                    self.traffic.grpc(api, client, call, timeout_s=ms / 1000, short_deadline=True)
+                finally:
+                    client.close()
+                return
+            conn = wire.Connection(self.traffic.port)
+            try:
+                self.traffic.http(api, conn, call, {"X-Request-Timeout-Ms": str(ms)})
+            finally:
+                conn.close()
+
+        self._in_parallel(count * len(apis), one)
+        return f"{count * len(apis)} requests with a {ms} ms deadline"
+
+    def slow_readers(
+        self, api: str, count: int = 4, seconds: float = 10.0, chunk: int = 1024, pause_ms: float = 20.0
+    ) -> str:
+        sent = [0]
+
+        def one(i: int) -> None:
+            rng = random.Random(i)
+            conn = wire.Connection(
+                self.traffic.port, rcvbuf=4096, read_chunk=chunk, read_pause_s=pause_ms / 1000
+            )
+            until = time.monotonic() + seconds
+            try:
+                while time.monotonic() < until:
+                    self.traffic.http(api, conn, self.traffic.draw(api, rng))
+                    sent[0] += 1
+            finally:
+                conn.close()
+
+        self._in_parallel(count, one)
+        return f"{count} slow readers of {api}: {sent[0]} answers read"
+
+
+ACTIONS: dict[str, Callable[..., str]] = {
+    name: getattr(Scenario, name)
+    for name in ("hup", "sigterm", "sigkill", "reload", "unload", "load", "new_version", "rollback",
+                 "load_broken", "remove_cache", "stop_redis", "start_redis", "gone_clients", "cancel",
+                 "timeouts", "slow_readers")
+}  # fmt: skip

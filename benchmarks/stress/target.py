@@ -1,0 +1,103 @@
+"""The server a stress run drives, and what the schedule does to it from outside: gunicorn on
+127.0.0.1 (:class:`tests.support.gunicorn.Gunicorn`) with explicit model control and the response
+cache over a Redis tier, the redis-server beside it, model control calls, and waiting for the
+workers to settle after a HUP or a kill.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from benchmarks.driver import free_port
+from tests.support.gunicorn import Gunicorn
+
+#: The response cache's store: small, so that it evicts within minutes of traffic.
+CACHE_BYTES = 32 << 20
+
+
+class RedisProcess:
+    """A redis-server (or valkey-server) on a fixed loopback port, nothing persisted, that can be
+    stopped and started again on the same port (the schedule's Redis outage)."""
+
+    def __init__(self, folder: Path) -> None:
+        binary = shutil.which("redis-server") or shutil.which("valkey-server")
+        if binary is None:
+            raise FileNotFoundError("no redis-server or valkey-server (apt-get install redis-server)")
+        self.binary, self.folder, self.port = binary, folder, free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                   "--appendonly", "no", "--dir", str(self.folder)]  # fmt: skip
+        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        import redis
+
+        client = redis.Redis(port=self.port)
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                        raise
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+        self.proc = None
+
+
+def start_server(
+    folder: Path, repository: Path, workers: int, redis_url: str, env: Mapping[str, str] | None = None
+) -> Gunicorn:
+    """gunicorn serving ``repository`` with ``workers`` workers (1 torch thread each), explicit
+    model control, the response cache (:data:`CACHE_BYTES`) with ``redis_url`` as its second tier,
+    the server's own drain grace; not ready yet (``wait_ready``)."""
+    settings = {
+        "SCORING_MODEL_REPOSITORY": str(repository),
+        "SCORING_WORKERS": str(workers),
+        "SCORING_MODEL_CONTROL_MODE": "explicit",
+        "SCORING_RESPONSE_CACHE_BYTES": str(CACHE_BYTES),
+        "SCORING_RESPONSE_CACHE_REDIS_URL": redis_url,
+        "SCORING_ACCESS_LOG": "",
+        **(env or {}),
+    }
+    return Gunicorn(folder, settings, drain_grace_s=None)
+
+
+def control(srv: Gunicorn, action: str, model: str, timeout_s: float = 300.0) -> tuple[int, Any]:
+    """``POST /v2/repository/models/{model}/{action}`` (load, unload): (status, answer)."""
+    status, _, answer = srv.post(f"/v2/repository/models/{model}/{action}", {}, timeout=timeout_s)
+    return status, answer
+
+
+def settle(srv: Gunicorn, workers: int, gone: set[int], timeout_s: float = 300.0) -> float:
+    """Wait until none of ``gone`` lives and ``workers`` workers are ready; seconds taken.
+
+    Raises:
+        RuntimeError: not settled within ``timeout_s``, or gunicorn exited.
+    """
+    began = time.monotonic()
+    while time.monotonic() - began < timeout_s:
+        if srv.proc.poll() is not None:
+            raise RuntimeError(f"gunicorn exited {srv.proc.returncode}")
+        live = {w.pid for w in srv.workers()}
+        if not live & gone and len(live) == workers and len(srv.ready_workers()) == workers:
+            return time.monotonic() - began
+        time.sleep(0.1)
+    raise RuntimeError(f"the workers did not settle in {timeout_s} s")

@@ -1,0 +1,236 @@
+"""The stress run's parts that need no server (benchmarks/stress): the shipped schedules parse and
+a mistake in one is named; the oracle's outcomes (references, refusals, a 404 inside and outside
+an unload, a wire error on a killed worker's connection or not); the resource bounds; the
+client's keep-alive behaviour against a server that closes idle connections; each API's pool
+and answer reading."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from benchmarks.stress import apis, monitor, oracle, schedule, wire
+from benchmarks.stress.apis import Call, Reply
+from tests.support.gunicorn import ROOT
+
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa"]
+
+
+def test_the_shipped_schedules_parse_and_fit_their_main_phase() -> None:
+    for name, events_at_least in (("schedule.toml", 80), ("schedule-ci.toml", 15)):
+        plan, events = schedule.read(schedule.HERE / name)
+        assert len(events) >= events_at_least, name
+        assert {e.action for e in events} == set(schedule.ACTIONS) - {"sigterm"}, name
+        assert all(e.at_s < plan.main_s - plan.tail_s for e in events), name
+    plan, _ = schedule.read(schedule.HERE / "schedule.toml", duration_s=120)
+    assert plan.main_s == 120 and plan.users == 64
+
+
+@pytest.mark.parametrize(
+    ("event", "message"),
+    [
+        ('at = 1\naction = "explode"', "unknown action 'explode'"),
+        ('at = 1\naction = "unload"', "missing a required argument: 'model'"),
+        ('at = 1\naction = "hup"\nmodel = "clf"', "unexpected keyword argument 'model'"),
+    ],
+)
+def test_a_schedule_mistake_is_named(tmp_path: Path, event: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text(f"[load]\nusers = 2\n\n[[event]]\n{event}\n")
+    with pytest.raises(ValueError, match=message):
+        schedule.read(path)
+
+
+def test_seconds_reads_the_schedules_times() -> None:
+    assert [schedule.seconds(v) for v in (90, "90", "90s", "1:30", "1.5m", "30m")] == [
+        90,
+        90,
+        90,
+        90,
+        90,
+        1800,
+    ]
+
+
+def v2_reply(values: list[float]) -> Reply:
+    body = {"outputs": [{"name": "click_probability", "shape": [len(values), 1], "data": values}]}
+    return Reply(200, {}, json.dumps(body).encode())
+
+
+CALL = Call(0, "/v2/models/feed-ranker/infer", b"{}", (), 2)
+
+
+@pytest.fixture
+def judge() -> oracle.Oracle:
+    judge = oracle.Oracle([apis.APIS["v2-json"], apis.APIS["grpc-ranker"]])
+    judge.reference("v2-json", CALL, v2_reply([0.25, 0.5]))
+    return judge
+
+
+def test_answers_are_ok_within_rounding_and_wrong_beyond(judge: oracle.Oracle) -> None:
+    assert judge.judge("v2-json", CALL, v2_reply([0.25 + 1e-7, 0.5]), 0, 1) == "ok"
+    assert judge.judge("v2-json", CALL, v2_reply([0.25, 0.51]), 0, 1) == "wrong"
+    assert judge.judge("v2-json", CALL, v2_reply([0.25]), 0, 1) == "wrong"  # not one per item
+    assert judge.judge("v2-json", CALL, Reply(200, {}, b"not json"), 0, 1) == "wrong"
+    assert judge.tally.total("wrong") == 3 and judge.tally.max_deviation == pytest.approx(1e-7)
+    assert oracle.verdict(judge.tally) == ["3 wrong"]
+
+
+def test_refusals_are_documented_and_a_500_is_not(judge: oracle.Oracle) -> None:
+    assert judge.judge("v2-json", CALL, Reply(503, {"retry-after": "1"}, b"{}"), 0, 1) == "refused"
+    assert judge.judge("v2-json", CALL, Reply(503, {}, b"{}"), 0, 1) == "refused"
+    assert judge.judge("v2-json", CALL, Reply(504, {}, b"{}"), 0, 1) == "refused"
+    assert judge.judge("v2-json", CALL, Reply(500, {}, b"{}"), 0, 1) == "unexpected_5xx"
+    assert judge.judge("v2-json", CALL, Reply(400, {}, b"{}"), 0, 1) == "unexpected_4xx"
+    assert judge.tally.retry_after_missing == 1
+    assert oracle.verdict(judge.tally) == ["1 unexpected_5xx", "1 unexpected_4xx"]
+
+
+def test_not_loaded_is_documented_only_while_the_schedule_had_unloaded_the_model(
+    judge: oracle.Oracle,
+) -> None:
+    not_loaded = Reply(404, {}, b'{"error": "model feed-ranker is not loaded"}')
+    judge.out_of_service(oracle.Window("feed-ranker", 10.0, 20.0))
+    for began in (12.0, 25.0):
+        assert judge.judge("v2-json", CALL, not_loaded, began, began + 0.1) == "pending"
+    judge.settle()
+    assert judge.tally.counts["v2-json"]["unloaded"] == 1
+    assert judge.tally.counts["v2-json"]["unexpected_4xx"] == 1
+
+
+def test_a_wire_error_counts_as_killed_only_on_the_victims_connections(judge: oracle.Oracle) -> None:
+    judge.killed(oracle.Kill(at=50.0, pid=7, http_ports=frozenset({4000}), grpc_connections=1))
+    for port, began, ended in ((4000, 49.0, 50.5), (4001, 49.0, 50.5), (4000, 51.0, 51.1)):
+        judge.defer(oracle.Pending("v2-json", "feed-ranker", "http", began, ended, 0, "reset", port))
+    for _ in range(2):  # the victim held one gRPC connection: one call is its loss, not two
+        judge.defer(oracle.Pending("grpc-ranker", "feed-ranker", "grpc", 49.0, 50.5, 0, "UNAVAILABLE"))
+    judge.settle()
+    assert judge.tally.counts["v2-json"] == {"killed": 1, "unanswered": 2}
+    assert judge.tally.counts["grpc-ranker"] == {"killed": 1, "unanswered": 1}
+
+
+def sample(
+    pid: int, at: float, phase: str, rss_mb: float, fds: int = 40, threads: int = 20
+) -> monitor.Sample:
+    return monitor.Sample(at, phase, pid, int(rss_mb * monitor.MB), int(rss_mb * monitor.MB), fds, threads)
+
+
+def test_rss_growth_counts_from_each_workers_warm_point() -> None:
+    samples = [
+        sample(1, 5, "warmup", 500), sample(1, 10, "main", 700), sample(1, 100, "main", 740),
+        sample(2, 50, "main", 300), sample(2, 65, "main", 600), sample(2, 100, "main", 610),  # born at 40
+        sample(3, 90, "main", 300), sample(3, 99, "main", 900),  # never warm
+    ]  # fmt: skip
+    growth = monitor.rss_growth(samples, 10.0, 20.0, {2: 40.0, 3: 85.0}, baseline={1})
+    assert growth == {1: pytest.approx(40.0), 2: pytest.approx(10.0)}
+
+
+def test_descriptors_and_threads_must_come_back_to_the_baseline() -> None:
+    baseline = [sample(1, 0, "baseline", 700, fds=42, threads=20), sample(2, 0, "baseline", 700, fds=44)]
+    end = [sample(1, 9, "end", 700, fds=42, threads=21), sample(3, 9, "end", 700, fds=45)]
+    assert monitor.back_to_baseline(baseline, end) == [
+        "worker 1: 21 threads at the end, 20 at the baseline",
+        "worker 3: 45 descriptors at the end, 44 at the baseline",
+    ]
+    assert monitor.back_to_baseline(baseline, baseline) == []
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "served", "status"),
+    [
+        ("UNAVAILABLE", "queue full", True, 503),
+        ("UNAVAILABLE", "model ce is not loaded", True, 404),
+        ("UNAVAILABLE", "Socket closed", False, 0),
+        ("DEADLINE_EXCEEDED", "Deadline Exceeded", False, 0),
+        ("DEADLINE_EXCEEDED", "did not finish", True, 504),
+        ("INTERNAL", "boom", True, 500),
+        ("CANCELLED", "CANCELLED", False, 499),
+    ],
+)
+def test_grpc_outcomes_map_to_the_http_status_of_the_same_outcome(
+    code: str, details: str, served: bool, status: int
+) -> None:
+    assert wire.grpc_status(code, details, served=served) == status
+
+
+class ClosingServer(BaseHTTPRequestHandler):
+    """Answers each POST with its connection's count and then closes the connection after
+    every second answer, without saying so (an idle keep-alive connection closed by the server)."""
+
+    protocol_version = "HTTP/1.1"
+    answered = 0
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        ClosingServer.answered += 1
+        body = json.dumps({"n": ClosingServer.answered}).encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        self.close_connection = ClosingServer.answered % 2 == 0
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture
+def closing_server() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), ClosingServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server.server_address[1]
+    server.shutdown()
+    server.server_close()
+
+
+def test_the_client_reuses_its_connection_and_replaces_one_the_server_closed(closing_server: int) -> None:
+    conn = wire.Connection(closing_server, timeout_s=10)
+    call = Call(0, "/", b"{}", (), 1)
+    trips = []
+    for _ in range(4):
+        reply, trip = conn.request(call)
+        assert reply.status == 200
+        trips.append(trip)
+        threading.Event().wait(0.05)  # the server's close reaches the client before the next send
+    conn.close()
+    assert [t.reused for t in trips] == [False, True, False, True]
+    assert trips[0].local_port == trips[1].local_port != trips[2].local_port
+
+
+def test_pools_are_deterministic_and_every_answer_reader_checks_the_items() -> None:
+    for api in apis.APIS.values():
+        first, again = apis.pool(api, 6, WORDS, seed=1), apis.pool(api, 6, WORDS, seed=1)
+        assert [c.body for c in first] == [c.body for c in again], api.name
+        assert len({c.body for c in first}) == 6, api.name
+    embeddings = {"data": [{"index": 1, "embedding": [0.0] * 384}, {"index": 0, "embedding": [1.0] * 384}]}
+    read = apis.APIS["embeddings"].read(Reply(200, {}, json.dumps(embeddings).encode()), 2)
+    assert read[:384].tolist() == [1.0] * 384
+    unsorted = {"results": [{"index": 0, "relevance_score": 0.1}, {"index": 1, "relevance_score": 0.9}]}
+    with pytest.raises(ValueError, match="not sorted"):
+        apis.APIS["rerank"].read(Reply(200, {}, json.dumps(unsorted).encode()), 2)
+    with pytest.raises(ValueError, match="indices"):
+        apis.APIS["classify"].read(
+            Reply(200, {}, json.dumps({"data": [{"index": 3, "probs": [1, 0, 0]}]}).encode()), 1
+        )
+    assert np.array_equal(apis.APIS["v1"].read(Reply(200, {}, b'{"predictions": [[0.5]]}'), 1), [0.5])
+
+
+def test_the_stress_run_is_a_module_with_options() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stress", "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "--duration" in done.stdout and "--schedule" in done.stdout
