@@ -74,7 +74,7 @@ async def create_app(
         client_max_size=settings.max_request_bytes,
         handler_args=parser_limits(settings),
     )
-    registry = ModelRegistry()  # filled from the repository by models_ctx at startup
+    registry = ModelRegistry(strict=settings.strict_readiness)  # filled by models_ctx at startup
     limits = RequestLimits(
         max_items=settings.max_items_per_request,
         max_string_bytes=settings.max_string_bytes,

@@ -293,7 +293,6 @@ async def serve_models(core: ServingCore) -> AsyncIterator[None]:
     for broken in found.unavailable:
         if not names or broken.name in names:
             registry.set_unavailable(broken.name, broken.reason)
-    registry.strict = settings.strict_readiness
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
     loop = asyncio.get_running_loop()
     task = core.load_task = loop.create_task(_load_all(core, control))
@@ -304,7 +303,7 @@ async def serve_models(core: ServingCore) -> AsyncIterator[None]:
         await _defer_listening(core)
         yield
     finally:
-        registry.draining = True
+        registry.begin_drain("its models stop")
         loaded = (
             task.done()
             and not task.cancelled()
