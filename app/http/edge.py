@@ -58,7 +58,7 @@ connection after it) when
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
 - the balance among sibling workers says a less-loaded sibling should take this connection
-  (``Siblings.should_shed``: ``app.server.siblings``).
+  (``app.http.state.SHEDDING``: ``app.server.siblings``).
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). The policy runs as an ``on_response_prepare`` signal, so it sees every
@@ -116,7 +116,7 @@ from app.errors import (
     ScoringError,
     UnsupportedMediaType,
 )
-from app.http.state import CORE
+from app.http.state import CORE, SHEDDING
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols import classify, openai, rerank, v1, v2
@@ -541,7 +541,7 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         if served >= cap:
             _close_after(response)
             return
-    if app[CORE].siblings.should_shed():
+    if app[SHEDDING].should_shed():
         _close_after(response)
 
 

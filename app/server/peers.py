@@ -206,6 +206,32 @@ def internal_app(core: ServingCore) -> web.Application:
     return app
 
 
+class InternalEndpoint:
+    """This worker's internal endpoint, serving (:func:`internal_app`) on
+    ``<run dir>/peers/<pid>.sock``; made by :meth:`start` once the worker's core exists."""
+
+    def __init__(self, runner: web.AppRunner, path: Path) -> None:
+        self.runner = runner
+        self.path = path
+
+    @classmethod
+    async def start(cls, core: ServingCore, run_dir: str | os.PathLike[str], pid: int) -> InternalEndpoint:
+        """Serve ``core`` at worker ``pid``'s socket path (a stale socket file is replaced);
+        ``<run dir>/peers`` must exist and be private (``app.server.rundir.private_subdir``)."""
+        path = socket_path(run_dir, pid)
+        path.unlink(missing_ok=True)
+        runner = web.AppRunner(internal_app(core), access_log=None)
+        await runner.setup()
+        await web.UnixSite(runner, str(path)).start()
+        return cls(runner, path)
+
+    async def close(self) -> None:
+        """Stop serving (requests under way finish within aiohttp's shutdown) and remove the
+        socket file."""
+        await self.runner.cleanup()
+        self.path.unlink(missing_ok=True)
+
+
 def shard_context(shard: ShardRequest, now: float, headers: Mapping[str, str]) -> RequestContext:
     """The context a shard runs under here, received at ``now`` (loop time) with ``headers``:
     the sender's id, priority and trace, its deadline anchored on ``now``, forwarded.

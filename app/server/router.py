@@ -1,8 +1,8 @@
 """Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
 
-The data plane asks its siblings (``app.server.siblings.WorkerSiblings.considers``) of every request
-(one cheap condition) and awaits the router only for the requests they consider; the router then
-makes one of two choices:
+The data plane asks its balancer (``app.server.siblings.WorkerBalancer.considers``) of every
+request (one cheap condition) and awaits the router only for the requests it considers; the router
+then makes one of two choices, by the rules of :mod:`app.server.balance`:
 
 - **Scatter/gather** (large requests): a request with more items than its model's
   ``max_batch_size`` (``scatter = true`` in ``model.toml``, the default) is cut into contiguous
@@ -19,11 +19,9 @@ makes one of two choices:
   aged out (``grpc_max_connection_age_s``: the kernel re-places it on reconnect, blind to
   load). So a request that arrives on such a *pinned* connection and is not split is forwarded
   whole to a sibling when this worker is clearly busier than that sibling
-  (:func:`pick_target`: power of two choices among the live ready siblings, two drawn at
-  random and the one with fewer items kept, as Ray Serve's request router does; Mitzenmacher,
-  "The Power of Two Choices in Randomized Load Balancing"). An idle worker never forwards (no
-  hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave while
-  it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.siblings``):
+  (:func:`app.server.balance.pick_target`: power of two choices). An idle worker never forwards
+  (no hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave
+  while it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.balance``):
   for a model whose batches take a fraction of a millisecond the hop costs more CPU on both
   workers than the wait it saves. The sibling's items count at least what this worker has
   forwarded to it and not yet had answered (the table lags the hop). A sibling that cannot be
@@ -38,16 +36,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import numpy as np
 
 from app import errors
+from app.server.balance import pick_siblings, pick_target, splits
+from app.server.loadtable import Load
 from app.server.peers import PeerClient, PeerUnavailable
-from app.server.siblings import Load, WorkerSiblings, clearly_busier, splits
+from app.server.slot import WorkerSlot
 from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
@@ -61,54 +60,12 @@ def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
     return [(cuts[i], cuts[i + 1]) for i in range(shards)]
 
 
-def pick_siblings(siblings: list[Load], items: int, max_batch_size: int, now: float) -> list[Load]:
-    """The least-loaded live siblings that take a shard: at most one shard per
-    ``max_batch_size`` items, this worker keeping one. A sibling with a full batch (or more)
-    already queued or running is saturated: a shard would only wait there."""
-    wanted = math.ceil(items / max(1, max_batch_size)) - 1
-    free = (s for s in siblings if s.live(now) and s.items < max_batch_size)
-    live = sorted(free, key=lambda s: (s.recent, s.items, s.connections))
-    return live[: max(0, wanted)]
-
-
-def pick_target(
-    mine: int,
-    siblings: Sequence[Load],
-    now: float,
-    pending: dict[int, int] | None = None,
-    rng: random.Random | None = None,
-) -> Load | None:
-    """The sibling a pinned request should go to, or None to run it here (module docstring).
-
-    Args:
-        mine: this worker's items queued + in flight (before this request).
-        siblings: the other slots of the load table (dead, stale and unready ones are skipped).
-        now: ``time.monotonic()``, seconds.
-        pending: items this worker forwarded per sibling pid, not yet answered.
-        rng: the random source of the two choices (tests pass a seeded one).
-    """
-    if mine < 1:
-        return None
-    pending = pending or {}
-    live = [s for s in siblings if s.live(now)]
-    if len(live) > 2:
-        live = (rng or random).sample(live, 2)
-
-    def load(s: Load) -> tuple[int, float]:
-        return (max(s.items, pending.get(s.pid, 0)), s.recent)
-
-    best = min(live, key=load, default=None)
-    if best is None or not clearly_busier(mine, load(best)[0]):
-        return None
-    return best
-
-
 class Router:
-    """Where requests that leave this worker go (module docstring); the worker's siblings
-    (``app.server.siblings.WorkerSiblings``) hand it the requests they consider.
+    """Where requests that leave this worker go (module docstring); the worker's balancer
+    (``app.server.siblings.WorkerBalancer``) hands it the requests it considers.
 
     Args:
-        siblings: this worker's view of the load table (its own items, its siblings' loads).
+        slot: this worker's slot in the load table (its own items, its siblings' loads).
         peers: the client of the siblings' internal endpoints.
         on_scatter: called with (model, version, shards sent to siblings) per scattered request.
         on_forward: called with (model, version) per request sent whole to a sibling (one
@@ -119,7 +76,7 @@ class Router:
 
     def __init__(
         self,
-        siblings: WorkerSiblings,
+        slot: WorkerSlot,
         peers: PeerClient,
         *,
         on_scatter: Callable[[str, str, int], None] | None = None,
@@ -127,7 +84,7 @@ class Router:
         forward: bool = True,
         rng: random.Random | None = None,
     ) -> None:
-        self.siblings = siblings
+        self.slot = slot
         self.peers = peers
         self.on_scatter = on_scatter
         self.on_forward = on_forward
@@ -147,7 +104,7 @@ class Router:
         """
         items = len(next(iter(inputs.values())))
         if splits(unit.scatter, unit.max_batch_size, items):
-            siblings = pick_siblings(self.siblings.others(), items, unit.max_batch_size, time.monotonic())
+            siblings = pick_siblings(self.slot.others(), items, unit.max_batch_size, time.monotonic())
             if siblings:
                 return await self._scatter(unit, inputs, items, context, local, siblings)
         if context.pinned and self.forward:
@@ -202,8 +159,8 @@ class Router:
         self, unit: ServingUnit, inputs: Arrays, items: int, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         request_id = context.request_id
-        mine = self.siblings.items
-        target = pick_target(mine, self.siblings.others(), time.monotonic(), self.pending, self.rng)
+        mine = self.slot.items
+        target = pick_target(mine, self.slot.others(), time.monotonic(), self.pending, self.rng)
         if target is None:
             log.debug("balance: request %s runs here (%d items here)", request_id, mine)
             return None

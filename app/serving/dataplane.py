@@ -47,7 +47,7 @@ from app.serving.context import RequestContext
 from app.serving.item_cache import ItemCache
 from app.serving.items import ItemStage, for_model
 from app.serving.registry import ModelRegistry, ModelVersion
-from app.serving.siblings import Siblings
+from app.serving.siblings import Alone, Balancer, Siblings
 from app.settings import Settings
 
 Arrays = dict[str, np.ndarray]
@@ -79,13 +79,15 @@ class DataPlane:
         registry: the model versions this worker serves (kept by ``app.serving.lifecycle``).
         settings: the server's settings (default and maximum deadlines).
         limits: the request limits the codecs and validation enforce.
-        siblings: the other workers of the server (``app.serving.siblings``).
+        siblings: the other workers of the server (``app.serving.siblings``): their statistics.
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
         items: the item stage between a validated request and the queue (``app.serving.items``);
             None: one item -> one item, and nothing is called.
         cache: the response cache (``app.serving.item_cache``), whose item stage is among
             ``items``: what this worker's serving units compute for a model that enables it is
             stored there; None: none.
+        balancer: this worker's load among its siblings and the requests that leave it
+            (``app.serving.siblings.Balancer``); None: all run here.
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class DataPlane:
         tracing: Tracing | None = None,
         items: ItemStage[Any] | None = None,
         cache: ItemCache | None = None,
+        balancer: Balancer | None = None,
     ) -> None:
         self.registry = registry
         self.items = items
@@ -105,6 +108,7 @@ class DataPlane:
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
+        self.balancer: Balancer = balancer or Alone()
         self.tracing = tracing
         self.cache = cache
 
@@ -311,7 +315,7 @@ class DataPlane:
 
     def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
-        shards on them and here, or whole on one of them (``Siblings.route``).
+        shards on them and here, or whole on one of them (``Balancer.route``).
 
         Args:
             inputs: one array per model input, ``[B, *item_shape]``, B >= 1, validated.
@@ -325,15 +329,15 @@ class DataPlane:
         """
         unit = model.unit
         items = len(next(iter(inputs.values())))
-        siblings = self.siblings
-        if unit is not None and not context.forwarded and siblings.considers(unit, items, context.pinned):
+        balancer = self.balancer
+        if unit is not None and not context.forwarded and balancer.considers(unit, items, context.pinned):
             return self._routed(model, inputs, items, context)
         return self._here(model, inputs, items, context)
 
     async def _here(self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext) -> Arrays:
-        siblings = self.siblings
+        balancer = self.balancer
         trace = self.tracing.queued() if self.tracing is not None else None
-        siblings.add_load(items)  # published for the siblings' balancing
+        balancer.add_load(items)  # published for the siblings' balancing
         try:
             unit = model.unit
             if unit is None:  # still loading: wait for it, within the deadline
@@ -344,7 +348,7 @@ class DataPlane:
                 self.cache.store_outputs(model, fingerprint, inputs, outputs)
             return outputs
         finally:
-            siblings.add_load(-items)
+            balancer.add_load(-items)
 
     async def _routed(
         self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext
@@ -356,7 +360,7 @@ class DataPlane:
         def local(arrays: Arrays) -> Any:
             return self._here(model, arrays, len(next(iter(arrays.values()))), context)
 
-        outputs = await self.siblings.route(unit, inputs, context, local)
+        outputs = await self.balancer.route(unit, inputs, context, local)
         if outputs is not None:
             return outputs
         return await self._here(model, inputs, items, context)

@@ -1,4 +1,4 @@
-"""The model versions this worker serves, their states, and the worker's health.
+"""The model versions this worker serves and their states.
 
 :class:`ModelRegistry` holds one :class:`ModelVersion` per (name, version): its config, its
 state (a :class:`ModelState`: Triton's ``LOADING``, ``READY``, ``UNLOADING``, ``UNAVAILABLE``,
@@ -98,8 +98,7 @@ class ModelVersion:
         return self.state == ModelState.UNLOADING
 
     def _require(self, transition: str, *allowed: str) -> None:
-        """Raises:
-        IllegalTransition: the version is retired or its state is not one of ``allowed``."""
+        """Raises IllegalTransition: the version is retired or its state not in ``allowed``."""
         if self.retired or self.state not in allowed:
             state = f"{self.state}, retired" if self.retired else self.state
             raise IllegalTransition(
@@ -305,12 +304,10 @@ class ModelRegistry:
         return found
 
     def labels(self, name: str, version: str | None) -> tuple[str, str] | None:
-        """The (model, version) labels a request for ``name`` and ``version`` (None: the one
-        requests without a version get) is counted under in the request metrics: the version's,
-        whatever its state (a load that failed included); ``(name, "")`` for a model of the
-        repository without such a version here (its folder cannot be served, or it is unloaded);
-        None for a name or version this worker does not know (counted under ""), so that no
-        client adds label values."""
+        """The request metrics' (model, version) of a request for ``name`` ``version``: those of
+        the version addressed in any state (a failed load too), ``(name, "")`` for a folder that
+        cannot be served or a model unloaded, None (labelled "") for a name or version unknown
+        here, so that no client adds label values."""
         found = self.latest.get(name) if version is None else self.versions.get(name, {}).get(version)
         if found is not None:
             return found.config.name, found.config.version
@@ -400,14 +397,3 @@ class ModelRegistry:
                 and all(any(m.ready for m in versions.values()) for versions in self.versions.values())
             )
         return any(m.ready for m in entries) and all(m.ready or m.error is not None for m in entries)
-
-
-@dataclass(eq=False)
-class WorkerHealth:
-    """This worker's liveness and its count of responses (``max_requests`` recycling)."""
-
-    responses: int = 0
-    #: Why an inference thread is considered stuck (liveness turns 503), or None.
-    hung: str | None = None
-    #: Passes the hung-inference watchdog has made over the units.
-    watchdog_passes: int = 0

@@ -1,5 +1,5 @@
-"""Forwarding of whole requests on pinned (gRPC) connections (app.server.router): the decision,
-deterministic on fake load table entries, and the forward itself against a real sibling
+"""Forwarding of whole requests on pinned (gRPC) connections (app.server.router): the decision
+(app.server.balance), deterministic on fake load table entries, and the forward itself against a real sibling
 endpoint stand-in on a Unix socket (answers, unreachable, stalled)."""
 
 from __future__ import annotations
@@ -17,9 +17,12 @@ from aiohttp import web
 
 from app import errors
 from app.server import peers as wire
+from app.server.balance import pick_target
+from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable
 from app.server.peers import PATH, PeerClient, socket_path
-from app.server.router import Router, pick_target
-from app.server.siblings import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSiblings
+from app.server.router import Router
+from app.server.siblings import WorkerBalancer
+from app.server.slot import WorkerSlot
 from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
 
@@ -76,8 +79,8 @@ def test_power_of_two_choices_among_more_siblings() -> None:
 # --- the forward itself ------------------------------------------------------------------
 
 
-class FakeSiblings:
-    """What the Router reads of app.server.siblings.WorkerSiblings."""
+class FakeSlot:
+    """What the Router reads of app.server.slot.WorkerSlot."""
 
     def __init__(self, items: int, siblings: list[Load]) -> None:
         self.ready = True
@@ -127,8 +130,8 @@ async def served(tmp_path: Path, handler: Any) -> web.AppRunner:
 
 
 def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -> Router:
-    siblings = cast(WorkerSiblings, FakeSiblings(items_here, [live_sibling()]))
-    return Router(siblings, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
+    slot = cast(WorkerSlot, FakeSlot(items_here, [live_sibling()]))
+    return Router(slot, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
 
 
 async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp_path: Path) -> None:
@@ -143,7 +146,9 @@ async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)
     try:
-        out = await forward.route(entry(), INPUTS, RequestContext("rid-7", soon(5.0), 2, pinned=True), run_here)
+        out = await forward.route(
+            entry(), INPUTS, RequestContext("rid-7", soon(5.0), 2, pinned=True), run_here
+        )
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -157,26 +162,30 @@ async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp
 async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 0, counted)
-    assert await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here) is None
+    assert (
+        await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here) is None
+    )
     assert counted == []
 
 
-async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_than_the_hop(tmp_path: Path) -> None:
-    """The siblings' cheap question, asked of every request: a pinned (gRPC) request may be
+async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_than_the_hop(
+    tmp_path: Path,
+) -> None:
+    """The balancer's cheap question, asked of every request: a pinned (gRPC) request may be
     forwarded only while it would wait at least MIN_WAIT_S here (a fast model's 1 ms backlog:
-    the hop would cost more than it saves), HTTP (not pinned) only when it is split."""
-    table = LoadTable(tmp_path)
-    siblings = WorkerSiblings(table, table.claim(1), 1)
-    router = Router(siblings, PeerClient(tmp_path))
-    assert not siblings.considers(entry(), 3, pinned=True)  # no router yet, not ready
-    siblings.attach(lambda: 0, router)
-    siblings.tick(READY)
-    assert siblings.considers(entry(0.050), 3, pinned=True)
-    assert not siblings.considers(entry(0.001), 3, pinned=True)
-    assert not siblings.considers(entry(0.050), 3, pinned=False)
-    assert siblings.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
-    siblings.tick(DRAINING)
-    assert not siblings.considers(entry(0.050), 9, pinned=True)
+    the hop would cost more than it saves), HTTP (not pinned) only when it is split; nothing
+    leaves a worker that is not ready or has no router (balancing off)."""
+    slot = WorkerSlot(LoadTable(tmp_path), 1)
+    balancer = WorkerBalancer(slot, Router(slot, PeerClient(tmp_path)))
+    assert not balancer.considers(entry(), 3, pinned=True)  # not ready yet
+    slot.tick(READY, 0)
+    assert balancer.considers(entry(0.050), 3, pinned=True)
+    assert not balancer.considers(entry(0.001), 3, pinned=True)
+    assert not balancer.considers(entry(0.050), 3, pinned=False)
+    assert balancer.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
+    assert not WorkerBalancer(slot, None).considers(entry(0.050), 9, pinned=True)
+    slot.tick(DRAINING, 0)
+    assert not balancer.considers(entry(0.050), 9, pinned=True)
 
 
 async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:
