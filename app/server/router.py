@@ -29,7 +29,13 @@ then makes one of two choices, by the rules of :mod:`app.server.balance`:
   progress) costs nothing but time: the request runs here.
 
 A shard or forwarded request keeps its request context (``app.serving.context``: id, remaining
-deadline, priority, trace) and is never split or forwarded again there (``forwarded``).
+deadline, priority, trace) and is never split or forwarded again there (``forwarded``). It also
+keeps its client: aiohttp does not cancel a handler whose client has gone, so while parts of a
+request run on siblings the router looks at its client every ``DISCONNECT_CHECK_S``; once it has
+gone, every part is cancelled (ClientDisconnected, 499): the calls to the siblings close their
+connections, and each sibling drops the items still queued for it (its own ``is_disconnected``:
+``app.server.peers``), as this worker drops its own part. A part whose deadline passes ends the
+same way: the sibling's answer is awaited at most ``REPLY_GRACE_S`` past it, then the call closes.
 """
 
 from __future__ import annotations
@@ -38,7 +44,8 @@ import asyncio
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -52,6 +59,12 @@ from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
+
+#: While parts of a request run on siblings, how often its client is looked at, seconds: one
+#: wakeup per such request, and a client that left costs its siblings at most this much more work.
+DISCONNECT_CHECK_S = 0.05
+
+T = TypeVar("T")
 
 
 def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
@@ -100,15 +113,18 @@ class Router:
 
         Raises:
             DeadlineExceeded: a sibling did not answer before ``context.deadline`` (it stalled).
+            ClientDisconnected: the client left first (every part was cancelled).
             ScoringError: a sibling's run failed (same class as there).
         """
         items = len(next(iter(inputs.values())))
         if splits(unit.scatter, unit.max_batch_size, items):
             siblings = pick_siblings(self.slot.others(), items, unit.max_batch_size, time.monotonic())
             if siblings:
-                return await self._scatter(unit, inputs, items, context, local, siblings)
+                return await _while_connected(
+                    self._scatter(unit, inputs, items, context, local, siblings), context
+                )
         if context.pinned and self.forward:
-            return await self._forward(unit, inputs, items, context, local)
+            return await _while_connected(self._forward(unit, inputs, items, context, local), context)
         return None
 
     async def _scatter(
@@ -187,3 +203,26 @@ class Router:
         if refused:
             return await local(inputs)
         return outputs
+
+
+async def _while_connected(work: Coroutine[Any, Any, T], context: RequestContext) -> T:
+    """``work``, cancelled once the client of the request it serves has gone (module docstring).
+
+    Raises:
+        ClientDisconnected: the client left before ``work`` ended.
+    """
+    gone = context.is_disconnected
+    if gone is None:
+        return await work
+    task = asyncio.get_running_loop().create_task(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=DISCONNECT_CHECK_S)
+            if done:
+                return task.result()
+            if gone():
+                log.info("request %s: its client left; its parts on sibling workers are cancelled",
+                         context.request_id)  # fmt: skip
+                raise errors.ClientDisconnected(f"client of request {context.request_id} left")
+    finally:
+        task.cancel()  # nothing when it ended; else its calls to siblings close

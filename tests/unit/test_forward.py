@@ -1,11 +1,13 @@
 """Forwarding of whole requests on pinned (gRPC) connections (app.server.router): the decision
-(app.server.balance), deterministic on fake load table entries, and the forward itself against a real sibling
-endpoint stand-in on a Unix socket (answers, unreachable, stalled)."""
+(app.server.balance), deterministic on fake load table entries, and the forward itself against a
+real sibling endpoint stand-in on a Unix socket (answers, unreachable, stalled); a client that
+leaves while its request runs on a real sibling's internal endpoint (scattered or forwarded)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,15 +18,19 @@ import pytest
 from aiohttp import web
 
 from app import errors
+from app.http.state import CORE
 from app.server import peers as wire
 from app.server.balance import pick_target
 from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable
-from app.server.peers import PATH, PeerClient, socket_path
+from app.server.peers import PATH, InternalEndpoint, PeerClient, socket_path
 from app.server.router import Router
 from app.server.siblings import WorkerBalancer
 from app.server.slot import WorkerSlot
 from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
+from tests.support.fixtures import MakeClient, eventually, hold
+from tests.support.fixtures import served as unit_of
+from tests.support.toy_models import ScaleHandler, write_scale_model
 
 NOW = 100.5
 SIBLING_PID = 4242
@@ -252,3 +258,56 @@ async def test_the_router_forwards_only_pinned_requests(tmp_path: Path) -> None:
         await runner.cleanup()
     assert out is not None and np.array_equal(out["y"], 2 * INPUTS["x"])
     assert counted == [("scale", "1")]
+
+
+# --- a client that leaves -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("items", "pinned", "queued"),
+    [(10, False, 5), (3, True, 3)],
+    ids=["a shard of a scattered request", "a forwarded request"],
+)
+async def test_work_on_a_sibling_is_dropped_there_when_its_client_leaves(
+    make_client: MakeClient, tmp_path: Path, items: int, pinned: bool, queued: int
+) -> None:
+    """While its part waits in a real sibling's queue (the sibling's model is busy), the client
+    of a request leaves: the router answers ClientDisconnected at once rather than when the part
+    is done, its call to the sibling closes, and the sibling drops the part's items: they never
+    reach its model, counted as a failed request there."""
+    write_scale_model(tmp_path / "repo", "scale")
+    sibling = await make_client(tmp_path / "repo", hung_inference_s=0)
+    (tmp_path / "peers").mkdir(mode=0o700)
+    endpoint = await InternalEndpoint.start(sibling.app[CORE], tmp_path, SIBLING_PID)
+    router = Router(cast(WorkerSlot, FakeSlot(4, [live_sibling()])), PeerClient(tmp_path))
+    unit = unit_of(sibling.app, "scale")
+    stats = sibling.app[CORE].registry.get("scale").stats
+    held = hold(sibling.app, "scale")
+    left = threading.Event()
+    try:
+        one = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 1.0]}]}
+        first = asyncio.ensure_future(sibling.post("/v2/models/scale/infer", json=one))
+        await eventually(lambda: unit.running_batch is not None)
+        inputs = {
+            "x": np.full((items, 2), 5.0, dtype=np.float32),
+            "tag": np.full((items, 1), b"", dtype=object),
+        }
+        context = RequestContext("rid-left", soon(30.0), pinned=pinned, is_disconnected=left.is_set)
+        routed = asyncio.ensure_future(router.route(entry(), inputs, context, run_here))
+        await eventually(lambda: unit.queue.items == queued)  # its part waits on the sibling
+        left.set()
+        with pytest.raises(errors.ClientDisconnected, match="rid-left"):
+            await asyncio.wait_for(routed, 30)  # the bound only keeps a regression from hanging
+        server = endpoint.runner.server
+        assert server is not None
+        # the call to the sibling closed (its handler, still waiting, has lost its transport)
+        await eventually(lambda: all(handler.transport is None for handler in server.connections))
+        held.set()
+        assert (await first).status == 200
+        await eventually(lambda: stats.fail.count == 1)  # dropped when the next batch formed
+        assert unit.queue.items == 0
+        assert all(5.0 not in batch for batch in ScaleHandler.BATCHES["scale"])
+    finally:
+        held.set()
+        await router.peers.close()
+        await endpoint.close()
