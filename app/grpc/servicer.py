@@ -18,7 +18,6 @@ and the request's ``timeout`` parameter (microseconds, Triton's); with neither, 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
@@ -260,10 +259,10 @@ class InferenceServicer:
         remaining = context.time_remaining()  # None without a gRPC deadline
         deadline = None if remaining is None else arrival + remaining
         name, version = message.model_name, message.model_version or None
-        if recording is not None:  # labelled by its model from here, refused early included
-            with contextlib.suppress(ScoringError):  # (an unknown model: labelled "", as HTTP)
-                config = plane.version(name, version).config
-                recording.model(config.name, config.version)
+        if recording is not None:  # labelled by its model from here, refused or unavailable too
+            labels = plane.registry.labels(name, version)  # (an unknown model: "", as HTTP)
+            if labels is not None:
+                recording.model(*labels)
         model = plane.admit(name, version, arrival, deadline)
         raw = bool(message.raw_input_contents)
         call = Call(

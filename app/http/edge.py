@@ -192,8 +192,9 @@ def edge_middleware(
         protocol = PROTOCOLS.get(request.match_info.handler) if metrics is not None else None
         if metrics is not None and protocol is not None:
             recording = request[RECORDING] = Recording(metrics, protocol)
-            if "name" in request.match_info:
-                recording.model(*_model_labels(request))
+            labels = _model_labels(request) if "name" in request.match_info else None
+            if labels is not None:
+                recording.model(*labels)
         code = 500
         try:
             try:
@@ -238,16 +239,11 @@ def edge_middleware(
     return edge
 
 
-def _model_labels(request: web.Request) -> tuple[str, str]:
-    """(model, version) of the request its path names; ("", "") for one this worker does not
-    serve."""
+def _model_labels(request: web.Request) -> tuple[str, str] | None:
+    """(model, version) of the request its path names, an unavailable one's included; None (counted
+    under "") for one this worker does not know (``ModelRegistry.labels``)."""
     info = request.match_info
-    name = info["name"]
-    try:
-        config = request.app[CORE].dataplane.version(name, info.get("version")).config
-    except ScoringError:  # unknown, or unavailable: answered 404 / 503
-        return "", ""
-    return config.name, config.version
+    return request.app[CORE].registry.labels(info["name"], info.get("version"))
 
 
 def check_headers(request: web.Request, max_bytes: int, max_headers: int) -> None:
@@ -444,8 +440,10 @@ async def serve(request: web.Request, codec: Codec) -> web.Response:
     call = codec.call(await _read_body(request), request.headers, plane.limits)
     if model is None:
         assert call.name is not None, f"the {codec.protocol} codec named no model"
+        labels = plane.registry.labels(call.name, call.version)
+        if labels is not None:  # counted under its model from here, an unavailable one too
+            model_known(request, *labels)
         model = plane.admit(call.name, call.version, arrival, deadline)
-        model_known(request, model.config.name, model.config.version)
     body, content_type, headers = await plane.serve(
         model, call, arrival=arrival, deadline=deadline, request_id=request_id_of(request),
         is_disconnected=_disconnected(request),

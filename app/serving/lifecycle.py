@@ -15,8 +15,14 @@ memory included, leaves what serves in place, and the reason in the repository i
 
 **A model that fails to load** is *unavailable*: its requests get 503 with the reason (no absolute
 paths), readiness and the index name it, and the other models serve (Triton's behaviour). A load
-at start is retried after :data:`FIRST_RETRY_S`, then twice as long each time, up to
-``SCORING_MODEL_LOAD_RETRY_MAX_S`` apart, so a cause that goes away heals by itself.
+at start that failed on something that may pass (out of memory, an I/O error, a device) is
+retried after :data:`FIRST_RETRY_S`, then twice as long each time, up to
+``SCORING_MODEL_LOAD_RETRY_MAX_S`` apart, so a cause that goes away heals by itself. One that
+failed on the model's own files (:data:`DETERMINISTIC`: a value its ``model.toml`` or its handler
+refuses, labels that do not fit its outputs, a tokenizer without a pad token, a handler that does
+not import) would fail the same way every time: it is loaded again only once a file of its folder
+changes (its fingerprint, the one the response cache keys on, looked at every
+:data:`FIRST_RETRY_S`), its ``model.toml`` read again.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from app.errors import ModelLoadError
-from app.models.repository import ModelConfig, fingerprint, scrub_paths
+from app.models.repository import ModelConfig, fingerprint, read_config, scrub_paths
 from app.observability.metrics import ModelObserver
 from app.observability.tracing import Tracing
 from app.serving.executor import InferenceThread, ModelRunner, Threads, describe, synthetic_inputs
@@ -45,8 +51,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: The first wait before a failed model load is retried, seconds (then doubled each time).
+#: The first wait before a failed model load is retried, seconds (then doubled each time); how
+#: often the files of a model that failed deterministically are looked at.
 FIRST_RETRY_S = 2.0
+#: What a load raises when the model's own files are wrong (module docstring): the same files
+#: fail the same way. Anything else (OSError, out of memory, a CUDA error) may pass by itself;
+#: of a ``ModelLoadError`` that wraps another exception, the wrapped one decides.
+DETERMINISTIC: tuple[type[Exception], ...] = (
+    ModelLoadError, ValueError, TypeError, LookupError, AttributeError, ImportError, SyntaxError,
+)  # fmt: skip
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -145,10 +158,13 @@ class Lifecycle:
         finish = InferenceThread(name=f"finish:{tag}", initializer=init) if pipelined else None
         return Threads(inference, prepare, finish)
 
-    async def load(self, model: ModelVersion, config: ModelConfig | None = None) -> None:
+    async def load(
+        self, model: ModelVersion, config: ModelConfig | None = None, files: str | None = None
+    ) -> None:
         """Load, warm up and time ``model`` (as ``config`` says: its folder read again; default its
         own) on a new inference thread, start its serving unit and put it in service; a unit it
-        replaces drains and is freed in the background.
+        replaces drains and is freed in the background. ``files``: the fingerprint of its folder
+        taken just before (default: taken now).
 
         torch.set_num_threads sets OpenMP's thread count for the calling thread only: it is set on
         each of the model's threads, or MKL's sgemm there forks a team of one thread per core in
@@ -167,7 +183,7 @@ class Lifecycle:
         metrics = self.metrics
         # Before the load: files replaced while it runs then differ from this and are loaded again
         # (model control), and no result of the new files is cached under the old ones' identity.
-        files = fingerprint(config.path)
+        files = files or fingerprint(config.path)
         try:
             await loop.run_in_executor(inference, runner.load, self.device)
             await loop.run_in_executor(inference, runner.warmup)
@@ -246,53 +262,73 @@ class Lifecycle:
         self, model: ModelVersion, config: ModelConfig | None = None, *, retry: bool = True
     ) -> bool:
         """:meth:`load`; on failure record the reason (the version stays unavailable, or an older
-        copy keeps serving), wake its waiters and, with ``retry``, schedule retries (loads that
-        model control asked for are not retried: the operator asks again). True when it serves."""
+        copy keeps serving), wake its waiters and, with ``retry``, schedule retries (module
+        docstring; loads that model control asked for are not retried: the operator asks
+        again). True when it serves."""
+        config = config or model.config
+        files = fingerprint(config.path)
         try:
-            await self.load(model, config)
+            await self.load(model, config, files)
             return True
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            config = config or model.config
             if model.unloading or model.retired:  # unloaded meanwhile: nothing to record
                 return False
             model.fail(self._reason(exc))  # requests waiting for it get 503 with the reason now
             retry_max_s = self.settings.model_load_retry_max_s if retry else 0
+            same_files = files if deterministic(exc) else None
+            if not retry:
+                when = ""
+            elif not retry_max_s:
+                when = " (not retried: SCORING_MODEL_LOAD_RETRY_MAX_S=0)"
+            else:
+                when = " (loaded again once its files change)" if same_files else " (retried)"
             log.error(
                 "model %s v%s %s: %s%s",
                 config.name, config.version,
                 "failed to load; the old copy keeps serving" if model.unit is not None else
-                "unavailable, the other models serve", model.error,
-                "" if retry_max_s or not retry else " (not retried: SCORING_MODEL_LOAD_RETRY_MAX_S=0)",
+                "unavailable, the other models serve", model.error, when,
                 exc_info=None if isinstance(exc, ModelLoadError) else exc,
                 extra={"event": "model_unavailable", "model": config.name, "version": config.version},
             )  # fmt: skip
             name = f"retry-load:{config.name}/{config.version}"
             if retry_max_s and model.unit is None and not any(t.get_name() == name for t in self.tasks):
-                self._spawn(self._retry(model, retry_max_s), name)
+                self._spawn(self._retry(model, retry_max_s, same_files), name)
             return False
 
-    async def _retry(self, model: ModelVersion, max_s: float) -> None:
-        """Retry a failed load after FIRST_RETRY_S, then twice as long each time, up to ``max_s``."""
+    async def _retry(self, model: ModelVersion, max_s: float, same_files: str | None) -> None:
+        """Retry a failed load (module docstring): after FIRST_RETRY_S, then twice as long each
+        time, up to ``max_s``; while ``same_files`` (the fingerprint of the files a load failed
+        on deterministically) still describes the model's folder, only look again."""
         wait_s = min(FIRST_RETRY_S, max_s)
+        loop = asyncio.get_running_loop()
         while model.error is not None and not model.retired and not self.registry.draining:
-            await asyncio.sleep(wait_s)
+            await asyncio.sleep(wait_s if same_files is None else min(FIRST_RETRY_S, max_s))
+            config = model.config
+            files = await loop.run_in_executor(None, fingerprint, config.path)
+            if files == same_files:
+                continue
             try:
-                await self.load(model)
+                if same_files is not None:  # its files changed: its model.toml may have too
+                    config = await loop.run_in_executor(None, _read_again, config)
+                await self.load(model, config, files)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 if model.unloading or model.retired:  # unloaded meanwhile: no more tries
                     return
                 model.fail(self._reason(exc))
+                same_files = files if deterministic(exc) else None
                 wait_s = min(wait_s * 2, max_s)
                 log.warning(
-                    "model %s v%s still unavailable (next try in %.0f s): %s",
-                    model.config.name, model.config.version, wait_s, model.error,
+                    "model %s v%s still unavailable (%s): %s",
+                    config.name, config.version,
+                    "loaded again once its files change" if same_files else f"next try in {wait_s:.0f} s",
+                    model.error,
                 )  # fmt: skip
                 continue
-            log.info("model %s v%s loaded on retry", model.config.name, model.config.version)
+            log.info("model %s v%s loaded on retry", config.name, config.version)
 
     async def release_all(self, loaded: bool, hung: str | None) -> None:
         """Stop every unit; free the models on their inference threads unless one is stuck
@@ -316,3 +352,28 @@ class Lifecycle:
                 await loop.run_in_executor(model.threads.inference, model.runner.close)
                 await loop.run_in_executor(None, model.threads.shutdown, True)
             model.release()
+
+
+def deterministic(exc: BaseException) -> bool:
+    """Whether a load that raised ``exc`` failed on the model's own files (:data:`DETERMINISTIC`;
+    the cause of a wrapping ``ModelLoadError``)."""
+    while isinstance(exc, ModelLoadError) and exc.__cause__ is not None:
+        exc = exc.__cause__
+    return isinstance(exc, DETERMINISTIC)
+
+
+def _read_again(config: ModelConfig) -> ModelConfig:
+    """The ``model.toml`` of ``config``'s folder as it is now, which must still declare the same
+    model version.
+
+    Raises:
+        ModelLoadError: it cannot be read, is refused, or declares another name or version
+            (model control loads that one).
+    """
+    again = read_config(config.path)
+    if (again.name, again.version) != (config.name, config.version):
+        raise ModelLoadError(
+            f"{config.where}: now declares model {again.name} v{again.version}, not {config.name} "
+            f"v{config.version}: load it through model control"
+        )
+    return again

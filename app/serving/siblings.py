@@ -12,7 +12,7 @@ construction and never replaced.
 - :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
 
 Which connection should move to a less-loaded sibling is no question of the serving core: it is
-the HTTP front end's keep-alive policy (``app.http.state.KEEPALIVE``).
+the HTTP front end's keep-alive policy (``app.http.state.SHEDDING``).
 
 The gunicorn worker implements them (``app.server.siblings``: ``WorkerBalancer``,
 ``WorkerSiblings``; ``app.server.worker.ScoringWebWorker``); :class:`Alone` stands in for all
