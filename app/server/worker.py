@@ -131,6 +131,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
 
     def init_process(self) -> None:
         atexit.register(self._exit_without_teardown)  # first: it runs after the app's own
+        # Before any import of the app (the membership's imports the serving layer, torch).
+        threading.Thread(target=self._boot_heartbeat, name="boot-heartbeat", daemon=True).start()
         self.loop = self.new_loop()
         asyncio.set_event_loop(self.loop)
         self.settings = settings = Settings().for_workers(self.cfg.workers)
@@ -142,7 +144,6 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
-        threading.Thread(target=self._boot_heartbeat, name="boot-heartbeat", daemon=True).start()
         super().init_process()  # init_signals, load_wsgi, then run()
 
     def init_signals(self) -> None:
