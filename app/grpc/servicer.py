@@ -259,10 +259,14 @@ class InferenceServicer:
         remaining = context.time_remaining()  # None without a gRPC deadline
         deadline = None if remaining is None else arrival + remaining
         name, version = message.model_name, message.model_version or None
-        if recording is not None:  # labelled by its model from here, refused or unavailable too
-            labels = plane.registry.labels(name, version)  # (an unknown model: "", as HTTP)
-            if labels is not None:
-                recording.model(*labels)
+        if recording is not None:  # labelled by its model from here, refused early included
+            try:
+                config = plane.version(name, version).config
+                recording.model(config.name, config.version)
+            except ScoringError:  # not served: unavailable (its name), or unknown ("", as HTTP)
+                labels = plane.registry.labels(name, version)
+                if labels is not None:
+                    recording.model(*labels)
         model = plane.admit(name, version, arrival, deadline)
         raw = bool(message.raw_input_contents)
         call = Call(

@@ -243,7 +243,12 @@ def _model_labels(request: web.Request) -> tuple[str, str] | None:
     """(model, version) of the request its path names, an unavailable one's included; None (counted
     under "") for one this worker does not know (``ModelRegistry.labels``)."""
     info = request.match_info
-    return request.app[CORE].registry.labels(info["name"], info.get("version"))
+    name, version = info["name"], info.get("version")
+    try:
+        config = request.app[CORE].dataplane.version(name, version).config
+    except ScoringError:  # not served: unavailable (its name), or unknown ("")
+        return request.app[CORE].registry.labels(name, version)
+    return config.name, config.version
 
 
 def check_headers(request: web.Request, max_bytes: int, max_headers: int) -> None:
@@ -440,10 +445,14 @@ async def serve(request: web.Request, codec: Codec) -> web.Response:
     call = codec.call(await _read_body(request), request.headers, plane.limits)
     if model is None:
         assert call.name is not None, f"the {codec.protocol} codec named no model"
-        labels = plane.registry.labels(call.name, call.version)
-        if labels is not None:  # counted under its model from here, an unavailable one too
-            model_known(request, *labels)
-        model = plane.admit(call.name, call.version, arrival, deadline)
+        try:
+            model = plane.admit(call.name, call.version, arrival, deadline)
+        except ScoringError:  # refused: counted under its model all the same, if it has one
+            labels = plane.registry.labels(call.name, call.version)
+            if labels is not None:
+                model_known(request, *labels)
+            raise
+        model_known(request, model.config.name, model.config.version)
     body, content_type, headers = await plane.serve(
         model, call, arrival=arrival, deadline=deadline, request_id=request_id_of(request),
         is_disconnected=_disconnected(request),

@@ -1,6 +1,8 @@
-"""The balancing and coordination rules among a server's workers: pure functions of the loads
-and states the load table holds (:mod:`app.server.loadtable`); the objects that act on them are
-:mod:`app.server.siblings` (accept, shed, leave) and :mod:`app.server.router` (scatter, forward).
+"""The balancing and coordination rules among a server's workers, pure functions of the loads
+and states the load table holds (:mod:`app.server.loadtable`), and this worker's decisions by
+them on the request path: :class:`WorkerConnections` (accept, shed: the transport's) and
+:class:`WorkerBalancer` (may a request leave: the data plane's); where a request that leaves goes
+is :mod:`app.server.router`'s. The decisions are logged at debug level (``balance: ...``).
 
 Placement is by open connections first (nginx's ``least_conn``), then by recent load (items
 queued + in flight, averaged over about ``RECENT_TAU_S``): with keep-alive clients a connection
@@ -34,19 +36,35 @@ same load.
   worker is ready and a replacement still boots (:func:`replacement_booting`); a worker past
   ``max_requests`` drains only while another is ready, or there is none (:func:`may_recycle`).
 
-Tuned numbers (docs/architecture.md, *Tuned numbers*): ``RECENT_TAU_S`` 100 ms,
-``SHED_INTERVAL_S`` 100 ms, ``SHED_CHECK_S`` 10 ms, ``MIN_WAIT_S`` 5 ms (and the table's
-``STALE_S``, 1 s). See docs/architecture.md (*Balancing among sibling workers*) for why this and
+Tuned numbers (docs/architecture.md, *Tuned numbers*): ``SHED_INTERVAL_S`` 100 ms,
+``SHED_CHECK_S`` 10 ms, ``MIN_WAIT_S`` 5 ms (and the table's ``STALE_S``, 1 s, and
+``RECENT_TAU_S``, 100 ms). See docs/architecture.md (*Balancing among sibling workers*) for why this and
 not request forwarding or SO_REUSEPORT.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import random
-from collections.abc import Iterable, Iterator, Sequence
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING
 
-from app.server.loadtable import BOOTING, DRAINING, LOADING, READY, Load
+from app.server.loadtable import BOOTING, DRAINING, LOADING, READY, Load, WorkerSlot
+
+if TYPE_CHECKING:
+    from app.observability.metrics import ServerMetrics
+    from app.serving.context import RequestContext
+    from app.serving.siblings import Arrays, LocalRun
+    from app.serving.unit import ServingUnit
+
+#: The balancing decisions (``balance: ...`` at debug level).
+log = logging.getLogger(__name__)
+#: Runs a request (in part) on siblings (``app.server.router.Router.route``): its outputs, or None
+#: to run it here whole.
+Route = Callable[["ServingUnit", "Arrays", "RequestContext", "LocalRun"], Awaitable["Arrays | None"]]
 
 # --- coordination: pure functions of the other workers' states ------------------------------
 
@@ -78,8 +96,6 @@ SHED_INTERVAL_S = 0.1
 #: Minimum time between two looks at the load table for shedding, seconds (a response costs a
 #: clock read, not a read of every slot).
 SHED_CHECK_S = 0.01
-#: Time constant of the recent load (an exponentially weighted average of items), seconds.
-RECENT_TAU_S = 0.1
 
 
 def clearly_busier(mine: float, other: float) -> bool:
@@ -175,3 +191,98 @@ def pick_target(
     if best is None or not clearly_busier(mine, load(best)[0]):
         return None
     return best
+
+
+# --- this worker's decisions ----------------------------------------------------------------
+
+
+class WorkerConnections:
+    """Whether this worker accepts new connections and sheds kept-alive ones (module
+    docstring); never while it is not ready (draining, loading) or does not balance.
+
+    Args:
+        slot: this worker's slot.
+        balancing: ``SCORING_BALANCE``; False: accept always, never shed.
+        metrics: counts shed connections (``scoring_connections_shed_total``); None when off.
+    """
+
+    def __init__(
+        self, slot: WorkerSlot, balancing: bool = True, metrics: ServerMetrics | None = None
+    ) -> None:
+        self.slot = slot
+        self.balancing = balancing
+        self._shed = None if metrics is None else metrics.connections_shed.labels(str(slot.pid))
+        self._last_shed = 0.0
+        self._next_check = 0.0
+
+    def may_accept(self) -> bool:
+        """Whether the listener should accept now (:func:`may_accept`)."""
+        slot = self.slot
+        if not slot.ready or not self.balancing:
+            return True
+        return may_accept(slot.me(), slot.others(), time.monotonic())
+
+    def accepted(self) -> None:
+        """The listener accepted a connection (published at once)."""
+        self.slot.accepted()
+
+    def should_shed(self) -> bool:
+        """Whether the response being prepared should close its connection
+        (:func:`should_shed`, at most once per ``SHED_INTERVAL_S``; the table
+        is looked at at most once per ``SHED_CHECK_S``)."""
+        slot = self.slot
+        now = time.monotonic()
+        if not slot.ready or now < self._next_check or now - self._last_shed < SHED_INTERVAL_S:
+            return False
+        self._next_check = now + SHED_CHECK_S
+        if not self.balancing:
+            return False
+        target = should_shed(slot.me(), slot.others(), now)
+        if target is None:
+            return False
+        self._last_shed = now
+        slot.shed()
+        log.debug(
+            "balance: shedding a connection (%d open, recent load %.1f items) towards pid %d (%d open, %.1f)",
+            slot.connections + 1, slot.recent, target.pid, target.connections, target.recent,
+        )  # fmt: skip
+        if self._shed is not None:
+            self._shed.inc()
+        return True
+
+
+class WorkerBalancer:
+    """The data plane's ``app.serving.siblings.Balancer`` on this worker's slot: the load
+    published, and requests that may leave handed to ``route`` (the router's; None: balancing
+    off, or no internal endpoints: nothing leaves); ``forward``: pinned requests may leave
+    whole (the router forwards them)."""
+
+    def __init__(self, slot: WorkerSlot, route: Route | None = None, *, forward: bool = True) -> None:
+        self.slot = slot
+        self.route_out = route
+        self.forward = forward
+
+    def add_load(self, items: int) -> None:
+        """Admission (+items) or completion (-items) of an inference request: published."""
+        self.slot.add_load(items)
+
+    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+        """Whether a request may leave: this worker ready and routing, and the request split
+        (:func:`splits`) or pinned and waiting at least ``MIN_WAIT_S`` here
+        (for a model whose batches take a fraction of a millisecond the hop costs more than the
+        wait it saves)."""
+        if self.route_out is None or not self.slot.ready:
+            return False
+        if splits(unit.scatter, unit.max_batch_size, items):
+            return True
+        return (
+            pinned and self.forward and unit.expected_wait_s(asyncio.get_running_loop().time()) >= MIN_WAIT_S
+        )
+
+    async def route(
+        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
+    ) -> Arrays | None:
+        """The router's answer (``app.server.router.Router.route``); None without a router."""
+        if self.route_out is None:
+            return None
+        return await self.route_out(unit, inputs, context, local)

@@ -1,7 +1,8 @@
 """The load table: ``<run dir>/load``, where every worker of a server publishes its state and
-load and reads its siblings' (:class:`LoadTable`, one :class:`Load` per worker). No master, no
-lock and no system call on the hot path. Imported by the master (``gunicorn.conf.py``'s hooks
-claim and free slots): no torch, nothing from ``app.serving``.
+load and reads its siblings' (:class:`LoadTable`, one :class:`Load` per worker), and this
+worker's slot in it from its claim to its release (:class:`WorkerSlot`). No master, no lock and
+no system call on the hot path. Imported by the master (``gunicorn.conf.py``'s hooks claim and
+free slots): no torch, nothing from ``app.serving``.
 
 One fixed-size slot per worker in an mmap'd file; a worker writes its own slot (a
 ``struct.pack_into`` on the mmap: no system call, no lock) and reads its siblings'
@@ -28,6 +29,12 @@ fork), the first slot that is empty or whose pid is dead; the master frees it wh
 worker exits (``child_exit``), the worker itself too. A SIGKILLed worker's slot is freed by the
 master; readers ignore a slot whose heartbeat is older than ``STALE_S`` (a stopped worker).
 
+**This worker's slot** (:class:`WorkerSlot`): ``post_fork`` claims it (state ``BINDING``), the
+worker keeps it: its load at every admission and completion (one store), its connections at
+every accept, and every tick (50 ms) its state, heartbeat, recent load (items averaged over
+``RECENT_TAU_S``) and true connection count; freed at exit. The decisions taken on these
+numbers are :mod:`app.server.balance`'s.
+
 Values are advisory: a reader may see a slot mid-write (each field is one aligned store, so
 a field is never torn, but two fields may come from two writes). Balancing tolerates that.
 The file is opened without following links, in the run directory (``app.server.rundir``).
@@ -37,21 +44,25 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import mmap
 import os
 import struct
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import psutil
 
 from app.server import rundir
 
+if TYPE_CHECKING:
+    from app.observability.metrics import ServerMetrics
+
 __all__ = [
     "BINDING", "BOOTING", "DRAINING", "EMPTY", "FILE_NAME", "LOADING", "MAGIC", "MAX_SLOTS", "READY",
-    "SIZE", "STALE_S", "STOPPING", "Load", "LoadTable",
+    "RECENT_TAU_S", "SIZE", "STALE_S", "STOPPING", "Load", "LoadTable", "WorkerSlot",
 ]  # fmt: skip
 
 FILE_NAME = "load"
@@ -65,6 +76,8 @@ _STATE_AT, _ITEMS_AT, _CONNECTIONS_AT, _RECENT_AT, _HEARTBEAT_AT = 8, 12, 16, 20
 SIZE = _HEADER.size + MAX_SLOTS * _SLOT.size
 #: A slot whose heartbeat is older than this (seconds) is not live: its worker is stopped.
 STALE_S = 1.0
+#: Time constant of the recent load (an exponentially weighted average of items), seconds.
+RECENT_TAU_S = 0.1
 
 # Slot states, in a worker's order of life.
 EMPTY, BINDING, BOOTING, LOADING, READY, DRAINING, STOPPING = range(7)
@@ -238,3 +251,110 @@ def _alive(pid: int) -> bool:
         return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
     except psutil.Error:
         return False
+
+
+class WorkerSlot:
+    """This worker's slot in the table (module docstring).
+
+    Args:
+        table: the run directory's load table.
+        pid: this worker's pid; its slot is claimed now (kept when ``post_fork`` claimed it).
+        metrics: the worker's metrics (``scoring_worker_load_items``,
+            ``scoring_worker_connections``, set every tick); None when off.
+
+    Raises:
+        RuntimeError: every slot of the table belongs to a live process.
+
+    Attributes:
+        items: inference items queued + in flight here (admitted, not yet answered).
+        recent: ``items`` averaged over about ``RECENT_TAU_S`` (as of the last tick).
+        connections: open HTTP connections (accepts counted at once, the true count per tick).
+        ready: the state of the last tick was ``READY``.
+    """
+
+    def __init__(self, table: LoadTable, pid: int, metrics: ServerMetrics | None = None) -> None:
+        self.table = table
+        self.pid = pid
+        self.slot = table.claim(pid)
+        self.items = 0
+        self.recent = 0.0
+        self.connections = 0
+        self.ready = False
+        self._changed = time.monotonic()  # last change of ``items``
+        self._area = 0.0  # item-seconds since the last tick
+        self._tick = self._changed
+        self._released = False
+        label = str(pid)
+        self._gauges = (
+            None
+            if metrics is None
+            else (metrics.worker_load_items.labels(label), metrics.worker_connections.labels(label))
+        )
+
+    # --- what this worker publishes ---------------------------------------------------------
+
+    def add_load(self, items: int) -> None:
+        """Admission (+items) or completion (-items) of an inference request: published."""
+        now = time.monotonic()
+        self._area += self.items * (now - self._changed)
+        self._changed = now
+        self.items += items
+        self.table.set_items(self.slot, self.items)
+
+    def accepted(self) -> None:
+        """A connection was accepted (counted before aiohttp sees it)."""
+        self.connections += 1
+        self.table.set_connections(self.slot, self.connections)
+
+    def shed(self) -> None:
+        """A connection is being closed for a sibling to take: counted out at once."""
+        self.connections -= 1
+        self.table.set_connections(self.slot, self.connections)
+
+    def publish(self, state: int) -> None:
+        """Publish this worker's state (``BOOTING`` ... ``STOPPING``) at once."""
+        if not self._released:
+            self.table.set_state(self.slot, state)
+
+    def tick(self, state: int, connections: int) -> None:
+        """Publish ``state``, the heartbeat, the recent load and the true number of open
+        ``connections`` (every worker tick)."""
+        if self._released:
+            return
+        self.ready = state == READY
+        now = time.monotonic()
+        self._area += self.items * (now - self._changed)
+        self._changed = now
+        elapsed = now - self._tick
+        if elapsed > 0:
+            alpha = 1.0 - math.exp(-elapsed / RECENT_TAU_S)
+            self.recent += alpha * (self._area / elapsed - self.recent)
+        self._area, self._tick = 0.0, now
+        self.table.set_recent(self.slot, self.recent)
+        self.connections = connections
+        self.table.set_connections(self.slot, connections)
+        self.table.set_state(self.slot, state)
+        self.table.beat(self.slot)
+        if self._gauges is not None:
+            self._gauges[0].set(self.items)
+            self._gauges[1].set(connections)
+
+    def release(self) -> None:
+        """Free the slot (at exit; idempotent)."""
+        if not self._released:
+            self._released = True
+            self.table.release(self.slot, self.pid)
+
+    # --- what it reads of its siblings ----------------------------------------------------------
+
+    def me(self) -> Load:
+        """This worker's load as siblings see it."""
+        return self.table.read(self.slot)
+
+    def others(self) -> list[Load]:
+        """The loads of the other claimed slots (check ``Load.live``)."""
+        return [load for load in self.table.snapshot() if load.slot != self.slot]
+
+    def other_states(self) -> list[int]:
+        """The states of the other live processes' slots (reads /proc: off the loop)."""
+        return [state for pid, state in self.table.states().items() if pid != self.pid]

@@ -1,6 +1,6 @@
 """Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
 
-The data plane asks its balancer (``app.server.siblings.WorkerBalancer.considers``) of every
+The data plane asks its balancer (``app.server.balance.WorkerBalancer.considers``) of every
 request (one cheap condition) and awaits the router only for the requests it considers; the router
 then makes one of two choices, by the rules of :mod:`app.server.balance`:
 
@@ -51,9 +51,8 @@ import numpy as np
 
 from app import errors
 from app.server.balance import pick_siblings, pick_target, splits
-from app.server.loadtable import Load
+from app.server.loadtable import Load, WorkerSlot
 from app.server.peers import PeerClient, PeerUnavailable
-from app.server.slot import WorkerSlot
 from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
@@ -75,7 +74,7 @@ def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
 
 class Router:
     """Where requests that leave this worker go (module docstring); the worker's balancer
-    (``app.server.siblings.WorkerBalancer``) hands it the requests it considers.
+    (``app.server.balance.WorkerBalancer``) hands it the requests it considers.
 
     Args:
         slot: this worker's slot in the load table (its own items, its siblings' loads).

@@ -1,19 +1,19 @@
 """A gunicorn worker among its siblings (the other workers of its server): what it hands the app
 factory, one object per job, all made at once when the worker starts (:class:`Membership`).
 
-- :class:`WorkerConnections`, the transport's side: the listener asks it whether to accept now
-  (:func:`app.server.balance.may_accept`), the HTTP keep-alive policy whether a response should
-  close its connection so that a less-loaded sibling takes the next one
-  (:func:`app.server.balance.should_shed`; ``app.http.state.Shedding``).
-- :class:`WorkerBalancer`, the data plane's (``app.serving.siblings.Balancer``): this worker's
-  load, published at every admission and completion, and the requests that leave it, handed to
-  the :class:`~app.server.router.Router` (scatter/gather, forwarding of pinned requests).
+- ``app.server.balance.WorkerConnections``, the transport's side: the listener asks it whether
+  to accept now, the HTTP keep-alive policy whether a response should close its connection so
+  that a less-loaded sibling takes the next one (``app.http.state.Shedding``).
+- ``app.server.balance.WorkerBalancer``, the data plane's (``app.serving.siblings.Balancer``):
+  this worker's load, published at every admission and completion, and the requests that leave
+  it, handed to the :class:`~app.server.router.Router` (scatter/gather, forwarding of pinned
+  requests).
 - :class:`WorkerSiblings`, model control's, startup's and the statistics'
   (``app.serving.siblings.Siblings``): does another worker serve, a change applied on every
   sibling, their statistics, over their internal endpoints (:mod:`app.server.peers`).
 
-Under them, this worker's slot in the load table (:class:`~app.server.slot.WorkerSlot`), from
-its claim to its release. The internal endpoint, which serves this worker's core to its siblings,
+Under them, this worker's slot in the load table (``app.server.loadtable.WorkerSlot``), from its
+claim to its release. The internal endpoint, which serves this worker's core to its siblings,
 exists once the app does (:meth:`Membership.serve_endpoint`).
 
 With ``SCORING_BALANCE=0`` the slot still publishes state and load (siblings coordinate boot and
@@ -24,9 +24,9 @@ cannot be opened (a warning says so), the worker neither coordinates nor balance
 a Unix socket path (a run directory path too long), there is no internal endpoint: no
 scatter/gather, no forwarding, no model control across workers (a warning says so).
 
-The decisions are logged at debug level (``balance: ...``). Imported by the master with the
-worker class: no torch, nothing from ``app.serving`` at import (the router and the peers'
-client, which need it, are imported when a :class:`Membership` is made, in the worker).
+Imported by the master with the worker class: no torch, nothing from ``app.serving`` at import
+(the router and the peers' client, which need it, are imported when a :class:`Membership` is
+made, in the worker).
 """
 
 from __future__ import annotations
@@ -38,118 +38,27 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from app.server import rundir
-from app.server.balance import MIN_WAIT_S, SHED_CHECK_S, SHED_INTERVAL_S, may_accept, should_shed, splits
-from app.server.loadtable import LoadTable
-from app.server.slot import WorkerSlot
+from app.server.balance import (
+    WorkerBalancer,
+    WorkerConnections,
+    may_recycle,
+    others_serving,
+    replacement_booting,
+)
+from app.server.loadtable import LoadTable, WorkerSlot
 
 if TYPE_CHECKING:
     from app.observability.metrics import ServerMetrics
     from app.server.peers import InternalEndpoint, PeerClient
-    from app.server.router import Router
-    from app.serving.context import RequestContext
     from app.serving.core import ServingCore
-    from app.serving.siblings import Arrays, Balancer, LocalRun, Siblings
-    from app.serving.unit import ServingUnit
+    from app.serving.siblings import Balancer, Siblings
 
-__all__ = ["Membership", "WorkerBalancer", "WorkerConnections", "WorkerSiblings"]
+__all__ = ["Membership", "WorkerSiblings"]
 
 log = logging.getLogger(__name__)
 
 #: Longest path a Unix socket may have (sun_path, with its NUL).
 _MAX_SOCKET_PATH = 107
-
-
-class WorkerConnections:
-    """Whether this worker accepts new connections and sheds kept-alive ones (module
-    docstring); never while it is not ready (draining, loading) or does not balance.
-
-    Args:
-        slot: this worker's slot.
-        balancing: ``SCORING_BALANCE``; False: accept always, never shed.
-        metrics: counts shed connections (``scoring_connections_shed_total``); None when off.
-    """
-
-    def __init__(
-        self, slot: WorkerSlot, balancing: bool = True, metrics: ServerMetrics | None = None
-    ) -> None:
-        self.slot = slot
-        self.balancing = balancing
-        self._shed = None if metrics is None else metrics.connections_shed.labels(str(slot.pid))
-        self._last_shed = 0.0
-        self._next_check = 0.0
-
-    def may_accept(self) -> bool:
-        """Whether the listener should accept now (:func:`app.server.balance.may_accept`)."""
-        slot = self.slot
-        if not slot.ready or not self.balancing:
-            return True
-        return may_accept(slot.me(), slot.others(), time.monotonic())
-
-    def accepted(self) -> None:
-        """The listener accepted a connection (published at once)."""
-        self.slot.accepted()
-
-    def should_shed(self) -> bool:
-        """Whether the response being prepared should close its connection
-        (:func:`app.server.balance.should_shed`, at most once per ``SHED_INTERVAL_S``; the table
-        is looked at at most once per ``SHED_CHECK_S``)."""
-        slot = self.slot
-        now = time.monotonic()
-        if not slot.ready or now < self._next_check or now - self._last_shed < SHED_INTERVAL_S:
-            return False
-        self._next_check = now + SHED_CHECK_S
-        if not self.balancing:
-            return False
-        target = should_shed(slot.me(), slot.others(), now)
-        if target is None:
-            return False
-        self._last_shed = now
-        slot.shed()
-        log.debug(
-            "balance: shedding a connection (%d open, recent load %.1f items) towards pid %d (%d open, %.1f)",
-            slot.connections + 1, slot.recent, target.pid, target.connections, target.recent,
-        )  # fmt: skip
-        if self._shed is not None:
-            self._shed.inc()
-        return True
-
-
-class WorkerBalancer:
-    """The data plane's ``app.serving.siblings.Balancer`` on this worker's slot: the load
-    published, and requests that may leave handed to ``router`` (None: balancing off, or no
-    internal endpoints; nothing leaves)."""
-
-    def __init__(self, slot: WorkerSlot, router: Router | None) -> None:
-        self.slot = slot
-        self.router = router
-
-    def add_load(self, items: int) -> None:
-        """Admission (+items) or completion (-items) of an inference request: published."""
-        self.slot.add_load(items)
-
-    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
-        """Whether a request may leave: this worker ready and routing, and the request split
-        (:func:`app.server.balance.splits`) or pinned and waiting at least ``MIN_WAIT_S`` here
-        (for a model whose batches take a fraction of a millisecond the hop costs more than the
-        wait it saves)."""
-        router = self.router
-        if router is None or not self.slot.ready:
-            return False
-        if splits(unit.scatter, unit.max_batch_size, items):
-            return True
-        return (
-            pinned
-            and router.forward
-            and unit.expected_wait_s(asyncio.get_running_loop().time()) >= MIN_WAIT_S
-        )
-
-    async def route(
-        self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
-    ) -> Arrays | None:
-        """The router's answer (``app.server.router.Router.route``); None without a router."""
-        if self.router is None:
-            return None
-        return await self.router.route(unit, inputs, context, local)
 
 
 class WorkerSiblings:
@@ -164,7 +73,7 @@ class WorkerSiblings:
     def others_serving(self) -> bool:
         """Another worker accepts requests (:func:`app.server.balance.others_serving`). Reads
         /proc: off the loop."""
-        return self.slot.others_serving()
+        return others_serving(self.slot.other_states())
 
     def _reachable(self) -> list[int]:
         """The pids of the siblings that tick and are not leaving, ready or not (one with no
@@ -239,11 +148,11 @@ class Membership:
             )
         else:
             self._peers = PeerClient(self.run_dir)
-        router = None
+        route = None
         if balancing and self._peers is not None:
-            router = Router(slot, self._peers, **_router_metrics(metrics))
+            route = Router(slot, self._peers, **_router_metrics(metrics)).route
         self.connections = WorkerConnections(slot, balancing, metrics)
-        self.balancer = WorkerBalancer(slot, router)
+        self.balancer = WorkerBalancer(slot, route)
         self.siblings = WorkerSiblings(slot, self._peers)
 
     def publish(self, state: int) -> None:
@@ -257,12 +166,14 @@ class Membership:
             self.slot.tick(state, connections)
 
     def replacement_booting(self) -> bool:
-        """No other worker is ready and one still boots; off the loop."""
-        return self.slot is not None and self.slot.replacement_booting()
+        """No other worker is ready and one still boots
+        (:func:`app.server.balance.replacement_booting`); reads /proc: off the loop."""
+        return self.slot is not None and replacement_booting(self.slot.other_states())
 
     def may_recycle(self) -> bool:
-        """Another worker is ready, or there is none; off the loop."""
-        return self.slot is None or self.slot.may_recycle()
+        """Another worker is ready, or there is none (:func:`app.server.balance.may_recycle`);
+        reads /proc: off the loop."""
+        return self.slot is None or may_recycle(self.slot.other_states())
 
     async def serve_endpoint(self, core: ServingCore) -> None:
         """Serve ``core`` to the siblings on this worker's internal endpoint (shards, model

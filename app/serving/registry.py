@@ -201,9 +201,11 @@ class ModelRegistry:
         #: Per name, the version a request that names none gets.
         self.latest: dict[str, ModelVersion] = {}
         self.strict = strict
+        #: True once :meth:`begin_drain` was called (its only writer): readiness 503 for good.
+        #: An attribute, not a property: the keep-alive policy reads it for every response.
+        self.draining = False
         self._unavailable: dict[str, str] = {}
         self._unloaded: dict[str, str] = {}
-        self._draining = False
 
     @property
     def unavailable(self) -> Mapping[str, str]:
@@ -216,11 +218,6 @@ class ModelRegistry:
         """Models of the repository that model control unloaded, or has not loaded (explicit
         mode): name -> why (their requests get 404; the index lists them UNAVAILABLE)."""
         return self._unloaded
-
-    @property
-    def draining(self) -> bool:
-        """True once :meth:`begin_drain` was called: readiness 503 for good."""
-        return self._draining
 
     def add(self, config: ModelConfig) -> ModelVersion:
         """Register ``config`` (not yet loaded); a version of that name and number is replaced."""
@@ -373,9 +370,9 @@ class ModelRegistry:
     def begin_drain(self, reason: str) -> None:
         """Start draining: readiness 503 from now on; every response closes its connection
         (``app.http.edge``). Requests that still reach the worker are served. Idempotent."""
-        if self._draining:
+        if self.draining:
             return
-        self._draining = True
+        self.draining = True
         log.info(
             "worker %d draining (%s): readiness 503, responses close their connections",
             os.getpid(), reason, extra={"event": "drain", "reason": reason},

@@ -1,6 +1,6 @@
 """The load table (app.server.loadtable), the balancing rules (app.server.balance), and a
-worker's side of them: its slot (app.server.slot), its connections and its siblings
-(app.server.siblings)."""
+worker's side of them: its slot (app.server.loadtable), its connections (app.server.balance)
+and its siblings (app.server.siblings)."""
 
 from __future__ import annotations
 
@@ -12,11 +12,20 @@ from typing import cast
 
 import pytest
 
-from app.server.balance import least_loaded, may_accept, should_shed
-from app.server.loadtable import BOOTING, DRAINING, EMPTY, LOADING, READY, STALE_S, Load, LoadTable
+from app.server.balance import WorkerConnections, least_loaded, may_accept, should_shed
+from app.server.loadtable import (
+    BOOTING,
+    DRAINING,
+    EMPTY,
+    LOADING,
+    READY,
+    STALE_S,
+    Load,
+    LoadTable,
+    WorkerSlot,
+)
 from app.server.peers import PeerClient
-from app.server.siblings import WorkerConnections, WorkerSiblings
-from app.server.slot import WorkerSlot
+from app.server.siblings import WorkerSiblings
 
 
 def load(
@@ -152,7 +161,7 @@ def test_a_worker_that_does_not_balance_publishes_but_never_decides(tmp_path: Pa
     slot.tick(READY, 10)
     slot.add_load(5)
     assert table.read(slot.slot).items == 5 and table.read(slot.slot).state == READY
-    assert me.may_accept() and not me.should_shed() and slot.others_serving()
+    assert me.may_accept() and not me.should_shed() and WorkerSiblings(slot, None).others_serving()
 
 
 class Peers:

@@ -20,12 +20,10 @@ from aiohttp import web
 from app import errors
 from app.http.state import CORE
 from app.server import peers as wire
-from app.server.balance import pick_target
-from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable
+from app.server.balance import WorkerBalancer, pick_target
+from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSlot
 from app.server.peers import PATH, InternalEndpoint, PeerClient, socket_path
 from app.server.router import Router
-from app.server.siblings import WorkerBalancer
-from app.server.slot import WorkerSlot
 from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import MakeClient, eventually, hold
@@ -86,7 +84,7 @@ def test_power_of_two_choices_among_more_siblings() -> None:
 
 
 class FakeSlot:
-    """What the Router reads of app.server.slot.WorkerSlot."""
+    """What the Router reads of app.server.loadtable.WorkerSlot."""
 
     def __init__(self, items: int, siblings: list[Load]) -> None:
         self.ready = True
@@ -182,7 +180,7 @@ async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_tha
     the hop would cost more than it saves), HTTP (not pinned) only when it is split; nothing
     leaves a worker that is not ready or has no router (balancing off)."""
     slot = WorkerSlot(LoadTable(tmp_path), 1)
-    balancer = WorkerBalancer(slot, Router(slot, PeerClient(tmp_path)))
+    balancer = WorkerBalancer(slot, Router(slot, PeerClient(tmp_path)).route)
     assert not balancer.considers(entry(), 3, pinned=True)  # not ready yet
     slot.tick(READY, 0)
     assert balancer.considers(entry(0.050), 3, pinned=True)

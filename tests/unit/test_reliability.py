@@ -16,9 +16,8 @@ import pytest
 
 from app.http.state import CORE
 from app.server import balance
-from app.server.loadtable import LoadTable
+from app.server.loadtable import LoadTable, WorkerSlot
 from app.server.restarts import RestartBackoff
-from app.server.slot import WorkerSlot
 from app.serving.executor import InferenceThread
 from tests.support.fixtures import Client, MakeClient, eventually, served
 from tests.support.toy_models import ScaleHandler, write_scale_model
