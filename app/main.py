@@ -68,10 +68,10 @@ async def create_app(
         siblings: the server's other workers (``app.server.siblings.WorkerSiblings`` under
             gunicorn with a load table); default :class:`~app.serving.siblings.Alone`.
         balancer: this worker's load and the requests that leave it
-            (``app.server.siblings.WorkerBalancer``); default: ``Alone`` (all run here).
+            (``app.server.balance.WorkerBalancer``); default: ``Alone`` (all run here).
         supervisor: what restarts this process (the gunicorn worker); default: nothing.
         shedding: which keep-alive connections move to a less-loaded sibling
-            (``app.server.siblings.WorkerConnections``); default: none move.
+            (``app.server.balance.WorkerConnections``); default: none move.
         metrics: this process's metrics, when its maker made them already (the gunicorn worker,
             whose balancing counts into them); default: made here when
             ``SCORING_METRICS_ENABLED``.

@@ -15,7 +15,7 @@
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
 - the balance among sibling workers says a less-loaded sibling should take this connection
-  (``app.http.state.SHEDDING``: ``app.server.siblings``).
+  (``app.http.state.SHEDDING``: ``app.server.balance.WorkerConnections``).
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). The policy runs as an ``on_response_prepare`` signal, so it sees every

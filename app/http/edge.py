@@ -26,8 +26,9 @@ In order, for each request (:func:`edge_middleware`):
    per request, as the gRPC servicer's), labelled by its route's API's protocol and model:
    counted in flight on arrival when its path names the model (so that what is refused here
    counts under it), else once the data plane has found the model its body names
-   (``DataPlane.admit``). The inference route puts it in the request's context
-   (:data:`RECORDING`).
+   (``DataPlane.admit``); a model the repository knows but this worker cannot serve counts
+   under its name (``ModelRegistry.labels``), an unknown one under "". The inference route
+   puts it in the request's context (:data:`RECORDING`).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ construction and never replaced.
 Which connection should move to a less-loaded sibling is no question of the serving core: it is
 the HTTP front end's keep-alive policy (``app.http.state.SHEDDING``).
 
-The gunicorn worker implements them (``app.server.siblings``: ``WorkerBalancer``,
-``WorkerSiblings``; ``app.server.worker.ScoringWebWorker``); :class:`Alone` stands in for all
-three where there are no siblings and nothing restarts the process: in-process tests,
-``python -m aiohttp.web``, a worker whose load table cannot be opened.
+The gunicorn worker implements them (``app.server.balance.WorkerBalancer``,
+``app.server.siblings.WorkerSiblings``, ``app.server.worker.ScoringWebWorker``); :class:`Alone`
+stands in for all three where there are no siblings and nothing restarts the process: in-process
+tests, ``python -m aiohttp.web``, a worker whose load table cannot be opened.
 """
 
 from __future__ import annotations
