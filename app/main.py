@@ -2,7 +2,7 @@
 
 Launch: ``gunicorn -c gunicorn.conf.py app.main:create_app`` (the factory is given without
 parentheses; our worker, ``app.server.worker.ScoringWebWorker``, awaits it in each worker process
-with its siblings and itself as supervisor).
+with its siblings, balancer, shedding and metrics, and itself as supervisor).
 """
 
 from __future__ import annotations
@@ -21,7 +21,16 @@ from app.http.extensions import routes as extension_routes
 from app.http.inference import API_OF, inference_routes
 from app.http.limits import parser_limits, quiet_parser_errors
 from app.http.routes import metrics_handler, routes
-from app.http.state import CORE, grpc_ctx, models_ctx, on_shutdown, tracing_ctx
+from app.http.state import (
+    CORE,
+    SHEDDING,
+    NoShedding,
+    Shedding,
+    grpc_ctx,
+    models_ctx,
+    on_shutdown,
+    tracing_ctx,
+)
 from app.observability.gpu import gpu_metrics_ctx
 from app.observability.looplag import loop_lag_ctx
 from app.observability.metrics import ServerMetrics, create_metrics
@@ -30,15 +39,15 @@ from app.observability.tracing import setup as setup_tracing
 from app.protocols.tensors import RequestLimits
 from app.serving.auth import ApiKeys
 from app.serving.control import ModelControl
-from app.serving.core import ServingCore
+from app.serving.core import ServingCore, WorkerHealth
 from app.serving.dataplane import DataPlane
 from app.serving.item_cache import ItemCache
 from app.serving.items import ItemStage, Stages
-from app.serving.lifecycle import resolve_device
+from app.serving.lifecycle import Lifecycle, resolve_device
 from app.serving.redis_tier import RedisTier
-from app.serving.registry import ModelRegistry, WorkerHealth
+from app.serving.registry import ModelRegistry
 from app.serving.response_cache import ResponseCache
-from app.serving.siblings import Alone, Siblings, Supervisor
+from app.serving.siblings import Alone, Balancer, Siblings, Supervisor
 from app.serving.windows import WindowStage
 from app.settings import Settings
 
@@ -47,16 +56,26 @@ async def create_app(
     settings: Settings | None = None,
     *,
     siblings: Siblings | None = None,
+    balancer: Balancer | None = None,
     supervisor: Supervisor | None = None,
+    shedding: Shedding | None = None,
+    metrics: ServerMetrics | None = None,
 ) -> web.Application:
     """Build the aiohttp application: routes, the edge middleware, API keys, keep-alive policy,
-    metrics, model lifecycle, gRPC.
+    metrics, the serving core (its models load when the app starts), gRPC.
 
     Args:
         settings: defaults to ``Settings()`` read from ``SCORING_*`` env vars.
         siblings: the server's other workers (``app.server.siblings.WorkerSiblings`` under
             gunicorn with a load table); default :class:`~app.serving.siblings.Alone`.
+        balancer: this worker's load and the requests that leave it
+            (``app.server.balance.WorkerBalancer``); default: ``Alone`` (all run here).
         supervisor: what restarts this process (the gunicorn worker); default: nothing.
+        shedding: which keep-alive connections move to a less-loaded sibling
+            (``app.server.balance.WorkerConnections``); default: none move.
+        metrics: this process's metrics, when its maker made them already (the gunicorn worker,
+            whose balancing counts into them); default: made here when
+            ``SCORING_METRICS_ENABLED``.
 
     Raises:
         pydantic.ValidationError: a setting has an invalid value.
@@ -68,13 +87,14 @@ async def create_app(
     quiet_parser_errors()
     keys = ApiKeys.from_settings(settings)
     authorize = authorizer(keys, metrics_open=not settings.metrics_auth) if keys.enabled else None
-    metrics = create_metrics() if settings.metrics_enabled else None
+    if metrics is None and settings.metrics_enabled:
+        metrics = create_metrics()
     app = web.Application(
         middlewares=[edge_middleware(settings, API_OF, authorize, metrics, tracing)],
         client_max_size=settings.max_request_bytes,
         handler_args=parser_limits(settings),
     )
-    registry = ModelRegistry()  # filled from the repository by models_ctx at startup
+    registry = ModelRegistry(strict=settings.strict_readiness)  # filled when the models start
     limits = RequestLimits(
         max_items=settings.max_items_per_request,
         max_string_bytes=settings.max_string_bytes,
@@ -86,14 +106,15 @@ async def create_app(
     # windows first (nearest the client), then the cache: each window is one cached item
     items: ItemStage[Any] = WindowStage() if cache is None else Stages([WindowStage(), cache])
     siblings = siblings or alone
-    plane = DataPlane(registry, settings, limits, siblings, tracing, items=items)
+    plane = DataPlane(registry, settings, limits, siblings, tracing, items=items, balancer=balancer)
+    lifecycle = Lifecycle(settings, registry, device, metrics, tracing)
     core = ServingCore(
         settings=settings, registry=registry, health=WorkerHealth(), limits=limits, siblings=siblings,
-        supervisor=supervisor or alone, dataplane=plane, binding=binding, metrics=metrics, tracing=tracing,
-        keys=keys,
+        supervisor=supervisor or alone, dataplane=plane, binding=binding, lifecycle=lifecycle,
+        control=ModelControl(lifecycle, siblings), metrics=metrics, tracing=tracing, keys=keys,
     )  # fmt: skip
-    core.control = ModelControl(core, device)
     app[CORE] = core
+    app[SHEDDING] = shedding or NoShedding()
     if tracing is not None:
         app.cleanup_ctx.append(tracing_ctx)  # first: its cleanup runs last, after the requests
     app.add_routes(inference_routes)  # the hot path first (aiohttp tries routes in order)

@@ -316,7 +316,9 @@ class Settings(BaseSettings):
         allow_inf_nan=False,
         description="A model that fails to load stays unavailable (503 with its reason) while the "
         "others serve, and its load is retried in the worker after 2 s, then twice as long each "
-        "time, at most this many seconds apart; 0 = never retried (until a reload).",
+        "time, at most this many seconds apart; a load refused on the model's own files (a value "
+        "its model.toml or handler refuses, a handler that does not import) is tried again only "
+        "once a file of its folder changes; 0 = never retried (until a reload).",
     )
     model_control_mode: Literal["none", "explicit", "poll"] = Field(
         "none",

@@ -1,4 +1,4 @@
-"""Micro-benchmark of the load table (app.server.siblings): time per write, per read of a slot,
+"""Micro-benchmark of the load table (app.server.loadtable): time per write, per read of a slot,
 and per accept decision, measured by pyperf (calibrated loops, several worker processes, mean
 and standard deviation).
 
@@ -7,7 +7,7 @@ and standard deviation).
     python -m benchmarks.loadtable -o loadtable.json    # pyperf's JSON (python -m pyperf show ...)
 
 A "look" is what a worker does before an accept or a shed: read its own slot and its siblings'
-and pick the least-loaded live one (``app.server.siblings.may_accept``).
+and pick the least-loaded live one (``app.server.balance.may_accept``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from collections.abc import Callable
 import psutil
 import pyperf
 
-from app.server.siblings import READY, LoadTable, may_accept
+from app.server.balance import may_accept
+from app.server.loadtable import READY, LoadTable
 
 
 def timer(operation: Callable[[], object]) -> Callable[[int], float]:

@@ -15,7 +15,7 @@
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
 - the balance among sibling workers says a less-loaded sibling should take this connection
-  (``Siblings.should_shed``: ``app.server.siblings``).
+  (``app.http.state.SHEDDING``: ``app.server.balance.WorkerConnections``).
 
 The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
 (``SCORING_KEEPALIVE_S``). The policy runs as an ``on_response_prepare`` signal, so it sees every
@@ -46,7 +46,7 @@ import weakref
 
 from aiohttp import web
 
-from app.http.state import CORE
+from app.http.state import CORE, SHEDDING
 
 #: Requests answered per connection, keyed by its transport (gone with the connection).
 _PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
@@ -87,7 +87,7 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         if served >= cap:
             _close_after(response)
             return
-    if app[CORE].siblings.should_shed():
+    if app[SHEDDING].should_shed():
         _close_after(response)
 
 

@@ -26,8 +26,9 @@ In order, for each request (:func:`edge_middleware`):
    per request, as the gRPC servicer's), labelled by its route's API's protocol and model:
    counted in flight on arrival when its path names the model (so that what is refused here
    counts under it), else once the data plane has found the model its body names
-   (``DataPlane.admit``). The inference route puts it in the request's context
-   (:data:`RECORDING`).
+   (``DataPlane.admit``); a model the repository knows but this worker cannot serve counts
+   under its name (``ModelRegistry.labels``), an unknown one under "". The inference route
+   puts it in the request's context (:data:`RECORDING`).
 """
 
 from __future__ import annotations
@@ -104,8 +105,9 @@ def edge_middleware(
         recording = None
         if metrics is not None and api is not None:
             recording = request[RECORDING] = Recording(metrics, api.protocol)
-            if api.codec.named_in_path:  # labelled from arrival: refusals here (401, 408, 413) too
-                recording.model(*_model_labels(request))
+            labels = _model_labels(request) if api.codec.named_in_path else None
+            if labels is not None:  # labelled from arrival: refusals here (401, 408, 413) too
+                recording.model(*labels)
         code = 500
         try:
             try:
@@ -150,14 +152,15 @@ def edge_middleware(
     return edge
 
 
-def _model_labels(request: web.Request) -> tuple[str, str]:
-    """(model, version) of the request its path names; ("", "") for one this worker does not
-    serve."""
+def _model_labels(request: web.Request) -> tuple[str, str] | None:
+    """(model, version) of the request its path names, an unavailable one's included; None (counted
+    under "") for one this worker does not know (``ModelRegistry.labels``)."""
     info = request.match_info
+    name, version = info["name"], info.get("version")
     try:
-        config = request.app[CORE].dataplane.version(info["name"], info.get("version")).config
-    except ScoringError:  # unknown, or unavailable: answered 404 / 503
-        return "", ""
+        config = request.app[CORE].dataplane.version(name, version).config
+    except ScoringError:  # not served: unavailable (its name), or unknown ("")
+        return request.app[CORE].registry.labels(name, version)
     return config.name, config.version
 
 

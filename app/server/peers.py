@@ -8,7 +8,9 @@ on the TCP listener. It runs the shard through :meth:`app.serving.dataplane.Data
 the sender's request context (``app.serving.context``) marked forwarded (a shard is never split
 or forwarded again): its request id, priority, remaining deadline (sent relative, anchored again
 on arrival) and trace context (the ``traceparent`` header); API keys were
-checked by the worker that received the request. Imported by the worker only (it imports the
+checked by the worker that received the request. The sender's call is the shard's client: when
+the sender closes it (its own client left, ``app.server.router``), the shard's items still queued
+here are dropped. Imported by the worker only (it imports the
 serving layer, hence torch).
 
 **Wire format**: msgpack (msgspec), no pickle. A numeric tensor travels as its dtype string
@@ -26,7 +28,7 @@ import asyncio
 import logging
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -206,9 +208,41 @@ def internal_app(core: ServingCore) -> web.Application:
     return app
 
 
-def shard_context(shard: ShardRequest, now: float, headers: Mapping[str, str]) -> RequestContext:
+class InternalEndpoint:
+    """This worker's internal endpoint, serving (:func:`internal_app`) on
+    ``<run dir>/peers/<pid>.sock``; made by :meth:`start` once the worker's core exists."""
+
+    def __init__(self, runner: web.AppRunner, path: Path) -> None:
+        self.runner = runner
+        self.path = path
+
+    @classmethod
+    async def start(cls, core: ServingCore, run_dir: str | os.PathLike[str], pid: int) -> InternalEndpoint:
+        """Serve ``core`` at worker ``pid``'s socket path (a stale socket file is replaced);
+        ``<run dir>/peers`` must exist and be private (``app.server.rundir.private_subdir``)."""
+        path = socket_path(run_dir, pid)
+        path.unlink(missing_ok=True)
+        runner = web.AppRunner(internal_app(core), access_log=None)
+        await runner.setup()
+        await web.UnixSite(runner, str(path)).start()
+        return cls(runner, path)
+
+    async def close(self) -> None:
+        """Stop serving (requests under way finish within aiohttp's shutdown) and remove the
+        socket file."""
+        await self.runner.cleanup()
+        self.path.unlink(missing_ok=True)
+
+
+def shard_context(
+    shard: ShardRequest,
+    now: float,
+    headers: Mapping[str, str],
+    is_disconnected: Callable[[], bool] | None = None,
+) -> RequestContext:
     """The context a shard runs under here, received at ``now`` (loop time) with ``headers``:
-    the sender's id, priority and trace, its deadline anchored on ``now``, forwarded.
+    the sender's id, priority and trace, its deadline anchored on ``now``, forwarded; its client
+    gone once ``is_disconnected`` says the sender's call closed.
 
     Raises:
         InvalidInput: a negative priority.
@@ -217,14 +251,23 @@ def shard_context(shard: ShardRequest, now: float, headers: Mapping[str, str]) -
         raise errors.InvalidInput(f"shard priority {shard.priority} < 0")
     trace = tuple((name, headers[name]) for name in TRACE_HEADERS if name in headers)
     return RequestContext(
-        shard.request_id, now + shard.timeout_s, shard.priority, trace, forwarded=True, arrival=now
-    )
+        shard.request_id, now + shard.timeout_s, shard.priority, trace, forwarded=True,
+        is_disconnected=is_disconnected, arrival=now,
+    )  # fmt: skip
+
+
+def _call_closed(request: web.Request) -> Callable[[], bool]:
+    """True once the sender of ``request`` closed its call (it gave the shard up)."""
+    transport = request.transport
+    return lambda: transport is None or transport.is_closing()
 
 
 async def _handle_shard(request: web.Request) -> web.Response:
     try:
         shard = decode_request(await request.read())
-        context = shard_context(shard, asyncio.get_running_loop().time(), request.headers)
+        context = shard_context(
+            shard, asyncio.get_running_loop().time(), request.headers, _call_closed(request)
+        )
         inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
         plane = request.app[CORE].dataplane
         model = plane.version(shard.model, shard.version)

@@ -1,8 +1,8 @@
 """Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
 
-The data plane asks its siblings (``app.server.siblings.WorkerSiblings.considers``) of every request
-(one cheap condition) and awaits the router only for the requests they consider; the router then
-makes one of two choices:
+The data plane asks its balancer (``app.server.balance.WorkerBalancer.considers``) of every
+request (one cheap condition) and awaits the router only for the requests it considers; the router
+then makes one of two choices, by the rules of :mod:`app.server.balance`:
 
 - **Scatter/gather** (large requests): a request with more items than its model's
   ``max_batch_size`` (``scatter = true`` in ``model.toml``, the default) is cut into contiguous
@@ -19,11 +19,9 @@ makes one of two choices:
   aged out (``grpc_max_connection_age_s``: the kernel re-places it on reconnect, blind to
   load). So a request that arrives on such a *pinned* connection and is not split is forwarded
   whole to a sibling when this worker is clearly busier than that sibling
-  (:func:`pick_target`: power of two choices among the live ready siblings, two drawn at
-  random and the one with fewer items kept, as Ray Serve's request router does; Mitzenmacher,
-  "The Power of Two Choices in Randomized Load Balancing"). An idle worker never forwards (no
-  hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave while
-  it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.siblings``):
+  (:func:`app.server.balance.pick_target`: power of two choices). An idle worker never forwards
+  (no hop at c = 1), a 2:1 imbalance is the most left in place, and a request does not leave
+  while it would wait less than ``MIN_WAIT_S`` here (the model's backlog; ``app.server.balance``):
   for a model whose batches take a fraction of a millisecond the hop costs more CPU on both
   workers than the wait it saves. The sibling's items count at least what this worker has
   forwarded to it and not yet had answered (the table lags the hop). A sibling that cannot be
@@ -31,28 +29,41 @@ makes one of two choices:
   progress) costs nothing but time: the request runs here.
 
 A shard or forwarded request keeps its request context (``app.serving.context``: id, remaining
-deadline, priority, trace) and is never split or forwarded again there (``forwarded``).
+deadline, priority, trace) and is never split or forwarded again there (``forwarded``). It also
+keeps its client: aiohttp does not cancel a handler whose client has gone, so while parts of a
+request run on siblings the router looks at its client every ``DISCONNECT_CHECK_S``; once it has
+gone, every part is cancelled (ClientDisconnected, 499): the calls to the siblings close their
+connections, and each sibling drops the items still queued for it (its own ``is_disconnected``:
+``app.server.peers``), as this worker drops its own part. A part whose deadline passes ends the
+same way: the sibling's answer is awaited at most ``REPLY_GRACE_S`` past it, then the call closes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 import numpy as np
 
 from app import errors
+from app.server.balance import pick_siblings, pick_target, splits
+from app.server.loadtable import Load, WorkerSlot
 from app.server.peers import PeerClient, PeerUnavailable
-from app.server.siblings import Load, WorkerSiblings, clearly_busier, splits
 from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun
 from app.serving.unit import ServingUnit
 
 log = logging.getLogger(__name__)
+
+#: While parts of a request run on siblings, how often its client is looked at, seconds: one
+#: wakeup per such request, and a client that left costs its siblings at most this much more work.
+DISCONNECT_CHECK_S = 0.05
+
+T = TypeVar("T")
 
 
 def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
@@ -61,54 +72,12 @@ def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
     return [(cuts[i], cuts[i + 1]) for i in range(shards)]
 
 
-def pick_siblings(siblings: list[Load], items: int, max_batch_size: int, now: float) -> list[Load]:
-    """The least-loaded live siblings that take a shard: at most one shard per
-    ``max_batch_size`` items, this worker keeping one. A sibling with a full batch (or more)
-    already queued or running is saturated: a shard would only wait there."""
-    wanted = math.ceil(items / max(1, max_batch_size)) - 1
-    free = (s for s in siblings if s.live(now) and s.items < max_batch_size)
-    live = sorted(free, key=lambda s: (s.recent, s.items, s.connections))
-    return live[: max(0, wanted)]
-
-
-def pick_target(
-    mine: int,
-    siblings: Sequence[Load],
-    now: float,
-    pending: dict[int, int] | None = None,
-    rng: random.Random | None = None,
-) -> Load | None:
-    """The sibling a pinned request should go to, or None to run it here (module docstring).
-
-    Args:
-        mine: this worker's items queued + in flight (before this request).
-        siblings: the other slots of the load table (dead, stale and unready ones are skipped).
-        now: ``time.monotonic()``, seconds.
-        pending: items this worker forwarded per sibling pid, not yet answered.
-        rng: the random source of the two choices (tests pass a seeded one).
-    """
-    if mine < 1:
-        return None
-    pending = pending or {}
-    live = [s for s in siblings if s.live(now)]
-    if len(live) > 2:
-        live = (rng or random).sample(live, 2)
-
-    def load(s: Load) -> tuple[int, float]:
-        return (max(s.items, pending.get(s.pid, 0)), s.recent)
-
-    best = min(live, key=load, default=None)
-    if best is None or not clearly_busier(mine, load(best)[0]):
-        return None
-    return best
-
-
 class Router:
-    """Where requests that leave this worker go (module docstring); the worker's siblings
-    (``app.server.siblings.WorkerSiblings``) hand it the requests they consider.
+    """Where requests that leave this worker go (module docstring); the worker's balancer
+    (``app.server.balance.WorkerBalancer``) hands it the requests it considers.
 
     Args:
-        siblings: this worker's view of the load table (its own items, its siblings' loads).
+        slot: this worker's slot in the load table (its own items, its siblings' loads).
         peers: the client of the siblings' internal endpoints.
         on_scatter: called with (model, version, shards sent to siblings) per scattered request.
         on_forward: called with (model, version) per request sent whole to a sibling (one
@@ -119,7 +88,7 @@ class Router:
 
     def __init__(
         self,
-        siblings: WorkerSiblings,
+        slot: WorkerSlot,
         peers: PeerClient,
         *,
         on_scatter: Callable[[str, str, int], None] | None = None,
@@ -127,7 +96,7 @@ class Router:
         forward: bool = True,
         rng: random.Random | None = None,
     ) -> None:
-        self.siblings = siblings
+        self.slot = slot
         self.peers = peers
         self.on_scatter = on_scatter
         self.on_forward = on_forward
@@ -143,15 +112,18 @@ class Router:
 
         Raises:
             DeadlineExceeded: a sibling did not answer before ``context.deadline`` (it stalled).
+            ClientDisconnected: the client left first (every part was cancelled).
             ScoringError: a sibling's run failed (same class as there).
         """
         items = len(next(iter(inputs.values())))
         if splits(unit.scatter, unit.max_batch_size, items):
-            siblings = pick_siblings(self.siblings.others(), items, unit.max_batch_size, time.monotonic())
+            siblings = pick_siblings(self.slot.others(), items, unit.max_batch_size, time.monotonic())
             if siblings:
-                return await self._scatter(unit, inputs, items, context, local, siblings)
+                return await _while_connected(
+                    self._scatter(unit, inputs, items, context, local, siblings), context
+                )
         if context.pinned and self.forward:
-            return await self._forward(unit, inputs, items, context, local)
+            return await _while_connected(self._forward(unit, inputs, items, context, local), context)
         return None
 
     async def _scatter(
@@ -202,8 +174,8 @@ class Router:
         self, unit: ServingUnit, inputs: Arrays, items: int, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         request_id = context.request_id
-        mine = self.siblings.items
-        target = pick_target(mine, self.siblings.others(), time.monotonic(), self.pending, self.rng)
+        mine = self.slot.items
+        target = pick_target(mine, self.slot.others(), time.monotonic(), self.pending, self.rng)
         if target is None:
             log.debug("balance: request %s runs here (%d items here)", request_id, mine)
             return None
@@ -230,3 +202,26 @@ class Router:
         if refused:
             return await local(inputs)
         return outputs
+
+
+async def _while_connected(work: Coroutine[Any, Any, T], context: RequestContext) -> T:
+    """``work``, cancelled once the client of the request it serves has gone (module docstring).
+
+    Raises:
+        ClientDisconnected: the client left before ``work`` ended.
+    """
+    gone = context.is_disconnected
+    if gone is None:
+        return await work
+    task = asyncio.get_running_loop().create_task(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait((task,), timeout=DISCONNECT_CHECK_S)
+            if done:
+                return task.result()
+            if gone():
+                log.info("request %s: its client left; its parts on sibling workers are cancelled",
+                         context.request_id)  # fmt: skip
+                raise errors.ClientDisconnected(f"client of request {context.request_id} left")
+    finally:
+        task.cancel()  # nothing when it ended; else its calls to siblings close

@@ -42,11 +42,12 @@ recycle, a HUP reload) starts listening only once its models are warm
 until warm).
 
 **Worker states and load** for the above and for balancing: one record, the load table
-(:class:`app.server.siblings.LoadTable`), through :class:`app.server.siblings.SiblingSlot`. The
-app factory gets the worker's siblings (:class:`app.server.siblings.WorkerSiblings`; without a
-load table none, and the app stands alone) as its ``siblings`` and the worker itself as its
-``supervisor`` (``app.serving.siblings``): neither is replaced after the app is made; once the
-app has started, ``SiblingSlot.join`` gives the siblings their router and model control client.
+(:mod:`app.server.loadtable`), through the worker's :class:`app.server.siblings.Membership`, made
+whole in ``init_process`` with the worker's metrics. The app factory gets its balancer and
+siblings (without a load table none, and the app stands alone), its connections' shedding, the
+metrics, and the worker itself as its ``supervisor`` (``app.serving.siblings``); none is replaced
+or completed afterwards. Once the app has started, the internal endpoint serves its core to the
+siblings (``Membership.serve_endpoint``).
 """
 
 from __future__ import annotations
@@ -60,8 +61,6 @@ import os
 import signal
 import sys
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -69,13 +68,14 @@ from aiohttp import web
 from gunicorn.workers.base import Worker
 
 from app.server.listener import Listener, new_event_loop, ssl_context
-from app.server.siblings import DRAINING, LOADING, READY, STOPPING, SiblingSlot
+from app.server.loadtable import DRAINING, LOADING, READY, STOPPING
+from app.server.siblings import Membership
 from app.settings import Settings
 
 # The master imports this module to find the worker class and must never import torch:
 # the app's modules (app.serving.*) are imported in the worker, lazily.
 
-__all__ = ["RestartBackoff", "ScoringUVLoopWebWorker", "ScoringWebWorker", "wait_before_booting"]
+__all__ = ["ScoringUVLoopWebWorker", "ScoringWebWorker"]
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +110,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._app: web.Application | None = None
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
-        self._slot = SiblingSlot(None, os.getpid())  # alone until init_process
+        self._membership = Membership(None, os.getpid())  # alone until init_process
+        self._metrics: Any = None
         self._draining = False
         self._was_ready = False
         self._finished = False
@@ -130,14 +131,19 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
 
     def init_process(self) -> None:
         atexit.register(self._exit_without_teardown)  # first: it runs after the app's own
+        # Before any import of the app (the membership's imports the serving layer, torch).
+        threading.Thread(target=self._boot_heartbeat, name="boot-heartbeat", daemon=True).start()
         self.loop = self.new_loop()
         asyncio.set_event_loop(self.loop)
-        self.settings = Settings().for_workers(self.cfg.workers)
-        self._slot = SiblingSlot(self.settings.run_dir, os.getpid(), self.settings.balance)
+        self.settings = settings = Settings().for_workers(self.cfg.workers)
+        if settings.metrics_enabled:
+            from app.observability.metrics import create_metrics
+
+            self._metrics = create_metrics()
+        self._membership = Membership(settings.run_dir, os.getpid(), settings.balance, self._metrics)
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests
-        threading.Thread(target=self._boot_heartbeat, name="boot-heartbeat", daemon=True).start()
         super().init_process()  # init_signals, load_wsgi, then run()
 
     def init_signals(self) -> None:
@@ -169,7 +175,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         try:
             self.loop.run_until_complete(self._serve())
         finally:
-            self._slot.release()
+            self._membership.release()
             if not self._aborted:  # an abort leaves generators mid-await: nothing to finish
                 self.loop.run_until_complete(self.loop.shutdown_asyncgens())
             self.loop.close()
@@ -207,7 +213,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self.exit_code = 1
         self._aborted = True
         self.cfg.worker_abort(self)
-        self._slot.release()
+        self._membership.release()
         sys.exit(1)
 
     # --- boot ---------------------------------------------------------------------
@@ -227,7 +233,11 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         if isinstance(factory, web.Application):
             app = factory
         else:
-            app = await factory(self.settings, siblings=self._slot.siblings, supervisor=self)
+            member = self._membership
+            app = await factory(
+                self.settings, siblings=member.siblings, balancer=member.balancer, supervisor=self,
+                shedding=member.connections, metrics=self._metrics,
+            )  # fmt: skip
         if self._draining:  # stopped while the app was being made: nothing loaded, nothing to drain
             return
         self._attach(app)
@@ -247,17 +257,18 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
         server = runner.server
         assert server is not None
-        await self._slot.join(app, server)
         from app.http.limits import json_errors_protocol
+        from app.http.state import CORE
 
-        siblings = self._slot.siblings
+        await self._membership.serve_endpoint(app[CORE])
+        connections = self._membership.connections
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
             functools.partial(json_errors_protocol, server),
             ssl_context(self.cfg) if self.cfg.is_ssl else None,
-            may_accept=siblings.may_accept if siblings is not None else (lambda: True),
-            accepted=siblings.accepted if siblings is not None else (lambda: None),
+            may_accept=connections.may_accept if connections is not None else (lambda: True),
+            accepted=connections.accepted if connections is not None else (lambda: None),
         )
         if not self._draining:
             self._listener.start()
@@ -265,12 +276,12 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await self._tick_until_stopped()
         self._listener.stop(close=True)
         await runner.cleanup()
-        await self._slot.close()
+        await self._membership.close()
 
     def _attach(self, app: web.Application) -> None:
         self._app = app
         app.on_shutdown.append(self._cancel_tasks)
-        self._slot.publish(LOADING)
+        self._membership.publish(LOADING)
 
     def request_stop(self, reason: str) -> bool:
         """``app.serving.siblings.Supervisor``: drain and exit (:meth:`stop_gracefully`)."""
@@ -295,7 +306,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         from app.http.state import CORE
 
         assert self._app is not None and self._stopped is not None
-        app, slot, stopped = self._app, self._slot, self._stopped
+        app, member, stopped = self._app, self._membership, self._stopped
         pid = os.getpid()
         ticks = 0
         loop = asyncio.get_running_loop()
@@ -322,7 +333,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 and self._recycle_after
                 and served >= self._recycle_after
                 and ticks % _STATES_EVERY == 0
-                and await _off_loop(slot.may_recycle)
+                and await _off_loop(member.may_recycle)
             ):
                 self.log.info(
                     "worker %s: %d responses (max_requests %d), recycling", pid, served, self._recycle_after
@@ -332,13 +343,14 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 await asyncio.wait_for(stopped.wait(), _TICK_S)
 
     def _publish_load(self, state: int) -> None:
-        self._slot.tick(state)
-        siblings, listener = self._slot.siblings, self._listener
+        server = self._runner.server if self._runner is not None else None
+        self._membership.tick(state, len(server.connections) if server is not None else 0)
+        connections, listener = self._membership.connections, self._listener
         if (
             listener is not None
             and listener.listening
             and listener.paused
-            and (siblings is not None and siblings.may_accept())
+            and (connections is not None and connections.may_accept())
         ):
             listener.resume()
 
@@ -371,7 +383,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             self.log.info("worker %s (%s): stopped before it was ready", os.getpid(), reason)
             self._stop()
             return
-        self._slot.publish(DRAINING)
+        self._membership.publish(DRAINING)
         if self._listener is not None:
             self._listener.resume()  # accept while draining, whatever the balance said
         self._spawn(self._hold_then_stop(reason))
@@ -386,7 +398,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         await asyncio.sleep(settings.drain_grace_s)
         waited = False
         while loop.time() - started < settings.drain_max_hold_s and await _off_loop(
-            self._slot.replacement_booting
+            self._membership.replacement_booting
         ):
             waited = True
             await asyncio.sleep(_TICK_S * 2)
@@ -404,51 +416,9 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._stop()
 
     def _stop(self) -> None:
-        self._slot.publish(STOPPING)
+        self._membership.publish(STOPPING)
         self.alive = False
         self._wake()
-
-
-class RestartBackoff:
-    """The master's brake on a worker that keeps dying while it boots.
-
-    gunicorn forks a replacement at once, whatever killed the last one; a worker that crashes
-    while it boots (a segfault in a native library, an import that fails, a GPU that is gone)
-    would be forked again and again, a few times a second, each time paying the import of
-    torch. A worker that exited before it was ready is an *early exit*; with ``n`` of them in
-    the last ``window_s`` seconds, the next worker waits ``min(max_s, first_s * 2 ** (n - 2))``
-    seconds before it boots (none for a single one: a lone crash is replaced at once).
-    Source: systemd's ``RestartSec``/``StartLimitBurst`` and Kubernetes' CrashLoopBackOff.
-
-    Args:
-        window_s: how far back early exits count, seconds.
-        first_s: the delay after the second early exit, seconds.
-        max_s: the longest delay, seconds.
-    """
-
-    def __init__(self, window_s: float = 120.0, first_s: float = 1.0, max_s: float = 60.0) -> None:
-        self.window_s, self.first_s, self.max_s = window_s, first_s, max_s
-        self._exits: deque[float] = deque(maxlen=64)
-
-    def exited_early(self, now: float) -> None:
-        """Record a worker that exited before it was ready (``now``: ``time.monotonic()``)."""
-        self._exits.append(now)
-
-    def delay_s(self, now: float) -> float:
-        """How long the next worker should wait before it boots, seconds."""
-        recent = sum(1 for t in self._exits if now - t <= self.window_s)
-        if recent < 2:
-            return 0.0
-        return float(min(self.max_s, self.first_s * 2 ** (recent - 2)))
-
-
-def wait_before_booting(delay_s: float, notify: Callable[[], None]) -> None:
-    """Sleep ``delay_s`` seconds in a forked worker (``post_fork``), notifying gunicorn so its
-    ``timeout`` does not kill the waiting worker."""
-    end = time.monotonic() + delay_s
-    while (left := end - time.monotonic()) > 0:
-        notify()
-        time.sleep(min(1.0, left))
 
 
 async def _off_loop(check: Callable[[], bool]) -> bool:

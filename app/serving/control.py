@@ -31,22 +31,15 @@ failed and why.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
-from collections.abc import AsyncIterator
-
-import torch
 
 from app.errors import ModelControlFailed, ModelLoadError
 from app.models.repository import ModelConfig, fingerprint, scan, scrub_paths, serving
-from app.serving.core import ServingCore
-from app.serving.lifecycle import release_all, try_load, unload_version
-from app.serving.runner import describe
-from app.serving.watchdog import watch_inference
+from app.serving.lifecycle import Lifecycle
+from app.serving.siblings import Siblings
 from app.settings import Settings
-from gpu_stat.verify import verify_binding
 
 log = logging.getLogger(__name__)
 
@@ -59,14 +52,15 @@ class ModelControl:
     """This worker's model control (module docstring).
 
     Args:
-        core: the worker's serving core (its settings, registry and siblings).
-        device: the torch device models load onto (``app.serving.lifecycle.resolve_device``).
+        lifecycle: what loads and unloads this worker's versions (its settings and registry).
+        siblings: the server's other workers, which every change reaches.
     """
 
-    def __init__(self, core: ServingCore, device: torch.device) -> None:
-        self.core = core
-        self.device = device
-        self.settings: Settings = core.settings
+    def __init__(self, lifecycle: Lifecycle, siblings: Siblings) -> None:
+        self.lifecycle = lifecycle
+        self.registry = lifecycle.registry
+        self.siblings = siblings
+        self.settings: Settings = lifecycle.settings
         self.mode = self.settings.model_control_mode
         run_dir = self.settings.run_dir
         self.model_set_path = run_dir / MODEL_SET_FILE if run_dir else None
@@ -80,6 +74,36 @@ class ModelControl:
         mode the server's current model set when one was written."""
         current = self.model_set()
         return tuple(current) if current is not None else self.settings.model_names
+
+    def register_boot_models(self) -> None:
+        """Fill the registry with the versions :meth:`boot_names` selects (not yet loaded), the
+        folders that cannot be served (unavailable, with why) and, in explicit mode, the models
+        outside the server's model set (unloaded).
+
+        Raises:
+            ModelLoadError: the repository cannot be scanned.
+        """
+        registry = self.registry
+        names = self.boot_names()
+        found = scan(self.settings.model_repository, names if self.model_set() is None else ())
+        for config in serving(found).configs:
+            if not names or config.name in names:
+                registry.add(config)
+            else:  # explicit mode, not in the server's model set
+                registry.set_unloaded(config.name, "not loaded")
+        for broken in found.unavailable:
+            if not names or broken.name in names:
+                registry.set_unavailable(broken.name, broken.reason)
+
+    async def load_registered(self) -> bool:
+        """Load every registered version, one after the other (a failed one retried in the
+        background); a change a sibling sends meanwhile applies after them. True when one
+        serves."""
+        loaded = False
+        async with self._lock:
+            for model in self.registry.entries():
+                loaded = await self.lifecycle.try_load(model) or loaded
+        return loaded
 
     def model_set(self) -> list[str] | None:
         """The model set ``models.json`` holds (explicit mode), or None when there is none."""
@@ -114,14 +138,13 @@ class ModelControl:
                 f"model control mode is {self.mode!r}: the server {why}; set "
                 "SCORING_MODEL_CONTROL_MODE=explicit to load and unload models through the API"
             )
-        registry = self.core.registry
+        registry = self.registry
         current = self.model_set() or sorted(set(registry.versions) | set(registry.unloaded))
         if action == LOAD:
             self._write_model_set([*current, name])
         else:
             self._write_model_set([n for n in current if n != name])
-        siblings = self.core.siblings
-        here, there = await asyncio.gather(self.apply(action, name), siblings.apply(action, name))
+        here, there = await asyncio.gather(self.apply(action, name), self.siblings.apply(action, name))
         failures = {os.getpid(): here} if here else {}
         failures.update(there)
         if failures:
@@ -152,7 +175,7 @@ class ModelControl:
             ModelLoadError: no folder declares the model (or its ``model.toml`` cannot be read).
         """
         found = scan(self.settings.model_repository)
-        registry = self.core.registry
+        registry = self.registry
         broken = {u.name: u.reason for u in found.unavailable}
         configs = [c for c in serving(found).configs if c.name == name]
         registry.set_unavailable(name, broken.get(name))
@@ -163,7 +186,7 @@ class ModelControl:
         return configs
 
     async def _load(self, name: str) -> str | None:
-        registry = self.core.registry
+        registry = self.registry
         selected = self._selected(name)
         registry.set_unloaded(name, None)
         versions = registry.versions.get(name, {})
@@ -173,7 +196,7 @@ class ModelControl:
             if model is not None and model.ready and model.fingerprint == fingerprint(config.path):
                 continue  # unchanged: it keeps serving
             model = registry.to_load(config)
-            if not await try_load(self.core, model, self.device, config, retry=False):
+            if not await self.lifecycle.try_load(model, config, retry=False):
                 failures.append(f"version {config.version}: {model.error}")
         if name in registry.unavailable:  # a folder of it that cannot be read: the call fails
             failures.append(registry.unavailable[name])
@@ -182,7 +205,7 @@ class ModelControl:
         wanted = {c.version for c in selected}
         await asyncio.gather(
             *(
-                unload_version(self.core, m)
+                self.lifecycle.unload(m)
                 for v, m in list(versions.items())
                 if v not in wanted and not m.unloading
             )
@@ -190,12 +213,12 @@ class ModelControl:
         return None
 
     async def _unload(self, name: str, why: str) -> str | None:
-        registry = self.core.registry
+        registry = self.registry
         models = [m for m in registry.versions.get(name, {}).values() if not m.unloading]
         if not models and name not in registry.unloaded and name not in registry.unavailable:
             return f"model {name!r} is not loaded"
         registry.set_unloaded(name, why)
-        await asyncio.gather(*(unload_version(self.core, m) for m in models))
+        await asyncio.gather(*(self.lifecycle.unload(m) for m in models))
         return None
 
     # --- after boot, and polling ---------------------------------------------------------------
@@ -206,7 +229,7 @@ class ModelControl:
         wanted = self.model_set()
         if wanted is None:
             return
-        registry = self.core.registry
+        registry = self.registry
         for name in wanted:
             if name not in registry.versions and name not in registry.unavailable:
                 why = await self.apply(LOAD, name)
@@ -223,7 +246,7 @@ class ModelControl:
         while True:
             await asyncio.sleep(self.settings.repository_poll_s)
             seen = await asyncio.get_running_loop().run_in_executor(None, self._snapshot, names)
-            registry = self.core.registry
+            registry = self.registry
             for name in sorted(set(seen) | set(self._seen)):
                 if name not in seen:
                     if name in registry.versions:
@@ -248,7 +271,7 @@ class ModelControl:
         try:
             return {u.name for u in scan(self.settings.model_repository).unavailable}
         except ModelLoadError:
-            return set(self.core.registry.unavailable)
+            return set(self.registry.unavailable)
 
     def _snapshot(self, names: set[str]) -> dict[str, dict[str, str]]:
         """name -> version -> fingerprint of every selected version in the repository (only
@@ -263,98 +286,3 @@ class ModelControl:
             if not names or config.name in names:
                 out.setdefault(config.name, {})[config.version] = fingerprint(config.path)
         return out
-
-
-# --- the worker's model set from start to stop ------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def serve_models(core: ServingCore) -> AsyncIterator[None]:
-    """The worker's models from start to stop (the HTTP layer runs it as the app's
-    ``cleanup_ctx``): the models of :meth:`ModelControl.boot_names` loaded in the background,
-    the hung-inference watchdog, repository polling (``poll`` mode); it enters once this worker
-    may listen (:func:`_defer_listening`); on exit the units stop and the models are freed (not
-    when an inference thread is stuck or a load is still under way).
-
-    Raises:
-        ModelLoadError: the repository cannot be scanned.
-    """
-    settings = core.settings
-    registry = core.registry
-    control = core.control
-    names = control.boot_names()
-    found = scan(settings.model_repository, names if control.model_set() is None else ())
-    chosen = serving(found)
-    for config in chosen.configs:
-        if not names or config.name in names:
-            registry.add(config)
-        else:  # explicit mode, not in the server's model set
-            registry.set_unloaded(config.name, "not loaded")
-    for broken in found.unavailable:
-        if not names or broken.name in names:
-            registry.set_unavailable(broken.name, broken.reason)
-    registry.strict = settings.strict_readiness
-    torch.set_num_threads(settings.effective_torch_threads(settings.workers))
-    loop = asyncio.get_running_loop()
-    task = core.load_task = loop.create_task(_load_all(core, control))
-    background = []
-    if settings.hung_inference_s > 0:
-        background.append(loop.create_task(watch_inference(core, settings.hung_inference_s), name="watchdog"))
-    try:
-        await _defer_listening(core)
-        yield
-    finally:
-        registry.draining = True
-        loaded = (
-            task.done()
-            and not task.cancelled()
-            and not any(m.error is None and not m.ready for m in registry.entries())
-        )
-        pending = [task, *background, *core.tasks]
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        await release_all(core, loaded)
-
-
-async def _load_all(core: ServingCore, control: ModelControl) -> None:
-    registry = core.registry
-    device = control.device
-    for name, reason in registry.unavailable.items():
-        log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
-    loaded = False
-    async with control._lock:  # a change a sibling sends meanwhile applies after the boot loads
-        for model in registry.entries():
-            loaded = await try_load(core, model, device) or loaded
-    # Now that the models hold their CUDA context, check through NVML that it is on the
-    # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
-    worker = core.binding
-    if loaded and worker.binding.gpu_uuid is not None:
-        await asyncio.get_running_loop().run_in_executor(None, verify_binding, worker.binding)
-    binding = worker.describe()["binding"]
-    models = [describe(m.runner) for m in registry.entries() if m.runner is not None]
-    log.info(
-        "worker %d %s: binding %s, models %s%s",
-        worker.pid, "ready" if registry.ready else "not ready", binding, models,
-        f", unavailable {sorted(registry.failures())}" if registry.failures() else "",
-        extra={"event": "worker_ready", "binding": binding, "models": models},
-    )  # fmt: skip
-    await control.reconcile()
-    if control.mode == "poll":
-        await control.poll()
-
-
-async def _defer_listening(core: ServingCore) -> None:
-    """While another worker serves, keep this one off the listener until it is ready (every
-    model that can load is warm), or it is asked to stop. A replacement whose models cannot load
-    so stays off the listener, retrying, while its siblings serve. The gunicorn worker's boot
-    heartbeat keeps gunicorn informed meanwhile."""
-    loop = asyncio.get_running_loop()
-    registry = core.registry
-    others_serving = core.siblings.others_serving
-    waited = False
-    while not registry.ready and not registry.draining and await loop.run_in_executor(None, others_serving):
-        waited = True
-        await asyncio.sleep(0.1)
-    if waited and not registry.draining:
-        log.info("worker %d: models warm, listening (another worker served meanwhile)", os.getpid())

@@ -1,31 +1,45 @@
 """The serving core of one worker: one plain object holding what its serving needs, handed to
-the front ends (HTTP, gRPC, the internal endpoint) and to the lifecycle, model control and the
-watchdog. Nothing here knows aiohttp: the HTTP layer puts the core on its ``web.Application``
-under one typed key (``app.http.state.CORE``) and starts and stops its models there.
+the front ends (HTTP, gRPC, the internal endpoint), to the watchdog and to the run of its models
+(``app.serving.boot``). Nothing here knows aiohttp: the HTTP layer puts the core on its
+``web.Application`` under one typed key (``app.http.state.CORE``) and starts and stops its
+models there.
 
-``app.main.create_app`` builds it once per worker (:class:`ServingCore` then its
-:class:`~app.serving.control.ModelControl`); the models load when the app starts
-(:func:`app.serving.control.serve_models`).
+``app.main.create_app`` builds it once per worker, complete: its lifecycle
+(:class:`~app.serving.lifecycle.Lifecycle`) and model control
+(:class:`~app.serving.control.ModelControl`) are made first, from the registry, the settings and
+the siblings, and handed to it; neither knows the core. The models load when the app starts
+(:func:`app.serving.boot.serve_models`).
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from app.binding import WorkerBinding
 from app.protocols.tensors import RequestLimits
 from app.serving.auth import ApiKeys
 from app.serving.dataplane import DataPlane
-from app.serving.registry import ModelRegistry, WorkerHealth
+from app.serving.registry import ModelRegistry
 from app.serving.siblings import Siblings, Supervisor
 from app.settings import Settings
 
-if TYPE_CHECKING:  # model control imports torch; the request path needs none of it
+if TYPE_CHECKING:  # the lifecycle imports torch; the request path needs none of it
     from app.observability.metrics import ServerMetrics
     from app.observability.tracing import Tracing
     from app.serving.control import ModelControl
+    from app.serving.lifecycle import Lifecycle
+
+
+@dataclass(eq=False)
+class WorkerHealth:
+    """This worker's liveness and its count of responses (``max_requests`` recycling)."""
+
+    responses: int = 0
+    #: Why an inference thread is considered stuck (liveness turns 503), or None.
+    hung: str | None = None
+    #: Passes the hung-inference watchdog has made over the units.
+    watchdog_passes: int = 0
 
 
 @dataclass(eq=False)
@@ -37,20 +51,16 @@ class ServingCore:
         registry: the model versions it serves and their states (``app.serving.registry``).
         health: its liveness and its count of responses.
         limits: the caps a request body is decoded under (items, string bytes, JSON depth).
-        siblings: the server's other workers (:class:`~app.serving.siblings.Alone` outside
-            gunicorn).
+        siblings: the server's other workers, as model control, startup and the statistics
+            see them (:class:`~app.serving.siblings.Alone` outside gunicorn).
         supervisor: what restarts this process (the gunicorn worker, or nothing).
         dataplane: the request path every front end calls (``app.serving.dataplane``).
         binding: where this worker is bound (GPU, slot) and the torch device its models use.
+        lifecycle: what loads, swaps and frees its model versions (``app.serving.lifecycle``).
+        control: model control (load, reload, unload while serving; ``app.serving.control``).
         metrics: the Prometheus metrics, or None when ``SCORING_METRICS_ENABLED`` is off.
         tracing: the OpenTelemetry tracing, or None when the ``OTEL_*`` variables set none.
         keys: the API keys every front end checks (``app.serving.auth``); None: no check.
-        control: model control (load, reload, unload while serving); set by ``create_app``
-            right after the core is made (it holds the core in turn).
-        tasks: the lifecycle's background tasks (load retries, old units draining); cancelled
-            when the models stop.
-        load_task: the task loading the boot models (then reconciling, polling), from the start
-            of the models until they stop; None before.
     """
 
     settings: Settings
@@ -61,9 +71,8 @@ class ServingCore:
     supervisor: Supervisor
     dataplane: DataPlane
     binding: WorkerBinding
+    lifecycle: Lifecycle
+    control: ModelControl
     metrics: ServerMetrics | None = None
     tracing: Tracing | None = None
     keys: ApiKeys | None = None
-    control: ModelControl = field(init=False)
-    tasks: set[asyncio.Task[None]] = field(default_factory=set)
-    load_task: asyncio.Task[None] | None = None

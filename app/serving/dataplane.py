@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from app.errors import ModelNotReady
+from app.errors import ModelNotReady, ScoringError
 from app.observability.tracing import Tracing
 from app.protocols import triton
 from app.protocols.codec import Call
@@ -39,7 +39,7 @@ from app.protocols.tensors import RequestLimits
 from app.serving.context import RequestContext
 from app.serving.items import ItemStage, for_model
 from app.serving.registry import ModelRegistry, ModelVersion
-from app.serving.siblings import Siblings
+from app.serving.siblings import Alone, Balancer, Siblings
 from app.serving.validation import (
     build_response,
     check_capacity,
@@ -78,11 +78,13 @@ class DataPlane:
         registry: the model versions this worker serves (kept by ``app.serving.lifecycle``).
         settings: the server's settings (default and maximum deadlines).
         limits: the request limits the codecs and validation enforce.
-        siblings: the other workers of the server (``app.serving.siblings``).
+        siblings: the other workers of the server (``app.serving.siblings``): their statistics.
         tracing: OpenTelemetry spans of the requests (``app.observability.tracing``); None: off.
         items: the item stages between a validated request and the queue, and what this
             worker's serving units compute is shown to them (``app.serving.items``: windows,
             the response cache); None: one item -> one item, and nothing is called.
+        balancer: this worker's load among its siblings and the requests that leave it
+            (``app.serving.siblings.Balancer``); None: all run here.
     """
 
     def __init__(
@@ -93,6 +95,7 @@ class DataPlane:
         siblings: Siblings,
         tracing: Tracing | None = None,
         items: ItemStage[Any] | None = None,
+        balancer: Balancer | None = None,
     ) -> None:
         self.registry = registry
         self.items = items
@@ -101,6 +104,7 @@ class DataPlane:
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
+        self.balancer: Balancer = balancer or Alone()
         self.tracing = tracing
 
     def local_statistics(self) -> list[dict[str, Any]]:
@@ -187,7 +191,8 @@ class DataPlane:
         its own size, happens in :meth:`infer`). A model whose item stage may answer without it
         (``ItemStage.answers_without_model``: a response cache) is never refused here. The
         request's metrics (``context.recording``) are labelled with the version found, refused or
-        not.
+        not; one for a model this worker does not serve is labelled with the name the repository
+        knows it by (``ModelRegistry.labels``: an unavailable model's), "" for an unknown name.
 
         Args:
             name, version: the model addressed (version None = the default one).
@@ -200,9 +205,15 @@ class DataPlane:
             QueueFull: refused early (503 + Retry-After); DeadlineExceeded: could not finish in
                 time even alone (504).
         """
-        model = self.version(name, version)
-        if context.recording is not None:
-            context.recording.model(model.config.name, model.config.version)
+        recording = context.recording
+        try:
+            model = self.version(name, version)
+        except ScoringError:  # not served: counted under its model all the same, if it has one
+            if recording is not None and (labels := self.registry.labels(name, version)) is not None:
+                recording.model(*labels)
+            raise
+        if recording is not None:
+            recording.model(model.config.name, model.config.version)
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
@@ -300,7 +311,7 @@ class DataPlane:
 
     def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
-        shards on them and here, or whole on one of them (``Siblings.route``).
+        shards on them and here, or whole on one of them (``Balancer.route``).
 
         Args:
             inputs: one array per model input, ``[B, *item_shape]``, B >= 1, validated.
@@ -321,15 +332,15 @@ class DataPlane:
         items = len(next(iter(inputs.values())))
         if not context.forwarded:
             check_capacity(model.config, items)
-        siblings = self.siblings
-        if unit is not None and not context.forwarded and siblings.considers(unit, items, context.pinned):
+        balancer = self.balancer
+        if unit is not None and not context.forwarded and balancer.considers(unit, items, context.pinned):
             return self._routed(model, inputs, items, context)
         return self._here(model, inputs, items, context)
 
     async def _here(self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext) -> Arrays:
-        siblings = self.siblings
+        balancer = self.balancer
         trace = self.tracing.queued() if self.tracing is not None else None
-        siblings.add_load(items)  # published for the siblings' balancing
+        balancer.add_load(items)  # published for the siblings' balancing
         try:
             unit = model.unit
             if unit is None:  # still loading: wait for it, within the deadline
@@ -341,7 +352,7 @@ class DataPlane:
                 stage.computed(model, fingerprint, inputs, outputs)
             return outputs
         finally:
-            siblings.add_load(-items)
+            balancer.add_load(-items)
 
     async def _routed(
         self, model: ModelVersion, inputs: Arrays, items: int, context: RequestContext
@@ -353,7 +364,7 @@ class DataPlane:
         def local(arrays: Arrays) -> Any:
             return self._here(model, arrays, len(next(iter(arrays.values()))), context)
 
-        outputs = await self.siblings.route(unit, inputs, context, local)
+        outputs = await self.balancer.route(unit, inputs, context, local)
         if outputs is not None:
             return outputs
         return await self._here(model, inputs, items, context)

@@ -1,11 +1,13 @@
-"""The model versions this worker serves, their states, and the worker's health.
+"""The model versions this worker serves and their states.
 
 :class:`ModelRegistry` holds one :class:`ModelVersion` per (name, version): its config, its
-state (Triton's ``LOADING``, ``READY``, ``UNLOADING``, ``UNAVAILABLE`` with a reason) and, once
-loaded and warm, its serving unit (``app.serving.unit``). ``app.serving.lifecycle`` and
-``app.serving.control`` change it only through :class:`ModelVersion`'s transition methods and
-the registry's own methods; the data plane reads it on every request as plain dictionaries
-(``versions``, ``latest``), so a lookup is two dict lookups and no call.
+state (a :class:`ModelState`: Triton's ``LOADING``, ``READY``, ``UNLOADING``, ``UNAVAILABLE``,
+with a reason) and, once loaded and warm, its serving unit (``app.serving.unit``).
+``app.serving.lifecycle`` and ``app.serving.control`` change it only through
+:class:`ModelVersion`'s transition methods and the registry's own methods (readiness's
+strictness is fixed at construction, draining starts once and for good); the data plane reads
+it on every request as plain dictionaries (``versions``, ``latest``), so a lookup is two dict
+lookups and no call.
 
 Which version a request that names none gets (``latest``): the highest version that serves,
 else the highest version (its requests then wait for it to load). A version that replaces
@@ -16,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import enum
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -32,7 +36,14 @@ if TYPE_CHECKING:  # the runner imports torch; the request path needs none of it
 
 log = logging.getLogger(__name__)
 
-LOADING, READY, UNLOADING, UNAVAILABLE = "LOADING", "READY", "UNLOADING", "UNAVAILABLE"
+
+class ModelState(enum.StrEnum):
+    """Triton's model states, its names as values (the repository index shows them as they are)."""
+
+    LOADING = "LOADING"
+    READY = "READY"
+    UNLOADING = "UNLOADING"
+    UNAVAILABLE = "UNAVAILABLE"
 
 
 class IllegalTransition(RuntimeError):
@@ -59,7 +70,7 @@ class ModelVersion:
 
     config: ModelConfig
     #: Triton's model state: ``LOADING``, ``READY``, ``UNLOADING`` or ``UNAVAILABLE``.
-    state: str = LOADING
+    state: ModelState = ModelState.LOADING
     runner: ModelRunner | None = None
     unit: ServingUnit | None = None
     #: The threads its runner and unit run on (its own: a swap loads beside the old copy).
@@ -79,17 +90,16 @@ class ModelVersion:
     @property
     def ready(self) -> bool:
         """True while a serving unit takes its requests (state ``READY``)."""
-        return self.state == READY
+        return self.state == ModelState.READY
 
     @property
     def unloading(self) -> bool:
         """True while its unit drains and its model is freed (unload, or replaced by a newer
         version), and once retired."""
-        return self.state == UNLOADING
+        return self.state == ModelState.UNLOADING
 
     def _require(self, transition: str, *allowed: str) -> None:
-        """Raises:
-        IllegalTransition: the version is retired or its state is not one of ``allowed``."""
+        """Raises IllegalTransition: the version is retired or its state not in ``allowed``."""
         if self.retired or self.state not in allowed:
             state = f"{self.state}, retired" if self.retired else self.state
             raise IllegalTransition(
@@ -105,10 +115,10 @@ class ModelVersion:
         Raises:
             IllegalTransition: the version is UNLOADING or retired.
         """
-        self._require("begin a load", LOADING, READY, UNAVAILABLE)
-        if self.state != READY:
+        self._require("begin a load", ModelState.LOADING, ModelState.READY, ModelState.UNAVAILABLE)
+        if self.state != ModelState.READY:
             self.config = config
-            self.state = LOADING
+            self.state = ModelState.LOADING
         self.settled.clear()
         self.error = None
 
@@ -126,11 +136,11 @@ class ModelVersion:
         Raises:
             IllegalTransition: the version is UNLOADING or retired.
         """
-        self._require("serve", LOADING, READY, UNAVAILABLE)
+        self._require("serve", ModelState.LOADING, ModelState.READY, ModelState.UNAVAILABLE)
         old = (self.unit, self.runner, self.threads)
         self.config, self.fingerprint = config, fingerprint
         self.unit, self.runner, self.threads = unit, runner, threads
-        self.state = READY
+        self.state = ModelState.READY
         self.error = None
         self.settled.set()
         return old
@@ -143,10 +153,10 @@ class ModelVersion:
         Raises:
             IllegalTransition: the version is UNLOADING or retired.
         """
-        self._require("fail a load", LOADING, READY, UNAVAILABLE)
+        self._require("fail a load", ModelState.LOADING, ModelState.READY, ModelState.UNAVAILABLE)
         self.error = reason
         if self.unit is None:
-            self.state = UNAVAILABLE
+            self.state = ModelState.UNAVAILABLE
         self.settled.set()
 
     def begin_unload(self) -> None:
@@ -155,8 +165,8 @@ class ModelVersion:
         Raises:
             IllegalTransition: already UNLOADING, or retired.
         """
-        self._require("begin an unload", LOADING, READY, UNAVAILABLE)
-        self.state = UNLOADING
+        self._require("begin an unload", ModelState.LOADING, ModelState.READY, ModelState.UNAVAILABLE)
+        self.state = ModelState.UNLOADING
 
     def retire(self) -> None:
         """Its unit drained and its model freed: it leaves the registry (``retired``; requests
@@ -165,7 +175,7 @@ class ModelVersion:
         Raises:
             IllegalTransition: not UNLOADING, or already retired.
         """
-        self._require("retire", UNLOADING)
+        self._require("retire", ModelState.UNLOADING)
         self.unit = self.runner = self.threads = None
         self.retired = True
 
@@ -173,26 +183,42 @@ class ModelVersion:
         """The worker stops: its unit stopped and its model freed (or left to the process's
         exit); UNLOADING, from any state."""
         self.unit = self.runner = self.threads = None
-        self.state = UNLOADING
+        self.state = ModelState.UNLOADING
 
 
-@dataclass(eq=False)
 class ModelRegistry:
-    """The model versions this worker serves, by name and version (module docstring)."""
+    """The model versions this worker serves, by name and version (module docstring). Changed
+    only through its methods and its versions' transitions; the data plane reads ``versions``
+    and ``latest`` directly (two dict lookups per request).
 
-    versions: dict[str, dict[str, ModelVersion]] = field(default_factory=dict)
-    #: Per name, the version a request that names none gets.
-    latest: dict[str, ModelVersion] = field(default_factory=dict)
-    #: Model folders of the repository that cannot be served at all (a ``model.toml`` that could
-    #: not be read, a version declared twice): name -> reason (no absolute paths).
-    unavailable: dict[str, str] = field(default_factory=dict)
-    #: Models of the repository that model control unloaded, or has not loaded (explicit mode):
-    #: name -> why (their requests get 404; the index lists them UNAVAILABLE).
-    unloaded: dict[str, str] = field(default_factory=dict)
-    #: Readiness needs every model of the repository serving (Triton's ``--strict-readiness``);
-    #: False: every model that can load has, and at least one is warm.
-    strict: bool = False
-    draining: bool = False
+    Args:
+        strict: readiness needs every model of the repository serving (Triton's
+            ``--strict-readiness``, ``SCORING_STRICT_READINESS``); False: every model that can
+            load has, and at least one is warm.
+    """
+
+    def __init__(self, *, strict: bool = False) -> None:
+        self.versions: dict[str, dict[str, ModelVersion]] = {}
+        #: Per name, the version a request that names none gets.
+        self.latest: dict[str, ModelVersion] = {}
+        self.strict = strict
+        #: True once :meth:`begin_drain` was called (its only writer): readiness 503 for good.
+        #: An attribute, not a property: the keep-alive policy reads it for every response.
+        self.draining = False
+        self._unavailable: dict[str, str] = {}
+        self._unloaded: dict[str, str] = {}
+
+    @property
+    def unavailable(self) -> Mapping[str, str]:
+        """Model folders of the repository that cannot be served at all (a ``model.toml`` that
+        could not be read, a version declared twice): name -> reason (no absolute paths)."""
+        return self._unavailable
+
+    @property
+    def unloaded(self) -> Mapping[str, str]:
+        """Models of the repository that model control unloaded, or has not loaded (explicit
+        mode): name -> why (their requests get 404; the index lists them UNAVAILABLE)."""
+        return self._unloaded
 
     def add(self, config: ModelConfig) -> ModelVersion:
         """Register ``config`` (not yet loaded); a version of that name and number is replaced."""
@@ -232,18 +258,18 @@ class ModelRegistry:
         """Model ``name``'s folder cannot be served (``reason``: why, no absolute paths), or,
         with None, can again."""
         if reason is None:
-            self.unavailable.pop(name, None)
+            self._unavailable.pop(name, None)
         else:
-            self.unavailable[name] = reason
+            self._unavailable[name] = reason
 
     def set_unloaded(self, name: str, why: str | None) -> None:
         """Model ``name`` is not loaded on purpose (``why``: its requests get 404 saying so; its
         folder's own error, if any, no longer counts), or, with None, is wanted again."""
         if why is None:
-            self.unloaded.pop(name, None)
+            self._unloaded.pop(name, None)
         else:
-            self.unloaded[name] = why
-            self.unavailable.pop(name, None)
+            self._unloaded[name] = why
+            self._unavailable.pop(name, None)
 
     def to_load(self, config: ModelConfig) -> ModelVersion:
         """The version of ``config`` about to be (re)loaded: a new entry when there is none or
@@ -275,6 +301,18 @@ class ModelRegistry:
             raise self.missing(name, version)
         return found
 
+    def labels(self, name: str, version: str | None) -> tuple[str, str] | None:
+        """The request metrics' (model, version) of a request for ``name`` ``version``: those of
+        the version addressed in any state (a failed load too), ``(name, "")`` for a folder that
+        cannot be served or a model unloaded, None (labelled "") for a name or version unknown
+        here, so that no client adds label values."""
+        found = self.latest.get(name) if version is None else self.versions.get(name, {}).get(version)
+        if found is not None:
+            return found.config.name, found.config.version
+        if name in self._unavailable or name in self._unloaded:
+            return name, ""
+        return None
+
     def missing(self, name: str, version: str | None) -> ModelNotFound | ModelNotReady:
         """The error for a name or version not served: 404 listing what exists (or saying it was
         unloaded), or 503 with the reason for a model folder that cannot be served."""
@@ -293,14 +331,15 @@ class ModelRegistry:
         """Triton's repository index: ``(name, version, state, reason)`` of every version (reason:
         why it is not READY, or why its last load failed); only the READY ones when
         ``only_ready``. A folder whose ``model.toml`` could not be read has version ""."""
-        rows = [(m.config.name, m.config.version, m.state, m.error or "") for m in self.entries()]
-        rows += [(name, "", UNAVAILABLE, reason) for name, reason in sorted(self.unavailable.items())]
-        rows += [(name, "", UNAVAILABLE, reason) for name, reason in sorted(self.unloaded.items())]
-        return [row for row in rows if row[2] == READY or not only_ready]
+        rows = [(m.config.name, m.config.version, m.state.value, m.error or "") for m in self.entries()]
+        unavailable = ModelState.UNAVAILABLE.value
+        rows += [(name, "", unavailable, reason) for name, reason in sorted(self._unavailable.items())]
+        rows += [(name, "", unavailable, reason) for name, reason in sorted(self._unloaded.items())]
+        return [row for row in rows if row[2] == ModelState.READY or not only_ready]
 
     def failures(self) -> dict[str, str]:
         """Every model that cannot be served now, ``name`` or ``name/version`` -> reason."""
-        failed = dict(self.unavailable)
+        failed = dict(self._unavailable)
         for m in self.entries():
             if m.error is not None and not m.ready:
                 failed[f"{m.config.name}/{m.config.version}"] = m.error
@@ -331,7 +370,7 @@ class ModelRegistry:
 
     def begin_drain(self, reason: str) -> None:
         """Start draining: readiness 503 from now on; every response closes its connection
-        (``app.http.edge``). Requests that still reach the worker are served. Idempotent."""
+        (``app.http.connections``). Requests that still reach the worker are served. Idempotent."""
         if self.draining:
             return
         self.draining = True
@@ -356,14 +395,3 @@ class ModelRegistry:
                 and all(any(m.ready for m in versions.values()) for versions in self.versions.values())
             )
         return any(m.ready for m in entries) and all(m.ready or m.error is not None for m in entries)
-
-
-@dataclass(eq=False)
-class WorkerHealth:
-    """This worker's liveness and its count of responses (``max_requests`` recycling)."""
-
-    responses: int = 0
-    #: Why an inference thread is considered stuck (liveness turns 503), or None.
-    hung: str | None = None
-    #: Passes the hung-inference watchdog has made over the units.
-    watchdog_passes: int = 0

@@ -1,20 +1,23 @@
 """What the serving layer may ask of the process that runs it and of that process's sibling
-workers: two small interfaces, handed to :func:`app.main.create_app` at construction.
+workers: three small interfaces, one per job, handed to :func:`app.main.create_app` at
+construction and never replaced.
 
-- :class:`Siblings`: the other workers of this server. The data plane publishes this worker's
-  load through it, asks it whether a request should leave (scatter/gather of a large request,
-  forwarding of a request on a pinned gRPC connection) and has it run there; the keep-alive
-  policy asks whether a connection should move to a less-loaded sibling; startup asks whether
-  another worker serves already; model control applies a change on every sibling; the
-  statistics endpoints add the siblings' statistics to this worker's.
+- :class:`Balancer`: this worker's load among its siblings and the requests that leave it, as
+  the data plane sees them on every request: it publishes the load (at every admission and
+  completion), asks whether a request should leave (scatter/gather of a large request,
+  forwarding of a request on a pinned gRPC connection) and has it run there.
+- :class:`Siblings`: the other workers as a whole, for the rarer questions: does another worker
+  serve already (startup), apply a model control change on every one (model control), their
+  statistics (the statistics endpoints).
 - :class:`Supervisor`: the process. The hung-inference watchdog asks it to drain and exit.
 
-The gunicorn worker implements both (``app.server.siblings.WorkerSiblings``, balancing on or
-off, and ``app.server.worker.ScoringWebWorker``); :class:`Alone` stands in for the siblings of a
-worker with no load table (no run directory, or one whose table cannot be opened) and for both
-where nothing restarts the process: in-process tests, ``python -m aiohttp.web``. The gunicorn
-worker's siblings get their router and model control client once the app has started
-(``app.server.siblings.SiblingSlot.join``); until then they route nothing and reach no sibling.
+Which connection should move to a less-loaded sibling is no question of the serving core: it is
+the HTTP front end's keep-alive policy (``app.http.state.SHEDDING``).
+
+The gunicorn worker implements them (``app.server.balance.WorkerBalancer``,
+``app.server.siblings.WorkerSiblings``, ``app.server.worker.ScoringWebWorker``); :class:`Alone`
+stands in for all three where there are no siblings and nothing restarts the process: in-process
+tests, ``python -m aiohttp.web``, a worker whose load table cannot be opened.
 """
 
 from __future__ import annotations
@@ -33,16 +36,11 @@ Arrays = dict[str, np.ndarray]
 LocalRun = Callable[[Arrays], Coroutine[Any, Any, Arrays]]
 
 
-class Siblings(Protocol):
-    """This worker's sibling workers (module docstring)."""
+class Balancer(Protocol):
+    """This worker's load and the requests that leave it (module docstring)."""
 
     def add_load(self, items: int) -> None:
         """This worker took on (``items`` > 0) or finished (< 0) items: publish its load."""
-        ...
-
-    def should_shed(self) -> bool:
-        """Whether the response being prepared should close its connection so that a
-        less-loaded sibling takes the client's next one."""
         ...
 
     def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
@@ -54,14 +52,18 @@ class Siblings(Protocol):
         self, unit: ServingUnit, inputs: Arrays, context: RequestContext, local: LocalRun
     ) -> Arrays | None:
         """The request's outputs when it ran (in part) on siblings, each part under the request's
-        ``context`` (its deadline, id, priority and trace travel with it), or None to run it here
-        whole.
+        ``context`` (its deadline, id, priority, trace and client travel with it: a part on a
+        sibling is cancelled there once the client has gone), or None to run it here whole.
 
         Raises:
             ScoringError: a sibling's run failed (the same class), or it did not answer before
-                ``context.deadline`` (DeadlineExceeded).
+                ``context.deadline`` (DeadlineExceeded), or the client left (ClientDisconnected).
         """
         ...
+
+
+class Siblings(Protocol):
+    """The other workers of this server (module docstring)."""
 
     def others_serving(self) -> bool:
         """Whether another worker of the server serves now (blocking: call it off the loop)."""
@@ -93,10 +95,6 @@ class Alone:
 
     def add_load(self, items: int) -> None:
         """Nobody reads it."""
-
-    def should_shed(self) -> bool:
-        """Never."""
-        return False
 
     def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
         """Never."""

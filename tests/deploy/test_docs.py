@@ -174,15 +174,15 @@ def test_a_dotted_name_that_does_not_resolve_is_reported() -> None:
     text = (
         "see app.serving.unit, app.serving.unit.ServingUnit.infer, the `app.main:create_app` "
         "factory, app.serving.batcher (gone), app.serving.unit.DynamicBatcher and "
-        "app.server.loadtable.LoadTable; e.g. app. and apps.x are not names, nor docs/benchmarks.md"
+        "app.server.loadboard.LoadTable; e.g. app. and apps.x are not names, nor docs/benchmarks.md"
     )
     names = dotted_names(text)
     assert names == {
         "app.serving.unit", "app.serving.unit.ServingUnit.infer", "app.main", "app.serving.batcher",
-        "app.serving.unit.DynamicBatcher", "app.server.loadtable.LoadTable",
+        "app.serving.unit.DynamicBatcher", "app.server.loadboard.LoadTable",
     }  # fmt: skip
     assert sorted(n for n in names if not resolves(n)) == [
-        "app.server.loadtable.LoadTable", "app.serving.batcher", "app.serving.unit.DynamicBatcher",
+        "app.server.loadboard.LoadTable", "app.serving.batcher", "app.serving.unit.DynamicBatcher",
     ]  # fmt: skip
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from app.server.siblings import LoadTable
+from app.server.loadtable import LoadTable
 from tests.support.balance import both_live, items_per_worker, shares
 from tests.support.gunicorn import (
     ROOT,
@@ -206,7 +206,6 @@ def test_backlog_a_stop_during_a_slow_reload_and_the_default_run_dir_removed(tmp
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
-
 
 
 def test_a_large_request_is_scattered_over_both_workers_and_gathered_in_order(tmp_path: Path) -> None:

@@ -60,6 +60,19 @@ def start(
     return Gunicorn(tmp, full, args)
 
 
+def replaced(srv: Gunicorn, victim: int, workers: int) -> dict[int, tuple[str, int]]:
+    """The leases once ``workers`` live workers hold one and ``victim`` (SIGKILLed) none, judged
+    on one read of them: a killed process lives on until the kernel tears it down, so a count
+    read before that and a "victim gone" read after it may both hold while its replacement has
+    not bound yet."""
+
+    def settled() -> dict[int, tuple[str, int]] | None:
+        now = leases(srv)
+        return now if len(now) == workers and victim not in now else None
+
+    return wait_for(settled, 60, "replacement", srv)
+
+
 def balanced(srv: Gunicorn, workers: int, per_gpu: int) -> dict[int, tuple[str, int]]:
     wait_for(lambda: len(leases(srv)) == workers == len(srv.workers()), 90, f"{workers} leases", srv)
     held = leases(srv)
@@ -108,11 +121,10 @@ def test_killed_worker_is_replaced_on_the_same_slot_under_load(tmp_path: Path) -
             t.start()
         victim = sorted(before)[1]
         os.kill(victim, signal.SIGKILL)
-        wait_for(lambda: victim not in leases(srv) and len(leases(srv)) == 4, 60, "replacement", srv)
+        after = replaced(srv, victim, 4)
         stop.set()
         for t in threads:
             t.join(30)
-        after = leases(srv)
         (newcomer,) = set(after) - set(before)
         assert after[newcomer] == before[victim]  # the freed slot, same GPU
         assert {p: after[p] for p in before if p != victim} == {p: before[p] for p in before if p != victim}
@@ -165,8 +177,7 @@ def test_container_pids_that_match_no_local_process(tmp_path: Path) -> None:
             tmp_path / "gpus.json",
             [gpu(i, processes=[] if gpu_uuid(i) == victim_gpu else [(host[by_gpu[gpu_uuid(i)]], 2**30)]) for i in range(2)],
         )
-        wait_for(lambda: len(leases(srv)) == 2 and victim not in leases(srv), 60, "replacement", srv)
-        after = leases(srv)
+        after = replaced(srv, victim, 2)
         (newcomer,) = set(after) - set(held)
         # the survivor's host PID is counted as ours on its GPU, and the victim's GPU, empty
         # again, takes the replacement even under the "skip" policy

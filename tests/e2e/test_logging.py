@@ -90,5 +90,5 @@ def test_each_worker_logs_its_binding_and_model_times_at_boot(server: Gunicorn) 
         lines = [json.loads(raw) for raw in server.log().splitlines() if raw.strip()]  # all JSON
         assert {"gunicorn.error", "gunicorn.access", "app.serving.lifecycle"} <= {x["logger"] for x in lines}
     else:
-        assert "app.serving.control: worker" in line and "'device': 'cpu'" in line and "'load_s'" in line
+        assert "app.serving.boot: worker" in line and "'device': 'cpu'" in line and "'load_s'" in line
         assert "app.serving.lifecycle: model scale v1 ready" in log_line(server, "model scale v1 ready")

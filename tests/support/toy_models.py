@@ -54,6 +54,7 @@ class ScaleHandler:
 
     parameters: ``factor``, ``load_gate`` (name of an Event in ``GATES`` that load waits for),
     ``load_delay_s``, ``fail_load_if_exists`` (a path: load raises while it exists),
+    ``refuse`` (load raises ValueError with this reason, as a handler refusing its config does),
     ``oom_on_load`` (load raises torch.OutOfMemoryError, as a full GPU does),
     ``crash_on_load`` (the worker process SIGKILLs itself while loading),
     ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
@@ -66,10 +67,15 @@ class ScaleHandler:
 
     BATCHES: ClassVar[dict[str, list[list[float]]]] = {}
     GATES: ClassVar[dict[str, threading.Event]] = {}
+    #: How many times each model's load was tried.
+    LOADS: ClassVar[dict[str, int]] = {}
 
     def load(self, device: torch.device, config: Any) -> None:
         self.name = config.name
         self.params = dict(config.parameters)
+        self.LOADS[self.name] = self.LOADS.get(self.name, 0) + 1
+        if self.params.get("refuse"):
+            raise ValueError(self.params["refuse"])
         gate = self.params.get("load_gate")
         if gate:
             assert self.GATES[gate].wait(30)

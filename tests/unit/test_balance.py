@@ -1,5 +1,6 @@
-"""The load table and the balancing rules (app.server.siblings), and a worker's side of them
-(app.server.siblings.WorkerSiblings)."""
+"""The load table (app.server.loadtable), the balancing rules (app.server.balance), and a
+worker's side of them: its slot (app.server.loadtable), its connections (app.server.balance)
+and its siblings (app.server.siblings)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import cast
 
 import pytest
 
-from app.server.siblings import (
+from app.server.balance import WorkerConnections, least_loaded, may_accept, should_shed
+from app.server.loadtable import (
     BOOTING,
     DRAINING,
     EMPTY,
@@ -19,11 +22,10 @@ from app.server.siblings import (
     STALE_S,
     Load,
     LoadTable,
-    WorkerSiblings,
-    least_loaded,
-    may_accept,
-    should_shed,
+    WorkerSlot,
 )
+from app.server.peers import PeerClient
+from app.server.siblings import WorkerSiblings
 
 
 def load(
@@ -113,22 +115,27 @@ def test_should_shed_only_when_moving_one_narrows_the_gap(me: Load, other: Load,
     assert (target is not None) is shed
 
 
-def test_worker_siblings_publish_and_shed_at_most_once_per_interval(tmp_path: Path) -> None:
-    table = LoadTable(tmp_path)
+def ready_sibling(table: LoadTable) -> int:
+    """A live, ready sibling (this test's parent process) in ``table``: its slot."""
     sibling = table.claim(os.getppid())
     table.set_state(sibling, READY)
     table.beat(sibling)
-    open_connections = [8]
-    me = WorkerSiblings(table, table.claim(os.getpid()), os.getpid())
-    me.attach(lambda: open_connections[0], None)
-    me.tick(READY)
-    me.add_load(8)
-    me.add_load(8)
-    me.add_load(-8)
-    assert (table.read(me.slot).items, table.read(me.slot).connections) == (8, 8)
+    return sibling
+
+
+def test_a_worker_publishes_its_load_and_sheds_at_most_once_per_interval(tmp_path: Path) -> None:
+    table = LoadTable(tmp_path)
+    sibling = ready_sibling(table)
+    slot = WorkerSlot(table, os.getpid())
+    me = WorkerConnections(slot)
+    slot.tick(READY, 8)
+    slot.add_load(8)
+    slot.add_load(8)
+    slot.add_load(-8)
+    assert (table.read(slot.slot).items, table.read(slot.slot).connections) == (8, 8)
     assert not me.may_accept()
     assert me.should_shed()
-    assert table.read(me.slot).connections == 7
+    assert table.read(slot.slot).connections == 7
     assert not me.should_shed()  # within SHED_INTERVAL_S of the last one
     table.set_connections(sibling, 7)
     assert me.may_accept()  # as many connections as the sibling, not clearly busier
@@ -136,12 +143,10 @@ def test_worker_siblings_publish_and_shed_at_most_once_per_interval(tmp_path: Pa
 
 def test_a_worker_that_is_not_ready_always_accepts(tmp_path: Path) -> None:
     table = LoadTable(tmp_path)
-    sibling = table.claim(os.getppid())
-    table.set_state(sibling, READY)
-    table.beat(sibling)
-    me = WorkerSiblings(table, table.claim(os.getpid()), os.getpid())
-    me.attach(lambda: 10, None)
-    me.tick(DRAINING)
+    ready_sibling(table)
+    slot = WorkerSlot(table, os.getpid())
+    me = WorkerConnections(slot)
+    slot.tick(DRAINING, 10)
     assert me.may_accept() and not me.should_shed()
 
 
@@ -150,35 +155,39 @@ def test_a_worker_that_does_not_balance_publishes_but_never_decides(tmp_path: Pa
     drain through them), but the worker accepts whatever comes, sheds nothing and routes
     nothing."""
     table = LoadTable(tmp_path)
-    sibling = table.claim(os.getppid())
-    table.set_state(sibling, READY)
-    table.beat(sibling)
-    me = WorkerSiblings(table, table.claim(os.getpid()), os.getpid(), balancing=False)
-    me.attach(lambda: 10, None)
-    me.tick(READY)
-    me.add_load(5)
-    assert table.read(me.slot).items == 5 and table.read(me.slot).state == READY
-    assert me.may_accept() and not me.should_shed() and me.others_serving()
+    ready_sibling(table)
+    slot = WorkerSlot(table, os.getpid())
+    me = WorkerConnections(slot, balancing=False)
+    slot.tick(READY, 10)
+    slot.add_load(5)
+    assert table.read(slot.slot).items == 5 and table.read(slot.slot).state == READY
+    assert me.may_accept() and not me.should_shed() and WorkerSiblings(slot, None).others_serving()
+
+
+class Peers:
+    """What WorkerSiblings asks of app.server.peers.PeerClient: a model control change."""
+
+    def __init__(self) -> None:
+        self.sent: list[int] = []
+
+    async def control(self, pid: int, action: str, name: str) -> str | None:
+        self.sent.append(pid)
+        return None if pid != 4 else "broken"
 
 
 async def test_model_control_reaches_every_ticking_sibling_ready_or_not(tmp_path: Path) -> None:
     """A sibling whose only model was unloaded publishes "loading": balancing skips it, model
     control must not (else it keeps a state the others left); one draining, or stale, is left out."""
     table = LoadTable(tmp_path)
-    me = WorkerSiblings(table, table.claim(1), 1)
-    sent: list[int] = []
-
-    async def control(pid: int, action: str, name: str) -> str | None:
-        sent.append(pid)
-        return None if pid != 4 else "broken"
-
-    me.control = control
+    slot = WorkerSlot(table, 1)
+    peers = Peers()
+    me = WorkerSiblings(slot, cast(PeerClient, peers))
     for pid, state in ((2, LOADING), (3, READY), (4, READY), (5, DRAINING), (6, BOOTING)):
-        slot = table.claim(pid, state)
-        table.beat(slot)
-    loading = next(s for s in me.others() if s.pid == 2)
+        table.beat(table.claim(pid, state))
+    loading = next(s for s in slot.others() if s.pid == 2)
     now = loading.heartbeat
     assert loading.reachable(now) and not loading.live(now)
     assert not loading.reachable(now + STALE_S + 0.1)  # stopped ticking
     assert await me.apply("load", "scale") == {4: "broken"}
-    assert sorted(sent) == [2, 3, 4]
+    assert sorted(peers.sent) == [2, 3, 4]
+    assert await WorkerSiblings(slot, None).apply("load", "scale") == {}  # no internal endpoints

@@ -9,15 +9,26 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from app.http.state import CORE
+from app.serving import lifecycle
+from app.serving.registry import ModelState
 from tests.support.fixtures import Client, MakeClient, eventually
-from tests.support.toy_models import assert_no_absolute_paths, write_broken_models, write_scale_model
+from tests.support.toy_models import (
+    ScaleHandler,
+    assert_no_absolute_paths,
+    write_broken_models,
+    write_scale_model,
+)
 
 V2 = "/v2/models/{}/infer"
 BODY = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 2.0]}]}
 
 
-async def test_a_repository_with_broken_models_serves_the_good_one(make_client: MakeClient, tmp_path: Path) -> None:
+async def test_a_repository_with_broken_models_serves_the_good_one(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
     repo = tmp_path / "repo"
     write_scale_model(repo, "good")
     expected = write_broken_models(repo)
@@ -51,7 +62,9 @@ async def test_a_repository_with_broken_models_serves_the_good_one(make_client: 
     assert_no_absolute_paths(json.dumps(index), repo)
 
 
-async def test_readiness_is_strict_by_default_and_needs_every_model(make_client: MakeClient, tmp_path: Path) -> None:
+async def test_readiness_is_strict_by_default_and_needs_every_model(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
     """Default settings (as deployed): a broken model keeps the server unready (Triton's
     --strict-readiness), while the good model serves."""
     repo = tmp_path / "repo"
@@ -68,3 +81,70 @@ async def test_readiness_is_strict_by_default_and_needs_every_model(make_client:
 def _settled(client: Client) -> bool:
     registry = client.app[CORE].registry
     return all(e.ready or e.error is not None for e in registry.entries())
+
+
+async def test_a_load_refused_on_the_models_own_files_is_tried_again_only_once_they_change(
+    make_client: MakeClient, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A model whose handler refuses its config (a ValueError, as for labels that do not fit the
+    outputs or a tokenizer without a pad token) fails the same way at every load: beside a model
+    whose load fails on something that may pass (retried with the back-off), it is not loaded
+    again while its files stay as they are; once its model.toml changes it is read again and
+    loads."""
+    monkeypatch.setattr(lifecycle, "FIRST_RETRY_S", 0.02)
+    repo = tmp_path / "repo"
+    marker = tmp_path / "transient-cause"
+    marker.touch()
+    write_scale_model(repo, "refused", refuse="labels do not fit the outputs")
+    write_scale_model(repo, "flaky", fail_load_if_exists=str(marker))
+    for name in ("refused", "flaky"):
+        ScaleHandler.LOADS.pop(name, None)
+    client: Client = await make_client(repo, wait=False, model_load_retry_max_s=0.05)
+    registry = client.app[CORE].registry
+    await eventually(lambda: ScaleHandler.LOADS.get("flaky", 0) >= 4)
+    refused = registry.get("refused")
+    assert ScaleHandler.LOADS["refused"] == 1
+    assert refused.state == ModelState.UNAVAILABLE and "labels do not fit the outputs" in (
+        refused.error or ""
+    )
+    write_scale_model(repo, "refused")  # the operator mends its model.toml
+    await eventually(lambda: registry.get("refused").ready)
+    assert ScaleHandler.LOADS["refused"] == 2
+
+
+async def test_requests_for_an_unavailable_model_are_counted_under_its_name(
+    make_client: MakeClient, tmp_path: Path
+) -> None:
+    """Whether the path or the body names it, a request for a model of the repository that
+    cannot serve (a failed load, an unreadable model.toml) counts under that model's name in the
+    request metrics; one for a model nobody knows, under ""."""
+    repo = tmp_path / "repo"
+    write_scale_model(repo, "good")
+    write_scale_model(repo, "refused", refuse="labels do not fit the outputs")
+    write_broken_models(repo)  # "syntax": a model.toml that cannot be read
+    client: Client = await make_client(repo, wait=False, strict_readiness=False)
+    await eventually(lambda: _settled(client), 60)
+    assert (await client.post(V2.format("refused"), json=BODY)).status == 503
+    assert (await client.post(V2.format("syntax"), json=BODY)).status == 503
+    assert (await client.post("/v1/embeddings", json={"model": "refused", "input": "a"})).status == 503
+    assert (await client.post("/v1/embeddings", json={"model": "nobody", "input": "a"})).status == 404
+    text = await (await client.get("/metrics")).text()
+    counted = {
+        (labels["model"], labels["version"], labels["protocol"], labels["code"]): value
+        for labels, value in _samples(text, "scoring_requests_total")
+    }
+    assert counted[("refused", "1", "v2", "503")] == 1
+    assert counted[("syntax", "", "v2", "503")] == 1
+    assert counted[("refused", "1", "openai", "503")] == 1
+    assert counted[("", "", "openai", "404")] == 1
+
+
+def _samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of ``name`` in a Prometheus text exposition: (labels, value) each."""
+    out = []
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            pairs = (pair.split("=", 1) for pair in labels.split('",') if pair)
+            out.append(({k: v.strip('"') for k, v in pairs}, float(value)))
+    return out

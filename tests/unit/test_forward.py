@@ -1,11 +1,13 @@
-"""Forwarding of whole requests on pinned (gRPC) connections (app.server.router): the decision,
-deterministic on fake load table entries, and the forward itself against a real sibling
-endpoint stand-in on a Unix socket (answers, unreachable, stalled)."""
+"""Forwarding of whole requests on pinned (gRPC) connections (app.server.router): the decision
+(app.server.balance), deterministic on fake load table entries, and the forward itself against a
+real sibling endpoint stand-in on a Unix socket (answers, unreachable, stalled); a client that
+leaves while its request runs on a real sibling's internal endpoint (scattered or forwarded)."""
 
 from __future__ import annotations
 
 import asyncio
 import random
+import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -16,12 +18,17 @@ import pytest
 from aiohttp import web
 
 from app import errors
+from app.http.state import CORE
 from app.server import peers as wire
-from app.server.peers import PATH, PeerClient, socket_path
-from app.server.router import Router, pick_target
-from app.server.siblings import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSiblings
+from app.server.balance import WorkerBalancer, pick_target
+from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSlot
+from app.server.peers import PATH, InternalEndpoint, PeerClient, socket_path
+from app.server.router import Router
 from app.serving.context import RequestContext
 from app.serving.unit import ServingUnit
+from tests.support.fixtures import MakeClient, eventually, hold
+from tests.support.fixtures import served as unit_of
+from tests.support.toy_models import ScaleHandler, write_scale_model
 
 NOW = 100.5
 SIBLING_PID = 4242
@@ -76,8 +83,8 @@ def test_power_of_two_choices_among_more_siblings() -> None:
 # --- the forward itself ------------------------------------------------------------------
 
 
-class FakeSiblings:
-    """What the Router reads of app.server.siblings.WorkerSiblings."""
+class FakeSlot:
+    """What the Router reads of app.server.loadtable.WorkerSlot."""
 
     def __init__(self, items: int, siblings: list[Load]) -> None:
         self.ready = True
@@ -127,8 +134,8 @@ async def served(tmp_path: Path, handler: Any) -> web.AppRunner:
 
 
 def forwarder(tmp_path: Path, items_here: int, counted: list[tuple[str, str]]) -> Router:
-    siblings = cast(WorkerSiblings, FakeSiblings(items_here, [live_sibling()]))
-    return Router(siblings, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
+    slot = cast(WorkerSlot, FakeSlot(items_here, [live_sibling()]))
+    return Router(slot, PeerClient(tmp_path), on_forward=lambda m, v: counted.append((m, v)))
 
 
 async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp_path: Path) -> None:
@@ -143,7 +150,9 @@ async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 4, counted)
     try:
-        out = await forward.route(entry(), INPUTS, RequestContext("rid-7", soon(5.0), 2, pinned=True), run_here)
+        out = await forward.route(
+            entry(), INPUTS, RequestContext("rid-7", soon(5.0), 2, pinned=True), run_here
+        )
     finally:
         await forward.peers.close()
         await runner.cleanup()
@@ -157,26 +166,30 @@ async def test_a_busy_worker_forwards_whole_keeping_id_deadline_and_priority(tmp
 async def test_an_idle_worker_runs_the_request_here(tmp_path: Path) -> None:
     counted: list[tuple[str, str]] = []
     forward = forwarder(tmp_path, 0, counted)
-    assert await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here) is None
+    assert (
+        await forward.route(entry(), INPUTS, RequestContext("rid", soon(5.0), pinned=True), run_here) is None
+    )
     assert counted == []
 
 
-async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_than_the_hop(tmp_path: Path) -> None:
-    """The siblings' cheap question, asked of every request: a pinned (gRPC) request may be
+async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_than_the_hop(
+    tmp_path: Path,
+) -> None:
+    """The balancer's cheap question, asked of every request: a pinned (gRPC) request may be
     forwarded only while it would wait at least MIN_WAIT_S here (a fast model's 1 ms backlog:
-    the hop would cost more than it saves), HTTP (not pinned) only when it is split."""
-    table = LoadTable(tmp_path)
-    siblings = WorkerSiblings(table, table.claim(1), 1)
-    router = Router(siblings, PeerClient(tmp_path))
-    assert not siblings.considers(entry(), 3, pinned=True)  # no router yet, not ready
-    siblings.attach(lambda: 0, router)
-    siblings.tick(READY)
-    assert siblings.considers(entry(0.050), 3, pinned=True)
-    assert not siblings.considers(entry(0.001), 3, pinned=True)
-    assert not siblings.considers(entry(0.050), 3, pinned=False)
-    assert siblings.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
-    siblings.tick(DRAINING)
-    assert not siblings.considers(entry(0.050), 9, pinned=True)
+    the hop would cost more than it saves), HTTP (not pinned) only when it is split; nothing
+    leaves a worker that is not ready or has no router (balancing off)."""
+    slot = WorkerSlot(LoadTable(tmp_path), 1)
+    balancer = WorkerBalancer(slot, Router(slot, PeerClient(tmp_path)).route)
+    assert not balancer.considers(entry(), 3, pinned=True)  # not ready yet
+    slot.tick(READY, 0)
+    assert balancer.considers(entry(0.050), 3, pinned=True)
+    assert not balancer.considers(entry(0.001), 3, pinned=True)
+    assert not balancer.considers(entry(0.050), 3, pinned=False)
+    assert balancer.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
+    assert not WorkerBalancer(slot, None).considers(entry(0.050), 9, pinned=True)
+    slot.tick(DRAINING, 0)
+    assert not balancer.considers(entry(0.050), 9, pinned=True)
 
 
 async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:
@@ -243,3 +256,56 @@ async def test_the_router_forwards_only_pinned_requests(tmp_path: Path) -> None:
         await runner.cleanup()
     assert out is not None and np.array_equal(out["y"], 2 * INPUTS["x"])
     assert counted == [("scale", "1")]
+
+
+# --- a client that leaves -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("items", "pinned", "queued"),
+    [(10, False, 5), (3, True, 3)],
+    ids=["a shard of a scattered request", "a forwarded request"],
+)
+async def test_work_on_a_sibling_is_dropped_there_when_its_client_leaves(
+    make_client: MakeClient, tmp_path: Path, items: int, pinned: bool, queued: int
+) -> None:
+    """While its part waits in a real sibling's queue (the sibling's model is busy), the client
+    of a request leaves: the router answers ClientDisconnected at once rather than when the part
+    is done, its call to the sibling closes, and the sibling drops the part's items: they never
+    reach its model, counted as a failed request there."""
+    write_scale_model(tmp_path / "repo", "scale")
+    sibling = await make_client(tmp_path / "repo", hung_inference_s=0)
+    (tmp_path / "peers").mkdir(mode=0o700)
+    endpoint = await InternalEndpoint.start(sibling.app[CORE], tmp_path, SIBLING_PID)
+    router = Router(cast(WorkerSlot, FakeSlot(4, [live_sibling()])), PeerClient(tmp_path))
+    unit = unit_of(sibling.app, "scale")
+    stats = sibling.app[CORE].registry.get("scale").stats
+    held = hold(sibling.app, "scale")
+    left = threading.Event()
+    try:
+        one = {"inputs": [{"name": "x", "shape": [1, 2], "datatype": "FP32", "data": [1.0, 1.0]}]}
+        first = asyncio.ensure_future(sibling.post("/v2/models/scale/infer", json=one))
+        await eventually(lambda: unit.running_batch is not None)
+        inputs = {
+            "x": np.full((items, 2), 5.0, dtype=np.float32),
+            "tag": np.full((items, 1), b"", dtype=object),
+        }
+        context = RequestContext("rid-left", soon(30.0), pinned=pinned, is_disconnected=left.is_set)
+        routed = asyncio.ensure_future(router.route(entry(), inputs, context, run_here))
+        await eventually(lambda: unit.queue.items == queued)  # its part waits on the sibling
+        left.set()
+        with pytest.raises(errors.ClientDisconnected, match="rid-left"):
+            await asyncio.wait_for(routed, 30)  # the bound only keeps a regression from hanging
+        server = endpoint.runner.server
+        assert server is not None
+        # the call to the sibling closed (its handler, still waiting, has lost its transport)
+        await eventually(lambda: all(handler.transport is None for handler in server.connections))
+        held.set()
+        assert (await first).status == 200
+        await eventually(lambda: stats.fail.count == 1)  # dropped when the next batch formed
+        assert unit.queue.items == 0
+        assert all(5.0 not in batch for batch in ScaleHandler.BATCHES["scale"])
+    finally:
+        held.set()
+        await router.peers.close()
+        await endpoint.close()

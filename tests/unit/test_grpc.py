@@ -104,7 +104,7 @@ async def test_health_and_metadata(served: Callable[..., Any]) -> None:
 
 async def test_draining_worker_is_unready(served: Callable[..., Any]) -> None:
     g = await served()
-    g.app[CORE].registry.draining = True
+    g.app[CORE].registry.begin_drain("test")
     assert not (await g.stub.ServerReady(pb.ServerReadyRequest())).ready
     assert not (await g.stub.ModelReady(pb.ModelReadyRequest(name="scale"))).ready
     assert (await g.stub.ServerLive(pb.ServerLiveRequest())).live

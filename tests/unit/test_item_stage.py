@@ -27,7 +27,7 @@ from app.serving.context import NO_DEADLINE, RequestContext
 from app.serving.dataplane import DataPlane
 from app.serving.items import IDENTITY, Arrays, ItemStage, Stages
 from app.serving.registry import ModelRegistry, ModelVersion
-from app.serving.siblings import Alone, LocalRun, Siblings
+from app.serving.siblings import Alone, Balancer, LocalRun
 from app.serving.unit import ServingUnit
 from app.settings import Settings
 from tests.support.toy_models import write_scale_model
@@ -143,7 +143,7 @@ def plane_for(
     runner: Doubler,
     stage: ItemStage[Any] | None = None,
     capacity: int = 64,
-    siblings: Siblings | None = None,
+    balancer: Balancer | None = None,
 ) -> DataPlane:
     """A data plane over one started scale model (max batch size 4) whose unit runs ``runner``."""
     model = ModelVersion(
@@ -156,7 +156,12 @@ def plane_for(
     registry.versions["scale"] = {"1": model}
     registry.refresh("scale")
     return DataPlane(
-        registry, Settings(model_repository=tmp_path), RequestLimits(), siblings or Alone(), items=stage
+        registry,
+        Settings(model_repository=tmp_path),
+        RequestLimits(),
+        Alone(),
+        items=stage,
+        balancer=balancer,
     )
 
 
@@ -228,14 +233,14 @@ async def test_expanded_items_are_admitted_and_batched_one_by_one(
         await plane.infer(request(1.0, 2.0, 3.0), arrived("r5"))
 
 
-@pytest.mark.parametrize("siblings", [Alone(), Halves()], ids=["one worker", "two workers"])
+@pytest.mark.parametrize("balancer", [Alone(), Halves()], ids=["one worker", "two workers"])
 async def test_a_requests_cap_is_its_models_queue_capacity_whatever_the_workers(
-    tmp_path: Path, pool: ThreadPoolExecutor, siblings: Siblings
+    tmp_path: Path, pool: ThreadPoolExecutor, balancer: Balancer
 ) -> None:
     """One cap, named: a request of more items than ``queue_capacity`` is a 413 saying so, on one
     worker or shared by two (each half would fit a queue); at the cap it runs."""
     runner = Doubler()
-    plane = plane_for(tmp_path, pool, runner, capacity=8, siblings=siblings)
+    plane = plane_for(tmp_path, pool, runner, capacity=8, balancer=balancer)
     with pytest.raises(PayloadTooLarge, match=r"request has 12 items .* at most 8 \(queue_capacity"):
         await plane.infer(request(*range(12)), arrived("r9"))
     assert runner.items == []

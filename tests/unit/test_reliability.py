@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 from app.http.state import CORE
-from app.server import siblings
-from app.server.siblings import SiblingSlot
-from app.server.worker import RestartBackoff
+from app.server import balance
+from app.server.loadtable import LoadTable, WorkerSlot
+from app.server.restarts import RestartBackoff
 from app.serving.executor import InferenceThread
 from tests.support.fixtures import Client, MakeClient, eventually, served
 from tests.support.toy_models import ScaleHandler, write_scale_model
@@ -192,21 +192,20 @@ async def test_the_inference_thread_runs_with_the_workers_torch_threads(
 
 
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
-    from app.server.siblings import BINDING, BOOTING, DRAINING, LOADING, READY
+    from app.server.loadtable import BINDING, BOOTING, DRAINING, LOADING, READY
 
     views = [[], [BINDING], [BOOTING], [LOADING, DRAINING], [READY], [DRAINING]]
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none
     # is ready; one still waiting for a GPU slot may need ours
-    assert [siblings.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
+    assert [balance.replacement_booting(v) for v in views[:4]] == [False, False, True, True]
     # may_recycle: another worker is ready (or there is none)
-    assert [siblings.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
+    assert [balance.may_recycle(v) for v in ([], [READY], [DRAINING])] == [True, True, False]
     # others_serving: a new worker waits for its models before it listens
-    assert [siblings.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
+    assert [balance.others_serving(v) for v in ([], [LOADING], [READY], [DRAINING])] == [
         False, False, True, True,
     ]  # fmt: skip
     # the states come from the one record, the load table, of live processes only
-    slot = SiblingSlot(str(tmp_path), os.getpid())
-    assert slot.table is not None and slot.slot is not None
+    slot = WorkerSlot(LoadTable(tmp_path), os.getpid())
     slot.publish(READY)
     assert slot.table.states() == {os.getpid(): READY}
     slot.release()

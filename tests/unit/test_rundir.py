@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from app.server import rundir, siblings
-from app.server.siblings import SiblingSlot
+from app.server import loadtable, rundir
+from app.server.siblings import Membership
 from gpu_stat.leases import try_lock
 
 
@@ -76,13 +76,13 @@ def test_links_planted_in_the_run_dir_are_never_followed(tmp_path: Path) -> None
     (run / "peers").symlink_to(elsewhere)  # a worker's shard sockets would land there
     with pytest.raises(rundir.RunDirError, match="symbolic link"):
         rundir.private_subdir(run, "peers")
-    (run / siblings.FILE_NAME).symlink_to(elsewhere / "load")
+    (run / loadtable.FILE_NAME).symlink_to(elsewhere / "load")
     with pytest.raises(OSError) as caught:
-        siblings.LoadTable(run)
+        loadtable.LoadTable(run)
     assert caught.value.errno == errno.ELOOP and not (elsewhere / "load").exists()
     (run / "lease.lock").symlink_to(elsewhere / "lease.lock")
     with pytest.raises(OSError) as caught:
         try_lock(run / "lease.lock")
     assert caught.value.errno == errno.ELOOP and not (elsewhere / "lease.lock").exists()
     # a worker whose table is refused works alone rather than through the link
-    assert SiblingSlot(str(run), os.getpid()).table is None
+    assert Membership(str(run), os.getpid()).slot is None

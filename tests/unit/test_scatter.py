@@ -1,5 +1,5 @@
 """Scatter/gather pieces: the shard wire format (app.server.peers) and shard planning
-(app.server.router), deterministic and in-process."""
+(app.server.balance, app.server.router), deterministic and in-process."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 
 from app import errors
 from app.server import peers as wire
-from app.server.router import pick_siblings, shard_bounds
-from app.server.siblings import DRAINING, READY, Load
+from app.server.balance import pick_siblings
+from app.server.loadtable import DRAINING, READY, Load
+from app.server.router import shard_bounds
 from app.serving.context import RequestContext
 
 
