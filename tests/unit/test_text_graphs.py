@@ -51,7 +51,7 @@ class StandIns:
         self.encode = handler._encode_torch
         self.eager: list[tuple[int, int]] = []
         self.seen: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = []
-        names = sorted(k for k, v in handler.model.preprocess(["x"]).items() if isinstance(v, torch.Tensor))
+        names = handler.feature_names
         buckets = [self.bucket(names, r, t) for r in ROWS for t in TOKENS]
         self.graphs = TextGraphs(buckets, self.counted)
 
@@ -72,7 +72,10 @@ class StandIns:
 
 
 def features(handler: SentenceEmbeddingHandler, strings: list[str]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in handler.model.preprocess(strings).items() if isinstance(v, torch.Tensor)}
+    """The strings tokenized and padded as one call, as the handler feeds its pipeline."""
+    (group,) = handler.features([handler.tokenizer.encode(strings)])
+    assert sorted(group) == handler.feature_names
+    return group
 
 
 def texts(count: int, words: int) -> list[str]:
