@@ -139,8 +139,8 @@ def calibration_shapes(max_length: int) -> list[tuple[int, int]]:
 def fit(shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> CostModel:
     """The cost model of calls of ``shapes`` that took ``seconds``: least squares of
     ``t = a + b * U * T + c * U * T^2`` (``c`` only with three shapes or more); overhead
-    ``a / b``, knee ``b / c``. A per-token cost of 0 or less (a GPU at these sizes) gives
-    ``overhead = inf`` (one call per batch) and a linear cost."""
+    ``a / b``, knee ``b / c``. Tokens that explain under 0.1 % of the largest call's time (a GPU
+    at these sizes) give ``overhead = inf`` (one call per batch) and a linear cost."""
     n = np.array([u * t for u, t in shapes], dtype=np.float64)
     lengths = np.array([t for _, t in shapes], dtype=np.float64)
     times = np.asarray(seconds, dtype=np.float64)
@@ -151,9 +151,11 @@ def fit(shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> CostMode
     if c < 0:  # no measurable attention term: the linear fit alone
         a, b = (float(v) for v in np.linalg.lstsq(np.stack(columns[:2], axis=1), times, rcond=None)[0])
         c = 0.0
-    if b <= 0:
+    if b * float(n.max()) <= 1e-3 * float(times.max()):  # the tokens explain nothing: a flat call
         return CostModel()
     knee = b / c if c > 0 else math.inf
+    if knee > 1000 * float(lengths.max()):  # under 0.1 % at the longest length: no knee to speak of
+        knee = math.inf
     return CostModel(max(0.0, a / b), max(knee, MIN_KNEE_TOKENS))
 
 

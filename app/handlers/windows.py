@@ -203,9 +203,11 @@ def split(
         PayloadTooLarge: a text needing more than ``max_windows`` windows; windows over
             ``max_request_tokens`` tokens in all.
     """
-    wanted = [q for q in queries if q] if queries is not None else []
+    room = (policy.max_length - policy.stride - 4) // 2
+    # a query of b UTF-8 bytes has at most 2b + 1 tokens (a byte or a character each, and a
+    # SentencePiece word-start piece): only a query that may not fit is counted
+    wanted = sorted({q for q in queries if 2 * len(q.encode()) + 1 > room}) if queries is not None else []
     if wanted:
-        room = (policy.max_length - policy.stride - 4) // 2
         for n in tokenizer.count(wanted):
             if n > room:
                 raise ValueError(
