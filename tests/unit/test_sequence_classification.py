@@ -25,7 +25,7 @@ from app.handlers.sequence_classification import SequenceClassificationHandler
 from app.models.base import PREPARED
 from app.serving.context import RequestContext
 from app.serving.windows import WindowStage
-from tests.support.text_models import write_classifier_folder
+from tests.support.text_models import library_windows, write_classifier_folder
 from tests.support.tools import load_tool
 
 LABELS = ["ok", "insult", "threat"]
@@ -119,30 +119,6 @@ def _library(folder: Path, texts: list[str], queries: list[str] | None = None) -
     return torch.stack(rows).numpy()
 
 
-def _library_windows(
-    folder: Path, text: str, max_length: int, stride: int, query: str = ""
-) -> tuple[np.ndarray, list[list[int]]]:
-    """The library's activations of each overflow window of ``text`` (with ``query``, the pair
-    truncated ``only_second``), as Hugging Face's question-answering pipeline cuts long contexts,
-    and the windows' token ids."""
-    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
-    args = (query, text) if query else (text,)
-    encoded = tokenizer(
-        *args, truncation="only_second" if query else True, max_length=max_length, stride=stride,
-        return_overflowing_tokens=True,
-    )  # fmt: skip
-    rows = []
-    with torch.inference_mode():
-        for w in range(len(encoded["input_ids"])):
-            features = {
-                k: torch.tensor([encoded[k][w]]) for k in ("input_ids", "attention_mask", "token_type_ids")
-            }
-            logits = model(**features).logits
-            rows.append((torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1))[0])
-    return torch.stack(rows).numpy(), [list(ids) for ids in encoded["input_ids"]]
-
-
 def _windowed(
     handler: SequenceClassificationHandler, inputs: dict[str, np.ndarray]
 ) -> tuple[dict[str, np.ndarray], Any]:
@@ -161,7 +137,7 @@ def test_long_text_windows_aggregate_the_librarys_windows(classifier: Path, how:
     out, items = _windowed(handler, {"text": _bytes(SHORT[0], LONG)})
     pieces = [t.decode() for t in items["text"].reshape(-1)]
     assert pieces[0] == SHORT[0] and len(pieces) > 4 and all(p in LONG for p in pieces[1:])
-    per_window, ids = _library_windows(classifier, LONG, 64, 16)
+    per_window, ids = library_windows(classifier, LONG, 64, 16)
     assert [list(p[0]) for p in items[PREPARED][1:]] == ids  # each window runs the overflow's ids
     want = per_window.max(0) if how == "max" else per_window.mean(0)
     assert out["windows"].reshape(-1).tolist() == [1, len(pieces) - 1] == [1, len(ids)]
@@ -177,7 +153,7 @@ def test_cross_encoder_windows_take_maxp(cross_encoder: Path) -> None:
     pieces = [t.decode() for t in items["text"].reshape(-1)]
     queries = [q.decode() for q in items["query"].reshape(-1)]
     assert queries[:-1] == ["the sea"] * (len(pieces) - 1) and queries[-1] == ""
-    per_window, ids = _library_windows(cross_encoder, LONG, 48, 8, query="the sea")
+    per_window, ids = library_windows(cross_encoder, LONG, 48, 8, query="the sea")
     assert [list(p[0]) for p in items[PREPARED][:-1]] == ids
     assert int(out["windows"][0, 0]) == len(per_window) > 1
     assert abs(float(out["score"][0, 0]) - float(per_window[:, 0].max())) <= 1e-5
@@ -190,7 +166,7 @@ def test_windows_cut_inside_words_run_the_overflow_not_the_retokenized_span(cros
     text = " ".join(f"electroencephalographically{i} unquestionably" for i in range(30))
     handler = _load(cross_encoder, ["relevance"], max_seq_length=32, stride=4)
     out, items = _windowed(handler, {"text": _bytes(text, SHORT[2]), "query": _bytes("brain", "brain")})
-    per_window, ids = _library_windows(cross_encoder, text, 32, 4, query="brain")
+    per_window, ids = library_windows(cross_encoder, text, 32, 4, query="brain")
     windows = int(out["windows"][0, 0])
     assert [list(p[0]) for p in items[PREPARED][:windows]] == ids and windows == len(ids) > 2
     spans = [t.decode() for t in items["text"].reshape(-1)[:windows]]
