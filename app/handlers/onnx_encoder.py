@@ -275,3 +275,33 @@ def verify(
         return encoder({k: v.to(encoder.device) for k, v in features.items()})
 
     return check_min_cosine(on_device, reference, batches, bound, shown)
+
+
+def open_encoder(
+    pipeline: EmbeddingPipeline,
+    names: Sequence[str],
+    tokenizer: Any,
+    tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
+    device: torch.device,
+    config: Any,
+) -> OnnxTextEncoder:
+    """The graph ``config``'s ``[parameters]`` name (:func:`onnx_path`) opened on ``device`` with
+    ``torch.get_num_threads()`` intra-op threads, checked against ``pipeline`` (on the CPU) where
+    ``min_cosine`` asks (:func:`verify`, texts of ``tokenizer`` made into inputs by ``tokenize``);
+    the pipeline's transformer weights are then dropped (moved to the meta device).
+
+    Raises:
+        ModelLoadError: a missing or unloadable file.
+        ValueError: a graph that does not fit the pipeline, or strays further than ``min_cosine``.
+    """
+    parameters = config.parameters
+    file, shown = onnx_path(parameters, config.path)
+    tensorrt = bool(parameters.get("tensorrt", False))
+    encoder = OnnxTextEncoder(
+        pipeline, names, file, shown, device, torch.get_num_threads(), tensorrt=tensorrt
+    )
+    if parameters.get("min_cosine") is not None:
+        texts = int(parameters.get("min_cosine_texts", 64))
+        verify(encoder, pipeline, tokenizer, tokenize, float(parameters["min_cosine"]), texts, shown)
+    pipeline.drop_transformer()  # the graph replaces it: free its weights
+    return encoder

@@ -57,7 +57,6 @@ run on the prepare threads, several at once, sharing one tokenizer that is never
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -67,7 +66,6 @@ import numpy.typing as npt
 import torch
 import torch.nn.functional as F
 
-from app.errors import ModelLoadError
 from app.handlers import onnx_encoder
 from app.handlers import windows as windowing
 from app.handlers.embedding_pipeline import EmbeddingPipeline, load_pipeline
@@ -81,7 +79,7 @@ from app.handlers.text_config import (
     text_inputs,
 )
 from app.handlers.text_cost import length_groups, padded_tokens
-from app.handlers.text_graphs import TextGraphs, default_sequence_lengths
+from app.handlers.text_graphs import TextGraphs, capture_for
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
 from app.models.base import Priced
 from app.models.torch_formats import settle_graphs
@@ -106,7 +104,6 @@ _PARAMETERS = (
 _NO_QUERY: Ids = np.zeros(0, dtype=np.int32)
 #: What ``postprocess`` returns.
 _OUTPUTS = ("embedding", "score", "tokens", "windows")
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -266,39 +263,18 @@ class SentenceEmbeddingHandler(TextHandler):
                 )
 
     def _capture_graphs(self, device: torch.device, config: ModelConfigLike) -> None:
-        """Capture the torch pipeline as CUDA graphs (:mod:`app.handlers.text_graphs`) when
-        ``model.toml`` names ``cuda_graph_batch_sizes`` and the device is a GPU.
+        """The torch pipeline as CUDA graphs where ``model.toml`` asks and the device is a GPU
+        (:func:`app.handlers.text_graphs.capture_for`).
 
         Raises:
-            ValueError: graphs asked of the ONNX backend, or a token bucket over
-                ``max_seq_length``.
+            ValueError: graphs asked of the ONNX backend, or a bad token bucket.
             ModelLoadError: the pipeline cannot be captured.
         """
-        rows = list(getattr(config, "cuda_graph_batch_sizes", None) or [])
-        if not rows:
-            return
-        if self.onnx is not None:
+        if self.onnx is not None and getattr(config, "cuda_graph_batch_sizes", None):
             raise ValueError('cuda_graph_batch_sizes applies to backend = "torch", not "onnx"')
-        lengths = config.parameters.get("cuda_graph_sequence_lengths") or default_sequence_lengths(
-            self.max_seq_length
-        )
-        if lengths[-1] > self.max_seq_length:
-            raise ValueError(
-                f"parameters.cuda_graph_sequence_lengths {lengths} go past "
-                f"max_seq_length {self.max_seq_length}"
-            )
-        if device.type != "cuda":
-            log.info("model %s: cuda_graph_batch_sizes ignored on %s (CUDA graphs need a CUDA device)",
-                     config.name, device)  # fmt: skip
-            return
-        try:
-            self.graphs = TextGraphs.capture(self._encode_torch, self.feature_names, rows, lengths, device)
-        except Exception as exc:
-            raise ModelLoadError(
-                f"model {config.name}: cannot capture it as CUDA graphs ({exc}); remove "
-                "cuda_graph_batch_sizes from its model.toml to run it eagerly"
-            ) from exc
-        self._encode = self.graphs
+        graphs = capture_for(config, self._encode_torch, self.feature_names, self.max_seq_length, device)
+        if graphs is not None:
+            self.graphs = self._encode = graphs
 
     @property
     def feature_names(self) -> list[str]:
@@ -314,29 +290,18 @@ class SentenceEmbeddingHandler(TextHandler):
             self._encode = self._encode_torch
 
     def _load_onnx(self, device: torch.device, config: ModelConfigLike) -> None:
-        """Open the ONNX graph, check ``min_cosine`` against the torch pipeline (on the CPU), then
-        drop the torch transformer's weights and encode with the graph."""
-        parameters = config.parameters
-        file, shown = onnx_encoder.onnx_path(parameters, config.path)
-        tensorrt = bool(parameters.get("tensorrt", False))
-        encoder = onnx_encoder.OnnxTextEncoder(
-            self.pipeline, self.feature_names, file, shown, device, torch.get_num_threads(), tensorrt=tensorrt
+        """Encode with the ONNX graph (:func:`app.handlers.onnx_encoder.open_encoder`: checked
+        against the torch pipeline where ``min_cosine`` asks), the torch weights dropped."""
+        tokenizer, type_ids = self.tokenizer, self.type_ids
+
+        def tokenize(strings: list[str]) -> dict[str, torch.Tensor]:  # on the CPU, as the pipeline
+            arrays = pad(tokenizer.encode(strings), tokenizer.pad_id, side=tokenizer.padding_side,
+                         single_type_id=tokenizer.single_type_id, type_ids=type_ids)  # fmt: skip
+            return {name: torch.from_numpy(array) for name, array in arrays.items()}
+
+        self.onnx = self._encode = onnx_encoder.open_encoder(
+            self.pipeline, self.feature_names, tokenizer, tokenize, device, config
         )
-        if parameters.get("min_cosine") is not None:
-            texts = int(parameters.get("min_cosine_texts", 64))
-            tokenizer = self.tokenizer
-
-            def tokenize(strings: list[str]) -> dict[str, torch.Tensor]:  # on the CPU, as the pipeline
-                arrays = pad(tokenizer.encode(strings), tokenizer.pad_id, side=tokenizer.padding_side,
-                             single_type_id=tokenizer.single_type_id, type_ids=self.type_ids)  # fmt: skip
-                return {name: torch.from_numpy(array) for name, array in arrays.items()}
-
-            onnx_encoder.verify(
-                encoder, self.pipeline, tokenizer, tokenize, float(parameters["min_cosine"]), texts, shown
-            )
-        self.pipeline.drop_transformer()  # the graph replaces it: free its weights
-        self.onnx = encoder
-        self._encode = encoder
 
     def _encode_torch(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
         """The torch pipeline's sentence embeddings ``[U, dim]`` of tokenized strings."""

@@ -240,4 +240,3 @@ def max_length(
     if limit is not None and value > limit:
         raise ValueError(f"max_seq_length {value} exceeds the model's {limit} tokens")
     return value
-

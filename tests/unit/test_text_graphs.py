@@ -140,7 +140,7 @@ def test_the_output_is_a_copy_the_next_replay_leaves_alone(handler: SentenceEmbe
 def test_on_the_cpu_the_graphs_are_ignored_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
     config = msgspec.structs.replace(read_config(MINILM), cuda_graph_batch_sizes=[1, 8, 32])
     config.validate()
-    with caplog.at_level(logging.INFO, logger="app.handlers.sentence_embedding"):
+    with caplog.at_level(logging.INFO, logger="app.handlers.text_graphs"):
         runner = ModelRunner(config)
         runner.load(CPU)
     assert runner.handler.cuda_graph_shapes == []  # type: ignore[attr-defined]
