@@ -25,7 +25,7 @@ def _batch(seed: int) -> list[np.ndarray]:
 
 def _staged(staging: HostStaging, seed: int) -> tuple[list[np.ndarray], dict[str, torch.Tensor]]:
     rows = _batch(seed)
-    stream = torch.cuda.Stream(CUDA)
+    stream = torch.cuda.Stream(CUDA)  # type: ignore[no-untyped-call]
     with torch.cuda.stream(stream):
         (features,) = staging.to_device(
             lambda alloc: [pad(rows, 0, type_ids=True, alloc=alloc)], 3 * 32 * 300
