@@ -238,7 +238,9 @@ class SentenceEmbeddingHandler(TextHandler):
         length = max_length(parameters, folder_default, limit)
         policy = windowing.WindowPolicy.from_parameters(parameters, length, default_truncation="truncate")
         stride = None if policy.truncation == "truncate" else policy.stride
-        self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride, lowercase=pipeline.lowercase)
+        self._tokenizer = TextTokenizer.from_folder(
+            path, length, stride=stride, lowercase=pipeline.lowercase, pairs=False
+        )
         self.policy, self.type_ids = policy, pipeline.takes_type_ids
         self.merge_rules = windowing.merges(
             _OUTPUTS, policy, {"embedding": "weighted_mean", "tokens": "sum", "windows": "sum"}

@@ -135,12 +135,15 @@ class TextTokenizer:
     """The folder's tokenizer, configured once (module docstring); safe to share between threads.
 
     Args:
-        source: the tokenizer (not kept: each use gets a copy configured for it).
+        source: the tokenizer; it becomes this object's plain tokenizer (truncation to
+            ``max_length``, no padding) and must not be used elsewhere.
         max_length: tokens per string or window, special tokens included.
         pad_id: the id padding positions hold (masked out; None: :func:`pad` refuses to pad).
         padding_side: ``"right"`` or ``"left"`` (decoder models pool the last token: left keeps
             it in the last column).
         stride: tokens a window repeats from the one before; None: no windows.
+        pairs: whether (query, text) pairs are windowed (a cross-encoder's); each configuration
+            is a tokenizer object of its own (tens of ms to build for a large vocabulary).
 
     Raises:
         ValueError: ``padding_side`` neither, or single strings whose token type ids are not all
@@ -155,39 +158,24 @@ class TextTokenizer:
         *,
         padding_side: str = "right",
         stride: int | None = None,
+        pairs: bool = True,
     ) -> None:
         if padding_side not in ("right", "left"):
             raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
-        text = source.to_str()
-        self.max_length, self.pad_id, self.padding_side, self.stride = (
-            max_length,
-            pad_id,
-            padding_side,
-            stride,
-        )
-        self._plain = self._configured(text, max_length)
-        self._raw = self._configured(text, None)
+        self.max_length, self.pad_id, self.padding_side = max_length, pad_id, padding_side
+        self.stride = stride
         self._single_windows = self._pair_windows = None
         if stride is not None:
-            self._single_windows = self._configured(text, max_length, stride)
-            self._pair_windows = self._configured(text, max_length, stride, "only_second")
+            text = source.to_str()
+            self._single_windows = _configured(Tokenizer.from_str(text), max_length, stride)
+            if pairs:
+                self._pair_windows = _configured(Tokenizer.from_str(text), max_length, stride, "only_second")
+        self._plain = _configured(source, max_length)
         types = set(self._plain.encode("a b").type_ids)
         if len(types) != 1:
             raise ValueError(f"single strings get token type ids {sorted(types)}; one value is supported")
         #: The token type id of every position of a single string (0 for BERT's template).
         self.single_type_id = types.pop()
-
-    @staticmethod
-    def _configured(
-        text: str, max_length: int | None, stride: int = 0, strategy: str = "longest_first"
-    ) -> Tokenizer:
-        tokenizer = Tokenizer.from_str(text)
-        tokenizer.no_padding()
-        if max_length is None:
-            tokenizer.no_truncation()
-        else:
-            tokenizer.enable_truncation(max_length, stride=stride, strategy=strategy)
-        return tokenizer
 
     @classmethod
     def from_folder(
@@ -198,6 +186,7 @@ class TextTokenizer:
         stride: int | None = None,
         pad_token: str | None = None,
         lowercase: bool = False,
+        pairs: bool = True,
     ) -> TextTokenizer:
         """The folder's tokenizer (:func:`load_tokenizer`), its pad token and padding side from
         ``tokenizer_config.json`` / ``special_tokens_map.json`` / ``tokenizer.json``'s padding.
@@ -206,6 +195,7 @@ class TextTokenizer:
             pad_token: the token to pad with when the folder names none (a decoder model's
                 documented fallback, e.g. its EOS token); None: such a folder cannot pad.
             lowercase: lowercase texts first (:func:`with_lowercase`).
+            pairs: as for the constructor.
 
         Raises:
             ValueError: as :func:`load_tokenizer`; a pad token the vocabulary does not hold.
@@ -227,7 +217,7 @@ class TextTokenizer:
             if pad_id is None:
                 raise ValueError(f"{folder}: pad token {name!r} is not in the tokenizer's vocabulary")
         side = str(config.get("padding_side") or "right")
-        return cls(tokenizer, max_length, pad_id, padding_side=side, stride=stride)
+        return cls(tokenizer, max_length, pad_id, padding_side=side, stride=stride, pairs=pairs)
 
     @staticmethod
     def model_max_length(folder: Path) -> int | None:
@@ -253,8 +243,9 @@ class TextTokenizer:
         return [(_ids(e.ids), _ids(e.type_ids)) for e in encoded]
 
     def count(self, texts: Sequence[str]) -> list[int]:
-        """Tokens of each text alone, no special tokens, not truncated."""
-        return [len(e.ids) for e in self._raw.encode_batch_fast(list(texts), add_special_tokens=False)]
+        """Tokens of each text alone, no special tokens, at most ``max_length`` (a count of
+        ``max_length`` means "that many or more")."""
+        return [len(e.ids) for e in self._plain.encode_batch_fast(list(texts), add_special_tokens=False)]
 
     def windows(self, texts: Sequence[str], queries: Sequence[str] | None = None) -> list[list[Window]]:
         """Each text's windows (with its query, as a pair, where one is given and non-empty): the
@@ -263,13 +254,14 @@ class TextTokenizer:
         :meth:`encode_pairs` give it; an empty text one empty window.
 
         Raises:
-            RuntimeError: the tokenizer was made without ``stride``.
+            RuntimeError: the tokenizer was made without ``stride`` (or, given queries, without
+                ``pairs``).
             Exception: what the Rust tokenizer raises for a pair whose query leaves no room
                 (callers check :meth:`count` first).
         """
-        if self._single_windows is None or self._pair_windows is None:
-            raise RuntimeError("this tokenizer was made without a stride: no windows")
         wanted = list(queries) if queries is not None else [""] * len(texts)
+        if self._single_windows is None or (self._pair_windows is None and any(wanted)):
+            raise RuntimeError("this tokenizer was made without a stride (or pairs): no such windows")
         out: list[list[Window]] = [[] for _ in texts]
         single = [i for i, q in enumerate(wanted) if not q]
         paired = [i for i, q in enumerate(wanted) if q]
@@ -277,11 +269,21 @@ class TextTokenizer:
             encoded = self._single_windows.encode_batch([texts[i] for i in single])
             for item, encoding in zip(single, encoded, strict=True):
                 out[item] = _windows_of(encoding, 0, len(texts[item]), pair=False)
-        if paired:
+        if paired and self._pair_windows is not None:
             encoded = self._pair_windows.encode_batch([(wanted[i], texts[i]) for i in paired])
             for item, encoding in zip(paired, encoded, strict=True):
                 out[item] = _windows_of(encoding, 1, len(texts[item]), pair=True)
         return out
+
+
+def _configured(
+    tokenizer: Tokenizer, max_length: int, stride: int = 0, strategy: str = "longest_first"
+) -> Tokenizer:
+    """``tokenizer`` set to truncate at ``max_length`` (with ``stride`` for overflow windows) and
+    not to pad: its one configuration, never changed afterwards."""
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_length, stride=stride, strategy=strategy)
+    return tokenizer
 
 
 def _windows_of(encoding: Encoding, side: int, length: int, *, pair: bool) -> list[Window]:

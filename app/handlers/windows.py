@@ -210,8 +210,9 @@ def split(
     if wanted:
         for n in tokenizer.count(wanted):
             if n > room:
+                more = "+" if n >= policy.max_length else ""
                 raise ValueError(
-                    f"a query of {n} tokens leaves too little room for text in windows of "
+                    f"a query of {n}{more} tokens leaves too little room for text in windows of "
                     f"{policy.max_length} tokens; at most {room}"
                 )
     out = tokenizer.windows(texts, queries)

@@ -50,7 +50,7 @@ def test_single_texts_and_pairs_get_transformers_ids(tokenizer: TextTokenizer, r
     assert [ids.tolist() for ids, _ in got] == pairs["input_ids"]
     assert [types.tolist() for _, types in got] == pairs["token_type_ids"]
     assert tokenizer.pad_id == 0 and tokenizer.padding_side == "right" and tokenizer.single_type_id == 0
-    assert tokenizer.count(["word " * 100]) == [100]  # no specials, not truncated
+    assert tokenizer.count(["word " * 50, "word " * 100]) == [50, 64]  # no specials; 64: that or more
 
 
 def test_windows_are_the_overflow_transformers_gives(tokenizer: TextTokenizer, reference: object) -> None:
