@@ -39,7 +39,7 @@ from app.handlers.text_cost import CostModel, calibrate
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad
 from app.models.base import PREPARED
 
-__all__ = ["TextHandler", "prepared_parts"]
+__all__ = ["TextHandler", "max_length", "prepared_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,15 @@ class TextHandler(windowing.Windowed):
         type_groups: Sequence[Sequence[Ids] | None] | None = None,
         indices: Mapping[str, npt.NDArray[np.int64]] | None = None,
     ) -> list[dict[str, torch.Tensor]]:
-        """Each group of token rows padded into the model's inputs (``input_ids``,
+        """Each group of token rows (int32 ``[n]`` each; ``type_groups``: their token type ids,
+        None for single strings) padded into the model's inputs (``input_ids``,
         ``attention_mask``, ``token_type_ids`` where the model takes them: int64 ``[U_g, T_g]``),
-        on the device, and after them ``indices`` (int64 ``[B]`` each) as one more part."""
+        on the device (through :class:`~app.handlers.host_staging.HostStaging`), and after them
+        ``indices`` (int64 ``[B]`` each) as one more part.
+
+        Raises:
+            ValueError: rows of different lengths and no pad token (:func:`pad`).
+        """
         tokenizer = self.tokenizer
         types = type_groups if type_groups is not None else [None] * len(groups)
         widths = [max((len(r) for r in rows), default=1) for rows in groups]
