@@ -46,13 +46,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from app.errors import PayloadTooLarge
-from app.handlers.tokenizing import Parts, TextTokenizer, Window
+
+if TYPE_CHECKING:  # the tokenizers library only where a text model loads, not in every worker
+    from app.handlers.tokenizing import Parts, TextTokenizer, Window
 
 __all__ = [
     "AGGREGATES",

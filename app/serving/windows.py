@@ -31,7 +31,6 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import InvalidInput
-from app.handlers.tokenizing import prepared_array
 from app.handlers.windows import Span, Windowed, merge
 from app.models.base import PREPARED
 from app.serving.context import RequestContext
@@ -139,6 +138,8 @@ class WindowStage:
 def _split(handler: Windowed, name: str, inputs: Arrays) -> tuple[Arrays, WindowPlan | None]:
     """:meth:`WindowStage.expand`'s work, on a window thread: decode, split (the handler's
     tokenizer), and the window items with their preparations."""
+    from app.handlers.tokenizing import prepared_array  # loaded with a text model already
+
     text_array = inputs[TEXT]
     query_array = inputs.get(QUERY)
     texts = _decode(TEXT, text_array)
