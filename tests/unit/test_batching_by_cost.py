@@ -337,7 +337,7 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
     texts[2, 0] = texts[2, 0].encode()
     costs = handler.item_costs(
         {"text": texts, "query": np.array([[b""], [b""], [b"hello there"]], dtype=object)}
-    )
+    ).costs
     assert costs.tolist()[0] == 3 and costs.tolist()[1] == handler.max_seq_length  # CLS a SEP; truncated
     assert costs.tolist()[2] > 3
     # what preprocess encodes once is priced once: a shared query, a repeated text
@@ -345,7 +345,7 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
         "text": np.array([[b"a"], [b"b"], [b"a"]], dtype=object),
         "query": np.array([[b"hello there"]] * 3, dtype=object),
     }
-    assert handler.item_costs(shared).tolist() == [3 + 4, 3, 0]  # CLS hello there SEP: 4
+    assert handler.item_costs(shared).costs.tolist() == [3 + 4, 3, 0]  # CLS hello there SEP: 4
     with pytest.raises(ValueError, match="not valid UTF-8"):
         handler.item_costs({"text": np.array([[b"\xff\xfe"]], dtype=object)})
     runner = ModelRunner(config, handler)
