@@ -69,14 +69,14 @@ import torch.nn.functional as F
 from app.handlers import onnx_encoder
 from app.handlers import windows as windowing
 from app.handlers.embedding_pipeline import EmbeddingPipeline, load_pipeline
-from app.handlers.text_base import TextHandler, max_length, prepared_parts
+from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,
     check_shared_parameters,
+    declares_truncation,
     decode_texts,
     resolve_model_dir,
-    text_inputs,
 )
 from app.handlers.text_cost import length_groups, padded_tokens
 from app.handlers.text_graphs import TextGraphs, capture_for
@@ -238,8 +238,9 @@ class SentenceEmbeddingHandler(TextHandler):
         length = max_length(parameters, folder_default, limit)
         policy = windowing.WindowPolicy.from_parameters(parameters, length, default_truncation="truncate")
         stride = None if policy.truncation == "truncate" else policy.stride
+        self.truncates = declares_truncation(config)
         self._tokenizer = TextTokenizer.from_folder(
-            path, length, stride=stride, lowercase=pipeline.lowercase, pairs=False
+            path, length, stride=stride, lowercase=pipeline.lowercase, pairs=False, keeps_last=self.truncates
         )
         self.policy, self.type_ids = policy, pipeline.takes_type_ids
         self.merge_rules = windowing.merges(
@@ -311,20 +312,20 @@ class SentenceEmbeddingHandler(TextHandler):
 
     # --- per request ------------------------------------------------------------------------
 
-    def _prepare(self, texts: Sequence[str], queries: Sequence[str]) -> list[Parts]:
-        """Each item's ``(text ids, query ids)``, each distinct string tokenized once."""
+    def prepare_texts(
+        self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
+    ) -> list[Parts]:
+        """Each item's ``(text ids, query ids)``, each distinct string tokenized once; a text cut
+        to its last ``keep`` tokens where asked (:meth:`TextHandler.kept_windows`)."""
+        cut = self.kept_windows(texts, None, keep)
         rows: dict[str, int] = {}
-        for string in (*texts, *(q for q in queries if q)):
+        for string in (*(t for i, t in enumerate(texts) if i not in cut), *(q for q in queries if q)):
             rows.setdefault(string, len(rows))
         ids = self.tokenizer.encode(list(rows)) if rows else []
-        return [(ids[rows[t]], ids[rows[q]] if q else _NO_QUERY) for t, q in zip(texts, queries, strict=True)]
-
-    def _parts(self, inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts]:
-        """The items' preparations: ``inputs[PREPARED]`` where given, else tokenized here."""
-        given = prepared_parts(inputs)
-        if given is None:
-            return self._prepare(*text_inputs(inputs))
-        return self.sub_items(given, lambda missing: self._prepare(*_subset(text_inputs(inputs), missing)))
+        return [
+            (cut[i].ids if i in cut else ids[rows[t]], ids[rows[q]] if q else _NO_QUERY)
+            for i, (t, q) in enumerate(zip(texts, queries, strict=True))
+        ]
 
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
         """The tokens each item makes the model run, int64 ``[B]``: its text's and, when it has
@@ -337,7 +338,7 @@ class SentenceEmbeddingHandler(TextHandler):
         Raises:
             ValueError: naming the input and item, for invalid UTF-8 or a wrong shape.
         """
-        parts = self._parts(inputs)
+        parts = self.item_parts(inputs)
         costs = np.zeros(len(parts), dtype=np.int64)
         priced: set[bytes] = set()
         for item, (text_ids, query_ids) in enumerate(parts):
@@ -376,7 +377,7 @@ class SentenceEmbeddingHandler(TextHandler):
             ValueError: naming the input, for invalid UTF-8, a wrong shape, or a ``query``
                 whose length differs from ``text``'s (where the items are tokenized here).
         """
-        parts = self._parts(inputs)
+        parts = self.item_parts(inputs)
         rows: dict[bytes, int] = {}
         strings: list[Ids] = []
 
@@ -425,8 +426,3 @@ class SentenceEmbeddingHandler(TextHandler):
             "tokens": outputs.tokens.reshape(-1, 1),
             "windows": np.ones((len(outputs.tokens), 1), dtype=np.int64),
         }
-
-
-def _subset(decoded: tuple[list[str], list[str]], items: list[int]) -> tuple[list[str], list[str]]:
-    texts, queries = decoded
-    return [texts[i] for i in items], [queries[i] for i in items]

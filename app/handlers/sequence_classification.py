@@ -59,13 +59,13 @@ import numpy.typing as npt
 import torch
 
 from app.handlers import windows as windowing
-from app.handlers.text_base import TextHandler, max_length, prepared_parts
+from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,
     check_shared_parameters,
+    declares_truncation,
     resolve_model_dir,
-    text_inputs,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import Priced
@@ -156,7 +156,8 @@ class SequenceClassificationHandler(TextHandler):
         length = max_length(parameters, default, limit, minimum=8)
         self.policy = windowing.WindowPolicy.from_parameters(parameters, length)
         stride = None if self.policy.truncation == "truncate" else self.policy.stride
-        self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride)
+        self.truncates = declares_truncation(config)
+        self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride, keeps_last=self.truncates)
         self.labels = labels_of(model.config)
         self._check_outputs(config)
         self.score_index = self._score_index(parameters.get("score_label"))
@@ -225,12 +226,16 @@ class SequenceClassificationHandler(TextHandler):
 
     # --- per request ----------------------------------------------------------------------
 
-    def _prepare(self, texts: Sequence[str], queries: Sequence[str]) -> list[Parts]:
+    def prepare_texts(
+        self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
+    ) -> list[Parts]:
         """Each item's ids (pairs where a query is given), truncated to ``max_seq_length`` (a
-        window of a long text fits: :mod:`app.serving.windows` cut it so)."""
-        out: list[Parts] = [()] * len(texts)
-        single = [i for i, q in enumerate(queries) if not q]
-        paired = [i for i, q in enumerate(queries) if q]
+        window of a long text fits: :mod:`app.serving.windows` cut it so), or cut to its last
+        ``keep`` tokens where asked (:meth:`TextHandler.kept_windows`)."""
+        cut = self.kept_windows(texts, queries, keep)
+        out: list[Parts] = [self.window_parts(cut[i], None) if i in cut else () for i in range(len(texts))]
+        single = [i for i, q in enumerate(queries) if not q and i not in cut]
+        paired = [i for i, q in enumerate(queries) if q and i not in cut]
         if single:
             for i, ids in zip(single, self.tokenizer.encode([texts[i] for i in single]), strict=True):
                 out[i] = (ids, _SINGLE) if self.type_ids else (ids,)
@@ -240,15 +245,6 @@ class SequenceClassificationHandler(TextHandler):
                 out[i] = (ids, types) if self.type_ids else (ids,)
         return out
 
-    def _parts(self, inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts]:
-        given = prepared_parts(inputs)
-        if given is None:
-            return self._prepare(*text_inputs(inputs))
-        texts, queries = text_inputs(inputs) if any(p is None for p in given) else ([], [])
-        return self.sub_items(
-            given, lambda missing: self._prepare([texts[i] for i in missing], [queries[i] for i in missing])
-        )
-
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
         """Tokens each item makes the model run, int64 ``[B]``, special tokens (and a pair's
         query) included, truncated to ``max_seq_length``, with each item's token ids as its
@@ -257,7 +253,7 @@ class SequenceClassificationHandler(TextHandler):
         Raises:
             ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
         """
-        parts = self._parts(inputs)
+        parts = self.item_parts(inputs)
         costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
         return Priced(costs, prepared_array(parts))
 
@@ -274,7 +270,7 @@ class SequenceClassificationHandler(TextHandler):
         Raises:
             ValueError: as :meth:`item_costs` (where the items are tokenized here).
         """
-        parts = self._parts(inputs)
+        parts = self.item_parts(inputs)
         lengths = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
         groups = self.cost.groups(lengths)
         position = np.empty(len(lengths), dtype=np.int64)

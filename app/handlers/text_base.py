@@ -9,7 +9,10 @@ policy and merge rules (it implements :class:`~app.handlers.windows.Windowed`), 
 to the device. A subclass says what an item's preparation is (``item_costs`` returns it as
 ``app.models.base.Priced``; ``preprocess`` pads what ``inputs[PREPARED]`` holds and only
 tokenizes where it is absent: warmup, direct calls) and what one window's preparation is
-(:meth:`TextHandler.window_parts`).
+(:meth:`TextHandler.window_parts`). Where ``model.toml`` declares the input
+``truncate_prompt_tokens`` (:mod:`app.handlers.text_config`) an item that asks for it is cut to
+its last tokens in the same tokenizer pass (:meth:`TextHandler.kept_windows`), priced as cut,
+and never split into windows.
 
 The contract a text handler keeps (``app.models.base`` has the server's side):
 
@@ -19,7 +22,7 @@ The contract a text handler keeps (``app.models.base`` has the server's side):
   same preparation;
 - ``item_costs`` of inputs that hold ``PREPARED`` prices them from it and tokenizes nothing;
 - ``preprocess`` never tokenizes what ``PREPARED`` holds; items whose preparation is None (a
-  request batched from mixed sources) are prepared there;
+  request batched from mixed sources) are prepared there (:meth:`TextHandler.item_parts`);
 - the tokenizer is shared by every thread and never reconfigured after ``load``.
 """
 
@@ -35,6 +38,7 @@ import torch
 
 from app.handlers import windows as windowing
 from app.handlers.host_staging import HostStaging
+from app.handlers.text_config import TRUNCATE, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad
 from app.models.base import PREPARED
@@ -70,6 +74,8 @@ class TextHandler(windowing.Windowed):
         self.merge_rules: dict[str, str] = {}
         #: Whether the model takes ``token_type_ids``.
         self.type_ids = False
+        #: Whether ``model.toml`` declares ``truncate_prompt_tokens`` (the tokenizer then cuts).
+        self.truncates = False
         self.staging = HostStaging(self._device)
 
     # --- the Windowed interface ---------------------------------------------------------------
@@ -85,20 +91,64 @@ class TextHandler(windowing.Windowed):
         return self.merge_rules
 
     def split_windows(
-        self, texts: Sequence[str], queries: Sequence[str] | None
+        self,
+        texts: Sequence[str],
+        queries: Sequence[str] | None,
+        truncate: npt.NDArray[np.int64] | None = None,
     ) -> list[list[windowing.Span]]:
         """Each text's windows as items, each with its own token ids as its preparation
-        (:func:`app.handlers.windows.split`; :meth:`window_parts`). Thread-safe.
+        (:func:`app.handlers.windows.split`; :meth:`window_parts`); a text whose ``truncate``
+        (``truncate_prompt_tokens`` per item) asks to be cut is one item, cut
+        (:meth:`kept_windows`). Thread-safe.
 
         Raises:
-            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.split`.
+            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.split`; as
+                :meth:`kept_windows`.
         """
-        split = windowing.split(self.tokenizer, texts, self.window_queries(queries), self.policy)
+        keep = self.keep({TRUNCATE: truncate} if truncate is not None else {}, len(texts))
+        cut = self.kept_windows(texts, queries, keep)
+        rest = [i for i in range(len(texts)) if i not in cut]
+        paired = self.window_queries(queries)
+        split = windowing.split(
+            self.tokenizer,
+            [texts[i] for i in rest],
+            [paired[i] for i in rest] if paired else None,
+            self.policy,
+        )
+        windows = dict(zip(rest, split, strict=True)) | {i: [w] for i, w in cut.items()}
         extra = self.query_parts(queries, len(texts))
         return [
-            [windowing.Span(w.start, w.stop, w.tokens, self.window_parts(w, extra[i])) for w in windows]
-            for i, windows in enumerate(split)
+            [windowing.Span(w.start, w.stop, w.tokens, self.window_parts(w, extra[i])) for w in windows[i]]
+            for i in range(len(texts))
         ]
+
+    # --- truncate_prompt_tokens ---------------------------------------------------------------
+
+    def keep(self, inputs: Mapping[str, npt.NDArray[Any]], count: int) -> list[int] | None:
+        """Each of ``count`` items' ``truncate_prompt_tokens`` as tokens to keep (0: not asked),
+        where the model declares it; None where nothing is asked
+        (:func:`app.handlers.text_config.truncation`, which raises ValueError)."""
+        return truncation(inputs, count, self.tokenizer.max_length) if self.truncates else None
+
+    def kept_windows(
+        self, texts: Sequence[str], queries: Sequence[str] | None, keep: Sequence[int] | None
+    ) -> dict[int, Window]:
+        """The items whose ``keep`` asks, each cut to its last ``keep`` tokens as one window (with
+        its query where :meth:`window_queries` pairs it: the text cut, the query whole), by index.
+
+        Raises:
+            ValueError: as :meth:`app.handlers.tokenizing.TextTokenizer.keep_last`.
+        """
+        items = [i for i, k in enumerate(keep or ()) if k]
+        if not items or keep is None:
+            return {}
+        paired = self.window_queries(queries)
+        windows = self.tokenizer.keep_last(
+            [texts[i] for i in items],
+            [keep[i] for i in items],
+            [paired[i] for i in items] if paired else None,
+        )
+        return dict(zip(items, windows, strict=True))
 
     def window_queries(self, queries: Sequence[str] | None) -> Sequence[str] | None:
         """The queries that go into a window beside its text (a cross-encoder's pairs): all, by
@@ -112,6 +162,37 @@ class TextHandler(windowing.Windowed):
     def window_parts(self, window: Window, extra: Ids | None) -> Parts:
         """One window's preparation, as ``item_costs`` would make it for the window's item."""
         raise NotImplementedError
+
+    def prepare_texts(
+        self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
+    ) -> list[Parts]:
+        """Each item's preparation from its ``text`` and ``query`` ("" for none), tokenized here
+        (``keep``: as :meth:`keep` gives it)."""
+        raise NotImplementedError
+
+    def item_parts(self, inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts]:
+        """The items' preparations: ``inputs[PREPARED]`` where given, the missing ones (None)
+        and all without it made by :meth:`prepare_texts`.
+
+        Raises:
+            ValueError: as :func:`app.handlers.text_config.text_inputs` and :meth:`keep`, where
+                items are tokenized here.
+        """
+        given = prepared_parts(inputs)
+        if given is not None and all(p is not None for p in given):
+            return given  # type: ignore[return-value]
+        texts, queries = text_inputs(inputs)
+        keep = self.keep(inputs, len(texts))
+        if given is None:
+            return self.prepare_texts(texts, queries, keep)
+        missing = [i for i, p in enumerate(given) if p is None]
+        made = iter(
+            self.prepare_texts(
+                [texts[i] for i in missing], [queries[i] for i in missing],
+                [keep[i] for i in missing] if keep is not None else None,
+            )
+        )  # fmt: skip
+        return [p if p is not None else next(made) for p in given]
 
     # --- cost ---------------------------------------------------------------------------------
 
@@ -217,16 +298,6 @@ class TextHandler(windowing.Windowed):
             return parts
 
         return self.staging.to_device(build, elements)
-
-    def sub_items(
-        self, parts: Sequence[Parts | None], make: Callable[[list[int]], list[Parts]]
-    ) -> list[Parts]:
-        """``parts`` with the missing ones (None) made by ``make(indices)``."""
-        missing = [i for i, p in enumerate(parts) if p is None]
-        if not missing:
-            return list(parts)  # type: ignore[arg-type]
-        made = iter(make(missing))
-        return [p if p is not None else next(made) for p in parts]
 
 
 def max_length(

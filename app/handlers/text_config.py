@@ -15,6 +15,12 @@ Shared ``[parameters]`` (each handler lists its own besides, and refuses any oth
     transformers' attention kernel: ``"sdpa"`` (the default where available) or ``"eager"``.
 ``call_overhead_tokens``, ``attention_knee_tokens`` (numbers >= 0, may be ``inf``)
     The forward's cost model (:mod:`app.handlers.text_cost`); default: measured at load.
+
+The optional INT64 input ``truncate_prompt_tokens`` (shape ``[1]``), where ``model.toml``
+declares it, is vLLM's field of that name, passed per item by the text APIs
+(``app.protocols.text``): 0 = not asked (the model's ``truncation`` holds), -1 = the model's
+``max_seq_length``, ``k`` >= 1 = the text's last ``k`` tokens, special tokens counted (for a
+(query, text) pair: the text cut, the query whole); a text cut so is one item, never windows.
 """
 
 from __future__ import annotations
@@ -32,11 +38,14 @@ __all__ = [
     "ATTENTION",
     "DTYPE_NAMES",
     "SHARED_PARAMETERS",
+    "TRUNCATE",
     "ModelConfigLike",
     "TensorSpecLike",
     "check_shared_parameters",
+    "declares_truncation",
     "decode_texts",
     "resolve_model_dir",
+    "truncation",
 ]
 
 #: The weight dtypes a text handler loads (names as ``torch`` spells them).
@@ -51,6 +60,8 @@ SHARED_PARAMETERS = (
     "call_overhead_tokens",
     "attention_knee_tokens",
 )
+#: The optional per-item input that cuts a text to its last tokens (module docstring).
+TRUNCATE = "truncate_prompt_tokens"
 
 
 class TensorSpecLike(Protocol):
@@ -58,6 +69,9 @@ class TensorSpecLike(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def datatype(self) -> str: ...
 
     @property
     def shape(self) -> Sequence[int]: ...
@@ -77,7 +91,36 @@ class ModelConfigLike(Protocol):
     def parameters(self) -> Mapping[str, Any]: ...
 
     @property
+    def inputs(self) -> Sequence[TensorSpecLike]: ...
+
+    @property
     def outputs(self) -> Sequence[TensorSpecLike]: ...
+
+
+def declares_truncation(config: ModelConfigLike) -> bool:
+    """Whether ``model.toml`` declares the INT64 input :data:`TRUNCATE`."""
+    return any(spec.name == TRUNCATE and spec.datatype == "INT64" for spec in config.inputs)
+
+
+def truncation(inputs: Mapping[str, npt.NDArray[Any]], count: int, max_length: int) -> list[int] | None:
+    """Each of ``count`` items' :data:`TRUNCATE` (int64 ``[B]`` or ``[B, 1]``) with -1 as
+    ``max_length``: 0 = not asked; None where the input is absent or asks nothing.
+
+    Raises:
+        ValueError: not one value per item, or a value below -1 (0 and -1 aside, whether a
+            value fits the model is :meth:`app.handlers.tokenizing.TextTokenizer.keep_last`'s).
+    """
+    array = inputs.get(TRUNCATE)
+    if array is None:
+        return None
+    values = np.asarray(array).reshape(-1)
+    if len(values) != count or values.dtype.kind not in "iu":
+        raise ValueError(f"input {TRUNCATE!r} must hold one integer per item ({count})")
+    if not values.any():
+        return None
+    if int(values.min()) < -1:
+        raise ValueError(f"{TRUNCATE} must be -1 or a positive number of tokens, got {int(values.min())}")
+    return [max_length if int(v) == -1 else int(v) for v in values]
 
 
 def resolve_model_dir(parameters: Mapping[str, Any], model_path: Path) -> Path:

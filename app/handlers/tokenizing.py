@@ -142,8 +142,10 @@ class TextTokenizer:
         padding_side: ``"right"`` or ``"left"`` (decoder models pool the last token: left keeps
             it in the last column).
         stride: tokens a window repeats from the one before; None: no windows.
-        pairs: whether (query, text) pairs are windowed (a cross-encoder's); each configuration
-            is a tokenizer object of its own (tens of ms to build for a large vocabulary).
+        pairs: whether (query, text) pairs are windowed or cut (a cross-encoder's); each
+            configuration is a tokenizer object of its own (tens of ms to build for a large
+            vocabulary).
+        keeps_last: whether texts may be cut to their last tokens on request (:meth:`keep_last`).
 
     Raises:
         ValueError: ``padding_side`` neither, or single strings whose token type ids are not all
@@ -159,17 +161,24 @@ class TextTokenizer:
         padding_side: str = "right",
         stride: int | None = None,
         pairs: bool = True,
+        keeps_last: bool = False,
     ) -> None:
         if padding_side not in ("right", "left"):
             raise ValueError(f'padding_side must be "right" or "left", got {padding_side!r}')
         self.max_length, self.pad_id, self.padding_side = max_length, pad_id, padding_side
         self.stride = stride
-        self._single_windows = self._pair_windows = None
+        text = source.to_str() if stride is not None or keeps_last else ""
+
+        def copy(stride: int = 0, strategy: str = "longest_first", direction: str = "right") -> Tokenizer:
+            return _configured(Tokenizer.from_str(text), max_length, stride, strategy, direction)
+
+        self._single_windows = self._pair_windows = self._single_last = self._pair_last = None
         if stride is not None:
-            text = source.to_str()
-            self._single_windows = _configured(Tokenizer.from_str(text), max_length, stride)
-            if pairs:
-                self._pair_windows = _configured(Tokenizer.from_str(text), max_length, stride, "only_second")
+            self._single_windows = copy(stride)
+            self._pair_windows = copy(stride, "only_second") if pairs else None
+        if keeps_last:  # the last max_length tokens: a pair's text cut, its query whole
+            self._single_last = copy(direction="left")
+            self._pair_last = copy(strategy="only_second", direction="left") if pairs else None
         self._plain = _configured(source, max_length)
         types = set(self._plain.encode("a b").type_ids)
         if len(types) != 1:
@@ -187,6 +196,7 @@ class TextTokenizer:
         pad_token: str | None = None,
         lowercase: bool = False,
         pairs: bool = True,
+        keeps_last: bool = False,
     ) -> TextTokenizer:
         """The folder's tokenizer (:func:`load_tokenizer`), its pad token and padding side from
         ``tokenizer_config.json`` / ``special_tokens_map.json`` / ``tokenizer.json``'s padding.
@@ -195,7 +205,7 @@ class TextTokenizer:
             pad_token: the token to pad with when the folder names none (a decoder model's
                 documented fallback, e.g. its EOS token); None: such a folder cannot pad.
             lowercase: lowercase texts first (:func:`with_lowercase`).
-            pairs: as for the constructor.
+            pairs, keeps_last: as for the constructor.
 
         Raises:
             ValueError: as :func:`load_tokenizer`; a pad token the vocabulary does not hold.
@@ -217,7 +227,15 @@ class TextTokenizer:
             if pad_id is None:
                 raise ValueError(f"{folder}: pad token {name!r} is not in the tokenizer's vocabulary")
         side = str(config.get("padding_side") or "right")
-        return cls(tokenizer, max_length, pad_id, padding_side=side, stride=stride, pairs=pairs)
+        return cls(
+            tokenizer,
+            max_length,
+            pad_id,
+            padding_side=side,
+            stride=stride,
+            pairs=pairs,
+            keeps_last=keeps_last,
+        )
 
     @staticmethod
     def model_max_length(folder: Path) -> int | None:
@@ -275,14 +293,79 @@ class TextTokenizer:
                 out[item] = _windows_of(encoding, 1, len(texts[item]), pair=True)
         return out
 
+    def keep_last(
+        self, texts: Sequence[str], keep: Sequence[int], queries: Sequence[str] | None = None
+    ) -> list[Window]:
+        """Each text cut to its last ``keep[i]`` tokens, special tokens counted (left truncation:
+        vLLM's ``truncate_prompt_tokens``), as one window each; with a non-empty query, the pair
+        (query, text) of at most ``keep[i]`` tokens, the text cut and the query whole. A window's
+        span is the whole text (the same text and ``keep`` always give the same ids).
+
+        Raises:
+            ValueError: a ``keep`` outside ``[1, max_length]``; a ``keep`` (or ``max_length``)
+                too small for the special tokens and the query beside any text.
+            RuntimeError: the tokenizer was made without ``keeps_last`` (or, given queries, ``pairs``).
+        """
+        wanted = list(queries) if queries is not None else [""] * len(texts)
+        if self._single_last is None or (self._pair_last is None and any(wanted)):
+            raise RuntimeError("this tokenizer was made without keeps_last (or pairs): it cannot cut texts")
+        bad = [k for k in keep if not 1 <= k <= self.max_length]
+        if bad:
+            raise ValueError(
+                f"truncate_prompt_tokens {bad[0]} is not between 1 and the model's {self.max_length} tokens"
+            )
+        out: list[Window] = [Window(0, 0, 0, _EMPTY)] * len(texts)
+        for tokenizer, items, side in (
+            (self._single_last, [i for i, q in enumerate(wanted) if not q], 0),
+            (self._pair_last, [i for i, q in enumerate(wanted) if q], 1),
+        ):
+            if not items or tokenizer is None:
+                continue
+            try:
+                encoded = tokenizer.encode_batch([(wanted[i], texts[i]) if side else texts[i] for i in items])
+            except Exception as exc:  # the Rust library's truncation error: a query with no room
+                raise ValueError(
+                    f"a query leaves no room for text in {self.max_length} tokens: {exc}"
+                ) from None
+            for i, encoding in zip(items, encoded, strict=True):
+                out[i] = _last_of(encoding, keep[i], side, len(texts[i]))
+        return out
+
+
+def _last_of(encoding: Encoding, keep: int, side: int, length: int) -> Window:
+    """One encoding (sequence ``side`` the text) cut to its last ``keep`` tokens by dropping
+    the text's first tokens.
+
+    Raises:
+        ValueError: fewer than ``keep`` tokens left once every text token is dropped.
+    """
+    sequences = encoding.sequence_ids
+    text = [j for j, s in enumerate(sequences) if s == side]
+    drop = len(sequences) - keep
+    if drop > len(text):
+        raise ValueError(
+            f"truncate_prompt_tokens {keep} leaves no room for text: its "
+            f"{'query and ' if side else ''}special tokens take {len(sequences) - len(text)}"
+        )
+    kept = np.ones(len(sequences), dtype=bool)
+    kept[text[: max(drop, 0)]] = False
+    ids = np.array(encoding.ids, dtype=np.int32)[kept]
+    type_ids = np.array(encoding.type_ids, dtype=np.int32)[kept] if side else None
+    return Window(0, length, len(text) - max(drop, 0), ids, type_ids)
+
 
 def _configured(
-    tokenizer: Tokenizer, max_length: int, stride: int = 0, strategy: str = "longest_first"
+    tokenizer: Tokenizer,
+    max_length: int,
+    stride: int = 0,
+    strategy: str = "longest_first",
+    direction: str = "right",
 ) -> Tokenizer:
-    """``tokenizer`` set to truncate at ``max_length`` (with ``stride`` for overflow windows) and
-    not to pad: its one configuration, never changed afterwards."""
+    """``tokenizer`` set to truncate at ``max_length`` (with ``stride`` for overflow windows; on
+    the left to keep a text's last tokens) and not to pad: its one configuration, never changed
+    afterwards."""
     tokenizer.no_padding()
-    tokenizer.enable_truncation(max_length, stride=stride, strategy=strategy)
+    tokenizer.enable_truncation(max_length, stride=stride, strategy=strategy, direction=direction)
     return tokenizer
 
 

@@ -164,9 +164,11 @@ class Windowed(Protocol):
     window stage (``app.serving.windows``) finds it by this interface.
 
     ``window_policy``: what the model does with long texts. ``window_merges``: for each output
-    the handler returns, its rule in :data:`MERGES`. ``split_windows(texts, queries)``: each
-    text's windows (with its query where one is given and non-empty), as :func:`split` checks
-    them; called on a thread of the window stage's, several at once (it must be thread-safe).
+    the handler returns, its rule in :data:`MERGES`. ``split_windows(texts, queries, truncate)``:
+    each text's windows (with its query where one is given and non-empty), as :func:`split`
+    checks them, and one item for a text whose ``truncate`` (the request's INT64
+    ``truncate_prompt_tokens`` per item, where the model declares it; 0: not asked) asks to cut
+    it; called on a thread of the window stage's, several at once (it must be thread-safe).
     """
 
     @property
@@ -175,7 +177,12 @@ class Windowed(Protocol):
     @property
     def window_merges(self) -> Mapping[str, str]: ...
 
-    def split_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[Span]]: ...
+    def split_windows(
+        self,
+        texts: Sequence[str],
+        queries: Sequence[str] | None,
+        truncate: npt.NDArray[np.int64] | None = None,
+    ) -> list[list[Span]]: ...
 
 
 def merges(outputs: Sequence[str], policy: WindowPolicy, rules: Mapping[str, str]) -> dict[str, str]:

@@ -9,6 +9,9 @@ output, the rule that merges a text's windows (``window_merges``: the token-weig
 embeddings, sums of ``tokens`` and ``windows``, the model's ``aggregate`` of probabilities and
 scores: MaxP for (query, text) pairs, Dai and Callan, SIGIR 2019).
 
+A text whose item asks for ``truncate_prompt_tokens`` (an input the model declares) is one item,
+cut to its last tokens by the handler in the same pass, never windows.
+
 Each window item carries its slice of the text as its ``text`` input (every other input repeated
 for it: the response cache keys on them, a sibling worker may run it) and its own token ids as
 its preparation (``app.models.base.PREPARED``), so it is tokenized once, here. Texts of a request
@@ -31,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import InvalidInput
+from app.handlers.text_config import TRUNCATE
 from app.handlers.windows import Span, Windowed, merge
 from app.models.base import PREPARED
 from app.serving.context import RequestContext
@@ -145,7 +149,7 @@ def _split(handler: Windowed, name: str, inputs: Arrays) -> tuple[Arrays, Window
     texts = _decode(TEXT, text_array)
     queries = _decode(QUERY, query_array) if query_array is not None else None
     try:
-        windows = handler.split_windows(texts, queries)
+        windows = handler.split_windows(texts, queries, inputs.get(TRUNCATE))
     except ValueError as exc:
         raise InvalidInput(f"model {name}: {exc}") from None
     counts = np.array([len(w) for w in windows], dtype=np.int64)

@@ -42,6 +42,7 @@ class Config:
     parameters: dict[str, Any]
     path: Path = DEMO
     name: str = "all-MiniLM-L6-v2-onnx"
+    inputs: list[Spec] = field(default_factory=list)
     outputs: list[Spec] = field(
         default_factory=lambda: [Spec("embedding", "FP32", [384]), Spec("score", "FP32", [1])]
     )

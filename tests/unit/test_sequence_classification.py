@@ -38,6 +38,7 @@ class Spec:
     name: str
     shape: list[int]
     labels: list[str] | None = None
+    datatype: str = "FP32"
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Config:
     parameters: dict[str, Any]
     outputs: list[Spec] = field(default_factory=list)
     name: str = "clf"
+    inputs: list[Spec] = field(default_factory=list)
 
 
 def _bytes(*texts: str | bytes) -> np.ndarray:

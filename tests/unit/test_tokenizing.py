@@ -53,6 +53,36 @@ def test_single_texts_and_pairs_get_transformers_ids(tokenizer: TextTokenizer, r
     assert tokenizer.count(["word " * 50, "word " * 100]) == [50, 64]  # no specials; 64: that or more
 
 
+def test_keep_last_is_transformers_left_truncation() -> None:
+    """``truncate_prompt_tokens``: each text's last k tokens, special tokens counted, as
+    transformers' tokenizer cuts them with ``truncation_side = "left"``; a pair's text cut and
+    its query whole; a k the model cannot take refused."""
+    left = AutoTokenizer.from_pretrained(FOLDER, local_files_only=True, truncation_side="left")
+    cutting = TextTokenizer.from_folder(FOLDER, 64, keeps_last=True)
+    texts = [t for t in _texts(30, seed=3) if t.strip()]
+    rng = random.Random(4)
+    keep = [rng.choice([3, 5, 17, 64]) for _ in texts]
+    got = cutting.keep_last(texts, keep)
+    for text, k, window in zip(texts, keep, got, strict=True):
+        assert window.ids.tolist() == left(text, truncation=True, max_length=k)["input_ids"]
+        assert (window.start, window.stop, window.tokens) == (0, len(text), len(window.ids) - 2)
+    queries = ["the harbour at dawn"] * len(texts)
+    paired = cutting.keep_last(texts, [24] * len(texts), queries)
+    want = left(queries, texts, truncation="only_second", max_length=24)
+    assert [w.ids.tolist() for w in paired] == want["input_ids"]
+    assert [w.type_ids.tolist() for w in paired if w.type_ids is not None] == want["token_type_ids"]
+    for keep_bad, queries_bad, message in (
+        ([65], None, "not between 1 and the model's 64"),
+        ([1], None, "leaves no room for text: its special tokens take 2"),
+        ([6], ["the harbour at dawn"], "leaves no room for text: its query and special tokens take 7"),
+        ([24], ["word " * 70], "a query leaves no room for text in 64 tokens"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            cutting.keep_last(["word " * 100], keep_bad, queries_bad)
+    with pytest.raises(RuntimeError, match="without keeps_last"):
+        TextTokenizer.from_folder(FOLDER, 64).keep_last(["a"], [3])
+
+
 def test_windows_are_the_overflow_transformers_gives(tokenizer: TextTokenizer, reference: object) -> None:
     text = " ".join(f"electroencephalographically{i} harbour" for i in range(40))
     encoded = reference(  # type: ignore[operator]
