@@ -48,7 +48,7 @@ def in_process(repository: Path, model: str, items: int, seconds: float) -> dict
     runner = ModelRunner(config)
     runner.load(torch.device("cuda:0" if torch.cuda.is_available() else "cpu"))
     runner.warmup()
-    batch = payloads.tensors(config.inputs, config.max_batch_size, random.Random(0))
+    batch = payloads.tensors(payloads.inputs_of(repository, model), config.max_batch_size, random.Random(0))
     big = {t.name: t.array for t in batch}
     small = {name: array[:items] for name, array in big.items()}
 

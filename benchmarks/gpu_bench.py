@@ -180,7 +180,7 @@ def minilm(repository: Path, device: Any, seconds: float, count: int) -> dict[st
         "float16_graphs": with_graphs(fp16, sizes),
     }
     runners = {name: load(config, device) for name, config in configs.items()}
-    texts = feed_texts(tokenizer_words(runners["float32"].handler.model.tokenizer), count)
+    texts = feed_texts(tokenizer_words(runners["float32"].handler.tokenizer), count)
     for name, runner in runners.items():
         rows[name] = {"p50_ms_at_8": p50_ms(runner, texts_input(texts[:8]), seconds)}
         for items in (n for n in (32, 128) if n <= len(texts)):

@@ -117,8 +117,9 @@ def feed_texts(words: Sequence[str], count: int = 1000, seed: int = 0) -> list[s
 
 def inputs_of(repository: Path, model: str, *, query: bool = True) -> list[TensorSpec]:
     """The inputs a benchmark sends to ``model`` of ``repository``: every input of its
-    ``model.toml`` but the optional BYTES ones, except ``query`` where ``query`` is true
-    (MiniLM then scores every text against it, which costs a second embedding per item).
+    ``model.toml`` but the optional ones, except ``query`` where ``query`` is true (MiniLM then
+    scores every text against it, which costs a second embedding per item); random numbers in
+    an optional input such as ``truncate_prompt_tokens`` would change what is measured.
 
     Raises:
         ModelLoadError: the model's ``model.toml`` is missing or malformed.
@@ -126,7 +127,7 @@ def inputs_of(repository: Path, model: str, *, query: bool = True) -> list[Tenso
     return [
         spec
         for spec in read_config(repository / model).inputs
-        if not (spec.optional and spec.datatype == "BYTES" and (spec.name != QUERY_INPUT or not query))
+        if not (spec.optional and (spec.name != QUERY_INPUT or not query))
     ]
 
 

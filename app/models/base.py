@@ -29,6 +29,10 @@ creates one instance per worker with no arguments and calls:
     proportional to time across lengths is what makes its first estimates right. Without it a
     batch costs its costliest item times N (every item padded to the longest); a handler that
     runs a batch in length groups (``app.handlers.sentence_embedding``) says what they cost.
+``padded_tokens(costs)``  -- optional, with ``batch_cost`` where that is not in tokens (a
+    modelled time); the event loop, once per batch run. Returns the tokens the batch computes,
+    padding included (``scoring_batch_tokens_total{kind="padded"}``); without it the metric
+    counts ``batch_cost``.
 ``preprocess(inputs)``  -- a *prepare thread* (staged pipeline) or the inference thread
     ``inputs`` maps every declared input name to a numpy array whose axis 0 is
     the batch (B items, 1 <= B <= max_batch_size); BYTES inputs are ``object``

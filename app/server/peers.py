@@ -15,8 +15,10 @@ serving layer, hence torch).
 
 **Wire format**: msgpack (msgspec), no pickle. A numeric tensor travels as its dtype string
 (``"<f4"``), shape and raw bytes; a BYTES tensor (a numpy object array of ``bytes``/``str``) as
-its shape and the list of its elements. Decoding accepts numeric dtypes only for raw buffers
-(never ``object``), checks the buffer size against the shape, and copies into a writable array.
+its shape and the list of its elements; the items' token ids a text handler made
+(``app.models.base.PREPARED``, ragged) as their ids end to end and their lengths. Decoding
+accepts numeric dtypes only for raw buffers (never ``object``), checks the buffer size against
+the shape, and copies into a writable array.
 The messages only ever gain fields, each with a default, and ignore fields they do not know: a
 HUP that upgrades the code leaves old and new workers side by side for a while, and each must
 understand what the other sends (protobuf's rule for unknown fields).
@@ -72,7 +74,7 @@ class Tensor(msgspec.Struct, array_like=True, forbid_unknown_fields=True):
     dtype: str
     shape: list[int]
     data: bytes | None = None
-    items: list[Any] | None = None  # bytes or str (checked when decoded)
+    items: list[Any] | None = None  # bytes or str, or a ragged tensor's lengths (checked when decoded)
 
 
 class ShardRequest(msgspec.Struct):
@@ -131,11 +133,63 @@ _response_decoder = msgspec.msgpack.Decoder(ShardResponse)
 
 
 def to_tensor(array: np.ndarray) -> Tensor:
-    """Encode ``array`` (any shape; numeric, or object of bytes/str)."""
+    """Encode ``array`` (any shape; numeric, or object of bytes/str; or a ragged object array:
+    see :func:`_ragged`)."""
     shape = list(array.shape)
     if array.dtype == object:
-        return Tensor("object", shape, items=list(array.ravel()))
+        items = list(array.ravel())
+        if items and isinstance(items[0], np.ndarray | tuple):
+            return _ragged(array)
+        return Tensor("object", shape, items=items)
     return Tensor(array.dtype.str, shape, data=np.ascontiguousarray(array).tobytes())
+
+
+def _ragged(array: np.ndarray) -> Tensor:
+    """An object array ``[B]`` of 1-D integer arrays, or of tuples of P of them (an item's token
+    rows: ``app.models.base.PREPARED``), as ``dtype`` ``"ragged/<ids dtype>/P"`` (P = 0: bare
+    arrays), ``shape`` ``[B]``, ``data`` the rows' ids end to end and ``items`` their lengths
+    (``B * max(P, 1)`` integers, row-major), so that a sibling need not tokenize them again and no
+    pickle is needed."""
+    elements = list(array.ravel())
+    arity = 0 if isinstance(elements[0], np.ndarray) else len(elements[0])
+    rows = [np.asarray(e) for e in elements] if arity == 0 else [np.asarray(r) for e in elements for r in e]
+    dtype = np.result_type(*rows) if rows else np.dtype(np.int32)
+    flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
+    return Tensor(
+        f"ragged/{dtype.str}/{arity}", list(array.shape), data=flat.tobytes(), items=[len(r) for r in rows]
+    )
+
+
+def _from_ragged(tensor: Tensor) -> np.ndarray:
+    """Decode :func:`_ragged`'s form, checking every length and size against the data.
+
+    Raises:
+        InvalidInput: a malformed dtype, lengths that are not non-negative integers matching the
+            shape and arity, or ids that do not fill the data.
+    """
+    try:
+        _, name, arity_text = tensor.dtype.split("/")
+        dtype, arity = np.dtype(name), int(arity_text)
+    except (TypeError, ValueError) as exc:
+        raise errors.InvalidInput(f"bad ragged tensor dtype {tensor.dtype!r}") from exc
+    count = math.prod(tensor.shape)
+    lengths = tensor.items
+    if (
+        dtype.kind not in "iu"
+        or not 0 <= arity <= 16
+        or lengths is None
+        or len(lengths) != count * max(arity, 1)
+        or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths)
+        or tensor.data is None
+        or len(tensor.data) != sum(lengths) * dtype.itemsize
+    ):
+        raise errors.InvalidInput("ragged tensor: lengths do not match its shape or data")
+    flat = np.frombuffer(tensor.data, dtype=dtype)
+    rows = np.split(flat.copy(), np.cumsum(lengths)[:-1]) if lengths else []
+    out = np.empty(count, dtype=object)
+    for i in range(count):
+        out[i] = rows[i] if arity == 0 else tuple(rows[i * arity : (i + 1) * arity])
+    return out.reshape(tensor.shape)
 
 
 def from_tensor(tensor: Tensor) -> np.ndarray:
@@ -147,6 +201,8 @@ def from_tensor(tensor: Tensor) -> np.ndarray:
     if any(d < 0 for d in tensor.shape):
         raise errors.InvalidInput(f"negative dimension in shape {tensor.shape}")
     count = math.prod(tensor.shape)
+    if tensor.dtype.startswith("ragged/"):
+        return _from_ragged(tensor)
     if tensor.dtype == "object":
         items = tensor.items
         if items is None or len(items) != count or not all(isinstance(i, (bytes, str)) for i in items):

@@ -227,12 +227,13 @@ class Batch:
     """One batch formed from ``chunks`` at loop time ``formed_at``: its inputs (``[items, ...]``
     per input name; no copy for a batch that is one whole request), its requests and their item
     ranges within it (``groups``), its size and its cost (for a priced model ``batch_cost`` of
-    its items' costs: the padded tokens it computes; else its items). The items' preparations
+    its items' costs, ``costs`` int64 ``[N]``: what it computes, padding included; else its
+    items, and ``costs`` None). The items' preparations
     (``PREPARED``) are concatenated like any input when every request of the batch has them,
     else left out (``preprocess`` then prepares the batch itself, as at warmup)."""
 
     __slots__ = (
-        "chunks", "cost", "formed_at", "groups", "inputs", "items", "queue_s", "real_tokens",
+        "chunks", "cost", "costs", "formed_at", "groups", "inputs", "items", "queue_s", "real_tokens",
         "requests", "trace",
     )  # fmt: skip
 
@@ -261,7 +262,8 @@ class Batch:
         self.groups = list(itertools.pairwise(np.cumsum([0, *sizes]).tolist()))
         priced = [c.request.tokens[c.start : c.stop] for c in chunks if c.request.tokens is not None]
         self.real_tokens = sum(int(t.sum()) for t in priced)
-        self.cost = batch_cost(np.concatenate(priced)) if priced else float(self.items)
+        self.costs = np.concatenate(priced) if priced else None
+        self.cost = batch_cost(self.costs) if self.costs is not None else float(self.items)
         #: Its ``batch`` span (``app.observability.tracing``), when a request in it is traced.
         self.trace: Any = None
 

@@ -258,6 +258,13 @@ class ModelRunner:
             return float(self._batch_cost(costs))
         return float(costs.max()) * len(costs)
 
+    def padded_tokens(self, costs: np.ndarray) -> int:
+        """The tokens a batch of items costing ``costs`` (int64 ``[N]``) computes, padding
+        included (the metrics' padded tokens): the handler's ``padded_tokens``, else
+        :meth:`batch_cost` (whose unit is then tokens)."""
+        counted = getattr(self.handler, "padded_tokens", None)
+        return int(counted(costs)) if counted is not None else int(self.batch_cost(costs))
+
     # --- the three stages of a batch ------------------------------------------------------
 
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> Staged:

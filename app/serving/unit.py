@@ -81,7 +81,8 @@ class ServingUnit:
             headroom, Triton's priority levels (``priority_levels``, ``default_priority_level``,
             ``priority_aging``, ``priority_fill``) and ``scatter``.
         runner: ``app.serving.runner.ModelRunner`` or a test double; ``threads`` its threads (an
-            ``Executor`` alone: the inference thread); ``staged``: the staged pipeline.
+            ``Executor`` alone: the inference thread); ``staged``: the staged pipeline. Its
+            ``padded_tokens`` (costs -> tokens), where it has one, counts the padding metric's.
         max_batch_bytes: the server's bound on a batch's input bytes, for a model whose config
             names none (None: no bound).
         item_costs: one request's items -> int64 ``[B]`` (the handler's cost unit, tokens) or
@@ -140,6 +141,8 @@ class ServingUnit:
             max_batch_tokens=self.max_batch_tokens,
         )  # fmt: skip
         self.executor = BatchExecutor(name, runner, threads, staged=staged, pricing=pricing)
+        #: A batch's padded tokens (else its cost): a cost model's ``batch_cost`` is time.
+        self.padded_tokens: Callable[[np.ndarray], int] | None = getattr(runner, "padded_tokens", None)
         self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
         self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, config.version)
         self.tracing = tracing
@@ -333,8 +336,9 @@ class ServingUnit:
             batch.trace.ran(compute_s)
         self.admission.observe(batch.cost, compute_s, batch.real_tokens)
         self.longest_batch_s = max(compute_s, 0.9 * self.longest_batch_s)
-        if batch.real_tokens:
-            self.observer.padding(batch.real_tokens, int(batch.cost))
+        if batch.real_tokens and batch.costs is not None:
+            padded = self.padded_tokens(batch.costs) if self.padded_tokens else int(batch.cost)
+            self.observer.padding(batch.real_tokens, padded)
         self.observer.batch_done(batch.items, len(batch.requests), batch.queue_s, compute_s)
         offset = 0
         for chunk in batch.chunks:

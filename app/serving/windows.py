@@ -3,23 +3,30 @@
 other requests' items (possibly on a sibling worker); their results are put back together per
 text before the response.
 
-The model's handler says how (``app.handlers.windows.Windowed``: ``window_policy`` and
-``text_windows``); a model whose handler does not, or whose ``truncation`` is ``"truncate"``,
-passes through unchanged. The stage reads the ``text`` input (and ``query``, repeated for each
-of its text's windows; every other input is repeated too) and puts the outputs back together:
+The model's handler says how by implementing ``app.handlers.windows.Windowed``: its
+``window_policy`` (a model that truncates passes through unchanged), ``split_windows`` and, per
+output, the rule that merges a text's windows (``window_merges``: the token-weighted mean of
+embeddings, sums of ``tokens`` and ``windows``, the model's ``aggregate`` of probabilities and
+scores: MaxP for (query, text) pairs, Dai and Callan, SIGIR 2019).
 
-- ``embedding``: the token-weighted mean of the windows' vectors, renormalised;
-- ``tokens`` and ``windows``: summed (a window's ``windows`` is 1: the text's is its count);
-- any other output (class probabilities, scores): the model's ``aggregate``, ``"max"`` by
-  default (for (query, text) pairs MaxP: Dai and Callan, SIGIR 2019), or ``"mean"``.
+A text whose item asks for ``truncate_prompt_tokens`` (an input the model declares) is one item,
+cut to its last tokens by the handler in the same pass, never windows.
 
-Splitting runs on the event loop, and only for texts that may be too long: a text whose UTF-8
-bytes (plus its query's and 4 special tokens) fit in ``max_seq_length`` cannot have more tokens
-than that with a WordPiece or byte-level BPE tokenizer, and is not tokenised here.
+Each window item carries its slice of the text as its ``text`` input (every other input repeated
+for it: the response cache keys on them, a sibling worker may run it) and its own token ids as
+its preparation (``app.models.base.PREPARED``), so it is tokenized once, here. Texts of a request
+that fit in one window carry theirs too whenever the request was tokenized here.
+
+Splitting runs on this stage's threads (:data:`THREADS`, the Rust tokenizer releases the GIL),
+never on the event loop, and only for requests with a text that may be too long: a text whose
+UTF-8 bytes (plus its query's and 4 special tokens) fit in ``max_seq_length`` cannot have more
+tokens than that with a WordPiece or byte-level BPE tokenizer.
 """
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,26 +34,29 @@ import numpy as np
 import numpy.typing as npt
 
 from app.errors import InvalidInput
-from app.handlers.windows import WindowPolicy, aggregate, weighted_mean
+from app.handlers.text_config import TRUNCATE
+from app.handlers.windows import Span, Windowed, merge
+from app.models.base import PREPARED
 from app.serving.context import RequestContext
 from app.serving.items import Arrays, ItemStage
 from app.serving.registry import ModelVersion
 
-__all__ = ["WindowPlan", "WindowStage"]
+__all__ = ["THREADS", "WindowPlan", "WindowStage"]
 
 TEXT, QUERY = "text", "query"
-_SUMMED = ("tokens", "windows")
+#: Threads per worker that split texts into windows (a 1,500-word post: a few ms of Rust).
+THREADS = 2
 
 
 @dataclass(frozen=True)
 class WindowPlan:
     """What :meth:`WindowStage.assemble` needs: ``counts`` int64 ``[B]`` (windows per text, >= 1;
     a text's windows are consecutive items), ``weights`` int64 ``[W]`` (text tokens per window)
-    and the model's ``aggregate``."""
+    and each output's merge rule (``app.handlers.windows.MERGES``)."""
 
     counts: npt.NDArray[np.int64]
     weights: npt.NDArray[np.int64]
-    aggregate: str
+    merges: dict[str, str]
 
 
 def _decode(name: str, array: np.ndarray) -> list[str]:
@@ -61,26 +71,35 @@ def _decode(name: str, array: np.ndarray) -> list[str]:
     return texts
 
 
-class WindowStage(ItemStage[WindowPlan | None]):
-    """The item stage of windows (module docstring); holds no per-request state."""
+def _windowed(model: ModelVersion) -> Windowed | None:
+    """``model``'s handler where it splits texts (a policy other than "truncate"); else None."""
+    handler = model.runner.handler if model.runner is not None else None
+    if not isinstance(handler, Windowed) or handler.window_policy.truncation == "truncate":
+        return None
+    return handler
 
-    @staticmethod
-    def _policy(model: ModelVersion) -> WindowPolicy | None:
-        """``model``'s window policy where its handler splits texts (not "truncate"); else None."""
-        handler = model.runner.handler if model.runner is not None else None
-        policy: WindowPolicy | None = getattr(handler, "window_policy", None)
-        return policy if policy is not None and policy.truncation != "truncate" else None
+
+class WindowStage(ItemStage[WindowPlan | None]):
+    """The item stage of windows (module docstring); holds no per-request state.
+
+    Args:
+        threads: the threads that split texts (:data:`THREADS`).
+    """
+
+    def __init__(self, threads: int = THREADS) -> None:
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="windows")
 
     def applies(self, model: ModelVersion) -> bool:
-        """Whether ``model``'s handler splits texts (a ``window_policy`` other than "truncate")
-        and it has a ``text`` input."""
+        """Whether ``model``'s handler splits texts (``Windowed``, a policy other than
+        "truncate") and it has a ``text`` input."""
         has_text = any(spec.name == TEXT for spec in model.config.inputs)
-        return has_text and self._policy(model) is not None
+        return has_text and _windowed(model) is not None
 
     async def expand(
         self, model: ModelVersion, context: RequestContext, inputs: Arrays
     ) -> tuple[Arrays | None, WindowPlan | None]:
-        """The window items of a request whose texts need them; ``(inputs, None)`` otherwise.
+        """The window items of a request whose texts need them, tokenized on a thread; else
+        ``(inputs, None)``, with their token ids (``PREPARED``) where they were tokenized.
 
         Raises:
             InvalidInput: invalid UTF-8; a text too long for ``truncation = "error"``; a query
@@ -88,40 +107,24 @@ class WindowStage(ItemStage[WindowPlan | None]):
             PayloadTooLarge: more windows than ``max_windows`` for a text, or tokens than
                 ``max_request_tokens`` for the request.
         """
-        policy = self._policy(model)
-        if policy is None or TEXT not in inputs:
+        handler = _windowed(model)
+        if handler is None or TEXT not in inputs:
             return inputs, None
-        handler = model.runner.handler if model.runner is not None else None
         text_array = inputs[TEXT]
         query_array = inputs.get(QUERY)
         sizes = np.fromiter((len(t) for t in text_array.reshape(-1)), np.int64, len(text_array))
         if query_array is not None:
             sizes += np.fromiter((len(q) for q in query_array.reshape(-1)), np.int64, len(query_array))
-        if int(sizes.max()) + 4 <= policy.max_length:
+        if int(sizes.max()) + 4 <= handler.window_policy.max_length:
             return inputs, None
-        texts = _decode(TEXT, text_array)
-        queries = _decode(QUERY, query_array) if query_array is not None else None
-        try:
-            windows = handler.text_windows(texts, queries)  # type: ignore[union-attr]
-        except ValueError as exc:
-            raise InvalidInput(f"model {model.config.name}: {exc}") from None
-        counts = np.array([len(w) for w in windows], dtype=np.int64)
-        if int(counts.max()) == 1:
-            return inputs, None
-        owner = np.repeat(np.arange(len(texts)), counts)
-        pieces = [texts[i][s.start : s.stop].encode() for i, w in enumerate(windows) for s in w]
-        items = {name: array[owner] for name, array in inputs.items()}
-        new_text = np.empty(len(pieces), dtype=object)
-        new_text[:] = pieces
-        items[TEXT] = new_text.reshape((-1, *text_array.shape[1:]))
-        weights = np.array([s.tokens for w in windows for s in w], dtype=np.int64)
-        return items, WindowPlan(counts, weights, policy.aggregate)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, _split, handler, model.config.name, inputs)
 
     def assemble(self, plan: WindowPlan | None, results: Arrays | None) -> Arrays:
-        """One row per text (module docstring for each output).
+        """One row per text, each output by its merge rule.
 
         Raises:
-            ValueError: no results (this stage always queues items).
+            ValueError: no results (this stage always queues items); an output without a rule.
         """
         if results is None:
             raise ValueError("the window stage queued items but got no results")
@@ -129,14 +132,36 @@ class WindowStage(ItemStage[WindowPlan | None]):
             return results
         out: dict[str, Any] = {}
         for name, values in results.items():
-            if name == "embedding":
-                out[name] = weighted_mean(values, plan.weights, plan.counts)
-            elif name in _SUMMED or values.dtype.kind not in "fc":
-                out[name] = (
-                    aggregate(values, plan.counts, "sum")
-                    if name in _SUMMED
-                    else values[np.cumsum(plan.counts) - 1]
-                )
-            else:
-                out[name] = aggregate(values, plan.counts, plan.aggregate)
+            rule = plan.merges.get(name)
+            if rule is None:
+                raise ValueError(f"output {name!r} has no window merge rule (the handler's window_merges)")
+            out[name] = merge(values, rule, plan.counts, plan.weights)
         return out
+
+
+def _split(handler: Windowed, name: str, inputs: Arrays) -> tuple[Arrays, WindowPlan | None]:
+    """:meth:`WindowStage.expand`'s work, on a window thread: decode, split (the handler's
+    tokenizer), and the window items with their preparations."""
+    from app.handlers.tokenizing import prepared_array  # loaded with a text model already
+
+    text_array = inputs[TEXT]
+    query_array = inputs.get(QUERY)
+    texts = _decode(TEXT, text_array)
+    queries = _decode(QUERY, query_array) if query_array is not None else None
+    try:
+        windows = handler.split_windows(texts, queries, inputs.get(TRUNCATE))
+    except ValueError as exc:
+        raise InvalidInput(f"model {name}: {exc}") from None
+    counts = np.array([len(w) for w in windows], dtype=np.int64)
+    spans: list[Span] = [s for w in windows for s in w]
+    prepared = prepared_array([s.prepared for s in spans])
+    if int(counts.max()) == 1:
+        return {**inputs, PREPARED: prepared}, None
+    owner = np.repeat(np.arange(len(texts)), counts)
+    items = {key: array[owner] for key, array in inputs.items()}
+    pieces = np.empty(len(spans), dtype=object)
+    pieces[:] = [texts[i][s.start : s.stop].encode() for i, w in enumerate(windows) for s in w]
+    items[TEXT] = pieces.reshape((-1, *text_array.shape[1:]))
+    items[PREPARED] = prepared
+    weights = np.array([s.tokens for s in spans], dtype=np.int64)
+    return items, WindowPlan(counts, weights, dict(handler.window_merges))

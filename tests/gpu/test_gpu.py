@@ -169,7 +169,7 @@ def minilm() -> Iterator[dict[str, ModelRunner]]:
 @pytest.fixture(scope="module")
 def texts(minilm: dict[str, ModelRunner]) -> list[str]:
     """1,000 texts: feed titles (5-15 words) and descriptions (40-200 words), seeded."""
-    return feed_texts(tokenizer_words(minilm["cpu"].handler.model.tokenizer), FP16_TEXTS)  # type: ignore[attr-defined]
+    return feed_texts(tokenizer_words(minilm["cpu"].handler.tokenizer), FP16_TEXTS)  # type: ignore[attr-defined]
 
 
 def minilm_request(texts: list[str], start: int, items: int) -> dict[str, np.ndarray]:
@@ -207,7 +207,7 @@ async def test_minilm_staged_on_cuda_matches_the_cpu(
 def test_fp16_embeddings_stay_within_the_bound_of_fp32(
     minilm: dict[str, ModelRunner], texts: list[str]
 ) -> None:
-    fp16 = minilm["cuda_fp16"].handler.model  # type: ignore[attr-defined]
+    fp16 = minilm["cuda_fp16"].handler.pipeline.transformer  # type: ignore[attr-defined]
     assert {p.dtype for p in fp16.parameters()} == {torch.float16}
     agreement = fp16_agreement(minilm["cuda"], minilm["cuda_fp16"], texts)
     summary = (

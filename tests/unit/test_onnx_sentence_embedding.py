@@ -42,6 +42,7 @@ class Config:
     parameters: dict[str, Any]
     path: Path = DEMO
     name: str = "all-MiniLM-L6-v2-onnx"
+    inputs: list[Spec] = field(default_factory=list)
     outputs: list[Spec] = field(
         default_factory=lambda: [Spec("embedding", "FP32", [384]), Spec("score", "FP32", [1])]
     )
@@ -174,8 +175,8 @@ def test_only_the_graph_runs(handlers: dict[str, SentenceEmbeddingHandler]) -> N
         "attention_mask",
         "token_type_ids",
     ]
-    transformer: Any = onnx.model[0]
-    assert all(p.device.type == "meta" for p in transformer.model.parameters())  # the weights are gone
+    transformer: Any = onnx.pipeline.transformer
+    assert all(p.device.type == "meta" for p in transformer.parameters())  # the weights are gone
     assert handlers["torch"].onnx is None
     options = onnx.onnx.session.get_session_options()
     assert options.intra_op_num_threads == torch.get_num_threads()

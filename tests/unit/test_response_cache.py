@@ -63,16 +63,36 @@ def test_keys_are_per_item_and_differ_per_version_input_and_dtype() -> None:
     assert split is not None and split[0] != split[1]
 
 
-def test_inputs_the_server_derives_are_not_part_of_the_key() -> None:
-    """A window's token ids travel as ``#prepared`` (an object array of int arrays): the text
-    and the model's identity decide them, so the key leaves them out (and never hashes an
-    object array of arrays by accident)."""
-    plain = texts(b"a", b"b")
+def test_an_items_preparation_is_part_of_its_key() -> None:
+    """A window's text input is the span its tokens cover, and the span does not decide them
+    (cut inside a word, "ing" is "##ing" in its window and "ing" alone): its token ids, carried
+    as ``#prepared``, are keyed beside its inputs, each row length-prefixed, so the window never
+    finds the standalone text's result, nor another window's of the same span. Other ``#``
+    inputs are not keyed; a preparation that is not integer rows is not cached."""
+    span = texts(b"ing", b"ing")
+    alone = (np.array([101, 7, 102], np.int32), np.zeros(0, np.int32))
+    in_a_word = (np.array([101, 8, 102], np.int32), np.zeros(0, np.int32))
     prepared = np.empty(2, dtype=object)
-    prepared[:] = [np.array([101, 7, 102]), np.array([101, 8, 9, 102])]
+    prepared[:] = [alone, in_a_word]
     assert PREPARED.startswith("#")
-    assert item_keys(IDENTITY, {**plain, PREPARED: prepared}) == item_keys(IDENTITY, plain)
+    keys = item_keys(IDENTITY, {**span, PREPARED: prepared})
+    assert keys is not None and keys[0] != keys[1]
+    plain = item_keys(IDENTITY, span)
+    assert plain is not None and plain[0] not in keys
+    # the same ids in another integer dtype (as a sibling worker may decode them) key alike
+    wide = np.empty(2, dtype=object)
+    wide[:] = [tuple(row.astype(np.int64) for row in alone), tuple(row.astype(np.int64) for row in in_a_word)]
+    assert item_keys(IDENTITY, {**span, PREPARED: wide}) == keys
+    # rows are length-prefixed: ([1, 2], [3]) is not ([1], [2, 3])
+    cut = np.empty(2, dtype=object)
+    cut[:] = [(np.array([1, 2]), np.array([3])), (np.array([1]), np.array([2, 3]))]
+    split = item_keys(IDENTITY, {**span, PREPARED: cut})
+    assert split is not None and split[0] != split[1]
+    assert item_keys(IDENTITY, {**span, "#other": np.zeros(2)}) == plain
     assert item_keys(IDENTITY, {PREPARED: prepared}) is None  # nothing keyed: not cached
+    odd = np.empty(2, dtype=object)
+    odd[:] = [None, None]
+    assert item_keys(IDENTITY, {**span, PREPARED: odd}) is None
 
 
 def test_encoding_round_trips_bit_for_bit_and_refuses_what_it_cannot_hold() -> None:

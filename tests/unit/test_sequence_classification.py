@@ -22,9 +22,10 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 from app.errors import InvalidInput, PayloadTooLarge
 from app.handlers import windows
 from app.handlers.sequence_classification import SequenceClassificationHandler
+from app.models.base import PREPARED
 from app.serving.context import RequestContext
 from app.serving.windows import WindowStage
-from tests.support.text_models import write_classifier_folder
+from tests.support.text_models import library_windows, write_classifier_folder
 from tests.support.tools import load_tool
 
 LABELS = ["ok", "insult", "threat"]
@@ -37,6 +38,7 @@ class Spec:
     name: str
     shape: list[int]
     labels: list[str] | None = None
+    datatype: str = "FP32"
 
 
 @dataclass
@@ -45,6 +47,7 @@ class Config:
     parameters: dict[str, Any]
     outputs: list[Spec] = field(default_factory=list)
     name: str = "clf"
+    inputs: list[Spec] = field(default_factory=list)
 
 
 def _bytes(*texts: str | bytes) -> np.ndarray:
@@ -136,14 +139,13 @@ def test_long_text_windows_aggregate_the_librarys_windows(classifier: Path, how:
     out, items = _windowed(handler, {"text": _bytes(SHORT[0], LONG)})
     pieces = [t.decode() for t in items["text"].reshape(-1)]
     assert pieces[0] == SHORT[0] and len(pieces) > 4 and all(p in LONG for p in pieces[1:])
-    per_window = _library(classifier, pieces[1:])
+    per_window, ids = library_windows(classifier, LONG, 64, 16)
+    assert [list(p[0]) for p in items[PREPARED][1:]] == ids  # each window runs the overflow's ids
     want = per_window.max(0) if how == "max" else per_window.mean(0)
-    assert out["windows"].reshape(-1).tolist() == [1, len(pieces) - 1]
+    assert out["windows"].reshape(-1).tolist() == [1, len(pieces) - 1] == [1, len(ids)]
     assert np.abs(out["probabilities"][1] - want).max() <= 1e-5
     assert np.abs(out["probabilities"][0] - _library(classifier, SHORT[:1])[0]).max() <= 1e-5
-    tokenizer = AutoTokenizer.from_pretrained(classifier)
-    assert int(out["tokens"][1, 0]) == sum(len(tokenizer(p)["input_ids"]) for p in pieces[1:])
-    assert all(len(tokenizer(p)["input_ids"]) <= 64 for p in pieces)
+    assert int(out["tokens"][1, 0]) == sum(len(w) for w in ids) and all(len(w) <= 64 for w in ids)
     assert pieces[1].startswith("sentence 0") and pieces[-1].endswith(LONG[-20:])
 
 
@@ -153,9 +155,28 @@ def test_cross_encoder_windows_take_maxp(cross_encoder: Path) -> None:
     pieces = [t.decode() for t in items["text"].reshape(-1)]
     queries = [q.decode() for q in items["query"].reshape(-1)]
     assert queries[:-1] == ["the sea"] * (len(pieces) - 1) and queries[-1] == ""
-    per_window = _library(cross_encoder, pieces[:-1], queries[:-1])
+    per_window, ids = library_windows(cross_encoder, LONG, 48, 8, query="the sea")
+    assert [list(p[0]) for p in items[PREPARED][:-1]] == ids
     assert int(out["windows"][0, 0]) == len(per_window) > 1
     assert abs(float(out["score"][0, 0]) - float(per_window[:, 0].max())) <= 1e-5
+
+
+def test_windows_cut_inside_words_run_the_overflow_not_the_retokenized_span(cross_encoder: Path) -> None:
+    """Windows whose edges fall inside words (WordPiece continuations): each runs the tokenizer's
+    own overflow ids (the item's text is still its span), and a text that fits in one window
+    runs exactly what it runs without windows."""
+    text = " ".join(f"electroencephalographically{i} unquestionably" for i in range(30))
+    handler = _load(cross_encoder, ["relevance"], max_seq_length=32, stride=4)
+    out, items = _windowed(handler, {"text": _bytes(text, SHORT[2]), "query": _bytes("brain", "brain")})
+    per_window, ids = library_windows(cross_encoder, text, 32, 4, query="brain")
+    windows = int(out["windows"][0, 0])
+    assert [list(p[0]) for p in items[PREPARED][:windows]] == ids and windows == len(ids) > 2
+    spans = [t.decode() for t in items["text"].reshape(-1)[:windows]]
+    tokenizer = AutoTokenizer.from_pretrained(cross_encoder, local_files_only=True)
+    assert any(tokenizer("brain", span)["input_ids"] != w for span, w in zip(spans, ids, strict=True))
+    assert abs(float(out["score"][0, 0]) - float(per_window[:, 0].max())) <= 1e-5
+    alone = _run(handler, {"text": _bytes(SHORT[2]), "query": _bytes("brain")})
+    assert out["score"][1, 0] == alone["score"][0, 0] and out["tokens"][1, 0] == alone["tokens"][0, 0]
 
 
 def test_truncate_and_error_modes(classifier: Path) -> None:
@@ -165,7 +186,7 @@ def test_truncate_and_error_modes(classifier: Path) -> None:
     refusing = _load(classifier, LABELS, max_seq_length=64, truncation="error")
     with pytest.raises(InvalidInput, match=r"item 1 is longer than the model's 64 tokens"):
         _windowed(refusing, {"text": _bytes("short", LONG)})
-    assert refusing.item_costs({"text": _bytes("short")}).tolist() == [3]
+    assert refusing.item_costs({"text": _bytes("short")}).costs.tolist() == [3]
 
 
 def test_limits_are_priced_before_anything_runs(classifier: Path) -> None:

@@ -51,7 +51,7 @@ class StandIns:
         self.encode = handler._encode_torch
         self.eager: list[tuple[int, int]] = []
         self.seen: list[tuple[tuple[int, int], dict[str, torch.Tensor]]] = []
-        names = sorted(k for k, v in handler.model.preprocess(["x"]).items() if isinstance(v, torch.Tensor))
+        names = handler.feature_names
         buckets = [self.bucket(names, r, t) for r in ROWS for t in TOKENS]
         self.graphs = TextGraphs(buckets, self.counted)
 
@@ -72,7 +72,10 @@ class StandIns:
 
 
 def features(handler: SentenceEmbeddingHandler, strings: list[str]) -> dict[str, torch.Tensor]:
-    return {k: v for k, v in handler.model.preprocess(strings).items() if isinstance(v, torch.Tensor)}
+    """The strings tokenized and padded as one call, as the handler feeds its pipeline."""
+    (group,) = handler.features([handler.tokenizer.encode(strings)])
+    assert sorted(group) == handler.feature_names
+    return group
 
 
 def texts(count: int, words: int) -> list[str]:
@@ -137,7 +140,7 @@ def test_the_output_is_a_copy_the_next_replay_leaves_alone(handler: SentenceEmbe
 def test_on_the_cpu_the_graphs_are_ignored_with_one_info_line(caplog: pytest.LogCaptureFixture) -> None:
     config = msgspec.structs.replace(read_config(MINILM), cuda_graph_batch_sizes=[1, 8, 32])
     config.validate()
-    with caplog.at_level(logging.INFO, logger="app.handlers.sentence_embedding"):
+    with caplog.at_level(logging.INFO, logger="app.handlers.text_graphs"):
         runner = ModelRunner(config)
         runner.load(CPU)
     assert runner.handler.cuda_graph_shapes == []  # type: ignore[attr-defined]

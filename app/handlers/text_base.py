@@ -1,0 +1,319 @@
+"""What the text handlers share: the tokenizer, the cost model, windows, and the way to the device.
+
+:class:`TextHandler` is the base of ``SentenceEmbeddingHandler`` and
+``SequenceClassificationHandler`` (and of the decoder-model handlers to come): it holds the
+folder's :class:`~app.handlers.tokenizing.TextTokenizer`, the forward's
+:class:`~app.handlers.text_cost.CostModel` (``batch_cost``, the length groups), the window
+policy and merge rules (it implements :class:`~app.handlers.windows.Windowed`), and a
+:class:`~app.handlers.host_staging.HostStaging` that pads batches into host arrays and moves them
+to the device. A subclass says what an item's preparation is (``item_costs`` returns it as
+``app.models.base.Priced``; ``preprocess`` pads what ``inputs[PREPARED]`` holds and only
+tokenizes where it is absent: warmup, direct calls) and what one window's preparation is
+(:meth:`TextHandler.window_parts`). Where ``model.toml`` declares the input
+``truncate_prompt_tokens`` (:mod:`app.handlers.text_config`) an item that asks for it is cut to
+its last tokens in the same tokenizer pass (:meth:`TextHandler.kept_windows`), priced as cut,
+and never split into windows.
+
+The contract a text handler keeps (``app.models.base`` has the server's side):
+
+- an item's preparation (:data:`~app.handlers.tokenizing.Parts`) is a tuple of int32 token rows,
+  the same arity for every item of a handler (``peers.to_tensor`` carries it to a sibling as flat
+  ids and lengths); it is made from the item's inputs alone, so the same inputs always make the
+  same preparation;
+- ``item_costs`` of inputs that hold ``PREPARED`` prices them from it and tokenizes nothing;
+- ``preprocess`` never tokenizes what ``PREPARED`` holds; items whose preparation is None (a
+  request batched from mixed sources) are prepared there (:meth:`TextHandler.item_parts`);
+- the tokenizer is shared by every thread and never reconfigured after ``load``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.handlers import windows as windowing
+from app.handlers.host_staging import HostStaging
+from app.handlers.text_config import TRUNCATE, text_inputs, truncation
+from app.handlers.text_cost import CostModel, calibrate
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad
+from app.models.base import PREPARED
+
+__all__ = ["TextHandler", "max_length", "prepared_parts"]
+
+log = logging.getLogger(__name__)
+
+#: ``[parameters]`` names of the cost model (:mod:`app.handlers.text_cost`), and its fields.
+_COST_PARAMETERS = {"call_overhead_tokens": "overhead", "attention_knee_tokens": "knee"}
+
+
+def prepared_parts(inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts | None] | None:
+    """The items' preparations in ``inputs[PREPARED]`` (None: absent)."""
+    prepared = inputs.get(PREPARED)
+    return None if prepared is None else list(np.asarray(prepared, dtype=object).reshape(-1))
+
+
+class TextHandler(windowing.Windowed):
+    """The part of a text handler that does not depend on its model (module docstring)."""
+
+    #: The handler's name in messages.
+    kind = "TextHandler"
+
+    def __init__(self) -> None:
+        self._device = torch.device("cpu")
+        self._tokenizer: TextTokenizer | None = None
+        #: What a forward call costs (``batch_cost``, length groups); measured at load.
+        self.cost = CostModel()
+        #: What the model does with long texts.
+        self.policy = windowing.WindowPolicy("truncate", 512, 0)
+        #: How each output of a text's windows becomes one (:data:`app.handlers.windows.MERGES`).
+        self.merge_rules: dict[str, str] = {}
+        #: Whether the model takes ``token_type_ids``.
+        self.type_ids = False
+        #: Whether ``model.toml`` declares ``truncate_prompt_tokens`` (the tokenizer then cuts).
+        self.truncates = False
+        self.staging = HostStaging(self._device)
+
+    # --- the Windowed interface ---------------------------------------------------------------
+
+    @property
+    def window_policy(self) -> windowing.WindowPolicy:
+        """What the model does with long texts (:mod:`app.handlers.windows`)."""
+        return self.policy
+
+    @property
+    def window_merges(self) -> Mapping[str, str]:
+        """Each output's rule for putting a text's windows together."""
+        return self.merge_rules
+
+    def split_windows(
+        self,
+        texts: Sequence[str],
+        queries: Sequence[str] | None,
+        truncate: npt.NDArray[np.int64] | None = None,
+    ) -> list[list[windowing.Span]]:
+        """Each text's windows as items, each with its own token ids as its preparation
+        (:func:`app.handlers.windows.split`; :meth:`window_parts`); a text whose ``truncate``
+        (``truncate_prompt_tokens`` per item) asks to be cut is one item, cut
+        (:meth:`kept_windows`). Thread-safe.
+
+        Raises:
+            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.split`; as
+                :meth:`kept_windows`.
+        """
+        keep = self.keep({TRUNCATE: truncate} if truncate is not None else {}, len(texts))
+        cut = self.kept_windows(texts, queries, keep)
+        rest = [i for i in range(len(texts)) if i not in cut]
+        paired = self.window_queries(queries)
+        split = windowing.split(
+            self.tokenizer,
+            [texts[i] for i in rest],
+            [paired[i] for i in rest] if paired else None,
+            self.policy,
+        )
+        windows = dict(zip(rest, split, strict=True)) | {i: [w] for i, w in cut.items()}
+        extra = self.query_parts(queries, len(texts))
+        return [
+            [windowing.Span(w.start, w.stop, w.tokens, self.window_parts(w, extra[i])) for w in windows[i]]
+            for i in range(len(texts))
+        ]
+
+    # --- truncate_prompt_tokens ---------------------------------------------------------------
+
+    def keep(self, inputs: Mapping[str, npt.NDArray[Any]], count: int) -> list[int] | None:
+        """Each of ``count`` items' ``truncate_prompt_tokens`` as tokens to keep (0: not asked),
+        where the model declares it; None where nothing is asked
+        (:func:`app.handlers.text_config.truncation`, which raises ValueError)."""
+        return truncation(inputs, count, self.tokenizer.max_length) if self.truncates else None
+
+    def kept_windows(
+        self, texts: Sequence[str], queries: Sequence[str] | None, keep: Sequence[int] | None
+    ) -> dict[int, Window]:
+        """The items whose ``keep`` asks, each cut to its last ``keep`` tokens as one window (with
+        its query where :meth:`window_queries` pairs it: the text cut, the query whole), by index.
+
+        Raises:
+            ValueError: as :meth:`app.handlers.tokenizing.TextTokenizer.keep_last`.
+        """
+        items = [i for i, k in enumerate(keep or ()) if k]
+        if not items or keep is None:
+            return {}
+        paired = self.window_queries(queries)
+        windows = self.tokenizer.keep_last(
+            [texts[i] for i in items],
+            [keep[i] for i in items],
+            [paired[i] for i in items] if paired else None,
+        )
+        return dict(zip(items, windows, strict=True))
+
+    def window_queries(self, queries: Sequence[str] | None) -> Sequence[str] | None:
+        """The queries that go into a window beside its text (a cross-encoder's pairs): all, by
+        default; None where the model takes the text alone."""
+        return queries
+
+    def query_parts(self, queries: Sequence[str] | None, count: int) -> list[Ids | None]:
+        """Per text, what a window's preparation adds beside the window's ids (none here)."""
+        return [None] * count
+
+    def window_parts(self, window: Window, extra: Ids | None) -> Parts:
+        """One window's preparation, as ``item_costs`` would make it for the window's item."""
+        raise NotImplementedError
+
+    def prepare_texts(
+        self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
+    ) -> list[Parts]:
+        """Each item's preparation from its ``text`` and ``query`` ("" for none), tokenized here
+        (``keep``: as :meth:`keep` gives it)."""
+        raise NotImplementedError
+
+    def item_parts(self, inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts]:
+        """The items' preparations: ``inputs[PREPARED]`` where given, the missing ones (None)
+        and all without it made by :meth:`prepare_texts`.
+
+        Raises:
+            ValueError: as :func:`app.handlers.text_config.text_inputs` and :meth:`keep`, where
+                items are tokenized here.
+        """
+        given = prepared_parts(inputs)
+        if given is not None and all(p is not None for p in given):
+            return given  # type: ignore[return-value]
+        texts, queries = text_inputs(inputs)
+        keep = self.keep(inputs, len(texts))
+        if given is None:
+            return self.prepare_texts(texts, queries, keep)
+        missing = [i for i, p in enumerate(given) if p is None]
+        made = iter(
+            self.prepare_texts(
+                [texts[i] for i in missing], [queries[i] for i in missing],
+                [keep[i] for i in missing] if keep is not None else None,
+            )
+        )  # fmt: skip
+        return [p if p is not None else next(made) for p in given]
+
+    # --- cost ---------------------------------------------------------------------------------
+
+    @property
+    def call_overhead_tokens(self) -> float:
+        """What one forward call costs beyond its tokens, in tokens (``inf``: one call a batch)."""
+        return self.cost.overhead
+
+    @call_overhead_tokens.setter
+    def call_overhead_tokens(self, value: float) -> None:
+        self.cost = CostModel(float(value), self.cost.knee)
+
+    def batch_cost(self, costs: npt.NDArray[np.int64]) -> int:
+        """What a batch of items costing ``costs`` (``item_costs``, int64 ``[N]``) computes, in
+        short tokens' time, padding included: its length groups' calls
+        (:meth:`app.handlers.text_cost.CostModel.batch`), proportional to their time across
+        lengths."""
+        return self.cost.batch(costs)
+
+    def padded_tokens(self, costs: npt.NDArray[np.int64]) -> int:
+        """The tokens a batch of items costing ``costs`` computes, padding included."""
+        return self.cost.padded(costs)
+
+    def calibrate(
+        self, parameters: Mapping[str, Any], encode: Callable[[dict[str, torch.Tensor]], Any]
+    ) -> None:
+        """Set :attr:`cost`: ``call_overhead_tokens`` / ``attention_knee_tokens`` from
+        ``parameters`` where given, the rest measured (:func:`app.handlers.text_cost.calibrate`)
+        by timing ``encode`` on synthetic token ids up to ``max_seq_length``."""
+        fixed = {
+            field: float(parameters[key]) for key, field in _COST_PARAMETERS.items() if key in parameters
+        }
+        if len(fixed) < len(_COST_PARAMETERS):
+            measured = calibrate(self._timer(encode), self.tokenizer.max_length)
+            log.info(
+                "%s: a forward call costs %.1f tokens beyond its tokens; attention doubles a "
+                "token's cost at %.0f tokens", self.kind, measured.overhead, measured.knee,
+            )  # fmt: skip
+            fixed = {"overhead": measured.overhead, "knee": measured.knee, **fixed}
+        self.cost = CostModel(fixed["overhead"], fixed["knee"])
+
+    def _timer(self, encode: Callable[[dict[str, torch.Tensor]], Any]) -> Callable[[int, int], None]:
+        token = self.tokenizer.encode(["word"])[0]
+        filler = int(token[len(token) // 2]) if len(token) else 0
+
+        def run(strings: int, tokens: int) -> None:
+            rows = [np.full(tokens, filler, dtype=np.int32)] * strings
+            (features,) = self.features([rows])
+            with torch.inference_mode():
+                encode(features)
+            if self._device.type == "cuda":
+                torch.cuda.synchronize(self._device)
+
+        return run
+
+    # --- to the device ------------------------------------------------------------------------
+
+    @property
+    def tokenizer(self) -> TextTokenizer:
+        """The folder's tokenizer."""
+        if self._tokenizer is None:
+            raise RuntimeError(f"{self.kind}.load() has not been called")
+        return self._tokenizer
+
+    def set_device(self, device: torch.device) -> None:
+        """Where the model runs (and its host staging)."""
+        self._device = device
+        self.staging = HostStaging(device)
+
+    def features(
+        self,
+        groups: Sequence[Sequence[Ids]],
+        type_groups: Sequence[Sequence[Ids] | None] | None = None,
+        indices: Mapping[str, npt.NDArray[np.int64]] | None = None,
+    ) -> list[dict[str, torch.Tensor]]:
+        """Each group of token rows (int32 ``[n]`` each; ``type_groups``: their token type ids,
+        None for single strings) padded into the model's inputs (``input_ids``,
+        ``attention_mask``, ``token_type_ids`` where the model takes them: int64 ``[U_g, T_g]``),
+        on the device (through :class:`~app.handlers.host_staging.HostStaging`), and after them
+        ``indices`` (int64 ``[B]`` each) as one more part.
+
+        Raises:
+            ValueError: rows of different lengths and no pad token (:func:`pad`).
+        """
+        tokenizer = self.tokenizer
+        types = type_groups if type_groups is not None else [None] * len(groups)
+        widths = [max((len(r) for r in rows), default=1) for rows in groups]
+        elements = 3 * sum(max(1, w) * len(rows) for w, rows in zip(widths, groups, strict=True))
+        elements += sum(len(v) for v in (indices or {}).values())
+
+        def build(alloc: Any) -> list[dict[str, npt.NDArray[np.int64]]]:
+            parts = [
+                pad(rows, tokenizer.pad_id, side=tokenizer.padding_side, type_rows=type_rows,
+                    single_type_id=tokenizer.single_type_id, type_ids=self.type_ids, alloc=alloc)
+                for rows, type_rows in zip(groups, types, strict=True)
+            ]  # fmt: skip
+            if indices is not None:
+                placed = {}
+                for name, values in indices.items():
+                    placed[name] = alloc((len(values),))
+                    placed[name][:] = values
+                parts.append(placed)
+            return parts
+
+        return self.staging.to_device(build, elements)
+
+
+def max_length(
+    parameters: Mapping[str, Any], default: int | None, limit: int | None, minimum: int = 1
+) -> int:
+    """``parameters.max_seq_length``, else ``default`` capped by ``limit`` (512 when neither).
+
+    Raises:
+        ValueError: not an integer >= ``minimum``, or over the model's ``limit``.
+    """
+    value = parameters.get("max_seq_length")
+    if value is None:
+        candidates = [v for v in (default, limit) if v]
+        return min(candidates) if candidates else 512
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ValueError(f"parameters.max_seq_length must be an integer >= {minimum}, got {value!r}")
+    if limit is not None and value > limit:
+        raise ValueError(f"max_seq_length {value} exceeds the model's {limit} tokens")
+    return value

@@ -1,0 +1,175 @@
+"""What a text model's forward calls cost, measured at load: length groups and ``batch_cost``.
+
+A forward call of U strings padded to T tokens takes, in units of one short token's time,
+
+    ``cost(U, T) = overhead + U * T * (1 + T / knee)``
+
+``overhead`` (``call_overhead_tokens``) is what a call costs beyond its tokens (Python, kernel
+launches); ``knee`` (``attention_knee_tokens``) is the length at which a token's attention,
+whose work grows with the length, costs as much as the rest of its work (a token at 256 costs
+more than one at 16; ``inf``: the cost is linear). :func:`calibrate` fits both to calls timed at
+load at a few shapes up to ``max_seq_length``; ``model.toml`` may fix either.
+
+The model serves three uses: the length groups a batch runs in (:meth:`CostModel.groups`: the
+cut of the sorted lengths that costs least, one forward call per group, each padded to its own
+longest), ``batch_cost`` (:meth:`CostModel.batch`: what those calls cost, proportional to their
+time across lengths, so that admission and ``max_batch_tokens`` price a batch of long windows
+right from the first one), and the padded tokens a batch computes (:meth:`CostModel.padded`).
+
+Source: the split mirrors ``SentenceTransformer.encode()`` sorting its input by length and
+text-embeddings-inference's token budget; the cost is the standard transformer FLOP count
+(a linear term per token plus attention's term per token times the length: Kaplan et al. 2020,
+"Scaling Laws for Neural Language Models", table 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+__all__ = ["CostModel", "calibrate", "calibration_shapes", "length_groups", "padded_tokens"]
+
+#: The timings per shape: the best of this many rounds after a warm-up round (a round of
+#: all-MiniLM-L6-v2 at 256 tokens: about 0.25 s of one core of the 2-core VM).
+ROUNDS = 3
+#: A knee below this is noise on a loaded machine: by the FLOP count a token's attention
+#: equals its other work at about 6 x the hidden size (2,300 tokens for MiniLM, 4,600 for BERT-base).
+MIN_KNEE_TOKENS = 64.0
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """``cost(U, T) = overhead + U * T * (1 + T / knee)`` (module docstring), in tokens.
+
+    Attributes:
+        overhead: a call's cost beyond its tokens (``inf``: a batch is always one call).
+        knee: the length at which attention doubles a token's cost (``inf``: linear).
+    """
+
+    overhead: float = math.inf
+    knee: float = math.inf
+
+    def per_token(self, tokens: npt.ArrayLike) -> npt.NDArray[np.float64]:
+        """The cost of one token in a call padded to ``tokens``: ``1 + tokens / knee``."""
+        values = np.asarray(tokens, dtype=np.float64)
+        return 1.0 + values / self.knee if math.isfinite(self.knee) else np.ones_like(values)
+
+    def groups(self, lengths: npt.ArrayLike) -> list[npt.NDArray[np.int64]]:
+        """The length groups of strings of ``lengths`` tokens (``[U]``, U >= 1): indices into
+        ``lengths``, shortest group first, each in ascending length, together a permutation of
+        ``range(U)``; the cut minimises the sum of :meth:`call` over the groups.
+
+        The best cut of sorted lengths into contiguous groups is a shortest path over the U + 1
+        cut points (``best[j] = min_i best[i] + overhead + (j - i) * w(sorted[j - 1])``),
+        O(U^2) in numpy.
+        """
+        values = np.asarray(lengths, dtype=np.float64).reshape(-1)
+        order = np.argsort(values, kind="stable")
+        if values.size <= 1 or not math.isfinite(self.overhead):
+            return [order.astype(np.int64)]
+        ordered = values[order]
+        weighted = ordered * self.per_token(ordered)
+        n = ordered.size
+        best = np.zeros(n + 1)
+        cut = np.zeros(n + 1, dtype=np.int64)
+        starts = np.arange(n)
+        for j in range(1, n + 1):
+            costs = best[:j] + self.overhead + (j - starts[:j]) * weighted[j - 1]
+            i = int(np.argmin(costs))
+            best[j], cut[j] = costs[i], i
+        bounds = [n]
+        while bounds[-1] > 0:
+            bounds.append(int(cut[bounds[-1]]))
+        bounds.reverse()
+        return [order[a:b].astype(np.int64) for a, b in itertools.pairwise(bounds)]
+
+    def call(self, rows: int, tokens: int) -> float:
+        """One call's tokens' cost, ``rows * tokens * (1 + tokens / knee)`` (its overhead aside)."""
+        return float(rows * tokens * self.per_token(tokens))
+
+    def _real(self, lengths: npt.ArrayLike) -> npt.NDArray[np.int64]:
+        values = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        return values[values > 0]  # 0: a string priced already (``item_costs``) computes nothing
+
+    def batch(self, lengths: npt.ArrayLike) -> int:
+        """What the length groups of ``lengths`` cost (:meth:`groups`): each call's tokens'
+        cost, plus the overhead of every call after the first (the service rate's intercept,
+        ``app.serving.admission``, holds one call's); items of 0 tokens count nothing."""
+        values = self._real(lengths)
+        if values.size == 0:
+            return 0
+        groups = self.groups(values)
+        total = sum(self.call(len(g), int(values[g].max())) for g in groups)
+        return round(total + (len(groups) - 1) * self.overhead) if len(groups) > 1 else round(total)
+
+    def padded(self, lengths: npt.ArrayLike) -> int:
+        """The tokens the length groups of ``lengths`` compute, padding included."""
+        values = self._real(lengths)
+        if values.size == 0:
+            return 0
+        return sum(int(values[g].max()) * len(g) for g in self.groups(values))
+
+
+def length_groups(lengths: npt.ArrayLike, overhead_tokens: float) -> list[npt.NDArray[np.int64]]:
+    """:meth:`CostModel.groups` with a linear cost (``knee`` = inf)."""
+    return CostModel(overhead_tokens).groups(lengths)
+
+
+def padded_tokens(lengths: npt.ArrayLike, overhead_tokens: float) -> int:
+    """:meth:`CostModel.padded` with a linear cost (``knee`` = inf)."""
+    return CostModel(overhead_tokens).padded(lengths)
+
+
+def calibration_shapes(max_length: int) -> list[tuple[int, int]]:
+    """The (strings, tokens) calls timed at load: one short string (the overhead), and as many
+    tokens twice over, in strings of 64 tokens and in one string of ``max_length`` (the
+    per-token cost and the knee: the linear layers see the same rows, attention not). Where
+    ``max_length`` <= 64 the knee cannot show: 1 x 16 and 8 x ``max_length``."""
+    if max_length <= 64:
+        return [(1, min(16, max_length)), (8, max_length)]
+    return [(1, 16), (max(1, max_length // 64), 64), (1, max_length)]
+
+
+def fit(shapes: Sequence[tuple[int, int]], seconds: Sequence[float]) -> CostModel:
+    """The cost model of calls of ``shapes`` that took ``seconds``: least squares of
+    ``t = a + b * U * T + c * U * T^2`` (``c`` only with three shapes or more); overhead
+    ``a / b``, knee ``b / c``. Tokens that explain under 0.1 % of the largest call's time (a GPU
+    at these sizes) give ``overhead = inf`` (one call per batch) and a linear cost."""
+    n = np.array([u * t for u, t in shapes], dtype=np.float64)
+    lengths = np.array([t for _, t in shapes], dtype=np.float64)
+    times = np.asarray(seconds, dtype=np.float64)
+    columns = [np.ones_like(n), n] + ([n * lengths] if len(shapes) >= 3 else [])
+    solution = np.linalg.lstsq(np.stack(columns, axis=1), times, rcond=None)[0]
+    a, b = float(solution[0]), float(solution[1])
+    c = float(solution[2]) if len(solution) > 2 else 0.0
+    if c < 0:  # no measurable attention term: the linear fit alone
+        a, b = (float(v) for v in np.linalg.lstsq(np.stack(columns[:2], axis=1), times, rcond=None)[0])
+        c = 0.0
+    if b * float(n.max()) <= 1e-3 * float(times.max()):  # the tokens explain nothing: a flat call
+        return CostModel()
+    knee = b / c if c > 0 else math.inf
+    if knee > 1000 * float(lengths.max()):  # under 0.1 % at the longest length: no knee to speak of
+        knee = math.inf
+    return CostModel(max(0.0, a / b), max(knee, MIN_KNEE_TOKENS))
+
+
+def calibrate(run: Callable[[int, int], None], max_length: int) -> CostModel:
+    """Time ``run(strings, tokens)`` (one forward call of that shape, waited for) at
+    :func:`calibration_shapes`, best of :data:`ROUNDS` each after one warm-up round, the shapes
+    taken in turn (so that a machine slowing down or speeding up weighs on all alike), and
+    :func:`fit` them."""
+    shapes = calibration_shapes(max_length)
+    best = [math.inf] * len(shapes)
+    for round_ in range(ROUNDS + 1):
+        for i, (strings, tokens) in enumerate(shapes):
+            began = time.perf_counter()
+            run(strings, tokens)
+            if round_:  # the first round warms up
+                best[i] = min(best[i], time.perf_counter() - began)
+    return fit(shapes, best)

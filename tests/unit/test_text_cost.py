@@ -1,0 +1,92 @@
+"""The text models' cost model (app.handlers.text_cost): the fit recovers a forward's overhead and
+attention knee from timed calls; the length groups minimise the modelled time; ``batch_cost`` of
+long windows is priced by their time, not by their tokens alone; the calibration's shapes and
+its order of timings. Timings are synthetic: speed lives in benchmarks."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from app.handlers.text_cost import (
+    ROUNDS,
+    CostModel,
+    calibrate,
+    calibration_shapes,
+    fit,
+    length_groups,
+    padded_tokens,
+)
+
+
+def _seconds(
+    strings: int, tokens: int, overhead: float = 40.0, knee: float = 512.0, per: float = 1e-4
+) -> float:
+    """A forward whose time is overhead + U * T * (1 + T / knee) tokens of ``per`` seconds."""
+    return per * (overhead + strings * tokens * (1 + tokens / knee))
+
+
+@pytest.mark.parametrize("max_length", [128, 256, 512])
+def test_the_fit_recovers_the_overhead_and_the_knee(max_length: int) -> None:
+    shapes = calibration_shapes(max_length)
+    model = fit(shapes, [_seconds(u, t) for u, t in shapes])
+    assert model.overhead == pytest.approx(40.0, rel=1e-6) and model.knee == pytest.approx(512.0, rel=1e-6)
+
+
+def test_a_linear_forward_fits_no_knee_and_a_flat_one_one_call() -> None:
+    shapes = calibration_shapes(256)
+    linear = fit(shapes, [_seconds(u, t, knee=math.inf) for u, t in shapes])
+    assert linear.knee == math.inf and linear.overhead == pytest.approx(40.0, rel=1e-6)
+    flat = fit(shapes, [0.002] * len(shapes))  # a GPU at these sizes: the call, not its tokens
+    assert flat == CostModel(math.inf, math.inf)
+    assert calibration_shapes(64) == [(1, 16), (8, 64)] and calibration_shapes(256) == [
+        (1, 16),
+        (4, 64),
+        (1, 256),
+    ]
+
+
+def test_calibration_times_each_shape_in_turn_and_keeps_the_best() -> None:
+    calls: list[tuple[int, int]] = []
+
+    def run(strings: int, tokens: int) -> None:
+        calls.append((strings, tokens))
+
+    model = calibrate(run, 256)  # the structure of the rounds; nothing here takes measurable time
+    assert calls == calibration_shapes(256) * (ROUNDS + 1)  # one warm-up round, then ROUNDS
+    assert isinstance(model, CostModel)
+
+
+def test_long_windows_cost_their_time_and_short_texts_their_tokens() -> None:
+    model = CostModel(40.0, 512.0)
+    short = np.full(64, 16)
+    long = np.full(64, 256)
+    assert model.batch(short) == round(64 * 16 * (1 + 16 / 512))
+    assert model.batch(long) == round(64 * 256 * 1.5)
+    # time ratio of the two batches, as the forward above would take them
+    assert model.batch(long) / model.batch(short) == pytest.approx(
+        (_seconds(64, 256) - 40e-4) / (_seconds(64, 16) - 40e-4), rel=1e-3
+    )
+    assert model.padded(long) == 64 * 256 and model.batch(np.array([0, 0])) == 0
+
+
+def test_groups_cut_where_the_modelled_time_is_least() -> None:
+    lengths = [180, 12, 200, 9, 15, 170]
+    linear = CostModel(40.0)
+    assert [g.tolist() for g in linear.groups(lengths)] == [[3, 1, 4], [5, 0, 2]]
+    assert linear.batch(lengths) == 3 * 15 + 3 * 200 + 40  # two calls: one overhead beyond the first
+    assert [g.tolist() for g in length_groups(lengths, 40)] == [[3, 1, 4], [5, 0, 2]]
+    assert padded_tokens(lengths, 40) == 3 * 15 + 3 * 200
+    # with a knee a long string is dearer: cutting it off the mid-length ones pays earlier
+    mixed = [100, 100, 100, 110]
+    assert len(CostModel(40.0).groups(mixed)) == 1
+    assert [g.tolist() for g in CostModel(40.0, 64.0).groups(mixed)] == [[0, 1, 2], [3]]
+    rng = np.random.default_rng(0)
+    values = rng.integers(3, 257, size=64)
+    for model in (CostModel(5.0, 300.0), CostModel(40.0, 1000.0), CostModel(500.0)):
+        groups = model.groups(values)
+        assert sorted(np.concatenate(groups).tolist()) == list(range(64))
+        one = model.call(64, int(values.max()))
+        assert model.batch(values) <= round(one)  # never dearer than one call padded to the longest
