@@ -319,6 +319,7 @@ def test_a_store_replaced_under_load_and_a_restart_on_its_path_answer_as_before(
         "SCORING_MODEL_REPOSITORY": str(repo),
         "SCORING_WORKERS": "2",
         "SCORING_RESPONSE_CACHE_PATH": str(store),
+        "SCORING_MAX_REQUEST_TIMEOUT_MS": "120000",
         **PATIENT,
     }
     call = {"model": "clf", "input": POSTS}
@@ -348,7 +349,9 @@ def test_a_store_replaced_under_load_and_a_restart_on_its_path_answer_as_before(
 
         poll(listening, 120, "a worker listening", interval_s=0.02)
         loading = again.get("/v2/models/clf/ready")[0] != 200
-        status, _, first = again.post(CLASSIFY, call, timeout=120)
+        # a deadline the load fits in, however loaded the machine: it must wait, not time out
+        patient = {"X-Request-Timeout-Ms": "110000"}
+        status, _, first = again.post(CLASSIFY, call, headers=patient, timeout=120)
         assert status == 200, first
         again.wait_ready(240, count=2)
         counted_first = items_counted(again)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +20,7 @@ from app.handlers.sentence_embedding import (
     padded_tokens,
     resolve_model_dir,
 )
+from app.handlers.text_cost import CostModel
 from app.models.base import PREPARED, Priced
 
 RELATED = ("A man is eating food.", "A man is eating a piece of bread.")
@@ -202,11 +204,12 @@ def test_a_call_costs_some_tokens_on_the_cpu_and_mixed_lengths_run_in_groups(
     # The overhead is a timing on the test machine (30 to 57 tokens in 11 loads on an idle
     # 2-core VM, under 20 in a loaded CI run), and below 20 tokens a third call for the
     # 182-token string pays: the cut itself is tested at fixed overheads.
-    monkeypatch.setattr(handler, "call_overhead_tokens", 64.0)
+    # The knee is a timing too (attention's share): the cut is tested with a linear cost.
+    monkeypatch.setattr(handler, "cost", CostModel(64.0, math.inf))
     batch = handler.preprocess({"text": _bytes(*texts)})
     assert [int(g["attention_mask"].shape[0]) for g in batch.groups] == [2, 2]
     assert batch.padded_tokens < 4 * 202
-    monkeypatch.setattr(handler, "call_overhead_tokens", 4.0)
+    monkeypatch.setattr(handler, "cost", CostModel(4.0, math.inf))
     assert len(handler.preprocess({"text": _bytes(*texts)}).groups) == 3
     expected = reference.encode(texts, convert_to_numpy=True)
     np.testing.assert_allclose(_run(handler, {"text": _bytes(*texts)})["embedding"], expected, atol=1e-6)
