@@ -3,9 +3,13 @@
 Nesting depth is checked *before* decoding (``RequestLimits.max_json_depth``), so a hostile body
 such as ``[[[[...]]]]`` costs a scan, never a deep recursion: msgspec recurses on nested arrays
 and gives up with a ``RecursionError`` near Python's recursion limit, and numpy would spend time
-discovering the dimensions of whatever it gets. The scan drops JSON strings (so brackets inside
-texts do not count), keeps only the bracket bytes, and tracks the running depth with numpy in
-chunks. It does not validate JSON: a malformed body that passes is refused by the decoder next.
+discovering the dimensions of whatever it gets. A body that opens no more arrays and objects
+than the limit cannot nest deeper, and most do not (a feed-ranker request of 8 items opens 7):
+``bytes.find`` counts them at memchr speed, stopping past the limit (1.2 µs for 5 KB, 22 µs for
+1 MB). Only a body with more is scanned: JSON strings dropped (so brackets inside texts do not
+count), the bracket bytes kept, the running depth tracked with numpy in chunks (5.6 µs for
+5 KB, 4 ms for 1 MB). Neither validates JSON: a malformed body that passes is refused by the
+decoder next.
 
 A string holding a lone UTF-16 surrogate (``"\\ud800"`` without its pair) is not text; msgspec
 refuses it with a message about the body ("Input data was truncated", "invalid utf-16
@@ -55,8 +59,24 @@ def _deepest(brackets: bytes, stop_above: int | None = None) -> int:
     return deepest
 
 
+def _opens_at_most(body: bytes, limit: int) -> bool:
+    """Whether ``body`` opens at most ``limit`` arrays and objects in all (inside strings too):
+    at most ``limit + 1`` memchr-speed ``find`` calls."""
+    left = limit
+    for opener in b"[{":
+        start = body.find(opener)
+        while start >= 0:
+            left -= 1
+            if left < 0:
+                return False
+            start = body.find(opener, start + 1)
+    return True
+
+
 def check_json_depth(body: bytes, limit: int) -> None:
     """Raises ``InvalidInput`` (400) when ``body`` nests arrays/objects deeper than ``limit``."""
+    if _opens_at_most(body, limit):
+        return
     brackets = _brackets(body)
     if len(brackets) > limit and _deepest(brackets, stop_above=limit) > limit:
         raise InvalidInput(
