@@ -64,3 +64,13 @@ class RequestContext:
     is_disconnected: Callable[[], bool] | None = None
     arrival: float | None = None
     recording: Recording | None = None
+
+    def settled(self, deadline: float, priority: int) -> RequestContext:
+        """This request's context with the deadline and priority level the data plane settled
+        (a new one: it is frozen). Every field named, as ``dataclasses.replace`` would copy
+        them, at half its cost (1.1 µs against 2.2 on the hot path): a field added above is
+        added here."""
+        return RequestContext(
+            self.request_id, deadline, priority, self.trace, self.pinned, self.forwarded,
+            self.is_disconnected, self.arrival, self.recording,
+        )  # fmt: skip
