@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import msgspec
 
 if TYPE_CHECKING:
     from app.observability.metrics import Recording
@@ -27,9 +28,11 @@ if TYPE_CHECKING:
 NO_DEADLINE = math.nan
 
 
-@dataclass(frozen=True, slots=True)
-class RequestContext:
-    """What one inference request carries besides its tensors (module docstring).
+class RequestContext(msgspec.Struct, frozen=True):
+    """What one inference request carries besides its tensors (module docstring). A frozen
+    ``msgspec.Struct``: built and copied with a field changed (``msgspec.structs.replace``, as
+    the data plane settles its deadline and priority) in C, 0.1 µs each where a frozen
+    dataclass took 1.1 and ``dataclasses.replace`` 2.2.
 
     Attributes:
         request_id: the id echoed in errors, logs and the response headers.
@@ -64,13 +67,3 @@ class RequestContext:
     is_disconnected: Callable[[], bool] | None = None
     arrival: float | None = None
     recording: Recording | None = None
-
-    def settled(self, deadline: float, priority: int) -> RequestContext:
-        """This request's context with the deadline and priority level the data plane settled
-        (a new one: it is frozen). Every field named, as ``dataclasses.replace`` would copy
-        them, at half its cost (1.1 µs against 2.2 on the hot path): a field added above is
-        added here."""
-        return RequestContext(
-            self.request_id, deadline, priority, self.trace, self.pinned, self.forwarded,
-            self.is_disconnected, self.arrival, self.recording,
-        )  # fmt: skip

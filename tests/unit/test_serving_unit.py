@@ -4,7 +4,6 @@ backpressure, admission by time, batch cost bound, deadlines, disconnects, fault
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -205,17 +204,6 @@ async def test_a_request_gets_its_504_at_its_deadline_in_a_long_batch(executor: 
     rec.gate.set()
     assert (await b.infer(items(1), at(soon(5))))["y"].tolist() == [[2.0, 2.0]]  # the unit serves on
     await b.stop()
-
-
-def test_a_settled_context_keeps_every_other_field() -> None:
-    context = RequestContext(
-        "r-1", 5.0, trace=(("traceparent", "00-a-b-01"),), pinned=True, forwarded=True,
-        is_disconnected=lambda: False, arrival=1.0,
-    )  # fmt: skip
-    settled = context.settled(4.0, 2)
-    assert (settled.deadline, settled.priority) == (4.0, 2)
-    others = [f.name for f in dataclasses.fields(RequestContext) if f.name not in ("deadline", "priority")]
-    assert all(getattr(settled, name) is getattr(context, name) for name in others)
 
 
 async def test_disconnected_client_items_never_reach_the_model(executor: ThreadPoolExecutor) -> None:
