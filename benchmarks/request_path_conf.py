@@ -5,9 +5,9 @@ Every Python call in the worker (every thread) goes to a profile function; while
 keeps ``(file, function)`` of each call made in a file under ``app/`` or ``gpu_stat/``, except
 the calls made by the worker's periodic tasks (the tick that notifies gunicorn and publishes the
 load, the hung-inference watchdog, the GPU poller, the boot heartbeat, the loop-lag sampler's
-timer), which run whether or not a request is served. ``SIGUSR2`` starts recording (the set emptied); the next one writes the set
-as JSON to ``$REQUEST_PATH_OUT/<pid>.json`` and stops. Used for measurement only: never serve
-with it.
+timer), which run whether or not a request is served. ``SIGUSR2`` starts recording (the set
+emptied); the next one writes the set as JSON to ``$REQUEST_PATH_OUT/<pid>.json`` and stops.
+Used for measurement only: never serve with it.
 """
 
 from __future__ import annotations
