@@ -15,8 +15,7 @@ from aiohttp import web
 
 from app.binding import WorkerBinding
 from app.http.auth import authorizer
-from app.http.connections import setup_connections
-from app.http.edge import edge_middleware
+from app.http.edge import edge_middleware, setup_connections
 from app.http.extensions import routes as extension_routes
 from app.http.inference import API_OF, inference_routes
 from app.http.limits import parser_limits, quiet_parser_errors

@@ -4,10 +4,10 @@
 Every Python call in the worker (every thread) goes to a profile function; while recording it
 keeps ``(file, function)`` of each call made in a file under ``app/`` or ``gpu_stat/``, except
 the calls made by the worker's periodic tasks (the tick that notifies gunicorn and publishes the
-load, the hung-inference watchdog, the GPU poller, the boot heartbeat), which run whether or not
-a request is served. ``SIGUSR2`` starts recording (the set emptied); the next one writes the set
-as JSON to ``$REQUEST_PATH_OUT/<pid>.json`` and stops. Used for measurement only: never serve
-with it.
+load, the hung-inference watchdog, the GPU poller, the boot heartbeat, the loop-lag sampler's
+timer), which run whether or not a request is served. ``SIGUSR2`` starts recording (the set
+emptied); the next one writes the set as JSON to ``$REQUEST_PATH_OUT/<pid>.json`` and stops.
+Used for measurement only: never serve with it.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ PERIODIC = frozenset(
         "_usr2",
         "_publish_load",
         "_serve",
+        "_tick",  # app.observability.looplag.LoopLag's timer
     }
 )
 _SOURCES = tuple(str(_ROOT / part) + os.sep for part in ("app", "gpu_stat"))

@@ -1,20 +1,26 @@
-"""The HTTP edge: the one middleware every request passes (one coroutine per request on the hot
-path): its id, its checks, the API key hook, the one place exceptions become HTTP responses, and
-its metrics. The inference routes and the path they take are ``app.http.inference``'s, the limits
-before any handler ``app.http.limits``'s, the keep-alive policy ``app.http.connections``'s, the
-other routes (health, metadata, metrics, the OpenAPI document) ``app.http.routes``'s.
+"""The HTTP edge: what every request and response passes. The one middleware (one coroutine per
+request on the hot path): its id, its header limits, the API key hook, its body, the one place
+exceptions become HTTP responses, and its metrics; and the keep-alive policy every response
+passes (:func:`setup_connections`). The inference routes and the path they take are
+``app.http.inference``'s, the connection's parser (its bounds, its JSON answers to what it
+refuses) ``app.http.limits``'s, the other routes (health, metadata, metrics, the OpenAPI
+document) ``app.http.routes``'s.
 
 In order, for each request (:func:`edge_middleware`):
 
 1. the **request id**: ``X-Request-Id`` when sane (1-128 of ``[A-Za-z0-9._:-]``), else a new
    one (:func:`app.serving.dataplane.request_id`); every response carries it, and
    ``Server-Timing: app;dur=<ms>``;
-2. **header limits** (:func:`app.http.limits.check_headers`: ``SCORING_MAX_HEADER_BYTES``,
+2. **header limits** (:func:`check_headers`: ``SCORING_MAX_HEADER_BYTES``,
    ``SCORING_MAX_HEADERS``; 431);
 3. the **API key** (``app.http.auth``), when keys are configured: no body is read for a client
    without one (401);
-4. the **body**, in a content coding the server decodes (415 otherwise), read within its
-   timeout and at its minimum rate (408; :func:`app.http.limits.read_body_within`);
+4. the **body**, in a content coding the server decodes (:func:`check_content_encoding`, 415
+   otherwise), read within ``body_timeout_s`` and, after ``body_grace_s``, at no less than
+   ``min_body_rate_bytes_s`` bytes/s (:func:`read_body_within`: 408 and the connection closed;
+   aiohttp's server has no read timeout of its own; sources: nginx's ``client_body_timeout``,
+   Apache's ``mod_reqtimeout``); a client that leaves mid-upload is 499, a corrupt chunked or
+   encoded body 400;
 5. the handler; then the **error map**: domain errors (:mod:`app.errors`) get their status and
    headers (``Retry-After`` for a 503), aiohttp's own HTTP errors (404, 405, 413) are re-rendered,
    a body that is not UTF-8 is 400, anything else is logged with the request id and answered
@@ -29,22 +35,70 @@ In order, for each request (:func:`edge_middleware`):
    (``DataPlane.admit``); a model the repository knows but this worker cannot serve counts
    under its name (``ModelRegistry.labels``), an unknown one under "". The inference route
    puts it in the request's context (:data:`RECORDING`).
+
+**The keep-alive policy** (:func:`setup_connections`): the one place that decides which responses
+close their connection, and which hold an impatient client's refusal. A response carries
+``Connection: close`` (and the server closes the connection after it) when
+
+- the error it answers says so (a 408: the body came too slowly, the rest of it may still
+  arrive and cannot be told from a next request);
+- the worker is draining: clients move to another worker *after* a complete response,
+  instead of finding their idle keep-alive connection closed under them when the
+  worker stops (the race in which a client sends on a connection the server is
+  closing, and sees a reset);
+- the connection has served ``max_requests_per_connection`` requests (nginx's
+  ``keepalive_requests``): long-lived clients spread over workers again, and no
+  connection lives forever;
+- it is a 503 to a client that ignored the ``Retry-After`` of the previous 503 on the same
+  connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
+  each further try);
+- the balance among sibling workers says a less-loaded sibling should take this connection
+  (``app.http.state.SHEDDING``: ``app.server.balance.WorkerConnections``).
+
+The idle timeout of a keep-alive connection is gunicorn's ``keepalive``
+(``SCORING_KEEPALIVE_S``). The policy runs as an ``on_response_prepare`` signal, so it sees every
+response the app produces, error responses included; it also counts them for the
+worker's ``max_requests`` recycling (``app.server.worker``).
+
+**Holding impatient clients.** Under overload a client that resends at once after a 503
+costs the server a whole request (its body read, its refusal written) every round trip,
+thousands a second, and that takes the CPU the models need. By default such a 503 (the
+client came back on the same connection before the previous 503's ``Retry-After`` had
+passed) is *held* for ``impatient_hold_ms`` (35 ms) before it is sent, and the connection
+stays open: a held refusal costs an idle timer, not CPU, and it bounds each such connection
+to one refusal per hold, which a reconnect did not (a fresh connection's first 503 is never
+held, so closing halved the effect). A client that keeps doing it has each further 503 in a
+row held twice as long, up to ``impatient_hold_max_ms`` (280 ms: 35, 70, 140, 280, 280 ...),
+the exponential backoff it was asked for and did not do; the streak ends when the connection
+gets any other answer or the client waits as asked. The first 503 on a connection, and every
+503 to a client that waits as asked, is sent at once. Source: the tarpit idea (delay, not
+refuse harder), as in nginx's ``limit_req ... delay``, with gRPC's retry backoff (doubling
+up to a cap). Measured in docs/reliability.md (overload).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import time
+import weakref
 from collections.abc import Callable, Mapping
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.typedefs import Handler, Middleware
 
-from app.errors import ScoringError
-from app.http.limits import check_content_encoding, check_headers, read_body_within
-from app.http.state import CORE
+from app.errors import (
+    ClientDisconnected,
+    HeaderFieldsTooLarge,
+    InvalidInput,
+    RequestTimeout,
+    ScoringError,
+    UnsupportedMediaType,
+)
+from app.http.state import CORE, SHEDDING
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.codec import PLAIN_ERRORS, Api, ErrorShape
@@ -52,6 +106,13 @@ from app.serving.dataplane import request_id
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
+
+#: Bytes of a request line besides the path: method, spaces, "HTTP/1.1".
+_REQUEST_LINE_OVERHEAD = 16
+#: The content codings aiohttp's parser decodes (a ``br`` or ``zstd`` body needs its library).
+CONTENT_CODINGS = frozenset({"identity", "gzip", "deflate", "br", "zstd"})
+#: How often the body timer looks at the bytes received, seconds.
+_BODY_TICK_S = 0.5
 
 REQUEST_ID_HEADER = "X-Request-Id"
 SERVER_TIMING_HEADER = "Server-Timing"
@@ -183,3 +244,180 @@ def _http_error(exc: web.HTTPException, rid: str, shape: ErrorShape) -> web.Resp
     if "Allow" in exc.headers:
         headers["Allow"] = exc.headers["Allow"]
     return json_error(exc.status, message, headers, shape)
+
+
+# --- the request's header limits and body (module docstring, 2 and 4) ---------------------
+
+
+def check_headers(request: web.Request, max_bytes: int, max_headers: int) -> None:
+    """Refuse a request line or a header field (name + value) longer than ``max_bytes``, or
+    more than ``max_headers`` fields.
+
+    Raises:
+        HeaderFieldsTooLarge: 431.
+    """
+    raw = request.raw_headers
+    if len(raw) > max_headers:
+        raise HeaderFieldsTooLarge(
+            f"request has {len(raw)} header fields; the server accepts at most {max_headers} "
+            "(SCORING_MAX_HEADERS)"
+        )
+    if len(request.raw_path) + _REQUEST_LINE_OVERHEAD > max_bytes:
+        raise HeaderFieldsTooLarge(
+            f"request line is longer than {max_bytes} bytes (SCORING_MAX_HEADER_BYTES)"
+        )
+    for name, value in raw:
+        if len(name) + len(value) > max_bytes:
+            shown = name.decode("latin-1")[:64]
+            raise HeaderFieldsTooLarge(
+                f"header field {shown!r} is {len(name) + len(value)} bytes; the server accepts "
+                f"at most {max_bytes} per field (SCORING_MAX_HEADER_BYTES)"
+            )
+
+
+def check_content_encoding(value: str | None) -> None:
+    """Refuse a body in a content coding the server does not decode (aiohttp's parser passes
+    any other value through as if it were ``identity``: the model would get compressed bytes).
+
+    Raises:
+        UnsupportedMediaType: 415, naming the codings accepted.
+    """
+    if value is None:
+        return
+    coding = value.strip().lower()
+    if coding and coding not in CONTENT_CODINGS:
+        raise UnsupportedMediaType(
+            f"Content-Encoding {value[:40]!r} is not supported; send the body as is, or as "
+            f"{', '.join(sorted(CONTENT_CODINGS - {'identity'}))}"
+        )
+
+
+async def read_body_within(request: web.Request, timeout_s: float, min_rate: float, grace_s: float) -> None:
+    """Read the body (``request.read()`` keeps it for the handler) under a deadline that a timer
+    moves with the bytes received: ``start + grace + received / min_rate``, never past
+    ``start + timeout_s``."""
+    content = request.content
+    if content.is_eof():  # the whole body came with the headers (small requests): no timers
+        try:
+            await request.read()
+        except HttpProcessingError as exc:
+            raise InvalidInput(f"request body cannot be decoded: {exc.message}") from None
+        except web.RequestPayloadError as exc:
+            raise InvalidInput(f"request body cannot be decoded: {str(exc).strip()}") from None
+        return
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    hard = start + timeout_s
+    handle: asyncio.TimerHandle | None = None
+    try:
+        async with asyncio.timeout(min(hard, start + grace_s) if min_rate else hard) as window:
+
+            def tick() -> None:
+                nonlocal handle
+                if window.expired():  # fired: the read is being cancelled
+                    return
+                if min_rate:
+                    window.reschedule(min(hard, start + grace_s + content.total_raw_bytes / min_rate))
+                handle = loop.call_later(_BODY_TICK_S, tick)
+
+            tick()
+            await request.read()
+    except TimeoutError:
+        received = content.total_raw_bytes
+        raise RequestTimeout(
+            f"request body too slow: {received} bytes in {loop.time() - start:.1f} s (the server "
+            f"needs the body within {timeout_s:g} s, at {min_rate:g} bytes/s or more after "
+            f"{grace_s:g} s)"
+        ) from None
+    except HttpProcessingError as exc:
+        raise InvalidInput(f"request body cannot be decoded: {exc.message}") from None
+    except web.RequestPayloadError as exc:  # wraps a corrupt Content-Encoding
+        raise InvalidInput(f"request body cannot be decoded: {str(exc).strip()}") from None
+    except (ConnectionError, asyncio.IncompleteReadError, EOFError) as exc:
+        log.debug("client left during the request body: %r", exc)
+        raise ClientDisconnected("client disconnected during the request body") from None
+    finally:
+        if handle is not None:
+            handle.cancel()
+
+
+# --- the keep-alive policy (module docstring) -------------------------------------------------
+
+
+#: Requests answered per connection, keyed by its transport (gone with the connection).
+_PER_CONNECTION = web.AppKey("requests_per_connection", weakref.WeakKeyDictionary)
+#: Per connection, the loop time until which its last 503 asked the client to wait.
+_RETRY_AFTER = web.AppKey("retry_after_per_connection", weakref.WeakKeyDictionary)
+#: Per connection, how many 503s in a row answered a client that came back too early.
+_STREAK = web.AppKey("impatient_streak_per_connection", weakref.WeakKeyDictionary)
+
+
+def setup_connections(app: web.Application) -> None:
+    """Install the keep-alive policy on ``app``."""
+    app[_PER_CONNECTION] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
+    app[_RETRY_AFTER] = weakref.WeakKeyDictionary[asyncio.BaseTransport, float]()
+    app[_STREAK] = weakref.WeakKeyDictionary[asyncio.BaseTransport, int]()
+    app.on_response_prepare.append(_on_response_prepare)
+
+
+async def _on_response_prepare(request: web.Request, response: web.StreamResponse) -> None:
+    app = request.app
+    app[CORE].health.responses += 1
+    if response.headers.get("Connection") == "close" or app[CORE].registry.draining:
+        _close_after(response)
+        return
+    transport = request.transport
+    if transport is not None:
+        hold_s = _impatient_hold_s(app, transport, response)
+        if hold_s is not None:
+            if hold_s:
+                await asyncio.sleep(hold_s)
+            else:
+                _close_after(response)
+            return
+    cap = app[CORE].settings.max_requests_per_connection
+    if cap and transport is not None:
+        counts = app[_PER_CONNECTION]
+        served = counts.get(transport, 0) + 1
+        counts[transport] = served
+        if served >= cap:
+            _close_after(response)
+            return
+    if app[SHEDDING].should_shed():
+        _close_after(response)
+
+
+def _impatient_hold_s(
+    app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse
+) -> float | None:
+    """How long to hold this response, seconds: None unless it is a 503 to a client that came
+    back before the ``Retry-After`` of the previous 503 on its connection; else
+    ``impatient_hold_ms`` doubled for each such 503 before it in a row, at most
+    ``impatient_hold_max_ms`` (0 = no hold: close instead). Records this 503's
+    ``Retry-After`` and the streak; any other answer ends the streak."""
+    streaks = app[_STREAK]
+    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
+    if retry_after is None:
+        if streaks:
+            streaks.pop(transport, None)
+        return None
+    now = asyncio.get_running_loop().time()
+    waits = app[_RETRY_AFTER]
+    impatient = now < waits.get(transport, 0.0)
+    with contextlib.suppress(ValueError):
+        waits[transport] = now + float(retry_after)
+    if not impatient:
+        streaks.pop(transport, None)
+        return None
+    streak = streaks.get(transport, 0)
+    streaks[transport] = streak + 1
+    settings = app[CORE].settings
+    base_ms = settings.impatient_hold_ms
+    hold_ms = min(base_ms * 2 ** min(streak, 16), max(base_ms, settings.impatient_hold_max_ms))
+    return float(hold_ms) / 1000
+
+
+def _close_after(response: web.StreamResponse) -> None:
+    # The headers were computed before this signal: say it, and make aiohttp do it.
+    response.headers["Connection"] = "close"
+    response.force_close()

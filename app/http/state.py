@@ -24,7 +24,7 @@ __all__ = ["CORE", "SHEDDING", "NoShedding", "Shedding", "models_ctx", "on_shutd
 class Shedding(Protocol):
     """Which keep-alive connection should move to a less-loaded sibling worker: a question of the
     transport (HTTP/1.1 connections are placed by the kernel and stay where they were accepted),
-    asked by the keep-alive policy (``app.http.connections``) of every response. The gunicorn
+    asked by the keep-alive policy (``app.http.edge``) of every response. The gunicorn
     worker's is ``app.server.balance.WorkerConnections``."""
 
     def should_shed(self) -> bool:

@@ -12,8 +12,8 @@ scrape adds prometheus_client's default registry (process and GC collectors).
 
 Every metric is listed in ``docs/observability.md``. This module holds the definitions and one
 request's recording (:class:`Recording`, both front ends'); ``app.http.routes`` answers
-``/metrics``, ``app.observability.gpu`` polls the bound GPU through NVML (never through CUDA);
-in CPU mode there are no GPU figures.
+``/metrics``; ``app.observability.gpu`` holds the worker's binding and GPU gauges and polls the
+bound GPU through NVML (never through CUDA); in CPU mode there are no GPU figures.
 
 Source: prometheus_client's "Multiprocess Mode (E.g. Gunicorn)" documentation;
 metric names follow Prometheus' naming guide (base units, ``_total``, ``_info``).
@@ -24,7 +24,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 ENV_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
@@ -38,8 +37,6 @@ _DIR_AT_FIRST_IMPORT: str | None = (
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram, generate_latest  # noqa: E402
 from prometheus_client.multiprocess import MultiProcessCollector  # noqa: E402
-
-import gpu_stat  # noqa: E402
 
 #: Seconds; dense from 0.5 ms to 100 ms, where a batched model's latency lives, up to 10 s.
 LATENCY_BUCKETS = (
@@ -142,7 +139,7 @@ class ServerMetrics:
         self._define_balancing_metrics(model, r)
 
     def _define_worker_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
-        """Per worker: hung batches, model loads, the binding."""
+        """Per worker: hung batches, model loads (its binding and GPU: ``app.observability.gpu``)."""
         self.hung_batches = Counter(
             "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
             "one makes its worker restart itself.",
@@ -161,13 +158,9 @@ class ServerMetrics:
             "scoring_model_warmup_seconds", "Time the worker took to warm the model up.",
             [*model, "pid"], multiprocess_mode="liveall", registry=r,
         )  # fmt: skip
-        self.binding = Gauge(
-            "scoring_worker_binding_info", "1 per live worker, labelled with its GPU binding.",
-            ["pid", "device", "gpu", "gpu_uuid", "slot"], multiprocess_mode="liveall", registry=r,
-        )  # fmt: skip
 
     def _define_balancing_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
-        """Balancing among sibling workers (app.server.siblings) and the bound GPUs."""
+        """Balancing among sibling workers (app.server.siblings), the response cache."""
         self.worker_load_items = Gauge(
             "scoring_worker_load_items", "Inference items queued + in flight in one worker.",
             ["pid"], multiprocess_mode="liveall", registry=r,
@@ -229,20 +222,6 @@ class ServerMetrics:
             "(host, redis): computed, and counted as misses.",
             ["model", "tier"], registry=r,
         )  # fmt: skip
-        gpu = ["gpu", "gpu_uuid"]
-        self.gpu_memory_used = Gauge(
-            "scoring_gpu_memory_used_bytes", "Memory in use on a bound GPU (all processes), per NVML.",
-            gpu, multiprocess_mode="livemostrecent", registry=r,
-        )  # fmt: skip
-        self.gpu_memory_total = Gauge(
-            "scoring_gpu_memory_total_bytes", "Memory of a bound GPU, per NVML.",
-            gpu, multiprocess_mode="livemostrecent", registry=r,
-        )  # fmt: skip
-        self.gpu_utilization = Gauge(
-            "scoring_gpu_utilization_percent",
-            "Percent of the last sample period a kernel ran on a bound GPU, per NVML.",
-            gpu, multiprocess_mode="livemostrecent", registry=r,
-        )  # fmt: skip
 
     def for_requests(self, model: str, version: str, protocol: str) -> RequestMetrics:
         """The request metrics of one (model, version, protocol), made on first use and kept
@@ -257,26 +236,6 @@ class ServerMetrics:
         pid = str(os.getpid())
         self.load_seconds.labels(model, version, pid).set(load_s)
         self.warmup_seconds.labels(model, version, pid).set(warmup_s)
-
-    def set_binding(self, labels: Mapping[str, str]) -> None:
-        """Publish this worker's binding (``gpu_stat.binding.Binding.as_labels()`` keys)."""
-        self.binding.labels(
-            str(os.getpid()),
-            labels.get("device", ""),
-            labels.get("gpu", ""),
-            labels.get("gpu_uuid", ""),
-            labels.get("slot", ""),
-        ).set(1)
-
-    def set_gpus(self, gpus: Sequence[gpu_stat.GpuInfo], index: str) -> None:
-        """Record memory and utilisation of the bound GPU(s), labelled ``gpu=index`` (the
-        binding's index, in the master's view: the worker's own view numbers its GPU 0)."""
-        for gpu in gpus:
-            labels = (index, gpu.uuid)
-            self.gpu_memory_used.labels(*labels).set(gpu.memory_used)
-            self.gpu_memory_total.labels(*labels).set(gpu.memory_total)
-            if gpu.utilization_percent is not None:
-                self.gpu_utilization.labels(*labels).set(gpu.utilization_percent)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every worker (multiprocess) or this app."""

@@ -28,8 +28,7 @@ from app.models.repository import ModelConfig
 from app.protocols import openai, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.jsonbody import decode_json
-from app.protocols.tensors import RequestLimits
+from app.protocols.tensors import RequestLimits, decode_json
 
 TEXT, QUERY, SCORE = "text", "query", "score"
 #: What a document is ranked by (Cohere's ``rank_fields``: only this one).

@@ -26,8 +26,7 @@ from app.models.repository import ModelConfig
 from app.protocols import openai, rerank, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferRequest
-from app.protocols.jsonbody import decode_json
-from app.protocols.tensors import RequestLimits
+from app.protocols.tensors import RequestLimits, decode_json
 
 
 class ScoreRequest(msgspec.Struct, omit_defaults=True):

@@ -10,8 +10,8 @@ Source: triton-inference-server ``docs/protocol/extension_binary_data.md``; the 
 Protocol's gRPC "raw_input_contents".
 
 **Request limits** (:class:`RequestLimits`): items per request, bytes per string, JSON depth
-(checked before a JSON body is decoded: :mod:`app.protocols.jsonbody`). The body size is capped
-before any of this runs (aiohttp's ``client_max_size``, 413).
+(checked before a JSON body is decoded: :func:`decode_json`). The body size is capped before any
+of this runs (aiohttp's ``client_max_size``, 413).
 """
 
 from __future__ import annotations
@@ -20,18 +20,56 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig, TensorSpec
+from app.protocols.jsonbody import check_json_depth, invalid_json
 
 #: Most dimensions of a request tensor, whatever the protocol (numpy 1.x allows 32 and 2.x 64;
 #: no model needs more).
 MAX_DIMS = 32
 _LENGTH = struct.Struct("<I")
+T = TypeVar("T")
+
+
+def _opens_at_most(body: bytes, limit: int) -> bool:
+    """Whether ``body`` opens at most ``limit`` arrays and objects in all (inside strings too):
+    at most ``limit + 1`` memchr-speed ``find`` calls."""
+    left = limit
+    for opener in b"[{":
+        start = body.find(opener)
+        while start >= 0:
+            left -= 1
+            if left < 0:
+                return False
+            start = body.find(opener, start + 1)
+    return True
+
+
+def decode_json(decoder: msgspec.json.Decoder[T], body: bytes, max_depth: int, what: str) -> T:
+    """``body`` decoded by ``decoder`` (a msgspec typed decoder), its nesting bounded first: a
+    body that opens at most ``max_depth`` arrays and objects cannot nest deeper, and most do not
+    (a feed-ranker request of 8 items opens 7; counted at memchr speed, 1 µs for 5 KB, 22 µs for
+    1 MB); one that opens more is scanned (:func:`app.protocols.jsonbody.check_json_depth`).
+
+    Raises:
+        InvalidInput: nested deeper than ``max_depth``, malformed JSON, invalid UTF-8, or a
+            field of the wrong type (the message starts "invalid {what}:" and names the JSON
+            path, e.g. ``$.inputs[0].shape``).
+    """
+    if not _opens_at_most(body, max_depth):
+        check_json_depth(body, max_depth)
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        raise invalid_json(body, what, exc) from None
+    except RecursionError:  # only with max_depth near Python's recursion limit
+        raise InvalidInput(f"invalid {what}: nested too deeply") from None
 
 
 def check_shape(shape: Any, where: str) -> list[int]:

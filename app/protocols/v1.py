@@ -26,8 +26,7 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.codec import JSON, Answer, Api, Call, Route
 from app.protocols.infer import InferInput, InferRequest, InferResponse
-from app.protocols.jsonbody import decode_json
-from app.protocols.tensors import RequestLimits
+from app.protocols.tensors import RequestLimits, decode_json
 
 
 class PredictRequest(msgspec.Struct):

@@ -34,8 +34,7 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.codec import JSON, Answer, Api, Call, Route
 from app.protocols.infer import InferInput, InferRequest, InferResponse, RawData, RequestedOutput
-from app.protocols.jsonbody import decode_json
-from app.protocols.tensors import RequestLimits, tensor_bytes
+from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).

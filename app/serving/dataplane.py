@@ -25,9 +25,9 @@ import random
 import re
 import weakref
 from collections.abc import Awaitable
-from dataclasses import replace
 from typing import Any, TypeVar
 
+import msgspec
 import numpy as np
 
 from app.errors import ModelNotReady, ScoringError
@@ -282,7 +282,7 @@ class DataPlane:
         priority = parameters_priority(request.parameters) if request.parameters else None
         if priority and model.unit is not None:
             model.unit.level(priority)  # one above the model's levels fails before it is balanced
-        context = replace(context, deadline=deadline, priority=priority or 0)
+        context = msgspec.structs.replace(context, deadline=deadline, priority=priority or 0)
         if model.runner is None and self.items is not None:
             # still loading: the stages decide on the model as loaded (windows, the cache's key)
             await self.registry.serving_unit(model, deadline)

@@ -370,7 +370,7 @@ class ModelRegistry:
 
     def begin_drain(self, reason: str) -> None:
         """Start draining: readiness 503 from now on; every response closes its connection
-        (``app.http.connections``). Requests that still reach the worker are served. Idempotent."""
+        (``app.http.edge``). Requests that still reach the worker are served. Idempotent."""
         if self.draining:
             return
         self.draining = True

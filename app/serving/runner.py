@@ -381,6 +381,9 @@ class ModelRunner:
         if callable(close):
             close()
         self.handler = None  # type: ignore[assignment]
+        # The boot froze what it loaded (``app.serving.boot.collect_less``): this model's
+        # objects become the collector's again, so that their cycles are freed.
+        gc.unfreeze()
         if self.device.type != "cuda":
             return 0
         gc.collect()

@@ -2,17 +2,17 @@
 
 - the **queue** (:mod:`app.serving.queue`): requests waiting with their budgets, by priority
   level, and the batches formed from them (dynamic batching);
-- the **admission policy** (:mod:`app.serving.admission`): whether one more request is taken
-  now, and what it learns from each batch;
-- the **executor** (:mod:`app.serving.executor`): the version's threads, running each batch
-  inline or staged (prepare -> predict -> finish) through the model's runner
-  (:mod:`app.serving.runner`), and pricing requests.
+- the **admission policy** (:mod:`app.serving.admission`): whether one more request is taken now,
+  and what it learns from each batch;
+- the **executor** (:mod:`app.serving.executor`): the version's threads, running each batch inline
+  or staged (prepare -> predict -> finish) through the runner (:mod:`app.serving.runner`), and
+  pricing requests.
 
 :meth:`ServingUnit.infer` takes one request's validated arrays and absolute deadline (the event
 loop's clock), prices it, asks admission, queues it and waits for its outputs; the unit's task
-forms batches, hands them to the executor and delivers each request its rows. Lifecycle
-(``app.serving.lifecycle`` loads and frees the model): :meth:`start` once warm; :meth:`drain`
-lets what was routed here finish while new requests go elsewhere; :meth:`stop` fails the rest.
+forms batches, hands them to the executor and delivers each request its rows. :meth:`start`
+once warm (``app.serving.lifecycle`` loads and frees the model); :meth:`drain` lets what was
+routed here finish while new requests go elsewhere; :meth:`stop` fails the rest.
 """
 
 from __future__ import annotations
@@ -60,13 +60,9 @@ class UnitObserver(Protocol):
     """Receives a unit's events (``app.observability.metrics.ModelObserver``)."""
 
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
-
     def padding(self, real_tokens: int, padded_tokens: int) -> None: ...
-
     def rejected(self, reason: str) -> None: ...
-
     def queue_depth(self, items: int) -> None: ...
-
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None: ...
 
 
@@ -206,8 +202,7 @@ class ServingUnit:
         """The refusal a request would get whatever its size (counted), judged before its body is
         decoded, or None (``app.serving.admission.AdmissionPolicy.refuse_early``)."""
         now = asyncio.get_running_loop().time()
-        # its priority is in the body: judged as the highest level could be (the full admission
-        # after decoding judges it at its own)
+        # its priority is in the body: judged at the highest level (admission after decoding: its own)
         refusal = self.admission.refuse_early(deadline - now, now, 0 if self._levels else None)
         if refusal is None:
             return None
@@ -224,11 +219,10 @@ class ServingUnit:
         """Price and queue one request's items and wait for its outputs.
 
         Args: ``inputs``, one array per model input with the same axis-0 length B >= 1;
-        ``context``, the request's (``app.serving.context``): its ``deadline`` (the
-        ``loop.time()`` by which the outputs are due), ``request_id`` (echoed in errors and
-        logs), ``priority`` (its queue level: :meth:`level`) and ``is_disconnected`` (polled
-        before its items join a batch; True drops them); ``trace``, its spans in this unit
-        (``app.observability.tracing``).
+        ``context``, the request's (``app.serving.context``): its ``deadline`` (the ``loop.time()``
+        by which the outputs are due), ``request_id`` (in errors and logs), ``priority`` (its
+        queue level: :meth:`level`) and ``is_disconnected`` (polled before its items join a
+        batch; True drops them); ``trace``, its spans here (``app.observability.tracing``).
 
         Returns:
             One array per model output, axis 0 = the request's B items in order.
@@ -250,27 +244,30 @@ class ServingUnit:
         request: QueuedRequest | None = None
         self._active += 1
         try:
-            # A timer, not a Task: asyncio.timeout cancels this coroutine's await at the
-            # deadline. The 504 is counted here only, once per request, whoever saw it first.
-            async with asyncio.timeout_at(deadline):
-                if self.priced and self.queue.items:
+            # Timers, not Tasks, end the waits at the deadline; the 504 is counted here, once.
+            pricing = None
+            if self.priced:
+                if self.queue.items:
                     self._admit(size, 0.0, level, deadline, request_id)  # hopeless: no pricing
-                pricing = await self.executor.price(inputs) if self.priced else None
-                inputs, tokens, order, alone = pricing.unpacked() if pricing else (inputs, None, None, None)
-                item_bytes = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
-                                          self.max_batch_tokens)  # fmt: skip
-                cost = int(tokens.sum()) if tokens is not None else size
-                if self._stopped:
-                    raise QueueFull(f"model {self.name} is unloading")
-                self._admit(size, cost, level, deadline, request_id, alone)
-                request = QueuedRequest(
-                    inputs, size, context, arrival, loop.create_future(), item_bytes, tokens, order, level,
-                    trace, pending=size,
-                )  # fmt: skip
-                self.queue.put(request)
-                if self.queue.items - self._reported_depth >= self.max_batch_size:
-                    self._report_depth()  # a backlog builds up behind a running batch
+                async with asyncio.timeout_at(deadline):  # the pricing, on a prepare thread
+                    pricing = await self.executor.price(inputs)
+            inputs, tokens, order, alone = pricing.unpacked() if pricing else (inputs, None, None, None)
+            item_bytes = check_item_bounds(self.name, request_id, inputs, tokens, self.max_batch_bytes,
+                                           self.max_batch_tokens)  # fmt: skip
+            cost = int(tokens.sum()) if tokens is not None else size
+            if self._stopped:
+                raise QueueFull(f"model {self.name} is unloading")
+            self._admit(size, cost, level, deadline, request_id, alone)
+            request = QueuedRequest(inputs, size, context, arrival, loop.create_future(), item_bytes, tokens,
+                                    order, level, trace, pending=size)  # fmt: skip
+            self.queue.put(request)
+            if self.queue.items - self._reported_depth >= self.max_batch_size:
+                self._report_depth()  # a backlog builds up behind a running batch
+            expiry = loop.call_at(deadline, _expire, request.future)  # 1.3 µs; asyncio.timeout: 4.8
+            try:
                 return await request.future
+            finally:
+                expiry.cancel()
         except TimeoutError:
             self.observer.rejected("deadline")
             budget_s = deadline - (arrival if context.arrival is None else context.arrival)
@@ -398,3 +395,9 @@ class ServingUnit:
         when it has grown by a whole batch since (the gauge is a shared-memory write)."""
         self._reported_depth = self.queue.items
         self.observer.queue_depth(self.queue.items)
+
+
+def _expire(future: asyncio.Future[Tensors]) -> None:
+    """A request's deadline passed while it waited for its outputs (:meth:`ServingUnit.infer`)."""
+    if not future.done():
+        future.set_exception(TimeoutError())

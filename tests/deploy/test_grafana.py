@@ -1,6 +1,6 @@
 """The Grafana dashboard ``deploy/grafana/scoring-server.json``, statically: a dashboard Grafana
 can import (uid, title, panels with targets, a templated data source), whose every query is
-PromQL over metrics the server defines (``app.observability.metrics``), with the labels they
+PromQL over metrics the server defines (``app.observability.metrics``, ``.gpu``), with the labels they
 carry, each listed in docs/observability.md. That a running server exports every one of them:
 tests/e2e/test_dashboard.py.
 """
@@ -14,6 +14,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics import MetricWrapperBase
 
+from app.observability.gpu import GpuMetrics
 from app.observability.metrics import ServerMetrics
 from tests.support import grafana
 from tests.support.gunicorn import ROOT
@@ -48,9 +49,10 @@ def dashboard() -> dict[str, Any]:
 def exported() -> dict[str, tuple[str, frozenset[str]]]:
     """Sample name on /metrics -> (the metric's name in docs, its label names), for every metric
     the server defines."""
-    metrics = ServerMetrics(CollectorRegistry())
+    registry = CollectorRegistry()
+    defined = [*vars(ServerMetrics(registry)).values(), *vars(GpuMetrics(registry)).values()]
     out = {}
-    for metric in vars(metrics).values():
+    for metric in defined:
         if isinstance(metric, MetricWrapperBase):
             # prometheus_client keeps a metric's type, name and label names in these attributes
             name, kind, labels = metric._name, str(metric._type), frozenset(metric._labelnames)

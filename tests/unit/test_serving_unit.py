@@ -193,6 +193,19 @@ async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExe
     await b.stop()
 
 
+async def test_a_request_gets_its_504_at_its_deadline_in_a_long_batch(executor: ThreadPoolExecutor) -> None:
+    # Its batch outlives its deadline: the answer comes at the deadline, not when the batch ends.
+    rec = Recorder()
+    b = make(executor, rec, max_batch_size=1, max_queue_delay_ms=0)
+    held = await start_held(b, rec, items(7), timeout_s=0.1)
+    with pytest.raises(DeadlineExceeded, match="did not finish within"):
+        await asyncio.wait_for(held, 5)
+    assert b.queue.items == 0
+    rec.gate.set()
+    assert (await b.infer(items(1), at(soon(5))))["y"].tolist() == [[2.0, 2.0]]  # the unit serves on
+    await b.stop()
+
+
 async def test_disconnected_client_items_never_reach_the_model(executor: ThreadPoolExecutor) -> None:
     rec = Recorder()
     b = make(executor, rec, max_batch_size=8, max_queue_delay_ms=0)
