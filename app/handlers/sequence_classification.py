@@ -59,6 +59,8 @@ import numpy.typing as npt
 import torch
 
 from app.handlers import windows as windowing
+from app.handlers.decoder_math import last_token_pool
+from app.handlers.decoders import decoder_features, is_decoder, pad_decoder
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -116,6 +118,10 @@ class SequenceClassificationHandler(TextHandler):
         #: The ONNX Runtime session (``backend = "onnx"``); None: the torch model runs.
         self.session: Any = None
         self._onnx_inputs: list[str] = []
+        #: Whether the model is a decoder (:func:`app.handlers.decoders.is_decoder`), and its
+        #: score head (a linear layer on the last hidden state; None: the class has none).
+        self.decoder = False
+        self.head: Any = None
 
     @property
     def model(self) -> Any:
@@ -157,13 +163,21 @@ class SequenceClassificationHandler(TextHandler):
         self.policy = windowing.WindowPolicy.from_parameters(parameters, length)
         stride = None if self.policy.truncation == "truncate" else self.policy.stride
         self.truncates = declares_truncation(config)
+        self.decoder = is_decoder(model.config)
         self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride, keeps_last=self.truncates)
+        if self.decoder:
+            pad_decoder(self.tokenizer, path, model.config, config.name)
+            self.head = _score_head(model)
+            if backend != "torch":
+                raise ValueError(
+                    f'model {config.name!r}: backend = "{backend}" serves encoders; a decoder runs in torch'
+                )
         self.labels = labels_of(model.config)
         self._check_outputs(config)
         self.score_index = self._score_index(parameters.get("score_label"))
         self.sigmoid = len(self.labels) == 1 or model.config.problem_type == "multi_label_classification"
         self.merge_rules = windowing.merges(_OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum"})
-        self.type_ids = "token_type_ids" in inspect.signature(model.forward).parameters
+        self.type_ids = not self.decoder and "token_type_ids" in inspect.signature(model.forward).parameters
         self.set_device(device)
         self._model = model
         if backend == "onnx":
@@ -192,7 +206,17 @@ class SequenceClassificationHandler(TextHandler):
         self.model.to("meta")
 
     def _logits(self, group: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The logits ``[U_g, labels]`` of one padded group, by the torch model or the graph."""
+        """The logits ``[U_g, labels]`` of one padded group, by the torch model or the graph; a
+        decoder's at each row's last real token (:mod:`app.handlers.decoders`): its base model's
+        hidden state there through the score head (the head on ``U_g`` rows, not ``U_g x T_g``),
+        or, for a class without a ``score`` head, transformers' own pooling by the pad id."""
+        if self.decoder:
+            features = decoder_features(group)
+            if self.head is None:
+                pooled: torch.Tensor = self.model(**features).logits
+                return pooled.float()
+            hidden = self.model.base_model(**features).last_hidden_state
+            return self.head(last_token_pool(hidden, group["attention_mask"])).float()
         if self.session is None:
             logits: torch.Tensor = self.model(**group).logits
             return logits.float()
@@ -306,6 +330,14 @@ class SequenceClassificationHandler(TextHandler):
             "windows": np.asarray(outputs["windows"], dtype=np.int64),
             "tokens": np.asarray(outputs["tokens"], dtype=np.int64),
         }
+
+
+def _score_head(model: Any) -> Any:
+    """A decoder classifier's score head: its ``score`` linear layer (Llama, Mistral, Qwen,
+    GPT-2 and the other ``*ForSequenceClassification`` classes of transformers'
+    ``GenericForSequenceClassification``), None where the class has another."""
+    head = getattr(model, "score", None)
+    return head if isinstance(head, torch.nn.Linear) else None
 
 
 def _types(parts: Parts, single: int) -> Ids:

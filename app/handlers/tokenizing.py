@@ -246,6 +246,14 @@ class TextTokenizer:
             return int(value)
         return None
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token of an id (None: not in the vocabulary)."""
+        return self._plain.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token (None: not in the vocabulary)."""
+        return self._plain.token_to_id(token)
+
     def get_vocab(self) -> dict[str, int]:
         """Token -> id (the name ``tokenizers`` and transformers give it)."""
         return self._plain.get_vocab()
