@@ -237,7 +237,7 @@ class SentenceEmbeddingHandler(TextHandler):
         folder_default = pipeline.max_seq_length or TextTokenizer.model_max_length(path)
         length = max_length(parameters, folder_default, limit)
         policy = windowing.WindowPolicy.from_parameters(parameters, length, default_truncation="truncate")
-        stride = None if policy.truncation == "truncate" else policy.stride
+        stride = policy.overflow_stride
         self.truncates = declares_truncation(config)
         self._tokenizer = TextTokenizer.from_folder(
             path, length, stride=stride, lowercase=pipeline.lowercase, pairs=False, keeps_last=self.truncates

@@ -72,13 +72,15 @@ from app.handlers.text_config import (
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import Priced
 
-__all__ = ["ClassifiedBatch", "SequenceClassificationHandler", "labels_of"]
+__all__ = ["PIECES", "ClassifiedBatch", "SequenceClassificationHandler", "labels_of", "piece_rows"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PARAMETERS = (*SHARED_PARAMETERS, "score_label", "backend", "onnx_file", "tensorrt", *windowing.PARAMETERS)
 _SINGLE: Ids = np.zeros(0, dtype=np.int32)
+#: The output of per-piece (per-window) results.
+PIECES = "pieces"
 #: What ``postprocess`` returns.
-_OUTPUTS = ("probabilities", "score", "windows", "tokens")
+_OUTPUTS = ("probabilities", "score", "windows", "tokens", PIECES)
 
 
 def labels_of(hf_config: Any) -> list[str]:
@@ -96,11 +98,14 @@ class ClassifiedBatch:
             ``[B_g, T_g]``; the groups' items in ascending length.
         position: int64 ``[B]`` on the device: item b's row in the groups' rows, concatenated.
         tokens: int64 ``[B]`` on the host: tokens per item.
+        spans: int32 ``[B, 2]`` on the host, each item's ``[start, stop)`` in its text (None:
+            the model returns no ``pieces``).
     """
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
     tokens: npt.NDArray[np.int64]
+    spans: npt.NDArray[np.int32] | None = None
 
 
 class SequenceClassificationHandler(TextHandler):
@@ -161,8 +166,9 @@ class SequenceClassificationHandler(TextHandler):
         default = min(TextTokenizer.model_max_length(path) or 512, limit or 512, 8192)
         length = max_length(parameters, default, limit, minimum=8)
         self.policy = windowing.WindowPolicy.from_parameters(parameters, length)
-        stride = None if self.policy.truncation == "truncate" else self.policy.stride
         self.truncates = declares_truncation(config)
+        self.spans = any(spec.name == PIECES for spec in config.outputs)
+        stride = self.policy.overflow_stride
         self.decoder = is_decoder(model.config)
         self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride, keeps_last=self.truncates)
         if self.decoder:
@@ -176,7 +182,9 @@ class SequenceClassificationHandler(TextHandler):
         self._check_outputs(config)
         self.score_index = self._score_index(parameters.get("score_label"))
         self.sigmoid = len(self.labels) == 1 or model.config.problem_type == "multi_label_classification"
-        self.merge_rules = windowing.merges(_OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum"})
+        self.merge_rules = windowing.merges(
+            _OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum", PIECES: "concat"}
+        )
         self.type_ids = not self.decoder and "token_type_ids" in inspect.signature(model.forward).parameters
         self.set_device(device)
         self._model = model
@@ -306,7 +314,8 @@ class SequenceClassificationHandler(TextHandler):
             else None
         )
         *encoded, index = self.features(rows, types, indices={"position": position})
-        return ClassifiedBatch(groups=encoded, position=index["position"], tokens=lengths)
+        spans = np.stack([p[-1] for p in parts]) if self.spans else None
+        return ClassifiedBatch(groups=encoded, position=index["position"], tokens=lengths, spans=spans)
 
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
         """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),
@@ -319,17 +328,37 @@ class SequenceClassificationHandler(TextHandler):
             "score": probabilities[:, self.score_index : self.score_index + 1],
             "windows": np.ones((len(batch.tokens), 1), dtype=np.int64),
             "tokens": batch.tokens.reshape(-1, 1),
+            "spans": batch.spans,
         }
 
     def postprocess(self, outputs: dict[str, Any]) -> dict[str, npt.NDArray[Any]]:
         """Host numpy arrays: FP32 ``probabilities`` ``[B, L]`` and ``score`` ``[B, 1]``, INT64
-        ``windows`` and ``tokens`` ``[B, 1]``."""
-        return {
+        ``windows`` and ``tokens`` ``[B, 1]``, and where the model returns them BYTES ``pieces``
+        ``[B, 1]`` (:func:`piece_rows`)."""
+        out = {
             "probabilities": outputs["probabilities"].to("cpu", torch.float32).numpy(),
             "score": outputs["score"].to("cpu", torch.float32).numpy(),
             "windows": np.asarray(outputs["windows"], dtype=np.int64),
             "tokens": np.asarray(outputs["tokens"], dtype=np.int64),
         }
+        if outputs.get("spans") is not None:
+            out[PIECES] = piece_rows(outputs["spans"], out["probabilities"])
+        return out
+
+
+def piece_rows(spans: npt.NDArray[np.int32], probabilities: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+    """Each item's ``pieces`` output, BYTES ``[B, 1]``: a JSON array of one object
+    ``{"start", "stop", "probabilities"}`` (the item's characters ``[start, stop)`` of its text,
+    its probabilities in label order, float32 in their shortest form), which the window stage
+    joins per text in piece order (the ``"concat"`` merge)."""
+    import orjson
+
+    out = np.empty((len(spans), 1), dtype=object)
+    for i, ((start, stop), row) in enumerate(zip(spans.tolist(), probabilities, strict=True)):
+        out[i, 0] = orjson.dumps(
+            [{"start": start, "stop": stop, "probabilities": row}], option=orjson.OPT_SERIALIZE_NUMPY
+        )
+    return out
 
 
 def _score_head(model: Any) -> Any:

@@ -76,6 +76,9 @@ class TextHandler(windowing.Windowed):
         self.type_ids = False
         #: Whether ``model.toml`` declares ``truncate_prompt_tokens`` (the tokenizer then cuts).
         self.truncates = False
+        #: Whether each preparation ends with the item's span in its text (int32 ``[start,
+        #: stop)``, characters): for a handler that returns per-window results (``pieces``).
+        self.spans = False
         self.staging = HostStaging(self._device)
 
     # --- the Windowed interface ---------------------------------------------------------------
@@ -118,9 +121,14 @@ class TextHandler(windowing.Windowed):
         windows = dict(zip(rest, split, strict=True)) | {i: [w] for i, w in cut.items()}
         extra = self.query_parts(queries, len(texts))
         return [
-            [windowing.Span(w.start, w.stop, w.tokens, self.window_parts(w, extra[i])) for w in windows[i]]
+            [windowing.Span(w.start, w.stop, w.tokens, self._spanned(self.window_parts(w, extra[i]), w))
+             for w in windows[i]]
             for i in range(len(texts))
-        ]
+        ]  # fmt: skip
+
+    def _spanned(self, parts: Parts, window: Window) -> Parts:
+        """``parts`` with the window's span as their last row, where :attr:`spans` asks."""
+        return (*parts, np.array([window.start, window.stop], dtype=np.int32)) if self.spans else parts
 
     # --- truncate_prompt_tokens ---------------------------------------------------------------
 
@@ -183,16 +191,20 @@ class TextHandler(windowing.Windowed):
             return given  # type: ignore[return-value]
         texts, queries = text_inputs(inputs)
         keep = self.keep(inputs, len(texts))
-        if given is None:
-            return self.prepare_texts(texts, queries, keep)
-        missing = [i for i, p in enumerate(given) if p is None]
-        made = iter(
-            self.prepare_texts(
-                [texts[i] for i in missing], [queries[i] for i in missing],
-                [keep[i] for i in missing] if keep is not None else None,
-            )
+        missing = list(range(len(texts))) if given is None else [i for i, p in enumerate(given) if p is None]
+        made = self.prepare_texts(
+            [texts[i] for i in missing], [queries[i] for i in missing],
+            [keep[i] for i in missing] if keep is not None else None,
         )  # fmt: skip
-        return [p if p is not None else next(made) for p in given]
+        if self.spans:  # a whole item: its span is its text
+            made = [
+                self._spanned(p, Window(0, len(texts[i]), 0, p[0]))
+                for i, p in zip(missing, made, strict=True)
+            ]
+        if given is None:
+            return made
+        found = iter(made)
+        return [p if p is not None else next(found) for p in given]
 
     # --- cost ---------------------------------------------------------------------------------
 

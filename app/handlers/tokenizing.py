@@ -301,6 +301,39 @@ class TextTokenizer:
                 out[item] = _windows_of(encoding, 1, len(texts[item]), pair=True)
         return out
 
+    def pieces(
+        self,
+        texts: Sequence[str],
+        spans: Sequence[Sequence[tuple[int, int]]],
+        queries: Sequence[str] | None = None,
+    ) -> list[list[Window]]:
+        """Each text's pieces (``spans``: its ``[start, stop)`` character spans, e.g.
+        ``app.handlers.windows.piece_spans``), each piece tokenized on its own as :meth:`encode`
+        (with the text's query, as a pair, where one is given and non-empty: :meth:`encode_pairs`),
+        truncated to ``max_length``; all pieces in one batch call of the Rust tokenizer."""
+        wanted = list(queries) if queries is not None else [""] * len(texts)
+        owners = [(i, start, stop) for i, s in enumerate(spans) for start, stop in s]
+        single = [k for k, (i, _, _) in enumerate(owners) if not wanted[i]]
+        paired = [k for k, (i, _, _) in enumerate(owners) if wanted[i]]
+        encoded: dict[int, Encoding] = {}
+        for keys, pair in ((single, False), (paired, True)):
+            if not keys:
+                continue
+            batch: list[Any] = [
+                (wanted[owners[k][0]], texts[owners[k][0]][owners[k][1] : owners[k][2]])
+                if pair
+                else texts[owners[k][0]][owners[k][1] : owners[k][2]]
+                for k in keys
+            ]
+            encoded.update(zip(keys, self._plain.encode_batch_fast(batch), strict=True))
+        out: list[list[Window]] = [[] for _ in texts]
+        for k, (i, start, stop) in enumerate(owners):
+            e = encoded[k]
+            side = 1 if wanted[i] else 0
+            tokens = sum(1 for s in e.sequence_ids if s == side)
+            out[i].append(Window(start, stop, tokens, _ids(e.ids), _ids(e.type_ids) if side else None))
+        return out
+
     def keep_last(
         self, texts: Sequence[str], keep: Sequence[int], queries: Sequence[str] | None = None
     ) -> list[Window]:

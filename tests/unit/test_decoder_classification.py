@@ -8,6 +8,7 @@ same results; bfloat16 serves."""
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
 from pathlib import Path
@@ -19,9 +20,10 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.handlers.sequence_classification import SequenceClassificationHandler
+from app.handlers.windows import piece_spans
 from tests.support.decoder_models import CORPUS, LABELS
 from tests.support.text_models import CLASSIFIER_TOML
-from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run
+from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run, _windowed
 
 CLASSIFIERS = ("llama-classifier", "qwen2-classifier", "gpt2-classifier")
 
@@ -150,3 +152,81 @@ async def test_the_llama_classifier_without_a_pad_token_becomes_ready(
     want = reference_one_by_one(decoder_models["llama-classifier"], texts)
     assert np.abs(got - want).max() <= 1e-5
     assert [row["label"] for row in body["data"]] == [LABELS[int(i)] for i in want.argmax(1)]
+
+
+def test_a_long_post_in_pieces_gives_each_pieces_result_and_the_aggregate(
+    decoder_models: dict[str, Path],
+) -> None:
+    """A 1,500-word post in pieces of at most 300 characters on word boundaries, through the
+    window stage as the server runs it: the ``pieces`` output holds each piece's span and
+    probabilities, equal to the piece run alone through transformers; ``probabilities`` is their
+    ``aggregate`` (max), ``windows`` the pieces' count, in the same answer."""
+    folder = decoder_models["llama-classifier"]
+    handler = SequenceClassificationHandler()
+    outputs = [
+        Spec("probabilities", [len(LABELS)], list(LABELS)),
+        Spec("score", [1]),
+        Spec("windows", [1], datatype="INT64"),
+        Spec("pieces", [1], datatype="BYTES"),
+    ]
+    parameters = {"model_dir": folder.name, "truncation": "pieces", "piece_chars": 300, "max_windows": 64}
+    handler.load(torch.device("cpu"), Config(folder.parent, parameters, outputs))
+    words = " ".join(CORPUS).split()
+    post = " ".join(words[i % len(words)] for i in range(1500))
+    short = "A short post."
+    out, items = _windowed(handler, {"text": _bytes(short, post)})
+    spans = piece_spans(post, 300)
+    assert len(spans) > 25 and all(stop - start <= 300 for start, stop in spans)
+    assert out["windows"].reshape(-1).tolist() == [1, len(spans)]
+    pieces = [json.loads(row) for row in out["pieces"].reshape(-1)]
+    assert [(p["start"], p["stop"]) for p in pieces[1]] == spans
+    assert [(p["start"], p["stop"]) for p in pieces[0]] == [(0, len(short))]
+    alone = reference_one_by_one(folder, [post[a:b] for a, b in spans])
+    got = np.array([p["probabilities"] for p in pieces[1]])
+    assert np.abs(got - alone).max() <= 1e-5
+    assert np.abs(out["probabilities"][1] - alone.max(axis=0)).max() <= 1e-5
+    assert np.abs(out["probabilities"][0] - reference_one_by_one(folder, [short])[0]).max() <= 1e-5
+    assert len(items["text"]) == 1 + len(spans)
+    whole = _run(handler, {"text": _bytes(short)})["pieces"]  # no split: tokenized when priced
+    assert [(p["start"], p["stop"]) for p in json.loads(whole[0, 0])] == [(0, len(short))]
+
+
+def test_piece_spans_cut_on_word_boundaries() -> None:
+    text = "aaa bb  cccccccccc d e\nf"
+    assert [text[a:b] for a, b in piece_spans(text, 4)] == ["aaa", "bb", "cccc", "cccc", "cc d", "e\nf"]
+    assert piece_spans("   ", 3) == [(0, 3)] and piece_spans("", 3) == [(0, 0)]
+    words = "the quick brown fox jumps over the lazy dog " * 50
+    spans = piece_spans(words, 300)
+    assert all(b - a <= 300 for a, b in spans)
+    assert " ".join(words[a:b] for a, b in spans).split() == words.split()  # every word, once
+
+
+async def test_pieces_over_v2_in_one_answer(
+    make_client: Any, decoder_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """The RADAR-style model.toml (pieces of at most 300 characters, batches of 32) over V2: one
+    answer holds the aggregate and, as BYTES JSON, each piece's result."""
+    model = write_decoder_classifier(
+        tmp_path,
+        decoder_models["llama-classifier"],
+        parameters='truncation = "pieces"\npiece_chars = 300\nmax_windows = 64',
+    )
+    toml = (model / "model.toml").read_text().replace("max_batch_size = 16", "max_batch_size = 32")
+    (model / "model.toml").write_text(
+        toml + '\n[[outputs]]\nname = "pieces"\ndatatype = "BYTES"\nshape = [1]\n'
+    )
+    http = await make_client(tmp_path)
+    words = " ".join(CORPUS).split()
+    post = " ".join(words[(7 * i) % len(words)] for i in range(1500))
+    body = {
+        "inputs": [{"name": "text", "shape": [2, 1], "datatype": "BYTES", "data": ["Hello there.", post]}],
+        "outputs": [{"name": "probabilities"}, {"name": "pieces"}, {"name": "windows"}],
+    }
+    resp = await http.post("/v2/models/radar/infer", json=body)
+    assert resp.status == 200, await resp.text()
+    outputs = {o["name"]: o for o in (await resp.json())["outputs"]}
+    pieces = [json.loads(row) for row in outputs["pieces"]["data"]]
+    spans = piece_spans(post, 300)
+    assert outputs["windows"]["data"] == [1, len(spans)] and len(pieces[1]) == len(spans)
+    probabilities = np.array(outputs["probabilities"]["data"]).reshape(2, len(LABELS))
+    assert np.abs(probabilities[1] - np.array([p["probabilities"] for p in pieces[1]]).max(0)).max() <= 1e-6
