@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,9 +34,21 @@ import torch
 from app.handlers.decoder_math import position_ids
 from app.handlers.tokenizing import TextTokenizer
 
-__all__ = ["decoder_features", "is_decoder", "pad_decoder", "pad_token"]
+__all__ = [
+    "DTYPES",
+    "decoder_features",
+    "decoder_length",
+    "first_id",
+    "is_decoder",
+    "load_decoder",
+    "pad_decoder",
+    "pad_token",
+]
 
 log = logging.getLogger(__name__)
+
+#: ``[parameters] dtype`` -> torch's.
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def is_decoder(hf_config: Any) -> bool:
@@ -60,7 +73,9 @@ def _token(value: Any) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def _first_id(value: Any) -> int | None:
+def first_id(value: Any) -> int | None:
+    """A config's token id: the first of a list (``eos_token_id`` may list several), None where
+    it names none."""
     if isinstance(value, list):
         value = value[0] if value else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
@@ -72,7 +87,7 @@ def pad_token(folder: Path, hf_config: Any, id_to_token: Any) -> str | None:
     tokenizer's ``eos_token`` (``tokenizer_config.json``, ``special_tokens_map.json``), else the
     config's ``eos_token_id`` (the first, where it lists several); None where the folder has
     none of them. ``id_to_token``: the tokenizer's (``tokenizers.Tokenizer.id_to_token``)."""
-    pad_id = _first_id(getattr(hf_config, "pad_token_id", None))
+    pad_id = first_id(getattr(hf_config, "pad_token_id", None))
     if pad_id is not None and id_to_token(pad_id) is not None:
         return str(id_to_token(pad_id))
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
@@ -81,7 +96,7 @@ def pad_token(folder: Path, hf_config: Any, id_to_token: Any) -> str | None:
             found = _token(json.loads(path.read_text(encoding="utf-8")).get("eos_token"))
             if found is not None:
                 return found
-    eos_id = _first_id(getattr(hf_config, "eos_token_id", None))
+    eos_id = first_id(getattr(hf_config, "eos_token_id", None))
     return str(id_to_token(eos_id)) if eos_id is not None and id_to_token(eos_id) is not None else None
 
 
@@ -97,7 +112,7 @@ def pad_decoder(tokenizer: TextTokenizer, folder: Path, hf_config: Any, name: st
                 "%s: the folder names no pad token; padding with %r (id %s), masked out, the last "
                 "real token read from the attention mask", name, token, tokenizer.pad_id,
             )  # fmt: skip
-    if tokenizer.pad_id is not None and _first_id(getattr(hf_config, "pad_token_id", None)) is None:
+    if tokenizer.pad_id is not None and first_id(getattr(hf_config, "pad_token_id", None)) is None:
         hf_config.pad_token_id = tokenizer.pad_id
 
 
@@ -109,3 +124,52 @@ def decoder_features(group: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     out = {k: v for k, v in group.items() if k != "token_type_ids"}
     out["position_ids"] = position_ids(group["attention_mask"])
     return out
+
+
+def load_decoder(
+    path: Path, parameters: Mapping[str, Any], device: torch.device, name: str, auto_class: str
+) -> Any:
+    """The folder's model as transformers' ``auto_class`` (e.g. ``"AutoModelForCausalLM"``),
+    local files only, in ``parameters.dtype`` (``attn_implementation`` where given), on
+    ``device`` in eval mode, without a KV cache (scoring needs none).
+
+    Raises:
+        ValueError: the folder's model is not a decoder (:func:`is_decoder`).
+        Exception: what transformers raises for a folder it cannot load.
+    """
+    import transformers
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()
+    kwargs: dict[str, Any] = {"dtype": DTYPES[parameters.get("dtype", "float32")]}
+    if "attn_implementation" in parameters:
+        kwargs["attn_implementation"] = parameters["attn_implementation"]
+    config = transformers.AutoConfig.from_pretrained(str(path), local_files_only=True)
+    if not is_decoder(config):
+        raise ValueError(
+            f"model {name!r}: {path} holds a {config.model_type!r} model, not a decoder-only one "
+            "(Llama, Mistral, Qwen, GPT-2...)"
+        )
+    if hasattr(config, "use_cache"):
+        config.use_cache = False
+    model = getattr(transformers, auto_class).from_pretrained(
+        str(path), config=config, local_files_only=True, **kwargs
+    )
+    return model.to(device).eval()
+
+
+def decoder_length(model: Any, folder: Path, parameters: Mapping[str, Any]) -> int:
+    """Tokens per text: ``parameters.max_seq_length``, else the tokenizer's ``model_max_length``
+    capped by the model's positions (and 8,192).
+
+    Raises:
+        ValueError: as :func:`app.handlers.text_base.max_length`.
+    """
+    from app.handlers.text_base import max_length
+
+    limit = getattr(model.config, "max_position_embeddings", None) or getattr(
+        model.config, "n_positions", None
+    )
+    limit = limit if isinstance(limit, int) and limit > 0 else None
+    default = min(TextTokenizer.model_max_length(folder) or 8192, limit or 8192, 8192)
+    return max_length(parameters, default, limit, minimum=8)

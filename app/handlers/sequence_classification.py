@@ -224,7 +224,8 @@ class SequenceClassificationHandler(TextHandler):
                 pooled: torch.Tensor = self.model(**features).logits
                 return pooled.float()
             hidden = self.model.base_model(**features).last_hidden_state
-            return self.head(last_token_pool(hidden, group["attention_mask"])).float()
+            head: torch.Tensor = self.head(last_token_pool(hidden, group["attention_mask"]))
+            return head.float()
         if self.session is None:
             logits: torch.Tensor = self.model(**group).logits
             return logits.float()
@@ -304,18 +305,10 @@ class SequenceClassificationHandler(TextHandler):
         """
         parts = self.item_parts(inputs)
         lengths = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
-        groups = self.cost.groups(lengths)
-        position = np.empty(len(lengths), dtype=np.int64)
-        position[np.concatenate(groups)] = np.arange(len(lengths))
-        rows = [[parts[i][0] for i in g] for g in groups]
-        types = (
-            [[_types(parts[i], self.tokenizer.single_type_id) for i in g] for g in groups]
-            if self.type_ids
-            else None
-        )
-        *encoded, index = self.features(rows, types, indices={"position": position})
+        types = [_types(p, self.tokenizer.single_type_id) for p in parts] if self.type_ids else None
+        encoded, position = self.length_grouped([p[0] for p in parts], types)
         spans = np.stack([p[-1] for p in parts]) if self.spans else None
-        return ClassifiedBatch(groups=encoded, position=index["position"], tokens=lengths, spans=spans)
+        return ClassifiedBatch(groups=encoded, position=position, tokens=lengths, spans=spans)
 
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
         """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),

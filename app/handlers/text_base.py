@@ -311,6 +311,28 @@ class TextHandler(windowing.Windowed):
 
         return self.staging.to_device(build, elements)
 
+    def length_grouped(
+        self, rows: Sequence[Ids], type_rows: Sequence[Ids] | None = None
+    ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        """Rows of token ids (int32 ``[n]`` each, B of them; ``type_rows``: their token type ids)
+        padded in the cost model's length groups (:meth:`app.handlers.text_cost.CostModel.groups`,
+        one forward call each, its rows in ascending length), on the device, and ``position``,
+        int64 ``[B]`` on the device: row b's place in the groups' rows, concatenated (so
+        ``torch.cat(per_group)[position]`` is in row order).
+
+        Raises:
+            ValueError: as :meth:`features`.
+        """
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        groups = self.cost.groups(lengths)
+        position = np.empty(len(lengths), dtype=np.int64)
+        position[np.concatenate(groups)] = np.arange(len(lengths))
+        grouped_types = [[type_rows[i] for i in g] for g in groups] if type_rows is not None else None
+        *encoded, index = self.features(
+            [[rows[i] for i in g] for g in groups], grouped_types, indices={"position": position}
+        )
+        return encoded, index["position"]
+
 
 def max_length(
     parameters: Mapping[str, Any], default: int | None, limit: int | None, minimum: int = 1

@@ -254,6 +254,11 @@ class TextTokenizer:
         """The id of a token (None: not in the vocabulary)."""
         return self._plain.token_to_id(token)
 
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token id decoded alone, special tokens kept (a byte-level token holding part of
+        a character decodes to U+FFFD)."""
+        return list(self._plain.decode_batch([[int(i)] for i in ids], skip_special_tokens=False))
+
     def get_vocab(self) -> dict[str, int]:
         """Token -> id (the name ``tokenizers`` and transformers give it)."""
         return self._plain.get_vocab()

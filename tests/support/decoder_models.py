@@ -57,6 +57,7 @@ if TYPE_CHECKING:
 # module is imported by tests/conftest.py, and every test session would pay for them (2 s).
 
 __all__ = [
+    "CAUSAL_LM_TOML",
     "CLASSES",
     "CORPUS",
     "EMBEDDING_QUERY_PROMPT",
@@ -106,6 +107,51 @@ _QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+#: A ``model.toml`` of ``app.handlers.causal_lm`` (``{name}``, ``{folder}``: the folder's path).
+CAUSAL_LM_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "app.handlers.causal_lm:CausalLMHandler"
+max_batch_size = 8
+max_queue_delay_ms = 2.0
+warmup_batch_sizes = [1, 4]
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
+[[inputs]]
+name = "return_token_logprobs"
+datatype = "INT64"
+shape = [1]
+optional = true
+[[inputs]]
+name = "top_logprobs"
+datatype = "INT64"
+shape = [1]
+optional = true
+[[outputs]]
+name = "log_likelihood"
+datatype = "FP32"
+shape = [1]
+[[outputs]]
+name = "perplexity"
+datatype = "FP32"
+shape = [1]
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+[[outputs]]
+name = "token_logprobs"
+datatype = "BYTES"
+shape = [1]
+[parameters]
+model_dir = "{folder}"
+max_seq_length = 256
+"""
 
 
 def _family(kind: str) -> str:
