@@ -84,6 +84,7 @@ from app.handlers.text_config import (
     ModelConfigLike,
     check_shared_parameters,
     declares_truncation,
+    item_integers,
     resolve_model_dir,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
@@ -110,16 +111,6 @@ class ScoredBatch:
     ids: list[Ids]
     listed: npt.NDArray[np.bool_]
     top: npt.NDArray[np.int64]
-
-
-def _per_item(inputs: Mapping[str, npt.NDArray[Any]], name: str, count: int) -> npt.NDArray[np.int64] | None:
-    array = inputs.get(name)
-    if array is None:
-        return None
-    values = np.asarray(array).reshape(-1)
-    if len(values) != count or values.dtype.kind not in "iu":
-        raise ValueError(f"input {name!r} must hold one integer per item ({count})")
-    return values.astype(np.int64)
 
 
 class CausalLMHandler(TextHandler):
@@ -235,9 +226,9 @@ class CausalLMHandler(TextHandler):
         self, inputs: Mapping[str, npt.NDArray[Any]], count: int
     ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
         """Per item: whether its ``token_logprobs`` is filled, and its ``top_logprobs``."""
-        asked = _per_item(inputs, RETURN, count)
+        asked = item_integers(inputs, RETURN, count)
         listed = np.full(count, self.lists and not self.asks) if asked is None else self.lists & (asked != 0)
-        top = _per_item(inputs, TOP, count)
+        top = item_integers(inputs, TOP, count)
         top = np.zeros(count, dtype=np.int64) if top is None else top
         if top.size and not 0 <= int(top.min()) <= int(top.max()) <= MAX_TOP_LOGPROBS:
             raise ValueError(f"{TOP} must be between 0 and {MAX_TOP_LOGPROBS}")
