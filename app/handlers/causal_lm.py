@@ -77,7 +77,7 @@ import torch
 
 from app.handlers import windows as windowing
 from app.handlers.decoder_math import LOG_SOFTMAX_CHUNK_BYTES, scoring_prefix, token_log_likelihood
-from app.handlers.decoders import decoder_features, decoder_length, first_id, load_decoder, pad_decoder
+from app.handlers.decoders import decoder_features, first_id, open_causal_lm, pad_decoder
 from app.handlers.text_base import TextHandler
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -85,9 +85,8 @@ from app.handlers.text_config import (
     check_shared_parameters,
     declares_truncation,
     item_integers,
-    resolve_model_dir,
 )
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window
 from app.models.base import Priced
 
 __all__ = ["MAX_TOP_LOGPROBS", "CausalLMHandler", "ScoredBatch"]
@@ -120,20 +119,12 @@ class CausalLMHandler(TextHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._model: Any = None
         #: The LM head (a linear layer on the last hidden state); None: the model's own forward.
         self.head: Any = None
         #: Token ids put before each text (the scoring prefix), int32.
         self.prefix: Ids = _NONE
         #: Whether ``model.toml`` declares ``token_logprobs`` / ``return_token_logprobs``.
         self.lists = self.asks = False
-
-    @property
-    def model(self) -> Any:
-        """The loaded transformers model."""
-        if self._model is None:
-            raise RuntimeError("CausalLMHandler.load() has not been called")
-        return self._model
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device`` (local files only), then
@@ -149,9 +140,7 @@ class CausalLMHandler(TextHandler):
         first = parameters.get("score_first_token", True)
         if not isinstance(first, bool):
             raise ValueError(f"parameters.score_first_token must be true or false, got {first!r}")
-        path = resolve_model_dir(parameters, config.path)
-        model = load_decoder(path, parameters, device, config.name, "AutoModelForCausalLM")
-        length = decoder_length(model, path, parameters)
+        path, model, length = open_causal_lm(parameters, config.path, device, config.name)
         self.policy = windowing.WindowPolicy.from_parameters(
             parameters, length, default_truncation="truncate"
         )
@@ -217,10 +206,9 @@ class CausalLMHandler(TextHandler):
         Raises:
             ValueError: invalid UTF-8, a wrong shape, ``top_logprobs`` outside 0 to 5.
         """
-        parts = self.item_parts(inputs)
-        self._options(inputs, len(parts))
-        costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
-        return Priced(costs, prepared_array(parts))
+        priced = super().item_costs(inputs)
+        self._options(inputs, len(priced.costs))
+        return priced
 
     def _options(
         self, inputs: Mapping[str, npt.NDArray[Any]], count: int

@@ -41,6 +41,7 @@ __all__ = [
     "first_id",
     "is_decoder",
     "load_decoder",
+    "open_causal_lm",
     "pad_decoder",
     "pad_token",
 ]
@@ -173,3 +174,19 @@ def decoder_length(model: Any, folder: Path, parameters: Mapping[str, Any]) -> i
     limit = limit if isinstance(limit, int) and limit > 0 else None
     default = min(TextTokenizer.model_max_length(folder) or 8192, limit or 8192, 8192)
     return max_length(parameters, default, limit, minimum=8)
+
+
+def open_causal_lm(
+    parameters: Mapping[str, Any], model_path: Path, device: torch.device, name: str
+) -> tuple[Path, Any, int]:
+    """The folder ``parameters`` name (:func:`app.handlers.text_config.resolve_model_dir`), its
+    causal LM on ``device`` (:func:`load_decoder`) and its tokens per text (:func:`decoder_length`).
+
+    Raises:
+        ValueError, FileNotFoundError: as those functions.
+    """
+    from app.handlers.text_config import resolve_model_dir
+
+    path = resolve_model_dir(parameters, model_path)
+    model = load_decoder(path, parameters, device, name, "AutoModelForCausalLM")
+    return path, model, decoder_length(model, path, parameters)

@@ -115,7 +115,6 @@ class SequenceClassificationHandler(TextHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._model: Any = None
         self.labels: list[str] = []
         self.policy = windowing.WindowPolicy("window", 512, 64)
         self.score_index = 0
@@ -127,13 +126,6 @@ class SequenceClassificationHandler(TextHandler):
         #: score head (a linear layer on the last hidden state; None: the class has none).
         self.decoder = False
         self.head: Any = None
-
-    @property
-    def model(self) -> Any:
-        """The loaded transformers model."""
-        if self._model is None:
-            raise RuntimeError("SequenceClassificationHandler.load() has not been called")
-        return self._model
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only,

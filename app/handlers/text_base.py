@@ -40,8 +40,8 @@ from app.handlers import windows as windowing
 from app.handlers.host_staging import HostStaging
 from app.handlers.text_config import TRUNCATE, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad
-from app.models.base import PREPARED
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
+from app.models.base import PREPARED, Priced
 
 __all__ = ["TextHandler", "max_length", "prepared_parts"]
 
@@ -66,6 +66,8 @@ class TextHandler(windowing.Windowed):
     def __init__(self) -> None:
         self._device = torch.device("cpu")
         self._tokenizer: TextTokenizer | None = None
+        #: The transformers model (a subclass's ``load`` sets it).
+        self._model: Any = None
         #: What a forward call costs (``batch_cost``, length groups); measured at load.
         self.cost = CostModel()
         #: What the model does with long texts.
@@ -206,6 +208,18 @@ class TextHandler(windowing.Windowed):
         found = iter(made)
         return [p if p is not None else next(found) for p in given]
 
+    def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
+        """Tokens each item makes the model run, int64 ``[B]`` (its first token row: special
+        tokens, a pair's query, a prompt included), with each item's preparation (from
+        ``inputs[PREPARED]`` where the window stage made it; else tokenized here).
+
+        Raises:
+            ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
+        """
+        parts = self.item_parts(inputs)
+        costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
+        return Priced(costs, prepared_array(parts))
+
     # --- cost ---------------------------------------------------------------------------------
 
     @property
@@ -261,6 +275,13 @@ class TextHandler(windowing.Windowed):
         return run
 
     # --- to the device ------------------------------------------------------------------------
+
+    @property
+    def model(self) -> Any:
+        """The loaded transformers model."""
+        if self._model is None:
+            raise RuntimeError(f"{self.kind}.load() has not been called")
+        return self._model
 
     @property
     def tokenizer(self) -> TextTokenizer:

@@ -263,9 +263,10 @@ class TextTokenizer:
         """Token -> id (the name ``tokenizers`` and transformers give it)."""
         return self._plain.get_vocab()
 
-    def encode(self, texts: Sequence[str]) -> list[Ids]:
-        """Each text's ids, special tokens included, truncated to ``max_length``."""
-        return [_ids(e.ids) for e in self._plain.encode_batch_fast(list(texts))]
+    def encode(self, texts: Sequence[str], *, special: bool = True) -> list[Ids]:
+        """Each text's ids, special tokens included (``special``: the post-processor's, e.g. a
+        BOS token), truncated to ``max_length``."""
+        return [_ids(e.ids) for e in self._plain.encode_batch_fast(list(texts), add_special_tokens=special)]
 
     def encode_pairs(self, queries: Sequence[str], texts: Sequence[str]) -> list[tuple[Ids, Ids]]:
         """Each (query, text) pair's ids and token type ids, truncated to ``max_length`` with

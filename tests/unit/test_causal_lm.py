@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from app.handlers import causal_lm
 from app.handlers.causal_lm import CausalLMHandler
-from tests.support.decoder_models import CAUSAL_LM_TOML
+from tests.support.decoder_models import write_causal_lm
 from tests.unit.test_decoder_classification import posts
 from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run
 
@@ -148,9 +148,7 @@ async def test_v2_and_the_openai_completions_route_agree(
     log-likelihood; a request that would generate is a 400 in OpenAI's shape."""
     import openai
 
-    model = tmp_path / "gpt2"
-    model.mkdir()
-    (model / "model.toml").write_text(CAUSAL_LM_TOML.format(name="gpt2", folder=decoder_models["gpt2-lm"]))
+    write_causal_lm(tmp_path, "gpt2", decoder_models["gpt2-lm"])
     http = await make_client(tmp_path)
     texts = posts(3, seed=11)
     body = {"inputs": [{"name": "text", "shape": [3, 1], "datatype": "BYTES", "data": texts}],

@@ -12,7 +12,7 @@ from typing import Any
 import jsonschema
 
 from app.http.routes import OPENAPI
-from tests.support.decoder_models import CAUSAL_LM_TOML
+from tests.support.decoder_models import write_causal_lm
 from tests.support.fixtures import Client, MakeClient
 from tests.support.openapi import SPEC_PATH, spec
 from tests.support.text_models import write_classifier_model
@@ -31,8 +31,7 @@ async def test_real_answers_validate_against_their_documented_schemas(
     the msgspec types, so the types and the handlers cannot drift apart."""
     write_embed_model(scale_repo)
     write_classifier_model(scale_repo, "clf", ["ok", "spam"])
-    (scale_repo / "lm").mkdir()
-    (scale_repo / "lm" / "model.toml").write_text(CAUSAL_LM_TOML.format(name="lm", folder=decoder_models["gpt2-lm"]))
+    write_causal_lm(scale_repo, "lm", decoder_models["gpt2-lm"])
     client: Client = await make_client(scale_repo, model_control_mode="explicit")
     x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
     bodies = {
@@ -46,7 +45,13 @@ async def test_real_answers_validate_against_their_documented_schemas(
         "/v1/classify": {"model": "clf", "input": ["a text", "another"]},
         "/score": {"model": "clf", "text_1": "q", "text_2": ["a", "b"]},
         "/v1/score": {"model": "clf", "text_1": ["q", "r"], "text_2": ["a", "b"]},
-        "/v1/completions": {"model": "lm", "prompt": ["a", "b c"], "echo": True, "max_tokens": 0, "logprobs": 2},
+        "/v1/completions": {
+            "model": "lm",
+            "prompt": ["a", "b c"],
+            "echo": True,
+            "max_tokens": 0,
+            "logprobs": 2,
+        },
     }
     await client.post("/v2/models/scale/infer", json={"inputs": [x]})  # so the stats have batches
     checked = 0
