@@ -20,6 +20,7 @@ import pytest
 from app.server import cli
 from tests.support.fake_gpus import write_unavailable
 from tests.support.gunicorn import ROOT
+from tests.unit.test_memory import LLAMA_7B
 
 FORMS = ("gunicorn.conf.py", cli.CONFIG)
 
@@ -155,16 +156,8 @@ print(json.dumps({"workers": app.cfg.workers, "floor": config._policy.min_free_m
 
 #: Llama-2-7B's config.json as RADAR-Vicuna-7B's classifier (no weights: the plan counts them by
 #: the architecture's formula, 6.61 B parameters).
-RADAR_CONFIG = {
-    "model_type": "llama",
+RADAR_CONFIG = LLAMA_7B | {
     "architectures": ["LlamaForSequenceClassification"],
-    "hidden_size": 4096,
-    "intermediate_size": 11008,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 32,
-    "vocab_size": 32000,
-    "max_position_embeddings": 4096,
     "id2label": {"0": "human", "1": "machine"},
 }
 
