@@ -78,6 +78,7 @@ from app.handlers.embedding_pipeline import (
     load_pipeline,
     read_prompts,
 )
+from app.handlers.padding import pad
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -89,7 +90,7 @@ from app.handlers.text_config import (
 )
 from app.handlers.text_cost import length_groups, padded_tokens
 from app.handlers.text_graphs import TextGraphs, capture_for
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import Priced
 from app.models.torch_formats import settle_graphs
 

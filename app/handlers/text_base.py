@@ -38,9 +38,10 @@ import torch
 
 from app.handlers import windows as windowing
 from app.handlers.host_staging import HostStaging
+from app.handlers.padding import pad
 from app.handlers.text_config import TRUNCATE, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import PREPARED, Priced
 
 __all__ = ["TextHandler", "max_length", "prepared_parts"]
@@ -308,7 +309,7 @@ class TextHandler(windowing.Windowed):
         ``indices`` (int64 ``[B]`` each) as one more part.
 
         Raises:
-            ValueError: rows of different lengths and no pad token (:func:`pad`).
+            ValueError: rows of different lengths and no pad token (:func:`app.handlers.padding.pad`).
         """
         tokenizer = self.tokenizer
         types = type_groups if type_groups is not None else [None] * len(groups)
