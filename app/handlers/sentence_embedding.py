@@ -302,11 +302,13 @@ class SentenceEmbeddingHandler(TextHandler):
 
     def close(self) -> None:
         """Drop the CUDA graphs once the device has run what they launched (as
-        ``app.models.torch_formats``' handlers do: never during another model's capture)."""
+        ``app.models.torch_formats``' handlers do: never during another model's capture), the
+        pipeline and the ONNX encoder, then :meth:`TextHandler.close`."""
         if self.graphs is not None:
             settle_graphs(self._device)
-            self.graphs = None
-            self._encode = self._encode_torch
+        self.graphs = self.onnx = self._pipeline = None
+        self._encode = self._encode_torch
+        super().close()
 
     def _load_onnx(self, device: torch.device, config: ModelConfigLike) -> None:
         """Encode with the ONNX graph (:func:`app.handlers.onnx_encoder.open_encoder`: checked

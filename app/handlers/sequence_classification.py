@@ -205,6 +205,11 @@ class SequenceClassificationHandler(TextHandler):
         self.session, self._onnx_inputs = session, names
         self.model.to("meta")
 
+    def close(self) -> None:
+        """Drop the ONNX session too, then :meth:`TextHandler.close`."""
+        self.session = self.head = None
+        super().close()
+
     def _logits(self, group: dict[str, torch.Tensor]) -> torch.Tensor:
         """The logits ``[U_g, labels]`` of one padded group, by the torch model or the graph; a
         decoder's at each row's last real token (:mod:`app.handlers.decoders`): its base model's

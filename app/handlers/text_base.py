@@ -28,6 +28,7 @@ The contract a text handler keeps (``app.models.base`` has the server's side):
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,7 +38,7 @@ import numpy.typing as npt
 import torch
 
 from app.handlers import windows as windowing
-from app.handlers.host_staging import HostStaging
+from app.handlers.host_staging import HostStaging, trim_heap
 from app.handlers.padding import pad
 from app.handlers.text_config import TRUNCATE, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
@@ -290,6 +291,16 @@ class TextHandler(windowing.Windowed):
         if self._tokenizer is None:
             raise RuntimeError(f"{self.kind}.load() has not been called")
         return self._tokenizer
+
+    def close(self) -> None:
+        """Free what the model holds, once its last batch has run (``app.models.base``): drop
+        the model, the tokenizer and the pinned host buffers, collect, and give the freed C heap
+        back to the system (:func:`app.handlers.host_staging.trim_heap`: without it each reload
+        of a text model left megabytes in the malloc arena of the thread that loaded it)."""
+        self._model = self._tokenizer = None
+        self.staging = HostStaging(torch.device("cpu"))
+        gc.collect()
+        trim_heap()
 
     def set_device(self, device: torch.device) -> None:
         """Where the model runs (and its host staging)."""
