@@ -205,6 +205,18 @@ class SequenceClassificationHandler(TextHandler):
         self.session, self._onnx_inputs = session, names
         self.model.to("meta")
 
+    def use_model(self, model: Any, parameters: Mapping[str, Any]) -> None:
+        """Serve ``model`` instead of the folder's weights: a transformers
+        ``*ForSequenceClassification`` of the loaded folder's vocabulary and labels, already on the
+        device (``benchmarks.decoder_check``: a 7B classifier with random weights made on the GPU,
+        no download, no float32 copy), then measure the cost model on it unless ``parameters``
+        fix it (:meth:`TextHandler.calibrate`)."""
+        self._model, self.decoder = model.eval(), is_decoder(model.config)
+        self.head = _score_head(model) if self.decoder else None
+        if self.decoder and model.config.pad_token_id is None:
+            model.config.pad_token_id = self.tokenizer.pad_id
+        self.calibrate(parameters, self._logits)
+
     def close(self) -> None:
         """Drop the ONNX session too, then :meth:`TextHandler.close`."""
         self.session = self.head = None
