@@ -204,7 +204,7 @@ def plan_in_master(tmp: Path, gpus: list[dict[str, Any]], asked: int) -> dict[st
 
 
 def test_fewer_7b_workers_start_than_asked_where_they_do_not_fit(tmp_path: Path) -> None:
-    """SCORING_MAX_PROCESSES_PER_GPU=8 of a 7B bfloat16 classifier (14.2 GiB a worker: 12.3 GiB of
+    """SCORING_MAX_PROCESSES_PER_GPU=8 of a 7B bfloat16 classifier (14.5 GiB a worker: 12.3 GiB of
     weights, activations of 32 x 128 tokens, the CUDA context, a 10 % margin): an 80 GiB GPU
     takes 5, one with 60 GiB used by another program takes 1; 6 workers fork, each GPU's
     shortfall is a warning, and a worker binds only where its planned bytes are free."""
