@@ -17,8 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from app.handlers import causal_lm
 from app.handlers.causal_lm import CausalLMHandler
 from tests.support.decoder_models import write_causal_lm
-from tests.unit.test_decoder_classification import posts
-from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run
+from tests.unit.test_decoder_classification import posts, run
+from tests.unit.test_sequence_classification import Config, Spec, _bytes
 
 OUTPUTS = [
     Spec("log_likelihood", [1]),
@@ -62,7 +62,7 @@ def test_log_likelihood_equals_transformers_loss(
     prefix_id = handler.tokenizer.token_to_id(prefix) if prefix else None
     assert handler.prefix.tolist() == ([prefix_id] if prefix else [])  # Llama's BOS comes first already
     texts = posts(4, seed=7)
-    out = _run(handler, {"text": _bytes(*texts)})
+    out = run(handler, {"text": _bytes(*texts)})
     for i, text in enumerate(texts):
         loss, count, _, ids = reference(folder, text, prefix_id)
         assert abs(-float(out["mean_log_likelihood"][i, 0]) - loss) <= 1e-4
@@ -76,7 +76,7 @@ def test_the_first_token_unscored_without_the_prefix(decoder_models: dict[str, P
     handler = load(folder, score_first_token=False)
     assert handler.prefix.size == 0
     text = posts(1, seed=8)[0]
-    out = _run(handler, {"text": _bytes(text)})
+    out = run(handler, {"text": _bytes(text)})
     loss, count, _, _ = reference(folder, text, None)
     assert (
         abs(-float(out["mean_log_likelihood"][0, 0]) - loss) <= 1e-4 and out["scored_tokens"][0, 0] == count
@@ -87,9 +87,9 @@ def test_the_first_token_unscored_without_the_prefix(decoder_models: dict[str, P
 def test_a_batch_of_mixed_lengths_equals_one_by_one(decoder_models: dict[str, Path], kind: str) -> None:
     handler = load(decoder_models[kind], call_overhead_tokens=4.0, attention_knee_tokens=1000.0)
     texts = posts(12, seed=9)
-    batched = _run(handler, {"text": _bytes(*texts)})
+    batched = run(handler, {"text": _bytes(*texts)})
     for name in ("log_likelihood", "mean_log_likelihood", "perplexity"):
-        alone = np.concatenate([_run(handler, {"text": _bytes(t)})[name] for t in texts])
+        alone = np.concatenate([run(handler, {"text": _bytes(t)})[name] for t in texts])
         assert np.abs(batched[name] - alone).max() <= 1e-4 * max(1.0, float(np.abs(alone).max()))
 
 
@@ -101,7 +101,7 @@ def test_per_token_logprobs_and_alternatives(decoder_models: dict[str, Path], mo
     texts = posts(3, seed=10)
     asked = np.array([[1], [0], [1]], dtype=np.int64)
     inputs = {"text": _bytes(*texts), "return_token_logprobs": asked, "top_logprobs": np.full((3, 1), 3)}
-    out = _run(handler, inputs)
+    out = run(handler, inputs)
     assert out["token_logprobs"][1, 0] == b""
     prefix_id = int(handler.prefix[0])
     for i in (0, 2):
@@ -118,7 +118,7 @@ def test_per_token_logprobs_and_alternatives(decoder_models: dict[str, Path], mo
         assert all(len(d) <= 3 for d in body["top_logprobs"])
         assert body["text_offset"][1] == len(body["tokens"][0])
     monkeypatch.setattr(causal_lm, "LOG_SOFTMAX_CHUNK_BYTES", 1)
-    again = _run(handler, inputs)
+    again = run(handler, inputs)
     assert np.abs(again["log_likelihood"] - out["log_likelihood"]).max() <= 1e-4
     assert (
         json.loads(again["token_logprobs"][0, 0])["tokens"]

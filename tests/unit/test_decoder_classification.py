@@ -21,11 +21,18 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.handlers.sequence_classification import SequenceClassificationHandler
 from app.handlers.windows import piece_spans
+from app.models.base import Handler
 from tests.support.decoder_models import CORPUS, LABELS
 from tests.support.text_models import CLASSIFIER_TOML
 from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run, _windowed
 
 CLASSIFIERS = ("llama-classifier", "qwen2-classifier", "gpt2-classifier")
+
+
+def run(handler: Handler, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """One batch through a text handler's preprocess, predict and postprocess."""
+    with torch.inference_mode():
+        return dict(handler.postprocess(handler.predict(handler.preprocess(inputs))))
 
 
 def posts(count: int, seed: int = 0) -> list[str]:

@@ -20,8 +20,8 @@ from app.handlers.causal_rerank import CausalRerankHandler
 from app.handlers.decoder_math import RERANKER_PREFIX, RERANKER_SUFFIX
 from app.handlers.sentence_embedding import SentenceEmbeddingHandler
 from tests.support.decoder_models import EMBEDDING_QUERY_PROMPT, write_handler_model
-from tests.unit.test_decoder_classification import posts
-from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run
+from tests.unit.test_decoder_classification import posts, run
+from tests.unit.test_sequence_classification import Config, Spec, _bytes
 
 QUERIES = ["how do astronomers measure redshift", "when does the train leave", "bread"]
 
@@ -49,12 +49,12 @@ def test_embeddings_equal_the_librarys_with_and_without_the_query_prompt(
     documents = posts(8, seed=12)
     plain = embedder(folder)
     assert plain.tokenizer.pad_id is not None and plain.tokenizer.padding_side == "left"
-    got = _run(plain, {"text": _bytes(*documents)})["embedding"]
+    got = run(plain, {"text": _bytes(*documents)})["embedding"]
     want = reference.encode(documents, batch_size=8, convert_to_numpy=True)
     assert np.abs(got - want).max() <= 1e-5
     queries = embedder(folder, prompt_name="query")
     assert queries.prompts.text == EMBEDDING_QUERY_PROMPT
-    got = _run(queries, {"text": _bytes(*QUERIES)})["embedding"]
+    got = run(queries, {"text": _bytes(*QUERIES)})["embedding"]
     want = reference.encode(QUERIES, prompt_name="query", batch_size=8, convert_to_numpy=True)
     assert np.abs(got - want).max() <= 1e-5
 
@@ -65,7 +65,7 @@ def test_a_query_scores_with_its_prompt_against_documents_without(decoder_models
     reference = library(folder)
     handler = embedder(folder, query_prompt_name="query")
     documents = posts(3, seed=13)
-    out = _run(handler, {"text": _bytes(*documents), "query": _bytes(*QUERIES)})
+    out = run(handler, {"text": _bytes(*documents), "query": _bytes(*QUERIES)})
     q = reference.encode(QUERIES, prompt_name="query", convert_to_numpy=True)
     d = reference.encode(documents, convert_to_numpy=True)
     assert np.abs(out["score"][:, 0] - (q * d).sum(axis=1)).max() <= 1e-5
@@ -125,7 +125,7 @@ def test_reranker_equals_the_model_cards_computation(
     handler = reranker(folder, max_seq_length=max_length)
     documents = posts(6, seed=14)
     queries = [QUERIES[i % 3] for i in range(6)]
-    out = _run(handler, {"text": _bytes(*documents), "query": _bytes(*queries)})
+    out = run(handler, {"text": _bytes(*documents), "query": _bytes(*queries)})
     want = model_card_scores(folder, queries, documents, max_length)
     assert np.abs(out["score"][:, 0] - want).max() <= 1e-5
     assert int(out["tokens"].max()) <= max_length
