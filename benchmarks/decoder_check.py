@@ -6,16 +6,23 @@ characters on word boundaries, each piece classified, in batches of 32, bfloat16
     python -m benchmarks.decoder_check --size tiny --seconds 2          # CPU rehearsal, seconds
 
 The weights are random, made on the device (no download): the arithmetic is the real model's
-(``LlamaForSequenceClassification``, 32 layers, hidden 4096, 6.61 B parameters). The model runs
-directly through transformers, not through the server: its base model, its score head on every
-position, and the last real token pooled from the mask (:mod:`app.handlers.decoder_math`; the
-class's own pooling needs a pad token, which Llama's tokenizer lacks).
+(``LlamaForSequenceClassification``, 32 layers, hidden 4096, 6.61 B parameters). The model is
+served **through the server's handler** (``app.handlers.sequence_classification``), loaded from
+:data:`RADAR_TOML` (the RADAR-style model.toml of docs/text-models.md: ``truncation =
+"pieces"``, ``piece_chars = 300``, bfloat16) with a small model of the same vocabulary and labels
+as its folder, whose weights :meth:`SequenceClassificationHandler.use_model` then replaces with
+the 7B built on the device (saving 13.5 GB to load them again would take the run's time). So the
+figures include what a worker's inference thread does per batch: the pieces cut and tokenized
+by the handler's ``split_windows`` (as the window stage runs it, ahead of the timed loop),
+padding into pinned buffers, the cost model's length groups (measured on the 7B at its
+``use_model``), the last-token pooling and the copy back; not HTTP, not the queue, not the staged
+pipeline's overlap (a server overlaps a batch's padding and copy back with the next forward).
 
-Pieces: 1,500-word posts of the demo MiniLM's vocabulary (:func:`posts_of`), cut greedily at
-spaces to at most ``--max-chars``; tokenized by MiniLM's WordPiece tokenizer
-(installed with the demo; an English word piece is about as long as a Llama token: the mean
-tokens per piece is reported) with Llama's BOS id in front. Batches of ``--batch`` pieces in
-post order, each padded on the right to its longest piece.
+Pieces: 1,500-word posts of the demo MiniLM's vocabulary (:func:`posts_of`), cut by the handler
+(``app.handlers.windows.piece_spans``: at most 300 characters on word boundaries); tokenized by
+MiniLM's WordPiece tokenizer (installed with the demo; an English word piece is about as long as
+a Llama token: the mean tokens per piece is reported). Batches of ``--batch`` pieces in post
+order.
 
 Figures, written to ``--out`` after each phase (a run cut short keeps what it measured):
 ``plan`` (weights and activations by :mod:`app.models.memory`) against ``memory`` (torch's
@@ -76,30 +83,57 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 BOS_ID = 1
 WORDS_PER_POST = 1500
+#: The RADAR-style model.toml of docs/text-models.md: pieces of at most 300 characters, batches of
+#: 32, bfloat16 (``{dtype}``, ``{batch}``, ``{chars}``: the run's options).
+RADAR_TOML = """\
+name = "radar"
+version = "1"
+format = "handler"
+handler = "app.handlers.sequence_classification:SequenceClassificationHandler"
+max_batch_size = {batch}
+max_queue_delay_ms = 5.0
+warmup_batch_sizes = [1, {batch}]
 
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
 
-def pieces(text: str, max_chars: int) -> list[str]:
-    """``text`` cut into pieces of at most ``max_chars`` characters at spaces (a word longer
-    than that is cut inside), in order; no piece is empty."""
-    out: list[str] = []
-    current = ""
-    for word in text.split():
-        while len(word) > max_chars:
-            if current:
-                out.append(current)
-                current = ""
-            out.append(word[:max_chars])
-            word = word[max_chars:]
-        if not word:
-            continue
-        if current and len(current) + 1 + len(word) > max_chars:
-            out.append(current)
-            current = word
-        else:
-            current = f"{current} {word}" if current else word
-    if current:
-        out.append(current)
-    return out
+[[outputs]]
+name = "probabilities"
+datatype = "FP32"
+shape = [2]
+labels = ["human", "machine"]
+
+[[outputs]]
+name = "score"
+datatype = "FP32"
+shape = [1]
+
+[[outputs]]
+name = "windows"
+datatype = "INT64"
+shape = [1]
+
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+
+[[outputs]]
+name = "pieces"
+datatype = "BYTES"
+shape = [1]
+
+[parameters]
+model_dir = "hf"
+dtype = "{dtype}"
+max_seq_length = 128
+truncation = "pieces"
+piece_chars = {chars}
+max_windows = 64
+score_label = "machine"
+"""
 
 
 def posts_of(words: Sequence[str], posts: int, seed: int = 0) -> list[str]:
@@ -119,22 +153,7 @@ def posts_of(words: Sequence[str], posts: int, seed: int = 0) -> list[str]:
     return texts
 
 
-def piece_ids(repository: Path, posts: int, max_chars: int) -> list[list[int]]:
-    """Token ids of the pieces of ``posts`` posts (:func:`posts_of`), BOS first."""
-    from tokenizers import Tokenizer
-
-    from app.handlers.sentence_embedding import resolve_model_dir
-    from app.models.repository import read_config
-
-    config = read_config(repository / "all-MiniLM-L6-v2")
-    tokenizer = Tokenizer.from_file(str(resolve_model_dir(config.parameters, config.path) / "tokenizer.json"))
-    tokenizer.no_truncation()  # MiniLM's file pads and cuts every text to 128 tokens
-    tokenizer.no_padding()
-    cut = [p for text in posts_of(payloads.model_words(repository), posts) for p in pieces(text, max_chars)]
-    return [[BOS_ID, *e.ids] for e in tokenizer.encode_batch(cut, add_special_tokens=False)]
-
-
-def batches(rows: Sequence[list[int]], size: int) -> Iterator[list[list[int]]]:
+def batches(rows: Sequence[Any], size: int) -> Iterator[list[Any]]:
     """``rows`` in batches of ``size``, round and round (a timed loop takes what it needs).
     Raises ``ValueError`` for fewer rows than one batch."""
     if len(rows) < size:
@@ -160,34 +179,67 @@ def forward_flops(matmul_parameters: int, layers: int, hidden: int, lengths: Seq
 
 
 def build(size: str, device: Any, dtype: Any) -> Any:
-    """The classifier with random weights, made on ``device`` in ``dtype`` (no float32 copy of
-    the 7B weights ever exists)."""
+    """The classifier with random weights, made on ``device`` in ``dtype`` (None: float32; no
+    float32 copy of the 7B weights ever exists)."""
     import torch
     from transformers import AutoModelForSequenceClassification, LlamaConfig
 
     config = LlamaConfig(
-        **SIZES[size], vocab_size=32000, num_labels=2, bos_token_id=BOS_ID, eos_token_id=2, pad_token_id=None
+        **SIZES[size],
+        vocab_size=32000,
+        id2label={0: "human", 1: "machine"},
+        bos_token_id=BOS_ID,
+        eos_token_id=2,
+        pad_token_id=None,
     )
     with torch.device(device):
-        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype)
+        model = AutoModelForSequenceClassification.from_config(config, dtype=dtype or torch.float32)
     return model.eval()
 
 
-def classify(model: Any, rows: Sequence[list[int]], device: Any) -> Any:
-    """Pooled logits ``[len(rows), 2]``: rows padded on the right, the last real token pooled."""
-    import torch
+def radar_model(root: Path, repository: Path, args: argparse.Namespace) -> Path:
+    """The model folder the handler loads: :data:`RADAR_TOML` and, as its ``hf`` folder, a tiny
+    ``LlamaForSequenceClassification`` of Llama's vocabulary and RADAR's labels with the demo
+    MiniLM's tokenizer files (:meth:`SequenceClassificationHandler.use_model` replaces its
+    weights)."""
+    import shutil
 
-    from app.handlers.decoder_math import last_token_pool
+    from app.handlers.text_config import resolve_model_dir
+    from app.models.repository import read_config
 
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.int64)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.tensor(row)
-        mask[i, : len(row)] = 1
-    ids, mask = ids.to(device, non_blocking=True), mask.to(device, non_blocking=True)
-    hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    return last_token_pool(model.score(hidden), mask)
+    folder = root / "radar"
+    (folder / "hf").mkdir(parents=True, exist_ok=True)
+    build("tiny", "cpu", None).save_pretrained(folder / "hf")
+    minilm = read_config(repository / "all-MiniLM-L6-v2")
+    source = resolve_model_dir(minilm.parameters, minilm.path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
+        if (source / name).is_file():
+            shutil.copy(source / name, folder / "hf" / name)
+    (folder / "model.toml").write_text(
+        RADAR_TOML.format(dtype=args.dtype, batch=args.batch, chars=args.max_chars)
+    )
+    return folder
+
+
+def serving_handler(folder: Path, device: Any) -> tuple[Any, Any]:
+    """The RADAR-style model's handler, loaded on ``device`` as a worker loads it, and its config."""
+    from app.handlers.sequence_classification import SequenceClassificationHandler
+    from app.models.repository import read_config
+
+    config = read_config(folder)
+    handler = SequenceClassificationHandler()
+    handler.load(device, config)
+    return handler, config
+
+
+def piece_items(handler: Any, repository: Path, posts: int) -> tuple[list[Any], list[bytes]]:
+    """The pieces of ``posts`` posts (:func:`posts_of`) as the window stage makes them
+    (``split_windows``): each piece's preparation (its token ids and span) and its text."""
+    texts = posts_of(payloads.model_words(repository), posts)
+    split = handler.split_windows(texts, None)
+    parts = [span.prepared for spans in split for span in spans]
+    pieces = [texts[i][s.start : s.stop].encode() for i, spans in enumerate(split) for s in spans]
+    return parts, pieces
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -240,6 +292,8 @@ def measure_memory(torch: Any, device: Any, free_before: int | None) -> dict[str
 
 
 def main(argv: list[str] | None = None) -> int:
+    import tempfile
+
     import torch
 
     from app.models.memory import Architecture, activation_bytes, estimate_parameters, largest_batch
@@ -249,21 +303,30 @@ def main(argv: list[str] | None = None) -> int:
     size = args.size or ("7b" if device.type == "cuda" else "tiny")
     dtype = getattr(torch, args.dtype)
     free_before = nvml_free(device)
-    rows = piece_ids(args.repository, args.posts, args.max_chars)
-    lengths = [len(r) for r in rows]
+    with tempfile.TemporaryDirectory() as root:
+        handler, config = serving_handler(radar_model(Path(root), args.repository, args), device)
+    started = time.perf_counter()
+    parts, pieces = piece_items(handler, args.repository, args.posts)
+    lengths = [len(p[0]) for p in parts]
     result: dict[str, Any] = report.record(
         device=str(device), size=size, dtype=args.dtype, batch=args.batch, max_chars=args.max_chars,
-        pieces=len(rows), mean_tokens_per_piece=sum(lengths) / len(rows), max_tokens_per_piece=max(lengths),
+        pieces=len(parts), split_ms_per_post=1000 * (time.perf_counter() - started) / args.posts,
+        mean_tokens_per_piece=sum(lengths) / len(parts), max_tokens_per_piece=max(lengths),
     )  # fmt: skip
     report.write_json(args.out, result)
     started = time.perf_counter()
     model = build(size, device, dtype)
-    config = model.config.to_dict() | {"architectures": ["LlamaForSequenceClassification"]}
-    arch = Architecture.from_config(config)
-    parameters = estimate_parameters(arch, config)
+    hf_config = model.config.to_dict() | {"architectures": ["LlamaForSequenceClassification"]}
+    arch = Architecture.from_config(hf_config)
+    parameters = estimate_parameters(arch, hf_config)
     assert parameters == sum(p.numel() for p in model.parameters()), "the plan's formula disagrees"
+    handler.use_model(model, config.parameters)
     rows_planned, seq_planned = largest_batch(args.batch, None, max(lengths))
     result["build_s"] = time.perf_counter() - started
+    result["cost_model"] = {
+        "call_overhead_tokens": handler.cost.overhead,
+        "attention_knee_tokens": handler.cost.knee,
+    }
     result["plan"] = {
         "parameters": parameters,
         "weight_bytes": parameters * dtype.itemsize,
@@ -273,7 +336,9 @@ def main(argv: list[str] | None = None) -> int:
     result["memory_after_load"] = measure_memory(torch, device, free_before)
     print(f"built {size} in {result['build_s']:.1f} s: {result['plan']}", flush=True)
     report.write_json(args.out, result)
-    result.update(timed(torch, model, rows, args, device, arch, parameters))
+    result.update(
+        timed(torch, handler, list(zip(parts, pieces, strict=True)), args, device, arch, parameters)
+    )
     result["memory"] = measure_memory(torch, device, free_before)
     if result["memory"]:  # the plan's two terms against what torch allocated
         loaded = result["memory_after_load"]["allocated_bytes"]
@@ -284,10 +349,25 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run_batch(handler: Any, batch: Sequence[tuple[Any, bytes]]) -> dict[str, Any]:
+    """One batch of pieces through the handler as a worker's inference thread runs it:
+    ``preprocess`` of their preparations, ``predict``, ``postprocess`` (the copy back)."""
+    import numpy as np
+
+    from app.handlers.tokenizing import prepared_array
+    from app.models.base import PREPARED
+
+    texts = np.empty((len(batch), 1), dtype=object)
+    texts[:, 0] = [piece for _, piece in batch]
+    inputs = {"text": texts, PREPARED: prepared_array([parts for parts, _ in batch])}
+    out: dict[str, Any] = handler.postprocess(handler.predict(handler.preprocess(inputs)))
+    return out
+
+
 def timed(
     torch: Any,
-    model: Any,
-    rows: Sequence[list[int]],
+    handler: Any,
+    items: Sequence[tuple[Any, bytes]],
     args: argparse.Namespace,
     device: Any,
     arch: Any,
@@ -295,10 +375,10 @@ def timed(
 ) -> dict[str, Any]:
     """Warm-up, then batches for ``args.seconds``: throughput, MFU and the seed's ratio."""
     matmul_parameters = parameters - arch.vocab * arch.hidden  # the embedding is a lookup
-    source = batches(rows, args.batch)
+    source = batches(items, args.batch)
     with torch.inference_mode():
         for _ in range(3):
-            classify(model, next(source), device)
+            run_batch(handler, next(source))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -307,18 +387,16 @@ def timed(
         start = time.perf_counter()
         while time.perf_counter() - start < args.seconds:
             batch = next(source)
-            logits = classify(model, batch, device)
-            lengths = [len(r) for r in batch]
+            run_batch(handler, batch)  # its postprocess copies the results back: waits for the device
+            lengths = [len(parts[0]) for parts, _ in batch]
+            groups = [[lengths[i] for i in g] for g in handler.cost.groups(lengths)]
             done += len(batch)
             real += sum(lengths)
-            padded += len(batch) * max(lengths)
+            padded += sum(max(g) * len(g) for g in groups)
             flops += forward_flops(matmul_parameters, arch.layers, arch.hidden, lengths)
-            padded_flops += forward_flops(
-                matmul_parameters, arch.layers, arch.hidden, [max(lengths)] * len(batch)
+            padded_flops += sum(
+                forward_flops(matmul_parameters, arch.layers, arch.hidden, [max(g)] * len(g)) for g in groups
             )
-            if device.type == "cuda" and done % (8 * args.batch) == 0:
-                torch.cuda.synchronize(device)  # bound the queue of launched work
-        logits.float().cpu()
         elapsed = time.perf_counter() - start
     peak = peak_tflops(
         torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", args.peak_tflops

@@ -83,7 +83,7 @@ def measure(items: int, rounds: int, repeats: int) -> dict[str, float]:
         outputs = handler.predict(handler.preprocess(batch))
     strings = [t.decode() for t in requests[0]["text"].reshape(-1)] + [QUERY]
     tokenizer = getattr(handler, "tokenizer", None)
-    encode = tokenizer.encode if tokenizer is not None else handler.model.tokenizer  # type: ignore[attr-defined]
+    encode = tokenizer.encode if tokenizer is not None else handler.model.tokenizer
     figures = {
         "tokenizer": cpu_us(lambda: encode(strings), rounds, repeats),
         "item_costs": cpu_us(lambda: handler.item_costs(next_request()), rounds, repeats),

@@ -31,7 +31,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-__all__ = ["EmbeddingPipeline", "FolderPlan", "load_pipeline", "pool", "read_folder"]
+__all__ = [
+    "PROMPT_PARAMETERS",
+    "EmbeddingPipeline",
+    "FolderPlan",
+    "Prompts",
+    "load_pipeline",
+    "pool",
+    "read_folder",
+    "read_prompts",
+]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +81,8 @@ class FolderPlan:
         pooling: the pooling mode, one of :data:`POOLING_MODES`.
         normalize: whether a Normalize module ends the pipeline.
         fallback: why the library itself must load the folder (None: we run it).
+        include_prompt: whether a prompt's tokens are pooled with the text's (the pooling
+            config's ``include_prompt``).
     """
 
     max_seq_length: int | None = None
@@ -79,6 +90,7 @@ class FolderPlan:
     pooling: str = "mean"
     normalize: bool = False
     fallback: str | None = None
+    include_prompt: bool = True
 
 
 def _json(path: Path) -> Any:
@@ -130,9 +142,11 @@ def read_folder(folder: Path) -> FolderPlan:
     )
     if extra:
         return FolderPlan(fallback=f"sentence_bert_config.json keys {extra}")
-    mode, why = _pooling_mode(_json(folder / paths[1] / "config.json"))
+    pooling = _json(folder / paths[1] / "config.json")
+    mode, why = _pooling_mode(pooling)
     length = settings.get("max_seq_length")
     return FolderPlan(
+        include_prompt=bool(pooling.get("include_prompt", True)),
         max_seq_length=int(length) if isinstance(length, int) else None,
         lowercase=bool(settings.get("do_lower_case", False)),
         pooling=mode or "mean",
@@ -191,6 +205,11 @@ class EmbeddingPipeline:
         self.lowercase = plan.lowercase
         self._plan = plan
         self._modules = list(library)[1:] if library is not None else []
+
+    @property
+    def include_prompt(self) -> bool:
+        """Whether a prompt's tokens are pooled with the text's (sentence-transformers' Pooling)."""
+        return self._plan.include_prompt
 
     @property
     def hidden_size(self) -> int:
@@ -286,3 +305,66 @@ def load_pipeline(folder: Path, device: torch.device, model_kwargs: Mapping[str,
         lowercase=bool(getattr(first, "do_lower_case", False)),
     )
     return EmbeddingPipeline(first.model if hasattr(first, "model") else first, library_plan, library)
+
+
+#: ``[parameters]`` that name the instruction prefixes of texts and queries (:func:`read_prompts`).
+PROMPT_PARAMETERS = ("prompt_name", "prompt", "query_prompt_name", "query_prompt")
+
+
+@dataclass(frozen=True)
+class Prompts:
+    """The instruction prefixes put before each ``text`` and each ``query`` before tokenizing
+    (sentence-transformers' prompts: ``encode(..., prompt_name=...)`` prepends the string)."""
+
+    text: str = ""
+    query: str = ""
+
+
+def read_prompts(folder: Path, parameters: Mapping[str, Any], include_prompt: bool, cuts: bool) -> Prompts:
+    """The prompts ``model.toml`` asks for: ``prompt_name`` / ``query_prompt_name``, a name among
+    the folder's ``config_sentence_transformers.json`` ``prompts`` (Qwen3-Embedding's ``query``
+    is its ``"Instruct: ...\nQuery:"``), or ``prompt`` / ``query_prompt``, the string itself;
+    none by default (a folder's ``default_prompt_name`` is logged, not applied: the server's
+    embeddings do not change under a model.toml that names none).
+
+    Raises:
+        ValueError: a name the folder does not have (the message lists them), a name and a
+            string both given, a value that is not a string, or a prompt for a pooling that
+            leaves prompts out (``include_prompt = false``: not run here), or a text prompt where
+            texts may be cut or split (``cuts``: windows, pieces, ``truncate_prompt_tokens``
+            would cut the prompt or leave it in one window alone).
+    """
+    known = _json(folder / "config_sentence_transformers.json")
+    prompts = known.get("prompts") or {}
+    found = {}
+    for kind, name_key, text_key in (
+        ("text", "prompt_name", "prompt"),
+        ("query", "query_prompt_name", "query_prompt"),
+    ):
+        name, given = parameters.get(name_key), parameters.get(text_key)
+        if name is not None and given is not None:
+            raise ValueError(f"parameters.{name_key} and parameters.{text_key}: give one")
+        if given is not None and not isinstance(given, str):
+            raise ValueError(f"parameters.{text_key} must be a string, got {given!r}")
+        if name is not None and name not in prompts:
+            raise ValueError(
+                f"parameters.{name_key} {name!r} is not one of the folder's prompts {sorted(prompts)}"
+            )
+        found[kind] = prompts[name] if name is not None else (given or "")
+    if any(found.values()) and not include_prompt:
+        raise ValueError(
+            "the folder's pooling leaves prompt tokens out (include_prompt = false): not served with prompts"
+        )
+    if found["text"] and cuts:
+        raise ValueError(
+            'a text prompt (prompt_name, prompt) needs truncation = "truncate" and no truncate_prompt_tokens '
+            "input: a cut or a split would separate it from the text"
+        )
+    default = known.get("default_prompt_name")
+    if default and not found["text"]:
+        log.info(
+            "%s: the folder's default prompt %r is not applied (prompt_name in model.toml applies it)",
+            folder,
+            default,
+        )
+    return Prompts(found["text"], found["query"])

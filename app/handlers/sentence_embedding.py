@@ -41,6 +41,8 @@ defaults to the folder's ``sentence_bert_config.json``), the window parameters o
     pair, and a batch runs padded to the smallest that holds it (:mod:`app.handlers.text_graphs`):
     these are the token buckets, ascending, each <= ``max_seq_length``; default 16, 32, 64, ...
     up to ``max_seq_length``. Ignored on the CPU; not with ``backend = "onnx"``.
+``prompt_name``, ``query_prompt_name`` (str; or ``prompt``, ``query_prompt``, the strings)
+    Instruction prefixes of texts and of queries (:func:`app.handlers.embedding_pipeline.read_prompts`).
 ``backend`` (str)
     ``"torch"`` (default) or ``"onnx"``: the transformer runs as an ONNX graph in ONNX Runtime
     (:mod:`app.handlers.onnx_encoder`: ``onnx_file``, ``min_cosine``, ``tensorrt``).
@@ -68,7 +70,15 @@ import torch.nn.functional as F
 
 from app.handlers import onnx_encoder
 from app.handlers import windows as windowing
-from app.handlers.embedding_pipeline import EmbeddingPipeline, load_pipeline
+from app.handlers.decoders import DTYPES, is_decoder, pad_decoder
+from app.handlers.embedding_pipeline import (
+    PROMPT_PARAMETERS,
+    EmbeddingPipeline,
+    Prompts,
+    load_pipeline,
+    read_prompts,
+)
+from app.handlers.padding import pad
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -80,7 +90,7 @@ from app.handlers.text_config import (
 )
 from app.handlers.text_cost import length_groups, padded_tokens
 from app.handlers.text_graphs import TextGraphs, capture_for
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import Priced
 from app.models.torch_formats import settle_graphs
 
@@ -94,9 +104,9 @@ __all__ = [
     "resolve_model_dir",
 ]
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PARAMETERS = (
     *SHARED_PARAMETERS,
+    *PROMPT_PARAMETERS,
     "cuda_graph_sequence_lengths",
     *onnx_encoder.PARAMETERS,
     *windowing.PARAMETERS,
@@ -185,6 +195,8 @@ class SentenceEmbeddingHandler(TextHandler):
         self.onnx: onnx_encoder.OnnxTextEncoder | None = None
         #: The torch pipeline's CUDA graphs (None: eager).
         self.graphs: TextGraphs | None = None
+        #: The instruction prefixes of texts and queries (``prompt_name``, ``query_prompt_name``).
+        self.prompts = Prompts()
 
     @property
     def pipeline(self) -> EmbeddingPipeline:
@@ -229,7 +241,7 @@ class SentenceEmbeddingHandler(TextHandler):
         _check_parameters(config.name, parameters)
         path = resolve_model_dir(parameters, config.path)
         onnx = parameters.get("backend", "torch") == "onnx"
-        kwargs: dict[str, Any] = {"dtype": _DTYPES[parameters.get("dtype", "float32")]}
+        kwargs: dict[str, Any] = {"dtype": DTYPES[parameters.get("dtype", "float32")]}
         if "attn_implementation" in parameters:
             kwargs["attn_implementation"] = parameters["attn_implementation"]
         pipeline = load_pipeline(path, torch.device("cpu") if onnx else device, kwargs)
@@ -237,11 +249,15 @@ class SentenceEmbeddingHandler(TextHandler):
         folder_default = pipeline.max_seq_length or TextTokenizer.model_max_length(path)
         length = max_length(parameters, folder_default, limit)
         policy = windowing.WindowPolicy.from_parameters(parameters, length, default_truncation="truncate")
-        stride = None if policy.truncation == "truncate" else policy.stride
+        stride = policy.overflow_stride
         self.truncates = declares_truncation(config)
         self._tokenizer = TextTokenizer.from_folder(
             path, length, stride=stride, lowercase=pipeline.lowercase, pairs=False, keeps_last=self.truncates
         )
+        if is_decoder(pipeline.transformer.config):  # last-token pooling reads the mask: any pad id
+            pad_decoder(self._tokenizer, path, pipeline.transformer.config, config.name)
+        cuts = policy.truncation != "truncate" or self.truncates
+        self.prompts = read_prompts(path, parameters, pipeline.include_prompt, cuts)
         self.policy, self.type_ids = policy, pipeline.takes_type_ids
         self.merge_rules = windowing.merges(
             _OUTPUTS, policy, {"embedding": "weighted_mean", "tokens": "sum", "windows": "sum"}
@@ -286,11 +302,13 @@ class SentenceEmbeddingHandler(TextHandler):
 
     def close(self) -> None:
         """Drop the CUDA graphs once the device has run what they launched (as
-        ``app.models.torch_formats``' handlers do: never during another model's capture)."""
+        ``app.models.torch_formats``' handlers do: never during another model's capture), the
+        pipeline and the ONNX encoder, then :meth:`TextHandler.close`."""
         if self.graphs is not None:
             settle_graphs(self._device)
-            self.graphs = None
-            self._encode = self._encode_torch
+        self.graphs = self.onnx = self._pipeline = None
+        self._encode = self._encode_torch
+        super().close()
 
     def _load_onnx(self, device: torch.device, config: ModelConfigLike) -> None:
         """Encode with the ONNX graph (:func:`app.handlers.onnx_encoder.open_encoder`: checked
@@ -318,6 +336,8 @@ class SentenceEmbeddingHandler(TextHandler):
         """Each item's ``(text ids, query ids)``, each distinct string tokenized once; a text cut
         to its last ``keep`` tokens where asked (:meth:`TextHandler.kept_windows`)."""
         cut = self.kept_windows(texts, None, keep)
+        texts = [self.prompts.text + t for t in texts]
+        queries = [self.prompts.query + q if q else q for q in queries]
         rows: dict[str, int] = {}
         for string in (*(t for i, t in enumerate(texts) if i not in cut), *(q for q in queries if q)):
             rows.setdefault(string, len(rows))
@@ -353,6 +373,7 @@ class SentenceEmbeddingHandler(TextHandler):
         """Each text's query ids, each distinct query tokenized once (empty: none)."""
         if queries is None:
             return [_NO_QUERY] * count
+        queries = [self.prompts.query + q if q else q for q in queries]
         distinct = sorted({q for q in queries if q})
         ids = dict(zip(distinct, self.tokenizer.encode(distinct), strict=True)) if distinct else {}
         return [ids[q] if q else _NO_QUERY for q in queries]

@@ -59,6 +59,8 @@ import numpy.typing as npt
 import torch
 
 from app.handlers import windows as windowing
+from app.handlers.decoder_math import last_token_pool
+from app.handlers.decoders import decoder_features, is_decoder, pad_decoder
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -70,13 +72,15 @@ from app.handlers.text_config import (
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import Priced
 
-__all__ = ["ClassifiedBatch", "SequenceClassificationHandler", "labels_of"]
+__all__ = ["PIECES", "ClassifiedBatch", "SequenceClassificationHandler", "labels_of", "piece_rows"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 _PARAMETERS = (*SHARED_PARAMETERS, "score_label", "backend", "onnx_file", "tensorrt", *windowing.PARAMETERS)
 _SINGLE: Ids = np.zeros(0, dtype=np.int32)
+#: The output of per-piece (per-window) results.
+PIECES = "pieces"
 #: What ``postprocess`` returns.
-_OUTPUTS = ("probabilities", "score", "windows", "tokens")
+_OUTPUTS = ("probabilities", "score", "windows", "tokens", PIECES)
 
 
 def labels_of(hf_config: Any) -> list[str]:
@@ -94,11 +98,14 @@ class ClassifiedBatch:
             ``[B_g, T_g]``; the groups' items in ascending length.
         position: int64 ``[B]`` on the device: item b's row in the groups' rows, concatenated.
         tokens: int64 ``[B]`` on the host: tokens per item.
+        spans: int32 ``[B, 2]`` on the host, each item's ``[start, stop)`` in its text (None:
+            the model returns no ``pieces``).
     """
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
     tokens: npt.NDArray[np.int64]
+    spans: npt.NDArray[np.int32] | None = None
 
 
 class SequenceClassificationHandler(TextHandler):
@@ -108,7 +115,6 @@ class SequenceClassificationHandler(TextHandler):
 
     def __init__(self) -> None:
         super().__init__()
-        self._model: Any = None
         self.labels: list[str] = []
         self.policy = windowing.WindowPolicy("window", 512, 64)
         self.score_index = 0
@@ -116,13 +122,10 @@ class SequenceClassificationHandler(TextHandler):
         #: The ONNX Runtime session (``backend = "onnx"``); None: the torch model runs.
         self.session: Any = None
         self._onnx_inputs: list[str] = []
-
-    @property
-    def model(self) -> Any:
-        """The loaded transformers model."""
-        if self._model is None:
-            raise RuntimeError("SequenceClassificationHandler.load() has not been called")
-        return self._model
+        #: Whether the model is a decoder (:func:`app.handlers.decoders.is_decoder`), and its
+        #: score head (a linear layer on the last hidden state; None: the class has none).
+        self.decoder = False
+        self.head: Any = None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only,
@@ -155,15 +158,26 @@ class SequenceClassificationHandler(TextHandler):
         default = min(TextTokenizer.model_max_length(path) or 512, limit or 512, 8192)
         length = max_length(parameters, default, limit, minimum=8)
         self.policy = windowing.WindowPolicy.from_parameters(parameters, length)
-        stride = None if self.policy.truncation == "truncate" else self.policy.stride
         self.truncates = declares_truncation(config)
+        self.spans = any(spec.name == PIECES for spec in config.outputs)
+        stride = self.policy.overflow_stride
+        self.decoder = is_decoder(model.config)
         self._tokenizer = TextTokenizer.from_folder(path, length, stride=stride, keeps_last=self.truncates)
+        if self.decoder:
+            pad_decoder(self.tokenizer, path, model.config, config.name)
+            self.head = _score_head(model)
+            if backend != "torch":
+                raise ValueError(
+                    f'model {config.name!r}: backend = "{backend}" serves encoders; a decoder runs in torch'
+                )
         self.labels = labels_of(model.config)
         self._check_outputs(config)
         self.score_index = self._score_index(parameters.get("score_label"))
         self.sigmoid = len(self.labels) == 1 or model.config.problem_type == "multi_label_classification"
-        self.merge_rules = windowing.merges(_OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum"})
-        self.type_ids = "token_type_ids" in inspect.signature(model.forward).parameters
+        self.merge_rules = windowing.merges(
+            _OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum", PIECES: "concat"}
+        )
+        self.type_ids = not self.decoder and "token_type_ids" in inspect.signature(model.forward).parameters
         self.set_device(device)
         self._model = model
         if backend == "onnx":
@@ -191,8 +205,36 @@ class SequenceClassificationHandler(TextHandler):
         self.session, self._onnx_inputs = session, names
         self.model.to("meta")
 
+    def use_model(self, model: Any, parameters: Mapping[str, Any]) -> None:
+        """Serve ``model`` instead of the folder's weights: a transformers
+        ``*ForSequenceClassification`` of the loaded folder's vocabulary and labels, already on the
+        device (``benchmarks.decoder_check``: a 7B classifier with random weights made on the GPU,
+        no download, no float32 copy), then measure the cost model on it unless ``parameters``
+        fix it (:meth:`TextHandler.calibrate`)."""
+        self._model, self.decoder = model.eval(), is_decoder(model.config)
+        self.head = _score_head(model) if self.decoder else None
+        if self.decoder and model.config.pad_token_id is None:
+            model.config.pad_token_id = self.tokenizer.pad_id
+        self.calibrate(parameters, self._logits)
+
+    def close(self) -> None:
+        """Drop the ONNX session too, then :meth:`TextHandler.close`."""
+        self.session = self.head = None
+        super().close()
+
     def _logits(self, group: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The logits ``[U_g, labels]`` of one padded group, by the torch model or the graph."""
+        """The logits ``[U_g, labels]`` of one padded group, by the torch model or the graph; a
+        decoder's at each row's last real token (:mod:`app.handlers.decoders`): its base model's
+        hidden state there through the score head (the head on ``U_g`` rows, not ``U_g x T_g``),
+        or, for a class without a ``score`` head, transformers' own pooling by the pad id."""
+        if self.decoder:
+            features = decoder_features(group)
+            if self.head is None:
+                pooled: torch.Tensor = self.model(**features).logits
+                return pooled.float()
+            hidden = self.model.base_model(**features).last_hidden_state
+            head: torch.Tensor = self.head(last_token_pool(hidden, group["attention_mask"]))
+            return head.float()
         if self.session is None:
             logits: torch.Tensor = self.model(**group).logits
             return logits.float()
@@ -272,17 +314,10 @@ class SequenceClassificationHandler(TextHandler):
         """
         parts = self.item_parts(inputs)
         lengths = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
-        groups = self.cost.groups(lengths)
-        position = np.empty(len(lengths), dtype=np.int64)
-        position[np.concatenate(groups)] = np.arange(len(lengths))
-        rows = [[parts[i][0] for i in g] for g in groups]
-        types = (
-            [[_types(parts[i], self.tokenizer.single_type_id) for i in g] for g in groups]
-            if self.type_ids
-            else None
-        )
-        *encoded, index = self.features(rows, types, indices={"position": position})
-        return ClassifiedBatch(groups=encoded, position=index["position"], tokens=lengths)
+        types = [_types(p, self.tokenizer.single_type_id) for p in parts] if self.type_ids else None
+        encoded, position = self.length_grouped([p[0] for p in parts], types)
+        spans = np.stack([p[-1] for p in parts]) if self.spans else None
+        return ClassifiedBatch(groups=encoded, position=position, tokens=lengths, spans=spans)
 
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
         """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),
@@ -295,17 +330,45 @@ class SequenceClassificationHandler(TextHandler):
             "score": probabilities[:, self.score_index : self.score_index + 1],
             "windows": np.ones((len(batch.tokens), 1), dtype=np.int64),
             "tokens": batch.tokens.reshape(-1, 1),
+            "spans": batch.spans,
         }
 
     def postprocess(self, outputs: dict[str, Any]) -> dict[str, npt.NDArray[Any]]:
         """Host numpy arrays: FP32 ``probabilities`` ``[B, L]`` and ``score`` ``[B, 1]``, INT64
-        ``windows`` and ``tokens`` ``[B, 1]``."""
-        return {
+        ``windows`` and ``tokens`` ``[B, 1]``, and where the model returns them BYTES ``pieces``
+        ``[B, 1]`` (:func:`piece_rows`)."""
+        out = {
             "probabilities": outputs["probabilities"].to("cpu", torch.float32).numpy(),
             "score": outputs["score"].to("cpu", torch.float32).numpy(),
             "windows": np.asarray(outputs["windows"], dtype=np.int64),
             "tokens": np.asarray(outputs["tokens"], dtype=np.int64),
         }
+        if outputs.get("spans") is not None:
+            out[PIECES] = piece_rows(outputs["spans"], out["probabilities"])
+        return out
+
+
+def piece_rows(spans: npt.NDArray[np.int32], probabilities: npt.NDArray[np.float32]) -> npt.NDArray[Any]:
+    """Each item's ``pieces`` output, BYTES ``[B, 1]``: a JSON array of one object
+    ``{"start", "stop", "probabilities"}`` (the item's characters ``[start, stop)`` of its text,
+    its probabilities in label order, float32 in their shortest form), which the window stage
+    joins per text in piece order (the ``"concat"`` merge)."""
+    import orjson
+
+    out = np.empty((len(spans), 1), dtype=object)
+    for i, ((start, stop), row) in enumerate(zip(spans.tolist(), probabilities, strict=True)):
+        out[i, 0] = orjson.dumps(
+            [{"start": start, "stop": stop, "probabilities": row}], option=orjson.OPT_SERIALIZE_NUMPY
+        )
+    return out
+
+
+def _score_head(model: Any) -> Any:
+    """A decoder classifier's score head: its ``score`` linear layer (Llama, Mistral, Qwen,
+    GPT-2 and the other ``*ForSequenceClassification`` classes of transformers'
+    ``GenericForSequenceClassification``), None where the class has another."""
+    head = getattr(model, "score", None)
+    return head if isinstance(head, torch.nn.Linear) else None
 
 
 def _types(parts: Parts, single: int) -> Ids:

@@ -28,6 +28,7 @@ The contract a text handler keeps (``app.models.base`` has the server's side):
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -37,11 +38,12 @@ import numpy.typing as npt
 import torch
 
 from app.handlers import windows as windowing
-from app.handlers.host_staging import HostStaging
+from app.handlers.host_staging import HostStaging, trim_heap
+from app.handlers.padding import pad
 from app.handlers.text_config import TRUNCATE, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad
-from app.models.base import PREPARED
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
+from app.models.base import PREPARED, Priced
 
 __all__ = ["TextHandler", "max_length", "prepared_parts"]
 
@@ -66,6 +68,8 @@ class TextHandler(windowing.Windowed):
     def __init__(self) -> None:
         self._device = torch.device("cpu")
         self._tokenizer: TextTokenizer | None = None
+        #: The transformers model (a subclass's ``load`` sets it).
+        self._model: Any = None
         #: What a forward call costs (``batch_cost``, length groups); measured at load.
         self.cost = CostModel()
         #: What the model does with long texts.
@@ -76,6 +80,9 @@ class TextHandler(windowing.Windowed):
         self.type_ids = False
         #: Whether ``model.toml`` declares ``truncate_prompt_tokens`` (the tokenizer then cuts).
         self.truncates = False
+        #: Whether each preparation ends with the item's span in its text (int32 ``[start,
+        #: stop)``, characters): for a handler that returns per-window results (``pieces``).
+        self.spans = False
         self.staging = HostStaging(self._device)
 
     # --- the Windowed interface ---------------------------------------------------------------
@@ -118,9 +125,14 @@ class TextHandler(windowing.Windowed):
         windows = dict(zip(rest, split, strict=True)) | {i: [w] for i, w in cut.items()}
         extra = self.query_parts(queries, len(texts))
         return [
-            [windowing.Span(w.start, w.stop, w.tokens, self.window_parts(w, extra[i])) for w in windows[i]]
+            [windowing.Span(w.start, w.stop, w.tokens, self._spanned(self.window_parts(w, extra[i]), w))
+             for w in windows[i]]
             for i in range(len(texts))
-        ]
+        ]  # fmt: skip
+
+    def _spanned(self, parts: Parts, window: Window) -> Parts:
+        """``parts`` with the window's span as their last row, where :attr:`spans` asks."""
+        return (*parts, np.array([window.start, window.stop], dtype=np.int32)) if self.spans else parts
 
     # --- truncate_prompt_tokens ---------------------------------------------------------------
 
@@ -183,16 +195,32 @@ class TextHandler(windowing.Windowed):
             return given  # type: ignore[return-value]
         texts, queries = text_inputs(inputs)
         keep = self.keep(inputs, len(texts))
-        if given is None:
-            return self.prepare_texts(texts, queries, keep)
-        missing = [i for i, p in enumerate(given) if p is None]
-        made = iter(
-            self.prepare_texts(
-                [texts[i] for i in missing], [queries[i] for i in missing],
-                [keep[i] for i in missing] if keep is not None else None,
-            )
+        missing = list(range(len(texts))) if given is None else [i for i, p in enumerate(given) if p is None]
+        made = self.prepare_texts(
+            [texts[i] for i in missing], [queries[i] for i in missing],
+            [keep[i] for i in missing] if keep is not None else None,
         )  # fmt: skip
-        return [p if p is not None else next(made) for p in given]
+        if self.spans:  # a whole item: its span is its text
+            made = [
+                self._spanned(p, Window(0, len(texts[i]), 0, p[0]))
+                for i, p in zip(missing, made, strict=True)
+            ]
+        if given is None:
+            return made
+        found = iter(made)
+        return [p if p is not None else next(found) for p in given]
+
+    def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
+        """Tokens each item makes the model run, int64 ``[B]`` (its first token row: special
+        tokens, a pair's query, a prompt included), with each item's preparation (from
+        ``inputs[PREPARED]`` where the window stage made it; else tokenized here).
+
+        Raises:
+            ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
+        """
+        parts = self.item_parts(inputs)
+        costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
+        return Priced(costs, prepared_array(parts))
 
     # --- cost ---------------------------------------------------------------------------------
 
@@ -251,11 +279,28 @@ class TextHandler(windowing.Windowed):
     # --- to the device ------------------------------------------------------------------------
 
     @property
+    def model(self) -> Any:
+        """The loaded transformers model."""
+        if self._model is None:
+            raise RuntimeError(f"{self.kind}.load() has not been called")
+        return self._model
+
+    @property
     def tokenizer(self) -> TextTokenizer:
         """The folder's tokenizer."""
         if self._tokenizer is None:
             raise RuntimeError(f"{self.kind}.load() has not been called")
         return self._tokenizer
+
+    def close(self) -> None:
+        """Free what the model holds, once its last batch has run (``app.models.base``): drop
+        the model, the tokenizer and the pinned host buffers, collect, and give the freed C heap
+        back to the system (:func:`app.handlers.host_staging.trim_heap`: without it each reload
+        of a text model left megabytes in the malloc arena of the thread that loaded it)."""
+        self._model = self._tokenizer = None
+        self.staging = HostStaging(torch.device("cpu"))
+        gc.collect()
+        trim_heap()
 
     def set_device(self, device: torch.device) -> None:
         """Where the model runs (and its host staging)."""
@@ -275,7 +320,7 @@ class TextHandler(windowing.Windowed):
         ``indices`` (int64 ``[B]`` each) as one more part.
 
         Raises:
-            ValueError: rows of different lengths and no pad token (:func:`pad`).
+            ValueError: rows of different lengths and no pad token (:func:`app.handlers.padding.pad`).
         """
         tokenizer = self.tokenizer
         types = type_groups if type_groups is not None else [None] * len(groups)
@@ -298,6 +343,28 @@ class TextHandler(windowing.Windowed):
             return parts
 
         return self.staging.to_device(build, elements)
+
+    def length_grouped(
+        self, rows: Sequence[Ids], type_rows: Sequence[Ids] | None = None
+    ) -> tuple[list[dict[str, torch.Tensor]], torch.Tensor]:
+        """Rows of token ids (int32 ``[n]`` each, B of them; ``type_rows``: their token type ids)
+        padded in the cost model's length groups (:meth:`app.handlers.text_cost.CostModel.groups`,
+        one forward call each, its rows in ascending length), on the device, and ``position``,
+        int64 ``[B]`` on the device: row b's place in the groups' rows, concatenated (so
+        ``torch.cat(per_group)[position]`` is in row order).
+
+        Raises:
+            ValueError: as :meth:`features`.
+        """
+        lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+        groups = self.cost.groups(lengths)
+        position = np.empty(len(lengths), dtype=np.int64)
+        position[np.concatenate(groups)] = np.arange(len(lengths))
+        grouped_types = [[type_rows[i] for i in g] for g in groups] if type_rows is not None else None
+        *encoded, index = self.features(
+            [[rows[i] for i in g] for g in groups], grouped_types, indices={"position": position}
+        )
+        return encoded, index["position"]
 
 
 def max_length(

@@ -44,6 +44,7 @@ __all__ = [
     "check_shared_parameters",
     "declares_truncation",
     "decode_texts",
+    "item_integers",
     "resolve_model_dir",
     "truncation",
 ]
@@ -102,6 +103,24 @@ def declares_truncation(config: ModelConfigLike) -> bool:
     return any(spec.name == TRUNCATE and spec.datatype == "INT64" for spec in config.inputs)
 
 
+def item_integers(
+    inputs: Mapping[str, npt.NDArray[Any]], name: str, count: int
+) -> npt.NDArray[np.int64] | None:
+    """The integer input ``name``, one value per item (int64 ``[B]`` from ``[B]`` or ``[B, 1]``);
+    None where absent.
+
+    Raises:
+        ValueError: not one integer per item of the ``count``.
+    """
+    array = inputs.get(name)
+    if array is None:
+        return None
+    values = np.asarray(array).reshape(-1)
+    if len(values) != count or values.dtype.kind not in "iu":
+        raise ValueError(f"input {name!r} must hold one integer per item ({count})")
+    return values.astype(np.int64)
+
+
 def truncation(inputs: Mapping[str, npt.NDArray[Any]], count: int, max_length: int) -> list[int] | None:
     """Each of ``count`` items' :data:`TRUNCATE` (int64 ``[B]`` or ``[B, 1]``) with -1 as
     ``max_length``: 0 = not asked; None where the input is absent or asks nothing.
@@ -110,13 +129,8 @@ def truncation(inputs: Mapping[str, npt.NDArray[Any]], count: int, max_length: i
         ValueError: not one value per item, or a value below -1 (0 and -1 aside, whether a
             value fits the model is :meth:`app.handlers.tokenizing.TextTokenizer.keep_last`'s).
     """
-    array = inputs.get(TRUNCATE)
-    if array is None:
-        return None
-    values = np.asarray(array).reshape(-1)
-    if len(values) != count or values.dtype.kind not in "iu":
-        raise ValueError(f"input {TRUNCATE!r} must hold one integer per item ({count})")
-    if not values.any():
+    values = item_integers(inputs, TRUNCATE, count)
+    if values is None or not values.any():
         return None
     if int(values.min()) < -1:
         raise ValueError(f"{TRUNCATE} must be -1 or a positive number of tokens, got {int(values.min())}")

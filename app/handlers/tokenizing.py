@@ -9,7 +9,7 @@ lock, and the Rust batch encoder runs without the GIL. It gives each item's toke
 int32 arrays (``encode``, ``encode_pairs``: what ``item_costs`` returns as the items'
 preparation, ``app.models.base.Priced``), a text's windows with their own ids (``windows``, the
 tokenizer's overflow with ``stride``: what Hugging Face's question-answering pipeline does for
-long contexts), and pads rows into the model's ``[U, T]`` arrays itself (:func:`pad`), with an
+long contexts); :mod:`app.handlers.padding` pads rows into the model's ``[U, T]`` arrays with an
 explicit pad id on either side, so that a tokenizer without a pad token (Llama's, GPT-2's) serves
 once its handler names one.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,13 +35,11 @@ import numpy.typing as npt
 from tokenizers import Encoding, Tokenizer, normalizers
 
 __all__ = [
-    "Alloc",
     "Ids",
     "Parts",
     "TextTokenizer",
     "Window",
     "load_tokenizer",
-    "pad",
     "prepared_array",
     "with_lowercase",
 ]
@@ -53,8 +51,6 @@ Ids = npt.NDArray[np.int32]
 #: One item's preparation (``app.models.base.PREPARED``): its token rows, e.g. ``(ids,)``,
 #: ``(ids, type_ids)`` of a pair, or an embedding item's ``(text ids, query ids)``.
 Parts = tuple[Ids, ...]
-#: Makes an int64 array of a shape (``np.empty``, or a view of a pinned host buffer).
-Alloc = Callable[[tuple[int, ...]], npt.NDArray[np.int64]]
 
 _EMPTY: Ids = np.zeros(0, dtype=np.int32)
 
@@ -138,7 +134,8 @@ class TextTokenizer:
         source: the tokenizer; it becomes this object's plain tokenizer (truncation to
             ``max_length``, no padding) and must not be used elsewhere.
         max_length: tokens per string or window, special tokens included.
-        pad_id: the id padding positions hold (masked out; None: :func:`pad` refuses to pad).
+        pad_id: the id padding positions hold (masked out; None: rows of different lengths
+            cannot be padded, :func:`app.handlers.padding.pad`).
         padding_side: ``"right"`` or ``"left"`` (decoder models pool the last token: left keeps
             it in the last column).
         stride: tokens a window repeats from the one before; None: no windows.
@@ -246,13 +243,27 @@ class TextTokenizer:
             return int(value)
         return None
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The token of an id (None: not in the vocabulary)."""
+        return self._plain.id_to_token(token_id)
+
+    def token_to_id(self, token: str) -> int | None:
+        """The id of a token (None: not in the vocabulary)."""
+        return self._plain.token_to_id(token)
+
+    def token_texts(self, ids: Sequence[int]) -> list[str]:
+        """Each token id decoded alone, special tokens kept (a byte-level token holding part of
+        a character decodes to U+FFFD)."""
+        return list(self._plain.decode_batch([[int(i)] for i in ids], skip_special_tokens=False))
+
     def get_vocab(self) -> dict[str, int]:
         """Token -> id (the name ``tokenizers`` and transformers give it)."""
         return self._plain.get_vocab()
 
-    def encode(self, texts: Sequence[str]) -> list[Ids]:
-        """Each text's ids, special tokens included, truncated to ``max_length``."""
-        return [_ids(e.ids) for e in self._plain.encode_batch_fast(list(texts))]
+    def encode(self, texts: Sequence[str], *, special: bool = True) -> list[Ids]:
+        """Each text's ids, special tokens included (``special``: the post-processor's, e.g. a
+        BOS token), truncated to ``max_length``."""
+        return [_ids(e.ids) for e in self._plain.encode_batch_fast(list(texts), add_special_tokens=special)]
 
     def encode_pairs(self, queries: Sequence[str], texts: Sequence[str]) -> list[tuple[Ids, Ids]]:
         """Each (query, text) pair's ids and token type ids, truncated to ``max_length`` with
@@ -291,6 +302,39 @@ class TextTokenizer:
             encoded = self._pair_windows.encode_batch([(wanted[i], texts[i]) for i in paired])
             for item, encoding in zip(paired, encoded, strict=True):
                 out[item] = _windows_of(encoding, 1, len(texts[item]), pair=True)
+        return out
+
+    def pieces(
+        self,
+        texts: Sequence[str],
+        spans: Sequence[Sequence[tuple[int, int]]],
+        queries: Sequence[str] | None = None,
+    ) -> list[list[Window]]:
+        """Each text's pieces (``spans``: its ``[start, stop)`` character spans, e.g.
+        ``app.handlers.windows.piece_spans``), each piece tokenized on its own as :meth:`encode`
+        (with the text's query, as a pair, where one is given and non-empty: :meth:`encode_pairs`),
+        truncated to ``max_length``; all pieces in one batch call of the Rust tokenizer."""
+        wanted = list(queries) if queries is not None else [""] * len(texts)
+        owners = [(i, start, stop) for i, s in enumerate(spans) for start, stop in s]
+        single = [k for k, (i, _, _) in enumerate(owners) if not wanted[i]]
+        paired = [k for k, (i, _, _) in enumerate(owners) if wanted[i]]
+        encoded: dict[int, Encoding] = {}
+        for keys, pair in ((single, False), (paired, True)):
+            if not keys:
+                continue
+            batch: list[Any] = [
+                (wanted[owners[k][0]], texts[owners[k][0]][owners[k][1] : owners[k][2]])
+                if pair
+                else texts[owners[k][0]][owners[k][1] : owners[k][2]]
+                for k in keys
+            ]
+            encoded.update(zip(keys, self._plain.encode_batch_fast(batch), strict=True))
+        out: list[list[Window]] = [[] for _ in texts]
+        for k, (i, start, stop) in enumerate(owners):
+            e = encoded[k]
+            side = 1 if wanted[i] else 0
+            tokens = sum(1 for s in e.sequence_ids if s == side)
+            out[i].append(Window(start, stop, tokens, _ids(e.ids), _ids(e.type_ids) if side else None))
         return out
 
     def keep_last(
@@ -380,56 +424,3 @@ def _windows_of(encoding: Encoding, side: int, length: int, *, pair: bool) -> li
         elif not windows:  # an empty text: one empty window
             windows.append(Window(0, length, 0, _ids(part.ids), type_ids))
     return windows
-
-
-def pad(
-    rows: Sequence[Ids],
-    pad_id: int | None,
-    *,
-    side: str = "right",
-    type_rows: Sequence[Ids] | None = None,
-    single_type_id: int = 0,
-    type_ids: bool = False,
-    alloc: Alloc | None = None,
-) -> dict[str, npt.NDArray[np.int64]]:
-    """Rows of token ids padded to the longest into the model's inputs.
-
-    Args:
-        rows: U >= 1 rows, int32 ``[n_u]`` each.
-        pad_id: the id of padding positions (None: every row must have the same length).
-        side: where padding goes, ``"right"`` or ``"left"``.
-        type_rows: each row's token type ids (pairs); None: ``single_type_id`` everywhere.
-        type_ids: whether to return ``token_type_ids``.
-        alloc: where the arrays are made (``np.empty`` by default; a pinned buffer on a GPU).
-
-    Returns:
-        ``input_ids``, ``attention_mask`` (1 on real tokens) and, with ``type_ids``,
-        ``token_type_ids``: int64 ``[U, T]``, T the longest row (at least 1).
-
-    Raises:
-        ValueError: rows of different lengths and no ``pad_id``.
-    """
-    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
-    width = max(1, int(lengths.max())) if len(rows) else 1
-    make: Alloc = alloc if alloc is not None else (lambda shape: np.empty(shape, dtype=np.int64))
-    positions = np.arange(width)
-    real = positions >= (width - lengths)[:, None] if side == "left" else positions < lengths[:, None]
-    if pad_id is None and not bool(real.all()):
-        raise ValueError("the tokenizer has no pad token: rows of different lengths cannot be batched")
-    flat = np.concatenate(rows) if len(rows) else _EMPTY
-    shape = (len(rows), width)
-    ids = make(shape)
-    ids.fill(pad_id or 0)
-    ids[real] = flat
-    mask = make(shape)
-    np.copyto(mask, real)
-    features = {"input_ids": ids, "attention_mask": mask}
-    if type_ids:
-        types = make(shape)
-        types.fill(0)
-        if type_rows is not None:
-            types[real] = np.concatenate(type_rows) if len(type_rows) else _EMPTY
-        elif single_type_id:
-            types[real] = single_type_id
-        features["token_type_ids"] = types
-    return features

@@ -191,8 +191,10 @@ def activation_bytes(
     ``[rows, 1, T, T]`` mask in ``dtype``; ``sdpa`` (memory-efficient or flash kernels) keeps
     only a boolean ``[rows, 1, T, T]`` mask; the MLP's gate, up and product (3 x N x
     intermediate; GPT-2: 2). After the layers, the head: ``N x vocab`` logits for ``"lm"``
-    (plus the 256 MiB of float32 work of :func:`app.handlers.decoder_math.token_log_likelihood`),
-    ``N x hidden`` otherwise. Source of the layer's tensors: transformers' ``LlamaAttention``,
+    (plus the 256 MiB of float32 work of :func:`app.handlers.decoder_math.token_log_likelihood`);
+    for ``"lm-chunked"`` (``app.handlers.causal_lm``, which runs the LM head over chunks of rows
+    of at most 256 MiB of float32 logits, one row at the least) one chunk's logits in ``dtype``
+    and in float32; ``N x hidden`` otherwise. Source of the layer's tensors: transformers' ``LlamaAttention``,
     ``eager_attention_forward`` and ``LlamaMLP`` (5.x); GPT-2's block likewise.
 
     Raises:
@@ -212,6 +214,9 @@ def activation_bytes(
     mlp = (2 if arch.family == "gpt2" else 3) * tokens * arch.intermediate * size
     if arch.head == "lm":
         head = tokens * arch.vocab * size + min(tokens * arch.vocab * 4, 256 * MIB)
+    elif arch.head == "lm-chunked":
+        chunk = min(rows, max(1, 256 * MIB // (seq_len * arch.vocab * 4))) * seq_len * arch.vocab
+        head = chunk * (size + 4)
     else:
         head = tokens * arch.hidden * size
     return max(residual + max(attention, mlp), head + tokens * arch.hidden * size)
@@ -319,11 +324,18 @@ def _model_folder(config: ModelConfig) -> Path:
     return folder if folder.is_dir() else config.path
 
 
+#: What runs after the layers for handlers whose work is not their folder class's: a causal LM
+#: as a yes/no reranker reads two rows of its LM head (``app.handlers.causal_rerank``); the
+#: scorer makes its logits a chunk of rows at a time (``app.handlers.causal_lm``).
+HANDLER_HEADS = {"CausalRerankHandler": "base", "CausalLMHandler": "lm-chunked"}
+
+
 def plan_model(config: ModelConfig) -> ModelMemory:
     """The memory of one model of a repository, from its ``model.toml``: a handler's Hugging Face
     folder by :func:`plan_folder` (``[parameters]`` ``dtype``, default float32,
     ``attn_implementation``, default sdpa, ``max_seq_length``; ``max_batch_size`` and
-    ``max_batch_tokens``); any other model by the bytes of its files (weights as they are
+    ``max_batch_tokens``; the head :data:`HANDLER_HEADS` names for its handler); any other
+    model by the bytes of its files (weights as they are
     stored; activations not planned: 0). Raises as :func:`plan_folder`."""
     folder = _model_folder(config)
     if not (folder / "config.json").is_file():
@@ -338,4 +350,5 @@ def plan_model(config: ModelConfig) -> ModelMemory:
         max_batch_tokens=config.max_batch_tokens,
         max_seq_length=parameters.get("max_seq_length"),
         attn_implementation=str(parameters.get("attn_implementation", "sdpa")),
+        head=HANDLER_HEADS.get(str(config.handler or "").rpartition(":")[2]),
     )

@@ -13,8 +13,12 @@ variables); gunicorn's own flags and ``GUNICORN_CMD_ARGS`` override it.
 Processes: this module runs in the gunicorn master, which counts usable GPUs
 through NVML (``gpu_stat``) and never imports torch, so it never creates a CUDA
 context. Workers = usable GPUs x ``SCORING_MAX_PROCESSES_PER_GPU``, or
-``SCORING_WORKERS`` in CPU mode. Each forked worker binds itself to one GPU
-slot in ``post_fork`` (before the app, and so torch, is imported).
+``SCORING_WORKERS`` in CPU mode; in GPU mode no more than fit each GPU beside their models'
+weights and activations (``app.models.placement``: planned from the model.toml files before
+any worker forks, each GPU's shortfall logged, none at all a refusal to start), and a worker
+binds only to a GPU with its planned bytes free (docs/gpu-binding.md, "Memory plan"). Each
+forked worker binds itself to one GPU slot in ``post_fork`` (before the app, and so torch, is
+imported).
 
 Workers: ``app.server.worker.ScoringWebWorker`` (our own gunicorn worker serving the aiohttp
 app: graceful drain at SIGTERM and ``max_requests``, boot heartbeat, load balancing among
@@ -43,6 +47,7 @@ module itself. This module runs in the master: no torch, no CUDA, no aiohttp app
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import ipaddress
 import logging
@@ -62,7 +67,7 @@ from app.server import loadtable, rundir
 from app.server.restarts import RestartBackoff, wait_before_booting
 from app.serving.auth import read_key_file
 from app.settings import Settings
-from gpu_stat import backend_name
+from gpu_stat import NvmlUnavailable, backend_name, query_gpus
 from gpu_stat.binding import (
     EXIT_BIND_TIMEOUT,
     BindingPolicy,
@@ -70,6 +75,7 @@ from gpu_stat.binding import (
     bind_worker,
     usable_gpu_count,
 )
+from gpu_stat.planner import allowed_units, units
 
 _settings = Settings()
 _log = logging.getLogger("gunicorn.error")
@@ -111,10 +117,60 @@ if _settings.gpu_allow_list and not _gpus:
         f"(NVML backend {backend_name()}); see `python -m gpu_stat`"
     )
 
+
+def _gpu_rooms(policy: BindingPolicy) -> list[tuple[str, int, int]]:
+    """Each usable GPU's ``(label, total bytes, bytes free for this server)``, NVML's: free now at
+    the first start; the total at a HUP reload, where the old workers, this master's children,
+    hold memory they give back as they exit (the binding's free-memory floor waits for it)."""
+    import psutil
+
+    reload = bool(psutil.Process().children())
+    allowed, _ = allowed_units(units(query_gpus()), policy.allowed_gpus)
+    return [
+        (
+            f"{u.label()} ({u.gpu.name})",
+            u.gpu.memory_total,
+            u.gpu.memory_total if reload else u.gpu.memory_free,
+        )
+        for u in allowed
+    ]
+
+
+def _plan(policy: BindingPolicy) -> tuple[int, BindingPolicy, list[tuple[int, str]]]:
+    """GPU mode: how many workers fit the usable GPUs beside their models' weights and activations
+    (``app.models.placement.plan_server``, in the dtype each model.toml names), the binding policy
+    with the worker's bytes as its free-memory floor, and the lines to log (a warning per GPU
+    that takes fewer than asked); every worker asked where the plan cannot be made (a
+    repository it cannot read: the workers will say why).
+
+    Raises:
+        SystemExit: no GPU can hold one worker (a clear refusal, not workers that run out of
+            memory while loading and are forked again).
+    """
+    from app.errors import ModelLoadError
+    from app.models.placement import plan_server
+
+    asked = _settings.max_processes_per_gpu
+    try:
+        plan = plan_server(_settings.model_repository, _settings.model_names, asked, _gpu_rooms(policy))
+    except (ModelLoadError, NvmlUnavailable, OSError, ValueError) as exc:
+        return (
+            _gpus * asked,
+            policy,
+            [(logging.WARNING, f"memory plan not made ({exc}): {asked} worker(s) per GPU")],
+        )
+    if not plan.workers:
+        raise SystemExit("memory plan: " + " ".join(plan.messages))
+    floor = max(policy.min_free_memory_bytes, plan.worker.total_bytes)
+    lines = [(logging.INFO, f"memory plan: {plan.worker.describe()}; {plan.workers} worker(s)")]
+    lines += [(logging.WARNING, message) for message in plan.messages]
+    return plan.workers, dataclasses.replace(policy, min_free_memory_bytes=floor), lines
+
+
 wsgi_app = "app.main:create_app"
 _host = f"[{_settings.host}]" if ":" in _settings.host else _settings.host  # IPv6 literal
 bind = [f"{_host}:{_settings.port}"]
-workers = _gpus * _settings.max_processes_per_gpu if _gpus else _settings.workers
+workers, _policy, _plan_lines = _plan(_policy) if _gpus else (_settings.workers, _policy, [])
 worker_class = (
     "app.server.worker.ScoringUVLoopWebWorker"
     if _settings.uvloop and importlib.util.find_spec("uvloop") is not None
@@ -169,6 +225,8 @@ def on_starting(server: Any) -> None:
     (_run_dir / "load").unlink(missing_ok=True)
     shutil.rmtree(_run_dir / "peers", ignore_errors=True)
     mode = f"{_gpus} usable GPU(s) x {_settings.max_processes_per_gpu}" if _gpus else "CPU mode"
+    for level, line in _plan_lines:
+        server.log.log(level, line)
     server.log.info(
         "scoring-server: %d worker(s) (%s; NVML backend %s); run dir %s",
         server.cfg.workers,

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import importlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +65,8 @@ __all__ = [
     "build_decoder_folder",
     "decoder_models",
     "train_tokenizer",
+    "write_causal_lm",
+    "write_handler_model",
 ]
 
 #: Positions of every model (and the tokenizers' ``model_max_length``): room for windows of 256
@@ -106,6 +108,46 @@ _QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+def write_handler_model(
+    repo: Path,
+    name: str,
+    handler: str,
+    folder: Path,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    parameters: str = "",
+) -> Path:
+    """A model folder ``repo/name`` whose ``model.toml`` serves ``folder`` with ``handler``
+    (``module:Class``): batches of up to 8, warmed up at 1 and 4; ``inputs`` as ``"name
+    DATATYPE"`` (``" optional"`` after it for an optional one), ``outputs`` as ``"name DATATYPE
+    width"``, shape ``[1]`` each where not given; ``parameters``: more lines of ``[parameters]``."""
+    lines = [f'name = "{name}"', 'version = "1"', 'format = "handler"', f'handler = "{handler}"',
+             "max_batch_size = 8", "max_queue_delay_ms = 2.0", "warmup_batch_sizes = [1, 4]"]  # fmt: skip
+    for spec in inputs:
+        input_name, datatype, *optional = spec.split()
+        lines += ["[[inputs]]", f'name = "{input_name}"', f'datatype = "{datatype}"', "shape = [1]"]
+        lines += ["optional = true"] if optional else []
+    for spec in outputs:
+        output_name, datatype, *width = spec.split()
+        lines += ["[[outputs]]", f'name = "{output_name}"', f'datatype = "{datatype}"']
+        lines += [f"shape = [{width[0] if width else 1}]"]
+    lines += ["[parameters]", f'model_dir = "{folder}"', parameters]
+    (repo / name).mkdir(parents=True)
+    (repo / name / "model.toml").write_text("\n".join(lines) + "\n")
+    return repo / name
+
+
+def write_causal_lm(repo: Path, name: str, folder: Path) -> Path:
+    """A model of ``app.handlers.causal_lm`` serving ``folder`` (:func:`write_handler_model`):
+    log-likelihood, perplexity, tokens and per-token log-probs, texts of up to 256 tokens."""
+    return write_handler_model(
+        repo, name, "app.handlers.causal_lm:CausalLMHandler", folder,
+        ["text BYTES", "return_token_logprobs INT64 optional", "top_logprobs INT64 optional"],
+        ["log_likelihood FP32", "perplexity FP32", "tokens INT64", "token_logprobs BYTES"],
+        "max_seq_length = 256",
+    )  # fmt: skip
 
 
 def _family(kind: str) -> str:

@@ -1,5 +1,6 @@
 """benchmarks.decoder_check (issue 52's 7B classifier step) rehearsed on the CPU with its tiny
-config: pieces cut as the seed cut them, and a run that writes every figure it promises."""
+config: a run through the server's handler (its RADAR-style model.toml, pieces of 300 characters)
+that writes every figure it promises."""
 
 from __future__ import annotations
 
@@ -9,16 +10,6 @@ from pathlib import Path
 import pytest
 
 from benchmarks import decoder_check
-
-
-def test_pieces_are_cut_at_spaces_within_the_limit_and_keep_every_word() -> None:
-    text = "a" * 7 + " " + " ".join(f"word{i}" for i in range(40)) + " " + "b" * 25
-    cut = decoder_check.pieces(text, 20)
-    assert all(0 < len(p) <= 20 for p in cut)
-    assert " ".join(cut).split() == [*text.split()[:-1], "b" * 20, "b" * 5]
-    assert cut[0] == "aaaaaaa word0 word1"  # greedy: as many words as fit
-    assert decoder_check.pieces("  ", 20) == []
-    assert decoder_check.pieces("x" * 45, 20) == ["x" * 20, "x" * 20, "x" * 5]
 
 
 def test_flops_and_peaks() -> None:
@@ -51,6 +42,10 @@ def test_the_tiny_rehearsal_writes_its_figures(tmp_path: Path) -> None:
     assert decoder_check.main(argv) == 0
     result = json.loads(out.read_text())
     assert result["size"] == "tiny" and result["pieces"] >= 40  # 2 posts of 1,500 words
+    assert result["split_ms_per_post"] > 0 and set(result["cost_model"]) == {
+        "call_overhead_tokens",
+        "attention_knee_tokens",
+    }
     assert 0 < result["mean_tokens_per_piece"] <= result["max_tokens_per_piece"]
     assert result["plan"]["weight_bytes"] == 2 * result["plan"]["parameters"]
     assert result["items"] >= 4 and result["items_per_s"] > 0 and result["x_seed"] > 0

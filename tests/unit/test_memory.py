@@ -5,6 +5,7 @@ placement rule and its messages; and that the module never imports torch (the ma
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -56,6 +57,16 @@ QWEN3_8B = QWEN3_06B | {
     "vocab_size": 151665,
     "tie_word_embeddings": False,
 }
+#: gpt2's config.json.
+GPT2: dict[str, Any] = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "vocab_size": 50257,
+    "n_embd": 768,
+    "n_layer": 12,
+    "n_head": 12,
+    "n_positions": 1024,
+}
 #: NVML's total of an H100 80GB HBM3 (81,559 MiB).
 H100_BYTES = 81559 * 2**20
 
@@ -75,15 +86,7 @@ def transformers_count(config: dict[str, Any]) -> int:
     [
         LLAMA_7B,
         LLAMA_7B | {"architectures": ["LlamaForSequenceClassification"], "num_labels": 2},
-        {
-            "model_type": "gpt2",
-            "architectures": ["GPT2LMHeadModel"],
-            "vocab_size": 50257,
-            "n_embd": 768,
-            "n_layer": 12,
-            "n_head": 12,
-            "n_positions": 1024,
-        },
+        GPT2,
         QWEN3_06B | {"architectures": ["Qwen3Model"]},
         QWEN3_06B | {"architectures": ["Qwen3ForCausalLM"]},
         QWEN3_8B | {"architectures": ["Qwen3ForCausalLM"]},
@@ -161,6 +164,34 @@ def test_a_reranker_planned_without_vocabulary_logits_needs_less(
     (tmp_path / "config.json").write_text((untied / "config.json").read_text())  # no weights: by formula
     by_formula = memory.plan_folder(tmp_path, name="r", dtype="float32", max_batch_size=16, head="base")
     assert by_formula.parameters == memory.safetensors_parameters(untied)
+
+
+def test_the_decoder_handlers_are_planned_by_what_they_compute(
+    decoder_models: dict[str, Path], tmp_path: Path
+) -> None:
+    """A model.toml of the yes/no reranker plans no vocabulary logits; one of the causal-LM scorer
+    plans one chunk of rows of them (its head runs in chunks of 256 MiB of float32 logits), not
+    the batch's: a GPT-2-sized scorer at 32 x 1024 tokens would plan 6.6 GB of float32 logits."""
+    from tests.support.decoder_models import write_causal_lm
+    from tests.unit.test_decoder_embed_rerank import write_reranker
+
+    write_reranker(tmp_path, "reranker", decoder_models["qwen3-reranker"])
+    write_causal_lm(tmp_path, "lm", decoder_models["gpt2-lm"])
+    planned = {m.name: m for m in placement.plan_worker(tmp_path).models}
+    folder = decoder_models["qwen3-reranker"]
+    assert planned["reranker"] == memory.plan_folder(
+        folder, name="reranker", dtype="float32", max_batch_size=8, head="base"
+    )
+    gpt2 = Architecture.from_config(GPT2)
+    whole = memory.activation_bytes(gpt2, 32, 1024, "float32", "sdpa")
+    chunked = memory.activation_bytes(
+        dataclasses.replace(gpt2, head="lm-chunked"), 32, 1024, "float32", "sdpa"
+    )
+    assert whole > 32 * 1024 * 50257 * 4 > 4 * chunked
+    assert planned["lm"] == memory.plan_folder(
+        decoder_models["gpt2-lm"], name="lm", dtype="float32", max_batch_size=8, max_seq_length=256,
+        head="lm-chunked",
+    )  # fmt: skip
 
 
 def test_a_file_that_is_no_safetensors_is_refused(tmp_path: Path) -> None:

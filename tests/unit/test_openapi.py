@@ -12,6 +12,7 @@ from typing import Any
 import jsonschema
 
 from app.http.routes import OPENAPI
+from tests.support.decoder_models import write_causal_lm
 from tests.support.fixtures import Client, MakeClient
 from tests.support.openapi import SPEC_PATH, spec
 from tests.support.text_models import write_classifier_model
@@ -23,11 +24,14 @@ def validator(schema: dict[str, Any]) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator({**schema, "components": spec()["components"]})
 
 
-async def test_real_answers_validate_against_their_documented_schemas(make_client: MakeClient, scale_repo: Path) -> None:
+async def test_real_answers_validate_against_their_documented_schemas(
+    make_client: MakeClient, scale_repo: Path, decoder_models: dict[str, Path]
+) -> None:
     """Every documented 200 JSON answer of the in-process app matches the schema generated from
     the msgspec types, so the types and the handlers cannot drift apart."""
     write_embed_model(scale_repo)
     write_classifier_model(scale_repo, "clf", ["ok", "spam"])
+    write_causal_lm(scale_repo, "lm", decoder_models["gpt2-lm"])
     client: Client = await make_client(scale_repo, model_control_mode="explicit")
     x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
     bodies = {
@@ -41,6 +45,13 @@ async def test_real_answers_validate_against_their_documented_schemas(make_clien
         "/v1/classify": {"model": "clf", "input": ["a text", "another"]},
         "/score": {"model": "clf", "text_1": "q", "text_2": ["a", "b"]},
         "/v1/score": {"model": "clf", "text_1": ["q", "r"], "text_2": ["a", "b"]},
+        "/v1/completions": {
+            "model": "lm",
+            "prompt": ["a", "b c"],
+            "echo": True,
+            "max_tokens": 0,
+            "logprobs": 2,
+        },
     }
     await client.post("/v2/models/scale/infer", json={"inputs": [x]})  # so the stats have batches
     checked = 0

@@ -1,0 +1,363 @@
+"""Causal-LM scoring: each text's token log-likelihood under any causal LM folder (GPT-2, Llama,
+Mistral, Qwen...), batched like the other text models.
+
+``CausalLMHandler`` loads a folder with transformers' ``AutoModelForCausalLM`` (local files only)
+and scores what the model would have predicted at each position of the text: the usual signal of
+machine-written or low-quality posts (perplexity), and what evaluation harnesses compute from a
+server (``app.protocols.completions``: OpenAI's legacy completions with ``echo`` and
+``max_tokens = 0``).
+
+Inputs (per item):
+
+``text`` BYTES, required
+    UTF-8 text to score.
+``return_token_logprobs`` INT64 ``[1]``, optional
+    1: fill the item's ``token_logprobs`` output; 0 (omitted): leave it empty. Where the model
+    does not declare it, ``token_logprobs`` is filled for every item.
+``top_logprobs`` INT64 ``[1]``, optional
+    0 to 5: the most likely tokens at each position to list beside the text's own (OpenAI's
+    ``logprobs``).
+
+Outputs (declare those you serve):
+
+``log_likelihood`` FP32 ``[1]``
+    Sum over the scored tokens of ``log p(token | tokens before)``, nats.
+``mean_log_likelihood`` FP32 ``[1]``
+    The sum over the scored tokens' count (0 where none is scored); its negation equals
+    transformers' causal-LM ``loss`` on the same token ids.
+``perplexity`` FP32 ``[1]``
+    ``exp(-mean_log_likelihood)`` (1 where no token is scored).
+``scored_tokens`` INT64 ``[1]``
+    Tokens scored: every token after the first one the model ran.
+``tokens`` INT64 ``[1]``
+    Tokens the model ran (special tokens and the scoring prefix included): ``usage``.
+``windows`` INT64 ``[1]``
+    1 (a text is one window: see ``truncation`` below).
+``token_logprobs`` BYTES ``[1]``
+    Where asked, JSON in OpenAI's legacy ``logprobs`` shape: ``tokens`` (each token of the text
+    as the tokenizer decodes it alone), ``token_logprobs`` (null for the first token, which has
+    no context), ``top_logprobs`` (per token, ``{token: logprob}`` of the ``top_logprobs`` most
+    likely, null for the first token; present where ``top_logprobs`` > 0) and ``text_offset``
+    (each token's offset in the concatenation of ``tokens``); ``b""`` where not asked.
+
+**The first token.** A causal LM scores a token from the tokens before it, so a text's first
+token has none. Where the tokenizer puts a BOS token first (Llama, Mistral), every token of the
+text is scored after it; elsewhere (GPT-2, Qwen) the handler puts the model's BOS token, else its
+EOS token, before the text (``score_first_token = true``, the default: lm-evaluation-harness's
+``prefix_token_id``), and that token is run, counted in ``tokens``, but not listed in
+``token_logprobs``. ``score_first_token = false`` runs the text alone: its first token is not
+scored (as OpenAI's legacy API and vLLM's prompt log-probs report it, null).
+
+``[parameters]``: those of :mod:`app.handlers.text_config` (``max_seq_length``: tokens per
+text, default the tokenizer's ``model_max_length`` capped by the model's positions and 8,192),
+``score_first_token`` (bool), and ``truncation``: ``"truncate"`` (default: a longer text is
+scored on its first ``max_seq_length`` tokens, ``scored_tokens`` says how many) or ``"error"``
+(400). Windows would score the tokens they repeat twice, so they are refused.
+
+**Memory.** The logits of a batch, ``[B, T, vocab]``, are never all made at once: the model's
+last hidden state goes through its LM head in chunks of rows of at most 256 MiB of float32
+logits, each reduced to its tokens' log-probs (:func:`app.handlers.decoder_math.token_log_likelihood`)
+before the next is made. A model whose logits are not its LM head's alone (Gemma 2's final
+soft-capping, Cohere's ``logit_scale``) runs its own forward and is reduced in the same chunks.
+
+Source: transformers' ``ForCausalLMLoss`` (the reference the tests compare with),
+lm-evaluation-harness (``loglikelihood_rolling``, ``prefix_token_id``), OpenAI's legacy
+completions ``logprobs`` object.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+from app.handlers import windows as windowing
+from app.handlers.decoder_math import LOG_SOFTMAX_CHUNK_BYTES, scoring_prefix, token_log_likelihood
+from app.handlers.decoders import decoder_features, first_id, open_causal_lm, pad_decoder
+from app.handlers.text_base import TextHandler
+from app.handlers.text_config import (
+    SHARED_PARAMETERS,
+    ModelConfigLike,
+    check_shared_parameters,
+    declares_truncation,
+    item_integers,
+)
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window
+from app.models.base import Priced
+
+__all__ = ["MAX_TOP_LOGPROBS", "CausalLMHandler", "ScoredBatch"]
+
+_PARAMETERS = (*SHARED_PARAMETERS, "truncation", "score_first_token")
+#: The most alternatives per token (OpenAI's legacy bound on ``logprobs``).
+MAX_TOP_LOGPROBS = 5
+RETURN, TOP = "return_token_logprobs", "top_logprobs"
+_NONE: Ids = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(frozen=True)
+class ScoredBatch:
+    """``preprocess`` output: ``groups`` (the padded length groups on the device, right
+    padding), ``position`` (int64 ``[B]``, each item's row in them), and on the host each item's
+    token ids ``ids`` (the scoring prefix included), ``listed`` (bool ``[B]``: fill its
+    ``token_logprobs``) and ``top`` (int64 ``[B]``: alternatives per token)."""
+
+    groups: list[dict[str, torch.Tensor]]
+    position: torch.Tensor
+    ids: list[Ids]
+    listed: npt.NDArray[np.bool_]
+    top: npt.NDArray[np.int64]
+
+
+class CausalLMHandler(TextHandler):
+    """Scores texts by their token log-likelihood (see the module docstring)."""
+
+    kind = "CausalLMHandler"
+
+    def __init__(self) -> None:
+        super().__init__()
+        #: The LM head (a linear layer on the last hidden state); None: the model's own forward.
+        self.head: Any = None
+        #: Token ids put before each text (the scoring prefix), int32.
+        self.prefix: Ids = _NONE
+        #: Whether ``model.toml`` declares ``token_logprobs`` / ``return_token_logprobs``.
+        self.lists = self.asks = False
+
+    def load(self, device: torch.device, config: ModelConfigLike) -> None:
+        """Load the folder named in ``config.parameters`` onto ``device`` (local files only), then
+        measure the cost model (:meth:`TextHandler.calibrate`) unless ``model.toml`` fixes it.
+
+        Raises:
+            ValueError: unknown or bad parameters; ``truncation`` other than ``"truncate"`` or
+                ``"error"``; a folder that is not a decoder's.
+            FileNotFoundError: a missing folder.
+        """
+        parameters = dict(config.parameters)
+        check_shared_parameters(config.name, self.kind, parameters, _PARAMETERS)
+        first = parameters.get("score_first_token", True)
+        if not isinstance(first, bool):
+            raise ValueError(f"parameters.score_first_token must be true or false, got {first!r}")
+        path, model, length = open_causal_lm(parameters, config.path, device, config.name)
+        self.policy = windowing.WindowPolicy.from_parameters(
+            parameters, length, default_truncation="truncate"
+        )
+        if self.policy.truncation not in ("truncate", "error"):
+            raise ValueError(
+                f'parameters.truncation must be "truncate" or "error" for a causal LM, got '
+                f"{self.policy.truncation!r} (windows would score the tokens they repeat twice)"
+            )
+        self.truncates = declares_truncation(config)
+        tokenizer = self._tokenizer_for(path, length, model.config, first)
+        tokenizer.padding_side = "right"  # predict reads item b's values from the start of its row
+        pad_decoder(tokenizer, path, model.config, config.name)
+        self._tokenizer = tokenizer
+        self.head = _lm_head(model)
+        self.lists = any(spec.name == "token_logprobs" for spec in config.outputs)
+        self.asks = any(spec.name == RETURN for spec in config.inputs)
+        self.set_device(device)
+        self._model = model
+        self.calibrate(parameters, lambda features: self._score(features, 0)[0])
+
+    def _tokenizer_for(self, path: Any, length: int, hf_config: Any, first: bool) -> TextTokenizer:
+        """The folder's tokenizer and :attr:`prefix`: a text's first token is scored after the
+        tokenizer's BOS, else after the prefix, and the prefix leaves ``length - 1`` tokens."""
+        stride = self.policy.overflow_stride
+        tokenizer = TextTokenizer.from_folder(
+            path, length, stride=stride, pairs=False, keeps_last=self.truncates
+        )
+        bos, eos = first_id(hf_config.bos_token_id), first_id(hf_config.eos_token_id)
+        probe = tokenizer.encode(["a"])[0]
+        prefix = scoring_prefix(bos, eos, adds_bos=bos is not None and len(probe) > 0 and probe[0] == bos)
+        if not first or prefix is None:
+            return tokenizer
+        self.prefix = np.array([prefix], dtype=np.int32)
+        return TextTokenizer.from_folder(
+            path, length - 1, stride=stride, pairs=False, keeps_last=self.truncates
+        )
+
+    # --- per request ----------------------------------------------------------------------
+
+    def window_queries(self, queries: Sequence[str] | None) -> None:
+        """None: a causal LM scores a text alone."""
+        return None
+
+    def window_parts(self, window: Window, extra: Ids | None) -> Parts:
+        """A text's ids as the model runs them: the scoring prefix, then the window's."""
+        return (np.concatenate((self.prefix, window.ids)) if len(self.prefix) else window.ids,)
+
+    def prepare_texts(
+        self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
+    ) -> list[Parts]:
+        """Each text's ids (the scoring prefix first), truncated to ``max_seq_length``, or cut to
+        its last ``keep`` tokens where asked."""
+        cut = self.kept_windows(texts, None, keep)
+        rest = [i for i in range(len(texts)) if i not in cut]
+        encoded = dict(zip(rest, self.tokenizer.encode([texts[i] for i in rest]), strict=True))
+        return [self.window_parts(cut[i], None) if i in cut else self.window_parts(_whole(encoded[i]), None)
+                for i in range(len(texts))]  # fmt: skip
+
+    def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
+        """Tokens each item makes the model run, int64 ``[B]`` (the prefix included), with each
+        item's ids as its preparation.
+
+        Raises:
+            ValueError: invalid UTF-8, a wrong shape, ``top_logprobs`` outside 0 to 5.
+        """
+        priced = super().item_costs(inputs)
+        self._options(inputs, len(priced.costs))
+        return priced
+
+    def _options(
+        self, inputs: Mapping[str, npt.NDArray[Any]], count: int
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
+        """Per item: whether its ``token_logprobs`` is filled, and its ``top_logprobs``."""
+        asked = item_integers(inputs, RETURN, count)
+        listed = np.full(count, self.lists and not self.asks) if asked is None else self.lists & (asked != 0)
+        top = item_integers(inputs, TOP, count)
+        top = np.zeros(count, dtype=np.int64) if top is None else top
+        if top.size and not 0 <= int(top.min()) <= int(top.max()) <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"{TOP} must be between 0 and {MAX_TOP_LOGPROBS}")
+        return listed, np.where(listed, top, 0)
+
+    def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> ScoredBatch:
+        """Pad the items' token ids (``inputs[PREPARED]``; tokenized here only where absent) on
+        the right, in length groups, on the device.
+
+        Raises:
+            ValueError: as :meth:`item_costs`.
+        """
+        parts = self.item_parts(inputs)
+        listed, top = self._options(inputs, len(parts))
+        ids = [p[0] for p in parts]
+        groups, position = self.length_grouped(ids)
+        return ScoredBatch(groups, position, ids, listed, top)
+
+    def _score(self, group: dict[str, torch.Tensor], top: int) -> tuple[torch.Tensor, ...]:
+        """One padded group ``[U, T]``: ``(total [U], count [U], token_logprobs [U, T],
+        top_values [U, T, top], top_ids [U, T, top])`` (float32; position t holds token t's
+        figures, from the logits at t - 1), through the LM head in chunks of rows (module
+        docstring)."""
+        features = decoder_features(group)
+        ids, mask = group["input_ids"], group["attention_mask"]
+        # the hidden state through the head chunk by chunk, or the model's own logits, chunked
+        whole: torch.Tensor = (
+            self.model.base_model(**features).last_hidden_state
+            if self.head is not None
+            else self.model(**features).logits
+        )
+        rows, length = ids.shape
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        step = max(1, LOG_SOFTMAX_CHUNK_BYTES // max(1, length * vocab * 4))
+        parts: list[tuple[torch.Tensor, ...]] = []
+        for start in range(0, rows, step):
+            stop = min(rows, start + step)
+            logits = self.head(whole[start:stop]) if self.head is not None else whole[start:stop]
+            scored = token_log_likelihood(logits, ids[start:stop], mask[start:stop], per_token=True)
+            values = torch.zeros((stop - start, length, top), dtype=torch.float32, device=logits.device)
+            indices = torch.zeros((stop - start, length, top), dtype=torch.int64, device=logits.device)
+            if top:
+                best, where = logits[:, :-1].topk(top, dim=-1)
+                values[:, 1:] = best.float() - torch.logsumexp(logits[:, :-1].float(), dim=-1, keepdim=True)
+                indices[:, 1:] = where
+            assert scored.token_logprobs is not None
+            parts.append((scored.total, scored.count, scored.token_logprobs, values, indices))
+        return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+
+    def predict(self, batch: ScoredBatch) -> dict[str, Any]:
+        """Each item's figures on the device (float32 ``total``, ``count`` ``[B]``; with per-token
+        lists, ``token_logprobs`` ``[B, T]`` and the alternatives ``[B, T, k]``, T the longest
+        item), and the host's ``ids``, ``listed``, ``top``."""
+        top = int(batch.top.max()) if len(batch.top) else 0
+        scored = [self._score(group, top) for group in batch.groups]
+        width = max(int(group["input_ids"].shape[1]) for group in batch.groups)
+        columns = []
+        for column in zip(*scored, strict=True):
+            columns.append(torch.cat([_widen(c, width) for c in column])[batch.position])
+        total, count, logprobs, values, indices = columns
+        return {"total": total, "count": count, "logprobs": logprobs, "values": values, "indices": indices,
+                "batch": batch}  # fmt: skip
+
+    def postprocess(self, outputs: dict[str, Any]) -> dict[str, npt.NDArray[Any]]:
+        """Host numpy arrays, ``[B, 1]`` each: FP32 ``log_likelihood``, ``mean_log_likelihood``,
+        ``perplexity``; INT64 ``scored_tokens``, ``tokens``, ``windows``; BYTES
+        ``token_logprobs`` (module docstring)."""
+        batch: ScoredBatch = outputs["batch"]
+        total = outputs["total"].to("cpu", torch.float32).numpy()
+        count = outputs["count"].cpu().numpy().astype(np.int64)
+        mean = np.where(count > 0, total / np.maximum(count, 1), 0.0).astype(np.float32)
+        lists = np.empty((len(total), 1), dtype=object)
+        lists[:] = b""
+        if batch.listed.any():
+            logprobs = outputs["logprobs"].cpu().numpy()
+            values, indices = outputs["values"].cpu().numpy(), outputs["indices"].cpu().numpy()
+            for i in np.flatnonzero(batch.listed):
+                lists[i, 0] = self._listed(
+                    batch.ids[i], logprobs[i], values[i], indices[i], int(batch.top[i])
+                )
+        return {
+            "log_likelihood": total.reshape(-1, 1),
+            "mean_log_likelihood": mean.reshape(-1, 1),
+            "perplexity": np.exp(-mean).astype(np.float32).reshape(-1, 1),
+            "scored_tokens": count.reshape(-1, 1),
+            "tokens": np.array([len(ids) for ids in batch.ids], dtype=np.int64).reshape(-1, 1),
+            "windows": np.ones((len(total), 1), dtype=np.int64),
+            "token_logprobs": lists,
+        }
+
+    def _listed(
+        self,
+        ids: Ids,
+        logprobs: npt.NDArray[np.float32],
+        values: npt.NDArray[np.float32],
+        indices: npt.NDArray[np.int64],
+        top: int,
+    ) -> bytes:
+        """One item's ``token_logprobs`` JSON (module docstring): its tokens after the prefix."""
+        import orjson
+
+        skip = len(self.prefix)
+        own = [int(t) for t in ids[skip:]]
+        texts = self.tokenizer.token_texts(own)
+        first = 0 if skip else 1  # without a prefix the first token has no context
+        scores: list[float | None] = [
+            None if t < first else float(logprobs[skip + t]) for t in range(len(own))
+        ]
+        body: dict[str, Any] = {"tokens": texts, "token_logprobs": scores}
+        if top:
+            names = self.tokenizer.token_texts(indices[skip:, :top].reshape(-1).tolist())
+            body["top_logprobs"] = [
+                None if t < first else
+                {names[t * top + j]: float(values[skip + t, j]) for j in range(top)}
+                for t in range(len(own))
+            ]  # fmt: skip
+        body["text_offset"] = (
+            np.concatenate(([0], np.cumsum([len(s) for s in texts])[:-1])).astype(int).tolist()
+        )
+        return orjson.dumps(body)
+
+
+def _widen(values: torch.Tensor, width: int) -> torch.Tensor:
+    """A group's per-position values ``[U, T, ...]`` padded with zeros to ``width`` positions
+    (per-row values ``[U]`` as they are)."""
+    if values.dim() < 2:
+        return values
+    return torch.nn.functional.pad(values, (0, 0) * (values.dim() - 2) + (0, width - values.shape[1]))
+
+
+def _whole(ids: Ids) -> Window:
+    return Window(0, 0, len(ids), ids)
+
+
+def _lm_head(model: Any) -> Any:
+    """The model's LM head where its logits are the head's alone (a linear layer on the last
+    hidden state); None where the model scales or caps them (module docstring)."""
+    head = model.get_output_embeddings()
+    text = model.config.get_text_config()
+    if not isinstance(head, torch.nn.Linear) or any(
+        getattr(text, key, None) not in (None, 1.0) for key in ("final_logit_softcapping", "logit_scale")
+    ):
+        return None
+    return head
