@@ -40,8 +40,7 @@ from app.models.repository import ModelConfig
 from app.protocols import openai, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
-from app.protocols.jsonbody import decode_json
-from app.protocols.tensors import RequestLimits
+from app.protocols.tensors import RequestLimits, decode_json
 
 TEXT, LOGPROBS = "text", "token_logprobs"
 RETURN, TOP = "return_token_logprobs", "top_logprobs"
