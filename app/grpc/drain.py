@@ -6,19 +6,21 @@ gives the calls in flight the grace, but its core also cancels, at once, every c
 received and not yet handed to Python, and every call that arrives before the client has read
 the GOAWAY (grpc/grpc#41785, open in grpcio 1.85). A call waits in the core from its arrival
 until the server's next request for one, and a ``grpc.aio`` server makes one request per event
-loop turn: on a busy worker a few calls wait there at any moment, and at each stop their clients
-got CANCELLED with no answer from the server.
+loop turn: on a busy worker a few calls wait there at any moment, and a plain stop ends them
+CANCELLED, with no answer from the server.
 
 Clients send their next call when an answer comes (a channel with one call at a time, a load
 generator's slot: a closed loop). So before the shutdown the gate holds the answers of the calls
 that finish, and the calls that arrive meanwhile, until no call has reached the servicer for
-:data:`QUIET_S` and :data:`QUIET_TURNS` loop turns (everything the core had received has been
-handed over; the turns count so that a stalled loop is not taken for a quiet one), at most
+:data:`QUIET_S` and :data:`QUIET_TURNS` loop turns, and for :data:`QUIET_GAPS` times the longest
+wait between two calls while holding (everything the core had received has been handed over;
+the turns count so that a stalled loop is not taken for a quiet one), at most
 :data:`HOLD_MAX_S`. Then the servers shut down (the GOAWAYs go out, nothing is left to cancel),
 and only then do the held answers leave, behind the GOAWAY on each connection: a client's next
 call goes to a new connection, to another worker, transparently. A client that keeps sending
 without waiting for its answers can still lose the calls it sends in the last round trip
-before the GOAWAY. An answer is never held past its call's deadline (less
+before the GOAWAY, and so can one whose call reaches the server more than the quiet time after
+it was sent (a machine starved of CPU). An answer is never held past its call's deadline (less
 :data:`DEADLINE_MARGIN_S`).
 """
 
@@ -35,7 +37,9 @@ import grpc
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DEADLINE_MARGIN_S", "HOLD_MAX_S", "QUIET_S", "QUIET_TURNS", "AnswerGate", "stop_servers"]
+__all__ = [
+    "DEADLINE_MARGIN_S", "HOLD_MAX_S", "QUIET_GAPS", "QUIET_S", "QUIET_TURNS", "AnswerGate", "stop_servers",
+]  # fmt: skip
 
 #: No call for this long (and :data:`QUIET_TURNS` turns), at least, and the connections are
 #: quiet, seconds.
@@ -64,12 +68,12 @@ class AnswerGate:
 
     :meth:`wrap` the servers' generic handler; at the stop, :meth:`hold` (close the gate and wait
     until the connections are quiet), shut the servers down, :meth:`release`
-    (:func:`stop_servers` does the three). ``calls`` counts the calls that reached the servicer.
+    (:func:`stop_servers` does the three). ``calls`` counts the calls that reached the servicer,
+    ``waiting`` those waiting for the gate now.
     """
 
     def __init__(self) -> None:
         self.calls = 0
-        #: Calls waiting for the gate now.
         self.waiting = 0
         self._open = asyncio.Event()
         self._open.set()
