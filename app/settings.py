@@ -150,7 +150,7 @@ class Settings(BaseSettings):
         ge=0,
         description="A gRPC connection is asked to reconnect (HTTP/2 GOAWAY, transparent to "
         "clients) after this many seconds, so a long-lived channel is placed again on a worker "
-        "(SO_REUSEPORT); in-flight calls get grpc_grace_s to finish; 0 = never.",
+        "(SO_REUSEPORT); the calls in flight on it finish, each by its deadline; 0 = never.",
     )
     grpc_max_concurrent_streams: int = Field(
         100,
@@ -173,7 +173,8 @@ class Settings(BaseSettings):
         5.0,
         ge=0,
         description="When a worker stops (after its HTTP requests finished), how long its "
-        "in-flight gRPC calls get to finish before they are cancelled, seconds.",
+        "in-flight gRPC calls get to finish before they are cancelled, seconds (its clients get "
+        "GOAWAY and move to another worker; docs/reliability.md, Drain).",
     )
 
     # --- security (docs/reliability.md) ---------------------------------------

@@ -13,10 +13,12 @@ grpc) is imported by each worker after the fork, and the server is created on th
 loop by :func:`serving_grpc`. grpcio's threads and file descriptors therefore never cross a fork.
 
 Lifecycle: :func:`serving_grpc` starts the server after the models' context (so a replacement
-worker that waits for its models before listening does so for gRPC too) and stops it first
-on cleanup, before the serving units stop: in-flight calls get ``grpc_grace_s`` seconds to
-finish, new calls are refused, and clients get HTTP/2 GOAWAY and reconnect to a sibling
-worker. Readiness (ServerReady) is false from the start of the drain, as for HTTP.
+worker that waits for its models before listening does so for gRPC too; a worker stopped
+before that never listens) and stops it first on cleanup, before the serving units stop:
+clients get HTTP/2 GOAWAY and reconnect to a sibling worker, in-flight calls get
+``grpc_grace_s`` seconds to finish, and no call is cut by the shutdown itself
+(:mod:`app.grpc.drain`). Readiness (ServerReady) is false from the start of the drain, as for
+HTTP.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import grpc
 
+from app.grpc.drain import AnswerGate, stop_servers
 from app.grpc.servicer import InferenceServicer, generic_handler
 from app.serving.core import ServingCore
 from app.settings import Settings
@@ -61,9 +64,13 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
       that never reads its socket (grpcio soon stops reading it too) is disconnected. One
       that reads and answers stays connected, at a cost in CPU that docs/reliability.md
       measures;
-    - ``grpc.max_connection_age_ms`` (+ grace): a connection is asked to reconnect after a
-      while (gRPC's ``MAX_CONNECTION_AGE``, the gRPC load-balancing guide's advice for
-      long-lived connections behind an L4 balancer), so the kernel places it again.
+    - ``grpc.max_connection_age_ms``: a connection is asked to reconnect after a while (gRPC's
+      ``MAX_CONNECTION_AGE``, the gRPC load-balancing guide's advice for long-lived connections
+      behind an L4 balancer), so the kernel places it again. Its calls in flight finish
+      however long they take (no ``grpc.max_connection_age_grace_ms``: gRFC A9's default, no
+      limit): each inference call ends by its deadline, which the data plane caps at the
+      model's ``max_timeout_ms`` or ``max_request_timeout_ms``, and a grace shorter than that
+      cut queued calls with UNAVAILABLE, which a client cannot tell from a lost server.
     """
     options: list[tuple[str, Any]] = [
         ("grpc.so_reuseport", 1),
@@ -75,7 +82,6 @@ def server_options(settings: Settings) -> list[tuple[str, Any]]:
     ]
     if settings.grpc_max_connection_age_s > 0:
         options.append(("grpc.max_connection_age_ms", int(settings.grpc_max_connection_age_s * 1000)))
-        options.append(("grpc.max_connection_age_grace_ms", int(settings.grpc_grace_s * 1000)))
     return options
 
 
@@ -83,8 +89,11 @@ def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
-async def start_server(core: ServingCore, host: str, port: int) -> tuple[Any, int]:
-    """Create, bind and start a ``grpc.aio`` server over ``core`` on the running loop.
+async def start_server(
+    core: ServingCore, host: str, port: int, gate: AnswerGate | None = None
+) -> tuple[Any, int]:
+    """Create, bind and start a ``grpc.aio`` server over ``core`` on the running loop, its calls
+    behind ``gate`` when given (:mod:`app.grpc.drain`).
 
     Serves TLS when the settings give ``certfile``/``keyfile`` (the HTTP certificate), and
     requires a client certificate signed by ``client_ca_file`` when that is set (mutual TLS,
@@ -100,7 +109,8 @@ async def start_server(core: ServingCore, host: str, port: int) -> tuple[Any, in
     settings, tracing = core.settings, core.tracing
     interceptors = tracing.grpc_interceptors() if tracing is not None else None
     server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
-    server.add_generic_rpc_handlers((generic_handler(InferenceServicer(core)),))
+    handler = generic_handler(InferenceServicer(core))
+    server.add_generic_rpc_handlers((gate.wrap(handler) if gate is not None else handler,))
     address = _address(host, port)
     if settings.certfile is not None and settings.keyfile is not None:
         client_ca = settings.client_ca_file
@@ -120,9 +130,10 @@ async def start_server(core: ServingCore, host: str, port: int) -> tuple[Any, in
 
 @asynccontextmanager
 async def serving_grpc(core: ServingCore) -> AsyncIterator[None]:
-    """Serve gRPC on ``grpc_host:grpc_port`` in this worker (not when the
-    port is 0) from ``grpc_servers`` servers on that port; on cleanup stop them, giving
-    in-flight calls ``grpc_grace_s`` seconds.
+    """Serve gRPC on ``grpc_host:grpc_port`` in this worker (not when the port is 0, nor once
+    the worker drains: stopped before its models were warm, it never listens) from
+    ``grpc_servers`` servers on that port; on cleanup stop them without cutting a call
+    (:func:`app.grpc.drain.stop_servers`), giving in-flight calls ``grpc_grace_s`` seconds.
 
     Why several: a ``grpc.aio`` server takes new calls from the gRPC core one at a time, one
     per turn of the event loop (it awaits each ``request_call`` before asking for the next),
@@ -132,18 +143,23 @@ async def serving_grpc(core: ServingCore) -> AsyncIterator[None]:
     2 workers on 2 cores: 1 server per worker 18-19k items/s, 4 servers 24.6-25.8k, 8 servers
     20-25k (11 connections over 16 listeners spread unevenly over the workers).
     """
-    settings = core.settings
-    if settings.grpc_port == 0:
+    settings, registry = core.settings, core.registry
+    if settings.grpc_port == 0 or registry.draining:
         yield
         return
-    server, port = await start_server(core, settings.grpc_host, settings.grpc_port)
+    gate = AnswerGate()
+    server, port = await start_server(core, settings.grpc_host, settings.grpc_port, gate)
     servers = [server]
     try:
         for _ in range(settings.grpc_servers - 1):  # on the port the first one bound
-            servers.append((await start_server(core, settings.grpc_host, port))[0])
+            servers.append((await start_server(core, settings.grpc_host, port, gate))[0])
     except BaseException:
         await asyncio.gather(*(s.stop(None) for s in servers))
         raise
+    if registry.draining:  # stopped while the servers started: none has taken a call
+        await asyncio.gather(*(s.stop(None) for s in servers))
+        yield
+        return
     log.info(
         "worker %d: gRPC listening on %s", os.getpid(), _address(settings.grpc_host, port),
         extra={"event": "grpc_listening", "port": port},
@@ -151,4 +167,4 @@ async def serving_grpc(core: ServingCore) -> AsyncIterator[None]:
     try:
         yield
     finally:
-        await asyncio.gather(*(s.stop(settings.grpc_grace_s) for s in servers))
+        await stop_servers(servers, gate, settings.grpc_grace_s)

@@ -188,6 +188,10 @@ class Membership:
 
         rundir.private_subdir(self.run_dir, "peers")  # whoever can connect gives it work
         self._endpoint = await InternalEndpoint.start(core, self.run_dir, self.pid)
+        log.info(
+            "worker %d: internal endpoint listening on %s", self.pid, self._endpoint.path,
+            extra={"event": "internal_endpoint_listening"},
+        )  # fmt: skip
 
     async def close(self) -> None:
         """Close the internal endpoint and the sessions to siblings; the slot stays claimed until

@@ -26,7 +26,8 @@ the app's own request after a hung batch):
 **Stopped before ready**: a SIGTERM while the app is imported kills the worker (the default
 action, until the event loop runs); one while its models load or it waits for them off the
 listener stops it at once, without a drain and without waiting for a load under way (the master
-forwards a stop to every worker at once: ``app.server.gunicorn_config.when_ready``).
+forwards a stop to every worker at once: ``app.server.gunicorn_config.when_ready``); it opens
+none of its listeners (HTTP, gRPC, the internal endpoint) after the stop.
 
 **Drain-aware recycling**: a worker past ``max_requests`` (gunicorn's, jitter included)
 recycles only while another worker is ready to take its traffic (or when it is the only
@@ -260,7 +261,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         from app.http.limits import json_errors_protocol
         from app.http.state import CORE
 
-        await self._membership.serve_endpoint(app[CORE])
+        if not self._draining:  # a worker stopped before it was ready starts no listener
+            await self._membership.serve_endpoint(app[CORE])
         connections = self._membership.connections
         self._listener = Listener(
             asyncio.get_running_loop(),

@@ -291,6 +291,15 @@ class MeasuredRate:
         alone: tuple[float, int] | None = None,
     ) -> Refusal | None:  # fmt: skip
         backlog = self._backlog
+        if budget_s <= 0:  # its deadline passed before it got here (its decoding, its pricing)
+            late_ms = -budget_s * 1000
+            return Refusal(
+                "deadline",
+                DeadlineExceeded(
+                    f"model {backlog.name}: {what} expired before it was admitted (its deadline passed "
+                    f"{late_ms:.0f} ms ago)"
+                ),
+            )
         full = _full(backlog, items, lambda: self._retry_after_s(now))
         if full is not None:
             return full

@@ -16,7 +16,8 @@ padding of the batch a text shares, a GEMM's with the batch size (docs/response-
   (gRPC UNAVAILABLE or DEADLINE_EXCEEDED sent by the server);
 - ``unloaded``: 404 "not loaded" for a model the schedule had unloaded when the request started;
 - ``killed``: no answer on a connection of a worker the schedule SIGKILLed, which the request
-  was on when it died (docs/reliability.md: a SIGKILL costs the requests the worker held);
+  was on while it died (docs/reliability.md: a SIGKILL costs the requests the worker held;
+  :class:`Kill`);
 - ``unanswered``: no answer otherwise (reset, EOF, or nothing within the client's timeout);
 - ``unexpected_5xx``, ``unexpected_4xx``: any other status.
 
@@ -57,13 +58,21 @@ REFUSALS = (429, 503, 504)
 
 @dataclass(frozen=True)
 class Kill:
-    """A SIGKILL of the schedule: when, the victim's pid, the client ports of its HTTP
-    connections, and how many gRPC connections it held."""
+    """A SIGKILL of the schedule: when (``at``, just before the signal), the victim's pid, the
+    client ports of its HTTP connections, how many gRPC connections it held, and when it was
+    ``gone`` (a zombie or reaped: its sockets closed). Until then its connections still take a
+    request, which the kernel resets when it closes them: a client idle at the kill (waiting out
+    a ``Retry-After``) can send on one after the signal, and lose that request to the kill too."""
 
     at: float
     pid: int
     http_ports: frozenset[int]
     grpc_connections: int
+    gone: float = 0.0
+
+    def overlaps(self, began: float, ended: float) -> bool:
+        """Whether a request from ``began`` to ``ended`` was on the wire while the victim died."""
+        return began <= max(self.at, self.gone) and self.at <= ended
 
 
 @dataclass(frozen=True)
@@ -208,19 +217,28 @@ class Oracle:
                 continue
             kill = self._kill_of(p, grpc_budget)
             outcome = "killed" if kill is not None else "unanswered"
-            self.tally.add(
-                p.api,
-                outcome,
-                f"t={p.began - self.t0:.1f}s {p.detail} (port {p.local_port}, {p.ended - p.began:.2f} s)",
-            )
+            victim = self._victim_of(p) if kill is None or p.began > kill.at else ""
+            where = f"port {p.local_port}, {p.ended - p.began:.2f} s{victim}"
+            self.tally.add(p.api, outcome, f"t={p.began - self.t0:.1f}s {p.detail} ({where})")
         self.pending.clear()
 
-    def _kill_of(self, p: Pending, grpc_budget: dict[Kill, int]) -> Kill | None:
-        """The SIGKILL that explains a wire error: the request was in flight when it came and
-        (HTTP) on one of the victim's connections, or (gRPC, whose port a client cannot see) one
-        of at most as many as the victim had gRPC connections."""
+    def _victim_of(self, p: Pending) -> str:
+        """For an HTTP wire error on a connection a SIGKILLed worker held, sent after the signal:
+        when, against that kill."""
         for kill in self.kills:
-            if not p.began <= kill.at <= p.ended:
+            if p.protocol == "http" and p.local_port in kill.http_ports:
+                return (
+                    f"; a connection of SIGKILLed worker {kill.pid}: sent {p.began - kill.at:+.2f} s after"
+                    f" the signal, {kill.gone - kill.at:.2f} s before it was gone"
+                )
+        return ""
+
+    def _kill_of(self, p: Pending, grpc_budget: dict[Kill, int]) -> Kill | None:
+        """The SIGKILL that explains a wire error: the request was in flight while the victim died
+        (:meth:`Kill.overlaps`) and (HTTP) on one of the victim's connections, or (gRPC, whose
+        port a client cannot see) one of at most as many as the victim had gRPC connections."""
+        for kill in self.kills:
+            if not kill.overlaps(p.began, p.ended):
                 continue
             if p.protocol == "http" and p.local_port in kill.http_ports:
                 return kill

@@ -103,6 +103,17 @@ class ActionFailed(Exception):
     """The server did not answer an action as documented."""
 
 
+def _gone(process: psutil.Process, timeout_s: float = 30.0) -> float:
+    """When ``process``, SIGKILLed, has closed its sockets: once gunicorn has reaped it (its last
+    thread has exited; the first to go may leave a zombie leader while another still frees the
+    memory and then the sockets, which takes a while on a busy machine). Monotonic seconds;
+    polled every 5 ms, at most ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end and process.is_running():
+        time.sleep(0.005)
+    return time.monotonic()
+
+
 def seconds(value: float | str) -> float:
     """``90``, ``"90"``, ``"90s"``, ``"1:30"`` or ``"30m"`` -> seconds."""
     text = str(value).strip()
@@ -206,10 +217,13 @@ class Scenario:
         connections = (getattr(process, "net_connections", None) or process.connections)("tcp")
         ports = frozenset(c.raddr.port for c in connections if c.raddr and c.laddr.port == self.srv.port)
         grpc = sum(1 for c in connections if c.raddr and c.laddr.port == self.srv.grpc_port)  # IPv6-mapped
-        self.traffic.oracle.killed(Kill(time.monotonic(), victim, ports, grpc))
+        at = time.monotonic()
         os.kill(victim, signal.SIGKILL)
+        gone = _gone(process)
+        self.traffic.oracle.killed(Kill(at, victim, ports, grpc, gone))
         settled = self._settled({victim})
-        return f"worker {victim} ({len(ports)} HTTP, {grpc} gRPC connections) replaced in {settled:.1f} s"
+        held = f"{len(ports)} HTTP, {grpc} gRPC connections"
+        return f"worker {victim} ({held}) gone {gone - at:.2f} s after the kill, replaced in {settled:.1f} s"
 
     def _control(self, action: str, model: str, expect: int = 200) -> str:
         began = time.monotonic()

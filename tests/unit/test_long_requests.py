@@ -151,6 +151,19 @@ async def test_behind_a_backlog_a_request_that_could_finish_alone_gets_503(threa
     await unit.stop()
 
 
+async def test_a_request_whose_deadline_passed_before_admission_is_told_it_expired(threads: Threads) -> None:
+    """A 5 ms deadline spent before admission judges the priced request (its pricing, a busy
+    loop): a 504 that says it expired, not a negative deadline it "cannot finish within"."""
+    unit = await fresh(TimedByCost(), threads)
+    now = asyncio.get_running_loop().time()
+    refusal = measured(unit).refusal(2, 2000.0, None, -0.099, now, "request late", (2000.0, 1))
+    assert refusal is not None and isinstance(refusal.error, DeadlineExceeded)
+    assert refusal.error.message == (
+        "model m: request late expired before it was admitted (its deadline passed 99 ms ago)"
+    )
+    await unit.stop()
+
+
 #: A cross-encoder whose batches take what ms-marco-MiniLM-L-6-v2 takes on one core of the CPU VM
 #: (0.3 ms per token, padded to the longest text of the batch); ``ran`` counts the items it
 #: computed that were not warmup's.

@@ -1,8 +1,8 @@
 """The stress run's parts that need no server (benchmarks/stress): the shipped schedules parse and
 a mistake in one is named; the oracle's outcomes (references, refusals, a 404 inside and outside
-an unload, a wire error on a killed worker's connection or not); the resource bounds; the
-client's keep-alive behaviour against a server that closes idle connections; each API's pool
-and answer reading."""
+an unload, a wire error on a killed worker's connection or not, sent before it was gone or
+after); the resource bounds; the client's keep-alive behaviour against a server that closes
+idle connections; each API's pool and answer reading."""
 
 from __future__ import annotations
 
@@ -115,6 +115,21 @@ def test_a_wire_error_counts_as_killed_only_on_the_victims_connections(judge: or
     judge.settle()
     assert judge.tally.counts["v2-json"] == {"killed": 1, "unanswered": 2}
     assert judge.tally.counts["grpc-ranker"] == {"killed": 1, "unanswered": 1}
+
+
+def test_a_request_sent_on_a_victims_connection_before_its_sockets_closed_counts_as_killed(
+    judge: oracle.Oracle,
+) -> None:
+    """A client idle at the SIGKILL (waiting out a Retry-After) sends on its kept-alive connection
+    to the victim after the signal, before the dying process has closed its sockets: the kernel
+    resets it then, a loss of the kill. Sent once the victim was gone, it would be unexplained."""
+    judge.killed(oracle.Kill(50.0, 7, frozenset({4000}), 0, gone=50.6))
+    for began, ended in ((50.4, 50.8), (50.7, 50.8)):
+        judge.defer(oracle.Pending("v2-json", "feed-ranker", "http", began, ended, 0, "reset", 4000))
+    judge.settle()
+    assert judge.tally.counts["v2-json"] == {"killed": 1, "unanswered": 1}
+    (unexplained,) = judge.tally.examples["unanswered"]
+    assert "a connection of SIGKILLed worker 7: sent +0.70 s after the signal" in unexplained
 
 
 def sample(
