@@ -17,7 +17,7 @@ and never split into windows.
 The contract a text handler keeps (``app.models.base`` has the server's side):
 
 - an item's preparation (:data:`~app.handlers.tokenizing.Parts`) is a tuple of int32 token rows,
-  the same arity for every item of a handler (``peers.to_tensor`` carries it to a sibling as flat
+  the same arity for every item of a handler (``wire.to_tensor`` carries it to a sibling as flat
   ids and lengths); it is made from the item's inputs alone, so the same inputs always make the
   same preparation;
 - ``item_costs`` of inputs that hold ``PREPARED`` prices them from it and tokenizes nothing;

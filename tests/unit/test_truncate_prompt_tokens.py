@@ -42,8 +42,8 @@ def repo(tmp_path: Path) -> Path:
         assert old in toml
         toml = toml.replace(old, new)
     (tmp_path / "minilm").mkdir()
-    assert 'name = "truncate_prompt_tokens"' in toml  # the demo's MiniLM declares it
-    (tmp_path / "minilm" / "model.toml").write_text(toml)
+    # Declared here, not in the demo: perf_analyzer fills every declared input with random data.
+    (tmp_path / "minilm" / "model.toml").write_text(toml + TRUNCATE_INPUT)
     for name, labels, seed in (("clf", ["ok", "insult", "threat"], 1), ("ce", ["relevance"], 2)):
         folder = write_classifier_model(
             tmp_path, name, labels, parameters="max_seq_length = 64\nstride = 8", seed=seed
