@@ -299,3 +299,10 @@ def outputs_between(segments: list[Segment], start: int, stop: int) -> Tensors |
     if len(pieces) == 1:
         return pieces[0]
     return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+
+def expire(future: asyncio.Future[Tensors]) -> None:
+    """Fail a request's ``future`` with :class:`TimeoutError` when its deadline passes before its
+    outputs are set (a loop timer: ``loop.call_at(deadline, expire, future)``); a done one stays."""
+    if not future.done():
+        future.set_exception(TimeoutError())

@@ -3,11 +3,10 @@ stages a batch goes through.
 
 **Stages.** A batch goes through three stages (:meth:`ModelRunner.prepare`,
 :meth:`~ModelRunner.predict`, :meth:`~ModelRunner.finish`: the handler's ``preprocess`` ->
-``predict`` -> ``postprocess``, each under ``torch.inference_mode()``). The executor
-(:mod:`app.serving.executor`) runs them on three threads (the staged pipeline) or all three on
-the inference thread (:meth:`ModelRunner.run_batch`). On a CUDA device each stage runs on a
-stream of its own (:class:`Streams`: copies in, kernels, copies out, ordered by events), so the
-copies of one batch overlap the kernels of another.
+``predict`` -> ``postprocess``, each under ``torch.inference_mode()``), which the executor
+(:mod:`app.serving.executor`) runs on three threads or all on the inference thread
+(:meth:`ModelRunner.run_batch`). On CUDA each stage has a stream (:class:`Streams`, ordered by
+events), so one batch's copies overlap another's kernels.
 
 **Failures contained.** :meth:`ModelRunner.run_batch` is where failures stay contained: when the
 device runs out of memory it halves the batch and retries each half (recursively), so only an
@@ -18,8 +17,7 @@ Both slice every input alike, the items' preparations (``PREPARED``) included.
 **Pricing and calibration.** A handler may price a request's items (``item_costs``: tokens, and
 with :class:`app.models.base.Priced` each item's preparation); :meth:`ModelRunner.item_costs`
 checks what it returns. After warmup :meth:`ModelRunner.calibrate` times a small and a large
-batch: the two points seed admission's service rate (overhead and cost per unit) before the
-first request.
+batch, seeding admission's service rate (overhead, cost per unit) before the first request.
 """
 
 from __future__ import annotations

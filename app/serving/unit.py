@@ -45,6 +45,7 @@ from app.serving.batch import (
     QueuedRequest,
     Tensors,
     assemble,
+    expire,
     outputs_between,
     padded_to_longest,
     price,
@@ -263,7 +264,7 @@ class ServingUnit:
             self.queue.put(request)
             if self.queue.items - self._reported_depth >= self.max_batch_size:
                 self._report_depth()  # a backlog builds up behind a running batch
-            expiry = loop.call_at(deadline, _expire, request.future)  # 1.3 µs; asyncio.timeout: 4.8
+            expiry = loop.call_at(deadline, expire, request.future)  # 1.3 µs; asyncio.timeout: 4.8
             try:
                 return await request.future
             finally:
@@ -395,9 +396,3 @@ class ServingUnit:
         when it has grown by a whole batch since (the gauge is a shared-memory write)."""
         self._reported_depth = self.queue.items
         self.observer.queue_depth(self.queue.items)
-
-
-def _expire(future: asyncio.Future[Tensors]) -> None:
-    """A request's deadline passed while it waited for its outputs (:meth:`ServingUnit.infer`)."""
-    if not future.done():
-        future.set_exception(TimeoutError())
