@@ -3,15 +3,18 @@ where every module is one we know.
 
 A folder's ``modules.json`` names its pipeline, almost always *Transformer -> Pooling ->
 Normalize*. :func:`load_pipeline` reads it with ``sentence_bert_config.json`` and
-``1_Pooling/config.json`` and runs transformers' ``AutoModel`` (as the library's Transformer
-module loads it: ``use_cache`` off), the folder's pooling (mean, CLS, max or last-token, the
-library's own arithmetic: :func:`pool`) and L2 normalisation, so the embeddings are bit-identical
-to ``SentenceTransformer``'s on the same token ids (``tests/unit/test_embedding_pipeline.py``, max
-abs difference 0). A worker then never imports sentence-transformers, whose import pulls in
-scikit-learn, SciPy and more (about 4 CPU-s of a worker's start on the 2-core VM:
-docs/text-models.md). Anything else (another module type, a pooling mode or config key we do not
-know, an encoder-decoder model, a PEFT adapter) loads with ``SentenceTransformer`` itself, with
-a log line saying why; the tokenizing is ours either way (:mod:`app.handlers.tokenizing`).
+``1_Pooling/config.json`` and runs the transformer (a BERT encoder: our own,
+:mod:`app.handlers.bert_encoder`, with no transformers import; any other: transformers'
+``AutoModel``, as the library's Transformer module loads it, ``use_cache`` off), the folder's
+pooling (mean, CLS, max or last-token, the library's own arithmetic: :func:`pool`) and L2
+normalisation, so the embeddings are bit-identical to ``SentenceTransformer``'s on the same
+token ids (``tests/unit/test_embedding_pipeline.py``, max abs difference 0). A worker then
+never imports sentence-transformers, whose import pulls in scikit-learn, SciPy and more (about
+4 CPU-s of a worker's start on the 2-core VM: docs/text-models.md), nor, for a BERT folder,
+transformers' modeling code (about 3 CPU-s more). Anything else (another module type, a
+pooling mode or config key we do not know, an encoder-decoder model, a PEFT adapter) loads with
+``SentenceTransformer`` itself, with a log line saying why; the tokenizing is ours either way
+(:mod:`app.handlers.tokenizing`).
 
 Both pipelines take the tokenized strings (``input_ids``, ``attention_mask``, and
 ``token_type_ids`` where the model takes them: int64 ``[U, T]`` on the device) and return the
@@ -30,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from app.handlers.bert_encoder import BertEncoder, load_bert, unsupported
 
 __all__ = [
     "PROMPT_PARAMETERS",
@@ -230,6 +235,16 @@ class EmbeddingPipeline:
         return limit if isinstance(limit, int) and limit > 0 else None
 
     @property
+    def is_decoder(self) -> bool:
+        """Whether the transformer is a decoder-only model's (:func:`app.handlers.decoders.is_decoder`;
+        our own BERT encoder is not, and asks no transformers import to say so)."""
+        if isinstance(self.transformer, BertEncoder):
+            return False
+        from app.handlers.decoders import is_decoder
+
+        return is_decoder(self.transformer.config)
+
+    @property
     def takes_type_ids(self) -> bool:
         """Whether the transformer's forward takes ``token_type_ids``."""
         return "token_type_ids" in inspect.signature(self.transformer.forward).parameters
@@ -269,6 +284,16 @@ def _light_fallback(folder: Path, plan: FolderPlan) -> str | None:
     return None
 
 
+def _own_encoder(folder: Path, model_kwargs: Mapping[str, Any]) -> BertEncoder | None:
+    """The folder's transformer as our own BERT encoder (:mod:`app.handlers.bert_encoder`), or
+    None (with a DEBUG line saying why) where transformers' ``AutoModel`` must run it."""
+    why = unsupported(_json(folder / "config.json"), dict(model_kwargs))
+    encoder = load_bert(folder, model_kwargs.get("dtype")) if why is None else None
+    if encoder is None:
+        log.debug("%s: transformers runs the encoder (%s)", folder, why or "its weights are not a BERT's")
+    return encoder
+
+
 def load_pipeline(folder: Path, device: torch.device, model_kwargs: Mapping[str, Any]) -> EmbeddingPipeline:
     """The folder's pipeline on ``device`` in eval mode: ours (module docstring), else the
     library's, with an INFO line saying why.
@@ -280,12 +305,16 @@ def load_pipeline(folder: Path, device: torch.device, model_kwargs: Mapping[str,
         ValueError: unreadable sentence-transformers files.
         Exception: what transformers or sentence-transformers raise for a folder they cannot load.
     """
+    plan = read_folder(folder)
+    why = _light_fallback(folder, plan)
+    if why is None:
+        own = _own_encoder(folder, model_kwargs)
+        if own is not None:
+            return EmbeddingPipeline(own.to(device), plan)
     from transformers import AutoConfig, AutoModel  # the modeling code: only where a model loads
     from transformers.utils import logging as transformers_logging
 
     transformers_logging.disable_progress_bar()  # a worker logs one line per model load
-    plan = read_folder(folder)
-    why = _light_fallback(folder, plan)
     if why is None:
         config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
         if hasattr(config, "use_cache"):

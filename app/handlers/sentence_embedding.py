@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 from app.handlers import onnx_encoder
 from app.handlers import windows as windowing
-from app.handlers.decoders import DTYPES, is_decoder, pad_decoder
+from app.handlers.decoders import DTYPES, pad_decoder
 from app.handlers.embedding_pipeline import (
     PROMPT_PARAMETERS,
     EmbeddingPipeline,
@@ -254,7 +254,7 @@ class SentenceEmbeddingHandler(TextHandler):
         self._tokenizer = TextTokenizer.from_folder(
             path, length, stride=stride, lowercase=pipeline.lowercase, pairs=False, keeps_last=self.truncates
         )
-        if is_decoder(pipeline.transformer.config):  # last-token pooling reads the mask: any pad id
+        if pipeline.is_decoder:  # last-token pooling reads the mask: any pad id
             pad_decoder(self._tokenizer, path, pipeline.transformer.config, config.name)
         cuts = policy.truncation != "truncate" or self.truncates
         self.prompts = read_prompts(path, parameters, pipeline.include_prompt, cuts)

@@ -141,14 +141,14 @@ def test_the_folders_files_decide_the_plan(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_worker_loads_the_demo_model_without_importing_sentence_transformers() -> None:
+def test_a_worker_loads_the_demo_model_without_importing_sentence_transformers_or_transformers() -> None:
     script = (
         "import sys, torch\n"
         "from pathlib import Path\n"
         "from app.handlers.sentence_embedding import SentenceEmbeddingHandler\n"
         "from app.models.repository import read_config\n"
         f"SentenceEmbeddingHandler().load(torch.device('cpu'), read_config(Path({str(MINILM)!r})))\n"
-        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sentence_transformers', 'sklearn'}))\n"
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sentence_transformers', 'sklearn', 'transformers', 'scipy'}))\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=600, check=True
