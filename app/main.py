@@ -122,7 +122,8 @@ async def create_app(
     if metrics is not None:
         app.router.add_get("/metrics", metrics_handler)
         app.cleanup_ctx.append(gpu_metrics_ctx(metrics, binding.labels(), settings.gpu_metrics_interval_s))
-        app.cleanup_ctx.append(loop_lag_ctx(metrics.registry))
+        if settings.loop_lag_interval_ms > 0:
+            app.cleanup_ctx.append(loop_lag_ctx(metrics.registry, settings.loop_lag_interval_ms / 1000))
     if cache is not None:
         app.cleanup_ctx.append(cache_ctx(cache))  # before models_ctx: cleaned up after the models stop
     app.cleanup_ctx.append(models_ctx)

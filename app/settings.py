@@ -213,6 +213,10 @@ class Settings(BaseSettings):
         description="How often each worker reads its bound GPU's memory and utilisation "
         "through NVML for /metrics, seconds.",
     )
+    loop_lag_interval_ms: float = Field(
+        20.0, ge=0, description="Event-loop lag probe period, ms (0: off); a stall of S ms shows "
+        "as at least S minus this. Each tick wakes the loop (docs/observability.md).",
+    )  # fmt: skip
 
     # --- requests: limits (docs/reliability.md) -------------------------------
     max_request_bytes: int = Field(

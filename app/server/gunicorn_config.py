@@ -99,6 +99,11 @@ os.environ["SCORING_RUN_DIR"] = str(_run_dir)
 # prometheus_client picks file-backed values at import time, so this must come before any
 # import of it (the workers import app.observability.metrics; child_exit below imports it in the master).
 os.environ.setdefault("PROMETHEUS_MULTIPROC_DIR", str(_run_dir / "prometheus"))
+# The Rust tokenizer's batch calls run on the calling prepare thread, not on a rayon pool of
+# one thread per core in every worker: the workers and their prepare threads are the
+# parallelism, and idle pool threads spin (docs/benchmarks.md, "Host path"). Set it to "true"
+# to get the pool back.
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 _metrics_dir = Path(os.environ["PROMETHEUS_MULTIPROC_DIR"])
 
 _policy = BindingPolicy(

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 
 from app.observability.looplag import LoopLag, WindowMax, loop_lag_ctx
-from tests.support.fixtures import eventually
+from tests.support.fixtures import MakeClient, eventually
 
 PID = str(os.getpid())
 
@@ -64,3 +65,13 @@ async def test_a_stalled_loop_shows_as_one_late_tick() -> None:
     count = lag_sample(registry, "seconds_count")
     await asyncio.sleep(0.05)
     assert lag_sample(registry, "seconds_count") == count
+
+
+@pytest.mark.parametrize(("interval_ms", "probed"), [(20.0, True), (0.0, False)])
+async def test_the_setting_sets_the_probe_or_turns_it_off(
+    make_client: MakeClient, scale_repo: Path, interval_ms: float, probed: bool
+) -> None:
+    client = await make_client(scale_repo, loop_lag_interval_ms=interval_ms)
+    resp = await client.get("/metrics")
+    assert resp.status == 200
+    assert ("scoring_event_loop_lag_seconds_count" in await resp.text()) is probed
