@@ -374,7 +374,8 @@ class Settings(BaseSettings):
     response_cache_redis_url: str = Field(
         "",
         description="A Redis or Valkey server that several hosts share as the response cache's "
-        "second tier (redis://host:port/db): asked for what the host's store lacks, written with "
+        "second tier (redis://host:port/db, rediss://, unix:///path.sock?db=0): asked for what "
+        "the host's store lacks, written with "
         "what is computed; empty = none.",
     )
     response_cache_redis_timeout_ms: float = Field(

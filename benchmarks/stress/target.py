@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from benchmarks.driver import free_port
 from tests.support.gunicorn import Gunicorn
 
 #: The response cache's store: small, so that it evicts within minutes of traffic.
@@ -21,28 +21,34 @@ CACHE_BYTES = 32 << 20
 
 
 class RedisProcess:
-    """A redis-server (or valkey-server) on a fixed loopback port, nothing persisted, that can be
-    stopped and started again on the same port (the schedule's Redis outage)."""
+    """A redis-server (or valkey-server) on a Unix socket in ``folder``, nothing persisted, that
+    can be stopped and started again at the same address (the schedule's Redis outage). A socket
+    file and not a loopback port: while Redis is down for the outage, a port it released can be
+    taken by any other process of the machine (another server's listener, an outgoing
+    connection), and Redis could not come back at its address."""
 
     def __init__(self, folder: Path) -> None:
         binary = shutil.which("redis-server") or shutil.which("valkey-server")
         if binary is None:
             raise FileNotFoundError("no redis-server or valkey-server (apt-get install redis-server)")
-        self.binary, self.folder, self.port = binary, folder, free_port()
+        self.binary, self.folder = binary, folder
+        self.socket = folder / "redis.sock"
+        if len(str(self.socket)) > 100:  # a Unix socket's path holds at most 107 bytes
+            self.socket = Path(tempfile.mkdtemp(prefix="stress-redis-")) / "redis.sock"
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"unix://{self.socket}?db=0"
 
     def start(self) -> None:
-        command = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                   "--appendonly", "no", "--dir", str(self.folder)]  # fmt: skip
+        command = [self.binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
+                   "--save", "", "--appendonly", "no", "--dir", str(self.folder)]  # fmt: skip
         self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + 10
         import redis
 
-        client = redis.Redis(port=self.port)
+        client = redis.Redis(unix_socket_path=str(self.socket))
         try:
             while True:
                 try:
