@@ -6,8 +6,9 @@ workers to settle after a HUP or a kill.
 
 from __future__ import annotations
 
+import os
 import shutil
-import subprocess
+import signal
 import tempfile
 import time
 from collections.abc import Mapping
@@ -35,16 +36,24 @@ class RedisProcess:
         self.socket = folder / "redis.sock"
         if len(str(self.socket)) > 100:  # a Unix socket's path holds at most 107 bytes
             self.socket = Path(tempfile.mkdtemp(prefix="stress-redis-")) / "redis.sock"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.pid: int | None = None
 
     @property
     def url(self) -> str:
         return f"unix://{self.socket}?db=0"
 
     def start(self) -> None:
+        """Start it and wait for its first PONG (10 s at most). ``os.posix_spawn``, not a fork:
+        the driver runs locust under gevent with gRPC clients, and a forked child of such a
+        process can abort in gRPC's fork handlers before it reaches ``exec``.
+
+        Raises:
+            redis.ConnectionError: no PONG within 10 s, or the server exited.
+        """
         command = [self.binary, "--port", "0", "--unixsocket", str(self.socket), "--unixsocketperm", "700",
                    "--save", "", "--appendonly", "no", "--dir", str(self.folder)]  # fmt: skip
-        self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        quiet = [(os.POSIX_SPAWN_OPEN, fd, os.devnull, os.O_WRONLY, 0) for fd in (1, 2)]
+        self.pid = os.posix_spawn(self.binary, command, dict(os.environ), file_actions=quiet)
         deadline = time.monotonic() + 10
         import redis
 
@@ -55,17 +64,33 @@ class RedisProcess:
                     client.ping()
                     return
                 except redis.ConnectionError:
-                    if time.monotonic() > deadline or self.proc.poll() is not None:
+                    if time.monotonic() > deadline or not self._running():
                         raise
                     time.sleep(0.05)
         finally:
             client.close()
 
+    def _running(self) -> bool:
+        if self.pid is None:
+            return False
+        if os.waitpid(self.pid, os.WNOHANG)[0] == 0:
+            return True
+        self.pid = None  # reaped
+        return False
+
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        self.proc = None
+        """SIGTERM, then SIGKILL after 10 s; reaped either way."""
+        if not self._running():
+            return
+        assert self.pid is not None
+        os.kill(self.pid, signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while self._running() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.pid is not None:
+            os.kill(self.pid, signal.SIGKILL)
+            os.waitpid(self.pid, 0)
+        self.pid = None
 
 
 def start_server(
