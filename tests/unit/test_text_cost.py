@@ -11,6 +11,8 @@ import numpy as np
 import pytest
 
 from app.handlers.text_cost import (
+    ATTEMPTS,
+    FALLBACK_OVERHEAD_TOKENS,
     ROUNDS,
     CostModel,
     calibrate,
@@ -48,15 +50,52 @@ def test_a_linear_forward_fits_no_knee_and_a_flat_one_one_call() -> None:
     ]
 
 
+class FakeForward:
+    """A forward timed on a fake clock: each call advances it by :func:`_seconds` of its shape,
+    its calls of more than 16 tokens ``slowed`` times slower in the first ``disturbed``
+    calibration attempts."""
+
+    def __init__(self, disturbed: int = 0, slowed: float = 3.0) -> None:
+        self.now, self.disturbed, self.slowed = 0.0, disturbed, slowed
+        self.calls: list[tuple[int, int]] = []
+        self.per_attempt = len(calibration_shapes(256)) * (ROUNDS + 1)
+
+    def clock(self) -> float:
+        return self.now
+
+    def __call__(self, strings: int, tokens: int) -> None:
+        attempt = len(self.calls) // self.per_attempt
+        self.calls.append((strings, tokens))
+        factor = self.slowed if attempt < self.disturbed and tokens > 16 else 1.0
+        self.now += _seconds(strings, tokens) * factor
+
+
 def test_calibration_times_each_shape_in_turn_and_keeps_the_best() -> None:
-    calls: list[tuple[int, int]] = []
+    forward = FakeForward()
+    model = calibrate(forward, 256, clock=forward.clock)
+    assert forward.calls == calibration_shapes(256) * (ROUNDS + 1)  # one warm-up round, then ROUNDS
+    assert model.overhead == pytest.approx(40.0, rel=1e-6) and model.knee == pytest.approx(512.0, rel=1e-6)
 
-    def run(strings: int, tokens: int) -> None:
-        calls.append((strings, tokens))
 
-    model = calibrate(run, 256)  # the structure of the rounds; nothing here takes measurable time
-    assert calls == calibration_shapes(256) * (ROUNDS + 1)  # one warm-up round, then ROUNDS
-    assert isinstance(model, CostModel)
+def test_a_calibration_disturbed_into_no_overhead_is_measured_again() -> None:
+    # The larger calls slowed threefold (a sibling worker calibrating on the same cores): the fit's
+    # intercept goes negative and would cut every distinct length into a call of its own.
+    slowed = [_seconds(u, t) * (3.0 if t > 16 else 1.0) for u, t in calibration_shapes(256)]
+    assert fit(calibration_shapes(256), slowed).overhead == 0.0
+    forward = FakeForward(disturbed=1)
+    model = calibrate(forward, 256, clock=forward.clock)
+    assert len(forward.calls) == 2 * forward.per_attempt
+    assert model.overhead == pytest.approx(40.0, rel=1e-6)
+
+
+def test_a_calibration_that_never_finds_an_overhead_assumes_one_and_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    forward = FakeForward(disturbed=ATTEMPTS)
+    model = calibrate(forward, 256, clock=forward.clock)
+    assert len(forward.calls) == ATTEMPTS * forward.per_attempt
+    assert model.overhead == FALLBACK_OVERHEAD_TOKENS
+    assert "set call_overhead_tokens in model.toml" in caplog.text
 
 
 def test_long_windows_cost_their_time_and_short_texts_their_tokens() -> None:
