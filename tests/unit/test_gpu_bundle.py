@@ -108,3 +108,24 @@ def test_the_acceptance_script_lists_its_steps_and_refuses_unknown_ones() -> Non
     none = acceptance("--out", "/nonexistent/out")
     assert none.returncode == 2
     assert "name at least one step" in none.stderr
+
+
+def test_the_gpu_run_holds_each_step_to_its_limit_and_keeps_what_it_wrote(tmp_path: Path) -> None:
+    import os
+    import sys
+    import tarfile
+
+    env = {**os.environ, "PYTHON": sys.executable, "GPU_RUN_STEPS": "decoder bogus", "GPU_RUN_DECODER_S": "1"}
+    done = subprocess.run(
+        [str(ROOT / "scripts" / "gpu-run"), str(tmp_path / "out")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    log = (tmp_path / "out" / "run.log").read_text()
+    assert "decoder: OUT OF TIME after" in log and "unknown step 'bogus'" in log
+    assert all("] [" in line for line in log.splitlines() if line.startswith("[gpu-run"))  # the machine named
+    with tarfile.open(tmp_path / "out" / "figures.tgz") as figures:
+        assert "./run.log" in figures.getnames()
