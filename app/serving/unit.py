@@ -195,7 +195,7 @@ class ServingUnit:
             self._task = None
         await self.executor.stop()
         for request in self.queue.requests():
-            self._fail(request, QueueFull(f"model {self.name} is unloading"))
+            self._fail(request, QueueFull(f"model {self.name} is unloading", retry_after_s=1))
 
     # --- a request --------------------------------------------------------------------------
 
@@ -257,7 +257,7 @@ class ServingUnit:
                                            self.max_batch_tokens)  # fmt: skip
             cost = int(tokens.sum()) if tokens is not None else size
             if self._stopped:
-                raise QueueFull(f"model {self.name} is unloading")
+                raise QueueFull(f"model {self.name} is unloading", retry_after_s=1)
             self._admit(size, cost, level, deadline, request_id, alone)
             request = QueuedRequest(inputs, size, context, arrival, loop.create_future(), item_bytes, tokens,
                                     order, level, trace, pending=size)  # fmt: skip
@@ -349,7 +349,7 @@ class ServingUnit:
             batch.trace.ran(0.0, exc)
         if isinstance(exc, asyncio.CancelledError):
             for request in batch.requests.values():
-                self._fail(request, QueueFull(f"model {self.name} is unloading"))
+                self._fail(request, QueueFull(f"model {self.name} is unloading", retry_after_s=1))
             return
         ids = ", ".join(r.request_id for r in batch.requests.values())
         log.error("model %s failed on a batch of %d items (requests %s)", self.name, batch.items, ids,

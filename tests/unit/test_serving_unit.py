@@ -172,6 +172,26 @@ async def test_queue_full_is_rejected_at_once_with_retry_after(executor: ThreadP
     await b.stop()
 
 
+async def test_requests_a_stopping_unit_refuses_get_retry_after(executor: ThreadPoolExecutor) -> None:
+    # A version swap stops the old version's unit: what it still queued, and what reaches it
+    # after, is refused with a Retry-After (the new version serves by then), HTTP and gRPC alike.
+    rec = Recorder()
+    b = make(executor, rec, max_batch_size=1, max_queue_delay_ms=0)
+    running = await start_held(b, rec, items(0), timeout_s=1)
+    queued = asyncio.create_task(b.infer(items(1), at(soon(10))))
+    await eventually(lambda: b.queue.items == 1)
+    stopping = asyncio.create_task(b.stop())
+    await asyncio.sleep(0)  # one loop turn: stop() marks the unit stopped before its first await
+    with pytest.raises(QueueFull, match="is unloading") as late:
+        await b.infer(items(2), at(soon(5)))
+    assert late.value.retry_after_s == 1
+    with pytest.raises(QueueFull, match="is unloading") as info:  # once the held batch is gone
+        await queued
+    assert info.value.retry_after_s == 1
+    rec.gate.set()
+    await asyncio.gather(running, stopping, return_exceptions=True)
+
+
 async def test_request_larger_than_the_queue_is_invalid(executor: ThreadPoolExecutor) -> None:
     b = make(executor, Recorder(), queue_capacity=8)
     with pytest.raises(InvalidInput, match="at most 8"):
