@@ -16,9 +16,6 @@ of its DataLoader; text-embeddings-inference copies its batches from host buffer
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
 import threading
 from collections.abc import Callable
@@ -30,7 +27,7 @@ import torch
 
 from app.handlers.padding import Alloc
 
-__all__ = ["SLOTS", "HostStaging", "trim_heap"]
+__all__ = ["SLOTS", "HostStaging"]
 
 #: Buffers per preparing thread: one being copied while the next is written.
 SLOTS = 2
@@ -108,34 +105,3 @@ class HostStaging:
 
 def _fresh(shape: tuple[int, ...]) -> npt.NDArray[np.int64]:
     return np.empty(shape, dtype=np.int64)
-
-
-@functools.cache
-def _libc() -> Any:
-    """The C library, where it has glibc's ``malloc_trim`` (None elsewhere: musl, macOS)."""
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-    return libc if libc is not None and hasattr(libc, "malloc_trim") else None
-
-
-def trim_heap() -> bool:
-    """Give the C heap's free pages back to the system: glibc's ``malloc_trim(0)``, which trims
-    every malloc arena and releases the free pages inside them too. Returns whether it ran
-    (False without glibc).
-
-    Why: a model loads on its inference thread, which allocates from a malloc arena of its own
-    (glibc makes up to 8 per core), and torch's tensors, the Rust tokenizers and transformers'
-    buffers are malloc'd there; freed at unload, that memory stays in the arena, which glibc
-    trims only from its top. Reload after reload the worker's anonymous memory rose by 3-12 MB
-    per load, with no Python object of the old copies left (docs/reliability.md, *Memory
-    growth*); a trim after the unload returns it. Source: glibc's ``malloc_trim(3)`` (since 2.8
-    it releases whole free pages of every arena); Dask's "memory not released back to the OS"
-    workaround does the same."""
-    libc = _libc()
-    if libc is None:
-        return False
-    libc.malloc_trim(0)
-    return True

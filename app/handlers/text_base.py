@@ -38,12 +38,13 @@ import numpy.typing as npt
 import torch
 
 from app.handlers import windows as windowing
-from app.handlers.host_staging import HostStaging, trim_heap
+from app.handlers.host_staging import HostStaging
 from app.handlers.padding import pad
 from app.handlers.text_config import TRUNCATE, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models.base import PREPARED, Priced
+from app.models.memory import trim_heap
 
 __all__ = ["TextHandler", "max_length", "prepared_parts"]
 
@@ -295,7 +296,7 @@ class TextHandler(windowing.Windowed):
     def close(self) -> None:
         """Free what the model holds, once its last batch has run (``app.models.base``): drop
         the model, the tokenizer and the pinned host buffers, collect, and give the freed C heap
-        back to the system (:func:`app.handlers.host_staging.trim_heap`: without it each reload
+        back to the system (:func:`app.models.memory.trim_heap`: without it each reload
         of a text model left megabytes in the malloc arena of the thread that loaded it)."""
         self._model = self._tokenizer = None
         self.staging = HostStaging(torch.device("cpu"))

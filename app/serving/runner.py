@@ -1,18 +1,16 @@
-"""The model runner: one loaded model on its device (a handler plus its ``model.toml``), and the
-stages a batch goes through.
+"""The model runner: one loaded model on its device (its handler and ``model.toml``).
 
-**Stages.** A batch goes through three stages (:meth:`ModelRunner.prepare`,
-:meth:`~ModelRunner.predict`, :meth:`~ModelRunner.finish`: the handler's ``preprocess`` ->
-``predict`` -> ``postprocess``, each under ``torch.inference_mode()``), which the executor
-(:mod:`app.serving.executor`) runs on three threads or all on the inference thread
-(:meth:`ModelRunner.run_batch`). On CUDA each stage has a stream (:class:`Streams`, ordered by
-events), so one batch's copies overlap another's kernels.
+**Stages.** A batch goes through three (:meth:`ModelRunner.prepare`, :meth:`~ModelRunner.predict`,
+:meth:`~ModelRunner.finish`: the handler's ``preprocess`` -> ``predict`` -> ``postprocess``, each
+under ``torch.inference_mode()``), which the executor (:mod:`app.serving.executor`) runs on
+three threads or all on the inference thread (:meth:`ModelRunner.run_batch`). On CUDA each stage
+has a stream (:class:`Streams`, ordered by events): one batch's copies overlap another's kernels.
 
-**Failures contained.** :meth:`ModelRunner.run_batch` is where failures stay contained: when the
-device runs out of memory it halves the batch and retries each half (recursively), so only an
-item that fails alone is reported as too large; when the handler raises on a batch of several
-requests it runs each request's items alone, so only the requests the handler cannot take fail.
-Both slice every input alike, the items' preparations (``PREPARED``) included.
+**Failures contained** in :meth:`ModelRunner.run_batch`: when the device runs out of memory it
+halves the batch and retries each half (recursively), so only an item that fails alone is
+reported as too large; when the handler raises on a batch of several requests it runs each
+request's items alone, so only the requests the handler cannot take fail. Both slice every
+input alike, the items' preparations (``PREPARED``) included.
 
 **Pricing and calibration.** A handler may price a request's items (``item_costs``: tokens, and
 with :class:`app.models.base.Priced` each item's preparation); :meth:`ModelRunner.item_costs`
@@ -37,6 +35,7 @@ from app.datatypes import NUMPY_DTYPES
 from app.errors import InferenceFailed, InvalidInput, ModelLoadError, ScoringError
 from app.models.base import PREPARED, Handler, Priced, Segment
 from app.models.loading import resolve_handler
+from app.models.memory import trim_heap
 from app.models.repository import ModelConfig, TensorSpec
 
 log = logging.getLogger(__name__)
@@ -371,20 +370,21 @@ class ModelRunner:
         return InferenceFailed(f"model {self.config.name} failed on the batch: {type(exc).__name__}")
 
     def close(self) -> int:
-        """Drop the handler's references so the model's memory can be freed; on a CUDA device
-        give the cached blocks back (``torch.cuda.empty_cache``). Returns the device bytes freed
-        (0 on the CPU). Call it on the model's inference thread, after its last batch."""
+        """Free the model: the handler's references dropped, the C heap trimmed (``trim_heap``),
+        CUDA's cached blocks given back. Returns the device bytes freed (0 on the CPU). Call it
+        on the model's inference thread, after its last batch."""
         before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         close = getattr(self.handler, "close", None)
         if callable(close):
             close()
         self.handler = None  # type: ignore[assignment]
-        # The boot froze what it loaded (``app.serving.boot.collect_less``): this model's
-        # objects become the collector's again, so that their cycles are freed.
+        # The boot froze what it loaded (app.serving.boot.collect_less): the model's objects
+        # become the collector's again; what its load malloc'd on its threads' arenas goes back.
         gc.unfreeze()
+        gc.collect()
+        trim_heap()
         if self.device.type != "cuda":
             return 0
-        gc.collect()
         torch.cuda.empty_cache()
         return int(before - torch.cuda.memory_reserved(self.device))
 

@@ -160,11 +160,18 @@ def back_to_baseline(baseline: list[Sample], end: list[Sample]) -> list[str]:
 
 
 def idle(
-    monitor: Monitor, phase: str, *, at_least_s: float = 16.0, settle_s: float = 1.0, timeout_s: float = 60.0
+    monitor: Monitor,
+    phase: str,
+    *,
+    at_least_s: float = 16.0,
+    settle_s: float = 1.0,
+    timeout_s: float = 60.0,
+    until: Callable[[list[Sample]], bool] | None = None,
 ) -> list[Sample]:
     """Samples of the idle workers once their descriptors have settled: after ``at_least_s``
     (the keep-alive connections the workers hold to each other for forwarding close after 15 s
-    idle, aiohttp's default), once three looks ``settle_s`` apart agree, at most ``timeout_s``."""
+    idle, aiohttp's default), once three looks ``settle_s`` apart agree and ``until`` (when
+    given) holds for the last, at most ``timeout_s``."""
     began = time.monotonic()
     looks = [monitor.sample(phase)]
     while time.monotonic() - began < timeout_s:
@@ -175,6 +182,7 @@ def idle(
             time.monotonic() - began >= at_least_s
             and len(counts) == 3
             and counts[0] == counts[1] == counts[2]
+            and (until is None or until(looks[-1]))
         ):
             break
     return looks[-1]

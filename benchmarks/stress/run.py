@@ -174,7 +174,7 @@ class Run:
         self._progress(main_began, events)
         events.join()
         watch.sample("main")
-        end = self._idle(shape, watch, runner, "end")
+        end = self._idle(shape, watch, runner, "end", back_to=baseline)
         shape.phase = "done"
         runner.quit()
         watch.stop()
@@ -182,13 +182,23 @@ class Run:
         return self.judge(srv, watch, scenario, baseline, end, main_began)
 
     def _idle(
-        self, shape: PhaseShape, watch: monitor.Monitor, runner: Any, phase: str
+        self,
+        shape: PhaseShape,
+        watch: monitor.Monitor,
+        runner: Any,
+        phase: str,
+        back_to: list[monitor.Sample] | None = None,
     ) -> list[monitor.Sample]:
         shape.phase = watch.phase = phase
         deadline = time.monotonic() + 180
         while runner.user_count and time.monotonic() < deadline:
             time.sleep(0.2)
-        return monitor.idle(watch, phase, at_least_s=self.plan.idle_s)
+        if back_to is None:
+            return monitor.idle(watch, phase, at_least_s=self.plan.idle_s)
+        # The end: idle connections close on their own timers (the workers' peer connections
+        # after 15 s, clients' after longer), so wait up to 90 s for the baseline's counts.
+        return monitor.idle(watch, phase, at_least_s=self.plan.idle_s, timeout_s=90.0,
+                            until=lambda look: not monitor.back_to_baseline(back_to, look))  # fmt: skip
 
     def _progress(self, began: float, events: threading.Thread) -> None:
         """Wait out the main phase, a line of outcomes every 30 s."""
