@@ -75,7 +75,7 @@ class ModelVersion:
     unit: ServingUnit | None = None
     #: The threads its runner and unit run on (its own: a swap loads beside the old copy).
     threads: Threads | None = None
-    #: Set once the version serves, or once loading has failed (waiters then see the error).
+    #: Set once the version serves, once loading has failed, or when the worker drains.
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     #: This worker's Triton statistics of the version (fed by its unit's observer).
     stats: ModelStats = field(default_factory=ModelStats)
@@ -374,6 +374,8 @@ class ModelRegistry:
         if self.draining:
             return
         self.draining = True
+        for model in (m for versions in self.versions.values() for m in versions.values()):
+            model.settled.set()  # a request waiting for a load gets its 503 now (serving_unit)
         log.info(
             "worker %d draining (%s): readiness 503, responses close their connections",
             os.getpid(), reason, extra={"event": "drain", "reason": reason},

@@ -159,3 +159,19 @@ async def test_release_at_stop_frees_any_state(config: ModelConfig) -> None:
     model.serve(config, "files", *A)
     model.release()
     assert (model.state, model.unit, model.runner, model.threads) == (ModelState.UNLOADING, None, None, None)
+
+
+async def test_a_request_waiting_for_a_load_is_refused_when_the_worker_drains(config: ModelConfig) -> None:
+    # A worker stopped before it was ready (a HUP while it boots) must answer what it accepted:
+    # the request waiting for the model's load gets 503 + Retry-After at the drain, not silence.
+    registry = ModelRegistry()
+    model = registry.add(config)
+    waiting = asyncio.create_task(registry.serving_unit(model, asyncio.get_running_loop().time() + 30))
+    await asyncio.sleep(0)  # one loop turn: the request waits for the load
+    assert not waiting.done()
+    registry.begin_drain("SIGTERM")
+    with pytest.raises(ModelNotReady, match=r"not ready \(draining\)") as refused:
+        await asyncio.wait_for(waiting, 1)
+    assert refused.value.retry_after_s == 1
+    model.serve(config, "files", *A)  # the load finishing later changes nothing for it
+    assert model.settled.is_set()
