@@ -101,14 +101,14 @@ async def test_a_load_refused_on_the_models_own_files_is_tried_again_only_once_t
         ScaleHandler.LOADS.pop(name, None)
     client: Client = await make_client(repo, wait=False, model_load_retry_max_s=0.05)
     registry = client.app[CORE].registry
-    await eventually(lambda: ScaleHandler.LOADS.get("flaky", 0) >= 4)
+    await eventually(lambda: ScaleHandler.LOADS.get("flaky", 0) >= 4, 60)
     refused = registry.get("refused")
     assert ScaleHandler.LOADS["refused"] == 1
     assert refused.state == ModelState.UNAVAILABLE and "labels do not fit the outputs" in (
         refused.error or ""
     )
     write_scale_model(repo, "refused")  # the operator mends its model.toml
-    await eventually(lambda: registry.get("refused").ready)
+    await eventually(lambda: registry.get("refused").ready, 60)
     assert ScaleHandler.LOADS["refused"] == 2
 
 
