@@ -52,6 +52,8 @@ close their connection, and which hold an impatient client's refusal. A response
 - it is a 503 to a client that ignored the ``Retry-After`` of the previous 503 on the same
   connection, and ``impatient_hold_ms`` is 0 (then an impatient client pays a reconnect for
   each further try);
+- it is a 503 whose ``Retry-After`` is at least the keep-alive idle timeout: the client that
+  waits as asked would reuse the connection as the idle timer closes it, and be reset;
 - the balance among sibling workers says a less-loaded sibling should take this connection
   (``app.http.state.SHEDDING``: ``app.server.balance.WorkerConnections``).
 
@@ -375,6 +377,9 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
             else:
                 _close_after(response)
             return
+    if _retry_outlasts_keepalive(response, app[CORE].settings.keepalive_s):
+        _close_after(response)
+        return
     cap = app[CORE].settings.max_requests_per_connection
     if cap and transport is not None:
         counts = app[_PER_CONNECTION]
@@ -415,6 +420,16 @@ def _impatient_hold_s(
     base_ms = settings.impatient_hold_ms
     hold_ms = min(base_ms * 2 ** min(streak, 16), max(base_ms, settings.impatient_hold_max_ms))
     return float(hold_ms) / 1000
+
+
+def _retry_outlasts_keepalive(response: web.StreamResponse, keepalive_s: float) -> bool:
+    """A 503 whose ``Retry-After`` (seconds) is at least the keep-alive idle timeout: a client
+    that waits as asked comes back as the server's idle timer closes the connection, and a
+    request sent on it then is reset (the stress run saw it at ``Retry-After: 5``)."""
+    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
+    with contextlib.suppress(ValueError):
+        return retry_after is not None and float(retry_after) >= keepalive_s
+    return False
 
 
 def _close_after(response: web.StreamResponse) -> None:

@@ -84,7 +84,9 @@ async def test_json_depth_cap_before_decoding(make_client: MakeClient, scale_rep
     assert resp.status == 400 and "SCORING_MAX_JSON_DEPTH" in await error_of(resp)
 
 
-async def test_deep_json_past_the_recursion_limit_is_a_400_not_a_500(make_client: MakeClient, scale_repo: Path) -> None:
+async def test_deep_json_past_the_recursion_limit_is_a_400_not_a_500(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
     # A depth limit above Python's recursion limit leaves msgspec's RecursionError as the guard.
     client: Client = await make_client(scale_repo, max_json_depth=1_000_000)
     for path in (V1, V2):
@@ -171,7 +173,9 @@ def _infer_bytes() -> bytes:
 LIVE = b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n"
 
 
-async def _on_one_connection(client: Client, requests: list[bytes]) -> tuple[list[tuple[int, str, float]], bytes]:
+async def _on_one_connection(
+    client: Client, requests: list[bytes]
+) -> tuple[list[tuple[int, str, float]], bytes]:
     """``requests`` sent back to back on one connection, each as soon as the previous answer
     came: [(status, connection header, seconds to the answer)], and what the connection gives
     after them within 0.5 s (b"" once the server closed it)."""
@@ -255,6 +259,18 @@ async def test_a_client_that_keeps_ignoring_retry_after_is_held_longer_each_time
     assert 0.2 <= capped < 0.35  # 200 ms at most, not 400
     # another answer on the connection (here a 200) ends the streak: held 100 ms again
     assert 0.1 <= again < 0.19
+
+
+async def test_a_503_whose_retry_after_outlasts_the_keep_alive_closes_its_connection(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
+    # A client that waits the Retry-After would come back as the idle timer closes the
+    # connection, and its request would be reset: such a 503 closes the connection itself.
+    client: Client = await make_client(scale_repo, request_timeout_ms=1000, keepalive_s=1)
+    async with busy(client):
+        seen, after = await _on_one_connection(client, [_infer_bytes()])
+    ((status, connection, _),) = seen
+    assert (status, connection) == (503, "close") and after == b""
 
 
 async def test_without_a_hold_an_impatient_client_pays_a_reconnect(
@@ -354,6 +370,7 @@ async def test_an_aborted_upload_is_not_a_server_error(
         writer.transport.abort()  # a reset, mid-body
 
     aborted = 'scoring_requests_total{code="499",model="scale",protocol="v2",version="1"} 5.0'
+
     async def scraped() -> str | None:  # once the server has seen the five resets
         text = await (await client.get("/metrics")).text()
         return text if aborted in text else None
@@ -397,7 +414,9 @@ async def test_what_the_parser_refuses_is_its_400_without_a_traceback(
     assert "Traceback" not in caplog.text and not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
-async def test_invalid_utf8_and_too_many_dimensions_are_400(make_client: MakeClient, scale_repo: Path) -> None:
+async def test_invalid_utf8_and_too_many_dimensions_are_400(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
     client: Client = await make_client(scale_repo)
     text = b'{"inputs":[{"name":"tag","shape":[1],"datatype":"BYTES","data":["\xff\xfe"]}]}'
     for path in (V2, V1):
@@ -445,7 +464,9 @@ async def test_a_huge_client_deadline_is_clipped(make_client: MakeClient, tmp_pa
         gate.set()
 
 
-async def test_overload_is_refused_before_the_body_is_decoded(make_client: MakeClient, scale_repo: Path) -> None:
+async def test_overload_is_refused_before_the_body_is_decoded(
+    make_client: MakeClient, scale_repo: Path
+) -> None:
     client: Client = await make_client(scale_repo, request_timeout_ms=1000)
     batcher = served(client.app, "scale")
     # An idle model: the request is decoded and judged in full (early refusal waits for a
