@@ -25,9 +25,10 @@ from app.http.state import CORE
 from app.serving.siblings import Alone
 from app.settings import Settings
 from benchmarks.driver import free_port
+from tests.support.fixtures import eventually
 from tests.support.gunicorn import ROOT
 from tests.support.messages import scale_request
-from tests.support.toy_models import write_scale_model
+from tests.support.toy_models import ScaleHandler, write_scale_model
 
 #: Calls of the burst, each on a connection of its own, spread by the kernel over the servers.
 CALLS = 12
@@ -113,13 +114,15 @@ async def test_a_worker_stopped_before_it_was_ready_never_listens(
     from app.main import create_app
 
     write_scale_model(tmp_path, load_delay_s=3.0)
+    ScaleHandler.LOADS.pop("scale", None)
     port = free_port()
     settings = Settings(model_repository=tmp_path, device="cpu", grpc_port=port)
     app = await create_app(settings, siblings=ServingSibling())
     runner = web.AppRunner(app)
     with caplog.at_level(logging.INFO, logger="app.grpc.server"):
         startup = asyncio.create_task(runner.setup())
-        await asyncio.sleep(0.3)  # in its startup, waiting for the model off the listeners
+        # in its startup, waiting off the listeners for the model, whose load has begun
+        await eventually(lambda: ScaleHandler.LOADS.get("scale", 0) >= 1)
         assert not startup.done()
         app[CORE].registry.begin_drain("SIGTERM")
         await asyncio.wait_for(startup, 10)

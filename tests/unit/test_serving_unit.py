@@ -181,13 +181,12 @@ async def test_requests_a_stopping_unit_refuses_get_retry_after(executor: Thread
     queued = asyncio.create_task(b.infer(items(1), at(soon(10))))
     await eventually(lambda: b.queue.items == 1)
     stopping = asyncio.create_task(b.stop())
-    await asyncio.sleep(0)  # one loop turn: stop() marks the unit stopped before its first await
-    with pytest.raises(QueueFull, match="is unloading") as late:
-        await b.infer(items(2), at(soon(5)))
-    assert late.value.retry_after_s == 1
     with pytest.raises(QueueFull, match="is unloading") as info:  # once the held batch is gone
         await queued
     assert info.value.retry_after_s == 1
+    with pytest.raises(QueueFull, match="is unloading") as late:  # the unit is stopped by now
+        await b.infer(items(2), at(soon(5)))
+    assert late.value.retry_after_s == 1
     rec.gate.set()
     await asyncio.gather(running, stopping, return_exceptions=True)
 
