@@ -129,7 +129,10 @@ class Listener:
 
     def stop(self, close: bool = False) -> None:
         """Stop accepting for good; with ``close``, first take the connections already queued
-        and then close this process's copy of the sockets (module docstring)."""
+        (only if it was accepting: a worker stopped before it listened takes none, they belong
+        to the siblings that do) and then close this process's copy of the sockets (module
+        docstring)."""
+        was_listening = self.listening
         self.pause()
         self.listening = False
         if self._recheck is not None:
@@ -140,7 +143,7 @@ class Listener:
         for sock in self.sockets:
             if sock.fileno() < 0:
                 continue
-            while self._accept(sock, final=True):
+            while was_listening and self._accept(sock, final=True):
                 pass
             sock.close()
 

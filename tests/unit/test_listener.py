@@ -108,3 +108,26 @@ async def test_the_end_of_a_drain_takes_what_is_queued_then_closes_the_port() ->
     finally:
         for writer in writers:
             writer.close()
+
+
+async def test_a_worker_stopped_before_it_listened_leaves_the_queued_connections_to_its_siblings() -> None:
+    # A replacement that is stopped while its models still load (a HUP during its boot) never
+    # accepted; the connections queued on the shared socket are its siblings' to answer.
+    loop = asyncio.get_running_loop()
+    server = socket.create_server(("127.0.0.1", 0))
+    sibling_copy = server.dup()  # the copy another worker accepts on
+    port = server.getsockname()[1]
+    accepted: list[int] = []
+    listener = Listener(loop, [server], asyncio.Protocol, None, lambda: True, lambda: accepted.append(1))
+    writers = [(await asyncio.open_connection("127.0.0.1", port))[1] for _ in range(2)]  # queued
+    try:
+        listener.stop(close=True)
+        assert accepted == [] and server.fileno() == -1
+        sibling_copy.setblocking(False)
+        taken = [sibling_copy.accept()[0] for _ in range(2)]  # still queued for the sibling
+        for conn in taken:
+            conn.close()
+    finally:
+        sibling_copy.close()
+        for writer in writers:
+            writer.close()
