@@ -1,10 +1,16 @@
 """The workers' resources through a stress run: each live worker's RSS, open descriptors and
 threads (psutil) every ``interval_s``, written as CSV rows as they come, and the bounds on them.
 
-**RSS growth after warm-up**: for each worker, its RSS at its last sample of the main phase
-minus its RSS once warm: its first sample of the main phase taken at least ``warm_s`` after the
-worker was first seen ready (for the first workers, the main phase's start: they warmed up in
-the warm-up phase). Bound: ``rss_growth_mb`` (50 MB).
+**RSS growth after warm-up**: for each worker, its RSS at the end of the main phase minus its
+RSS once warm. Warm: ``warm_s`` after the worker was first seen ready (for the first workers,
+the main phase's start: they warmed up in the warm-up phase) and, where the schedule repeats its
+events every ``round_s``, one round later: a worker's first reload, new version or load holds
+two copies of a model for a moment, and the allocator keeps those pages for the next one (here
++60-70 MB once, then level). With rounds, each level is the lowest sample of one round, the
+first round once warm and the last round of the worker's life: a sample taken while a model is
+swapped (two copies, +60-100 MB for seconds) is not compared against one taken between swaps,
+and a leak still raises every round's lowest sample. Without (``round_s`` 0): the first sample
+once warm and the last. Bound: ``rss_growth_mb`` (50 MB).
 
 **Descriptors and threads back to their baseline**: the samples taken with no client connected
 (the idle pause after warm-up, and the idle end) per worker: each worker's count at the end at
@@ -126,18 +132,28 @@ def rss_growth(
     first_ready: dict[int, float],
     baseline: set[int],
     field: str = "rss",
+    round_s: float = 0.0,
 ) -> dict[int, float]:
-    """pid -> MB its RSS (``field`` "anon": its anonymous memory) grew from once warm to its last
-    sample of the main phase: from its first main-phase sample at or after ``main_began`` (a
-    worker of the ``baseline``), else ``warm_s`` after it was first seen ready; only workers with
-    two such samples."""
+    """pid -> MB its RSS (``field`` "anon": its anonymous memory) grew from once warm to the end
+    of the main phase (module docstring): warm at ``main_began`` (a worker of the ``baseline``),
+    else ``warm_s`` after it was first seen ready, and ``round_s`` later; with ``round_s``, the
+    lowest sample of the first ``round_s`` once warm against the lowest of its last ``round_s``
+    (only workers that lived two rounds once warm), else its first sample once warm against its
+    last (only workers with two such samples)."""
     growth = {}
     for pid in sorted({s.pid for s in samples if s.pid in baseline or s.pid in first_ready}):
         own = [s for s in samples if s.pid == pid and s.phase == "main"]
-        start = main_began if pid in baseline else first_ready[pid] + warm_s
+        start = (main_began if pid in baseline else first_ready[pid] + warm_s) + round_s
         warm = [s for s in own if s.at >= start]
-        if len(warm) >= 2:
-            growth[pid] = (getattr(warm[-1], field) - getattr(warm[0], field)) / MB
+        if not round_s:
+            if len(warm) >= 2:
+                growth[pid] = (getattr(warm[-1], field) - getattr(warm[0], field)) / MB
+            continue
+        if not warm or warm[-1].at - start < 2 * round_s:
+            continue
+        first = min(getattr(s, field) for s in warm if s.at < start + round_s)
+        last = min(getattr(s, field) for s in warm if s.at > warm[-1].at - round_s)
+        growth[pid] = (last - first) / MB
     return growth
 
 

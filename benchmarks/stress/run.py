@@ -227,11 +227,12 @@ class Run:
             for r in scenario.records
         ]  # fmt: skip
         failures += [f"event {e['action']} at {e['at_s']} s: {e['failure']}" for e in events if e["failure"]]
-        growth = monitor.rss_growth(
-            watch.samples, main_began, self.plan.warm_s, watch.first_ready, {s.pid for s in baseline}
-        )
-        anon = monitor.rss_growth(
-            watch.samples, main_began, self.plan.warm_s, watch.first_ready, {s.pid for s in baseline}, "anon"
+        pids = {s.pid for s in baseline}
+        growth, anon = (
+            monitor.rss_growth(
+                watch.samples, main_began, self.plan.warm_s, watch.first_ready, pids, field, self.plan.round_s
+            )
+            for field in ("rss", "anon")
         )
         bound = self.args.rss_growth_mb or self.plan.rss_growth_mb
         failures += [

@@ -66,7 +66,9 @@ class Plan:
     descriptors and threads (at least ``idle_s``, until they settle), the main phase of
     ``main_s`` with the events (none starting in its last ``tail_s``), an idle end; the
     monitor's interval ``sample_s``; ``warm_s`` after which a worker forked during the run
-    counts as warm; ``pool`` distinct requests per API; the RSS growth bound, MB."""
+    counts as warm; ``round_s``, the period after which the events repeat (0: they do not),
+    over which RSS levels are taken (:func:`benchmarks.stress.monitor.rss_growth`); ``pool``
+    distinct requests per API; the RSS growth bound, MB."""
 
     users: int = 64
     spawn_rate: float = 16.0
@@ -76,6 +78,7 @@ class Plan:
     tail_s: float = 120.0
     sample_s: float = 5.0
     warm_s: float = 60.0
+    round_s: float = 0.0
     pool: int = 256
     rss_growth_mb: float = 50.0
 

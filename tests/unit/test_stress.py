@@ -163,6 +163,19 @@ def test_rss_growth_counts_from_each_workers_warm_point() -> None:
     assert growth == {1: pytest.approx(40.0), 2: pytest.approx(10.0)}
 
 
+def test_with_rounds_rss_growth_compares_each_rounds_lowest_sample() -> None:
+    """A model swap holds two copies for seconds: a sample taken then is a peak, not growth.
+    With rounds of 100 s the first round once warm (warm at 20 + 100) is compared with the last
+    round of the worker's life by their lowest samples; a leak raises every round's lowest."""
+    level = [sample(1, at, "main", 600 + (80 if at % 50 == 0 else 0)) for at in range(0, 400, 10)]
+    assert monitor.rss_growth(level, 0.0, 20.0, {1: 0.0}, baseline=set(), round_s=100) == {1: 0.0}
+    leak = [sample(2, at, "main", 600 + at / 10 + (80 if at % 50 == 0 else 0)) for at in range(0, 400, 10)]
+    (grown,) = monitor.rss_growth(leak, 0.0, 20.0, {2: 0.0}, baseline=set(), round_s=100).values()
+    assert grown == pytest.approx((600 + 31) - (600 + 12), abs=0.01)  # lowest of (290, 390] vs [120, 220)
+    short = [sample(3, at, "main", 600) for at in range(0, 300, 10)]  # warm at 120, not two rounds
+    assert monitor.rss_growth(short, 0.0, 20.0, {3: 0.0}, baseline=set(), round_s=100) == {}
+
+
 def test_descriptors_and_threads_must_come_back_to_the_baseline() -> None:
     baseline = [sample(1, 0, "baseline", 700, fds=42, threads=20), sample(2, 0, "baseline", 700, fds=44)]
     end = [sample(1, 9, "end", 700, fds=42, threads=21), sample(3, 9, "end", 700, fds=45)]
