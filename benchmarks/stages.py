@@ -91,6 +91,7 @@ RULES: tuple[Rule, ...] = (
     Rule("metrics", r"^app/observability/"),
     Rule("items", r"^app/serving/(items|windows|item_cache|response_cache|redis_tier)\.py"),
     Rule("items", r"^app/handlers/windows"),
+    Rule("tokenizing", r"^app/handlers/tokenizing\.py"),
     Rule("tokenizing", r"^app/handlers/", _TOKENIZE),
     Rule("forward", r"^app/(handlers|models)/", r"predict|forward|replay|run_graph|__call__"),
     Rule("postprocess", r"^app/(handlers|models)/"),

@@ -129,3 +129,17 @@ def test_groups_cut_where_the_modelled_time_is_least() -> None:
         assert sorted(np.concatenate(groups).tolist()) == list(range(64))
         one = model.call(64, int(values.max()))
         assert model.batch(values) <= round(one)  # never dearer than one call padded to the longest
+
+
+def test_the_plain_and_the_numpy_cut_agree_to_the_bit() -> None:
+    # groups() cuts a batch's few dozen strings in plain Python and longer lists in numpy: the
+    # same float64 arithmetic in the same order, the first minimum on ties.
+    from app.handlers.text_cost import _cuts, _cuts_plain
+
+    rng = np.random.default_rng(7)
+    for overhead, knee in ((0.0, math.inf), (29.2, 2032.0), (400.0, math.inf), (10.0, 500.0)):
+        cost = CostModel(overhead, knee)
+        for _ in range(100):
+            lengths = np.sort(rng.integers(1, 600 if rng.random() < 0.5 else 20, int(rng.integers(2, 80))))
+            weighted = lengths * cost.per_token(lengths)
+            assert _cuts_plain(weighted.tolist(), overhead) == _cuts(weighted.astype(np.float64), overhead)
