@@ -93,8 +93,11 @@ def padded_to_longest(costs: np.ndarray) -> float:
 
 def most_within(cost_of: Callable[[int], float], n: int, limit: float) -> int:
     """The largest ``k <= n`` with ``cost_of(k) <= limit`` (0 when none), by binary search:
-    ``cost_of`` (a batch's cost with ``k`` more items) grows with ``k``."""
-    fits, low, high = 0, 1, n
+    ``cost_of`` (a batch's cost with ``k`` more items) grows with ``k``. All ``n`` are tried
+    first: they fit in the common case (one call of ``cost_of`` instead of about log2 n)."""
+    if n > 0 and cost_of(n) <= limit:
+        return n
+    fits, low, high = 0, 1, n - 1
     while low <= high:
         k = (low + high) // 2
         if cost_of(k) <= limit:

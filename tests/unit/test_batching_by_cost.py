@@ -20,7 +20,7 @@ from app.errors import DeadlineExceeded, InvalidInput, QueueFull
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.serving.admission import Backlog, MeasuredRate
-from app.serving.batch import Budget, QueuedRequest
+from app.serving.batch import Budget, QueuedRequest, most_within
 from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
 from app.serving.queue import RequestQueue
@@ -523,3 +523,17 @@ async def test_a_lower_level_goes_first_when_two_of_the_longest_batches_are_left
     queue.put(_queued(0, 4, loop))
     batch = queue.take(loop.time(), lambda *_: None)
     assert [(c.request.level, c.stop - c.start) for c in batch] == [(1 if low_first else 0, 4)]
+
+
+def test_most_within_finds_the_largest_fit_and_asks_once_when_all_fit() -> None:
+    for limit in range(0, 12):
+        for n in range(0, 10):
+            asked: list[int] = []
+
+            def cost_of(k: int, asked: list[int] = asked) -> float:
+                asked.append(k)
+                return float(k)  # grows with k
+
+            assert most_within(cost_of, n, limit) == min(n, limit)
+            if n and n <= limit:
+                assert asked == [n]  # the common case: everything fits, one pricing
