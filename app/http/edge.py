@@ -369,15 +369,18 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         _close_after(response)
         return
     transport = request.transport
+    retry_after_s = _retry_after_s(response)
     if transport is not None:
-        hold_s = _impatient_hold_s(app, transport, response)
+        hold_s = _impatient_hold_s(app, transport, retry_after_s)
         if hold_s is not None:
             if hold_s:
                 await asyncio.sleep(hold_s)
             else:
                 _close_after(response)
             return
-    if _retry_outlasts_keepalive(response, app[CORE].settings.keepalive_s):
+    if retry_after_s is not None and retry_after_s >= app[CORE].settings.keepalive_s:
+        # A client that waits as asked would come back as the idle timer closes the
+        # connection, and a request sent on it then is reset (module docstring).
         _close_after(response)
         return
     cap = app[CORE].settings.max_requests_per_connection
@@ -392,25 +395,32 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         _close_after(response)
 
 
+def _retry_after_s(response: web.StreamResponse) -> float | None:
+    """A 503's ``Retry-After``, seconds (the edge writes whole seconds); None for any other
+    answer, or one without a number there."""
+    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
+    with contextlib.suppress(ValueError):
+        return float(retry_after) if retry_after is not None else None
+    return None
+
+
 def _impatient_hold_s(
-    app: web.Application, transport: asyncio.BaseTransport, response: web.StreamResponse
+    app: web.Application, transport: asyncio.BaseTransport, retry_after_s: float | None
 ) -> float | None:
-    """How long to hold this response, seconds: None unless it is a 503 to a client that came
-    back before the ``Retry-After`` of the previous 503 on its connection; else
-    ``impatient_hold_ms`` doubled for each such 503 before it in a row, at most
-    ``impatient_hold_max_ms`` (0 = no hold: close instead). Records this 503's
+    """How long to hold this response, seconds: None unless it is a 503 (its ``Retry-After``
+    ``retry_after_s``) to a client that came back before the ``Retry-After`` of the previous
+    503 on its connection; else ``impatient_hold_ms`` doubled for each such 503 before it in a
+    row, at most ``impatient_hold_max_ms`` (0 = no hold: close instead). Records this 503's
     ``Retry-After`` and the streak; any other answer ends the streak."""
     streaks = app[_STREAK]
-    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
-    if retry_after is None:
+    if retry_after_s is None:
         if streaks:
             streaks.pop(transport, None)
         return None
     now = asyncio.get_running_loop().time()
     waits = app[_RETRY_AFTER]
     impatient = now < waits.get(transport, 0.0)
-    with contextlib.suppress(ValueError):
-        waits[transport] = now + float(retry_after)
+    waits[transport] = now + retry_after_s
     if not impatient:
         streaks.pop(transport, None)
         return None
@@ -420,16 +430,6 @@ def _impatient_hold_s(
     base_ms = settings.impatient_hold_ms
     hold_ms = min(base_ms * 2 ** min(streak, 16), max(base_ms, settings.impatient_hold_max_ms))
     return float(hold_ms) / 1000
-
-
-def _retry_outlasts_keepalive(response: web.StreamResponse, keepalive_s: float) -> bool:
-    """A 503 whose ``Retry-After`` (seconds) is at least the keep-alive idle timeout: a client
-    that waits as asked comes back as the server's idle timer closes the connection, and a
-    request sent on it then is reset (the stress run saw it at ``Retry-After: 5``)."""
-    retry_after = response.headers.get("Retry-After") if response.status == 503 else None
-    with contextlib.suppress(ValueError):
-        return retry_after is not None and float(retry_after) >= keepalive_s
-    return False
 
 
 def _close_after(response: web.StreamResponse) -> None:
