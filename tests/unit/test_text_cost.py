@@ -131,6 +131,36 @@ def test_groups_cut_where_the_modelled_time_is_least() -> None:
         assert model.batch(values) <= round(one)  # never dearer than one call padded to the longest
 
 
+def test_a_batchs_repeated_asks_for_its_groups_are_answered_from_the_last_cuts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import app.handlers.text_cost as text_cost
+
+    cuts = 0
+    real = text_cost._cuts_plain
+
+    def counted(weighted: list[float], overhead: float) -> list[int]:
+        nonlocal cuts
+        cuts += 1
+        return real(weighted, overhead)
+
+    monkeypatch.setattr(text_cost, "_cuts_plain", counted)
+    cost = CostModel(40.0)
+    lengths = np.array([180, 12, 200, 9, 15, 170])
+    first = cost.groups(lengths)
+    assert cost.batch(lengths) == 3 * 15 + 3 * 200 + 40 and cost.padded(lengths) == 3 * 15 + 3 * 200
+    assert [g.tolist() for g in cost.groups(lengths.tolist())] == [g.tolist() for g in first]
+    assert cuts == 1  # the cost, the padded tokens and the forward's groups: one cut
+    with pytest.raises(ValueError):
+        first[0][0] = 5  # shared between callers: read-only
+    first.pop()  # each caller gets its own list
+    assert len(cost.groups(lengths)) == 2
+    for n in range(text_cost.RECENT_CUTS + 1):  # other batches: the memo stays bounded
+        cost.groups(lengths + n + 1)
+    assert len(cost._recent) <= text_cost.RECENT_CUTS
+    assert CostModel(40.0) == cost  # the memo is no part of the model
+
+
 def test_the_plain_and_the_numpy_cut_agree_to_the_bit() -> None:
     # groups() cuts a batch's few dozen strings in plain Python and longer lists in numpy: the
     # same float64 arithmetic in the same order, the first minimum on ties.
