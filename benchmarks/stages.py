@@ -13,7 +13,11 @@ own (msgspec, orjson, the Rust tokenizer, protobuf's upb) counts as the Python f
 called it, which is why our own functions are matched by name as well as by file.
 
 **CPU, not samples.** A thread that is runnable but waiting for a core is "not idle" to py-spy,
-so on a busy machine sample counts overstate the threads that wait most. The CPU is therefore
+so on a busy machine sample counts overstate the threads that wait most. A thread woken from its
+wait for work (an inference thread's queue, a thread pool's) that then waits for the GIL is
+"not idle" too, though it runs nothing: those samples (their leaf one of :data:`WAITS`) count
+as ``waiting`` and get none of the thread's CPU (the wake-up's kernel time is the thread's
+system CPU, which the samples of its work share). The CPU is therefore
 shared out per thread (:func:`cpu_by_stage`): each thread's own CPU seconds over the window
 (``/proc/<pid>/task/<tid>``, psutil) among the stages of its own samples. A thread that used CPU
 but has no Python sample counts by its name (:data:`THREAD_STAGES`: gRPC core's threads are
@@ -117,6 +121,14 @@ def frame_of(text: str) -> Frame:
     return (found["function"], found["path"]) if found else (text, "")
 
 
+#: Leaf frames where a thread waits for work: a sample ending in one runs nothing of its own.
+WAITS: frozenset[Frame] = frozenset(
+    {
+        ("InferenceThread._run", "app/serving/executor.py"),  # SimpleQueue.get
+        ("_worker", "concurrent/futures/thread.py"),  # ThreadPoolExecutor's work queue
+    }
+)
+
 #: Threads without Python frames, by the name the kernel shows (``comm``): gRPC core's threads.
 THREAD_STAGES: tuple[tuple[str, str], ...] = (
     ("edge", r"^(grpc|event_engine|lifeguard|default-execut|resolver-execut)"),
@@ -158,19 +170,27 @@ def stage_of(stack: Sequence[Frame], rules: Sequence[Rule] = RULES) -> str:
 
 
 def split(stacks: Mapping[tuple[Frame, ...], int]) -> dict[str, int]:
-    """Samples per stage, every stage of :data:`STAGES` present (0 where none)."""
+    """Samples per stage, every stage of :data:`STAGES` present (0 where none), waits for work
+    (:func:`waiting`) left out."""
     counts = dict.fromkeys(STAGES, 0)
     for stack, count in stacks.items():
-        counts[stage_of(stack)] += count
+        if not waiting(stack):
+            counts[stage_of(stack)] += count
     return counts
+
+
+def waiting(stack: Sequence[Frame]) -> bool:
+    """Whether a stack's leaf is a thread's wait for work (:data:`WAITS`)."""
+    return bool(stack) and stack[-1] in WAITS
 
 
 def by_thread(stacks: Mapping[tuple[Frame, ...], int]) -> dict[int | None, dict[str, int]]:
     """Samples per stage (:func:`split`) of each thread (:func:`thread_of`; None: stacks
-    without a thread frame)."""
+    without a thread frame), its waits for work (:func:`waiting`) left out."""
     threads: dict[int | None, dict[tuple[Frame, ...], int]] = {}
     for stack, count in stacks.items():
-        threads.setdefault(thread_of(stack), {})[stack] = count
+        if not waiting(stack):
+            threads.setdefault(thread_of(stack), {})[stack] = count
     return {tid: split(own) for tid, own in threads.items()}
 
 

@@ -101,6 +101,20 @@ def test_each_threads_cpu_is_shared_among_its_own_samples_stages() -> None:
     assert cpu["native"] == pytest.approx(0.02)  # no Python frame, no known name
     assert cpu["other"] == 0.0  # 303's sample weighs nothing: no CPU measured
     assert sum(cpu.values()) == pytest.approx(0.31 + 2.9 + 0.05 + 0.02)
+
+
+def test_a_thread_woken_for_work_and_waiting_for_the_gil_gets_none_of_its_cpu() -> None:
+    waits = PROFILE + f"\n{WORKER} 29\nthread (202): inference;_worker (concurrent/futures/thread.py:81) 3"
+    parsed = stages.parse_raw(waits)
+    assert stages.split(parsed) == stages.split(stages.parse_raw(PROFILE))
+    threads = stages.by_thread(parsed)
+    assert sum(threads[202].values()) == 29  # its work's samples only
+    cpu = stages.cpu_by_stage(threads, {202: 2.9}, {})
+    assert cpu["forward"] == pytest.approx(2.9 * 20 / 29)  # not 2.9 * 20 / 61
+    assert cpu["batching"] == 0.0
+
+
+def test_per_item_figures() -> None:
     per_item = stages.per_item_us({"edge": 0.5, "forward": 1.5}, items=1000)
     assert per_item == {"edge": 500.0, "forward": 1500.0}
     assert stages.per_item_us({"edge": 0.5}, items=0) == {"edge": 0.0}
