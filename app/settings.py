@@ -104,6 +104,13 @@ class Settings(BaseSettings):
         "sheds keep-alive connections (Connection: close) until that changes "
         "(docs/architecture.md).",
     )
+    peer_keepalive_s: float = Field(
+        15.0,
+        gt=0,
+        description="How long a worker keeps an idle connection to a sibling's internal "
+        "endpoint open for the next forwarded request or shard (a Unix socket: reopening one "
+        "costs well under a millisecond), seconds; aiohttp's default.",
+    )
     hung_inference_s: float = Field(
         60.0,
         ge=0,

@@ -179,16 +179,19 @@ class PeerClient:
 
     Args:
         run_dir: the server's run directory.
+        keepalive_s: how long an idle connection to a sibling stays open (``SCORING_PEER_KEEPALIVE_S``).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], keepalive_s: float = 15.0) -> None:
         self.run_dir = Path(run_dir)
+        self.keepalive_s = keepalive_s
         self._sessions: dict[int, aiohttp.ClientSession] = {}
 
     def _session(self, pid: int) -> aiohttp.ClientSession:
         session = self._sessions.get(pid)
         if session is None or session.closed:
-            connector = aiohttp.UnixConnector(path=str(socket_path(self.run_dir, pid)))
+            path = str(socket_path(self.run_dir, pid))
+            connector = aiohttp.UnixConnector(path=path, keepalive_timeout=self.keepalive_s)
             session = aiohttp.ClientSession(connector=connector)
             self._sessions[pid] = session
         return session

@@ -107,6 +107,8 @@ class Membership:
         pid: this worker's pid (its slot's owner).
         balancing: ``SCORING_BALANCE``.
         metrics: the worker's metrics (balancing gauges and counters); None when off.
+        peer_keepalive_s: how long an idle connection to a sibling stays open
+            (``SCORING_PEER_KEEPALIVE_S``).
 
     Attributes:
         slot: its slot in the load table; None when alone.
@@ -121,6 +123,7 @@ class Membership:
         pid: int,
         balancing: bool = True,
         metrics: ServerMetrics | None = None,
+        peer_keepalive_s: float = 15.0,
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir else None
         self.pid = pid
@@ -147,7 +150,7 @@ class Membership:
                 "run dir path too long for a Unix socket (%s): no scatter/gather, no model control", path
             )
         else:
-            self._peers = PeerClient(self.run_dir)
+            self._peers = PeerClient(self.run_dir, peer_keepalive_s)
         route = None
         if balancing and self._peers is not None:
             route = Router(slot, self._peers, **_router_metrics(metrics)).route

@@ -141,7 +141,9 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             from app.observability.metrics import create_metrics
 
             self._metrics = create_metrics()
-        self._membership = Membership(settings.run_dir, os.getpid(), settings.balance, self._metrics)
+        self._membership = Membership(
+            settings.run_dir, os.getpid(), settings.balance, self._metrics, settings.peer_keepalive_s
+        )
         # gunicorn's max_requests (jitter included) recycles through the drain.
         if 0 < self.max_requests < sys.maxsize:
             self._recycle_after = self.max_requests

@@ -185,9 +185,9 @@ def idle(
     until: Callable[[list[Sample]], bool] | None = None,
 ) -> list[Sample]:
     """Samples of the idle workers once their descriptors have settled: after ``at_least_s``
-    (the keep-alive connections the workers hold to each other for forwarding close after 15 s
-    idle, aiohttp's default), once three looks ``settle_s`` apart agree and ``until`` (when
-    given) holds for the last, at most ``timeout_s``."""
+    (the keep-alive connections the workers hold to each other for forwarding close after
+    ``SCORING_PEER_KEEPALIVE_S`` idle, the plan's ``peer_keepalive_s``), once three looks
+    ``settle_s`` apart agree and ``until`` (when given) holds for the last, at most ``timeout_s``."""
     began = time.monotonic()
     looks = [monitor.sample(phase)]
     while time.monotonic() - began < timeout_s:

@@ -127,8 +127,9 @@ class Run:
         redis = target.RedisProcess(self.folder)
         redis.start()
         srv = target.start_server(
-            self.folder, repository.repository_of(self.folder), self.args.workers, redis.url
-        )
+            self.folder, repository.repository_of(self.folder), self.args.workers, redis.url,
+            {"SCORING_PEER_KEEPALIVE_S": str(self.plan.peer_keepalive_s)},
+        )  # fmt: skip
         try:
             srv.wait_ready(600, count=self.args.workers)
             return self.drive(srv, redis)
@@ -196,7 +197,7 @@ class Run:
         if back_to is None:
             return monitor.idle(watch, phase, at_least_s=self.plan.idle_s)
         # The end: idle connections close on their own timers (the workers' peer connections
-        # after 15 s, clients' after longer), so wait up to 90 s for the baseline's counts.
+        # after peer_keepalive_s, clients' after longer), so wait up to 90 s for the baseline's counts.
         return monitor.idle(watch, phase, at_least_s=self.plan.idle_s, timeout_s=90.0,
                             until=lambda look: not monitor.back_to_baseline(back_to, look))  # fmt: skip
 

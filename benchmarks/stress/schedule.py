@@ -68,7 +68,9 @@ class Plan:
     monitor's interval ``sample_s``; ``warm_s`` after which a worker forked during the run
     counts as warm; ``round_s``, the period after which the events repeat (0: they do not),
     over which RSS levels are taken (:func:`benchmarks.stress.monitor.rss_growth`); ``pool``
-    distinct requests per API; the RSS growth bound, MB."""
+    distinct requests per API; the RSS growth bound, MB; ``peer_keepalive_s``, how long the
+    workers keep an idle connection to each other (``SCORING_PEER_KEEPALIVE_S``: each idle
+    pause outlasts it, so that those connections have closed when descriptors are counted)."""
 
     users: int = 64
     spawn_rate: float = 16.0
@@ -81,6 +83,7 @@ class Plan:
     round_s: float = 0.0
     pool: int = 256
     rss_growth_mb: float = 50.0
+    peer_keepalive_s: float = 15.0
 
 
 @dataclass(frozen=True)
@@ -132,7 +135,8 @@ def read(path: Path, duration_s: float | None = None) -> tuple[Plan, list[Event]
     length).
 
     Raises:
-        ValueError: an unknown action, a parameter the action does not take or a missing one.
+        ValueError: an unknown action, a parameter the action does not take or a missing one;
+            an idle pause no longer than ``peer_keepalive_s``.
     """
     data = tomllib.loads(path.read_text())
     load: dict[str, Any] = {k: seconds(v) if k.endswith("_s") else v for k, v in data.get("load", {}).items()}
@@ -142,6 +146,11 @@ def read(path: Path, duration_s: float | None = None) -> tuple[Plan, list[Event]
         plan = Plan(**load)
     except TypeError as exc:
         raise ValueError(f"{path.name} [load]: {exc}") from None
+    if plan.idle_s <= plan.peer_keepalive_s:
+        raise ValueError(
+            f"{path.name} [load]: idle_s {plan.idle_s:g} must outlast peer_keepalive_s "
+            f"{plan.peer_keepalive_s:g} (the workers' idle connections to each other close first)"
+        )
     events = []
     for raw in data.get("event", []):
         params = {k: v for k, v in raw.items() if k not in ("at", "action")}

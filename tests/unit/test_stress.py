@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.settings import Settings
 from benchmarks.stress import apis, monitor, oracle, schedule, wire
 from benchmarks.stress.apis import Call, Reply
 from tests.support.gunicorn import ROOT
@@ -47,6 +48,16 @@ def test_a_schedule_mistake_is_named(tmp_path: Path, event: str, message: str) -
     path.write_text(f"[load]\nusers = 2\n\n[[event]]\n{event}\n")
     with pytest.raises(ValueError, match=message):
         schedule.read(path)
+
+
+def test_an_idle_pause_must_outlast_the_workers_idle_connections(tmp_path: Path) -> None:
+    path = tmp_path / "short.toml"
+    path.write_text("[load]\nidle_s = 5\npeer_keepalive_s = 6\n")
+    with pytest.raises(ValueError, match="idle_s 5 must outlast peer_keepalive_s 6"):
+        schedule.read(path)
+    path.write_text("[load]\nidle_s = 5\npeer_keepalive_s = 2\n")
+    assert schedule.read(path)[0].peer_keepalive_s == 2.0
+    assert schedule.Plan().peer_keepalive_s == Settings().peer_keepalive_s  # the server's default
 
 
 def test_seconds_reads_the_schedules_times() -> None:
