@@ -4,6 +4,7 @@
     python -m benchmarks.host_path --models feed-ranker --protocols v2-json --duration 5
     python -m benchmarks.host_path --loop-lag --out out/loop-lag.json    # long posts and loop lag
     python -m benchmarks.host_path --models all-MiniLM-L6-v2 --encoder-layers 0  # a GPU's rates
+    python -m benchmarks.host_path --models all-MiniLM-L6-v2 --encoder-layers 0 --max-batch-size 128
 
 ``--encoder-layers 0`` serves MiniLM without its transformer layers (:func:`shallow_minilm`):
 every step of the text path but the forward's arithmetic, at the rates a GPU's forward allows,
@@ -209,14 +210,19 @@ def idle_cpu(workers: Sequence[psutil.Process], seconds: float) -> float:
 
 
 def repository_copy(
-    source: Path, models: Sequence[str], tmp: Path, encoder_layers: int | None = None
+    source: Path,
+    models: Sequence[str],
+    tmp: Path,
+    encoder_layers: int | None = None,
+    max_batch_size: int | None = None,
 ) -> Path:
     """``models`` of ``source`` copied to ``tmp/repository``, each admitted by capacity with a
     60 s timeout: every request of the closed loop is served, so the CPU per item answered holds
     no refusals (at c = 64 the CPU serves MiniLM several times slower than it is asked).
 
     ``encoder_layers``: MiniLM's folder served with only that many of its 6 transformer layers
-    (:func:`shallow_minilm`); None: whole."""
+    (:func:`shallow_minilm`); None: whole. ``max_batch_size``: MiniLM's, its largest warm-up
+    batch with it; None: its ``model.toml``'s."""
     folder = tmp / "repository"
     for model in models:
         shutil.copytree(source / model, folder / model)
@@ -227,6 +233,10 @@ def repository_copy(
         if model == server.MINILM and encoder_layers is not None:
             shallow_minilm(folder / model / "weights", encoder_layers)
             text = re.sub(r'(?m)^model_package = .*$', 'model_dir = "weights"', text)
+        if model == server.MINILM and max_batch_size is not None:
+            text = re.sub(r"(?m)^max_batch_size = .*$", f"max_batch_size = {max_batch_size}", text)
+            warmup = f"warmup_batch_sizes = [1, {max_batch_size}]"
+            text = re.sub(r"(?m)^warmup_batch_sizes = .*$", warmup, text)
         toml.write_text(text)
     return folder
 
@@ -370,14 +380,16 @@ def host_path(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     result = report.record(
         workers=args.workers, torch_threads=args.torch_threads, concurrency=args.concurrency,
         items_per_request=args.items, duration_s=args.duration, rate_hz=args.rate,
-        encoder_layers=args.encoder_layers, rows=[],
+        encoder_layers=args.encoder_layers, max_batch_size=args.max_batch_size, rows=[],
     )  # fmt: skip
     env = {"SCORING_TORCH_THREADS": str(args.torch_threads)}
     with (
         tempfile.TemporaryDirectory() as tmp,
         server.start(
             Path(tmp),
-            repository_copy(args.repository, args.models, Path(tmp), args.encoder_layers),
+            repository_copy(
+                args.repository, args.models, Path(tmp), args.encoder_layers, args.max_batch_size
+            ),
             "",
             args.workers,
             env,
@@ -396,6 +408,8 @@ def host_path(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
                 print(f"{model} {protocol}: {short(row)}", flush=True)
                 result["rows"].append(row)
     shallow = "" if args.encoder_layers is None else f", MiniLM with {args.encoder_layers} of its 6 layers"
+    if args.max_batch_size is not None:
+        shallow += f", MiniLM's max_batch_size {args.max_batch_size}"
     caption = (
         f"{report.machine_label()}, {args.workers} worker(s) x {args.torch_threads} torch thread(s)"
         f"{shallow}, c = {args.concurrency}, {args.items} items a request, {args.duration:g} s windows "
@@ -500,6 +514,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--encoder-layers", type=int, default=None,
         help="serve MiniLM with this many of its 6 layers (0: the host path at a GPU's rates)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-batch-size", type=int, default=None,
+        help="MiniLM's max_batch_size (and largest warm-up batch); default: its model.toml's (32)",
     )  # fmt: skip
     parser.add_argument("--loop-lag", action="store_true", help="the long-posts run instead (docstring)")
     parser.add_argument("--long-share", type=float, default=0.1, help="--loop-lag: share of long posts")

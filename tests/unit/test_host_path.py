@@ -215,6 +215,9 @@ def test_the_repository_copy_admits_by_capacity(tmp_path: Path) -> None:
     config = read_config(copy / server.RANKER)
     assert (config.admission, config.timeout_ms) == ("capacity", 60000)
     assert config.weights_path().is_file()
+    wider = host_path.repository_copy(REPOSITORY, [server.MINILM], tmp_path / "wider", max_batch_size=128)
+    config = read_config(wider / server.MINILM)
+    assert config.max_batch_size == 128 and max(config.warmup_batch_sizes) == 128
 
 
 async def test_client_processes_report_per_tag_and_their_own_cpu(aiohttp_server: Any) -> None:
