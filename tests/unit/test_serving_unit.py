@@ -550,9 +550,11 @@ async def test_an_item_over_the_batch_cost_bound_is_413(executor: ThreadPoolExec
 def test_item_costs_count_bytes_per_item() -> None:
     texts = np.array([[b"ab", b""], [b"abcd", b"x"]], dtype=object)
     costs = ItemBytes({"t": texts, "x": np.zeros((2, 3), np.float32)})
-    assert costs.cumulative is not None and costs.cumulative.tolist() == [0, 2 + 12, 2 + 12 + 5 + 12]
+    assert costs.cumulative == [0, 2 + 12, 2 + 12 + 5 + 12]
     assert costs.items_within(0, 2, 14) == 1 and costs.items_within(0, 2, 13) == 0
     assert costs.items_within(1, 2, 1e9) == 1 and costs.largest() == 17
+    one_each = ItemBytes({"t": np.array([[b"abc"], ["é"], [b""]], dtype=object)})  # a text an item
+    assert one_each.cumulative == [0, 3, 4, 4] and one_each.largest() == 3 and one_each.between(1, 3) == 1
     numeric = ItemBytes({"x": np.zeros((4, 3), np.float32)})
     assert numeric.each == 12 and numeric.between(1, 3) == 24 and numeric.items_within(0, 4, 30) == 2
 
