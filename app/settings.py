@@ -21,6 +21,8 @@ from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "SCORING_"
+#: ``SCORING_PEER_KEEPALIVE_S``'s default, seconds: aiohttp's ``keepalive_timeout``.
+PEER_KEEPALIVE_S = 15.0
 
 
 class Settings(BaseSettings):
@@ -105,11 +107,10 @@ class Settings(BaseSettings):
         "(docs/architecture.md).",
     )
     peer_keepalive_s: float = Field(
-        15.0,
+        PEER_KEEPALIVE_S,
         gt=0,
-        description="How long a worker keeps an idle connection to a sibling's internal "
-        "endpoint open for the next forwarded request or shard (a Unix socket: reopening one "
-        "costs well under a millisecond), seconds; aiohttp's default.",
+        description="How long a worker keeps an idle connection to a sibling's internal endpoint "
+        "open for the next forwarded request or shard, seconds (a Unix socket: reopening costs <1 ms).",
     )
     hung_inference_s: float = Field(
         60.0,

@@ -44,6 +44,7 @@ from app.server.wire import (
 )
 from app.serving.context import RequestContext
 from app.serving.core import ServingCore
+from app.settings import PEER_KEEPALIVE_S
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ class PeerClient:
         keepalive_s: how long an idle connection to a sibling stays open (``SCORING_PEER_KEEPALIVE_S``).
     """
 
-    def __init__(self, run_dir: str | os.PathLike[str], keepalive_s: float = 15.0) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], keepalive_s: float = PEER_KEEPALIVE_S) -> None:
         self.run_dir = Path(run_dir)
         self.keepalive_s = keepalive_s
         self._sessions: dict[int, aiohttp.ClientSession] = {}

@@ -46,6 +46,7 @@ from app.server.balance import (
     replacement_booting,
 )
 from app.server.loadtable import LoadTable, WorkerSlot
+from app.settings import PEER_KEEPALIVE_S
 
 if TYPE_CHECKING:
     from app.observability.metrics import ServerMetrics
@@ -123,7 +124,7 @@ class Membership:
         pid: int,
         balancing: bool = True,
         metrics: ServerMetrics | None = None,
-        peer_keepalive_s: float = 15.0,
+        peer_keepalive_s: float = PEER_KEEPALIVE_S,
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir else None
         self.pid = pid
