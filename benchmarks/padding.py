@@ -28,7 +28,11 @@ config as is: the cost model measured at load, the figures the workers logged ke
 then one run per ``--overheads`` value with ``call_overhead_tokens`` fixed to it in
 ``[parameters]`` (``inf``: one forward padded to the longest per batch; ``0``: a call per length).
 Each run: ``--warmup`` seconds of the load, then a measured window of ``--duration`` seconds,
-``--concurrency`` closed-loop clients (:func:`benchmarks.loadgen.run_processes`).
+``--concurrency`` closed-loop clients (:func:`benchmarks.loadgen.run_processes`). With
+``--rounds`` N every run is made N times, the runs of a round in turn (each round starting one
+run later, so that a machine slowing down weighs on all alike), and each run's figures are the
+medians over its rounds (:func:`median_run`): a single window's documents/s moves by several
+per cent run to run, and the best of a sweep of single runs is biased up by that spread.
 
 Columns: **docs/s** (documents or posts answered 200 per second: over the window and the drain of
 the requests in flight at its end, :class:`benchmarks.loadgen.LoadResult`; a slow run, e.g. ``inf``
@@ -53,6 +57,7 @@ import math
 import random
 import re
 import shutil
+import statistics
 import tempfile
 import time
 import tomllib
@@ -259,6 +264,41 @@ def verdict(runs: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     }
 
 
+def median_run(rounds: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One run's figures over its rounds (rows of :func:`measure`, same ``call_overhead_tokens``):
+    the median of each number (docs/s, p50, p99, padding, tokens), every round's docs/s in
+    ``rounds_items_per_s``, the answers not 200 summed, the cost models logged in every round.
+
+    Raises:
+        ValueError: no rounds.
+    """
+    if not rounds:
+        raise ValueError("a run needs at least one round")
+    row = dict(rounds[0])
+    for key, value in rounds[0].items():
+        if isinstance(value, int | float) and not isinstance(value, bool) and key != "call_overhead_tokens":
+            row[key] = float(statistics.median(r[key] for r in rounds))
+    statuses: dict[str, int] = {}
+    for r in rounds:
+        for status, n in r["statuses"].items():
+            statuses[status] = statuses.get(status, 0) + n
+    row.update(
+        statuses=statuses,
+        measured_cost=[cost for r in rounds for cost in r["measured_cost"]],
+        rounds_items_per_s=[r["items_per_s"] for r in rounds],
+    )
+    return row
+
+
+def progress(row: Mapping[str, Any], workload: Workload) -> str:
+    """One run's figures as the harness prints them while it goes."""
+    return (
+        f"{row['items_per_s']:.1f} {workload.unit}/s, p99 {row['p99_ms']:.0f} ms, padding "
+        f"{percent(row['padding_share'])}, other {row['statuses']}, measured {row['measured_cost']}, "
+        f"ready in {row['ready_s']} s, run {row['run_s']} s"
+    )
+
+
 def run_label(overhead: float | None) -> str:
     """``default`` or ``call_overhead_tokens = 40``."""
     return "default (measured)" if overhead is None else f"call_overhead_tokens = {overhead:g}"
@@ -269,7 +309,8 @@ def percent(value: float) -> str:
 
 
 def workload_table(name: str, record: Mapping[str, Any]) -> str:
-    """A caption (the verdict) and one row per run of one workload's record."""
+    """A caption (the verdict) and one row per run of one workload's record (its medians over
+    the rounds, and each round's docs/s)."""
     w, v = WORKLOADS[name], record["verdict"]
     best = max(r["items_per_s"] for r in record["runs"] if r["call_overhead_tokens"] is not None)
     rows = [
@@ -281,17 +322,22 @@ def workload_table(name: str, record: Mapping[str, Any]) -> str:
             percent(r["padding_share"]),
             f"{r['padded_tokens']:.0f}",
             ", ".join(f"{k}: {n}" for k, n in r["statuses"].items()) or "-",
+            " / ".join(f"{x:.1f}" for x in r.get("rounds_items_per_s", [r["items_per_s"]])),
         )
         for r in record["runs"]
     ]
+    default = next(r["items_per_s"] for r in record["runs"] if r["call_overhead_tokens"] is None)
     caption = (
-        f"**{name}** ({w.path}, {w.items} {w.unit} a request): default {v['ratio']:.2f} x the best "
+        f"**{name}** ({w.path}, {w.items} {w.unit} a request): default {default / best:.2f} x the best "
         f"(call_overhead_tokens = {toml_number(v['best_overhead'])}), padding "
         f"{percent(v['padding_share'])}; targets >= 0.95 and <= 10 %: "
         f"{'met' if v['passed'] else 'NOT met'}."
     )
-    header = ("run", f"{w.unit}/s", "of best", "p50 / p99 ms", "padding", "tokens run", "other answers")
-    return caption + "\n\n" + report.table(header, rows, "lrrrrrl")
+    header = (
+        "run", f"{w.unit}/s", "of best", "p50 / p99 ms", "padding", "tokens run", "other answers",
+        f"{w.unit}/s by round",
+    )  # fmt: skip
+    return caption + "\n\n" + report.table(header, rows, "lrrrrrlr")
 
 
 def tables(result: Mapping[str, Any]) -> str:
@@ -299,7 +345,7 @@ def tables(result: Mapping[str, Any]) -> str:
     caption = (
         f"Padding as served, {report.machine_label()}, {result['workers']} workers, c = "
         f"{result['concurrency']}, {result['duration_s']:g} s windows after {result['warmup_s']:g} s "
-        f"of warm-up ({result['date']})."
+        f"of warm-up, medians of {result.get('rounds', 1)} round(s) ({result['date']})."
     )
     parts = [workload_table(name, record) for name, record in result["workloads"].items()]
     return "\n\n".join([caption, *parts])
@@ -356,6 +402,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of each measured window")
     parser.add_argument("--warmup", type=float, default=5.0, help="seconds of load before each window")
+    parser.add_argument("--rounds", type=int, default=1, help="times each run is made (medians)")
     parser.add_argument("--requests", type=int, default=200, help="different requests the clients cycle")
     parser.add_argument("--client-processes", type=int, default=1, help="Python client processes")
     parser.add_argument("--out", type=Path, default=Path("out/padding.json"))
@@ -368,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     builders = {"rerank": rerank_bodies, "classify": classify_bodies}
     result: dict[str, Any] = report.record(
         workers=args.workers, concurrency=args.concurrency, duration_s=args.duration,
-        warmup_s=args.warmup, overheads=args.overheads, workloads={},
+        warmup_s=args.warmup, rounds=args.rounds, overheads=args.overheads, workloads={},
     )  # fmt: skip
     doc = DOC.read_text(encoding="utf-8")
     with tempfile.TemporaryDirectory() as tmp:
@@ -377,17 +424,16 @@ def main(argv: list[str] | None = None) -> int:
             config = documented_config(doc, workload.documented)
             folder = write_folder(Path(tmp) / f"{name}-hf", labels_of(config))
             requests = load_requests(workload, builders[name](words, args.requests))
-            runs = []
-            for overhead in [None, *args.overheads]:
-                runs.append(measure(Path(tmp), workload, folder, overhead, requests, args))
-                row = runs[-1]
-                print(
-                    f"{name} {run_label(overhead)}: {row['items_per_s']:.1f} {workload.unit}/s, p99 "
-                    f"{row['p99_ms']:.0f} ms, padding {percent(row['padding_share'])}, other "
-                    f"{row['statuses']}, measured {row['measured_cost']}, ready in {row['ready_s']} s, run "
-                    f"{row['run_s']} s",
-                    flush=True,
-                )
+            settings: list[float | None] = [None, *args.overheads]
+            rounds: dict[int, list[dict[str, Any]]] = {i: [] for i in range(len(settings))}
+            for round_ in range(args.rounds):
+                for k in range(len(settings)):
+                    i = (round_ + k) % len(settings)
+                    row = measure(Path(tmp), workload, folder, settings[i], requests, args)
+                    rounds[i].append(row)
+                    label = f"{name} round {round_ + 1} {run_label(settings[i])}"
+                    print(f"{label}: {progress(row, workload)}", flush=True)
+            runs = [median_run(rounds[i]) for i in range(len(settings))]
             result["workloads"][name] = {"config": config, "runs": runs, "verdict": verdict(runs)}
     report.publish(args.out, result, tables(result))
     return 0

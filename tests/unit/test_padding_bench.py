@@ -163,9 +163,28 @@ def test_tables_show_each_run_against_the_best() -> None:
     assert "default 0.97 x the best (call_overhead_tokens = 40.0)" in text
     assert "met." in text and "NOT met" not in text
     lines = text.splitlines()
-    assert "| default (measured) | 90.0 | 0.97 | 900 / 2100 | 2.0 % | 5000 | - |" in lines
-    assert "| call_overhead_tokens = inf | 6.7 | 0.07 | 900 / 2100 | 86.4 % | 5000 | - |" in lines
+    assert "| default (measured) | 90.0 | 0.97 | 900 / 2100 | 2.0 % | 5000 | - | 90.0 |" in lines
+    assert "| call_overhead_tokens = inf | 6.7 | 0.07 | 900 / 2100 | 86.4 % | 5000 | - | 6.7 |" in lines
     json.dumps(result)  # the record is JSON
+
+
+def test_a_run_over_rounds_is_its_medians() -> None:
+    rounds = [
+        {**row(40.0, 93.0), "statuses": {"503": 1}, "measured_cost": [{"overhead": 30.0, "knee": 900.0}]},
+        {**row(40.0, 80.0, 0.04), "statuses": {"503": 2}, "measured_cost": []},
+        {**row(40.0, 99.0, 0.03), "statuses": {}, "measured_cost": [{"overhead": 35.0, "knee": 800.0}]},
+    ]
+    run = padding.median_run(rounds)
+    assert run["items_per_s"] == 93.0 and run["padding_share"] == 0.03
+    assert run["call_overhead_tokens"] == 40.0
+    assert run["rounds_items_per_s"] == [93.0, 80.0, 99.0]
+    assert run["statuses"] == {"503": 3} and len(run["measured_cost"]) == 2
+    with pytest.raises(ValueError, match="round"):
+        padding.median_run([])
+    runs = [run, padding.median_run([{**row(None, 90.0), "measured_cost": []}])]
+    assert "| 93.0 / 80.0 / 99.0 |" in padding.workload_table(
+        "rerank", {"runs": runs, "verdict": padding.verdict(runs)}
+    )
 
 
 def test_overheads_option() -> None:
