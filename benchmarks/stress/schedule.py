@@ -51,6 +51,7 @@ from typing import Any
 
 import psutil
 
+from app.settings import PEER_KEEPALIVE_S
 from benchmarks.stress import repository, target, wire
 from benchmarks.stress.oracle import Kill, Window
 from benchmarks.stress.traffic import Traffic
@@ -83,7 +84,7 @@ class Plan:
     round_s: float = 0.0
     pool: int = 256
     rss_growth_mb: float = 50.0
-    peer_keepalive_s: float = 15.0
+    peer_keepalive_s: float = PEER_KEEPALIVE_S
 
 
 @dataclass(frozen=True)
