@@ -66,14 +66,18 @@ if TYPE_CHECKING:  # the tokenizers library only where a text model loads, not i
 __all__ = [
     "AGGREGATES",
     "MERGES",
+    "SPARSE_MERGES",
     "TRUNCATIONS",
     "Span",
     "WindowPolicy",
     "Windowed",
     "aggregate",
     "merge",
+    "merge_outputs",
     "merges",
     "piece_spans",
+    "rows",
+    "sparse",
     "split",
     "weighted_mean",
 ]
@@ -181,8 +185,14 @@ class Span:
 #: How a per-window output becomes one per text: ``"weighted_mean"`` (embeddings:
 #: :func:`weighted_mean`), ``"sum"``, ``"max"``, ``"mean"``, ``"last"`` (the last window's),
 #: ``"concat"`` (BYTES JSON arrays, one per window, joined into one array per text in window
-#: order: per-piece results).
-MERGES = ("weighted_mean", "sum", "max", "mean", "last", "concat")
+#: order: per-piece results), ``"rows"`` (a ragged output: each window's rows, ``[n_w, ...]``,
+#: one after the other in window order: multi-vectors), ``"sparse_max"`` and ``"sparse_sum"``
+#: (a sparse vector as two ragged outputs, its term ids and their weights: the union of the
+#: windows' terms, each weighted by its largest, or summed, weight; the two outputs merge
+#: together: :func:`merge_outputs`).
+MERGES = ("weighted_mean", "sum", "max", "mean", "last", "concat", "rows", "sparse_max", "sparse_sum")
+#: The rules that merge a pair of outputs together (:func:`merge_outputs`), by their reduction.
+SPARSE_MERGES = {"sparse_max": np.maximum, "sparse_sum": np.add}
 
 
 @runtime_checkable
@@ -371,4 +381,98 @@ def merge(
         return concat(values, counts)
     if rule in ("sum", "max", "mean"):
         return aggregate(values, counts, rule)
+    if rule == "rows":
+        return rows(values, counts)
+    if rule in SPARSE_MERGES:
+        raise ValueError(f"window merge rule {rule!r} merges a pair of outputs together: merge_outputs")
     raise ValueError(f"window merge rule {rule!r} is not one of {list(MERGES)}")
+
+
+def rows(values: npt.NDArray[Any], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.object_]:
+    """A ragged output's per-window arrays (object ``[W]``, each ``[n_w, ...]``; each text's
+    windows consecutive, ``counts`` ``[B]``) as one array per text, its windows' rows one after
+    the other in window order: object ``[B]``."""
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    out = np.empty(len(counts), dtype=object)
+    start = 0
+    for item, count in enumerate(counts):
+        parts = list(flat[start : start + int(count)])
+        out[item] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        start += int(count)
+    return out
+
+
+def merge_outputs(
+    results: Mapping[str, npt.NDArray[Any]],
+    rules: Mapping[str, str],
+    counts: npt.NDArray[np.int64],
+    weights: npt.NDArray[Any],
+) -> dict[str, npt.NDArray[Any]]:
+    """Every per-window output of ``results`` (``[W, ...]``; each text's windows consecutive,
+    ``counts`` ``[B]``, text tokens per window ``weights`` ``[W]``) put together per text by its
+    rule in ``rules`` (:data:`MERGES`), ``[B, ...]``: each alone (:func:`merge`), except the two
+    outputs of a sparse rule, merged together (:func:`sparse`): the integer one holds the term
+    ids, the floating one their weights.
+
+    Raises:
+        ValueError: an output without a rule, an unknown rule, or a sparse rule not held by
+            exactly one integer and one floating ragged output.
+    """
+    out: dict[str, npt.NDArray[Any]] = {}
+    for rule in SPARSE_MERGES:
+        pair = [name for name in results if rules.get(name) == rule]
+        if not pair:
+            continue
+        kinds = {_element_kind(results[name]): name for name in pair}
+        if len(pair) != 2 or set(kinds) != {"i", "f"}:
+            raise ValueError(
+                f"window merge rule {rule!r} needs one integer and one floating ragged output "
+                f"(a sparse vector's ids and weights), got {pair}"
+            )
+        out[kinds["i"]], out[kinds["f"]] = sparse(results[kinds["i"]], results[kinds["f"]], counts, rule)
+    for name, values in results.items():
+        if name in out:
+            continue
+        found = rules.get(name)
+        if found is None:
+            raise ValueError(f"output {name!r} has no window merge rule (the handler's window_merges)")
+        out[name] = merge(values, found, counts, weights)
+    return out
+
+
+def _element_kind(values: npt.NDArray[Any]) -> str:
+    """The numpy kind (``"i"``, ``"f"``, ...) of a ragged output's arrays (of the array itself
+    where it is not ragged)."""
+    flat = np.asarray(values).reshape(-1)
+    if flat.dtype != object:
+        return flat.dtype.kind
+    return np.asarray(flat[0]).dtype.kind if len(flat) else "O"
+
+
+def sparse(
+    indices: npt.NDArray[Any], values: npt.NDArray[Any], counts: npt.NDArray[np.int64], rule: str
+) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.object_]]:
+    """The windows' sparse vectors (object ``[W]`` of term ids and of their weights, each
+    ``[n_w]``; each text's windows consecutive, ``counts`` ``[B]``) as one per text: the union of
+    its windows' ids, ascending, each weighted by the largest (``"sparse_max"``: SPLADE's max
+    pooling over the whole text's tokens) or the sum (``"sparse_sum"``) of its windows' weights;
+    object ``[B]`` each."""
+    reduce = SPARSE_MERGES[rule]
+    flat_ids = np.asarray(indices, dtype=object).reshape(-1)
+    flat_values = np.asarray(values, dtype=object).reshape(-1)
+    out_ids = np.empty(len(counts), dtype=object)
+    out_values = np.empty(len(counts), dtype=object)
+    start = 0
+    for item, count in enumerate(counts):
+        window = slice(start, start + int(count))
+        start += int(count)
+        if count == 1:
+            out_ids[item], out_values[item] = flat_ids[window][0], flat_values[window][0]
+            continue
+        ids = np.concatenate(list(flat_ids[window]))
+        weights = np.concatenate(list(flat_values[window]))
+        unique, where = np.unique(ids, return_inverse=True)
+        merged = np.full(len(unique), -np.inf if rule == "sparse_max" else 0, dtype=weights.dtype)
+        reduce.at(merged, where, weights)
+        out_ids[item], out_values[item] = unique.astype(ids.dtype, copy=False), merged
+    return out_ids, out_values
