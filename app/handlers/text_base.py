@@ -46,7 +46,7 @@ from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_
 from app.models.base import PREPARED, Priced
 from app.models.memory import trim_heap
 
-__all__ = ["TextHandler", "max_length", "prepared_parts"]
+__all__ = ["TextHandler", "max_length", "prepared_parts", "ragged"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,15 @@ def prepared_parts(inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts | None]
     """The items' preparations in ``inputs[PREPARED]`` (None: absent)."""
     prepared = inputs.get(PREPARED)
     return None if prepared is None else list(np.asarray(prepared, dtype=object).reshape(-1))
+
+
+def ragged(arrays: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.object_]:
+    """A ragged output (``app.models.repository.TensorSpec.ragged``): an object array ``[B]`` of
+    the items' arrays (filled one by one: numpy would otherwise stack arrays of equal length)."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, array in enumerate(arrays):
+        out[i] = array
+    return out
 
 
 class TextHandler(windowing.Windowed):

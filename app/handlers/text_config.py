@@ -21,6 +21,11 @@ declares it, is vLLM's field of that name, passed per item by the text APIs
 (``app.protocols.text``): 0 = not asked (the model's ``truncation`` holds), -1 = the model's
 ``max_seq_length``, ``k`` >= 1 = the text's last ``k`` tokens, special tokens counted (for a
 (query, text) pair: the text cut, the query whole); a text cut so is one item, never windows.
+
+The optional BYTES input ``input_type`` (shape ``[1]``), where a retrieval model declares it
+(:mod:`app.handlers.sparse_embedding`, :mod:`app.handlers.multi_vector`), says per item what the
+text is: ``"query"``, ``"document"``, or empty (the model's default), the tasks of
+sentence-transformers' ``encode_query`` / ``encode_document`` (:func:`input_types`).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import numpy.typing as npt
 __all__ = [
     "ATTENTION",
     "DTYPE_NAMES",
+    "INPUT_TYPE",
     "SHARED_PARAMETERS",
     "TRUNCATE",
     "ModelConfigLike",
@@ -44,6 +50,7 @@ __all__ = [
     "check_shared_parameters",
     "declares_truncation",
     "decode_texts",
+    "input_types",
     "item_integers",
     "resolve_model_dir",
     "truncation",
@@ -63,6 +70,8 @@ SHARED_PARAMETERS = (
 )
 #: The optional per-item input that cuts a text to its last tokens (module docstring).
 TRUNCATE = "truncate_prompt_tokens"
+#: The optional per-item input that says whether a text is a query or a document (module docstring).
+INPUT_TYPE = "input_type"
 
 
 class TensorSpecLike(Protocol):
@@ -258,3 +267,23 @@ def text_inputs(inputs: Mapping[str, npt.NDArray[Any]]) -> tuple[list[str], list
     if len(queries) != len(texts):
         raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
     return texts, queries
+
+
+def input_types(inputs: Mapping[str, npt.NDArray[Any]], count: int, allowed: Sequence[str]) -> list[str]:
+    """Each of ``count`` items' :data:`INPUT_TYPE`, decoded ("" where the input is absent).
+
+    Raises:
+        ValueError: not one value per item, invalid UTF-8, or a value not in ``allowed``.
+    """
+    array = inputs.get(INPUT_TYPE)
+    if array is None:
+        return [""] * count
+    values = decode_texts(INPUT_TYPE, np.asarray(array))
+    if len(values) != count:
+        raise ValueError(f"input {INPUT_TYPE!r} has {len(values)} items for {count} texts")
+    bad = sorted({v for v in values if v not in allowed})
+    if bad:
+        raise ValueError(
+            f"input {INPUT_TYPE!r} {bad[0]!r} is not one of {[a for a in allowed if a]} (or empty)"
+        )
+    return values
