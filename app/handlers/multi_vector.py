@@ -14,8 +14,8 @@ Inputs (per item):
     ``input_type`` says so, a query (its marker, expanded with mask tokens to ``query_length``).
 ``query``  BYTES, optional
     A query to score the text against, as a document (MaxSim); empty: no score.
-``input_type``  BYTES, optional
-    ``"query"`` or ``"document"``; empty: a document (the bulk of what an index embeds; PyLate's
+``input_type``  INT64, optional
+    1 a query, 2 a document; 0 or omitted: a document (the bulk of what an index embeds; PyLate's
     own ``encode`` takes queries by default, ``is_query=True``).
 ``truncate_prompt_tokens``  INT64, optional (:mod:`app.handlers.text_config`; documents only:
     a query is cut at ``query_length``, as PyLate cuts it).
@@ -83,7 +83,6 @@ __all__ = ["MultiVectorBatch", "MultiVectorHandler", "MultiVectorOutputs"]
 
 _PARAMETERS = (*SHARED_PARAMETERS, *windowing.PARAMETERS)
 _OUTPUTS = ("embedding", "score", "tokens", "windows")
-_TASKS = ("", "query", "document")
 _NONE: Ids = np.zeros(0, dtype=np.int32)
 #: An item's kind (its preparation's ``info[0]``): a window's is its ``input_type``'s, once priced.
 DOCUMENT, QUERY, UNRESOLVED = 0, 1, -1
@@ -294,7 +293,7 @@ class MultiVectorHandler(TextHandler):
         if given is not None and all(p is not None and int(p[2][0]) != UNRESOLVED for p in given):
             return given  # type: ignore[return-value]
         count = len(given) if given is not None else len(np.asarray(inputs.get("text", ())).reshape(-1))
-        kinds = [QUERY if t == "query" else DOCUMENT for t in input_types(inputs, count, _TASKS)]
+        kinds = [QUERY if t == "query" else DOCUMENT for t in input_types(inputs, count)]
         keep = self.keep(inputs, count)
         out: list[Parts | None] = [None] * count
         for i, parts in enumerate(given or [None] * count):

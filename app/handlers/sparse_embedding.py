@@ -11,9 +11,9 @@ Inputs (per item):
 
 ``text``  BYTES, required
     UTF-8 text to embed.
-``input_type``  BYTES, optional
-    ``"query"``, ``"document"`` or empty (``encode``: the folder's default route, e.g. the
-    documents' of an inference-free model): which of the folder's routes and prompts the text
+``input_type``  INT64, optional
+    1 a query, 2 a document, 0 or omitted the folder's default route (``encode``; an
+    inference-free model's documents' route): which of the folder's routes and prompts the text
     takes (:data:`app.handlers.text_config.INPUT_TYPE`).
 ``truncate_prompt_tokens``  INT64, optional (:mod:`app.handlers.text_config`).
 
@@ -57,7 +57,6 @@ import torch
 from app.handlers import windows as windowing
 from app.handlers.decoders import DTYPES
 from app.handlers.splade import (
-    TASKS,
     MaskedLM,
     SparsePlan,
     SpladeRoute,
@@ -68,6 +67,7 @@ from app.handlers.splade import (
 )
 from app.handlers.text_base import TextHandler, max_length, prepared_parts, ragged
 from app.handlers.text_config import (
+    INPUT_TYPES,
     SHARED_PARAMETERS,
     TRUNCATE,
     ModelConfigLike,
@@ -183,7 +183,7 @@ class SparseEmbeddingHandler(TextHandler):
         policy = windowing.WindowPolicy.from_parameters(parameters, length, default_truncation="truncate")
         self.truncates = declares_truncation(config)
         cuts = policy.truncation != "truncate" or self.truncates
-        prompts = {task: plan.prompt(task) for task in TASKS}
+        prompts = {task: plan.prompt(task) for task in INPUT_TYPES}
         if cuts and any(prompts.values()):
             raise ValueError(
                 f'the folder\'s prompts {prompts} need truncation = "truncate" and no truncate_prompt_tokens '
@@ -229,7 +229,7 @@ class SparseEmbeddingHandler(TextHandler):
             return given  # type: ignore[return-value]
         plan = self._plan
         count = len(given) if given is not None else len(np.asarray(inputs.get("text", ())).reshape(-1))
-        tasks = input_types(inputs, count, TASKS)
+        tasks = input_types(inputs, count)
         routes = [self._names.index(plan.route(task)) for task in tasks]
         out: list[Parts | None] = [None] * count
         for i, parts in enumerate(given or [None] * count):

@@ -44,7 +44,6 @@ from app.handlers.tokenizing import Ids, load_tokenizer
 
 __all__ = [
     "LOGITS_BYTES",
-    "TASKS",
     "MaskedLM",
     "SparsePlan",
     "SpladeRoute",
@@ -60,9 +59,6 @@ log = logging.getLogger(__name__)
 
 #: Logits one forward call's pooling holds at once, bytes (chunks of tokens beyond it).
 LOGITS_BYTES = 256 * 2**20
-#: The tasks a request may name (sentence-transformers' ``encode_query`` / ``encode_document``;
-#: "" is ``encode``: the folder's default route).
-TASKS = ("", "query", "document")
 _TRANSFORMERS = {"Transformer", "MLMTransformer"}
 _POOLING_STRATEGIES = ("max", "sum")
 _ACTIVATIONS = ("relu", "log1p_relu")
@@ -105,9 +101,9 @@ class SparsePlan:
     default_prompt_name: str | None = None
 
     def route(self, task: str) -> str:
-        """The route of a text of ``task`` (:data:`TASKS`), as the library's ``Router`` resolves it
-        for text: ``(task, "text")``, ``(task, None)``, ``(None, "text")``, ``(None, None)`` among
-        the mappings, the route named ``task``, else the default route.
+        """The route of a text of ``task`` ("", "query" or "document"), as the library's
+        ``Router`` resolves it for text: ``(task, "text")``, ``(task, None)``, ``(None, "text")``,
+        ``(None, None)`` among the mappings, the route named ``task``, else the default route.
 
         Raises:
             ValueError: a task the folder has no route for.

@@ -22,10 +22,12 @@ declares it, is vLLM's field of that name, passed per item by the text APIs
 ``max_seq_length``, ``k`` >= 1 = the text's last ``k`` tokens, special tokens counted (for a
 (query, text) pair: the text cut, the query whole); a text cut so is one item, never windows.
 
-The optional BYTES input ``input_type`` (shape ``[1]``), where a retrieval model declares it
+The optional INT64 input ``input_type`` (shape ``[1]``), where a retrieval model declares it
 (:mod:`app.handlers.sparse_embedding`, :mod:`app.handlers.multi_vector`), says per item what the
-text is: ``"query"``, ``"document"``, or empty (the model's default), the tasks of
-sentence-transformers' ``encode_query`` / ``encode_document`` (:func:`input_types`).
+text is: 1 a query, 2 a document, 0 (or omitted) the model's default: the tasks of
+sentence-transformers' ``encode_query`` / ``encode_document`` / ``encode``
+(:data:`INPUT_TYPES`, :func:`input_types`). A number, not a name: an omitted optional input
+reaches the handler as zeros, and a warmup's texts are no task's name.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ __all__ = [
     "ATTENTION",
     "DTYPE_NAMES",
     "INPUT_TYPE",
+    "INPUT_TYPES",
     "SHARED_PARAMETERS",
     "TRUNCATE",
     "ModelConfigLike",
@@ -72,6 +75,8 @@ SHARED_PARAMETERS = (
 TRUNCATE = "truncate_prompt_tokens"
 #: The optional per-item input that says whether a text is a query or a document (module docstring).
 INPUT_TYPE = "input_type"
+#: The tasks ``input_type`` names, by value: 0 the model's default (""), 1 a query, 2 a document.
+INPUT_TYPES = ("", "query", "document")
 
 
 class TensorSpecLike(Protocol):
@@ -269,21 +274,19 @@ def text_inputs(inputs: Mapping[str, npt.NDArray[Any]]) -> tuple[list[str], list
     return texts, queries
 
 
-def input_types(inputs: Mapping[str, npt.NDArray[Any]], count: int, allowed: Sequence[str]) -> list[str]:
-    """Each of ``count`` items' :data:`INPUT_TYPE`, decoded ("" where the input is absent).
+def input_types(inputs: Mapping[str, npt.NDArray[Any]], count: int) -> list[str]:
+    """Each of ``count`` items' task (:data:`INPUT_TYPES`: "", "query" or "document") from its
+    :data:`INPUT_TYPE` ("" where the input is absent).
 
     Raises:
-        ValueError: not one value per item, invalid UTF-8, or a value not in ``allowed``.
+        ValueError: not one integer per item, or a value outside 0, 1, 2.
     """
-    array = inputs.get(INPUT_TYPE)
-    if array is None:
+    values = item_integers(inputs, INPUT_TYPE, count)
+    if values is None:
         return [""] * count
-    values = decode_texts(INPUT_TYPE, np.asarray(array))
-    if len(values) != count:
-        raise ValueError(f"input {INPUT_TYPE!r} has {len(values)} items for {count} texts")
-    bad = sorted({v for v in values if v not in allowed})
+    bad = [int(v) for v in values if not 0 <= v < len(INPUT_TYPES)]
     if bad:
         raise ValueError(
-            f"input {INPUT_TYPE!r} {bad[0]!r} is not one of {[a for a in allowed if a]} (or empty)"
+            f"input {INPUT_TYPE!r} {bad[0]} is not 0 (the model's default), 1 (a query) or 2 (a document)"
         )
-    return values
+    return [INPUT_TYPES[int(v)] for v in values]

@@ -41,7 +41,7 @@ datatype = "BYTES"
 shape = [1]
 [[inputs]]
 name = "input_type"
-datatype = "BYTES"
+datatype = "INT64"
 shape = [1]
 optional = true
 [[inputs]]
@@ -94,7 +94,7 @@ shape = [1]
 optional = true
 [[inputs]]
 name = "input_type"
-datatype = "BYTES"
+datatype = "INT64"
 shape = [1]
 optional = true
 [[inputs]]

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from app.handlers.multi_vector import MultiVectorHandler
+from app.handlers.text_config import INPUT_TYPES
 from app.handlers.windows import merge_outputs
 from app.models.base import PREPARED
 from tests.support.retrieval_models import write_colbert_folder
@@ -58,7 +59,7 @@ class Config:
         default_factory=lambda: [
             Spec("text", "BYTES", [1]),
             Spec("query", "BYTES", [1], optional=True),
-            Spec("input_type", "BYTES", [1], optional=True),
+            Spec("input_type", "INT64", [1], optional=True),
             Spec("truncate_prompt_tokens", "INT64", [1], optional=True),
         ]
     )
@@ -68,6 +69,11 @@ class Config:
             Spec("score", "FP32", [1]),
         ]
     )
+
+
+def _types(*tasks: str) -> np.ndarray:
+    """``input_type`` per item: "" (0), "query" (1), "document" (2)."""
+    return np.array([[INPUT_TYPES.index(t)] for t in tasks], dtype=np.int64)
 
 
 def _bytes(*texts: str) -> np.ndarray:
@@ -105,7 +111,7 @@ def _load(folder: Path, **parameters: Any) -> MultiVectorHandler:
 def test_queries_and_documents_equal_pylate(model: tuple[Path, dict[str, np.ndarray]]) -> None:
     folder, reference = model
     handler = _load(folder)
-    queries = _run(handler, {"text": _bytes(*QUERIES), "input_type": _bytes(*["query"] * len(QUERIES))})
+    queries = _run(handler, {"text": _bytes(*QUERIES), "input_type": _types(*["query"] * len(QUERIES))})
     documents = _run(handler, {"text": _bytes(*DOCUMENTS)})  # no input_type: documents
     for i in range(len(QUERIES)):
         assert (
@@ -176,12 +182,12 @@ def test_a_long_query_is_cut_at_query_length_in_windows_too(
     folder, _ = model
     handler = _load(folder, truncation="window")
     long_query = DOCUMENTS[-1]
-    whole = _run(handler, {"text": _bytes(long_query), "input_type": _bytes("query")})
+    whole = _run(handler, {"text": _bytes(long_query), "input_type": _types("query")})
     spans = handler.split_windows([long_query], None)
     prepared = np.empty(len(spans[0]), dtype=object)
     prepared[:] = [s.prepared for s in spans[0]]
     texts = [long_query[s.start : s.stop] for s in spans[0]]
-    inputs = {"text": _bytes(*texts), "input_type": _bytes(*["query"] * len(texts)), PREPARED: prepared}
+    inputs = {"text": _bytes(*texts), "input_type": _types(*["query"] * len(texts)), PREPARED: prepared}
     per_window = _run(handler, inputs)
     assert [len(r) for r in per_window["embedding"]] == [12] + [0] * (len(texts) - 1)
     merged = merge_outputs(per_window, handler.window_merges, np.array([len(texts)]), np.ones(len(texts)))
@@ -192,12 +198,12 @@ def test_what_the_handler_refuses(model: tuple[Path, dict[str, np.ndarray]]) -> 
     folder, _ = model
     handler = _load(folder)
     with pytest.raises(ValueError, match=r"is a query .* with a query to score"):
-        handler.item_costs({"text": _bytes("a"), "query": _bytes("b"), "input_type": _bytes("query")})
+        handler.item_costs({"text": _bytes("a"), "query": _bytes("b"), "input_type": _types("query")})
     with pytest.raises(ValueError, match="truncate_prompt_tokens applies to documents"):
         handler.item_costs(
             {
                 "text": _bytes("a b c"),
-                "input_type": _bytes("query"),
+                "input_type": _types("query"),
                 "truncate_prompt_tokens": np.array([[3]]),
             }
         )

@@ -16,6 +16,7 @@ import torch
 from sentence_transformers import SparseEncoder
 
 from app.handlers.sparse_embedding import SparseEmbeddingHandler
+from app.handlers.text_config import INPUT_TYPES
 from app.handlers.windows import merge_outputs
 from app.models.base import PREPARED
 from tests.support.retrieval_models import write_inference_free_folder, write_splade_folder
@@ -57,9 +58,14 @@ class Config:
     path: Path
     name: str = "sparse"
     inputs: list[Spec] = field(
-        default_factory=lambda: [Spec("text", "BYTES", [1]), Spec("input_type", "BYTES", [1], optional=True)]
+        default_factory=lambda: [Spec("text", "BYTES", [1]), Spec("input_type", "INT64", [1], optional=True)]
     )
     outputs: list[Spec] = field(default_factory=_outputs)
+
+
+def _types(*tasks: str) -> np.ndarray:
+    """``input_type`` per item: "" (0), "query" (1), "document" (2)."""
+    return np.array([[INPUT_TYPES.index(t)] for t in tasks], dtype=np.int64)
 
 
 def _bytes(*texts: str) -> np.ndarray:
@@ -115,7 +121,7 @@ def test_every_task_equals_the_library(folders: dict[str, Path], kind: str) -> N
     library = SparseEncoder(str(folders[kind]), device="cpu", local_files_only=True)
     calls = {"": library.encode, "query": library.encode_query, "document": library.encode_document}
     for task, call in calls.items():
-        result = _run(handler, {"text": _bytes(*TEXTS), "input_type": _bytes(*[task] * len(TEXTS))})
+        result = _run(handler, {"text": _bytes(*TEXTS), "input_type": _types(*[task] * len(TEXTS))})
         reference = call(TEXTS, convert_to_tensor=True).to_dense().numpy()
         _assert_equal_to_library(result, reference)
         assert result["tokens"].shape == (len(TEXTS), 1)
@@ -126,7 +132,7 @@ def test_inference_free_queries_are_their_terms_static_weights(folders: dict[str
     handler = _load(folders["free"])
     mixed = ["query", "document", "query", ""]
     texts = ["the sea the sea", "the sea", "Hello, world!", "the sea"]
-    result = _run(handler, {"text": _bytes(*texts), "input_type": _bytes(*mixed)})
+    result = _run(handler, {"text": _bytes(*texts), "input_type": _types(*mixed)})
     library = SparseEncoder(str(folders["free"]), device="cpu", local_files_only=True)
     for item, task in enumerate(mixed):
         call = library.encode_query if task == "query" else library.encode_document
@@ -179,7 +185,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(folders: dict[str, Path]) 
     handler = _load(folders["free"], truncates=True)
     inputs = {
         "text": _bytes("one two three four five six", "one two three four five six"),
-        "input_type": _bytes("document", "query"),
+        "input_type": _types("document", "query"),
         "truncate_prompt_tokens": np.array([[4], [2]], dtype=np.int64),
     }
     result = _run(handler, inputs)
@@ -191,8 +197,8 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(folders: dict[str, Path]) 
 
 def test_unknown_input_type_is_refused(folders: dict[str, Path]) -> None:
     handler = _load(folders["free"])
-    with pytest.raises(ValueError, match=r"'input_type' 'passage' is not one of \['query', 'document'\]"):
-        handler.item_costs({"text": _bytes("a"), "input_type": _bytes("passage")})
+    with pytest.raises(ValueError, match=r"'input_type' 3 is not 0 \(the model's default\), 1 \(a query\)"):
+        handler.item_costs({"text": _bytes("a"), "input_type": np.array([[3]])})
 
 
 def test_outputs_must_be_declared_ragged(folders: dict[str, Path]) -> None:
