@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -272,3 +273,55 @@ def write_model(repo: Path, name: str, toml: str, folder_name: str, build: Any, 
     values = {"parameters": "", "extra": "", "dim": 16, **fields}
     (folder / "model.toml").write_text(toml.format(name=name, **values))
     return folder
+
+
+@dataclass
+class Spec:
+    """Stands in for a declared input or output (``app.models.repository.TensorSpec``)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    ragged: bool = False
+    optional: bool = False
+
+
+@dataclass
+class Config:
+    """Stands in for the server's parsed model.toml (what the text handlers read of it)."""
+
+    parameters: dict[str, Any]
+    path: Path
+    inputs: list[Spec]
+    outputs: list[Spec]
+    name: str = "model"
+
+
+def sparse_config(folder: Path, *, truncates: bool = False, **parameters: Any) -> Config:
+    """The model.toml of :data:`SPARSE_TOML` for the folder ``folder`` (its cost model fixed, not
+    measured), ``parameters`` added."""
+    inputs = [Spec("text", "BYTES", [1]), Spec("input_type", "INT64", [1], optional=True)]
+    if truncates:
+        inputs.append(Spec("truncate_prompt_tokens", "INT64", [1], optional=True))
+    outputs = [
+        Spec("indices", "INT64", [-1], ragged=True),
+        Spec("values", "FP32", [-1], ragged=True),
+        Spec("tokens", "INT64", [1]),
+        Spec("windows", "INT64", [1]),
+    ]
+    fixed = {"model_dir": folder.name, "call_overhead_tokens": 40, "attention_knee_tokens": 512}
+    return Config({**fixed, **parameters}, folder.parent, inputs, outputs, name="sparse")
+
+
+def colbert_config(folder: Path, dim: int, **parameters: Any) -> Config:
+    """The model.toml of :data:`COLBERT_TOML` for the folder ``folder`` (rows ``dim`` wide; its
+    cost model fixed), ``parameters`` added."""
+    inputs = [
+        Spec("text", "BYTES", [1]),
+        Spec("query", "BYTES", [1], optional=True),
+        Spec("input_type", "INT64", [1], optional=True),
+        Spec("truncate_prompt_tokens", "INT64", [1], optional=True),
+    ]
+    outputs = [Spec("embedding", "FP32", [-1, dim], ragged=True), Spec("score", "FP32", [1])]
+    fixed = {"model_dir": folder.name, "call_overhead_tokens": 40, "attention_knee_tokens": 512}
+    return Config({**fixed, **parameters}, folder.parent, inputs, outputs, name="colbert")

@@ -7,7 +7,6 @@ refuses."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from app.handlers.multi_vector import MultiVectorHandler
 from app.handlers.text_config import INPUT_TYPES
 from app.handlers.windows import merge_outputs
 from app.models.base import PREPARED
-from tests.support.retrieval_models import write_colbert_folder
+from tests.support.retrieval_models import colbert_config, write_colbert_folder
 
 QUERIES = [
     "what is the sea?",
@@ -37,38 +36,6 @@ DOCUMENTS = [
 ]
 TOLERANCE = 1e-5
 DIM = 16
-
-
-@dataclass
-class Spec:
-    name: str
-    datatype: str
-    shape: list[int]
-    ragged: bool = False
-    optional: bool = False
-
-
-@dataclass
-class Config:
-    """Stands in for the server's parsed model.toml."""
-
-    parameters: dict[str, Any]
-    path: Path
-    name: str = "colbert"
-    inputs: list[Spec] = field(
-        default_factory=lambda: [
-            Spec("text", "BYTES", [1]),
-            Spec("query", "BYTES", [1], optional=True),
-            Spec("input_type", "INT64", [1], optional=True),
-            Spec("truncate_prompt_tokens", "INT64", [1], optional=True),
-        ]
-    )
-    outputs: list[Spec] = field(
-        default_factory=lambda: [
-            Spec("embedding", "FP32", [-1, DIM], ragged=True),
-            Spec("score", "FP32", [1]),
-        ]
-    )
 
 
 def _types(*tasks: str) -> np.ndarray:
@@ -101,10 +68,7 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict
 
 def _load(folder: Path, **parameters: Any) -> MultiVectorHandler:
     handler = MultiVectorHandler()
-    fixed = {"call_overhead_tokens": 40, "attention_knee_tokens": 512}
-    handler.load(
-        torch.device("cpu"), Config({"model_dir": folder.name, **fixed, **parameters}, folder.parent)
-    )
+    handler.load(torch.device("cpu"), colbert_config(folder, DIM, **parameters))
     return handler
 
 
@@ -207,8 +171,7 @@ def test_what_the_handler_refuses(model: tuple[Path, dict[str, np.ndarray]]) -> 
                 "truncate_prompt_tokens": np.array([[3]]),
             }
         )
-    config = Config({"model_dir": folder.name}, folder.parent)
-    config.outputs[0] = Spec("embedding", "FP32", [-1, 128], ragged=True)
+    config = colbert_config(folder, 128)
     with pytest.raises(ValueError, match=r"shape = \[-1, 16\], ragged = true"):
         MultiVectorHandler().load(torch.device("cpu"), config)
 

