@@ -173,6 +173,38 @@ def write_splade_folder(
     return path
 
 
+def write_splade_from(
+    encoder: Path, path: Path, *, seed: int = 0, active_terms: int = 200, samples: list[str] | None = None
+) -> Path:
+    """A SPLADE ``SparseEncoder`` at ``path`` on the encoder of the BERT folder ``encoder`` (e.g.
+    the demo MiniLM's): transformers' ``BertForMaskedLM`` with that encoder and a random head from
+    ``seed`` (its decoder the word embeddings), the head's bias set so that a text of ``samples``
+    activates about ``active_terms`` terms, as a trained SPLADE does (benchmarks: the cost of the
+    real encoder's size, not its answers)."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(encoder), local_files_only=True)
+    model = BertForMaskedLM.from_pretrained(str(encoder), local_files_only=True).eval()
+    texts = samples or ["a short title", "a somewhat longer description of an item for sale in a feed"]
+    with torch.no_grad():
+        model.cls.predictions.bias.zero_()
+        encoded = tokenizer(texts, return_tensors="pt", padding=True)
+        pooled = (model(**encoded).logits + (encoded["attention_mask"][..., None] - 1) * 1e4).amax(dim=1)
+        model.cls.predictions.bias.fill_(
+            -float(torch.quantile(pooled.flatten(), 1 - active_terms / pooled.shape[1]))
+        )
+    mlm = path.with_name(path.name + "-mlm")
+    model.save_pretrained(mlm)
+    tokenizer.save_pretrained(mlm)
+    SparseEncoder(
+        modules=[Transformer(str(mlm), transformer_task="fill-mask"), SpladePooling("max")], device="cpu"
+    ).save(str(path))
+    return path
+
+
 def write_inference_free_folder(path: Path, *, seed: int = 0, max_positions: int = 128) -> Path:
     """An inference-free SPLADE ``SparseEncoder`` saved by the library at ``path``: a ``Router``
     whose queries take a ``SparseStaticEmbedding`` (a random weight per term, a third of them 0)
@@ -244,13 +276,15 @@ def write_colbert_folder(
     document_length: int = 40,
     queries: list[str] | None = None,
     documents: list[str] | None = None,
+    bert: Path | None = None,
 ) -> dict[str, np.ndarray]:
-    """A PyLate ``models.ColBERT`` built by PyLate from a :func:`write_bert_folder` folder (its
-    Dense projection random from ``seed``) and saved at ``path``; and PyLate's answers on the
+    """A PyLate ``models.ColBERT`` built by PyLate from a :func:`write_bert_folder` folder (or the
+    folder ``bert``; its Dense projection random from ``seed``) and saved at ``path``; and PyLate's answers on the
     saved folder, loaded again: ``q{i}`` / ``d{j}`` (``encode`` of ``queries`` /
     ``documents``, ``is_query`` True / False) and ``scores`` ``[Q, D]`` (``colbert_scores`` of
     each pair alone)."""
-    bert = write_bert_folder(path.with_name(path.name + "-bert"), seed=seed, max_positions=max_positions)
+    if bert is None:
+        bert = write_bert_folder(path.with_name(path.name + "-bert"), seed=seed, max_positions=max_positions)
     spec = {
         "bert": str(bert),
         "out": str(path),
