@@ -104,7 +104,7 @@ def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
 def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> InferRequest:
     """A ``ModelInferRequest`` for model ``config`` -> :class:`InferRequest`: raw contents as
     :class:`~app.protocols.infer.RawData` (decoded by validation, once the tensor fits the
-    model: :func:`app.serving.validation.validate_inputs`), typed contents as arrays (converted
+    model: :func:`app.serving.dataplane.validate_inputs`), typed contents as arrays (converted
     only for a known input, after its element count is checked).
 
     Raises:

@@ -9,7 +9,7 @@ document) ``app.http.routes``'s.
 In order, for each request (:func:`edge_middleware`):
 
 1. the **request id**: ``X-Request-Id`` when sane (1-128 of ``[A-Za-z0-9._:-]``), else a new
-   one (:func:`app.serving.dataplane.request_id`); every response carries it, and
+   one (:func:`app.serving.context.request_id`); every response carries it, and
    ``Server-Timing: app;dur=<ms>``;
 2. **header limits** (:func:`check_headers`: ``SCORING_MAX_HEADER_BYTES``,
    ``SCORING_MAX_HEADERS``; 431);
@@ -104,7 +104,7 @@ from app.http.state import CORE, SHEDDING
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.codec import PLAIN_ERRORS, Api, ErrorShape
-from app.serving.dataplane import request_id
+from app.serving.context import request_id
 from app.settings import Settings
 
 log = logging.getLogger(__name__)

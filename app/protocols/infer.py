@@ -24,7 +24,7 @@ import numpy as np
 class RawData(msgspec.Struct):
     """A tensor's data as raw bytes, not yet decoded (binary tensor data, gRPC
     ``raw_input_contents``): little-endian row-major elements, BYTES length-prefixed.
-    :func:`app.serving.validation.validate_inputs` decodes it once its name, datatype and size
+    :func:`app.serving.dataplane.validate_inputs` decodes it once its name, datatype and size
     fit the model."""
 
     data: memoryview | bytes

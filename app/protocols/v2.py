@@ -228,7 +228,7 @@ def attach_binary(request: InferRequest, binary: memoryview) -> None:
     """Give every input that declares ``parameters.binary_data_size`` its part of ``binary``, in
     input order, as :class:`~app.protocols.infer.RawData` (a view: nothing is copied or
     decoded here; validation decodes it once the tensor's name, datatype and size are known to
-    fit the model: :func:`app.serving.validation.validate_inputs`).
+    fit the model: :func:`app.serving.dataplane.validate_inputs`).
 
     Raises:
         InvalidInput: a declared size is not a non-negative integer; sizes do not add up to

@@ -174,7 +174,7 @@ class ModelRunner:
         first-call costs), priced and prepared as requests are, each the best of
         :data:`CALIBRATION_ROUNDS` taken in turn: ``(cost, seconds)`` each (cost: ``batch_cost``
         of the items' costs for a priced model, else items), the seed of admission's service
-        rate (:meth:`app.serving.rate.ServiceRate.seed`). Two sizes give the per-batch overhead
+        rate (:meth:`app.serving.admission.ServiceRate.seed`). Two sizes give the per-batch overhead
         apart from the cost per unit, so that a long request is judged at what its cost takes,
         not at what a short batch's overhead made each unit cost."""
         batches = []

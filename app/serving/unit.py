@@ -39,22 +39,27 @@ from app.models.repository import ModelConfig
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
 from app.serving.admission import AdmissionPolicy, check_item_bounds, check_items, policy
-from app.serving.batch import (
+from app.serving.context import RequestContext
+from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads, price
+from app.serving.queue import (
     Batch,
     Chunk,
     QueuedRequest,
+    RequestQueue,
     Tensors,
     assemble,
-    expire,
     outputs_between,
     padded_to_longest,
-    price,
 )
-from app.serving.context import RequestContext
-from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads
-from app.serving.queue import RequestQueue
 
 log = logging.getLogger(__name__)
+
+
+def expire(future: asyncio.Future[Tensors]) -> None:
+    """Fail a request's ``future`` with :class:`TimeoutError` when its deadline passes before its
+    outputs are set (a loop timer: ``loop.call_at(deadline, expire, future)``); a done one stays."""
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 class UnitObserver(Protocol):

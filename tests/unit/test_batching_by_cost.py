@@ -20,10 +20,9 @@ from app.errors import DeadlineExceeded, InvalidInput, QueueFull
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.serving.admission import Backlog, MeasuredRate
-from app.serving.batch import Budget, QueuedRequest, most_within
 from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
-from app.serving.queue import RequestQueue
+from app.serving.queue import Budget, QueuedRequest, RequestQueue, most_within
 from app.serving.runner import ModelRunner
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually

@@ -27,11 +27,9 @@ from app.errors import (
 )
 from app.models.base import Segment
 from app.models.repository import read_config
-from app.protocols.tensors import ItemBytes
-from app.serving.admission import MeasuredRate
+from app.serving.admission import SETTLED_BATCHES, MeasuredRate, ServiceRate
 from app.serving.context import RequestContext
-from app.serving.queue import GATHER_IDLE_TURNS
-from app.serving.rate import SETTLED_BATCHES, ServiceRate
+from app.serving.queue import GATHER_IDLE_TURNS, ItemBytes
 from app.serving.runner import ModelRunner
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
