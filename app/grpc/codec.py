@@ -171,8 +171,9 @@ def encode_response(response: InferResponse, raw: bool) -> pb.ModelInferResponse
     for key, value in response.parameters.items():
         _set_parameter(message.parameters, key, value)
     # raw_output_contents, once used, holds every output (the protocol's rule)
-    raw = raw or any(o.datatype not in CONTENTS_FIELD for o in response.outputs)
-    for output in response.outputs:
+    outputs = response.tensors()
+    raw = raw or any(o.datatype not in CONTENTS_FIELD for o in outputs)
+    for output in outputs:
         tensor = message.outputs.add(name=output.name, datatype=output.datatype, shape=output.array.shape)
         if raw:
             message.raw_output_contents.append(tensor_bytes(output.array, output.datatype))

@@ -145,6 +145,11 @@ class ServerMetrics:
             "one makes its worker restart itself.",
             model, registry=r,
         )  # fmt: skip
+        self.unit_restarts = Counter(
+            "scoring_serving_loop_restarts", "Times a model version's serving loop stopped on a "
+            "failure and was started again (its requests then waiting got 503 + Retry-After).",
+            model, registry=r,
+        )  # fmt: skip
         self.model_loads = Counter(
             "scoring_model_loads", "Loads of a model version in a worker (at start, retried, or by "
             "model control), by outcome: success or failure.",
@@ -403,6 +408,11 @@ class ModelObserver:
         """Items waiting in the queue now."""
         if self._metrics is not None:
             self._depth.set(items)
+
+    def restarted(self) -> None:
+        """The version's serving loop stopped on a failure; it starts again after a backoff."""
+        if self._metrics is not None:
+            self._metrics.unit_restarts.labels(*self._labels).inc()
 
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
         """A request at queue ``level`` (0 = Triton's priority 1) was ``admitted`` or ``refused``;

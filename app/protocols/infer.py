@@ -20,6 +20,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from app.datatypes import NUMPY_DTYPES
+
 
 class RawData(msgspec.Struct):
     """A tensor's data as raw bytes, not yet decoded (binary tensor data, gRPC
@@ -90,14 +92,23 @@ class InferRequest(msgspec.Struct):
     binary_data_output: bool = False
 
 
+def lengths_name(output: str) -> str:
+    """The name of the tensor that carries a ragged output's per-item lengths over the Open
+    Inference Protocol (:meth:`InferResponse.tensors`): ``<output>_lengths``."""
+    return f"{output}_lengths"
+
+
 class OutputTensor(msgspec.Struct):
     """One output of a response: ``array`` is ``[B, ...]`` of the output's datatype (BYTES:
-    ``object`` array of ``bytes``); ``binary`` = the client wants it as binary tensor data."""
+    ``object`` array of ``bytes``); ``binary`` = the client wants it as binary tensor data;
+    ``ragged``: a ragged output (``app.models.repository.TensorSpec.ragged``), ``array`` an
+    object array ``[B]`` of the items' arrays ``[n_i, ...]``."""
 
     name: str
     datatype: str
     array: np.ndarray
     binary: bool = False
+    ragged: bool = False
 
 
 class InferResponse(msgspec.Struct):
@@ -108,3 +119,24 @@ class InferResponse(msgspec.Struct):
     outputs: list[OutputTensor]
     id: str | None = None
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def tensors(self) -> list[OutputTensor]:
+        """The outputs as the Open Inference Protocol sends them (V2 JSON, binary, gRPC): each as
+        it is, but a ragged output as two tensors, its items' rows end to end (``[sum n_i,
+        ...]``: the batch and the first item dimension become one) and, after it, their lengths
+        (:func:`lengths_name`, INT64 ``[B]``), so that a client splits the rows per item:
+        ``np.split(rows, np.cumsum(lengths)[:-1])``. Triton has no ragged outputs; this is the
+        layout of its ragged batch inputs (one dimension for all items' rows, and their counts)."""
+        if not any(o.ragged for o in self.outputs):
+            return self.outputs
+        out: list[OutputTensor] = []
+        for o in self.outputs:
+            if not o.ragged:
+                out.append(o)
+                continue
+            rows = list(o.array)
+            lengths = np.array([len(r) for r in rows], dtype=np.int64)
+            flat = np.concatenate(rows) if rows else np.zeros((0,), NUMPY_DTYPES[o.datatype])
+            out.append(OutputTensor(o.name, o.datatype, flat, o.binary))
+            out.append(OutputTensor(lengths_name(o.name), "INT64", lengths, o.binary))
+        return out

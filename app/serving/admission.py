@@ -45,7 +45,7 @@ from typing import Protocol
 
 import numpy as np
 
-from app.errors import DeadlineExceeded, InvalidInput, PayloadTooLarge, QueueFull, ScoringError
+from app.errors import DeadlineExceeded, PayloadTooLarge, QueueFull, ScoringError
 from app.models.base import PREPARED
 from app.serving.queue import ItemBytes
 
@@ -180,23 +180,6 @@ def overdue_slack_s() -> float:
     backlog by that ratio (20x) refused the feed-ranker at 64 gRPC connections with 512 items
     queued (expected 520 ms at 36,444 items/s)."""
     return 4 * sys.getswitchinterval()
-
-
-def check_items(model: str, inputs: Mapping[str, np.ndarray], queue_capacity: int) -> int:
-    """B, a request's items (axis 0 of ``inputs``).
-
-    Raises:
-        InvalidInput: none, or more than the model's ``queue_capacity`` (400, naming it).
-    """
-    size = len(next(iter(inputs.values())))
-    if size < 1:
-        raise InvalidInput("a request needs at least one item")
-    if size > queue_capacity:
-        raise InvalidInput(
-            f"request has {size} items; model {model} accepts at most {queue_capacity} per request "
-            "(model.toml queue_capacity)"
-        )
-    return size
 
 
 def check_item_bounds(

@@ -186,6 +186,7 @@ def build_response(
     extension, :func:`app.protocols.triton.classification`)."""
     datatypes = {s.name: s.datatype for s in config.outputs}
     labels = {s.name: s.labels for s in config.outputs}
+    ragged = {s.name for s in config.outputs if s.ragged}
     binary = {o.name: o.binary_data for o in request.outputs or ()}
     classify = {
         o.name: o.parameters[triton.CLASSIFICATION]
@@ -198,9 +199,8 @@ def build_response(
         datatype, array = datatypes[name], outputs[name]
         if name in classify:  # Triton's classification extension: top k as "score:index:label"
             datatype, array = "BYTES", triton.classification(array, classify[name], labels[name])
-        tensors.append(
-            OutputTensor(name, datatype, array, request.binary_data_output if wants is None else wants)
-        )
+        as_binary = request.binary_data_output if wants is None else wants
+        tensors.append(OutputTensor(name, datatype, array, as_binary, name in ragged))
     return InferResponse(config.name, config.version, tensors, request.id)
 
 

@@ -81,6 +81,9 @@ class QueuedRequest:
     pending: int = 0  # items not yet computed
     parts: list[tuple[int, Tensors]] = field(default_factory=list)
     dead: bool = False
+    #: Its items' shape (``item_shape`` of each input) for a model with a variable (-1)
+    #: dimension: only requests of the same shape share a batch; None: every shape is the same.
+    shape: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def deadline(self) -> float:
@@ -147,9 +150,16 @@ class Budget:
     tokens: float = math.inf
     batch_cost: Callable[[np.ndarray], float] = padded_to_longest
     taken: list[np.ndarray] = field(default_factory=list)  # the costs of the items taken
+    #: The item shape of the requests taken (:attr:`QueuedRequest.shape`); None: none taken yet,
+    #: or no variable dimension.
+    shape: tuple[tuple[int, ...], ...] | None = None
 
     def fit(self, request: QueuedRequest, start: int, stop: int) -> int:
-        """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit."""
+        """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit: none of
+        a request whose item shape differs from the batch's (Triton's dynamic batcher: requests
+        of a variable-shape input batch together only when their shapes match)."""
+        if request.shape is not None and self.shape is not None and request.shape != self.shape:
+            return 0
         n = min(stop - start, self.items)
         item_bytes = request.item_bytes
         if item_bytes is not None and self.bytes != math.inf:
@@ -165,6 +175,8 @@ class Budget:
     def take(self, request: QueuedRequest, start: int, stop: int) -> None:
         """Account for items ``[start, stop)`` of ``request`` joining the batch."""
         self.items -= stop - start
+        if request.shape is not None:
+            self.shape = request.shape
         if request.item_bytes is not None and self.bytes != math.inf:
             self.bytes -= request.item_bytes.between(start, stop)
         if request.tokens is not None:

@@ -255,6 +255,9 @@ class PaddingSeen:
     def queue_depth(self, items: int) -> None:
         pass
 
+    def restarted(self) -> None:
+        pass
+
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
         pass
 
