@@ -261,10 +261,9 @@ class WorkerBalancer:
         self.slot = slot
         self.route_out = route
         self.forward = forward
-
-    def add_load(self, items: int) -> None:
-        """Admission (+items) or completion (-items) of an inference request: published."""
-        self.slot.add_load(items)
+        #: Admission (+items) or completion (-items) of an inference request, published in the
+        #: load table: the slot's own method (a request's path goes there directly).
+        self.add_load: Callable[[int], None] = slot.add_load
 
     def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
         """Whether a request may leave: this worker ready and routing, and the request split

@@ -1,9 +1,10 @@
 """Admission: whether a model version takes one more request now, behind a small interface.
 
 A serving unit (:mod:`app.serving.unit`) asks its policy before a request's items join the
-queue, and tells it how long each batch took. First, whatever the policy, an item that alone
-exceeds a batch's bytes or tokens is refused (413: :func:`check_item_bounds`). Two policies,
-chosen per model in ``model.toml`` (``admission``):
+queue, and tells it how long each batch took. (Before that, whatever the policy, an item that
+alone exceeds a batch's bytes or tokens is refused with 413: the batch budget's rule,
+:func:`app.serving.queue.check_item_bounds`.) Two policies, chosen per model in ``model.toml``
+(``admission``):
 
 ``measured_rate`` (the default): **admission by time.** With a batch costing ``t(n) = o + n c``
 seconds (:class:`ServiceRate`), ``q`` items queued ahead (at the request's priority level and
@@ -39,15 +40,11 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
-from app.errors import DeadlineExceeded, PayloadTooLarge, QueueFull, ScoringError
-from app.models.base import PREPARED
-from app.serving.queue import ItemBytes
+from app.errors import DeadlineExceeded, QueueFull, ScoringError
 
 #: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before its
 #: :attr:`ServiceRate.lag` moves (docs/architecture.md, *Tuned numbers*).
@@ -182,37 +179,13 @@ def overdue_slack_s() -> float:
     return 4 * sys.getswitchinterval()
 
 
-def check_item_bounds(
-    model: str,
-    request_id: str,
-    inputs: Mapping[str, np.ndarray],
-    tokens: np.ndarray | None,
-    max_batch_bytes: int | None,
-    max_batch_tokens: int | None,
-) -> ItemBytes | None:
-    """Refuse a request whose costliest item alone exceeds a batch's bytes or tokens (its
-    ``tokens`` sorted ascending); returns its :class:`ItemBytes` (None without a byte bound).
+class Running(Protocol):
+    """A batch running: when it started (``loop.time()`` seconds) and its cost."""
 
-    Raises:
-        PayloadTooLarge: 413, naming the bound.
-    """
-    if tokens is not None and max_batch_tokens is not None and int(tokens[-1]) > max_batch_tokens:
-        raise PayloadTooLarge(
-            f"an item of request {request_id} costs {int(tokens[-1])} tokens; model {model} runs at "
-            f"most {max_batch_tokens} in one batch (model.toml max_batch_tokens)"
-        )
-    if max_batch_bytes is None:
-        return None
-    if PREPARED in inputs:  # the handler's own preparations are not the client's bytes
-        inputs = {name: array for name, array in inputs.items() if name != PREPARED}
-    item_bytes = ItemBytes(inputs)
-    largest = item_bytes.largest()
-    if largest > max_batch_bytes:
-        raise PayloadTooLarge(
-            f"an item of request {request_id} has {largest} bytes of input; model {model} runs at "
-            f"most {max_batch_bytes} bytes in one batch (model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
-        )
-    return item_bytes
+    @property
+    def started(self) -> float: ...
+    @property
+    def cost(self) -> float: ...
 
 
 class Backlog(Protocol):
@@ -227,12 +200,14 @@ class Backlog(Protocol):
     queue_capacity: int
     priced: bool
 
-    def queued(self, level: int | None = None) -> tuple[int, float]:
-        """(items, cost) waiting at ``level`` and the levels above it (None: all)."""
+    @property
+    def running(self) -> Sequence[Running]:
+        """The batches running, oldest first (``app.serving.executor.RunningBatch``)."""
         ...
 
-    def running(self) -> list[tuple[float, float]]:
-        """(``loop.time()`` at start, cost) of the batches running, oldest first."""
+    @property
+    def queued(self) -> Callable[[int | None], tuple[int, float]]:
+        """(items, cost) waiting at a level and the levels above it (None: all)."""
         ...
 
 
@@ -285,7 +260,7 @@ class AdmissionPolicy(Protocol):
 
 
 def _full(backlog: Backlog, items: int, retry_after_s: Callable[[], float]) -> Refusal | None:
-    queued, _ = backlog.queued()
+    queued, _ = backlog.queued(None)
     if queued + items <= backlog.queue_capacity:
         return None
     message = f"model {backlog.name} queue is full ({queued}/{backlog.queue_capacity} items)"
@@ -364,10 +339,10 @@ class MeasuredRate:
         to need as much again as it has overrun."""
         backlog, rate = self._backlog, self.rate
         rest, overdue = 0.0, 1.0
-        for i, (started, running_cost) in enumerate(backlog.running()):
-            expected_s = rate.seconds_for(running_cost)
+        for i, batch in enumerate(backlog.running):
+            expected_s = rate.seconds_for(batch.cost)
             if i == 0:  # the one computing now; the others wait behind it
-                elapsed_s = now - started
+                elapsed_s = now - batch.started
                 rest = abs(expected_s - elapsed_s)
                 overdue = max(1.0, elapsed_s / (expected_s + self._slack_s))
             else:
@@ -410,7 +385,7 @@ class MeasuredRate:
         full = _full(backlog, items, lambda: self._retry_after_s(now))
         if full is not None:
             return full
-        idle = not backlog.queued()[0] and not backlog.running()
+        idle = not backlog.queued(None)[0] and not backlog.running
         if cost and (not idle or self.rate.calibrated is not None):
             hopeless = self._hopeless(items, cost, budget_s, what, alone)
             if hopeless is not None:

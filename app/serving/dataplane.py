@@ -71,19 +71,24 @@ def parameters_timeout_s(parameters: dict[str, Any]) -> float | None:
     return float(value) / 1e6
 
 
-def parameters_priority(parameters: dict[str, Any]) -> int | None:
-    """``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default);
-    None when absent.
+def parameters_priority(config: ModelConfig, parameters: dict[str, Any]) -> int:
+    """``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default), checked
+    against the model's ``priority_levels`` (ignored, as 0, for a model without levels); 0 when
+    absent. Settled here once, before the request is balanced: the serving unit maps it to its
+    queue level and trusts it.
 
     Raises:
-        InvalidInput: not a whole number >= 0.
+        InvalidInput: not a whole number >= 0, or above the model's levels.
     """
     value = parameters.get("priority")
     if value is None:
-        return None
+        return 0
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidInput("parameters.priority must be a whole number >= 0 (1 = the highest level)")
-    return value
+    levels = config.priority_levels
+    if levels > 1 and value > levels:
+        raise InvalidInput(f"priority {value}: model {config.name} has priority levels 1..{levels}")
+    return value if levels > 1 else 0
 
 
 def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
@@ -412,10 +417,8 @@ class DataPlane:
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
         deadline = self.request_deadline(model, request, context)
-        priority = parameters_priority(request.parameters) if request.parameters else None
-        if priority and model.unit is not None:
-            model.unit.level(priority)  # one above the model's levels fails before it is balanced
-        context = msgspec.structs.replace(context, deadline=deadline, priority=priority or 0)
+        priority = parameters_priority(config, request.parameters) if request.parameters else 0
+        context = msgspec.structs.replace(context, deadline=deadline, priority=priority)
         if model.runner is None and self.items is not None:
             # still loading: the stages decide on the model as loaded (windows, the cache's key)
             await self.registry.serving_unit(model, deadline)

@@ -35,7 +35,7 @@ never passed over within a level, so the backlog ahead of a request is what admi
 A priced request's items travel sorted by cost, each input reordered alike: the items'
 preparations (``PREPARED``, from :class:`app.models.base.Priced`) are one more input to every
 step here (sorting, slicing into chunks, concatenation into a batch), so ``preprocess`` gets each
-item's own. They count in no byte bound (:func:`app.serving.admission.check_item_bounds`).
+item's own. They count in no byte bound (:func:`check_item_bounds`).
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from app.errors import ClientDisconnected, DeadlineExceeded, InvalidInput, ScoringError
+from app.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge, ScoringError
 from app.models.base import PREPARED, Segment
 from app.serving.context import RequestContext
 
@@ -85,25 +85,20 @@ class QueuedRequest:
     #: dimension: only requests of the same shape share a batch; None: every shape is the same.
     shape: tuple[tuple[int, ...], ...] | None = None
 
-    @property
-    def deadline(self) -> float:
-        """When its outputs are due, ``loop.time()`` seconds."""
-        return self.context.deadline
+    #: From its context, read once (the queue reads them of every request it looks at): when its
+    #: outputs are due (``loop.time()`` seconds), its id (errors, logs), and what says its
+    #: client has gone (None: never asked).
+    deadline: float = field(init=False)
+    request_id: str = field(init=False)
+    is_disconnected: Callable[[], bool] | None = field(init=False)
+    #: The request's cost: its tokens (priced models), else its items.
+    cost: int = field(init=False)
 
-    @property
-    def request_id(self) -> str:
-        """Its id (errors, logs)."""
-        return self.context.request_id
-
-    @property
-    def is_disconnected(self) -> Callable[[], bool] | None:
-        """True once its client has gone; None: never asked."""
-        return self.context.is_disconnected
-
-    @property
-    def cost(self) -> int:
-        """The request's cost: its tokens (priced models), else its items."""
-        return int(self.tokens.sum()) if self.tokens is not None else self.size
+    def __post_init__(self) -> None:
+        context = self.context
+        self.deadline, self.request_id = context.deadline, context.request_id
+        self.is_disconnected = context.is_disconnected
+        self.cost = int(self.tokens.sum()) if self.tokens is not None else self.size
 
     def cost_between(self, start: int, stop: int) -> int:
         """The cost of items ``[start, stop)``."""
@@ -319,6 +314,39 @@ class ItemBytes:
         return max(0, min(end, stop) - start)
 
 
+def check_item_bounds(
+    model: str,
+    request_id: str,
+    inputs: Mapping[str, np.ndarray],
+    tokens: np.ndarray | None,
+    max_batch_bytes: int | None,
+    max_batch_tokens: int | None,
+) -> ItemBytes | None:
+    """Refuse a request whose costliest item alone exceeds a batch's bytes or tokens (its
+    ``tokens`` sorted ascending); returns its :class:`ItemBytes` (None without a byte bound).
+
+    Raises:
+        PayloadTooLarge: 413, naming the bound.
+    """
+    if tokens is not None and max_batch_tokens is not None and int(tokens[-1]) > max_batch_tokens:
+        raise PayloadTooLarge(
+            f"an item of request {request_id} costs {int(tokens[-1])} tokens; model {model} runs at "
+            f"most {max_batch_tokens} in one batch (model.toml max_batch_tokens)"
+        )
+    if max_batch_bytes is None:
+        return None
+    if PREPARED in inputs:  # the handler's own preparations are not the client's bytes
+        inputs = {name: array for name, array in inputs.items() if name != PREPARED}
+    item_bytes = ItemBytes(inputs)
+    largest = item_bytes.largest()
+    if largest > max_batch_bytes:
+        raise PayloadTooLarge(
+            f"an item of request {request_id} has {largest} bytes of input; model {model} runs at "
+            f"most {max_batch_bytes} bytes in one batch (model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
+        )
+    return item_bytes
+
+
 #: Gathering stops after this many event-loop turns in a row that queued no request (an idle
 #: loop turns in ~3 µs: one client alone waits ~10 µs).
 GATHER_IDLE_TURNS = 4
@@ -377,20 +405,6 @@ class RequestQueue:
         #: True while a batch is open, waiting up to the max queue delay for more items.
         self.holding = False
         self._wakeup = asyncio.Event()
-
-    def level(self, priority: int | None, default: int) -> int:
-        """The level (0 = the highest) of Triton's request ``priority`` (1 = the highest; 0 or
-        None: ``default``; ignored with one level).
-
-        Raises:
-            InvalidInput: a priority above the levels.
-        """
-        levels = len(self._levels)
-        if not priority or levels == 1:
-            return default
-        if priority > levels:
-            raise InvalidInput(f"priority {priority}: the model has priority levels 1..{levels}")
-        return priority - 1
 
     def queued(self, level: int | None = None) -> tuple[int, float]:
         """(items, cost) waiting at ``level`` (0 = the highest) and above; None: at every level."""

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from functools import partial
@@ -40,7 +41,7 @@ from app.models.base import PREPARED, Priced, Segment
 from app.models.repository import ModelConfig
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
-from app.serving.admission import AdmissionPolicy, check_item_bounds, policy
+from app.serving.admission import AdmissionPolicy, policy
 from app.serving.context import RequestContext
 from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads, price
 from app.serving.queue import (
@@ -50,6 +51,7 @@ from app.serving.queue import (
     RequestQueue,
     Tensors,
     assemble,
+    check_item_bounds,
     outputs_between,
     padded_to_longest,
 )
@@ -133,6 +135,7 @@ class ServingUnit:
         levels, fill = config.priority_levels, config.priority_fill
         self.default_level = max(0, (config.default_priority_level or levels or 1) - 1)
         self._levels = levels > 0  # per-level metrics only for a model with levels
+        self._level_count = max(1, levels)
         self.queue = RequestQueue(
             max_batch_size=max_batch_size,
             max_queue_delay_s=self.max_queue_delay_s,
@@ -153,6 +156,8 @@ class ServingUnit:
         self.executor = BatchExecutor(name, runner, threads, staged=staged, pricing=pricing)
         #: A batch's padded tokens (else its cost): a cost model's ``batch_cost`` is time.
         self.padded_tokens: Callable[[np.ndarray], int] | None = getattr(runner, "padded_tokens", None)
+        self.queued: Callable[[int | None], tuple[int, float]] = self.queue.queued
+        self.running: deque[RunningBatch] = self.executor.running
         self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
         self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, config.version)
         self.tracing = tracing
@@ -175,13 +180,8 @@ class ServingUnit:
         self._restart: asyncio.TimerHandle | None = None
 
     # --- what admission reads (app.serving.admission.Backlog) ------------------------------
-
-    def queued(self, level: int | None = None) -> tuple[int, float]:
-        return self.queue.queued(level)  # (items, cost) at ``level`` and above; None: all
-
-    def running(self) -> list[tuple[float, float]]:
-        """(``loop.time()`` at start, cost) of the batches running, oldest first."""
-        return [(r.started, r.cost) for r in self.executor.running]
+    # ``queued(level)``: (items, cost) waiting at ``level`` and above (None: all), the queue's
+    # own method; ``running``: the batches running, oldest first, the executor's own deque.
 
     @property
     def running_batch(self) -> RunningBatch | None:
@@ -276,8 +276,13 @@ class ServingUnit:
         return refusal.error
 
     def level(self, priority: int | None) -> int:
-        """The queue level of Triton's request ``priority``; InvalidInput above the levels."""
-        return self.queue.level(priority, self.default_level)
+        """The queue level (0 = the highest) of Triton's request ``priority`` (1 = the highest;
+        0 or None: the model's default level; ignored with one level). One above the levels is
+        the lowest (the data plane refuses those first: ``parameters_priority`` there;
+        a sibling's shard may come from a version with more)."""
+        if not priority or not self._levels:
+            return self.default_level
+        return min(priority, self._level_count) - 1
 
     async def infer(
         self, inputs: Mapping[str, np.ndarray], context: RequestContext, *, trace: RequestTrace | None = None
