@@ -32,7 +32,7 @@ from app.protocols.infer import (
     RawData,
     RequestedOutput,
 )
-from app.protocols.tensors import RequestLimits, check_elements, check_shape, tensor_bytes
+from app.protocols.tensors import RequestLimits, check_elements, check_shape, tensor_bytes, wire_tensors
 
 #: Datatype -> the ``InferTensorContents`` field that carries it (FP16 travels raw only).
 CONTENTS_FIELD = {
@@ -171,7 +171,7 @@ def encode_response(response: InferResponse, raw: bool) -> pb.ModelInferResponse
     for key, value in response.parameters.items():
         _set_parameter(message.parameters, key, value)
     # raw_output_contents, once used, holds every output (the protocol's rule)
-    outputs = response.tensors()
+    outputs = wire_tensors(response.outputs)
     raw = raw or any(o.datatype not in CONTENTS_FIELD for o in outputs)
     for output in outputs:
         tensor = message.outputs.add(name=output.name, datatype=output.datatype, shape=output.array.shape)

@@ -20,8 +20,6 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from app.datatypes import NUMPY_DTYPES
-
 
 class RawData(msgspec.Struct):
     """A tensor's data as raw bytes, not yet decoded (binary tensor data, gRPC
@@ -94,7 +92,7 @@ class InferRequest(msgspec.Struct):
 
 def lengths_name(output: str) -> str:
     """The name of the tensor that carries a ragged output's per-item lengths over the Open
-    Inference Protocol (:meth:`InferResponse.tensors`): ``<output>_lengths``."""
+    Inference Protocol (``app.protocols.tensors.wire_tensors``): ``<output>_lengths``."""
     return f"{output}_lengths"
 
 
@@ -119,24 +117,3 @@ class InferResponse(msgspec.Struct):
     outputs: list[OutputTensor]
     id: str | None = None
     parameters: dict[str, Any] = msgspec.field(default_factory=dict)
-
-    def tensors(self) -> list[OutputTensor]:
-        """The outputs as the Open Inference Protocol sends them (V2 JSON, binary, gRPC): each as
-        it is, but a ragged output as two tensors, its items' rows end to end (``[sum n_i,
-        ...]``: the batch and the first item dimension become one) and, after it, their lengths
-        (:func:`lengths_name`, INT64 ``[B]``), so that a client splits the rows per item:
-        ``np.split(rows, np.cumsum(lengths)[:-1])``. Triton has no ragged outputs; this is the
-        layout of its ragged batch inputs (one dimension for all items' rows, and their counts)."""
-        if not any(o.ragged for o in self.outputs):
-            return self.outputs
-        out: list[OutputTensor] = []
-        for o in self.outputs:
-            if not o.ragged:
-                out.append(o)
-                continue
-            rows = list(o.array)
-            lengths = np.array([len(r) for r in rows], dtype=np.int64)
-            flat = np.concatenate(rows) if rows else np.zeros((0,), NUMPY_DTYPES[o.datatype])
-            out.append(OutputTensor(o.name, o.datatype, flat, o.binary))
-            out.append(OutputTensor(lengths_name(o.name), "INT64", lengths, o.binary))
-        return out

@@ -28,6 +28,7 @@ import numpy as np
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig, TensorSpec
+from app.protocols.infer import OutputTensor, lengths_name
 from app.protocols.jsonbody import check_json_depth, invalid_json
 
 #: Most dimensions of a request tensor, whatever the protocol (numpy 1.x allows 32 and 2.x 64;
@@ -384,3 +385,25 @@ def typed_array(tensor: Any, shape: list[int], where: str, limits: RequestLimits
     elif arr.dtype != NUMPY_DTYPES[tensor.datatype]:
         raise InvalidInput(f"{where}: data of dtype {arr.dtype} for datatype {tensor.datatype}")
     return arr.reshape(shape)
+
+
+def wire_tensors(outputs: list[OutputTensor]) -> list[OutputTensor]:
+    """A response's outputs as the Open Inference Protocol sends them (V2 JSON, binary, gRPC):
+    each as it is, but a ragged output as two tensors, its items' rows end to end (``[sum n_i,
+    ...]``: the batch and the first item dimension become one) and, after it, their lengths
+    (:func:`app.protocols.infer.lengths_name`, INT64 ``[B]``), so that a client splits the rows
+    per item: ``np.split(rows, np.cumsum(lengths)[:-1])``. Triton has no ragged outputs; this is
+    the layout of its ragged batch inputs (one dimension for all items' rows, and their counts)."""
+    if not any(o.ragged for o in outputs):
+        return outputs
+    out: list[OutputTensor] = []
+    for o in outputs:
+        if not o.ragged:
+            out.append(o)
+            continue
+        rows = list(o.array)
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        flat = np.concatenate(rows) if rows else np.zeros((0,), NUMPY_DTYPES[o.datatype])
+        out.append(OutputTensor(o.name, o.datatype, flat, o.binary))
+        out.append(OutputTensor(lengths_name(o.name), "INT64", lengths, o.binary))
+    return out

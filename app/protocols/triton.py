@@ -81,7 +81,7 @@ def _output(spec: TensorSpec) -> dict[str, Any]:
 
 
 def _outputs(spec: TensorSpec) -> list[dict[str, Any]]:
-    """A ragged output as the protocol sends it (``InferResponse.tensors``): its rows, then
+    """A ragged output as the protocol sends it (``app.protocols.tensors.wire_tensors``): its rows, then
     their lengths, one an item."""
     if not spec.ragged:
         return [_output(spec)]

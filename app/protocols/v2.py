@@ -41,7 +41,7 @@ from app.protocols.infer import (
     RequestedOutput,
     lengths_name,
 )
-from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
+from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes, wire_tensors
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).
@@ -283,7 +283,7 @@ def response_document(response: InferResponse) -> tuple[dict[str, Any], list[byt
         body["parameters"] = response.parameters
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes] = []
-    for out in response.tensors():
+    for out in wire_tensors(response.outputs):
         tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.array.shape)}
         if out.binary:
             raw = tensor_bytes(out.array, out.datatype)

@@ -61,7 +61,7 @@ class RequestContext(msgspec.Struct, frozen=True):
             deadline; :data:`NO_DEADLINE` for none); from the data plane's ``infer`` on, the one
             settled against the model (``app.serving.dataplane.DataPlane.deadline``).
         priority: Triton's request priority (1 = the highest level, 0 = the model's default
-            level; ``app.serving.queue.RequestQueue.level`` maps it to a queue level), from the
+            level; ``app.serving.unit.ServingUnit.level`` maps it to a queue level), from the
             request's ``parameters.priority`` (the data plane's to read).
         trace: the W3C trace context (``traceparent``, ``tracestate``) as header pairs, for a
             sibling's spans to join the request's trace; empty when tracing is off.

@@ -42,6 +42,7 @@ from app.serving.redis_tier import RedisTier
 from app.serving.registry import ModelVersion
 from app.serving.response_cache import CacheCounts, Found, Item, ResponseCache, environment, item_keys
 from app.serving.response_cache.background import Reader, Writer
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -359,3 +360,26 @@ def _assemble_ragged(name: str, plan: Plan, results: Arrays | None) -> np.ndarra
             raise ValueError(f"ragged output {name!r}: items of {first.dtype}{first.shape[1:]} and "
                              f"{row.dtype}{row.shape[1:]}")  # fmt: skip
     return ragged(rows)
+
+
+def response_cache(
+    settings: Settings, device: str, metrics: ServerMetrics | None, tracing: Tracing | None
+) -> ItemCache | None:
+    """The host's response cache as this worker sees it: at ``response_cache_path``, else in the
+    run directory, with the Redis tier where ``response_cache_redis_url`` names one; None where
+    no path is set (in-process, without a path)."""
+    folder = settings.response_cache_path
+    if folder is None and settings.run_dir is not None:
+        folder = settings.run_dir / "response-cache"
+    if folder is None:
+        return None
+    store = ResponseCache(folder, settings.response_cache_bytes, settings.response_cache_ttl_s)
+    shared = None
+    if settings.response_cache_redis_url:
+        shared = RedisTier(
+            settings.response_cache_redis_url,
+            settings.response_cache_redis_timeout_ms / 1000.0,
+            settings.response_cache_ttl_s,
+        )
+    lookup_timeout_s = settings.response_cache_lookup_timeout_ms / 1000.0
+    return ItemCache(store, device, metrics, tracing, shared, lookup_timeout_s=lookup_timeout_s)
