@@ -28,11 +28,13 @@ through the LM head):
 - **cached**: **binned** with the prefix's state from a warm prefix cache (the next page of the
   same feed: the same prefix, new items): only the items run.
 
-Columns: **items/s** (N x requests over their total time), **p50 ms** (per request), **x none**
-(items/s over **none**'s), **tokens run** (per request, padding included), **max |Δ|** (the
-largest difference of an item's score from **none**'s: exactness). Each configuration runs one
-request untimed first, then ``--requests`` timed ones, each with new items (and, but for
-**cached**, a new prefix). One thread of torch per core by default (``--threads``).
+Columns: **items/s** (N x requests over their total time), **p50 ms** (per request), **CPU ms**
+(the process's CPU time per request, median: the figure to compare on a machine shared with
+other work, with ``--threads 1``), **x none** (items/s over **none**'s), **tokens run** (per
+request, padding included), **max abs Δ** (the largest difference of an item's score from
+**none**'s: exactness). Each configuration runs one request untimed first, then ``--requests``
+timed ones, each with new items (and, but for **cached**, a new prefix). Torch's threads: its
+default, or ``--threads``.
 
 Writes the JSON record (``--out``) and a Markdown table beside it; prints the table. Speed
 figures need a quiet machine.
@@ -213,15 +215,16 @@ def measure(
     run: Callable[[Request], tuple[torch.Tensor, int]] = getattr(scorer, mode)
     scorer.cache.clear()
     run(work[0])
-    seconds, tokens, delta = [], [], 0.0
+    seconds, cpu, tokens, delta = [], [], [], 0.0
     for index, request in enumerate(work[1:], start=1):
         if mode == "cached":
             request = Request(work[0].prefix, request.items)
         synchronize(scorer.device)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         scores, ran = run(request)
         synchronize(scorer.device)
         seconds.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         tokens.append(ran)
         if reference is not None:
             expected = reference.get(index)
@@ -233,6 +236,7 @@ def measure(
     return {
         "items_per_s": items / sum(seconds),
         "p50_ms": 1000 * statistics.median(seconds),
+        "cpu_ms": 1000 * statistics.median(cpu),
         "tokens_run": statistics.median(tokens),
         "max_delta": delta if reference is not None and mode not in ("none", "cached") else None,
     }
@@ -289,7 +293,7 @@ def main(argv: list[str] | None = None) -> None:
             baseline = None
             for mode in args.modes:
                 if mode == "packed" and packed_mask_mib(work[0], args.batch) > args.max_mask_mib:
-                    rows.append([items, prefix, mode, "-", "-", "-", "-", "mask too large"])
+                    rows.append([items, prefix, mode, "-", "-", "-", "-", "-", "mask too large"])
                     continue
                 figures = measure(scorer, mode, work, reference if "none" in args.modes else None)
                 baseline = figures["items_per_s"] if mode == "none" else baseline
@@ -298,8 +302,8 @@ def main(argv: list[str] | None = None) -> None:
                 delta = figures["max_delta"]
                 shown = "-" if delta is None or math.isnan(delta) else f"{delta:.1e}"
                 rows.append([
-                    items, prefix, mode, f"{figures['items_per_s']:.1f}", f"{figures['p50_ms']:.1f}", speedup,
-                    f"{figures['tokens_run']:.0f}", shown,
+                    items, prefix, mode, f"{figures['items_per_s']:.1f}", f"{figures['p50_ms']:.1f}",
+                    f"{figures['cpu_ms']:.1f}", speedup, f"{figures['tokens_run']:.0f}", shown,
                 ])  # fmt: skip
                 print(" | ".join(str(c) for c in rows[-1]), flush=True)
     caption = (
@@ -307,8 +311,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{args.dtype}, {args.device}), score {args.score}, items of {low}-{high} tokens, batches of "
         f"{args.batch}, {args.requests} timed requests each; {report.machine_label()}"
     )
-    header = ["N", "prefix", "mode", "items/s", "p50 ms", "x none", "tokens run", "max |Δ|"]
-    tables = caption + "\n\n" + report.table(header, rows, "rrlrrrrr")
+    header = ["N", "prefix", "mode", "items/s", "p50 ms", "CPU ms", "x none", "tokens run", "max abs Δ"]
+    tables = caption + "\n\n" + report.table(header, rows, "rrlrrrrrr")
     result = report.record(
         parameters=parameters, arguments={k: str(v) for k, v in vars(args).items()}, runs=records
     )
