@@ -220,8 +220,8 @@ def _item_cache(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) ->
 
 @functools.cache
 def _cache_keyword(forward: Callable[..., Any]) -> str:
-    """The keyword a model's forward takes its cache by: ``cache`` (transformers >= 5.x), else
-    ``past_key_values``."""
+    """The keyword a model's forward takes its cache by: ``cache`` (transformers 5.24 names it so,
+    ``past_key_values`` being its deprecated alias, which warns), else ``past_key_values``."""
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
@@ -535,12 +535,13 @@ def run_packed(
     segment: list[list[npt.NDArray[np.int64]]] = [[np.zeros(len(p), dtype=np.int64)] for p in prefixes]
     position: list[list[npt.NDArray[np.int64]]] = [[np.arange(len(p))] for p in prefixes]
     start = np.zeros(len(items), dtype=np.int64)  # each item's first column in its row
+    filled = [len(p) for p in prefixes]
     for b, (item, g) in enumerate(zip(items, owners.tolist(), strict=True)):
-        start[b] = sum(len(part) for part in rows[g])
+        start[b], filled[g] = filled[g], filled[g] + len(item)
         rows[g].append(np.asarray(item))
         segment[g].append(np.full(len(item), b + 1, dtype=np.int64))
         position[g].append(len(prefixes[g]) + np.arange(len(item)))
-    width = max(sum(len(part) for part in row) for row in rows)
+    width = max(filled)
 
     def padded(parts: list[list[npt.NDArray[Any]]], fill: int) -> torch.Tensor:
         out = np.full((len(parts), width), fill, dtype=np.int64)
@@ -576,6 +577,7 @@ def run_packed(
     return ItemStates(item_hidden, ids, real.long(), context, context_ids)
 
 
+@torch.inference_mode()
 def item_log_likelihood(
     head: Callable[[torch.Tensor], torch.Tensor],
     items: ItemStates,
