@@ -37,10 +37,9 @@ from app.observability.metrics import Recording
 from app.protocols import triton, v2
 from app.protocols.codec import Call
 from app.serving.auth import API_KEY_HEADER, presented_key
-from app.serving.context import NO_DEADLINE, RequestContext
+from app.serving.context import NO_DEADLINE, RequestContext, request_id
 from app.serving.control import LOAD, UNLOAD
 from app.serving.core import ServingCore
-from app.serving.dataplane import request_id
 
 MessageT = TypeVar("MessageT", bound=Message)
 #: The service served, as the proto declares it (``inference.GRPCInferenceService``).
@@ -265,7 +264,8 @@ class InferenceServicer:
             arrival=arrival,
             recording=recording,
         )
-        model = plane.admit(message.model_name, message.model_version or None, request_context)
+        name, version = message.model_name, message.model_version or None
+        model, request_context = plane.admit(name, version, request_context)
         raw = bool(message.raw_input_contents)
         call = Call(
             lambda config: codec.decode_request(message, config, plane.limits),
