@@ -186,3 +186,12 @@ def test_truncate_prompt_tokens_keeps_a_documents_last_tokens(
     assert result["tokens"][0, 0] == 5  # [CLS] five six [SEP], and the marker
     cut = _run(handler, {"text": _bytes("five six")})
     np.testing.assert_allclose(result["embedding"][0], cut["embedding"][0], atol=TOLERANCE, rtol=0)
+
+
+def test_transformers_encoder_gives_the_same_rows(model: tuple[Path, dict[str, np.ndarray]]) -> None:
+    folder, reference = model
+    handler = _load(folder, attn_implementation="eager")  # not our BERT encoder: transformers' AutoModel
+    assert type(handler.model).__module__.startswith("transformers.")
+    documents = _run(handler, {"text": _bytes(*DOCUMENTS)})
+    for j in range(len(DOCUMENTS)):
+        np.testing.assert_allclose(documents["embedding"][j], reference[f"d{j}"], atol=TOLERANCE, rtol=0)
