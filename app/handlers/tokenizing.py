@@ -271,6 +271,17 @@ class TextTokenizer:
         encoded = self._plain.encode_batch_fast(list(zip(queries, texts, strict=True)))
         return [(_ids(e.ids), _ids(e.type_ids)) for e in encoded]
 
+    def whole_counts(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text whole, special tokens included, however many: what :meth:`encode`
+        gives it before the cut at ``max_length`` (its kept part and the overflow's parts, each
+        part's special tokens counted once). For the message that refuses a text too long."""
+        out = []
+        for e in self._plain.encode_batch_fast(list(texts)):
+            parts = (e, *e.overflowing)
+            text = sum(len(p.ids) - sum(p.special_tokens_mask) for p in parts)
+            out.append(text + sum(e.special_tokens_mask))
+        return out
+
     def count(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text alone, no special tokens, at most ``max_length`` (a count of
         ``max_length`` means "that many or more")."""
