@@ -31,3 +31,13 @@ INT_DATATYPES: frozenset[str] = frozenset(
     {"UINT8", "UINT16", "UINT32", "UINT64", "INT8", "INT16", "INT32", "INT64"}
 )
 
+
+
+def ragged(rows: list[np.ndarray] | np.ndarray) -> np.ndarray:
+    """A ragged tensor: an ``object`` array ``[B]`` whose item i is ``rows[i]``, an array
+    ``[n_i, ...]`` (n_i may differ per item). numpy would build a 2-D object array, or a plain
+    3-D one, from equal-length rows: this never does."""
+    out = np.empty(len(rows), dtype=object)
+    for i, row in enumerate(rows):
+        out[i] = row
+    return out

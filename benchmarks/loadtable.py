@@ -1,4 +1,4 @@
-"""Micro-benchmark of the load table (app.server.loadtable): time per write, per read of a slot,
+"""Micro-benchmark of the load table (app.server.balance): time per write, per read of a slot,
 and per accept decision, measured by pyperf (calibrated loops, several worker processes, mean
 and standard deviation).
 
@@ -20,8 +20,7 @@ from collections.abc import Callable
 import psutil
 import pyperf
 
-from app.server.balance import may_accept
-from app.server.loadtable import READY, LoadTable
+from app.server.balance import READY, LoadTable, may_accept
 
 
 def timer(operation: Callable[[], object]) -> Callable[[int], float]:

@@ -53,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from app.handlers.sentence_embedding import length_groups
-from app.serving.batch import most_within
+from app.serving.queue import most_within
 
 
 @dataclass
@@ -123,7 +123,7 @@ Take = Callable[[list[Item], int], list[Item]]
 
 def fill(candidates: Sequence[Item], model: CostModel, max_items: int, max_tokens: float) -> list[Item]:
     """The longest prefix of ``candidates`` within the batch's bounds (at least one item), found
-    as the queue finds it (``app.serving.batch.most_within``)."""
+    as the queue finds it (``app.serving.queue.most_within``)."""
     costs = np.array([i.cost for i in candidates[:max_items]], dtype=np.int64)
     n = most_within(lambda k: model.batch(costs[:k])[0], len(costs), max_tokens)
     return list(candidates[: max(1, n)])

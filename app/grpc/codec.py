@@ -32,7 +32,7 @@ from app.protocols.infer import (
     RawData,
     RequestedOutput,
 )
-from app.protocols.tensors import RequestLimits, check_elements, check_shape, tensor_bytes
+from app.protocols.tensors import RequestLimits, check_elements, check_shape, tensor_bytes, wire_tensors
 
 #: Datatype -> the ``InferTensorContents`` field that carries it (FP16 travels raw only).
 CONTENTS_FIELD = {
@@ -104,7 +104,7 @@ def contents_to_array(contents: Any, datatype: str, where: str) -> np.ndarray:
 def decode_request(message: Any, config: ModelConfig, limits: RequestLimits) -> InferRequest:
     """A ``ModelInferRequest`` for model ``config`` -> :class:`InferRequest`: raw contents as
     :class:`~app.protocols.infer.RawData` (decoded by validation, once the tensor fits the
-    model: :func:`app.serving.validation.validate_inputs`), typed contents as arrays (converted
+    model: :func:`app.serving.dataplane.validate_inputs`), typed contents as arrays (converted
     only for a known input, after its element count is checked).
 
     Raises:
@@ -171,8 +171,9 @@ def encode_response(response: InferResponse, raw: bool) -> pb.ModelInferResponse
     for key, value in response.parameters.items():
         _set_parameter(message.parameters, key, value)
     # raw_output_contents, once used, holds every output (the protocol's rule)
-    raw = raw or any(o.datatype not in CONTENTS_FIELD for o in response.outputs)
-    for output in response.outputs:
+    outputs = wire_tensors(response.outputs)
+    raw = raw or any(o.datatype not in CONTENTS_FIELD for o in outputs)
+    for output in outputs:
         tensor = message.outputs.add(name=output.name, datatype=output.datatype, shape=output.array.shape)
         if raw:
             message.raw_output_contents.append(tensor_bytes(output.array, output.datatype))

@@ -37,10 +37,9 @@ from app.observability.metrics import Recording
 from app.protocols import triton, v2
 from app.protocols.codec import Call
 from app.serving.auth import API_KEY_HEADER, presented_key
-from app.serving.context import NO_DEADLINE, RequestContext
+from app.serving.context import NO_DEADLINE, RequestContext, request_id
 from app.serving.control import LOAD, UNLOAD
 from app.serving.core import ServingCore
-from app.serving.dataplane import request_id
 
 MessageT = TypeVar("MessageT", bound=Message)
 #: The service served, as the proto declares it (``inference.GRPCInferenceService``).

@@ -3,13 +3,13 @@ request on the hot path): its id, its header limits, the API key hook, its body,
 exceptions become HTTP responses, and its metrics; and the keep-alive policy every response
 passes (:func:`setup_connections`). The inference routes and the path they take are
 ``app.http.inference``'s, the connection's parser (its bounds, its JSON answers to what it
-refuses) ``app.http.limits``'s, the other routes (health, metadata, metrics, the OpenAPI
+refuses) ``app.http.edge``'s, the other routes (health, metadata, metrics, the OpenAPI
 document) ``app.http.routes``'s.
 
 In order, for each request (:func:`edge_middleware`):
 
 1. the **request id**: ``X-Request-Id`` when sane (1-128 of ``[A-Za-z0-9._:-]``), else a new
-   one (:func:`app.serving.dataplane.request_id`); every response carries it, and
+   one (:func:`app.serving.context.request_id`); every response carries it, and
    ``Server-Timing: app;dur=<ms>``;
 2. **header limits** (:func:`check_headers`: ``SCORING_MAX_HEADER_BYTES``,
    ``SCORING_MAX_HEADERS``; 431);
@@ -76,6 +76,21 @@ gets any other answer or the client waits as asked. The first 503 on a connectio
 503 to a client that waits as asked, is sent at once. Source: the tarpit idea (delay, not
 refuse harder), as in nginx's ``limit_req ... delay``, with gRPC's retry backoff (doubling
 up to a cap). Measured in docs/reliability.md (overload).
+
+The connection's HTTP parser: its bounds and the JSON answer to what it refuses, before any
+handler runs (the limits the app enforces itself, on each request's headers and body, are the
+edge's: ``app.http.edge``).
+
+aiohttp's HTTP parser refuses a request line or header field longer than
+``max_line_size``/``max_field_size`` and more than ``max_headers`` fields while it reads them,
+before any application code runs; it is set to *twice* the configured limits
+(:func:`parser_limits`), and the edge middleware enforces the limits themselves with a JSON 431
+(``app.http.edge.check_headers``: ``SCORING_MAX_HEADER_BYTES``, ``SCORING_MAX_HEADERS``), so the
+usual oversized request gets the server's JSON 431 and only a grossly oversized one its 400.
+What the parser refuses (a grossly oversized line, malformed framing, an unsupported or
+truncated content encoding seen early) is answered in JSON by :class:`JsonParserErrors` (431 or
+400, never quoting what was sent), and aiohttp's traceback for it becomes one DEBUG line
+(:func:`quiet_parser_errors`): a client's malformed request is not a server error.
 """
 
 from __future__ import annotations
@@ -87,10 +102,13 @@ import math
 import time
 import weakref
 from collections.abc import Callable, Mapping
+from typing import Any
 
+import orjson
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.typedefs import Handler, Middleware
+from aiohttp.web import RequestHandler
 
 from app.errors import (
     ClientDisconnected,
@@ -104,7 +122,7 @@ from app.http.state import CORE, SHEDDING
 from app.observability.metrics import Recording, ServerMetrics
 from app.observability.tracing import Tracing
 from app.protocols.codec import PLAIN_ERRORS, Api, ErrorShape
-from app.serving.dataplane import request_id
+from app.serving.context import request_id
 from app.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -436,3 +454,91 @@ def _close_after(response: web.StreamResponse) -> None:
     # The headers were computed before this signal: say it, and make aiohttp do it.
     response.headers["Connection"] = "close"
     response.force_close()
+
+
+def parser_limits(settings: Settings) -> dict[str, Any]:
+    """``handler_args`` for ``web.Application``: the parser's hard bounds (twice the limits),
+    and no lingering over unread bodies."""
+    return {
+        "max_line_size": 2 * settings.max_header_bytes,
+        "max_field_size": 2 * settings.max_header_bytes,
+        "max_headers": 2 * settings.max_headers,
+        # After an answer given before the whole body arrived (408, 413, 401, a corrupt
+        # encoding), aiohttp by default reads and discards the rest for up to 10 s (and logs
+        # a traceback if that read fails): close at once instead, so a slow or lying client
+        # cannot hold the connection past the body timeout.
+        "lingering_time": 0,
+    }
+
+
+class JsonParserErrors(RequestHandler):
+    """aiohttp's connection protocol, answering what its HTTP parser refuses before the app
+    runs as the server's other errors: ``{"error": ...}`` JSON, 431 for a request line or
+    header field over the parser's hard bound (twice ``SCORING_MAX_HEADER_BYTES``), 400 for
+    other malformed requests, and never an excerpt of what was sent (aiohttp's own answer is a
+    plain-text 400 that quotes the line). The connection still closes. The app's own errors
+    (500, 504) keep aiohttp's handling. The class adds no state: :func:`with_json_parser_errors`
+    turns a handler ``web.Server`` made into one."""
+
+    __slots__ = ()
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        if not 400 <= status < 500 or not isinstance(exc, HttpProcessingError):
+            return super().handle_error(request, status, exc, message)
+        log.debug("malformed request refused: %s %s", status, type(exc).__name__)
+        if isinstance(exc, LineTooLong):
+            status, text = 431, "request line or a header field is too large (SCORING_MAX_HEADER_BYTES)"
+        else:
+            text = f"malformed HTTP request ({type(exc).__name__})"
+        body = orjson.dumps({"error": text})
+        response = web.Response(status=status, body=body, content_type="application/json")
+        response.force_close()
+        return response
+
+
+def json_errors_protocol(server: web.Server) -> RequestHandler:
+    """A new connection's protocol made by ``server`` (``web.Server``), answering parser errors
+    in JSON (:class:`JsonParserErrors`): the listener's protocol factory."""
+    return with_json_parser_errors(server())
+
+
+def with_json_parser_errors(handler: RequestHandler) -> RequestHandler:
+    """``handler`` (a connection's protocol, as ``web.Server()`` makes it) as a
+    :class:`JsonParserErrors`: the same object and state, the JSON answers to parser errors."""
+    handler.__class__ = JsonParserErrors
+    return handler
+
+
+class _ParserErrorFilter(logging.Filter):
+    """Demotes aiohttp's "Error handling request" records caused by a malformed request
+    (an ``HttpProcessingError`` with a 4xx code) to one DEBUG line without a traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError) or not 400 <= exc.code < 500:
+            return True
+        record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+        record.msg = f"{record.getMessage()}: {exc.code} {exc.message}"
+        record.args, record.exc_info, record.exc_text = None, None, None
+        return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+
+
+_PARSER_ERRORS = _ParserErrorFilter()
+
+
+#: aiohttp's server logger, and gunicorn's error log, which aiohttp's gunicorn worker gives it.
+_SERVER_LOGGERS = ("aiohttp.server", "gunicorn.error")
+
+
+def quiet_parser_errors() -> None:
+    """Install the filter on the loggers aiohttp's server logs to (idempotent)."""
+    for name in _SERVER_LOGGERS:
+        logger = logging.getLogger(name)
+        if _PARSER_ERRORS not in logger.filters:
+            logger.addFilter(_PARSER_ERRORS)

@@ -71,13 +71,15 @@ def header_deadline(request: web.Request, arrival: float) -> float:
 
 
 def _disconnected(request: web.Request) -> Callable[[], bool]:
-    """True once the client of ``request`` has gone (its queued items are then dropped)."""
+    """True once the client of ``request`` has gone (its queued items are then dropped): its
+    transport's own ``is_closing`` (asyncio's), called by the queue as it forms batches."""
     transport = request.transport
+    return transport.is_closing if transport is not None else _gone
 
-    def disconnected() -> bool:
-        return transport is None or transport.is_closing()
 
-    return disconnected
+def _gone() -> bool:
+    """A request whose connection closed before it was served."""
+    return True
 
 
 async def serve(request: web.Request, api: Api) -> web.Response:

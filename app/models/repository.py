@@ -63,6 +63,13 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     #: A classifier's label per value of the last axis, in order (Triton's ``label_filename``
     #: inline): Triton's classification extension and the classify API name labels from it.
     labels: list[str] | None = None
+    #: An output whose first per-item dimension differs from item to item (declared ``-1``): a
+    #: ragged output, e.g. one row per token (multi-vector embeddings) or one entry per non-zero
+    #: term (sparse embeddings). A handler returns it as B arrays ``[n_i, *shape[1:]]`` of the
+    #: declared datatype (a list, or an object array ``[B]``); the server carries it as an
+    #: object array ``[B]`` of those arrays, and each protocol encodes it as its docs say
+    #: (docs/model-repository.md, *Ragged outputs*).
+    ragged: bool = False
 
     def filled(self, batch_size: int, *, text: bytes = b"", variable_dim: int = 1) -> np.ndarray:
         """A ``[batch_size, *shape]`` array of zeros, or of ``text`` for BYTES; -1 dims become
@@ -80,6 +87,11 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
             raise ModelLoadError(f"{where}: datatype {self.datatype!r} is not one of {sorted(DATATYPES)}")
         if any(d == 0 or d < -1 for d in self.shape):
             raise ModelLoadError(f"{where}: shape {self.shape} has a dimension that is not -1 or > 0")
+        if self.ragged and (not self.shape or self.shape[0] != -1 or -1 in self.shape[1:]):
+            raise ModelLoadError(
+                f"{where}: a ragged output's shape starts with -1 (the length that differs per item) "
+                f"and has no other -1, e.g. [-1, 128]; got {self.shape}"
+            )
 
 
 class VersionPolicy(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
@@ -250,6 +262,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 raise ModelLoadError(f"{where}: {kind} names must not be empty or start with '#': {reserved}")
             for s in specs:
                 s.validate(f"{where} {kind}.{s.name}")
+                if kind == "inputs" and s.ragged:
+                    raise ModelLoadError(f"{where} inputs.{s.name}: ragged applies to outputs only")
         if self.format == "handler":
             if not self.handler or not _HANDLER.match(self.handler):
                 raise ModelLoadError(

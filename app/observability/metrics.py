@@ -137,12 +137,18 @@ class ServerMetrics:
         )  # fmt: skip
         self._define_worker_metrics(model, r)
         self._define_balancing_metrics(model, r)
+        self._define_prefix_cache_metrics(model, r)
 
     def _define_worker_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
         """Per worker: hung batches, model loads (its binding and GPU: ``app.observability.gpu``)."""
         self.hung_batches = Counter(
             "scoring_hung_batches", "Batches still running after SCORING_HUNG_INFERENCE_S; each "
             "one makes its worker restart itself.",
+            model, registry=r,
+        )  # fmt: skip
+        self.unit_restarts = Counter(
+            "scoring_serving_loop_restarts", "Times a model version's serving loop stopped on a "
+            "failure and was started again (its requests then waiting got 503 + Retry-After).",
             model, registry=r,
         )  # fmt: skip
         self.model_loads = Counter(
@@ -223,6 +229,35 @@ class ServerMetrics:
             ["model", "tier"], registry=r,
         )  # fmt: skip
 
+    def _define_prefix_cache_metrics(self, model: list[str], r: CollectorRegistry | None) -> None:
+        # --- the prefix cache (app.handlers.prefix_cache): one per model version and worker ---
+        self.prefix_cache_lookups = Counter(
+            "scoring_prefix_cache_lookups", "Prefixes of a shared-prefix model looked up in its "
+            "workers' prefix caches, by result: hit (its keys and values reused, not run again) or "
+            "miss (run, then kept).",
+            [*model, "result"], registry=r,
+        )  # fmt: skip
+        self.prefix_cache_tokens = Counter(
+            "scoring_prefix_cache_tokens", "Tokens of the prefixes looked up in the prefix caches, "
+            "by result: hit (not run again) or miss (run).",
+            [*model, "result"], registry=r,
+        )  # fmt: skip
+        self.prefix_cache_evictions = Counter(
+            "scoring_prefix_cache_evictions", "Prefixes evicted from a prefix cache, least "
+            "recently used first, to keep it under its model's prefix_cache_bytes.",
+            model, registry=r,
+        )  # fmt: skip
+        self.prefix_cache_bytes = Gauge(
+            "scoring_prefix_cache_bytes", "Bytes of keys and values the prefix caches of a model "
+            "hold on their devices, summed over workers.",
+            model, multiprocess_mode="livesum", registry=r,
+        )  # fmt: skip
+
+    def prefix_cache(self, model: str, version: str) -> PrefixCacheMetrics:
+        """The observer of one model version's prefix cache in this worker
+        (``app.handlers.prefix_cache.PrefixCache``'s ``observer``)."""
+        return PrefixCacheMetrics(self, model, version)
+
     def for_requests(self, model: str, version: str, protocol: str) -> RequestMetrics:
         """The request metrics of one (model, version, protocol), made on first use and kept
         (a few per model: protocols x versions)."""
@@ -246,6 +281,37 @@ class ServerMetrics:
             return generate_latest(registry)
         assert self.registry is not None
         return generate_latest(self.registry) + generate_latest(REGISTRY)
+
+
+class PrefixCacheMetrics:
+    """The Prometheus side of one model version's prefix cache in this worker: what
+    ``app.handlers.prefix_cache.PrefixCache`` tells its observer, its label children looked up
+    once (the cache calls it on the inference thread, once a batch)."""
+
+    def __init__(self, metrics: ServerMetrics, model: str, version: str) -> None:
+        self._hits = metrics.prefix_cache_lookups.labels(model, version, "hit")
+        self._misses = metrics.prefix_cache_lookups.labels(model, version, "miss")
+        self._hit_tokens = metrics.prefix_cache_tokens.labels(model, version, "hit")
+        self._miss_tokens = metrics.prefix_cache_tokens.labels(model, version, "miss")
+        self._evictions = metrics.prefix_cache_evictions.labels(model, version)
+        self._bytes = metrics.prefix_cache_bytes.labels(model, version)
+
+    def looked_up(self, hits: int, misses: int, hit_tokens: int, miss_tokens: int) -> None:
+        """Prefixes found and not found, and their tokens."""
+        if hits:
+            self._hits.inc(hits)
+            self._hit_tokens.inc(hit_tokens)
+        if misses:
+            self._misses.inc(misses)
+            self._miss_tokens.inc(miss_tokens)
+
+    def evicted(self, entries: int) -> None:
+        """Entries evicted to keep the cache under its bound."""
+        self._evictions.inc(entries)
+
+    def held(self, nbytes: int) -> None:
+        """The bytes the cache holds now."""
+        self._bytes.set(nbytes)
 
 
 class RequestMetrics:
@@ -431,6 +497,11 @@ class ModelObserver:
         """Items waiting in the queue now."""
         if self._metrics is not None:
             self._depth.set(items)
+
+    def restarted(self) -> None:
+        """The version's serving loop stopped on a failure; it starts again after a backoff."""
+        if self._metrics is not None:
+            self._metrics.unit_restarts.labels(*self._labels).inc()
 
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
         """A request at queue ``level`` (0 = Triton's priority 1) was ``admitted`` or ``refused``;

@@ -24,7 +24,7 @@ import numpy as np
 class RawData(msgspec.Struct):
     """A tensor's data as raw bytes, not yet decoded (binary tensor data, gRPC
     ``raw_input_contents``): little-endian row-major elements, BYTES length-prefixed.
-    :func:`app.serving.validation.validate_inputs` decodes it once its name, datatype and size
+    :func:`app.serving.dataplane.validate_inputs` decodes it once its name, datatype and size
     fit the model."""
 
     data: memoryview | bytes
@@ -90,14 +90,23 @@ class InferRequest(msgspec.Struct):
     binary_data_output: bool = False
 
 
+def lengths_name(output: str) -> str:
+    """The name of the tensor that carries a ragged output's per-item lengths over the Open
+    Inference Protocol (``app.protocols.tensors.wire_tensors``): ``<output>_lengths``."""
+    return f"{output}_lengths"
+
+
 class OutputTensor(msgspec.Struct):
     """One output of a response: ``array`` is ``[B, ...]`` of the output's datatype (BYTES:
-    ``object`` array of ``bytes``); ``binary`` = the client wants it as binary tensor data."""
+    ``object`` array of ``bytes``); ``binary`` = the client wants it as binary tensor data;
+    ``ragged``: a ragged output (``app.models.repository.TensorSpec.ragged``), ``array`` an
+    object array ``[B]`` of the items' arrays ``[n_i, ...]``."""
 
     name: str
     datatype: str
     array: np.ndarray
     binary: bool = False
+    ragged: bool = False
 
 
 class InferResponse(msgspec.Struct):

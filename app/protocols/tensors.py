@@ -16,11 +16,9 @@ of this runs (aiohttp's ``client_max_size``, 413).
 
 from __future__ import annotations
 
-import bisect
-import itertools
 import math
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +28,7 @@ import numpy as np
 from app.datatypes import FLOAT_DATATYPES, INT_DATATYPES, NUMPY_DTYPES
 from app.errors import InvalidInput, PayloadTooLarge
 from app.models.repository import ModelConfig, TensorSpec
+from app.protocols.infer import OutputTensor, lengths_name
 from app.protocols.jsonbody import check_json_depth, invalid_json
 
 #: Most dimensions of a request tensor, whatever the protocol (numpy 1.x allows 32 and 2.x 64;
@@ -340,64 +339,6 @@ def tensor_bytes(array: np.ndarray, datatype: str) -> bytes:
     return np.ascontiguousarray(array, dtype=NUMPY_DTYPES[datatype].newbyteorder("<")).tobytes()
 
 
-class ItemBytes:
-    """The input bytes of each item of one request, for the batch byte bound.
-
-    All-numeric inputs cost the same per item (``nbytes / B`` summed over inputs): one integer,
-    no per-item array (the hot path of small numeric requests). With a BYTES input the cost
-    varies per item and is kept cumulatively: ``B + 1`` ints, ``[0] = 0``, so items ``[i, j)``
-    cost ``c[j] - c[i]`` bytes (an element's cost: its length). In plain Python: for a request's
-    few items a numpy call costs more than the arithmetic (8 texts: 10 µs in numpy on the CPU VM).
-
-    Args:
-        inputs: one array per model input, ``[B, ...]``, B >= 1.
-    """
-
-    __slots__ = ("_largest", "cumulative", "each")
-
-    def __init__(self, inputs: Mapping[str, np.ndarray]) -> None:
-        #: Bytes per item when every input is numeric, else None.
-        self.each: int | None = None
-        #: Cumulative bytes, ``B + 1`` ints, when some input is BYTES, else None.
-        self.cumulative: list[int] | None = None
-        size = len(next(iter(inputs.values())))
-        if any(arr.dtype.hasobject for arr in inputs.values()):
-            per_item = [0] * size
-            for arr in inputs.values():
-                if not arr.dtype.hasobject:
-                    fixed = arr.nbytes // max(1, size)
-                    per_item = [n + fixed for n in per_item]
-                elif arr.size == size:  # one element an item (a text)
-                    per_item = [n + len(v) for n, v in zip(per_item, arr.reshape(-1).tolist(), strict=True)]
-                else:
-                    rows = arr.reshape(size, -1).tolist()
-                    per_item = [n + sum(map(len, row)) for n, row in zip(per_item, rows, strict=True)]
-            self._largest = max(per_item, default=0)
-            self.cumulative = list(itertools.accumulate(per_item, initial=0))
-        else:
-            self.each = sum(arr.nbytes for arr in inputs.values()) // max(1, size)
-            self._largest = self.each
-
-    def largest(self) -> int:
-        """The bytes of the costliest item."""
-        return self._largest
-
-    def between(self, start: int, stop: int) -> int:
-        """The bytes of items ``[start, stop)``."""
-        if self.cumulative is None:
-            return (stop - start) * (self.each or 0)
-        return self.cumulative[stop] - self.cumulative[start]
-
-    def items_within(self, start: int, stop: int, budget: float) -> int:
-        """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
-        if self.cumulative is None:
-            fit = int(budget // self.each) if self.each else stop - start
-            return max(0, min(fit, stop - start))
-        c = self.cumulative
-        end = bisect.bisect_right(c, c[start] + budget) - 1
-        return max(0, min(end, stop) - start)
-
-
 @dataclass(frozen=True)
 class RequestLimits:
     """Per-request limits; the defaults are the settings' defaults.
@@ -444,3 +385,25 @@ def typed_array(tensor: Any, shape: list[int], where: str, limits: RequestLimits
     elif arr.dtype != NUMPY_DTYPES[tensor.datatype]:
         raise InvalidInput(f"{where}: data of dtype {arr.dtype} for datatype {tensor.datatype}")
     return arr.reshape(shape)
+
+
+def wire_tensors(outputs: list[OutputTensor]) -> list[OutputTensor]:
+    """A response's outputs as the Open Inference Protocol sends them (V2 JSON, binary, gRPC):
+    each as it is, but a ragged output as two tensors, its items' rows end to end (``[sum n_i,
+    ...]``: the batch and the first item dimension become one) and, after it, their lengths
+    (:func:`app.protocols.infer.lengths_name`, INT64 ``[B]``), so that a client splits the rows
+    per item: ``np.split(rows, np.cumsum(lengths)[:-1])``. Triton has no ragged outputs; this is
+    the layout of its ragged batch inputs (one dimension for all items' rows, and their counts)."""
+    if not any(o.ragged for o in outputs):
+        return outputs
+    out: list[OutputTensor] = []
+    for o in outputs:
+        if not o.ragged:
+            out.append(o)
+            continue
+        rows = list(o.array)
+        lengths = np.array([len(r) for r in rows], dtype=np.int64)
+        flat = np.concatenate(rows) if rows else np.zeros((0,), NUMPY_DTYPES[o.datatype])
+        out.append(OutputTensor(o.name, o.datatype, flat, o.binary))
+        out.append(OutputTensor(lengths_name(o.name), "INT64", lengths, o.binary))
+    return out

@@ -20,6 +20,7 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig, TensorSpec
+from app.protocols.infer import lengths_name
 
 if TYPE_CHECKING:
     from app.observability.metrics import Duration, ModelStats
@@ -79,6 +80,15 @@ def _output(spec: TensorSpec) -> dict[str, Any]:
     }
 
 
+def _outputs(spec: TensorSpec) -> list[dict[str, Any]]:
+    """A ragged output as the protocol sends it (``app.protocols.tensors.wire_tensors``): its rows, then
+    their lengths, one an item."""
+    if not spec.ragged:
+        return [_output(spec)]
+    lengths = TensorSpec(lengths_name(spec.name), "INT64", [1])
+    return [_output(spec), _output(lengths)]
+
+
 def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
     """Triton's model configuration JSON for ``config``.
 
@@ -101,7 +111,7 @@ def model_config(config: ModelConfig, device: str) -> dict[str, Any]:
         "version_policy": _version_policy(config),
         "max_batch_size": config.max_batch_size,
         "input": [_input(s) for s in config.inputs],
-        "output": [_output(s) for s in config.outputs],
+        "output": [t for s in config.outputs for t in _outputs(s)],
         "batch_input": [],
         "batch_output": [],
         "dynamic_batching": {

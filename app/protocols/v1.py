@@ -49,7 +49,7 @@ _DEFAULT_LIMITS = RequestLimits()
 def decode_request(config: ModelConfig, body: bytes, limits: RequestLimits = _DEFAULT_LIMITS) -> InferRequest:
     """Parse a V1 predict body into an :class:`InferRequest` with one input per model input
     named in the instances (shape inferred from the nesting; validate with
-    :func:`app.serving.validation.validate_inputs`).
+    :func:`app.serving.dataplane.validate_inputs`).
 
     Raises:
         InvalidInput: malformed JSON, nesting deeper than ``limits.max_json_depth``, no

@@ -31,10 +31,17 @@ import orjson
 
 from app.datatypes import DATATYPES
 from app.errors import InvalidInput
-from app.models.repository import ModelConfig
+from app.models.repository import ModelConfig, TensorSpec
 from app.protocols.codec import JSON, Answer, Api, Call, Route
-from app.protocols.infer import InferInput, InferRequest, InferResponse, RawData, RequestedOutput
-from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes
+from app.protocols.infer import (
+    InferInput,
+    InferRequest,
+    InferResponse,
+    RawData,
+    RequestedOutput,
+    lengths_name,
+)
+from app.protocols.tensors import RequestLimits, decode_json, tensor_bytes, wire_tensors
 
 _DATATYPES = sorted(DATATYPES)
 #: Schema-only annotations (decoding stays lenient, so the checks below name the field).
@@ -173,12 +180,18 @@ def model_metadata(config: ModelConfig) -> dict[str, Any]:
     def spec(s: Any) -> dict[str, Any]:
         return {"name": s.name, "datatype": s.datatype, "shape": [-1, *s.shape]}
 
+    def outputs(s: TensorSpec) -> list[dict[str, Any]]:
+        if not s.ragged:  # a ragged one: its items' rows end to end, and their lengths
+            return [spec(s)]
+        return [{"name": s.name, "datatype": s.datatype, "shape": s.shape},
+                {"name": lengths_name(s.name), "datatype": "INT64", "shape": [-1]}]  # fmt: skip
+
     return {
         "name": config.name,
         "versions": [config.version],
         "platform": config.platform,
         "inputs": [spec(s) for s in config.inputs],
-        "outputs": [spec(s) for s in config.outputs],
+        "outputs": [t for s in config.outputs for t in outputs(s)],
         "parameters": {
             "max_batch_size": config.max_batch_size,
             "max_queue_delay_ms": config.max_queue_delay_ms,
@@ -228,7 +241,7 @@ def attach_binary(request: InferRequest, binary: memoryview) -> None:
     """Give every input that declares ``parameters.binary_data_size`` its part of ``binary``, in
     input order, as :class:`~app.protocols.infer.RawData` (a view: nothing is copied or
     decoded here; validation decodes it once the tensor's name, datatype and size are known to
-    fit the model: :func:`app.serving.validation.validate_inputs`).
+    fit the model: :func:`app.serving.dataplane.validate_inputs`).
 
     Raises:
         InvalidInput: a declared size is not a non-negative integer; sizes do not add up to
@@ -270,7 +283,7 @@ def response_document(response: InferResponse) -> tuple[dict[str, Any], list[byt
         body["parameters"] = response.parameters
     tensors: list[dict[str, Any]] = []
     chunks: list[bytes] = []
-    for out in response.outputs:
+    for out in wire_tensors(response.outputs):
         tensor: dict[str, Any] = {"name": out.name, "datatype": out.datatype, "shape": list(out.array.shape)}
         if out.binary:
             raw = tensor_bytes(out.array, out.datatype)

@@ -63,7 +63,7 @@ from typing import Any
 from gunicorn.config import KNOWN_SETTINGS
 
 from app.observability.logconfig import log_config
-from app.server import loadtable, rundir
+from app.server import balance, rundir
 from app.server.restarts import RestartBackoff, wait_before_booting
 from app.serving.auth import read_key_file
 from app.settings import Settings
@@ -226,7 +226,7 @@ def on_starting(server: Any) -> None:
         _metrics_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
     for stale in _metrics_dir.glob("*.db"):  # a previous server's samples would add up with ours
         stale.unlink()
-    # A previous server's load table and shard sockets (app.server.loadtable, app.server.peers).
+    # A previous server's load table and shard sockets (app.server.balance, app.server.peers).
     (_run_dir / "load").unlink(missing_ok=True)
     shutil.rmtree(_run_dir / "peers", ignore_errors=True)
     mode = f"{_gpus} usable GPU(s) x {_settings.max_processes_per_gpu}" if _gpus else "CPU mode"
@@ -332,16 +332,16 @@ def post_fork(server: Any, worker: Any) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     wait_before_booting(_boot_delay_s, worker.notify)
-    # The worker's slot in the load table, its one state record (app.server.loadtable):
+    # The worker's slot in the load table, its one state record (app.server.balance):
     # draining siblings wait for a booting worker, not for one still waiting for a GPU slot.
-    table = loadtable.LoadTable(_run_dir)
-    slot = table.claim(os.getpid(), loadtable.BINDING)
+    table = balance.LoadTable(_run_dir)
+    slot = table.claim(os.getpid(), balance.BINDING)
     try:
         bind_worker(_policy, heartbeat=worker.notify)
     except BindTimeout as exc:
         worker.log.error("worker %d: %s; exiting with status %d", os.getpid(), exc, BIND_FAILED_EXIT)
         sys.exit(BIND_FAILED_EXIT)
-    table.set_state(slot, loadtable.BOOTING)
+    table.set_state(slot, balance.BOOTING)
     table.close()
 
 
@@ -354,12 +354,12 @@ def child_exit(server: Any, worker: Any) -> None:
 
     multiprocess.mark_process_dead(worker.pid, str(_metrics_dir))  # type: ignore[no-untyped-call]
     try:
-        table = loadtable.LoadTable(_run_dir)
+        table = balance.LoadTable(_run_dir)
     except OSError as exc:
         server.log.warning("cannot free the load table slot of worker %d: %s", worker.pid, exc)
         return
     slot = table.slot_of(worker.pid)
-    if slot is not None and table.read(slot).state < loadtable.READY:
+    if slot is not None and table.read(slot).state < balance.READY:
         _restarts.exited_early(time.monotonic())  # it exited before it ever served
     table.release_pid(worker.pid)
     table.close()

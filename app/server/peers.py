@@ -29,7 +29,6 @@ import numpy as np
 from aiohttp import web
 
 from app import errors
-from app.http.state import CORE
 from app.server.wire import (
     ControlRequest,
     ControlResponse,
@@ -63,6 +62,8 @@ CONTROL_TIMEOUT_S = 600.0
 REPLY_GRACE_S = 0.25
 #: The W3C trace context headers a shard's context keeps.
 TRACE_HEADERS = ("traceparent", "tracestate")
+#: The worker's serving core on the internal endpoint's app.
+CORE = web.AppKey("peer-core", ServingCore)
 
 
 def socket_path(run_dir: str | os.PathLike[str], pid: int) -> Path:
@@ -72,8 +73,7 @@ def socket_path(run_dir: str | os.PathLike[str], pid: int) -> Path:
 
 def internal_app(core: ServingCore) -> web.Application:
     """The internal endpoint's app, serving shards, model control changes and this worker's
-    statistics with ``core``'s models (the core under the same key, :data:`app.http.state.CORE`,
-    as on the main app)."""
+    statistics with ``core``'s models (the core under :data:`CORE`)."""
     app = web.Application(client_max_size=core.settings.max_request_bytes * 2)
     app[CORE] = core
     app.router.add_post(PATH, _handle_shard)

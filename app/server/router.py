@@ -50,8 +50,7 @@ from typing import Any, TypeVar
 import numpy as np
 
 from app import errors
-from app.server.balance import pick_siblings, pick_target, splits
-from app.server.loadtable import Load, WorkerSlot
+from app.server.balance import Load, WorkerSlot, pick_siblings, pick_target, splits
 from app.server.peers import PeerClient, PeerUnavailable
 from app.serving.context import RequestContext
 from app.serving.siblings import Arrays, LocalRun

@@ -12,7 +12,7 @@ factory, one object per job, all made at once when the worker starts (:class:`Me
   (``app.serving.siblings.Siblings``): does another worker serve, a change applied on every
   sibling, their statistics, over their internal endpoints (:mod:`app.server.peers`).
 
-Under them, this worker's slot in the load table (``app.server.loadtable.WorkerSlot``), from its
+Under them, this worker's slot in the load table (``app.server.balance.WorkerSlot``), from its
 claim to its release. The internal endpoint, which serves this worker's core to its siblings,
 exists once the app does (:meth:`Membership.serve_endpoint`).
 
@@ -39,13 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 from app.server import rundir
 from app.server.balance import (
+    LoadTable,
     WorkerBalancer,
     WorkerConnections,
+    WorkerSlot,
     may_recycle,
     others_serving,
     replacement_booting,
 )
-from app.server.loadtable import LoadTable, WorkerSlot
 from app.settings import PEER_KEEPALIVE_S
 
 if TYPE_CHECKING:

@@ -3,10 +3,11 @@
 
 **Wire format**: msgpack (msgspec), no pickle. A numeric tensor travels as its dtype string
 (``"<f4"``), shape and raw bytes; a BYTES tensor (a numpy object array of ``bytes``/``str``) as
-its shape and the list of its elements; the items' token ids a text handler made
-(``app.models.base.PREPARED``, ragged) as their ids end to end and their lengths. Decoding
-accepts numeric dtypes only for raw buffers (never ``object``), checks the buffer size against
-the shape, and copies into a writable array.
+its shape and the list of its elements; a ragged tensor (an object array ``[B]`` whose items are
+numeric arrays ``[n_i, *rest]``, or tuples of P such arrays: a ragged output, or the items'
+preparations a handler made, ``app.models.base.PREPARED``, whatever they mean to it) as its
+rows end to end and their lengths. Decoding accepts numeric dtypes only for raw buffers (never
+``object``), checks the buffer size against the shape, and copies into a writable array.
 The messages only ever gain fields, each with a default, and ignore fields they do not know: a
 HUP that upgrades the code leaves old and new workers side by side for a while, and each must
 understand what the other sends (protobuf's rule for unknown fields).
@@ -104,19 +105,22 @@ def to_tensor(array: np.ndarray) -> Tensor:
 
 
 def _ragged(array: np.ndarray) -> Tensor:
-    """An object array ``[B]`` of 1-D integer arrays, or of tuples of P of them (an item's token
-    rows: ``app.models.base.PREPARED``), as ``dtype`` ``"ragged/<ids dtype>/P"`` (P = 0: bare
-    arrays), ``shape`` ``[B]``, ``data`` the rows' ids end to end and ``items`` their lengths
-    (``B * max(P, 1)`` integers, row-major), so that a sibling need not tokenize them again and no
-    pickle is needed."""
+    """An object array ``[B]`` of numeric arrays ``[n_i, *rest]`` (one dtype and ``rest`` for
+    all), or of tuples of P of them, as ``dtype`` ``"ragged/<dtype>/P[/<rest, comma-separated>]"``
+    (P = 0: bare arrays), ``shape`` ``[B]``, ``data`` the rows end to end and ``items`` their
+    first dimensions (``B * max(P, 1)`` integers, row-major), so that no pickle is needed (and a
+    sibling need not prepare the items again)."""
     elements = list(array.ravel())
     arity = 0 if isinstance(elements[0], np.ndarray) else len(elements[0])
     rows = [np.asarray(e) for e in elements] if arity == 0 else [np.asarray(r) for e in elements for r in e]
     dtype = np.result_type(*rows) if rows else np.dtype(np.int32)
-    flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros(0, dtype)
-    return Tensor(
-        f"ragged/{dtype.str}/{arity}", list(array.shape), data=flat.tobytes(), items=[len(r) for r in rows]
-    )
+    rest = rows[0].shape[1:] if rows else ()
+    if any(r.ndim == 0 or r.shape[1:] != rest for r in rows):
+        raise ValueError("a ragged tensor's items differ in their trailing dimensions")
+    flat = np.concatenate(rows).astype(dtype, copy=False) if rows else np.zeros((0, *rest), dtype)
+    name = f"ragged/{dtype.str}/{arity}" + (f"/{','.join(map(str, rest))}" if rest else "")
+    return Tensor(name, list(array.shape), data=np.ascontiguousarray(flat).tobytes(),
+                  items=[len(r) for r in rows])  # fmt: skip
 
 
 def _from_ragged(tensor: Tensor) -> np.ndarray:
@@ -127,23 +131,29 @@ def _from_ragged(tensor: Tensor) -> np.ndarray:
             shape and arity, or ids that do not fill the data.
     """
     try:
-        _, name, arity_text = tensor.dtype.split("/")
+        _, name, arity_text, *trailing = tensor.dtype.split("/")
         dtype, arity = np.dtype(name), int(arity_text)
+        rest = tuple(int(d) for d in trailing[0].split(",")) if trailing else ()
     except (TypeError, ValueError) as exc:
         raise errors.InvalidInput(f"bad ragged tensor dtype {tensor.dtype!r}") from exc
     count = math.prod(tensor.shape)
     lengths = tensor.items
+    row_size = math.prod(rest)
     if (
-        dtype.kind not in "iu"
+        dtype.kind not in _RAW_KINDS
         or not 0 <= arity <= 16
+        or len(trailing) > 1
+        or any(d < 0 for d in rest)
         or lengths is None
         or len(lengths) != count * max(arity, 1)
         or not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in lengths)
         or tensor.data is None
-        or len(tensor.data) != sum(lengths) * dtype.itemsize
+        or len(tensor.data) != sum(lengths) * row_size * dtype.itemsize
     ):
         raise errors.InvalidInput("ragged tensor: lengths do not match its shape or data")
     flat = np.frombuffer(tensor.data, dtype=dtype)
+    if rest:
+        flat = flat.reshape(-1, *rest)
     rows = np.split(flat.copy(), np.cumsum(lengths)[:-1]) if lengths else []
     out = np.empty(count, dtype=object)
     for i in range(count):

@@ -43,7 +43,7 @@ recycle, a HUP reload) starts listening only once its models are warm
 until warm).
 
 **Worker states and load** for the above and for balancing: one record, the load table
-(:mod:`app.server.loadtable`), through the worker's :class:`app.server.siblings.Membership`, made
+(:mod:`app.server.balance`), through the worker's :class:`app.server.siblings.Membership`, made
 whole in ``init_process`` with the worker's metrics. The app factory gets its balancer and
 siblings (without a load table none, and the app stands alone), its connections' shedding, the
 metrics, and the worker itself as its ``supervisor`` (``app.serving.siblings``); none is replaced
@@ -68,8 +68,8 @@ from typing import Any
 from aiohttp import web
 from gunicorn.workers.base import Worker
 
+from app.server.balance import DRAINING, LOADING, READY, STOPPING
 from app.server.listener import Listener, new_event_loop, ssl_context
-from app.server.loadtable import DRAINING, LOADING, READY, STOPPING
 from app.server.siblings import Membership
 from app.settings import Settings
 
@@ -109,6 +109,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self.exit_code = 0
         self.loop: asyncio.AbstractEventLoop | None = None
         self._app: web.Application | None = None
+        self._core: Any = None  # the serving core (app.serving.core.ServingCore), once built
         self._runner: web.AppRunner | None = None
         self._listener: Listener | None = None
         self._membership = Membership(None, os.getpid())  # alone until init_process
@@ -227,23 +228,26 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             self.notify()
 
     async def _serve(self) -> None:
-        """Build the app and runner, listen once warm, tick until stopped, shut down."""
+        """Build the serving core and the HTTP app over it (``app.main``); run the core, gRPC
+        and the HTTP app side by side, the internal endpoint and the listener once the core may
+        listen; tick until stopped; stop them in the reverse order."""
+        from app.grpc.server import serving_grpc  # imports grpc, and the core torch: not in the master
+        from app.main import build_core
+
         self._stopped = asyncio.Event()
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self.handle_exit, signal.SIGTERM, None)
         signal.siginterrupt(signal.SIGTERM, False)
-        factory = self.wsgi  # an Application or an async factory of one (app.main:create_app)
+        factory = self.wsgi  # an async factory of the HTTP app over a core (app.main:create_app)
         if isinstance(factory, web.Application):
-            app = factory
-        else:
-            member = self._membership
-            app = await factory(
-                self.settings, siblings=member.siblings, balancer=member.balancer, supervisor=self,
-                shedding=member.connections, metrics=self._metrics,
-            )  # fmt: skip
+            raise TypeError("the worker serves an app factory (app.main:create_app), not an Application")
+        member = self._membership
+        core = build_core(self.settings, siblings=member.siblings, balancer=member.balancer, supervisor=self,
+                          metrics=self._metrics)  # fmt: skip
+        app = await factory(self.settings, core=core, shedding=member.connections)
         if self._draining:  # stopped while the app was being made: nothing loaded, nothing to drain
             return
-        self._attach(app)
+        self._attach(app, core)
         access_log = self.log.access_log if self.cfg.accesslog else None
         kwargs: dict[str, Any] = {}
         if "%(" not in self.cfg.access_log_format:  # gunicorn's own format: aiohttp's default
@@ -257,19 +261,30 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             **kwargs,
         )
         self._runner = runner
-        await runner.setup()  # the app's startup: models_ctx defers while a sibling serves
+        # the core enters once this worker may listen (its models load; it defers while a
+        # sibling serves); gRPC after it, the HTTP app last; they stop in the reverse order
+        async with core.running(), serving_grpc(core):
+            await runner.setup()
+            try:
+                await self._listen(core, runner)
+            finally:
+                await runner.cleanup()
+        await member.close()
+
+    async def _listen(self, core: Any, runner: web.AppRunner) -> None:
+        """The internal endpoint and the listener (not for a worker stopped before it was ready),
+        then the ticks until stopped."""
+        from app.main import http_protocol
+
         server = runner.server
         assert server is not None
-        from app.http.limits import json_errors_protocol
-        from app.http.state import CORE
-
         if not self._draining:  # a worker stopped before it was ready starts no listener
-            await self._membership.serve_endpoint(app[CORE])
+            await self._membership.serve_endpoint(core)
         connections = self._membership.connections
         self._listener = Listener(
             asyncio.get_running_loop(),
             self.sockets,
-            functools.partial(json_errors_protocol, server),
+            functools.partial(http_protocol, server),
             ssl_context(self.cfg) if self.cfg.is_ssl else None,
             may_accept=connections.may_accept if connections is not None else (lambda: True),
             accepted=connections.accepted if connections is not None else (lambda: None),
@@ -279,11 +294,9 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._serving.set()  # the tick notifies gunicorn from now on
         await self._tick_until_stopped()
         self._listener.stop(close=True)
-        await runner.cleanup()
-        await self._membership.close()
 
-    def _attach(self, app: web.Application) -> None:
-        self._app = app
+    def _attach(self, app: web.Application, core: Any) -> None:
+        self._app, self._core = app, core
         app.on_shutdown.append(self._cancel_tasks)
         self._membership.publish(LOADING)
 
@@ -307,10 +320,8 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
     async def _tick_until_stopped(self) -> None:
         """Every tick: notify gunicorn, publish state and load, resume/pause the listener,
         recycle at max_requests, stop when the master is gone."""
-        from app.http.state import CORE
-
-        assert self._app is not None and self._stopped is not None
-        app, member, stopped = self._app, self._membership, self._stopped
+        assert self._core is not None and self._stopped is not None
+        core, member, stopped = self._core, self._membership, self._stopped
         pid = os.getpid()
         ticks = 0
         loop = asyncio.get_running_loop()
@@ -322,8 +333,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             if now - last > _STALL_S:  # SIGSTOP, or a call that held the GIL
                 self.log.warning("worker %s: event loop stalled for %.1f s", pid, now - last)
             last = now
-            core = app.get(CORE)
-            ready = core is not None and core.registry.ready and not self._draining
+            ready = core.registry.ready and not self._draining
             state = READY if ready else DRAINING if self._draining else LOADING
             self._was_ready = self._was_ready or ready
             self._publish_load(state)
@@ -331,7 +341,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
                 self.log.info("worker %s: parent changed, shutting down", pid)
                 self.alive = False
                 break
-            served = core.health.responses if core is not None else 0
+            served = core.health.responses
             if (
                 not self._draining
                 and self._recycle_after
@@ -372,12 +382,10 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._serving.set()
         if reason == "hung inference":
             self.exit_code = 1  # gunicorn logs the exit status
-        if self._app is None:  # still booting: nothing to drain
+        if self._core is None:  # still booting: nothing to drain
             self._stop()
             return
-        from app.http.state import CORE
-
-        registry = self._app[CORE].registry
+        registry = self._core.registry
         was_ready = self._was_ready or registry.ready
         registry.begin_drain(reason)
         if not was_ready:
@@ -393,10 +401,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         self._spawn(self._hold_then_stop(reason))
 
     async def _hold_then_stop(self, reason: str) -> None:
-        from app.http.state import CORE
-
-        assert self._app is not None
-        settings = self._app[CORE].settings
+        settings = self.settings
         loop = asyncio.get_running_loop()
         started = loop.time()
         await asyncio.sleep(settings.drain_grace_s)

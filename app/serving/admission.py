@@ -1,9 +1,10 @@
 """Admission: whether a model version takes one more request now, behind a small interface.
 
 A serving unit (:mod:`app.serving.unit`) asks its policy before a request's items join the
-queue, and tells it how long each batch took. First, whatever the policy, an item that alone
-exceeds a batch's bytes or tokens is refused (413: :func:`check_item_bounds`). Two policies,
-chosen per model in ``model.toml`` (``admission``):
+queue, and tells it how long each batch took. (Before that, whatever the policy, an item that
+alone exceeds a batch's bytes or tokens is refused with 413: the batch budget's rule,
+:func:`app.serving.queue.check_item_bounds`.) Two policies, chosen per model in ``model.toml``
+(``admission``):
 
 ``measured_rate`` (the default): **admission by time.** With a batch costing ``t(n) = o + n c``
 seconds (:class:`ServiceRate`), ``q`` items queued ahead (at the request's priority level and
@@ -24,8 +25,14 @@ request) and Triton's queue policy (``max_queue_size``, reject on timeout): refu
 the queue cannot hold the items; a request whose deadline passes while it waits gets its 504
 from the queue.
 
-Sources: BentoML's adaptive batching, Triton's ``default_queue_policy``, TEI's ``queue.rs``;
-docs/reliability.md explains the choices.
+**The service rate** (:class:`ServiceRate`): what a batch costs in seconds, ``t(n) = o + n c``
+for a batch of cost ``n`` (items, or for a model that prices its items the tokens its forward
+calls compute, padding included), fitted by exponentially weighted least squares over its
+batches and seeded by its calibration at load.
+
+Sources: BentoML's adaptive batching (a batch's latency estimated from past batches), Triton's
+``default_queue_policy``, TEI's ``queue.rs``; docs/reliability.md explains the choices, with the
+figures that chose each rule (*Admission by time*).
 """
 
 from __future__ import annotations
@@ -33,16 +40,130 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
+from app.errors import DeadlineExceeded, QueueFull, ScoringError
 
-from app.errors import DeadlineExceeded, InvalidInput, PayloadTooLarge, QueueFull, ScoringError
-from app.models.base import PREPARED
-from app.protocols.tensors import ItemBytes
-from app.serving.rate import ServiceRate
+#: Batches a :class:`ServiceRate` sees before it fits a slope and an overhead, and before its
+#: :attr:`ServiceRate.lag` moves (docs/architecture.md, *Tuned numbers*).
+SETTLED_BATCHES = 8
+#: Once settled, a batch enters the fit as at most this many times the fit's prediction.
+OUTLIER_RATIO = 4.0
+
+
+class ServiceRate:
+    """A model's batch cost, ``t(n) = overhead_s + n * item_s`` seconds for a batch of ``n``
+    items (its cost: items, or padded tokens), fitted by exponentially weighted least squares.
+
+    The calibration at load (:meth:`seed`: two batches timed alone after warmup) gives the
+    overhead and ``item_s`` at once and is kept as :attr:`calibrated`; without it the first batch
+    seeds ``item_s``. Until :data:`SETTLED_BATCHES` batches only the overhead moves (and the
+    slope comes down to the line through the origin and the mean where the batches ran faster
+    than the seed); then the slope is refitted while recent batch sizes differ enough, never
+    steeper than that line, and a batch enters the fit as at most :data:`OUTLIER_RATIO` times
+    its prediction. :attr:`lag` (>= 1) multiplies every prediction: raised at once when two
+    batches in a row were slower than the fit says, brought back towards 1 by the others. Why
+    each rule (figures): docs/reliability.md, *Admission by time*.
+
+    Args:
+        weight: the weight of the newest batch, 0 < weight <= 1.
+    """
+
+    def __init__(self, weight: float = 0.2) -> None:
+        self._decay = 1.0 - weight
+        self._weight = weight
+        #: Recent batches' time over the fit's prediction, >= 1.
+        self.lag = 1.0
+        self._batches = 0
+        self._last_ratio = 1.0
+        # Weighted sums: count, n, t, n^2, n*t.
+        self._s0 = self._sn = self._st = self._snn = self._snt = 0.0
+        self.item_s: float | None = None
+        self.overhead_s = 0.0
+        #: ``(overhead_s, item_s)`` from the calibration at load (:meth:`seed`), None without.
+        self.calibrated: tuple[float, float] | None = None
+
+    def seed(self, points: Sequence[tuple[float, float]]) -> None:
+        """Seed the fit with calibration batches ``(cost, seconds)`` timed alone after warmup
+        (``app.serving.runner.ModelRunner.calibrate``): through two of costs apart (more than
+        10 % of their mean) the line gives the overhead and ``item_s`` at once, so that the
+        first long request is judged at what its cost takes rather than at what a short batch's
+        overhead made each unit cost; else ``item_s`` is the largest batch's time over its cost
+        (overhead 0). The line is kept as :attr:`calibrated`."""
+        points = sorted((n, t) for n, t in points if n >= 1 and t > 0)
+        if not points:
+            return
+        for n, t in points:
+            self._accumulate(n, t)
+        self._batches += len(points)
+        mean_n, mean_t = self._sn / self._s0, self._st / self._s0
+        var_n = self._snn / self._s0 - mean_n * mean_n
+        slope = (self._snt / self._s0 - mean_n * mean_t) / var_n if var_n > (0.1 * mean_n) ** 2 else 0.0
+        if slope > 0:
+            self.item_s = min(slope, mean_t / mean_n)
+            self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
+        else:
+            self.item_s, self.overhead_s = points[-1][1] / points[-1][0], 0.0
+        self.calibrated = self.overhead_s, self.item_s
+
+    def _accumulate(self, items: float, seconds: float) -> None:
+        d = self._decay
+        self._s0 = d * self._s0 + 1.0
+        self._sn = d * self._sn + items
+        self._st = d * self._st + seconds
+        self._snn = d * self._snn + items * items
+        self._snt = d * self._snt + items * seconds
+
+    def observe(self, items: float, seconds: float) -> None:
+        """Record one batch of ``items`` (its cost) that took ``seconds``."""
+        if items < 1 or seconds <= 0:
+            return
+        if self._batches >= SETTLED_BATCHES and self.item_s is not None:
+            predicted = self.overhead_s + items * self.item_s
+            ratio = seconds / predicted
+            sustained = min(ratio, self._last_ratio)
+            if sustained > self.lag:
+                self.lag = sustained
+            else:
+                self.lag = max(1.0, self.lag + self._weight * (min(ratio, self.lag) - self.lag))
+            self._last_ratio = ratio
+            seconds = min(seconds, OUTLIER_RATIO * predicted)
+        self._batches += 1
+        self._accumulate(items, seconds)
+        if self.item_s is None:
+            self.item_s = seconds / items
+            return
+        mean_n, mean_t = self._sn / self._s0, self._st / self._s0
+        var_n = self._snn / self._s0 - mean_n * mean_n
+        if self._batches >= SETTLED_BATCHES and var_n > (0.1 * mean_n) ** 2:
+            slope = min((self._snt / self._s0 - mean_n * mean_t) / var_n, mean_t / mean_n)
+            if slope > 0:
+                self.item_s = slope
+        # Never steeper than the line through the origin and the mean, settled or not: a seed
+        # taken from one small batch (its overhead counted as items) would otherwise stay while
+        # batches of one size give no slope, and refuse long after the real batches ran faster.
+        self.item_s = min(self.item_s, mean_t / mean_n)
+        self.overhead_s = max(0.0, mean_t - self.item_s * mean_n)
+
+    def seconds_for(self, items: float, batches: int = 1) -> float:
+        """Expected seconds for ``items`` items in ``batches`` batches (the fit times
+        :attr:`lag`); 0 while unknown or empty."""
+        if self.item_s is None or items <= 0:
+            return 0.0
+        return self.lag * (batches * self.overhead_s + items * self.item_s)
+
+    def fastest_s(self, items: float, batches: int = 1) -> float:
+        """Seconds for ``items`` in ``batches`` batches at the fastest the model has run: the
+        calibrated line or the fit, whichever is faster, without :attr:`lag` (0 while unknown)."""
+        best = math.inf
+        if self.calibrated is not None:
+            best = batches * self.calibrated[0] + items * self.calibrated[1]
+        if self.item_s is not None:
+            best = min(best, batches * self.overhead_s + items * self.item_s)
+        return best if best != math.inf else 0.0
+
 
 #: Requests whose sizes :meth:`MeasuredRate.refuse_early` remembers.
 RECENT_REQUESTS = 32
@@ -58,54 +179,13 @@ def overdue_slack_s() -> float:
     return 4 * sys.getswitchinterval()
 
 
-def check_items(model: str, inputs: Mapping[str, np.ndarray], queue_capacity: int) -> int:
-    """B, a request's items (axis 0 of ``inputs``).
+class Running(Protocol):
+    """A batch running: when it started (``loop.time()`` seconds) and its cost."""
 
-    Raises:
-        InvalidInput: none, or more than the model's ``queue_capacity`` (400, naming it).
-    """
-    size = len(next(iter(inputs.values())))
-    if size < 1:
-        raise InvalidInput("a request needs at least one item")
-    if size > queue_capacity:
-        raise InvalidInput(
-            f"request has {size} items; model {model} accepts at most {queue_capacity} per request "
-            "(model.toml queue_capacity)"
-        )
-    return size
-
-
-def check_item_bounds(
-    model: str,
-    request_id: str,
-    inputs: Mapping[str, np.ndarray],
-    tokens: np.ndarray | None,
-    max_batch_bytes: int | None,
-    max_batch_tokens: int | None,
-) -> ItemBytes | None:
-    """Refuse a request whose costliest item alone exceeds a batch's bytes or tokens (its
-    ``tokens`` sorted ascending); returns its :class:`ItemBytes` (None without a byte bound).
-
-    Raises:
-        PayloadTooLarge: 413, naming the bound.
-    """
-    if tokens is not None and max_batch_tokens is not None and int(tokens[-1]) > max_batch_tokens:
-        raise PayloadTooLarge(
-            f"an item of request {request_id} costs {int(tokens[-1])} tokens; model {model} runs at "
-            f"most {max_batch_tokens} in one batch (model.toml max_batch_tokens)"
-        )
-    if max_batch_bytes is None:
-        return None
-    if PREPARED in inputs:  # the handler's own preparations are not the client's bytes
-        inputs = {name: array for name, array in inputs.items() if name != PREPARED}
-    item_bytes = ItemBytes(inputs)
-    largest = item_bytes.largest()
-    if largest > max_batch_bytes:
-        raise PayloadTooLarge(
-            f"an item of request {request_id} has {largest} bytes of input; model {model} runs at "
-            f"most {max_batch_bytes} bytes in one batch (model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
-        )
-    return item_bytes
+    @property
+    def started(self) -> float: ...
+    @property
+    def cost(self) -> float: ...
 
 
 class Backlog(Protocol):
@@ -120,12 +200,14 @@ class Backlog(Protocol):
     queue_capacity: int
     priced: bool
 
-    def queued(self, level: int | None = None) -> tuple[int, float]:
-        """(items, cost) waiting at ``level`` and the levels above it (None: all)."""
+    @property
+    def running(self) -> Sequence[Running]:
+        """The batches running, oldest first (``app.serving.executor.RunningBatch``)."""
         ...
 
-    def running(self) -> list[tuple[float, float]]:
-        """(``loop.time()`` at start, cost) of the batches running, oldest first."""
+    @property
+    def queued(self) -> Callable[[int | None], tuple[int, float]]:
+        """(items, cost) waiting at a level and the levels above it (None: all)."""
         ...
 
 
@@ -178,7 +260,7 @@ class AdmissionPolicy(Protocol):
 
 
 def _full(backlog: Backlog, items: int, retry_after_s: Callable[[], float]) -> Refusal | None:
-    queued, _ = backlog.queued()
+    queued, _ = backlog.queued(None)
     if queued + items <= backlog.queue_capacity:
         return None
     message = f"model {backlog.name} queue is full ({queued}/{backlog.queue_capacity} items)"
@@ -257,10 +339,10 @@ class MeasuredRate:
         to need as much again as it has overrun."""
         backlog, rate = self._backlog, self.rate
         rest, overdue = 0.0, 1.0
-        for i, (started, running_cost) in enumerate(backlog.running()):
-            expected_s = rate.seconds_for(running_cost)
+        for i, batch in enumerate(backlog.running):
+            expected_s = rate.seconds_for(batch.cost)
             if i == 0:  # the one computing now; the others wait behind it
-                elapsed_s = now - started
+                elapsed_s = now - batch.started
                 rest = abs(expected_s - elapsed_s)
                 overdue = max(1.0, elapsed_s / (expected_s + self._slack_s))
             else:
@@ -303,7 +385,7 @@ class MeasuredRate:
         full = _full(backlog, items, lambda: self._retry_after_s(now))
         if full is not None:
             return full
-        idle = not backlog.queued()[0] and not backlog.running()
+        idle = not backlog.queued(None)[0] and not backlog.running
         if cost and (not idle or self.rate.calibrated is not None):
             hopeless = self._hopeless(items, cost, budget_s, what, alone)
             if hopeless is not None:

@@ -15,6 +15,8 @@ Triton's ``InferenceRequest`` keeps id, priority, timeout and trace on one objec
 from __future__ import annotations
 
 import math
+import random
+import re
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -26,6 +28,23 @@ if TYPE_CHECKING:
 #: The deadline of a request whose transport named none, until the data plane settles the model's
 #: (NaN: no comparison holds, so nothing reads it as a time by mistake).
 NO_DEADLINE = math.nan
+
+
+#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
+#: ``x-request-id`` metadata): 1 to 128 of these, echoed in responses and logs.
+_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+
+
+def request_id(*candidates: str) -> str:
+    """A request's id: the rule every front end applies (the HTTP edge to
+    ``X-Request-Id``, gRPC to ``ModelInferRequest.id`` or ``x-request-id`` metadata). The first
+    candidate that is a sane request id, else a new one: 128 random bits as 32 hex digits. An
+    id names a request in logs and errors; it is no secret, so it comes from ``random``
+    (reseeded in each forked worker), not a syscall."""
+    for candidate in candidates:
+        if candidate and _VALID_REQUEST_ID.match(candidate):
+            return candidate
+    return f"{random.getrandbits(128):032x}"
 
 
 class RequestContext(msgspec.Struct, frozen=True):
@@ -42,7 +61,7 @@ class RequestContext(msgspec.Struct, frozen=True):
             deadline; :data:`NO_DEADLINE` for none); from the data plane's ``infer`` on, the one
             settled against the model (``app.serving.dataplane.DataPlane.deadline``).
         priority: Triton's request priority (1 = the highest level, 0 = the model's default
-            level; ``app.serving.queue.RequestQueue.level`` maps it to a queue level), from the
+            level; ``app.serving.unit.ServingUnit.level`` maps it to a queue level), from the
             request's ``parameters.priority`` (the data plane's to read).
         trace: the W3C trace context (``traceparent``, ``tracestate``) as header pairs, for a
             sibling's spans to join the request's trace; empty when tracing is off.

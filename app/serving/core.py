@@ -1,18 +1,21 @@
 """The serving core of one worker: one plain object holding what its serving needs, handed to
 the front ends (HTTP, gRPC, the internal endpoint), to the watchdog and to the run of its models
-(``app.serving.boot``). Nothing here knows aiohttp: the HTTP layer puts the core on its
-``web.Application`` under one typed key (``app.http.state.CORE``) and starts and stops its
-models there.
+(``app.serving.boot``), and run as its own async context (:meth:`ServingCore.running`: its
+models, its response cache, its tracing). Nothing here knows aiohttp or gRPC: the front ends
+are the core's peers, started beside it by whoever runs it (the gunicorn worker,
+``app.server.worker``; in process, ``app.main.create_app``).
 
-``app.main.create_app`` builds it once per worker, complete: its lifecycle
+``app.main.build_core`` builds it once per worker, complete: its lifecycle
 (:class:`~app.serving.lifecycle.Lifecycle`) and model control
 (:class:`~app.serving.control.ModelControl`) are made first, from the registry, the settings and
-the siblings, and handed to it; neither knows the core. The models load when the app starts
-(:func:`app.serving.boot.serve_models`).
+the siblings, and handed to it; neither knows the core.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -28,6 +31,7 @@ if TYPE_CHECKING:  # the lifecycle imports torch; the request path needs none of
     from app.observability.metrics import ServerMetrics
     from app.observability.tracing import Tracing
     from app.serving.control import ModelControl
+    from app.serving.item_cache import ItemCache
     from app.serving.lifecycle import Lifecycle
 
 
@@ -61,6 +65,7 @@ class ServingCore:
         metrics: the Prometheus metrics, or None when ``SCORING_METRICS_ENABLED`` is off.
         tracing: the OpenTelemetry tracing, or None when the ``OTEL_*`` variables set none.
         keys: the API keys every front end checks (``app.serving.auth``); None: no check.
+        cache: the response cache's item stage (``app.serving.item_cache``), None without one.
     """
 
     settings: Settings
@@ -76,3 +81,25 @@ class ServingCore:
     metrics: ServerMetrics | None = None
     tracing: Tracing | None = None
     keys: ApiKeys | None = None
+    cache: ItemCache | None = None
+
+    @contextlib.asynccontextmanager
+    async def running(self) -> AsyncIterator[ServingCore]:
+        """The core from start to stop: its models load (in the background) and it enters once
+        this worker may listen (:func:`app.serving.boot.serve_models`); on exit the units stop
+        and the models are freed, then what the response cache has queued is written (at most
+        2 s) and its threads stop, then tracing flushes and stops.
+
+        Raises:
+            ModelLoadError: the repository cannot be scanned.
+        """
+        from app.serving.boot import serve_models  # imports torch: not in the gunicorn master
+
+        try:
+            async with serve_models(self):
+                yield self
+        finally:
+            if self.cache is not None:
+                await asyncio.to_thread(self.cache.close, 2.0)
+            if self.tracing is not None:
+                self.tracing.close()

@@ -21,8 +21,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import random
-import re
 import weakref
 from collections.abc import Awaitable
 from typing import Any, TypeVar
@@ -30,45 +28,185 @@ from typing import Any, TypeVar
 import msgspec
 import numpy as np
 
-from app.errors import ModelNotReady, ScoringError
+from app.errors import InvalidInput, ModelNotReady, PayloadTooLarge, ScoringError
+from app.models.repository import ModelConfig
 from app.observability.tracing import Tracing
 from app.protocols import triton
 from app.protocols.codec import Call
-from app.protocols.infer import InferRequest, InferResponse
-from app.protocols.tensors import RequestLimits
+from app.protocols.infer import InferRequest, InferResponse, OutputTensor, RawData
+from app.protocols.tensors import (
+    RequestLimits,
+    check_against_spec,
+    check_elements,
+    check_shape,
+    complete_inputs,
+    decode_raw,
+    to_array,
+    typed_array,
+)
 from app.serving.context import RequestContext
 from app.serving.items import ItemStage, for_model
 from app.serving.registry import ModelRegistry, ModelVersion
 from app.serving.siblings import Alone, Balancer, Siblings
-from app.serving.validation import (
-    build_response,
-    check_capacity,
-    parameters_priority,
-    parameters_timeout_s,
-    requested_outputs,
-    validate_inputs,
-)
 from app.settings import Settings
 
 Arrays = dict[str, np.ndarray]
 _NO_VERSIONS: dict[str, ModelVersion] = {}
 #: What a front end's call encodes a response into.
 Answer = TypeVar("Answer")
-#: A request id a client may choose (HTTP ``X-Request-Id``, gRPC ``ModelInferRequest.id`` or
-#: ``x-request-id`` metadata): 1 to 128 of these, echoed in responses and logs.
-_VALID_REQUEST_ID = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
+_LIMITS = RequestLimits()
 
 
-def request_id(*candidates: str) -> str:
-    """The data plane names requests: the rule both front ends apply (the HTTP edge to
-    ``X-Request-Id``, gRPC to ``ModelInferRequest.id`` or ``x-request-id`` metadata). The first
-    candidate that is a sane request id, else a new one: 128 random bits as 32 hex digits. An
-    id names a request in logs and errors; it is no secret, so it comes from ``random``
-    (reseeded in each forked worker), not a syscall."""
-    for candidate in candidates:
-        if candidate and _VALID_REQUEST_ID.match(candidate):
-            return candidate
-    return f"{random.getrandbits(128):032x}"
+def parameters_timeout_s(parameters: dict[str, Any]) -> float | None:
+    """``parameters.timeout`` (microseconds, Triton's convention) as seconds; None when absent.
+
+    Raises:
+        InvalidInput: not a positive finite number.
+    """
+    value = parameters.get("timeout")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise InvalidInput("parameters.timeout must be a positive number of microseconds")
+    return float(value) / 1e6
+
+
+def parameters_priority(config: ModelConfig, parameters: dict[str, Any]) -> int:
+    """``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default), checked
+    against the model's ``priority_levels`` (ignored, as 0, for a model without levels); 0 when
+    absent. Settled here once, before the request is balanced: the serving unit maps it to its
+    queue level and trusts it.
+
+    Raises:
+        InvalidInput: not a whole number >= 0, or above the model's levels.
+    """
+    value = parameters.get("priority")
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidInput("parameters.priority must be a whole number >= 0 (1 = the highest level)")
+    levels = config.priority_levels
+    if levels > 1 and value > levels:
+        raise InvalidInput(f"priority {value}: model {config.name} has priority levels 1..{levels}")
+    return value if levels > 1 else 0
+
+
+def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
+    """The request's tensors checked against ``config``, each in this order: its shape (at most
+    ``MAX_DIMS`` non-negative dimensions, ``limits.max_items`` items), its name (a model input,
+    once), its datatype, its element count (all before any per-element work: a hostile tensor
+    costs a few comparisons), then its data, decoded or converted and checked against the spec.
+
+    Returns:
+        One array ``[B, *item_shape]`` per model input (omitted optional inputs filled), one B >= 1.
+
+    Raises:
+        InvalidInput: a malformed shape, unknown/missing/duplicate input, wrong datatype or shape,
+            element count mismatch, malformed raw data, non-finite floats the model forbids.
+        PayloadTooLarge: over ``limits.max_items`` items or ``limits.max_string_bytes`` per string.
+    """
+    specs = {s.name: s for s in config.inputs}
+    arrays: Arrays = {}
+    for i, tensor in enumerate(request.inputs):
+        where = f"inputs[{i}] ({tensor.name!r})"
+        shape = check_shape(tensor.shape, where) if tensor.shape is not None else None
+        if shape:
+            limits.check_items(shape[0], where)
+        if tensor.name in arrays:
+            raise InvalidInput(f"{where}: input given twice")
+        spec = specs.get(tensor.name)
+        if spec is None:
+            raise InvalidInput(f"{where}: unknown input; model {config.name} takes {list(specs)}")
+        if tensor.datatype != spec.datatype:
+            raise InvalidInput(
+                f"{where}: datatype {tensor.datatype} but model {config.name} expects {spec.datatype}"
+            )
+        data = tensor.data
+        if data is None:
+            raise InvalidInput(f"{where}: no data: give data or parameters.binary_data_size")
+        if shape is not None:
+            check_elements(shape, spec, limits.max_items, where)
+        if isinstance(data, RawData):
+            if shape is None:
+                raise InvalidInput(f"{where}: raw data needs a shape")
+            arr = decode_raw(tensor.datatype, shape, data.data, where, limits.max_string_bytes).reshape(shape)
+        elif isinstance(data, np.ndarray):
+            arr = typed_array(tensor, shape if shape is not None else list(data.shape), where, limits)
+        else:
+            if shape is not None and shape and len(data) > math.prod(shape):
+                raise InvalidInput(f"{where}: shape {shape} needs {math.prod(shape)} elements, data has more")
+            arr = to_array(data, tensor.datatype, shape, where, limits.max_string_bytes)
+        arrays[tensor.name] = check_against_spec(arr, spec, config.allow_non_finite, where)
+    if not arrays and all(s.optional for s in config.inputs):
+        raise InvalidInput(f"inputs: empty; model {config.name} takes {list(specs)}")
+    return complete_inputs(config, arrays, "inputs")
+
+
+def check_capacity(config: ModelConfig, items: int) -> None:
+    """The one cap on a request's size at its model: ``items`` (what it will queue, its texts'
+    windows included) at most the model's ``queue_capacity``. Checked before the request is
+    balanced, so that it does not depend on how many workers would share it (a scattered
+    request's shards each fit a queue that the whole does not).
+
+    Raises:
+        PayloadTooLarge: more items than ``queue_capacity`` (413, naming the setting).
+    """
+    if items > config.queue_capacity:
+        raise PayloadTooLarge(
+            f"request has {items} items to run (its texts' windows included); model {config.name} "
+            f"queues at most {config.queue_capacity} (queue_capacity in its model.toml)"
+        )
+
+
+def requested_outputs(config: ModelConfig, request: InferRequest) -> list[str]:
+    """Names of the outputs to return: the request's ``outputs`` in its order, or all in model
+    order.
+
+    Raises:
+        InvalidInput: an unknown output name, or one asked for twice.
+    """
+    names = [s.name for s in config.outputs]
+    if not request.outputs:
+        return names
+    wanted = [o.name for o in request.outputs]
+    unknown = [n for n in wanted if n not in names]
+    if unknown:
+        raise InvalidInput(f"outputs: unknown output(s) {unknown}; model {config.name} has {names}")
+    if len(set(wanted)) != len(wanted):
+        twice = sorted({n for n in wanted if wanted.count(n) > 1})
+        raise InvalidInput(f"outputs: {twice} asked for more than once")
+    for o in request.outputs:
+        if o.parameters and triton.CLASSIFICATION in o.parameters:
+            datatype = next(s.datatype for s in config.outputs if s.name == o.name)
+            triton.classification_count(o.parameters[triton.CLASSIFICATION], o.name, datatype)
+    return wanted
+
+
+def build_response(
+    config: ModelConfig, request: InferRequest, outputs: Arrays, wanted: list[str]
+) -> InferResponse:
+    """The response to ``request``: the outputs ``wanted``, in that order, each marked binary when
+    the request wants it so (per output ``binary_data``, else ``binary_data_output``); an output
+    asked for with ``"classification": k`` becomes its top k classes (Triton's classification
+    extension, :func:`app.protocols.triton.classification`)."""
+    datatypes = {s.name: s.datatype for s in config.outputs}
+    labels = {s.name: s.labels for s in config.outputs}
+    ragged = {s.name for s in config.outputs if s.ragged}
+    binary = {o.name: o.binary_data for o in request.outputs or ()}
+    classify = {
+        o.name: o.parameters[triton.CLASSIFICATION]
+        for o in request.outputs or ()
+        if o.parameters and triton.CLASSIFICATION in o.parameters
+    }
+    tensors = []
+    for name in wanted:
+        wants = binary.get(name)
+        datatype, array = datatypes[name], outputs[name]
+        if name in classify:  # Triton's classification extension: top k as "score:index:label"
+            datatype, array = "BYTES", triton.classification(array, classify[name], labels[name])
+        as_binary = request.binary_data_output if wants is None else wants
+        tensors.append(OutputTensor(name, datatype, array, as_binary, name in ragged))
+    return InferResponse(config.name, config.version, tensors, request.id)
 
 
 class DataPlane:
@@ -279,10 +417,8 @@ class DataPlane:
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
         deadline = self.request_deadline(model, request, context)
-        priority = parameters_priority(request.parameters) if request.parameters else None
-        if priority and model.unit is not None:
-            model.unit.level(priority)  # one above the model's levels fails before it is balanced
-        context = msgspec.structs.replace(context, deadline=deadline, priority=priority or 0)
+        priority = parameters_priority(config, request.parameters) if request.parameters else 0
+        context = msgspec.structs.replace(context, deadline=deadline, priority=priority)
         if model.runner is None and self.items is not None:
             # still loading: the stages decide on the model as loaded (windows, the cache's key)
             await self.registry.serving_unit(model, deadline)
@@ -325,7 +461,7 @@ class DataPlane:
 
         Raises:
             PayloadTooLarge: a request (not forwarded) of more items than the model's
-                ``queue_capacity`` (:func:`app.serving.validation.check_capacity`), before it
+                ``queue_capacity`` (:func:`app.serving.dataplane.check_capacity`), before it
                 is balanced: the cap does not depend on how many workers would share it.
         """
         unit = model.unit

@@ -13,7 +13,7 @@ several requests is retried per request (:meth:`app.serving.runner.ModelRunner.r
 
 **Pricing.** A model whose handler prices its items (``item_costs``: tokens) has each request
 priced on a prepare thread before it is queued (:meth:`BatchExecutor.price`): the handler's
-costs, the items sorted by them and the request's own batches (:func:`app.serving.batch.price`).
+costs, the items sorted by them and the request's own batches (:func:`price`).
 
 **Threads.** A version's threads (:class:`Threads`) are :class:`InferenceThread` s, a
 ``concurrent.futures.Executor`` of daemon threads: ``ThreadPoolExecutor`` joins its threads when
@@ -38,16 +38,102 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from app.models.base import Segment
-from app.serving.batch import Batch, Pricing
+from app.models.base import PREPARED, Priced, Segment
+from app.serving.queue import Batch, most_within
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 _Work = tuple[Future[Any], Callable[..., Any], tuple[Any, ...], dict[str, Any]]
+
+
+def sort_by_cost(
+    inputs: Mapping[str, np.ndarray], tokens: np.ndarray
+) -> tuple[Mapping[str, np.ndarray], np.ndarray, np.ndarray | None]:
+    """A request's inputs and costs with its items sorted by cost (ascending, stable), and the
+    permutation (None when they already were)."""
+    if len(tokens) < 2 or bool((tokens[1:] >= tokens[:-1]).all()):
+        return inputs, tokens, None
+    order = np.argsort(tokens, kind="stable")
+    return {k: v[order] for k, v in inputs.items()}, tokens[order], order
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """One request of a priced model, priced: its ``inputs`` with the items sorted by cost
+    (``PREPARED`` among them where the handler returned :class:`~app.models.base.Priced`), their
+    costs ``tokens`` int64 ``[B]`` ascending, ``order`` (the permutation, None when none was
+    needed), and what it computes alone: ``alone_cost`` (``batch_cost`` summed over the batches
+    the queue would cut it into, padding included) in ``alone_batches`` batches."""
+
+    inputs: Mapping[str, np.ndarray]
+    tokens: np.ndarray
+    order: np.ndarray | None
+    alone_cost: float
+    alone_batches: int
+
+    def unpacked(
+        self,
+    ) -> tuple[Mapping[str, np.ndarray], np.ndarray, np.ndarray | None, tuple[float, int]]:
+        """``(inputs, tokens, order, (alone_cost, alone_batches))``."""
+        return self.inputs, self.tokens, self.order, (self.alone_cost, self.alone_batches)
+
+
+def price(
+    inputs: Mapping[str, np.ndarray],
+    *,
+    item_costs: Callable[[Mapping[str, np.ndarray]], np.ndarray | Priced | None],
+    batch_cost: Callable[[np.ndarray], float],
+    max_batch_size: int,
+    max_batch_tokens: int | None,
+) -> Pricing | None:
+    """One request priced, on a prepare thread: what ``item_costs`` returns for its items
+    (int64 ``[B]`` costs, or :class:`~app.models.base.Priced`; None: nothing priced, None
+    returned), its items sorted by cost, and its own batches, at most ``max_batch_size`` items
+    and ``max_batch_tokens`` of ``batch_cost`` each (an item over the token bound alone is a
+    batch of its own).
+
+    Raises:
+        What ``item_costs`` raises (``app.serving.runner.ModelRunner.item_costs``).
+    """
+    priced = item_costs(inputs)
+    if priced is None:
+        return None
+    if isinstance(priced, Priced):
+        inputs = {**inputs, PREPARED: priced.prepared}
+        priced = priced.costs
+    inputs, tokens, order = sort_by_cost(inputs, priced)
+    cost, batches = own_batches(tokens, batch_cost, max_batch_size, max_batch_tokens)
+    return Pricing(inputs, tokens, order, cost, batches)
+
+
+def own_batches(
+    tokens: np.ndarray,
+    batch_cost: Callable[[np.ndarray], float],
+    max_batch_size: int,
+    max_batch_tokens: int | None,
+) -> tuple[float, int]:
+    """What items costing ``tokens`` (int64 ``[B]``, ascending) compute alone, and in how many
+    batches: cut in order into batches of at most ``max_batch_size`` items and
+    ``max_batch_tokens`` of ``batch_cost`` (an item over it alone is a batch of its own), as the
+    queue cuts a request that waits behind no other."""
+    cost, batches, start = 0.0, 0, 0
+    while start < len(tokens):
+        rest = tokens[start : start + max_batch_size]
+        n = len(rest)
+        if max_batch_tokens is not None:
+            n = max(1, most_within(partial(_first_cost, rest, batch_cost), n, max_batch_tokens))
+        cost += batch_cost(rest[:n])
+        batches, start = batches + 1, start + n
+    return cost, batches
+
+
+def _first_cost(tokens: np.ndarray, batch_cost: Callable[[np.ndarray], float], k: int) -> float:
+    return batch_cost(tokens[:k])
 
 
 class InferenceThread(Executor):
@@ -184,7 +270,7 @@ class BatchExecutor:
         threads: its threads; an ``Executor`` alone is taken as the inference thread.
         staged: run batches through the staged pipeline (``threads`` then needs prepare and
             finish threads).
-        pricing: prices one request on a prepare thread (:class:`app.serving.batch.Pricing`),
+        pricing: prices one request on a prepare thread (:class:`Pricing`),
             None when the model does not price its items.
     """
 
@@ -216,7 +302,7 @@ class BatchExecutor:
         return self._pricing is not None
 
     def price(self, inputs: Mapping[str, np.ndarray]) -> Awaitable[Pricing | None]:
-        """One request priced on a prepare thread (:class:`app.serving.batch.Pricing`; None:
+        """One request priced on a prepare thread (:class:`Pricing`; None:
         its handler priced nothing)."""
         assert self._pricing is not None
         return asyncio.get_running_loop().run_in_executor(self.threads.prepare, self._pricing, inputs)

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from app.datatypes import ragged
 from app.errors import InferenceFailed
 from app.observability.metrics import ServerMetrics
 from app.observability.tracing import Tracing
@@ -41,6 +42,7 @@ from app.serving.redis_tier import RedisTier
 from app.serving.registry import ModelVersion
 from app.serving.response_cache import CacheCounts, Found, Item, ResponseCache, environment, item_keys
 from app.serving.response_cache.background import Reader, Writer
+from app.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -196,8 +198,9 @@ class ItemCache(ItemStage[Plan | None]):
             assert results is not None
             return results
         names = list(results) if results is not None else list(_first_item(plan.found))
+        ragged_outputs = {s.name for s in plan.model.config.outputs if s.ragged}
         try:
-            return {name: _assemble(name, plan, results) for name in names}
+            return {name: _assemble(name, plan, results, name in ragged_outputs) for name in names}
         except ValueError as exc:
             config = plan.model.config
             raise InferenceFailed(
@@ -314,12 +317,16 @@ def _first_item(found: dict[bytes, Item | None]) -> Item:
     return next(item for item in found.values() if item is not None)
 
 
-def _assemble(name: str, plan: Plan, results: Arrays | None) -> np.ndarray:
-    """Output ``name`` for every item in order: a cached item's array, else its computed row.
+def _assemble(name: str, plan: Plan, results: Arrays | None, is_ragged: bool = False) -> np.ndarray:
+    """Output ``name`` for every item in order: a cached item's array, else its computed row;
+    for a ragged output (``is_ragged``: an item's rows ``[n_i, ...]``, n_i its own) the items'
+    arrays as one ragged tensor (``app.datatypes.ragged``).
 
     Raises:
         ValueError: the items' shapes or dtypes differ, or a cached entry lacks the output.
     """
+    if is_ragged:
+        return _assemble_ragged(name, plan, results)
     computed = results[name] if results is not None else None
     parts = []
     for key in plan.keys:
@@ -336,3 +343,43 @@ def _assemble(name: str, plan: Plan, results: Arrays | None) -> np.ndarray:
                              f"{computed.dtype}{computed.shape[1:]} computed")  # fmt: skip
         parts.append(cached)
     return np.stack(parts)
+
+
+def _assemble_ragged(name: str, plan: Plan, results: Arrays | None) -> np.ndarray:
+    computed = results[name] if results is not None else None
+    rows = []
+    for key in plan.keys:
+        item = plan.found[key]
+        row = computed[plan.rows[key]] if item is None and computed is not None else (item or {}).get(name)
+        if row is None:
+            raise ValueError(f"a cached item lacks output {name!r}")
+        rows.append(row)
+    first = rows[0]
+    for row in rows[1:]:
+        if row.dtype != first.dtype or row.shape[1:] != first.shape[1:]:
+            raise ValueError(f"ragged output {name!r}: items of {first.dtype}{first.shape[1:]} and "
+                             f"{row.dtype}{row.shape[1:]}")  # fmt: skip
+    return ragged(rows)
+
+
+def response_cache(
+    settings: Settings, device: str, metrics: ServerMetrics | None, tracing: Tracing | None
+) -> ItemCache | None:
+    """The host's response cache as this worker sees it: at ``response_cache_path``, else in the
+    run directory, with the Redis tier where ``response_cache_redis_url`` names one; None where
+    no path is set (in-process, without a path)."""
+    folder = settings.response_cache_path
+    if folder is None and settings.run_dir is not None:
+        folder = settings.run_dir / "response-cache"
+    if folder is None:
+        return None
+    store = ResponseCache(folder, settings.response_cache_bytes, settings.response_cache_ttl_s)
+    shared = None
+    if settings.response_cache_redis_url:
+        shared = RedisTier(
+            settings.response_cache_redis_url,
+            settings.response_cache_redis_timeout_ms / 1000.0,
+            settings.response_cache_ttl_s,
+        )
+    lookup_timeout_s = settings.response_cache_lookup_timeout_ms / 1000.0
+    return ItemCache(store, device, metrics, tracing, shared, lookup_timeout_s=lookup_timeout_s)

@@ -1,5 +1,10 @@
 """The queue of one model version: requests waiting with their budgets, by priority level, and
-the batches formed from them (dynamic batching).
+the batches formed from them (dynamic batching); the batch and its parts live here too, as in
+text-embeddings-inference's ``core/src/queue.rs``: a request as queued (:class:`QueuedRequest`),
+a range of its items (:class:`Chunk`), what a forming batch may still hold (:class:`Budget`,
+with each request's input bytes per item, :class:`ItemBytes`), the batch formed (:class:`Batch`)
+and its outputs handed back to each request in the order its items were sent
+(:func:`outputs_between`, :func:`assemble`).
 
 A request is queued as :class:`Chunk` s, ranges ``[start, stop)`` of its items, in the deque of
 its **priority level** (Triton's ``priority_levels``: level 1 is the highest). A batch is taken
@@ -22,23 +27,325 @@ Triton's, where a lower level waits while higher levels have items (and may time
 lower levels join a batch holding higher-level items only
 while they add at most ``priority_fill`` to its expected time (``fill``, the measured rate).
 
-Requests of a priced model arrive with their items sorted by cost (``app.serving.batch.price``) and are
+Requests of a priced model arrive with their items sorted by cost (``app.serving.executor.price``) and are
 never passed over within a level, so the backlog ahead of a request is what admission counts
 (docs/architecture.md: why not a queue sorted by length). Source: text-embeddings-inference's
 ``max_batch_tokens`` (``core/src/queue.rs``), Triton's dynamic batcher and priority queue.
+
+A priced request's items travel sorted by cost, each input reordered alike: the items'
+preparations (``PREPARED``, from :class:`app.models.base.Priced`) are one more input to every
+step here (sorting, slicing into chunks, concatenation into a batch), so ``preprocess`` gets each
+item's own. They count in no byte bound (:func:`check_item_bounds`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import bisect
+import itertools
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
-from app.errors import ClientDisconnected, DeadlineExceeded, InvalidInput, ScoringError
-from app.serving.batch import Budget, Chunk, QueuedRequest, padded_to_longest
+from app.errors import ClientDisconnected, DeadlineExceeded, PayloadTooLarge, ScoringError
+from app.models.base import PREPARED, Segment
+from app.serving.context import RequestContext
+
+Tensors = dict[str, np.ndarray]
+
+
+@dataclass(eq=False)
+class QueuedRequest:
+    """One inference request in a model version's queue: its inputs ``[B, ...]``, its context
+    (id, deadline, ...: ``app.serving.context``), arrival (``loop.time()`` seconds), priority
+    ``level`` (0 = the highest), and where its items are. ``tokens`` (priced models): int64
+    ``[B]``, each item's cost, ascending (``order`` is that permutation of the items as sent,
+    None when none was needed)."""
+
+    inputs: Mapping[str, np.ndarray]
+    size: int
+    context: RequestContext
+    arrival: float
+    future: asyncio.Future[Tensors]
+    item_bytes: ItemBytes | None  # input bytes per item; None without a batch byte bound
+    tokens: np.ndarray | None = None
+    order: np.ndarray | None = None
+    level: int = 0
+    trace: Any = None  # its OpenTelemetry context; None when not traced
+    queued: int = 0  # items still waiting
+    queued_cost: int = 0  # their cost
+    pending: int = 0  # items not yet computed
+    parts: list[tuple[int, Tensors]] = field(default_factory=list)
+    dead: bool = False
+    #: Its items' shape (``item_shape`` of each input) for a model with a variable (-1)
+    #: dimension: only requests of the same shape share a batch; None: every shape is the same.
+    shape: tuple[tuple[int, ...], ...] | None = None
+
+    #: From its context, read once (the queue reads them of every request it looks at): when its
+    #: outputs are due (``loop.time()`` seconds), its id (errors, logs), and what says its
+    #: client has gone (None: never asked).
+    deadline: float = field(init=False)
+    request_id: str = field(init=False)
+    is_disconnected: Callable[[], bool] | None = field(init=False)
+    #: The request's cost: its tokens (priced models), else its items.
+    cost: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        context = self.context
+        self.deadline, self.request_id = context.deadline, context.request_id
+        self.is_disconnected = context.is_disconnected
+        self.cost = int(self.tokens.sum()) if self.tokens is not None else self.size
+
+    def cost_between(self, start: int, stop: int) -> int:
+        """The cost of items ``[start, stop)``."""
+        return int(self.tokens[start:stop].sum()) if self.tokens is not None else stop - start
+
+
+@dataclass(eq=False)
+class Chunk:
+    """Items ``[start, stop)`` of ``request``."""
+
+    request: QueuedRequest
+    start: int
+    stop: int
+
+
+def padded_to_longest(costs: np.ndarray) -> float:
+    """A batch's cost when every item is padded to the costliest: ``max * N`` (0 when empty)."""
+    return float(costs.max()) * len(costs) if len(costs) else 0.0
+
+
+def most_within(cost_of: Callable[[int], float], n: int, limit: float) -> int:
+    """The largest ``k <= n`` with ``cost_of(k) <= limit`` (0 when none), by binary search:
+    ``cost_of`` (a batch's cost with ``k`` more items) grows with ``k``. All ``n`` are tried
+    first: they fit in the common case (one call of ``cost_of`` instead of about log2 n)."""
+    if n > 0 and cost_of(n) <= limit:
+        return n
+    fits, low, high = 0, 1, n - 1
+    while low <= high:
+        k = (low + high) // 2
+        if cost_of(k) <= limit:
+            fits, low = k, k + 1
+        else:
+            high = k - 1
+    return fits
+
+
+@dataclass
+class Budget:
+    """What one batch may still hold: items, input bytes, and tokens as ``batch_cost`` counts
+    them (padding included) over every priced item taken."""
+
+    items: int
+    bytes: float = math.inf
+    tokens: float = math.inf
+    batch_cost: Callable[[np.ndarray], float] = padded_to_longest
+    taken: list[np.ndarray] = field(default_factory=list)  # the costs of the items taken
+    #: The item shape of the requests taken (:attr:`QueuedRequest.shape`); None: none taken yet,
+    #: or no variable dimension.
+    shape: tuple[tuple[int, ...], ...] | None = None
+
+    def fit(self, request: QueuedRequest, start: int, stop: int) -> int:
+        """How many of ``request``'s items from ``start`` (at most ``stop - start``) fit: none of
+        a request whose item shape differs from the batch's (Triton's dynamic batcher: requests
+        of a variable-shape input batch together only when their shapes match)."""
+        if request.shape is not None and self.shape is not None and request.shape != self.shape:
+            return 0
+        n = min(stop - start, self.items)
+        item_bytes = request.item_bytes
+        if item_bytes is not None and self.bytes != math.inf:
+            n = min(n, item_bytes.items_within(start, start + n, self.bytes))
+        tokens = request.tokens
+        if tokens is not None and self.tokens != math.inf and n > 0:
+            taken, cost = self.taken, self.batch_cost
+            n = most_within(
+                lambda k: cost(np.concatenate([*taken, tokens[start : start + k]])), n, self.tokens
+            )
+        return n
+
+    def take(self, request: QueuedRequest, start: int, stop: int) -> None:
+        """Account for items ``[start, stop)`` of ``request`` joining the batch."""
+        self.items -= stop - start
+        if request.shape is not None:
+            self.shape = request.shape
+        if request.item_bytes is not None and self.bytes != math.inf:
+            self.bytes -= request.item_bytes.between(start, stop)
+        if request.tokens is not None:
+            self.taken.append(request.tokens[start:stop])
+
+
+class Batch:
+    """One batch formed from ``chunks`` at loop time ``formed_at``: its inputs (``[items, ...]``
+    per input name; no copy for a batch that is one whole request), its requests and their item
+    ranges within it (``groups``), its size and its cost (for a priced model ``batch_cost`` of
+    its items' costs, ``costs`` int64 ``[N]``: what it computes, padding included; else its
+    items, and ``costs`` None). The items' preparations
+    (``PREPARED``) are concatenated like any input when every request of the batch has them,
+    else left out (``preprocess`` then prepares the batch itself, as at warmup)."""
+
+    __slots__ = (
+        "chunks", "cost", "costs", "formed_at", "groups", "inputs", "items", "queue_s", "real_tokens",
+        "requests", "trace",
+    )  # fmt: skip
+
+    def __init__(
+        self,
+        chunks: list[Chunk],
+        formed_at: float,
+        batch_cost: Callable[[np.ndarray], float] = padded_to_longest,
+    ) -> None:
+        self.chunks = chunks
+        self.formed_at = formed_at
+        first = chunks[0]
+        if len(chunks) == 1 and first.start == 0 and first.stop == first.request.size:
+            self.inputs = dict(first.request.inputs)
+        else:
+            names = list(first.request.inputs)
+            if PREPARED in names and not all(PREPARED in c.request.inputs for c in chunks):
+                names.remove(PREPARED)
+            self.inputs = {
+                n: np.concatenate([c.request.inputs[n][c.start : c.stop] for c in chunks]) for n in names
+            }
+        self.requests = {id(c.request): c.request for c in chunks}
+        self.queue_s = formed_at - min(r.arrival for r in self.requests.values())
+        sizes = [c.stop - c.start for c in chunks]
+        self.items = sum(sizes)
+        self.groups = list(itertools.pairwise(np.cumsum([0, *sizes]).tolist()))
+        priced = [c.request.tokens[c.start : c.stop] for c in chunks if c.request.tokens is not None]
+        self.real_tokens = sum(int(t.sum()) for t in priced)
+        self.costs = np.concatenate(priced) if priced else None
+        self.cost = batch_cost(self.costs) if self.costs is not None else float(self.items)
+        #: Its ``batch`` span (``app.observability.tracing``), when a request in it is traced.
+        self.trace: Any = None
+
+
+def assemble(request: QueuedRequest) -> Tensors:
+    """A request's outputs from its parts ``(first item, outputs)``, in the order its items
+    were sent (the sort by cost undone)."""
+    parts = request.parts
+    if len(parts) == 1:
+        out = parts[0][1]
+    else:
+        ordered = sorted(parts, key=lambda p: p[0])
+        out = {k: np.concatenate([p[1][k] for p in ordered]) for k in ordered[0][1]}
+    order = request.order
+    if order is None:
+        return out
+    inverse = np.empty_like(order)
+    inverse[order] = np.arange(len(order))
+    return {k: v[inverse] for k, v in out.items()}
+
+
+def outputs_between(segments: list[Segment], start: int, stop: int) -> Tensors | Segment:
+    """Outputs for batch items ``[start, stop)`` across a batch's segments, or the first failed
+    segment among them."""
+    pieces: list[Tensors] = []
+    for seg in segments:
+        lo, hi = max(start, seg.start), min(stop, seg.stop)
+        if lo >= hi:
+            continue
+        if seg.outputs is None:
+            return seg
+        pieces.append({k: v[lo - seg.start : hi - seg.start] for k, v in seg.outputs.items()})
+    if len(pieces) == 1:
+        return pieces[0]
+    return {k: np.concatenate([p[k] for p in pieces]) for k in pieces[0]}
+
+
+class ItemBytes:
+    """The input bytes of each item of one request, for the batch byte bound.
+
+    All-numeric inputs cost the same per item (``nbytes / B`` summed over inputs): one integer,
+    no per-item array (the hot path of small numeric requests). With a BYTES input the cost
+    varies per item and is kept cumulatively: ``B + 1`` ints, ``[0] = 0``, so items ``[i, j)``
+    cost ``c[j] - c[i]`` bytes (an element's cost: its length). In plain Python: for a request's
+    few items a numpy call costs more than the arithmetic (8 texts: 10 µs in numpy on the CPU VM).
+
+    Args:
+        inputs: one array per model input, ``[B, ...]``, B >= 1.
+    """
+
+    __slots__ = ("_largest", "cumulative", "each")
+
+    def __init__(self, inputs: Mapping[str, np.ndarray]) -> None:
+        #: Bytes per item when every input is numeric, else None.
+        self.each: int | None = None
+        #: Cumulative bytes, ``B + 1`` ints, when some input is BYTES, else None.
+        self.cumulative: list[int] | None = None
+        size = len(next(iter(inputs.values())))
+        if any(arr.dtype.hasobject for arr in inputs.values()):
+            per_item = [0] * size
+            for arr in inputs.values():
+                if not arr.dtype.hasobject:
+                    fixed = arr.nbytes // max(1, size)
+                    per_item = [n + fixed for n in per_item]
+                elif arr.size == size:  # one element an item (a text)
+                    per_item = [n + len(v) for n, v in zip(per_item, arr.reshape(-1).tolist(), strict=True)]
+                else:
+                    rows = arr.reshape(size, -1).tolist()
+                    per_item = [n + sum(map(len, row)) for n, row in zip(per_item, rows, strict=True)]
+            self._largest = max(per_item, default=0)
+            self.cumulative = list(itertools.accumulate(per_item, initial=0))
+        else:
+            self.each = sum(arr.nbytes for arr in inputs.values()) // max(1, size)
+            self._largest = self.each
+
+    def largest(self) -> int:
+        """The bytes of the costliest item."""
+        return self._largest
+
+    def between(self, start: int, stop: int) -> int:
+        """The bytes of items ``[start, stop)``."""
+        if self.cumulative is None:
+            return (stop - start) * (self.each or 0)
+        return self.cumulative[stop] - self.cumulative[start]
+
+    def items_within(self, start: int, stop: int, budget: float) -> int:
+        """How many items from ``start`` (at most ``stop - start``) fit within ``budget`` bytes."""
+        if self.cumulative is None:
+            fit = int(budget // self.each) if self.each else stop - start
+            return max(0, min(fit, stop - start))
+        c = self.cumulative
+        end = bisect.bisect_right(c, c[start] + budget) - 1
+        return max(0, min(end, stop) - start)
+
+
+def check_item_bounds(
+    model: str,
+    request_id: str,
+    inputs: Mapping[str, np.ndarray],
+    tokens: np.ndarray | None,
+    max_batch_bytes: int | None,
+    max_batch_tokens: int | None,
+) -> ItemBytes | None:
+    """Refuse a request whose costliest item alone exceeds a batch's bytes or tokens (its
+    ``tokens`` sorted ascending); returns its :class:`ItemBytes` (None without a byte bound).
+
+    Raises:
+        PayloadTooLarge: 413, naming the bound.
+    """
+    if tokens is not None and max_batch_tokens is not None and int(tokens[-1]) > max_batch_tokens:
+        raise PayloadTooLarge(
+            f"an item of request {request_id} costs {int(tokens[-1])} tokens; model {model} runs at "
+            f"most {max_batch_tokens} in one batch (model.toml max_batch_tokens)"
+        )
+    if max_batch_bytes is None:
+        return None
+    if PREPARED in inputs:  # the handler's own preparations are not the client's bytes
+        inputs = {name: array for name, array in inputs.items() if name != PREPARED}
+    item_bytes = ItemBytes(inputs)
+    largest = item_bytes.largest()
+    if largest > max_batch_bytes:
+        raise PayloadTooLarge(
+            f"an item of request {request_id} has {largest} bytes of input; model {model} runs at "
+            f"most {max_batch_bytes} bytes in one batch (model.toml max_batch_bytes, SCORING_MAX_BATCH_BYTES)"
+        )
+    return item_bytes
+
 
 #: Gathering stops after this many event-loop turns in a row that queued no request (an idle
 #: loop turns in ~3 µs: one client alone waits ~10 µs).
@@ -98,20 +405,6 @@ class RequestQueue:
         #: True while a batch is open, waiting up to the max queue delay for more items.
         self.holding = False
         self._wakeup = asyncio.Event()
-
-    def level(self, priority: int | None, default: int) -> int:
-        """The level (0 = the highest) of Triton's request ``priority`` (1 = the highest; 0 or
-        None: ``default``; ignored with one level).
-
-        Raises:
-            InvalidInput: a priority above the levels.
-        """
-        levels = len(self._levels)
-        if not priority or levels == 1:
-            return default
-        if priority > levels:
-            raise InvalidInput(f"priority {priority}: the model has priority levels 1..{levels}")
-        return priority - 1
 
     def queued(self, level: int | None = None) -> tuple[int, float]:
         """(items, cost) waiting at ``level`` (0 = the highest) and above; None: at every level."""

@@ -89,8 +89,9 @@ class ModelVersion:
 
     @property
     def ready(self) -> bool:
-        """True while a serving unit takes its requests (state ``READY``)."""
-        return self.state == ModelState.READY
+        """True while a serving unit takes its requests: state ``READY`` and its serving loop
+        running (not waiting to start again after a failure: ``ServingUnit.serving``)."""
+        return self.state == ModelState.READY and (self.unit is None or self.unit.serving)
 
     @property
     def unloading(self) -> bool:

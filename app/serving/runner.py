@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from app.datatypes import NUMPY_DTYPES
+from app.datatypes import NUMPY_DTYPES, ragged
 from app.errors import InferenceFailed, InvalidInput, ModelLoadError, ScoringError
 from app.models.base import PREPARED, Handler, Priced, Segment
 from app.models.loading import resolve_handler
@@ -103,13 +103,43 @@ class Streams:
 
 
 class Staged:
-    """A batch between stages: the handler's own object, and the event that says it is ready."""
+    """A batch between stages: the handler's own object, the event that says it is ready, and
+    its items (each output must have as many rows)."""
 
-    __slots__ = ("event", "value")
+    __slots__ = ("event", "items", "value")
 
-    def __init__(self, value: Any, event: Any) -> None:
+    def __init__(self, value: Any, event: Any, items: int) -> None:
         self.value = value
         self.event = event
+        self.items = items
+
+
+def _output(name: str, spec: TensorSpec, value: Any, items: int) -> np.ndarray:
+    """One output of ``postprocess`` as the server carries it: an array ``[items, ...]`` of the
+    declared datatype, or for a ragged output (``TensorSpec.ragged``) an object array ``[items]``
+    of arrays ``[n_i, *shape[1:]]`` of it.
+
+    Raises:
+        InferenceFailed: a row count other than ``items``, or a ragged row of another shape
+            (500: the handler broke its contract; the message names the output).
+    """
+    dtype = NUMPY_DTYPES[spec.datatype]
+    if not spec.ragged:
+        array = np.asarray(value, dtype=dtype)
+        if array.ndim == 0 or len(array) != items:
+            raise InferenceFailed(f"model {name}: output {spec.name!r} has shape {list(array.shape)} for a "
+                                  f"batch of {items} items")  # fmt: skip
+        return array
+    if len(value) != items:
+        raise InferenceFailed(f"model {name}: ragged output {spec.name!r} has {len(value)} rows for "
+                              f"{items} items")  # fmt: skip
+    rows = [np.asarray(row, dtype=dtype) for row in value]
+    inner = tuple(spec.shape[1:])
+    for row in rows:
+        if row.ndim != len(spec.shape) or row.shape[1:] != inner:
+            raise InferenceFailed(f"model {name}: ragged output {spec.name!r} has an item of shape "
+                                  f"{list(row.shape)}; model.toml declares {spec.shape}")  # fmt: skip
+    return ragged(rows)
 
 
 class ModelRunner:
@@ -174,7 +204,7 @@ class ModelRunner:
         first-call costs), priced and prepared as requests are, each the best of
         :data:`CALIBRATION_ROUNDS` taken in turn: ``(cost, seconds)`` each (cost: ``batch_cost``
         of the items' costs for a priced model, else items), the seed of admission's service
-        rate (:meth:`app.serving.rate.ServiceRate.seed`). Two sizes give the per-batch overhead
+        rate (:meth:`app.serving.admission.ServiceRate.seed`). Two sizes give the per-batch overhead
         apart from the cost per unit, so that a long request is judged at what its cost takes,
         not at what a short batch's overhead made each unit cost."""
         batches = []
@@ -198,6 +228,8 @@ class ModelRunner:
             arr = outputs.get(spec.name)
             if arr is None:
                 raise ModelLoadError(f"model {self.config.name}: output {spec.name!r} missing")
+            if spec.ragged:  # _output checked each item's shape against [-1, *rest]
+                continue
             want = (batch_size, *spec.shape)
             ok = arr.ndim == len(want) and all(w in (-1, a) for w, a in zip(want, arr.shape, strict=True))
             if not ok:
@@ -269,7 +301,7 @@ class ModelRunner:
         streams = self.streams
         with torch.inference_mode(), streams.on(streams.copy_in):
             batch = self.handler.preprocess(inputs)
-            return Staged(batch, streams.mark(streams.copy_in))
+            return Staged(batch, streams.mark(streams.copy_in), len(next(iter(inputs.values()))))
 
     def predict(self, prepared: Staged) -> Staged:
         """Stage 2 (the inference thread): ``predict``, on the compute stream once the inputs
@@ -278,20 +310,24 @@ class ModelRunner:
         with torch.inference_mode(), streams.on(streams.compute):
             streams.after(streams.compute, prepared.event)
             raw = self.handler.predict(prepared.value)
-            return Staged(raw, streams.mark(streams.compute))
+            return Staged(raw, streams.mark(streams.compute), prepared.items)
 
     def finish(self, predicted: Staged) -> dict[str, np.ndarray]:
         """Stage 3 (a finish thread): ``postprocess`` once the kernels are done, on the
-        copy-back stream: numpy arrays of the declared dtypes, ``[B, ...]`` per output."""
+        copy-back stream: numpy arrays of the declared dtypes, ``[B, ...]`` per output (a ragged
+        output: an object array ``[B]`` of its items' arrays).
+
+        Raises:
+            InferenceFailed: an output without one row per item (:func:`_output`).
+        """
         streams = self.streams
         with torch.inference_mode(), streams.on(streams.copy_out):
             streams.after(streams.copy_out, predicted.event)
             outputs = self.handler.postprocess(predicted.value)
             if streams.copy_out is not None:
                 streams.copy_out.synchronize()
-        return {
-            s.name: np.asarray(outputs[s.name], dtype=NUMPY_DTYPES[s.datatype]) for s in self.config.outputs
-        }
+        name, items = self.config.name, predicted.items
+        return {s.name: _output(name, s, outputs[s.name], items) for s in self.config.outputs}
 
     def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The three stages in turn on this thread: inputs [B, ...] per input name -> outputs
@@ -367,6 +403,8 @@ class ModelRunner:
             log.info("model %s: preprocess refused items: %s", self.config.name, exc)
             return InvalidInput(f"model {self.config.name} cannot take these items: {exc}")
         log.error("model %s failed in %s", self.config.name, stage, exc_info=exc)
+        if isinstance(exc, InferenceFailed):  # the contract checks' own message (_output)
+            return exc
         return InferenceFailed(f"model {self.config.name} failed on the batch: {type(exc).__name__}")
 
     def close(self) -> int:

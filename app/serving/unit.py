@@ -20,6 +20,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+from collections import deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
 from functools import partial
@@ -31,30 +33,42 @@ from app.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InsufficientStorage,
+    InvalidInput,
     QueueFull,
     ScoringError,
 )
-from app.models.base import Priced, Segment
+from app.models.base import PREPARED, Priced, Segment
 from app.models.repository import ModelConfig
 from app.observability.metrics import ModelObserver, ModelStats
 from app.observability.tracing import RequestTrace, Tracing
-from app.serving.admission import AdmissionPolicy, check_item_bounds, check_items, policy
-from app.serving.batch import (
+from app.serving.admission import AdmissionPolicy, policy
+from app.serving.context import RequestContext
+from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads, price
+from app.serving.queue import (
     Batch,
     Chunk,
     QueuedRequest,
+    RequestQueue,
     Tensors,
     assemble,
-    expire,
+    check_item_bounds,
     outputs_between,
     padded_to_longest,
-    price,
 )
-from app.serving.context import RequestContext
-from app.serving.executor import BatchExecutor, BatchRunner, RunningBatch, Threads
-from app.serving.queue import RequestQueue
 
 log = logging.getLogger(__name__)
+
+#: Seconds before a serving loop that stopped on a failure starts again (doubled at each failure
+#: in a row, at most :data:`RESTART_MAX_S`; a loop that formed a batch since starts from here).
+RESTART_S = 1.0
+RESTART_MAX_S = 30.0
+
+
+def expire(future: asyncio.Future[Tensors]) -> None:
+    """Fail a request's ``future`` with :class:`TimeoutError` when its deadline passes before its
+    outputs are set (a loop timer: ``loop.call_at(deadline, expire, future)``); a done one stays."""
+    if not future.done():
+        future.set_exception(TimeoutError())
 
 
 class UnitObserver(Protocol):
@@ -63,6 +77,7 @@ class UnitObserver(Protocol):
     def batch_done(self, items: int, requests: int, queue_s: float, compute_s: float) -> None: ...
     def padding(self, real_tokens: int, padded_tokens: int) -> None: ...
     def rejected(self, reason: str) -> None: ...
+    def restarted(self) -> None: ...
     def queue_depth(self, items: int) -> None: ...
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None: ...
 
@@ -120,6 +135,7 @@ class ServingUnit:
         levels, fill = config.priority_levels, config.priority_fill
         self.default_level = max(0, (config.default_priority_level or levels or 1) - 1)
         self._levels = levels > 0  # per-level metrics only for a model with levels
+        self._level_count = max(1, levels)
         self.queue = RequestQueue(
             max_batch_size=max_batch_size,
             max_queue_delay_s=self.max_queue_delay_s,
@@ -140,6 +156,8 @@ class ServingUnit:
         self.executor = BatchExecutor(name, runner, threads, staged=staged, pricing=pricing)
         #: A batch's padded tokens (else its cost): a cost model's ``batch_cost`` is time.
         self.padded_tokens: Callable[[np.ndarray], int] | None = getattr(runner, "padded_tokens", None)
+        self.queued: Callable[[int | None], tuple[int, float]] = self.queue.queued
+        self.running: deque[RunningBatch] = self.executor.running
         self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
         self.observer: UnitObserver = observer or ModelObserver(ModelStats(), None, name, config.version)
         self.tracing = tracing
@@ -149,15 +167,21 @@ class ServingUnit:
         self._task: asyncio.Task[None] | None = None
         self._active = 0  # infer() calls in progress (drain waits for none)
         self._idle: asyncio.Event | None = None
+        #: Whether an input has a variable (-1) dimension: requests then batch together only
+        #: when their items' shapes match (:class:`app.serving.queue.Budget`).
+        self._variable = any(-1 in spec.shape for spec in config.inputs)
+        #: The requests waiting for their outputs (queued, or in a batch): the ones a serving
+        #: loop that stops answers at once.
+        self._live: set[QueuedRequest] = set()
+        #: Why the serving loop stopped, while it waits to start again (the version is not
+        #: ready meanwhile); None while it runs.
+        self.broken: str | None = None
+        self._failures = 0  # loop failures in a row (the restart's backoff doubles each)
+        self._restart: asyncio.TimerHandle | None = None
 
     # --- what admission reads (app.serving.admission.Backlog) ------------------------------
-
-    def queued(self, level: int | None = None) -> tuple[int, float]:
-        return self.queue.queued(level)  # (items, cost) at ``level`` and above; None: all
-
-    def running(self) -> list[tuple[float, float]]:
-        """(``loop.time()`` at start, cost) of the batches running, oldest first."""
-        return [(r.started, r.cost) for r in self.executor.running]
+    # ``queued(level)``: (items, cost) waiting at ``level`` and above (None: all), the queue's
+    # own method; ``running``: the batches running, oldest first, the executor's own deque.
 
     @property
     def running_batch(self) -> RunningBatch | None:
@@ -170,10 +194,48 @@ class ServingUnit:
 
     # --- lifecycle --------------------------------------------------------------------------
 
+    @property
+    def serving(self) -> bool:
+        """True while its serving loop forms batches: started, not stopped, and not waiting to
+        start again after a failure (the model version's readiness reads it)."""
+        return self._task is not None and self.broken is None and not self._stopped
+
     def start(self) -> None:
-        """Start forming batches on the running event loop."""
-        if self._task is None:
+        """Start forming batches on the running event loop (the serving loop, supervised:
+        :meth:`_loop_ended`)."""
+        if self._task is None and not self._stopped:
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=f"unit:{self.name}")
+            self._task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        """The serving loop ended without :meth:`stop`: whatever ended it, every request still
+        waiting here is answered at once (503 + Retry-After: a retry may find the loop running
+        again), the version reports not ready, and the loop starts again after a backoff
+        (:data:`RESTART_S`, doubled at each failure in a row, at most :data:`RESTART_MAX_S`)."""
+        if self._stopped or task is not self._task:
+            return
+        self._task = None
+        cause = "it was cancelled" if task.cancelled() else repr(task.exception())
+        self._failures += 1
+        delay_s = min(RESTART_S * 2 ** (self._failures - 1), RESTART_MAX_S)
+        self.broken = f"its serving loop stopped ({cause}); it starts again in {delay_s:g} s"
+        log.error("model %s v%s: %s", self.name, self.version, self.broken,
+                  exc_info=None if task.cancelled() else task.exception())  # fmt: skip
+        self.observer.restarted()
+        retry_after_s = max(1, math.ceil(delay_s))
+        self.queue.requests()  # emptied: their chunks go with them
+        for request in list(self._live):
+            self._fail(request, QueueFull(f"model {self.name}: {self.broken}", retry_after_s=retry_after_s))
+        self._report_depth()
+        self._restart = asyncio.get_running_loop().call_later(delay_s, self._start_again)
+
+    def _start_again(self) -> None:
+        self._restart = None
+        if self._stopped:
+            return
+        self.broken = None
+        self.start()
+        log.info("model %s v%s: its serving loop started again", self.name, self.version)
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait (at most ``timeout_s``) until every request routed here has its answer; new
@@ -188,6 +250,9 @@ class ServingUnit:
     async def stop(self) -> None:
         """Stop forming batches; requests still queued or in a batch fail with 503."""
         self._stopped = True
+        if self._restart is not None:
+            self._restart.cancel()
+            self._restart = None
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -211,8 +276,13 @@ class ServingUnit:
         return refusal.error
 
     def level(self, priority: int | None) -> int:
-        """The queue level of Triton's request ``priority``; InvalidInput above the levels."""
-        return self.queue.level(priority, self.default_level)
+        """The queue level (0 = the highest) of Triton's request ``priority`` (1 = the highest;
+        0 or None: the model's default level; ignored with one level). One above the levels is
+        the lowest (the data plane refuses those first: ``parameters_priority`` there;
+        a sibling's shard may come from a version with more)."""
+        if not priority or not self._levels:
+            return self.default_level
+        return min(priority, self._level_count) - 1
 
     async def infer(
         self, inputs: Mapping[str, np.ndarray], context: RequestContext, *, trace: RequestTrace | None = None
@@ -237,9 +307,13 @@ class ServingUnit:
             InferenceFailed: the model raised on a batch holding these items (500).
             InsufficientStorage: an item does not fit in device memory alone (507).
         """
-        size = check_items(self.name, inputs, self.queue_capacity)
+        size = len(next(iter(inputs.values())))
+        if size < 1:
+            raise InvalidInput("a request needs at least one item")
         deadline, request_id = context.deadline, context.request_id
         level = self.level(context.priority)
+        if self.broken is not None:
+            raise QueueFull(f"model {self.name}: {self.broken}", retry_after_s=1)
         loop = asyncio.get_running_loop()
         arrival = loop.time()
         request: QueuedRequest | None = None
@@ -261,6 +335,9 @@ class ServingUnit:
             self._admit(size, cost, level, deadline, request_id, alone)
             request = QueuedRequest(inputs, size, context, arrival, loop.create_future(), item_bytes, tokens,
                                     order, level, trace, pending=size)  # fmt: skip
+            if self._variable:
+                request.shape = tuple(a.shape[1:] for n, a in inputs.items() if n != PREPARED)
+            self._live.add(request)
             self.queue.put(request)
             if self.queue.items - self._reported_depth >= self.max_batch_size:
                 self._report_depth()  # a backlog builds up behind a running batch
@@ -284,6 +361,7 @@ class ServingUnit:
                 if not request.future.done():
                     request.future.cancel()
                 self._discard(request)
+                self._live.discard(request)
             if trace is not None and trace.queue is not None:  # refused, or left before a batch
                 trace.queue.end()
             self._active -= 1
@@ -310,26 +388,56 @@ class ServingUnit:
     # --- batches ----------------------------------------------------------------------------
 
     async def _loop(self) -> None:
+        """Form batches and hand them to the executor, for ever. A failure while forming or
+        answering one batch fails that batch's requests and the loop goes on; anything else
+        that ends it is :meth:`_loop_ended`'s."""
         executor, queue = self.executor, self.queue
         while True:
             await executor.room()
-            chunks, formed_at = await queue.next_batch(self._drop)
-            self._report_depth()
-            if self._levels:
-                for chunk in chunks:
-                    if chunk.start == 0:  # the request's first batch
-                        self.observer.prioritized(chunk.request.level, "", formed_at - chunk.request.arrival)
-            if not chunks:
-                executor.no_batch()
-                continue
-            batch = Batch(chunks, formed_at, queue.batch_cost)
-            if self.tracing is not None:
-                traced = [r.trace for r in batch.requests.values() if r.trace is not None]
-                if traced:
-                    batch.trace = self.tracing.batch(traced, batch.items, len(batch.requests), batch.cost)
-            await executor.run(batch, self._done, self._failed)
+            handed = False
+            try:
+                chunks, formed_at = await queue.next_batch(self._drop)
+                self._report_depth()
+                if not chunks:
+                    continue
+                self._failures = 0  # it forms batches again: the next failure waits the least
+                if self._levels:
+                    for chunk in chunks:
+                        if chunk.start == 0:  # the request's first batch
+                            waited = formed_at - chunk.request.arrival
+                            self.observer.prioritized(chunk.request.level, "", waited)
+                try:
+                    batch = Batch(chunks, formed_at, queue.batch_cost)
+                except Exception as exc:  # its requests fail, the loop goes on
+                    self._failed_to_form(chunks, exc)
+                    continue
+                if self.tracing is not None:
+                    traced = [r.trace for r in batch.requests.values() if r.trace is not None]
+                    if traced:
+                        batch.trace = self.tracing.batch(traced, batch.items, len(batch.requests), batch.cost)
+                handed = True
+                await executor.run(batch, self._done, self._failed)
+            finally:
+                if not handed:
+                    executor.no_batch()
+
+    def _failed_to_form(self, chunks: list[Chunk], exc: BaseException) -> None:
+        """A batch could not be formed from ``chunks`` (its inputs would not stack): its
+        requests fail with 500, the others wait on."""
+        requests = {id(c.request): c.request for c in chunks}.values()
+        log.error("model %s: a batch of %d requests could not be formed", self.name, len(requests),
+                  exc_info=exc)  # fmt: skip
+        for r in requests:
+            why = f"model {self.name} could not form a batch with request {r.request_id}"
+            self._fail(r, InferenceFailed(f"{why}: {type(exc).__name__}"))
 
     def _done(self, batch: Batch, segments: list[Segment], compute_s: float) -> None:
+        try:
+            self._delivered(batch, segments, compute_s)
+        except Exception as exc:  # outputs not handed back: the batch fails
+            self._failed(batch, exc)
+
+    def _delivered(self, batch: Batch, segments: list[Segment], compute_s: float) -> None:
         if batch.trace is not None:
             batch.trace.ran(compute_s)
         self.admission.observe(batch.cost, compute_s, batch.real_tokens)

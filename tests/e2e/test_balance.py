@@ -17,7 +17,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from app.server.loadtable import LoadTable
+from app.server.balance import LoadTable
 from tests.support.balance import both_live, items_per_worker, shares
 from tests.support.gunicorn import (
     ROOT,

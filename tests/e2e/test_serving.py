@@ -77,7 +77,7 @@ def test_v1_listing_and_metadata(server: Gunicorn) -> None:
 
 def post_answered_early(server: Gunicorn, path: str, body: bytes) -> int:
     """POST ``body`` and return the status the server answered, also when it answered before the
-    whole body was sent and closed the connection (no lingering close: ``app.http.limits``),
+    whole body was sent and closed the connection (no lingering close: ``app.http.edge``),
     so that the rest of the upload met a reset: the answer is read after the failed send, as
     curl does."""
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)

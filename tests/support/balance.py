@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from app.server.loadtable import LoadTable
+from app.server.balance import LoadTable
 from tests.support.gunicorn import Gunicorn, worker_items, worker_shares
 
 

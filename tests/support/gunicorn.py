@@ -63,12 +63,12 @@ def worker_shares(before: Mapping[int, float], after: Mapping[int, float]) -> di
 
 def published_states(run_dir: Path) -> dict[int, str]:
     """pid -> the state each claimed slot of ``run_dir``'s load table publishes
-    (``app.server.loadtable``'s state names, lower case); empty while there is no table."""
-    from app.server import loadtable
-    from app.server.loadtable import LoadTable
+    (``app.server.balance``'s state names, lower case); empty while there is no table."""
+    from app.server import balance
+    from app.server.balance import LoadTable
 
     names = ("empty", "binding", "booting", "loading", "ready", "draining", "stopping")
-    assert [getattr(loadtable, n.upper()) for n in names] == list(range(len(names)))
+    assert [getattr(balance, n.upper()) for n in names] == list(range(len(names)))
     try:
         table = LoadTable(run_dir, readonly=True)
     except OSError:

@@ -8,7 +8,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -313,4 +313,61 @@ def write_embed_model(repo: Path, name: str = "embed", load_gate: str = "") -> P
     folder.mkdir(parents=True, exist_ok=True)
     gate = f'[parameters]\nload_gate = "{load_gate}"\n' if load_gate else ""
     (folder / "model.toml").write_text(EMBED_TOML.format(name=name) + gate)
+    return folder
+
+
+RAGGED_TOML = """
+name = "{name}"
+format = "handler"
+handler = "tests.support.toy_models:NonzeroRowsHandler"
+max_batch_size = 8
+max_queue_delay_ms = 2.0
+[[inputs]]
+name = "x"
+datatype = "FP32"
+shape = [-1]
+[[outputs]]
+name = "rows"
+datatype = "FP32"
+shape = [-1, 2]
+ragged = true
+[[outputs]]
+name = "count"
+datatype = "INT64"
+shape = [1]
+"""
+
+
+class NonzeroRowsHandler:
+    """A model with a variable input and a ragged output: item ``x`` (FP32 ``[n]``, n the same
+    for a request's items) -> ``rows`` (FP32 ``[k, 2]``, one row ``[v, 2 v]`` per non-zero
+    ``v`` of ``x``: k differs per item) and ``count`` (k). Records every batch's shape."""
+
+    SHAPES: ClassVar[list[tuple[int, ...]]] = []
+
+    def load(self, device: torch.device, config: Any) -> None:
+        pass
+
+    def preprocess(self, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+        return inputs["x"]
+
+    def predict(self, x: np.ndarray) -> list[np.ndarray]:
+        self.SHAPES.append(x.shape)
+        return [np.stack([row[row != 0], 2 * row[row != 0]], axis=1) for row in x]
+
+    def postprocess(self, rows: list[np.ndarray]) -> dict[str, Any]:
+        return {"rows": rows, "count": np.array([[len(r)] for r in rows], dtype=np.int64)}
+
+    @staticmethod
+    def expected(x: Sequence[float]) -> np.ndarray:
+        v = np.asarray([value for value in x if value != 0], np.float32)
+        return np.stack([v, 2 * v], axis=1).reshape(-1, 2)
+
+
+def write_ragged_model(repo: Path, name: str = "ragged", response_cache: bool = False) -> Path:
+    """A :class:`NonzeroRowsHandler` model folder in ``repo``."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    cache = "\n[response_cache]\nenable = true\n" if response_cache else ""
+    (folder / "model.toml").write_text(RAGGED_TOML.format(name=name) + cache)
     return folder

@@ -1,5 +1,5 @@
-"""The load table (app.server.loadtable), the balancing rules (app.server.balance), and a
-worker's side of them: its slot (app.server.loadtable), its connections (app.server.balance)
+"""The load table (app.server.balance), the balancing rules (app.server.balance), and a
+worker's side of them: its slot (app.server.balance), its connections (app.server.balance)
 and its siblings (app.server.siblings)."""
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ from typing import cast
 
 import pytest
 
-from app.server.balance import WorkerConnections, least_loaded, may_accept, should_shed
-from app.server.loadtable import (
+from app.server.balance import (
     BOOTING,
     DRAINING,
     EMPTY,
@@ -22,7 +21,11 @@ from app.server.loadtable import (
     STALE_S,
     Load,
     LoadTable,
+    WorkerConnections,
     WorkerSlot,
+    least_loaded,
+    may_accept,
+    should_shed,
 )
 from app.server.peers import PeerClient
 from app.server.siblings import WorkerSiblings

@@ -20,10 +20,9 @@ from app.errors import DeadlineExceeded, InvalidInput, QueueFull
 from app.models.base import Segment
 from app.models.repository import read_config
 from app.serving.admission import Backlog, MeasuredRate
-from app.serving.batch import Budget, QueuedRequest, most_within
 from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
-from app.serving.queue import RequestQueue
+from app.serving.queue import Budget, QueuedRequest, RequestQueue, most_within
 from app.serving.runner import ModelRunner
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
@@ -256,6 +255,9 @@ class PaddingSeen:
     def queue_depth(self, items: int) -> None:
         pass
 
+    def restarted(self) -> None:
+        pass
+
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
         pass
 
@@ -464,15 +466,16 @@ async def test_no_level_starves_a_waiting_request_goes_first_once_aged(threads: 
 
 
 def test_a_priority_above_the_levels_is_invalid() -> None:
-    from app.serving.queue import RequestQueue
+    from app.serving.dataplane import parameters_priority
 
-    queue = RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, levels=3, **NO_GATHER)
-    assert [queue.level(p, default=2) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
+    three = unit_config(priority_levels=3, default_priority_level=3)
+    assert [parameters_priority(three, {"priority": p}) for p in (0, 1, 3)] == [0, 1, 3]
+    assert parameters_priority(three, {}) == 0
     with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
-        queue.level(4, default=2)
-    assert (
-        RequestQueue(max_batch_size=4, max_queue_delay_s=0.0, **NO_GATHER).level(7, default=0) == 0
-    )  # no levels: ignored
+        parameters_priority(three, {"priority": 4})
+    assert parameters_priority(unit_config(), {"priority": 7}) == 0  # no levels: ignored
+    unit = ServingUnit(three, cast(Any, object()), cast(Any, None))
+    assert [unit.level(p) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
 
 
 def _queued(level: int, size: int, loop: asyncio.AbstractEventLoop) -> QueuedRequest:

@@ -20,7 +20,7 @@ from app.grpc.codec import decode_request as decode_grpc
 from app.models.repository import read_config
 from app.protocols import v1, v2
 from app.protocols.tensors import RequestLimits
-from app.serving.validation import validate_inputs
+from app.serving.dataplane import validate_inputs
 from benchmarks import driver, payloads, report, server
 from tests.support.gunicorn import ROOT, poll, worker_items, worker_shares
 

@@ -18,7 +18,7 @@ from app.models.repository import read_config
 from app.protocols import tensors, v2
 from app.protocols.infer import RawData
 from app.protocols.tensors import RequestLimits
-from app.serving.validation import validate_inputs
+from app.serving.dataplane import validate_inputs
 from tests.support.fixtures import Client, MakeClient
 from tests.support.fuzz import FUZZ
 from tests.support.toy_models import write_scale_model

@@ -20,8 +20,16 @@ from aiohttp import web
 from app import errors
 from app.http.state import CORE
 from app.server import wire
-from app.server.balance import WorkerBalancer, pick_target
-from app.server.loadtable import BOOTING, DRAINING, READY, Load, LoadTable, WorkerSlot
+from app.server.balance import (
+    BOOTING,
+    DRAINING,
+    READY,
+    Load,
+    LoadTable,
+    WorkerBalancer,
+    WorkerSlot,
+    pick_target,
+)
 from app.server.peers import PATH, InternalEndpoint, PeerClient, socket_path
 from app.server.router import Router
 from app.serving.context import RequestContext
@@ -84,7 +92,7 @@ def test_power_of_two_choices_among_more_siblings() -> None:
 
 
 class FakeSlot:
-    """What the Router reads of app.server.loadtable.WorkerSlot."""
+    """What the Router reads of app.server.balance.WorkerSlot."""
 
     def __init__(self, items: int, siblings: list[Load]) -> None:
         self.ready = True

@@ -1,4 +1,4 @@
-"""The gRPC side of a worker's drain, in process (``app.grpc.server``, ``app.grpc.drain``): a
+"""The gRPC side of a worker's drain, in process (``app.grpc.server``, ``app.grpc.server``): a
 stop answers the calls a busy worker had not taken yet, an aged-out connection lets its calls
 finish, and a worker stopped before it was ready never listens."""
 
@@ -18,9 +18,8 @@ import grpc
 import pytest
 from aiohttp import web
 
-from app.grpc.drain import AnswerGate, stop_servers
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from app.grpc.server import start_server
+from app.grpc.server import AnswerGate, start_server, stop_servers
 from app.http.state import CORE
 from app.serving.siblings import Alone
 from app.settings import Settings
@@ -46,7 +45,7 @@ async def test_calls_not_yet_handed_to_python_are_answered_at_a_stop(
 ) -> None:
     """A busy worker's event loop lets grpcio hand it one call per server per turn; the others
     wait in grpcio's core, which cancels them when the server shuts down (clients got CANCELLED
-    without an answer: app.grpc.drain). Here the loop is blocked while a burst of 12 calls
+    without an answer: app.grpc.server). Here the loop is blocked while a burst of 12 calls
     arrives, and the servers stop the moment it is free: every call is answered, none by a
     CANCELLED of the shutdown."""
     write_scale_model(tmp_path)

@@ -17,7 +17,7 @@ from aiohttp import web
 
 from app.models.repository import read_config
 from app.protocols import v2
-from app.serving.validation import validate_inputs
+from app.serving.dataplane import validate_inputs
 from benchmarks import host_path, loadgen, payloads, server, stages
 from benchmarks.loadgen import LoadResult, Request
 

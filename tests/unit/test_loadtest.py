@@ -15,7 +15,7 @@ import pytest
 
 from app.models.repository import read_config
 from app.protocols import v1, v2
-from app.serving.validation import validate_inputs
+from app.serving.dataplane import validate_inputs
 from benchmarks import payloads
 from tests.support.gunicorn import ROOT
 from tests.support.tools import load_tool

@@ -20,9 +20,9 @@ import torch
 
 from app.errors import DeadlineExceeded, QueueFull
 from app.http.state import CORE
+from app.serving.admission import ServiceRate
 from app.serving.context import RequestContext
 from app.serving.executor import InferenceThread, Threads
-from app.serving.rate import ServiceRate
 from app.serving.runner import ModelRunner
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import MakeClient, eventually, measured

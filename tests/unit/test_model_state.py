@@ -15,9 +15,18 @@ from app.serving.registry import IllegalTransition, ModelRegistry, ModelState, M
 from tests.support.toy_models import write_scale_model
 
 
+class Unit:
+    """A stand-in serving unit whose loop runs."""
+
+    serving = True
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag
+
+
 def copy(tag: str) -> tuple[Any, Any, Any]:
     """A stand-in (unit, runner, threads): the transitions only hold them."""
-    return cast(Any, f"unit {tag}"), cast(Any, f"runner {tag}"), cast(Any, f"threads {tag}")
+    return cast(Any, Unit(tag)), cast(Any, f"runner {tag}"), cast(Any, f"threads {tag}")
 
 
 A, B, OLD, NEW = copy("a"), copy("b"), copy("old"), copy("new")

@@ -16,7 +16,7 @@ import pytest
 
 from app.http.state import CORE
 from app.server import balance
-from app.server.loadtable import LoadTable, WorkerSlot
+from app.server.balance import LoadTable, WorkerSlot
 from app.server.restarts import RestartBackoff
 from app.serving.executor import InferenceThread
 from tests.support.fixtures import Client, MakeClient, eventually, served
@@ -192,7 +192,7 @@ async def test_the_inference_thread_runs_with_the_workers_torch_threads(
 
 
 def test_sibling_states_drive_drain_and_recycling(tmp_path: Path) -> None:
-    from app.server.loadtable import BINDING, BOOTING, DRAINING, LOADING, READY
+    from app.server.balance import BINDING, BOOTING, DRAINING, LOADING, READY
 
     views = [[], [BINDING], [BOOTING], [LOADING, DRAINING], [READY], [DRAINING]]
     # replacement_booting: hold the listener while a new worker boots (has its slot) and none

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from app.server import loadtable, rundir
+from app.server import balance, rundir
 from app.server.siblings import Membership
 from gpu_stat.leases import try_lock
 
@@ -76,9 +76,9 @@ def test_links_planted_in_the_run_dir_are_never_followed(tmp_path: Path) -> None
     (run / "peers").symlink_to(elsewhere)  # a worker's shard sockets would land there
     with pytest.raises(rundir.RunDirError, match="symbolic link"):
         rundir.private_subdir(run, "peers")
-    (run / loadtable.FILE_NAME).symlink_to(elsewhere / "load")
+    (run / balance.FILE_NAME).symlink_to(elsewhere / "load")
     with pytest.raises(OSError) as caught:
-        loadtable.LoadTable(run)
+        balance.LoadTable(run)
     assert caught.value.errno == errno.ELOOP and not (elsewhere / "load").exists()
     (run / "lease.lock").symlink_to(elsewhere / "lease.lock")
     with pytest.raises(OSError) as caught:

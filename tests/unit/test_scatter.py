@@ -11,8 +11,7 @@ import pytest
 
 from app import errors
 from app.server import peers, wire
-from app.server.balance import pick_siblings
-from app.server.loadtable import DRAINING, READY, Load
+from app.server.balance import DRAINING, READY, Load, pick_siblings
 from app.server.router import shard_bounds
 from app.serving.context import RequestContext
 

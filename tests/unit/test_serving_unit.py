@@ -20,18 +20,16 @@ from app.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InsufficientStorage,
-    InvalidInput,
     ModelLoadError,
     PayloadTooLarge,
     QueueFull,
 )
 from app.models.base import Segment
 from app.models.repository import read_config
-from app.protocols.tensors import ItemBytes
-from app.serving.admission import MeasuredRate
+from app.serving.admission import SETTLED_BATCHES, MeasuredRate, ServiceRate
 from app.serving.context import RequestContext
-from app.serving.queue import GATHER_IDLE_TURNS
-from app.serving.rate import SETTLED_BATCHES, ServiceRate
+from app.serving.dataplane import check_capacity
+from app.serving.queue import GATHER_IDLE_TURNS, ItemBytes
 from app.serving.runner import ModelRunner
 from app.serving.unit import ServingUnit
 from tests.support.fixtures import eventually
@@ -191,11 +189,11 @@ async def test_requests_a_stopping_unit_refuses_get_retry_after(executor: Thread
     await asyncio.gather(running, stopping, return_exceptions=True)
 
 
-async def test_request_larger_than_the_queue_is_invalid(executor: ThreadPoolExecutor) -> None:
-    b = make(executor, Recorder(), queue_capacity=8)
-    with pytest.raises(InvalidInput, match="at most 8"):
-        await b.infer(items(*range(9)), at(soon(1)))
-    await b.stop()
+def test_request_larger_than_the_queue_is_too_large() -> None:
+    # one rule, one status: the data plane's cap, before a request is balanced (413)
+    with pytest.raises(PayloadTooLarge, match="queues at most 8"):
+        check_capacity(unit_config(queue_capacity=8), 9)
+    check_capacity(unit_config(queue_capacity=8), 8)
 
 
 async def test_deadline_gives_504_and_drops_queued_items(executor: ThreadPoolExecutor) -> None:
@@ -328,6 +326,9 @@ class Counts:
         self.rejections[reason] = self.rejections.get(reason, 0) + 1
 
     def queue_depth(self, items: int) -> None:
+        pass
+
+    def restarted(self) -> None:
         pass
 
     def prioritized(self, level: int, outcome: str, waited_s: float | None = None) -> None:
