@@ -264,9 +264,10 @@ def split(
         out = tokenizer.windows(texts, queries)
     for item, windows in enumerate(out):
         if policy.truncation == "error" and len(windows) > 1:
+            (count,) = tokenizer.whole_counts([texts[item]])
             raise ValueError(
-                f"item {item} is longer than the model's {policy.max_length} tokens "
-                '(truncation = "error"; "window" or "truncate" in model.toml takes it)'
+                f"item {item} has {count} tokens, over the model's {tokenizer.max_length} "
+                '(truncation = "error" in its model.toml): send a shorter text'
             )
         if len(windows) > policy.max_windows:
             unit = f"pieces of {policy.piece_chars} characters (and windows of pieces too long)" if (

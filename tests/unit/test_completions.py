@@ -98,6 +98,7 @@ async def test_cuts_and_generation_are_refused_with_what_to_send(
     (no echo, ``logprobs = 10``, token arrays), more than one token, sampling and streaming are
     refused, each saying what to send."""
     write_causal_lm(tmp_path, "gpt2", decoder_models["gpt2-lm"])
+    write_causal_lm(tmp_path, "gpt2-error", decoder_models["gpt2-lm"], 'truncation = "error"')
     http = await make_client(tmp_path)
     long = " ".join(CORPUS * 4)
     status, body = await completions(http, prompt=["short", long], echo=True, max_tokens=0, logprobs=1)
@@ -105,6 +106,9 @@ async def test_cuts_and_generation_are_refused_with_what_to_send(
     assert status == 400 and "256" in message and "tokens" in message and "truncate_prompt_tokens" in message
     count = int(message.split(" has ")[1].split()[0])
     assert count > 256
+    # a model that refuses long texts itself says the same: the text's tokens and the limit
+    status, body = await completions(http, model="gpt2-error", prompt=long, echo=True, max_tokens=0)
+    assert status == 400 and f"has {count - 1} tokens, over the model's 255" in body["error"]["message"], body
     status, body = await completions(
         http, prompt=long, echo=True, max_tokens=0, logprobs=1, truncate_prompt_tokens=100
     )
