@@ -219,8 +219,10 @@ class ServingUnit:
         self._failures += 1
         delay_s = min(RESTART_S * 2 ** (self._failures - 1), RESTART_MAX_S)
         self.broken = f"its serving loop stopped ({cause}); it starts again in {delay_s:g} s"
-        log.error("model %s v%s: %s", self.name, self.version, self.broken,
-                  exc_info=None if task.cancelled() else task.exception())  # fmt: skip
+        if task.cancelled():  # by something else than stop(): an event loop that closes, say
+            log.warning("model %s v%s: %s", self.name, self.version, self.broken)
+        else:
+            log.error("model %s v%s: %s", self.name, self.version, self.broken, exc_info=task.exception())
         self.observer.restarted()
         retry_after_s = max(1, math.ceil(delay_s))
         self.queue.requests()  # emptied: their chunks go with them
