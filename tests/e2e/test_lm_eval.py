@@ -20,6 +20,7 @@ from tests.support.decoder_models import write_causal_lm
 from tests.support.gunicorn import Gunicorn
 
 lm_eval = pytest.importorskip("lm_eval")
+pytestmark = pytest.mark.e2e
 
 TASK = "scoring_tiny_mc"
 QUESTIONS = [
@@ -74,6 +75,7 @@ def write_task(tmp: Path, folder: Path) -> Path:
                 "dataset_kwargs:",
                 "  data_files:",
                 f"    test: {tmp / 'docs.jsonl'}",
+                f"  cache_dir: {tmp / 'datasets'}",  # whenever datasets read its environment
                 "test_split: test",
                 "output_type: multiple_choice",
                 'doc_to_text: "{{question}}"',
@@ -116,7 +118,6 @@ def test_local_completions_equals_the_hf_model(
     srv, folder = served
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
-    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "datasets"))
     tasks = write_task(tmp_path, folder)
     # the command docs/text-models.md gives, as model_args
     remote = per_request(
