@@ -18,7 +18,8 @@ is one item and one choice, in order. The model lists every prompt's tokens (its
 input ``return_token_logprobs`` set to 1 where declared), so that a prompt longer than the model
 takes is refused (400 naming its tokens and the limit, as vLLM answers) rather than scored in
 part, unless vLLM's ``truncate_prompt_tokens`` asks for its last tokens (the model's optional
-INT64 input of that name; a model without it refuses the field). The request's ``logprobs``
+INT64 input of that name; a model without it refuses the field; the choice's ``text`` is still
+the prompt, its lists and ``usage`` the kept tokens'). The request's ``logprobs``
 (0 to 20: the alternatives listed per token, vLLM's default bound) reaches the model's
 ``top_logprobs``; without ``logprobs`` a choice's ``logprobs`` is null. ``max_tokens = 1``
 reaches the model's optional INT64 input ``next_token``: the choice's ``text`` is the prompt
