@@ -262,6 +262,23 @@ def test_a_7b_worker_fits_five_times_on_an_h100_and_says_so_when_asked_for_eight
         placement.place(worker, 0, total_bytes=H100_BYTES, free_bytes=H100_BYTES)
 
 
+def test_the_refusal_suggests_bfloat16_only_for_a_model_in_float32() -> None:
+    """A worker that does not fit is told what would make it fit: half precision where a model
+    is served in float32 (named), never for a model that already is bfloat16."""
+    arch = Architecture.from_config(LLAMA_7B | {"architectures": ["LlamaForSequenceClassification"]})
+    parameters = memory.estimate_parameters(arch, LLAMA_7B)
+    activations = memory.activation_bytes(arch, 32, 128, "bfloat16", "sdpa")
+    half = ModelMemory("radar", parameters, False, "bfloat16", parameters * 2, activations, 32, 128)
+    full = dataclasses.replace(half, name="radar-fp32", dtype="float32", weight_bytes=parameters * 4)
+    for worker, free in ((WorkerMemory((half,)), 10 * GIB), (WorkerMemory((half,)), 40 * GIB)):
+        placed = placement.place(worker, 4, total_bytes=H100_BYTES, free_bytes=free)
+        assert placed.message is not None and placed.copies < 4
+        assert "bfloat16 halves" not in placed.message and "smaller dtype" not in placed.message
+        assert "max_batch_tokens" in placed.message
+    placed = placement.place(WorkerMemory((full, half)), 1, total_bytes=H100_BYTES, free_bytes=10 * GIB)
+    assert placed.message is not None and 'dtype = "bfloat16" for radar-fp32' in placed.message
+
+
 def test_a_repository_is_planned_from_its_model_tomls(
     decoder_models: dict[str, Path], tmp_path: Path
 ) -> None:
