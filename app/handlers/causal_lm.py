@@ -140,6 +140,8 @@ class CausalLMHandler(TextHandler):
     """Scores texts by their token log-likelihood (see the module docstring)."""
 
     kind = "CausalLMHandler"
+    #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``).
+    MEMORY_HEAD = "lm-chunked"
 
     def __init__(self) -> None:
         super().__init__()

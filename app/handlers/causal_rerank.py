@@ -87,6 +87,8 @@ class CausalRerankHandler(TextHandler):
     """Scores (``query``, ``text``) pairs with a causal LM's yes/no answer (module docstring)."""
 
     kind = "CausalRerankHandler"
+    #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``).
+    MEMORY_HEAD = "base"
 
     def __init__(self) -> None:
         super().__init__()

@@ -330,3 +330,29 @@ def test_the_plan_imports_no_torch(decoder_models: dict[str, Path]) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "r: " in out.stdout and "all-MiniLM-L6-v2: 0.02 B parameters" in out.stdout
+
+
+def test_a_handler_declares_its_memory_head_and_is_not_imported_to_read_it(tmp_path: Path) -> None:
+    from app.models.memory import declared_head
+    from tests.support.gunicorn import ROOT
+    from tests.support.toy_models import unit_config
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "mine.py").write_text('import torch\n\nclass Mine:\n    MEMORY_HEAD = "base"\n')
+    config = unit_config()
+    config.handler, config.path = "mine:Mine", folder
+    assert declared_head(config) == "base"
+    config.handler = "mine:Other"
+    assert declared_head(config) is None
+    # the bundled decoder handlers, read in a process that must not import torch (the master's)
+    probe = (
+        "import sys; from app.models.memory import declared_head; from app.models.repository import "
+        "ModelConfig as C, TensorSpec as T\n"
+        "def u(h): return C(name='m', format='handler', handler=h, inputs=[T('x', 'FP32', [1])], "
+        "outputs=[T('y', 'FP32', [1])])\n"
+        "print(declared_head(u('app.handlers.causal_rerank:CausalRerankHandler')), "
+        "declared_head(u('app.handlers.causal_lm:CausalLMHandler')), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["base", "lm-chunked", "False"]
