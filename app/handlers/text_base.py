@@ -1,7 +1,8 @@
 """What the text handlers share: the tokenizer, the cost model, windows, and the way to the device.
 
-:class:`TextHandler` is the base of ``SentenceEmbeddingHandler`` and
-``SequenceClassificationHandler`` (and of the decoder-model handlers to come): it holds the
+:class:`TextHandler` is the base of every text handler (``SentenceEmbeddingHandler``,
+``SequenceClassificationHandler``, the decoder models' ``CausalRerankHandler`` and
+``CausalLMHandler``): it holds the
 folder's :class:`~app.handlers.tokenizing.TextTokenizer`, the forward's
 :class:`~app.handlers.text_cost.CostModel` (``batch_cost``, the length groups), the window
 policy and merge rules (it implements :class:`~app.handlers.windows.Windowed`), and a
