@@ -11,9 +11,13 @@ and how the windows' results are put back together per text.
     ``"truncate"``: the text is cut after ``max_seq_length`` tokens (one window).
     ``"error"``: a longer text is refused (400 naming its tokens and the limit).
     ``"pieces"``: the text is cut into pieces of at most ``piece_chars`` characters on word
-    boundaries (:func:`piece_spans`), each an item (truncated to ``max_seq_length`` tokens),
-    their results put together as windows' are: the moderation seed's cut (posts in pieces of at
-    most 300 characters, each classified).
+    boundaries (:func:`piece_spans`), each an item, their results put together as windows' are:
+    the moderation seed's cut (posts in pieces of at most 300 characters, each classified). A
+    piece longer than ``max_seq_length`` tokens (300 characters of Chinese, emoji, a URL can
+    be several hundred) is split again into windows of that piece, with ``stride``, as a long
+    text is: nothing is cut silently, and each window reports the span its tokens cover. A piece
+    is its words and the spaces between them, never the white space around them, whatever the
+    text's length (a text of one piece too).
     Why windows by default for classifiers and cross-encoders: a moderation model that never sees
     the end of a post, or a reranker that never sees the relevant part of a document, is wrong
     without saying so; windows cost more, but the cost is priced before anything is queued and
@@ -75,6 +79,7 @@ __all__ = [
     "merge",
     "merge_outputs",
     "merges",
+    "piece_bounds",
     "piece_spans",
     "rows",
     "sparse",
@@ -110,7 +115,8 @@ class WindowPolicy:
             the lesser of that and ``piece_chars``: the window stage splits only texts whose
             UTF-8 bytes (plus 4) exceed it, which holds for both units (a character is at
             least one byte, a token at least one byte).
-        stride: tokens a window repeats from the one before (0 <= stride < max_length // 2).
+        stride: tokens a window repeats from the one before (0 <= stride < max_length // 2;
+            for pieces, of ``max_seq_length``, between the windows of a piece too long).
         max_windows: windows (or pieces) per text, >= 1.
         max_request_tokens: tokens per request over all windows; None = no bound.
         aggregate: ``"max"`` or ``"mean"``.
@@ -127,9 +133,10 @@ class WindowPolicy:
 
     @property
     def overflow_stride(self) -> int | None:
-        """The stride of the tokenizer's overflow windows this policy cuts (``"window"``, and
-        ``"error"`` which counts them); None where it cuts none."""
-        return self.stride if self.truncation in ("window", "error") else None
+        """The stride of the tokenizer's overflow windows this policy cuts (``"window"``,
+        ``"pieces"`` for a piece too long, and ``"error"`` which counts them); None where it
+        cuts none."""
+        return self.stride if self.truncation in ("window", "error", "pieces") else None
 
     @classmethod
     def from_parameters(
@@ -267,14 +274,15 @@ def split(
         out = tokenizer.windows(texts, queries)
     for item, windows in enumerate(out):
         if policy.truncation == "error" and len(windows) > 1:
+            (count,) = tokenizer.whole_counts([texts[item]])
             raise ValueError(
-                f"item {item} is longer than the model's {policy.max_length} tokens "
-                '(truncation = "error"; "window" or "truncate" in model.toml takes it)'
+                f"item {item} has {count} tokens, over the model's {tokenizer.max_length} "
+                '(truncation = "error" in its model.toml): send a shorter text'
             )
         if len(windows) > policy.max_windows:
-            unit = f"pieces of {policy.piece_chars} characters" if policy.piece_chars else (
-                f"windows of {policy.max_length} tokens"
-            )  # fmt: skip
+            unit = f"pieces of {policy.piece_chars} characters (and windows of pieces too long)" if (
+                policy.piece_chars
+            ) else f"windows of {policy.max_length} tokens"  # fmt: skip
             raise PayloadTooLarge(
                 f"item {item} needs {len(windows)} {unit}, over the model's max_windows "
                 f"({policy.max_windows}); shorten or split the text"
@@ -293,7 +301,9 @@ def piece_spans(text: str, max_chars: int) -> list[tuple[int, int]]:
     ``[start, stop)`` character spans in order: greedily, each piece as many whole words (runs
     of non-space characters) as fit with the spaces between them as the text has them; a word
     longer than ``max_chars`` is cut every ``max_chars`` characters, its tail going on as a word.
-    A text without words is one piece, the whole text. Spaces between pieces belong to none.
+    A text without words is one piece, the whole text. White space between pieces, before the
+    first and after the last belongs to none, a text of one piece included
+    (:func:`piece_bounds`).
 
     Source: the moderation service this design learnt from cut posts so (pieces of at most 300
     characters, each classified by TrustSafeAI/RADAR-Vicuna-7B)."""
@@ -318,6 +328,19 @@ def piece_spans(text: str, max_chars: int) -> list[tuple[int, int]]:
     if start >= 0:
         out.append((start, stop))
     return out or [(0, len(text))]
+
+
+def piece_bounds(text: str) -> tuple[int, int]:
+    """The span of ``text`` that its pieces cover, ``[start, stop)``: from its first word to the
+    end of its last (:func:`piece_spans`' rule for white space); the whole text where it has no
+    word. What a text of one piece is scored on, whether or not it went through the window
+    stage. (``str.strip`` and the word pattern's ``\\S`` agree on white space: both are
+    Unicode's, ``Py_UNICODE_ISSPACE``.)"""
+    stripped = text.strip()
+    if not stripped:
+        return 0, len(text)
+    start = len(text) - len(text.lstrip())
+    return start, start + len(stripped)
 
 
 def concat(values: npt.NDArray[Any], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.object_]:
