@@ -127,6 +127,10 @@ class SparseEmbeddingHandler(TextHandler):
     """
 
     kind = "SparseEmbeddingHandler"
+    #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``): the
+    #: masked-LM head's vocabulary-wide logits, pooled a chunk of tokens at a time
+    #: (:data:`app.handlers.splade.LOGITS_BYTES`).
+    MEMORY_HEAD = "lm-chunked"
 
     def __init__(self) -> None:
         super().__init__()
