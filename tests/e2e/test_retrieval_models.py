@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -193,22 +194,18 @@ def test_openai_embeddings_of_colbert_equal_pylate(server: tuple[Gunicorn, dict[
     import openai
 
     srv, ref = server
-    client = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0)
-    documents = client.embeddings.create(model="colbert", input=DOCUMENTS, encoding_format="float")
-    queries = client.embeddings.create(
-        model="colbert", input=QUERIES, encoding_format="float", extra_body={"input_type": "query"}
-    )
+    with openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", max_retries=0) as client:
+        documents = client.embeddings.create(model="colbert", input=DOCUMENTS, encoding_format="float")
+        queries = client.embeddings.create(
+            model="colbert", input=QUERIES, encoding_format="float", extra_body={"input_type": "query"}
+        )
+        with pytest.raises(openai.BadRequestError, match="multi-vector"):
+            client.embeddings.create(model="colbert", input=["a"], dimensions=8)
     for j, row in enumerate(documents.data):
-        np.testing.assert_allclose(
-            np.asarray(row.embedding, np.float32), ref[f"d{j}"], atol=TOLERANCE, rtol=0
-        )
+        np.testing.assert_allclose(np.asarray(row.embedding, np.float32), ref[f"d{j}"], atol=TOLERANCE, rtol=0)
     for i, row in enumerate(queries.data):
-        np.testing.assert_allclose(
-            np.asarray(row.embedding, np.float32), ref[f"q{i}"], atol=TOLERANCE, rtol=0
-        )
+        np.testing.assert_allclose(np.asarray(row.embedding, np.float32), ref[f"q{i}"], atol=TOLERANCE, rtol=0)
     assert documents.usage.prompt_tokens > 0
-    with pytest.raises(openai.BadRequestError, match="multi-vector"):
-        client.embeddings.create(model="colbert", input=["a"], dimensions=8)
     status, _, refused = srv.post("/embed_sparse", {"model": "colbert", "inputs": "a"})
     assert status == 400 and "does not produce sparse embeddings" in refused["error"]
 
@@ -217,9 +214,10 @@ def test_rerank_and_score_are_pylate_maxsim(server: tuple[Gunicorn, dict[str, An
     import cohere
 
     srv, ref = server
-    client = cohere.ClientV2(api_key="unused", base_url=srv.url)
-    for i, query in enumerate(QUERIES):
-        got = client.rerank(model="colbert", query=query, documents=DOCUMENTS)
+    with httpx.Client() as transport:
+        client = cohere.ClientV2(api_key="unused", base_url=srv.url, httpx_client=transport)
+        ranked = [client.rerank(model="colbert", query=query, documents=DOCUMENTS) for query in QUERIES]
+    for i, got in enumerate(ranked):
         want = ref["scores"][i]
         assert [r.index for r in got.results] == sorted(range(len(DOCUMENTS)), key=lambda j: (-want[j], j))
         for r in got.results:
