@@ -61,7 +61,11 @@ async def test_readmes_error_table_is_what_the_server_answers(make_client: Calla
     keyed = await make_client(tmp_path, wait=False, api_keys="secret")
     for app in (client.server.app, keyed.server.app):  # every model warm but the broken one
         registry = app[CORE].registry
-        await eventually(lambda r=registry: all(m.ready or m.error for m in r.entries()) and bool(r.failures()))
+
+        def settled(r: Any = registry) -> bool:
+            return all(m.ready or m.error for m in r.entries()) and bool(r.failures())
+
+        await eventually(settled)
     url = "/v2/models/scale/infer"
 
     async def queue_full(c: Any) -> Any:  # one batch holds the model; 8 items fill the queue
