@@ -19,7 +19,7 @@ padding into pinned buffers, the cost model's length groups (measured on the 7B 
 pipeline's overlap (a server overlaps a batch's padding and copy back with the next forward).
 
 Pieces: 1,500-word posts of the demo MiniLM's vocabulary (:func:`posts_of`), cut by the handler
-(``app.handlers.windows.piece_spans``: at most 300 characters on word boundaries); tokenized by
+(``app.models.windows.piece_spans``: at most 300 characters on word boundaries); tokenized by
 MiniLM's WordPiece tokenizer (installed with the demo; an English word piece is about as long as
 a Llama token: the mean tokens per piece is reported). Batches of ``--batch`` pieces in post
 order.

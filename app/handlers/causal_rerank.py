@@ -13,7 +13,7 @@ and ``/score`` (``app.protocols.rerank``) like a cross-encoder:
   ``max_seq_length`` less the prefix and suffix, so that a long document never pushes the suffix
   out; a query whose part of the middle (the instruction and query lines, up to
   ``<Document>:``) takes more than half of that room is refused (400 naming its tokens and the
-  bound: a cross-encoder's rule for a query beside a window, ``app.handlers.windows.split``), so
+  bound: a cross-encoder's rule for a query beside a window, ``app.models.windows.split``), so
   that a document is never cut out of its own prompt;
 - the score is ``sigmoid(h . (W[yes] - W[no]))`` of the final hidden state ``h`` at each row's
   last real token and the LM head's rows of the tokens ``yes`` and ``no``
@@ -48,7 +48,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers import windows as windowing
 from app.handlers.decoder_math import (
     RERANKER_DEFAULT_INSTRUCTION,
     RERANKER_PREFIX,
@@ -66,6 +65,7 @@ from app.handlers.text_config import (
     declares_truncation,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, prepared_array
+from app.models import windows as windowing
 from app.models.base import Priced
 
 __all__ = ["CausalRerankHandler", "RerankBatch"]

@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers.padding import Alloc
+from app.handlers.tokenizing import Alloc
 
 __all__ = ["SLOTS", "HostStaging"]
 

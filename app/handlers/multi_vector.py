@@ -33,7 +33,7 @@ Outputs:
 **Long documents.** ``truncation = "truncate"`` by default: cut at ``max_seq_length`` tokens
 (default the folder's ``document_length``, the marker included), as PyLate cuts them. With
 ``"window"`` a document's rows are its windows' rows one after the other, in order
-(:func:`app.handlers.windows.rows`), each window encoded with its own ``[CLS]``, marker and
+(:func:`app.models.windows.rows`), each window encoded with its own ``[CLS]``, marker and
 ``[SEP]``. ``stride`` defaults to 0 here: a token a window repeats from the one before would
 come back twice, once in each window's context (MaxSim keeps the better of the two, the answer
 is longer by that many rows); a model.toml that sets a stride gets exactly that. A long
@@ -43,7 +43,7 @@ client can compute from ``embedding``. A query is never split: past ``query_leng
 tokens are dropped (PyLate's truncation), so of a query in windows only the first counts.
 
 ``[parameters]``: those of :mod:`app.handlers.text_config` and the window parameters of
-:mod:`app.handlers.windows`.
+:mod:`app.models.windows`.
 """
 
 from __future__ import annotations
@@ -62,7 +62,6 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
-from app.handlers import windows as windowing
 from app.handlers.colbert import ColbertPlan, DenseChain, load_dense, maxsim, read_folder
 from app.handlers.decoders import DTYPES
 from app.handlers.embedding_pipeline import load_encoder
@@ -77,6 +76,7 @@ from app.handlers.text_config import (
     resolve_model_dir,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, load_tokenizer, prepared_array
+from app.models import windows as windowing
 from app.models.base import Priced
 
 __all__ = ["MultiVectorBatch", "MultiVectorHandler", "MultiVectorOutputs"]

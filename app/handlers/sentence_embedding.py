@@ -33,7 +33,7 @@ Outputs:
 
 ``[parameters]`` of ``model.toml``: those of :mod:`app.handlers.text_config` (``max_seq_length``
 defaults to the folder's ``sentence_bert_config.json``), the window parameters of
-:mod:`app.handlers.windows` (``truncation = "truncate"`` by default for embeddings), and:
+:mod:`app.models.windows` (``truncation = "truncate"`` by default for embeddings), and:
 
 ``cuda_graph_sequence_lengths`` (list of int, tokens)
     With ``cuda_graph_batch_sizes`` in ``model.toml`` (strings per forward call) and a CUDA
@@ -69,7 +69,6 @@ import torch
 import torch.nn.functional as F
 
 from app.handlers import onnx_encoder
-from app.handlers import windows as windowing
 from app.handlers.decoders import DTYPES, pad_decoder
 from app.handlers.embedding_pipeline import (
     PROMPT_PARAMETERS,
@@ -78,7 +77,6 @@ from app.handlers.embedding_pipeline import (
     load_pipeline,
     read_prompts,
 )
-from app.handlers.padding import pad
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -90,7 +88,8 @@ from app.handlers.text_config import (
 )
 from app.handlers.text_cost import length_groups, padded_tokens
 from app.handlers.text_graphs import TextGraphs, capture_for
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
+from app.models import windows as windowing
 from app.models.base import Priced
 from app.models.torch_formats import settle_graphs
 

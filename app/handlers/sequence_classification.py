@@ -5,7 +5,7 @@
 ``tokenizer.json``), from local files only: a classifier (single texts -> per-label
 probabilities, e.g. a toxicity model) or a cross-encoder (``(query, text)`` pairs -> a relevance
 score, e.g. cross-encoder/ms-marco-MiniLM-L-6-v2). A text longer than ``max_seq_length`` becomes
-several windows, each an item of its own, put back together per text (:mod:`app.handlers.windows`,
+several windows, each an item of its own, put back together per text (:mod:`app.models.windows`,
 :mod:`app.serving.windows`).
 
 Inputs (per item):
@@ -41,7 +41,7 @@ tokens per window, default the tokenizer's ``model_max_length`` capped by the mo
 positions), ``backend`` (``"torch"`` or ``"onnx"``: ``onnx_file``, default ``model.onnx`` in the
 model's folder, a graph of the classifier whose inputs are the tokenizer's and whose first output
 is the logits) and ``tensorrt``; ``score_label`` (name or index); and the window parameters of
-:mod:`app.handlers.windows` (``truncation = "window"`` by default).
+:mod:`app.models.windows` (``truncation = "window"`` by default).
 
 An item's preparation is its token ids, and with them its token type ids where the model takes
 them (empty for a single text: every position then has the single-string type id).
@@ -58,7 +58,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers import windows as windowing
 from app.handlers.decoder_math import last_token_pool
 from app.handlers.decoders import decoder_features, is_decoder, pad_decoder
 from app.handlers.text_base import TextHandler, max_length
@@ -70,6 +69,7 @@ from app.handlers.text_config import (
     resolve_model_dir,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
+from app.models import windows as windowing
 from app.models.base import Priced
 
 __all__ = ["PIECES", "ClassifiedBatch", "SequenceClassificationHandler", "labels_of", "piece_rows"]

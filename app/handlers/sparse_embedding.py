@@ -33,12 +33,12 @@ pruned once its windows are merged, and one cached vector answers every cut.
 **Long texts.** ``truncation = "truncate"`` by default (cut at ``max_seq_length``); with
 ``"window"`` a text's vector is the element-wise maximum of its windows' (the sum for a
 ``"sum"`` pooling): SPLADE's max over the whole text's tokens, each token seen in the context of
-its window (:func:`app.handlers.windows.sparse`). A text on a static route (the query side of an
+its window (:func:`app.models.windows.sparse`). A text on a static route (the query side of an
 inference-free model) in windows is the weights of the terms of all its windows.
 
 ``[parameters]``: those of :mod:`app.handlers.text_config` (``max_seq_length`` defaults to the
 encoder's ``sentence_bert_config.json`` or tokenizer) and the window parameters of
-:mod:`app.handlers.windows`.
+:mod:`app.models.windows`.
 """
 
 from __future__ import annotations
@@ -54,7 +54,6 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers import windows as windowing
 from app.handlers.decoders import DTYPES
 from app.handlers.splade import (
     MaskedLM,
@@ -79,6 +78,7 @@ from app.handlers.text_config import (
     resolve_model_dir,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window
+from app.models import windows as windowing
 
 __all__ = ["SparseBatch", "SparseEmbeddingHandler", "SparseOutputs"]
 

@@ -5,7 +5,7 @@
 ``CausalLMHandler``): it holds the
 folder's :class:`~app.handlers.tokenizing.TextTokenizer`, the forward's
 :class:`~app.handlers.text_cost.CostModel` (``batch_cost``, the length groups), the window
-policy and merge rules (it implements :class:`~app.handlers.windows.Windowed`), and a
+policy and merge rules (it implements :class:`~app.models.windows.Windowed`), and a
 :class:`~app.handlers.host_staging.HostStaging` that pads batches into host arrays and moves them
 to the device. A subclass says what an item's preparation is (``item_costs`` returns it as
 ``app.models.base.Priced``; ``preprocess`` pads what ``inputs[PREPARED]`` holds and only
@@ -38,14 +38,14 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers import windows as windowing
 from app.handlers.host_staging import HostStaging
-from app.handlers.padding import pad
-from app.handlers.text_config import TRUNCATE, text_inputs, truncation
+from app.handlers.text_config import decode_texts, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, pad, prepared_array
+from app.models import windows as windowing
 from app.models.base import PREPARED, Priced
 from app.models.memory import trim_heap
+from app.models.text import QUERY, TEXT, TRUNCATE
 
 __all__ = ["TextHandler", "max_length", "prepared_parts", "ragged"]
 
@@ -85,7 +85,7 @@ class TextHandler(windowing.Windowed):
         self.cost = CostModel()
         #: What the model does with long texts.
         self.policy = windowing.WindowPolicy("truncate", 512, 0)
-        #: How each output of a text's windows becomes one (:data:`app.handlers.windows.MERGES`).
+        #: How each output of a text's windows becomes one (:data:`app.models.windows.MERGES`).
         self.merge_rules: dict[str, str] = {}
         #: Whether the model takes ``token_type_ids``.
         self.type_ids = False
@@ -100,13 +100,58 @@ class TextHandler(windowing.Windowed):
 
     @property
     def window_policy(self) -> windowing.WindowPolicy:
-        """What the model does with long texts (:mod:`app.handlers.windows`)."""
+        """What the model does with long texts (:mod:`app.models.windows`)."""
         return self.policy
 
     @property
     def window_merges(self) -> Mapping[str, str]:
         """Each output's rule for putting a text's windows together."""
         return self.merge_rules
+
+    def may_need_windows(self, inputs: Mapping[str, npt.NDArray[Any]]) -> bool:
+        """Whether a text of the request may need more than one window (on the event loop, a
+        bound, no tokenizing): one whose UTF-8 bytes (plus its query's and 4 special tokens) fit
+        in ``max_seq_length`` cannot have more tokens than that with a WordPiece or byte-level
+        BPE tokenizer."""
+        texts = inputs.get(TEXT)
+        if texts is None:
+            return False
+        sizes = np.fromiter((len(t) for t in texts.reshape(-1)), np.int64, len(texts))
+        queries = inputs.get(QUERY)
+        if queries is not None:
+            sizes += np.fromiter((len(q) for q in queries.reshape(-1)), np.int64, len(queries))
+        return int(sizes.max()) + 4 > self.policy.max_length
+
+    def window_items(
+        self, inputs: Mapping[str, npt.NDArray[Any]]
+    ) -> tuple[dict[str, npt.NDArray[Any]], windowing.WindowPlan | None]:
+        """The request's texts split (:meth:`split_windows`), on a thread of the window stage:
+        each window an item carrying its slice of the text as its ``text`` input (every other
+        input repeated for it: the response cache keys on them, a sibling worker may run it) and
+        its own token ids as its preparation; texts that fit in one window carry theirs too.
+
+        Raises:
+            ValueError: invalid UTF-8; a text too long for ``truncation = "error"``; a query too
+                long for a window. PayloadTooLarge: as :meth:`split_windows`.
+        """
+        text_array = inputs[TEXT]
+        query_array = inputs.get(QUERY)
+        texts = decode_texts(TEXT, text_array)
+        queries = decode_texts(QUERY, query_array) if query_array is not None else None
+        windows = self.split_windows(texts, queries, inputs.get(TRUNCATE))
+        counts = np.array([len(w) for w in windows], dtype=np.int64)
+        spans = [s for w in windows for s in w]
+        prepared = prepared_array([s.prepared for s in spans])
+        if int(counts.max()) == 1:
+            return {**inputs, PREPARED: prepared}, None
+        owner = np.repeat(np.arange(len(texts)), counts)
+        items = {key: array[owner] for key, array in inputs.items()}
+        pieces = np.empty(len(spans), dtype=object)
+        pieces[:] = [texts[i][s.start : s.stop].encode() for i, w in enumerate(windows) for s in w]
+        items[TEXT] = pieces.reshape((-1, *text_array.shape[1:]))
+        items[PREPARED] = prepared
+        weights = np.array([s.tokens for s in spans], dtype=np.int64)
+        return items, windowing.WindowPlan(counts, weights, dict(self.window_merges))
 
     def split_windows(
         self,
@@ -115,12 +160,12 @@ class TextHandler(windowing.Windowed):
         truncate: npt.NDArray[np.int64] | None = None,
     ) -> list[list[windowing.Span]]:
         """Each text's windows as items, each with its own token ids as its preparation
-        (:func:`app.handlers.windows.split`; :meth:`window_parts`); a text whose ``truncate``
+        (:func:`app.models.windows.split`; :meth:`window_parts`); a text whose ``truncate``
         (``truncate_prompt_tokens`` per item) asks to be cut is one item, cut
         (:meth:`kept_windows`). Thread-safe.
 
         Raises:
-            ValueError, PayloadTooLarge: as :func:`app.handlers.windows.split`; as
+            ValueError, PayloadTooLarge: as :func:`app.models.windows.split`; as
                 :meth:`kept_windows`.
         """
         keep = self.keep({TRUNCATE: truncate} if truncate is not None else {}, len(texts))
@@ -336,7 +381,7 @@ class TextHandler(windowing.Windowed):
         ``indices`` (int64 ``[B]`` each) as one more part.
 
         Raises:
-            ValueError: rows of different lengths and no pad token (:func:`app.handlers.padding.pad`).
+            ValueError: rows of different lengths and no pad token (:func:`app.handlers.tokenizing.pad`).
         """
         tokenizer = self.tokenizer
         types = type_groups if type_groups is not None else [None] * len(groups)

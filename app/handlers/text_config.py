@@ -41,6 +41,8 @@ from typing import Any, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from app.models.text import INPUT_TYPE, TRUNCATE
+
 __all__ = [
     "ATTENTION",
     "DTYPE_NAMES",
@@ -71,10 +73,6 @@ SHARED_PARAMETERS = (
     "call_overhead_tokens",
     "attention_knee_tokens",
 )
-#: The optional per-item input that cuts a text to its last tokens (module docstring).
-TRUNCATE = "truncate_prompt_tokens"
-#: The optional per-item input that says whether a text is a query or a document (module docstring).
-INPUT_TYPE = "input_type"
 #: The tasks ``input_type`` names, by value: 0 the model's default (""), 1 a query, 2 a document.
 INPUT_TYPES = ("", "query", "document")
 

@@ -9,7 +9,7 @@ lock, and the Rust batch encoder runs without the GIL. It gives each item's toke
 int32 arrays (``encode``, ``encode_pairs``: what ``item_costs`` returns as the items'
 preparation, ``app.models.base.Priced``), a text's windows with their own ids (``windows``, the
 tokenizer's overflow with ``stride``: what Hugging Face's question-answering pipeline does for
-long contexts); :mod:`app.handlers.padding` pads rows into the model's ``[U, T]`` arrays with an
+long contexts); :func:`pad` pads rows into the model's ``[U, T]`` arrays with an
 explicit pad id on either side, so that a tokenizer without a pad token (Llama's, GPT-2's) serves
 once its handler names one.
 
@@ -19,13 +19,19 @@ is converted by transformers once, at load (:func:`load_tokenizer`).
 Source: text-embeddings-inference tokenizes with the same Rust library on its own workers and
 keeps each request's encodings until its batch runs; vLLM's pooling models pad token ids
 themselves.
+
+Token rows padded into a model's inputs, with an explicit pad id on either side (numpy only).
+
+A tokenizer without a pad token (Llama's, GPT-2's) pads once its handler names one
+(``app.handlers.decoders``); padding on the left keeps a decoder's last token in the last column.
+Source: vLLM's pooling models pad token ids themselves, as text-embeddings-inference does.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -35,11 +41,13 @@ import numpy.typing as npt
 from tokenizers import Encoding, Tokenizer, normalizers
 
 __all__ = [
+    "Alloc",
     "Ids",
     "Parts",
     "TextTokenizer",
     "Window",
     "load_tokenizer",
+    "pad",
     "prepared_array",
     "with_lowercase",
 ]
@@ -135,7 +143,7 @@ class TextTokenizer:
             ``max_length``, no padding) and must not be used elsewhere.
         max_length: tokens per string or window, special tokens included.
         pad_id: the id padding positions hold (masked out; None: rows of different lengths
-            cannot be padded, :func:`app.handlers.padding.pad`).
+            cannot be padded, :func:`app.handlers.tokenizing.pad`).
         padding_side: ``"right"`` or ``"left"`` (decoder models pool the last token: left keeps
             it in the last column).
         stride: tokens a window repeats from the one before; None: no windows.
@@ -322,7 +330,7 @@ class TextTokenizer:
         queries: Sequence[str] | None = None,
     ) -> list[list[Window]]:
         """Each text's pieces (``spans``: its ``[start, stop)`` character spans, e.g.
-        ``app.handlers.windows.piece_spans``), each piece tokenized on its own as :meth:`encode`
+        ``app.models.windows.piece_spans``), each piece tokenized on its own as :meth:`encode`
         (with the text's query, as a pair, where one is given and non-empty: :meth:`encode_pairs`);
         all pieces in one batch call of the Rust tokenizer. A piece over ``max_length`` tokens
         becomes the windows :meth:`windows` makes of it alone (``stride``), each with the span of
@@ -455,3 +463,60 @@ def _windows_of(encoding: Encoding, side: int, length: int, *, pair: bool) -> li
         elif not windows:  # an empty text: one empty window
             windows.append(Window(0, length, 0, _ids(part.ids), type_ids))
     return windows
+
+
+#: Makes an int64 array of a shape (``np.empty``, or a view of a pinned host buffer).
+Alloc = Callable[[tuple[int, ...]], npt.NDArray[np.int64]]
+
+
+def pad(
+    rows: Sequence[Ids],
+    pad_id: int | None,
+    *,
+    side: str = "right",
+    type_rows: Sequence[Ids] | None = None,
+    single_type_id: int = 0,
+    type_ids: bool = False,
+    alloc: Alloc | None = None,
+) -> dict[str, npt.NDArray[np.int64]]:
+    """Rows of token ids padded to the longest into the model's inputs.
+
+    Args:
+        rows: U >= 1 rows, int32 ``[n_u]`` each.
+        pad_id: the id of padding positions (None: every row must have the same length).
+        side: where padding goes, ``"right"`` or ``"left"``.
+        type_rows: each row's token type ids (pairs); None: ``single_type_id`` everywhere.
+        type_ids: whether to return ``token_type_ids``.
+        alloc: where the arrays are made (``np.empty`` by default; a pinned buffer on a GPU).
+
+    Returns:
+        ``input_ids``, ``attention_mask`` (1 on real tokens) and, with ``type_ids``,
+        ``token_type_ids``: int64 ``[U, T]``, T the longest row (at least 1).
+
+    Raises:
+        ValueError: rows of different lengths and no ``pad_id``.
+    """
+    lengths = np.fromiter((len(r) for r in rows), dtype=np.int64, count=len(rows))
+    width = max(1, int(lengths.max())) if len(rows) else 1
+    make: Alloc = alloc if alloc is not None else (lambda shape: np.empty(shape, dtype=np.int64))
+    positions = np.arange(width)
+    real = positions >= (width - lengths)[:, None] if side == "left" else positions < lengths[:, None]
+    if pad_id is None and not bool(real.all()):
+        raise ValueError("the tokenizer has no pad token: rows of different lengths cannot be batched")
+    flat = np.concatenate(rows) if len(rows) else _EMPTY
+    shape = (len(rows), width)
+    ids = make(shape)
+    ids.fill(pad_id or 0)
+    ids[real] = flat
+    mask = make(shape)
+    np.copyto(mask, real)
+    features = {"input_ids": ids, "attention_mask": mask}
+    if type_ids:
+        types = make(shape)
+        types.fill(0)
+        if type_rows is not None:
+            types[real] = np.concatenate(type_rows) if len(type_rows) else _EMPTY
+        elif single_type_id:
+            types[real] = single_type_id
+        features["token_type_ids"] = types
+    return features

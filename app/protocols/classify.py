@@ -24,12 +24,11 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import PROBABILITIES, TEXT
 from app.protocols import openai, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
-
-TEXT, PROBABILITIES = "text", "probabilities"
 
 
 class ClassifyRequest(msgspec.Struct, omit_defaults=True):

@@ -53,6 +53,7 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import TOKENS
 from app.protocols import openai, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
@@ -201,7 +202,7 @@ def infer_request(config: ModelConfig, request: CompletionRequest) -> InferReque
         if inputs.get(name) == "INT64" and value:
             given.append(InferInput(name, "INT64", [count, 1], np.full((count, 1), value, np.int64)))
     given += text.truncation_inputs(config, request.truncate_prompt_tokens, count)
-    wanted = [RequestedOutput(LOGPROBS), *text.counts_wanted(config, (text.TOKENS,))]
+    wanted = [RequestedOutput(LOGPROBS), *text.counts_wanted(config, (TOKENS,))]
     return InferRequest(model_name=config.name, inputs=given, outputs=wanted)
 
 

@@ -37,12 +37,11 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import EMBEDDING, TOKENS
 from app.protocols import text
 from app.protocols.codec import Api, BodyNamedCodec, ErrorShape, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
-
-EMBEDDING = "embedding"
 
 
 class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
@@ -149,7 +148,7 @@ def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferReques
             *text.truncation_inputs(config, request.truncate_prompt_tokens, len(texts)),
             *text.input_type_inputs(config, request.input_type, len(texts)),
         ],
-        outputs=[RequestedOutput(EMBEDDING), *text.counts_wanted(config, (text.TOKENS,))],
+        outputs=[RequestedOutput(EMBEDDING), *text.counts_wanted(config, (TOKENS,))],
     )
 
 

@@ -25,12 +25,12 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import QUERY, SCORE, TEXT
 from app.protocols import openai, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
 
-TEXT, QUERY, SCORE = "text", "query", "score"
 #: What a document is ranked by (Cohere's ``rank_fields``: only this one).
 RANKED_FIELD = "text"
 

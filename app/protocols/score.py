@@ -23,6 +23,7 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import SCORE
 from app.protocols import openai, rerank, text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferRequest
@@ -101,7 +102,7 @@ def infer_request(config: ModelConfig, request: ScoreRequest) -> InferRequest:
 
 def encode(config: ModelConfig, outputs: dict[str, np.ndarray]) -> bytes:
     """The response body: one score per pair, in order."""
-    scores = np.asarray(outputs[rerank.SCORE], dtype=np.float64).reshape(-1)
+    scores = np.asarray(outputs[SCORE], dtype=np.float64).reshape(-1)
     data = [ScoreData(i, float(score)) for i, score in enumerate(scores)]
     return msgspec.json.encode(
         ScoreResponse(f"score-{uuid.uuid4().hex}", int(time.time()), config.name, data, text.usage(outputs))

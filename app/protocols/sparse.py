@@ -50,12 +50,11 @@ import orjson
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import INDICES, TEXT, VALUES
 from app.protocols import text
 from app.protocols.codec import Api, BodyNamedCodec, Route
 from app.protocols.infer import InferInput, InferRequest, RequestedOutput
 from app.protocols.tensors import RequestLimits, decode_json
-
-TEXT, INDICES, VALUES = "text", "indices", "values"
 
 
 class EmbedSparseRequest(msgspec.Struct, omit_defaults=True):

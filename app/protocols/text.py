@@ -40,9 +40,9 @@ import numpy as np
 
 from app.errors import InvalidInput
 from app.models.repository import ModelConfig
+from app.models.text import INPUT_TYPE, TOKENS, TRUNCATE, WINDOWS
 from app.protocols.infer import InferInput, RequestedOutput
 
-TOKENS, WINDOWS, TRUNCATE, INPUT_TYPE = "tokens", "windows", "truncate_prompt_tokens", "input_type"
 #: What a text of a retrieval model is (module docstring).
 InputType = Literal["query", "document"]
 #: ``input_type``'s values as the model takes them (INT64), by position: 0 the model's default.

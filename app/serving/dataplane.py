@@ -237,8 +237,11 @@ class DataPlane:
     ) -> None:
         self.registry = registry
         self.items = items
-        #: What of ``items`` applies, per loaded runner (``_stage_for``).
-        self._stages: weakref.WeakKeyDictionary[Any, ItemStage[Any] | None] = weakref.WeakKeyDictionary()
+        #: What of ``items`` applies, per loaded runner (``_stage_for``): the stage, whether it may
+        #: answer without the model, whether it keeps what the unit computed.
+        self._stages: weakref.WeakKeyDictionary[Any, tuple[ItemStage[Any] | None, bool, bool]] = (
+            weakref.WeakKeyDictionary()
+        )
         self.settings = settings
         self.limits = limits
         self.siblings = siblings
@@ -371,11 +374,11 @@ class DataPlane:
         if model.error is not None and model.unit is None:
             raise ModelNotReady(f"model {model.config.name!r} is unavailable: {model.error}")
         unit = model.unit
-        stage = self._stage_for(model)
+        _, answers, _ = self._stage_for(model)
         # a stage that may answer without the model (a cache) is asked first: what it answers
         # never reaches the queue, and admission in ``infer`` prices only what is left
         context = self.settle(model, context)
-        if unit is not None and not (stage is not None and stage.answers_without_model(model)):
+        if unit is not None and not answers:
             refusal = unit.refuse_early(context.deadline)
             if refusal is not None:
                 raise refusal
@@ -437,7 +440,7 @@ class DataPlane:
         if model.runner is None and self.items is not None:
             # still loading: the stages decide on the model as loaded (windows, the cache's key)
             await self.registry.serving_unit(model, context.deadline)
-        stage = self._stage_for(model)
+        stage, _, _ = self._stage_for(model)
         if stage is None:
             outputs = await self.run(model, inputs, context)
         else:
@@ -447,18 +450,24 @@ class DataPlane:
             outputs = stage.assemble(plan, results)
         return build_response(config, request, outputs, wanted)
 
-    def _stage_for(self, model: ModelVersion) -> ItemStage[Any] | None:
-        """What of the item stage applies to ``model`` (``app.serving.items.for_model``), asked
-        once per loaded runner (a load or reload makes a new one, with its config); the whole
-        stage while the model has no runner (only :meth:`admit` asks then)."""
+    def _stage_for(self, model: ModelVersion) -> tuple[ItemStage[Any] | None, bool, bool]:
+        """What of the item stage applies to ``model`` (``app.serving.items.for_model``), whether
+        it may answer some of its requests without the model (``answers_without_model``) and
+        whether it keeps what the unit computes (``keeps``), asked once per loaded runner (a
+        load or reload makes a new one, with its config); the whole stage while the model has no
+        runner (only :meth:`admit` asks then)."""
         runner = model.runner
-        if self.items is None or runner is None:
-            return self.items
+        if self.items is None:
+            return None, False, False
+        if runner is None:
+            return self.items, self.items.answers_without_model(model), self.items.keeps
         try:
             return self._stages[runner]
         except KeyError:
-            stage = self._stages[runner] = for_model(self.items, model)
-            return stage
+            stage = for_model(self.items, model)
+            answers = stage is not None and stage.answers_without_model(model)
+            applied = self._stages[runner] = (stage, answers, stage is not None and stage.keeps)
+            return applied
 
     def run(self, model: ModelVersion, inputs: Arrays, context: RequestContext) -> Awaitable[Arrays]:
         """Run validated arrays on ``model``'s serving unit, or, when its siblings say so, in
@@ -497,9 +506,9 @@ class DataPlane:
             if unit is None:  # still loading: wait for it, within the deadline
                 unit = await self.registry.serving_unit(model, context.deadline)
             fingerprint = model.fingerprint  # of the files ``unit`` was loaded from (set together)
-            stage = self._stage_for(model)
+            stage, _, keeps = self._stage_for(model)
             outputs = await unit.infer(inputs, context, trace=trace)
-            if stage is not None:  # e.g. the response cache stores it, under that fingerprint
+            if keeps and stage is not None:  # e.g. the response cache stores it, under that fingerprint
                 stage.computed(model, fingerprint, inputs, outputs)
             return outputs
         finally:

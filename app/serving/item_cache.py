@@ -77,6 +77,8 @@ class ItemCache(ItemStage[Plan | None]):
         queue_items: most entries waiting to be written, per tier.
     """
 
+    keeps = True  # what a unit computed is stored
+
     def __init__(
         self,
         store: ResponseCache,

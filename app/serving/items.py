@@ -58,6 +58,9 @@ class ItemStage(Protocol[Plan]):
     :meth:`answers_without_model` (False) and :meth:`computed` (nothing).
     """
 
+    #: Whether :meth:`computed` keeps anything (the data plane calls it only then).
+    keeps: bool = False
+
     def applies(self, model: ModelVersion) -> bool:
         """Whether the stage may do anything for ``model`` as loaded (its runner and config): the
         data plane asks once per loaded runner and leaves a stage that does not apply out of
@@ -170,6 +173,7 @@ class Stages(ItemStage[list[tuple[ItemStage[Any], Any]]]):
 
     def __init__(self, stages: Sequence[ItemStage[Any]]) -> None:
         self.stages = tuple(stages)
+        self.keeps = any(stage.keeps for stage in self.stages)
 
     def applies(self, model: ModelVersion) -> bool:
         """Whether any of the stages applies."""

@@ -25,7 +25,7 @@ import gc
 import logging
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -143,6 +143,11 @@ def _output(name: str, spec: TensorSpec, value: Any, items: int) -> np.ndarray:
     return ragged(rows)
 
 
+def _longest(costs: np.ndarray) -> float:
+    """Every item padded to the costliest: ``max * N``."""
+    return float(costs.max()) * len(costs)
+
+
 class ModelRunner:
     """A model's handler plus its config; the stages run on the threads the executor gives them
     (module docstring)."""
@@ -157,7 +162,16 @@ class ModelRunner:
         self._item_costs = getattr(self.handler, "item_costs", None)
         #: Inputs the handler takes once per run of equal rows (``shared = "once"``).
         self._once = [s.name for s in config.inputs if s.shared == "once"]
-        self._batch_cost = getattr(self.handler, "batch_cost", None)
+        #: What a batch of items costing ``costs`` (``item_costs``, int64 ``[N]``, N >= 1)
+        #: computes, padding included: the handler's own ``batch_cost`` (called directly), else
+        #: every item padded to the costliest (``max * N``). Runs on the event loop once per
+        #: batch, and on a prepare thread once per request (its own batches, for admission).
+        self.batch_cost: Callable[[np.ndarray], float] = getattr(self.handler, "batch_cost", None) or _longest
+        #: The tokens such a batch computes, padding included (the metrics' padded tokens): the
+        #: handler's ``padded_tokens``, else :attr:`batch_cost` (whose unit is then tokens).
+        self.padded_tokens: Callable[[np.ndarray], float] = (
+            getattr(self.handler, "padded_tokens", None) or self.batch_cost
+        )
 
     @property
     def prices_items(self) -> bool:
@@ -280,22 +294,6 @@ class ModelRunner:
                 f"model {name}: item_costs' prepared is not an object array of {size} items"
             )
         return Priced(costs, prepared)
-
-    def batch_cost(self, costs: np.ndarray) -> float:
-        """What a batch of items costing ``costs`` (``item_costs``, int64 ``[N]``, N >= 1)
-        computes, padding included: the handler's ``batch_cost``, else every item padded to the
-        costliest (``max * N``). Runs on the event loop once per batch, and on a prepare thread
-        once per request (its own batches, for admission)."""
-        if self._batch_cost is not None:
-            return float(self._batch_cost(costs))
-        return float(costs.max()) * len(costs)
-
-    def padded_tokens(self, costs: np.ndarray) -> int:
-        """The tokens a batch of items costing ``costs`` (int64 ``[N]``) computes, padding
-        included (the metrics' padded tokens): the handler's ``padded_tokens``, else
-        :meth:`batch_cost` (whose unit is then tokens)."""
-        counted = getattr(self.handler, "padded_tokens", None)
-        return int(counted(costs)) if counted is not None else int(self.batch_cost(costs))
 
     # --- the three stages of a batch ------------------------------------------------------
 

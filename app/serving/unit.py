@@ -155,7 +155,7 @@ class ServingUnit:
         )  # fmt: skip
         self.executor = BatchExecutor(name, runner, threads, staged=staged, pricing=pricing)
         #: A batch's padded tokens (else its cost): a cost model's ``batch_cost`` is time.
-        self.padded_tokens: Callable[[np.ndarray], int] | None = getattr(runner, "padded_tokens", None)
+        self.padded_tokens: Callable[[np.ndarray], float] | None = getattr(runner, "padded_tokens", None)
         self.queued: Callable[[int | None], tuple[int, float]] = self.queue.queued
         self.running: deque[RunningBatch] = self.executor.running
         self.admission: AdmissionPolicy = policy(config.admission, self, config.admission_headroom)
@@ -448,7 +448,7 @@ class ServingUnit:
         self.admission.observe(batch.cost, compute_s, batch.real_tokens)
         self.longest_batch_s = max(compute_s, 0.9 * self.longest_batch_s)
         if batch.real_tokens and batch.costs is not None:
-            padded = self.padded_tokens(batch.costs) if self.padded_tokens else int(batch.cost)
+            padded = int(self.padded_tokens(batch.costs) if self.padded_tokens else batch.cost)
             self.observer.padding(batch.real_tokens, padded)
         self.observer.batch_done(batch.items, len(batch.requests), batch.queue_s, compute_s)
         offset = 0

@@ -20,7 +20,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
-from app.handlers.windows import WindowPolicy
+from app.models.windows import WindowPolicy
 from benchmarks.windows_check import ASTRONOMY, COOKING, paragraph
 from tests.support.demo_repo import MINILM
 from tests.support.gunicorn import ROOT, Gunicorn

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from app.handlers.host_staging import SLOTS, HostStaging
-from app.handlers.padding import pad
+from app.handlers.tokenizing import pad
 
 pytestmark = pytest.mark.gpu
 CUDA = torch.device("cuda:0")

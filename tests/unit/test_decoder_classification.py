@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.handlers.sequence_classification import SequenceClassificationHandler
-from app.handlers.windows import piece_spans
 from app.models.base import PREPARED, Handler
+from app.models.windows import piece_spans
 from tests.support.decoder_models import CORPUS, LABELS
 from tests.support.text_models import CLASSIFIER_TOML
 from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run, _windowed

@@ -333,6 +333,8 @@ class Seen(ItemStage[None]):
     """A stage that records what the data plane shows it: the model's runner when it expands,
     and every batch a unit computed (fingerprint, first column of the items, of the outputs)."""
 
+    keeps = True
+
     def __init__(self, answers: bool = False) -> None:
         self.answers = answers
         self.runners: list[Any] = []

@@ -16,8 +16,8 @@ import torch
 
 from app.handlers.multi_vector import MultiVectorHandler
 from app.handlers.text_config import INPUT_TYPES
-from app.handlers.windows import merge_outputs
 from app.models.base import PREPARED
+from app.models.windows import merge_outputs
 from tests.support.retrieval_models import colbert_config, write_colbert_folder
 
 QUERIES = [

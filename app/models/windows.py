@@ -55,17 +55,49 @@ text by the rules it declares there (:data:`MERGES`), not by their names.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping, Sequence, Sized
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
 
 from app.errors import PayloadTooLarge
 
-if TYPE_CHECKING:  # the tokenizers library only where a text model loads, not in every worker
-    from app.handlers.tokenizing import Parts, TextTokenizer, Window
+#: One item's preparation (``app.models.base.PREPARED``): the handler's token rows, opaque here.
+Parts = tuple[Any, ...]
+#: One array per tensor name, axis 0 = items.
+Arrays = dict[str, np.ndarray]
+
+
+class TokenWindow(Protocol):
+    """One window of a text as a tokenizer cut it: its token ids (what it costs)."""
+
+    @property
+    def ids(self) -> Sized: ...
+
+
+#: A tokenizer's own window type (``app.handlers.tokenizing.Window``).
+W = TypeVar("W", bound=TokenWindow, covariant=True)
+
+
+class WindowTokenizer(Protocol[W]):
+    """What :func:`split` asks of a text model's tokenizer (``app.handlers.tokenizing
+    .TextTokenizer``): the tokens of texts, their overflow windows, and pieces of them."""
+
+    @property
+    def max_length(self) -> int: ...
+
+    def count(self, texts: Sequence[str]) -> Sequence[int]: ...
+
+    def whole_counts(self, texts: Sequence[str]) -> Sequence[int]: ...
+
+    def windows(self, texts: Sequence[str], queries: Sequence[str] | None) -> Sequence[Sequence[W]]: ...
+
+    def pieces(
+        self, texts: Sequence[str], spans: Sequence[Sequence[tuple[int, int]]], queries: Sequence[str] | None
+    ) -> Sequence[Sequence[W]]: ...
+
 
 __all__ = [
     "AGGREGATES",
@@ -73,6 +105,7 @@ __all__ = [
     "SPARSE_MERGES",
     "TRUNCATIONS",
     "Span",
+    "WindowPlan",
     "WindowPolicy",
     "Windowed",
     "aggregate",
@@ -202,31 +235,40 @@ MERGES = ("weighted_mean", "sum", "max", "mean", "last", "concat", "rows", "spar
 SPARSE_MERGES = {"sparse_max": np.maximum, "sparse_sum": np.add}
 
 
+@dataclass(frozen=True)
+class WindowPlan:
+    """How a request's window items go back together (``Windowed.window_items``): ``counts``
+    int64 ``[B]`` (windows per original item, >= 1; an item's windows are consecutive items),
+    ``weights`` int64 ``[W]`` (each window's own tokens, for :func:`weighted_mean`) and each
+    output's merge rule (:data:`MERGES`)."""
+
+    counts: npt.NDArray[np.int64]
+    weights: npt.NDArray[np.int64]
+    merges: Mapping[str, str]
+
+
 @runtime_checkable
 class Windowed(Protocol):
-    """A handler that splits long texts into windows, each an item (module docstring); the
-    window stage (``app.serving.windows``) finds it by this interface.
+    """A handler that splits long items into windows, each an item of its own (module
+    docstring); the window stage (``app.serving.windows``) finds it by this interface and knows
+    nothing else of it: what an item is, how it is cut and prepared, are the handler's.
 
-    ``window_policy``: what the model does with long texts. ``window_merges``: for each output
-    the handler returns, its rule in :data:`MERGES`. ``split_windows(texts, queries, truncate)``:
-    each text's windows (with its query where one is given and non-empty), as :func:`split`
-    checks them, and one item for a text whose ``truncate`` (the request's INT64
-    ``truncate_prompt_tokens`` per item, where the model declares it; 0: not asked) asks to cut
-    it; called on a thread of the window stage's, several at once (it must be thread-safe).
+    ``window_policy``: what the model does with long items (``"truncate"``: nothing for the
+    stage to do). ``may_need_windows(inputs)``: on the event loop, cheap (a bound, not a count):
+    False when no item of the request can need more than one window. ``window_items(inputs)``: on
+    one of the stage's threads, several at once (thread-safe): the request's items as window
+    items, each with its preparation (``app.models.base.PREPARED``), and the plan that puts their
+    outputs back together; None as the plan when every item is one window (then ``inputs`` with
+    their preparations). Raises ``ValueError`` (400) or ``PayloadTooLarge`` (413) for a request
+    it refuses.
     """
 
     @property
     def window_policy(self) -> WindowPolicy: ...
 
-    @property
-    def window_merges(self) -> Mapping[str, str]: ...
+    def may_need_windows(self, inputs: Arrays) -> bool: ...
 
-    def split_windows(
-        self,
-        texts: Sequence[str],
-        queries: Sequence[str] | None,
-        truncate: npt.NDArray[np.int64] | None = None,
-    ) -> list[list[Span]]: ...
+    def window_items(self, inputs: Arrays) -> tuple[Arrays, WindowPlan | None]: ...
 
 
 def merges(outputs: Sequence[str], policy: WindowPolicy, rules: Mapping[str, str]) -> dict[str, str]:
@@ -244,8 +286,8 @@ def merges(outputs: Sequence[str], policy: WindowPolicy, rules: Mapping[str, str
 
 
 def split(
-    tokenizer: TextTokenizer, texts: Sequence[str], queries: Sequence[str] | None, policy: WindowPolicy
-) -> list[list[Window]]:
+    tokenizer: WindowTokenizer[W], texts: Sequence[str], queries: Sequence[str] | None, policy: WindowPolicy
+) -> list[list[W]]:
     """The windows of each text (with its query, as a pair, where given and non-empty) per
     ``policy``: the tokenizer's overflow windows (:meth:`TextTokenizer.windows`), in text order;
     a text that fits is one window.
@@ -269,9 +311,10 @@ def split(
                     f"{policy.max_length} tokens; at most {room}"
                 )
     if policy.truncation == "pieces":
-        out = tokenizer.pieces(texts, [piece_spans(t, policy.piece_chars or 1) for t in texts], queries)
+        cut = tokenizer.pieces(texts, [piece_spans(t, policy.piece_chars or 1) for t in texts], queries)
     else:
-        out = tokenizer.windows(texts, queries)
+        cut = tokenizer.windows(texts, queries)
+    out = [list(windows) for windows in cut]
     for item, windows in enumerate(out):
         if policy.truncation == "error" and len(windows) > 1:
             (count,) = tokenizer.whole_counts([texts[item]])
