@@ -169,3 +169,19 @@ def test_the_cache_benchmarks_ideal_lru_continues_from_what_was_sent_before() ->
     ranks = np.arange(12)  # 6 requests of 2 items
     assert sent_items(ranks, 2, 3, 1).tolist() == [0, 1, 2, 3, 4, 5]
     assert sent_items(ranks, 2, 3, 1, start=5).tolist() == [10, 11, 0, 1, 2, 3]  # wraps around
+
+
+def test_the_request_path_table_in_the_docs_is_the_harness_table() -> None:
+    """docs/architecture.md's request-path table is what ``python -m benchmarks.request_path
+    --table`` prints: its header, one row per path the harness measures, numbers in the cells."""
+    from benchmarks import request_path
+
+    text = (ROOT / "docs/architecture.md").read_text()
+    table = text[text.index("<!-- request-path -->") + len("<!-- request-path -->") : text.index("<!-- /request-path -->")]
+    lines = table.strip().splitlines()
+    fake = {name: {"files": {str(i): [] for i in range(3)}, "moves": 5, "returns": 4} for name in request_path.PATHS}
+    generated = request_path.table(fake).splitlines()
+    assert lines[:2] == generated[:2]
+    assert [line.split(" | ")[0] for line in lines[2:]] == [line.split(" | ")[0] for line in generated[2:]]
+    for line in lines[2:]:
+        assert all(cell.strip().isdigit() for cell in line.strip("|").split("|")[1:]), line
