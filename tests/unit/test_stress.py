@@ -2,7 +2,8 @@
 a mistake in one is named; the oracle's outcomes (references, refusals, a 404 inside and outside
 an unload, a wire error on a killed worker's connection or not, sent before it was gone or
 after); the resource bounds; the client's keep-alive behaviour against a server that closes
-idle connections; each API's pool and answer reading."""
+idle connections; each API's pool and answer reading, and the properties the decoder models'
+answers are checked by."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,8 +33,9 @@ def test_the_shipped_schedules_parse_and_fit_their_main_phase() -> None:
         assert len(events) >= events_at_least, name
         assert {e.action for e in events} == set(schedule.ACTIONS) - {"sigterm"}, name
         assert all(e.at_s < plan.main_s - plan.tail_s for e in events), name
-    plan, _ = schedule.read(schedule.HERE / "schedule.toml", duration_s=120)
-    assert plan.main_s == 120 and plan.users == 64
+        named = {e.params["api"] for e in events if "api" in e.params}
+        named |= {api for e in events for api in e.params.get("apis", [])}
+        assert named <= set(apis.APIS) and {"completions", "score"} <= named, name
 
 
 @pytest.mark.parametrize(
@@ -152,7 +155,12 @@ def test_a_grpc_channel_whose_connection_the_kill_reset_fails_fast_for_one_backo
     other failure of a channel, is not."""
     judge.killed(oracle.Kill(50.0, 7, frozenset(), 0, gone=50.1))
     refused = "UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: reset"
-    for began, detail in ((50.2, refused), (51.2, refused), (51.5, refused), (50.3, "UNAVAILABLE: Socket closed")):
+    for began, detail in (
+        (50.2, refused),
+        (51.2, refused),
+        (51.5, refused),
+        (50.3, "UNAVAILABLE: Socket closed"),
+    ):
         judge.defer(oracle.Pending("grpc-ranker", "feed-ranker", "grpc", began, began + 0.05, 0, detail))
     judge.settle()
     assert judge.tally.counts["grpc-ranker"] == {"killed": 2, "unanswered": 2}
@@ -260,22 +268,136 @@ def test_the_client_reuses_its_connection_and_replaces_one_the_server_closed(clo
     assert trips[0].local_port == trips[1].local_port != trips[2].local_port
 
 
+def reply_of(body: object) -> Reply:
+    return Reply(200, {}, json.dumps(body).encode())
+
+
+def call_of(body: dict[str, object], items: int) -> Call:
+    return Call(0, "/", json.dumps(body).encode(), (), items)
+
+
 def test_pools_are_deterministic_and_every_answer_reader_checks_the_items() -> None:
     for api in apis.APIS.values():
         first, again = apis.pool(api, 6, WORDS, seed=1), apis.pool(api, 6, WORDS, seed=1)
         assert [c.body for c in first] == [c.body for c in again], api.name
         assert len({c.body for c in first}) == 6, api.name
+    two, one = Call(0, "/", b"{}", (), 2), Call(0, "/", b"{}", (), 1)
     embeddings = {"data": [{"index": 1, "embedding": [0.0] * 384}, {"index": 0, "embedding": [1.0] * 384}]}
-    read = apis.APIS["embeddings"].read(Reply(200, {}, json.dumps(embeddings).encode()), 2)
+    read = apis.APIS["embeddings"].read(reply_of(embeddings), two)
     assert read[:384].tolist() == [1.0] * 384
     unsorted = {"results": [{"index": 0, "relevance_score": 0.1}, {"index": 1, "relevance_score": 0.9}]}
     with pytest.raises(ValueError, match="not sorted"):
-        apis.APIS["rerank"].read(Reply(200, {}, json.dumps(unsorted).encode()), 2)
+        apis.APIS["rerank"].read(reply_of(unsorted), two)
     with pytest.raises(ValueError, match="indices"):
-        apis.APIS["classify"].read(
-            Reply(200, {}, json.dumps({"data": [{"index": 3, "probs": [1, 0, 0]}]}).encode()), 1
-        )
-    assert np.array_equal(apis.APIS["v1"].read(Reply(200, {}, b'{"predictions": [[0.5]]}'), 1), [0.5])
+        apis.APIS["classify"].read(reply_of({"data": [{"index": 3, "probs": [1, 0, 0]}]}), one)
+    assert np.array_equal(apis.APIS["v1"].read(Reply(200, {}, b'{"predictions": [[0.5]]}'), one), [0.5])
+
+
+def test_the_decoder_apis_ask_what_their_models_serve_whole() -> None:
+    """Prompts fit the causal LM (never cut), each completions request echoes with max_tokens 0,
+    the pieces request asks for each piece's result, the score request pairs its texts."""
+    words = [w * 3 for w in WORDS]  # longer words: long posts pass the prompt bound if not cut
+    for call in apis.pool(apis.APIS["completions"], 64, words):
+        body = json.loads(call.body)
+        assert body["echo"] is True and body["max_tokens"] == 0 and body.get("logprobs", 0) <= 5
+        assert all(len(p) <= apis.PROMPT_CHARS for p in body["prompt"]) and len(body["prompt"]) == call.items
+    for call in apis.pool(apis.APIS["pieces"], 8, words):
+        assert {o["name"] for o in json.loads(call.body)["outputs"]} >= {"probabilities", "pieces", "windows"}
+    for call in apis.pool(apis.APIS["score"], 16, words):
+        body = json.loads(call.body)
+        assert isinstance(body["text_1"], str) or len(body["text_1"]) == len(body["text_2"]) == call.items
+
+
+def pieces_answer(texts: list[str], pieces: list[list[dict[str, Any]]]) -> Reply:
+    """A V2 answer of ``radar``: each text's probabilities the maximum of its pieces'."""
+    probabilities = [np.max([p["probabilities"] for p in each], axis=0).tolist() for each in pieces]
+    outputs = [
+        {"name": "probabilities", "data": [v for row in probabilities for v in row]},
+        {"name": "windows", "data": [len(each) for each in pieces]},
+        {"name": "pieces", "data": [json.dumps(each) for each in pieces]},
+    ]
+    return reply_of({"outputs": outputs})
+
+
+def test_a_pieces_answer_is_checked_against_its_texts() -> None:
+    texts = ["short post", "x" * 400]
+    call = call_of({"inputs": [{"name": "text", "data": texts}]}, 2)
+    read = apis.APIS["pieces"].read
+    good = [
+        [{"start": 0, "stop": 10, "probabilities": [0.25, 0.75]}],
+        [{"start": 0, "stop": 300, "probabilities": [0.5, 0.5]}, {"start": 300, "stop": 400, "probabilities": [0.875, 0.125]}],
+    ]  # fmt: skip
+    assert read(pieces_answer(texts, good), call).tolist() == [
+        0.25, 0.75, 0.875, 0.5,  # the texts' probabilities: the maximum of their pieces'
+        0, 10, 0.25, 0.75,
+        0, 300, 300, 400, 0.5, 0.5, 0.875, 0.125,
+    ]  # fmt: skip
+    wrong = {
+        "over 300 characters": [good[0], [{"start": 0, "stop": 400, "probabilities": [0.5, 0.5]}]],
+        "a piece .* after 400": [good[0], [good[1][1], good[1][0]]],  # out of order
+        "of 10 characters": [[{"start": 0, "stop": 11, "probabilities": [0.25, 0.75]}], good[1]],
+        "do not sum to 1": [[{"start": 0, "stop": 10, "probabilities": [0.5, 0.75]}], good[1]],
+    }
+    for message, pieces in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            read(pieces_answer(texts, pieces), call)
+    answer = json.loads(pieces_answer(texts, good).body)
+    answer["outputs"][0]["data"][0] = 0.3  # not the maximum of its pieces'
+    with pytest.raises(ValueError, match="not its pieces' maximum"):
+        read(reply_of(answer), call)
+    answer = json.loads(pieces_answer(texts, good).body)
+    answer["outputs"][1]["data"] = [1, 3]
+    with pytest.raises(ValueError, match="2 pieces, windows 3"):
+        read(reply_of(answer), call)
+
+
+def completion(
+    prompt: str, tokens: list[str], own: list[float | None], top: list[dict[str, float] | None]
+) -> Reply:
+    offsets = np.concatenate(([0], np.cumsum([len(t) for t in tokens])[:-1])).tolist()
+    logprobs = {"tokens": tokens, "token_logprobs": own, "top_logprobs": top, "text_offset": offsets}
+    choice = {"text": prompt, "index": 0, "logprobs": logprobs, "finish_reason": "length"}
+    return reply_of({"choices": [choice], "usage": {"prompt_tokens": len(tokens) + 1}})
+
+
+def test_a_completion_is_checked_against_its_prompt() -> None:
+    read = apis.APIS["completions"].read
+    call = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 0, "logprobs": 1}, 1)
+    good = completion("ab c", ["ab", " c"], [-1.0, -2.0], [{"ab": -1.0}, {" d": -0.5}])
+    assert read(good, call).tolist() == [-1.0, -2.0, -1.0, -0.5, 3]
+    assert read(completion("ab c", ["ab", " c"], [None, -2.0], [None, {" d": -0.5}]), call).tolist() == [
+        1.0, -2.0, -0.5, 3  # a first token without context: null, read as +1
+    ]  # fmt: skip
+    wrong = {
+        "spell 'ab d'": completion("ab c", ["ab", " d"], [-1.0, -2.0], [{"ab": -1.0}, {" d": -0.5}]),
+        "above 0": completion("ab c", ["ab", " c"], [-1.0, 0.5], [{"ab": -1.0}, {" c": 0.5}]),
+        "beside alternatives": completion("ab c", ["ab", " c"], [-1.0, -0.25], [{"ab": -1.0}, {" d": -0.5}]),
+        "2 tokens, 1 log-probs": completion("ab c", ["ab", " c"], [-1.0], [{"ab": -1.0}]),
+    }
+    for message, reply in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            read(reply, call)
+    echoed = json.loads(good.body)
+    echoed["choices"][0]["text"] = "ab"
+    with pytest.raises(ValueError, match="not its prompt"):
+        read(reply_of(echoed), call)
+    without = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 0}, 1)
+    with pytest.raises(ValueError, match="for logprobs None"):
+        read(good, without)
+    plain = {"choices": [{"text": "ab c", "index": 0, "logprobs": None}], "usage": {"prompt_tokens": 3}}
+    assert read(reply_of(plain), without).tolist() == [3]
+
+
+def test_causal_reranker_scores_are_probabilities() -> None:
+    two = Call(0, "/", b"{}", (), 2)
+    scores = {"data": [{"index": 0, "score": 0.25}, {"index": 1, "score": 1.5}]}
+    with pytest.raises(ValueError, match=r"scores outside \[0, 1\]"):
+        apis.APIS["score"].read(reply_of(scores), two)
+    results = {"results": [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -0.5}]}
+    with pytest.raises(ValueError, match="outside"):
+        apis.APIS["causal-rerank"].read(reply_of(results), two)
+    results["results"][1]["relevance_score"] = 0.25
+    assert apis.APIS["causal-rerank"].read(reply_of(results), two).tolist() == [0.25, 0.5]
 
 
 def test_the_stress_run_is_a_module_with_options() -> None:
