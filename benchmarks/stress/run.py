@@ -45,7 +45,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", default="30m", help=f"a schedule file, or one of {sorted(SCHEDULES)}")
     parser.add_argument(
-        "--duration", type=schedule.seconds, help="the main phase (e.g. 30m, 90s); default: the schedule's"
+        "--duration",
+        type=schedule.seconds,
+        help="the main phase (e.g. 30m, 90s), the schedule scaled to it; default: the schedule's",
     )
     parser.add_argument("--users", type=int, help="users (default: the schedule's, 64)")
     parser.add_argument("--workers", type=int, default=2)
@@ -104,7 +106,10 @@ class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         path = SCHEDULES.get(args.schedule, Path(args.schedule))
-        self.plan, self.events = schedule.read(path, args.duration)
+        try:
+            self.plan, self.events = schedule.read(path, args.duration)
+        except ValueError as exc:
+            raise SystemExit(f"stress run: {exc}") from None
         if args.users:
             self.plan = schedule.Plan(**{**self.plan.__dict__, "users": args.users})
         self.out: Path = args.out or Path(tempfile.mkdtemp(prefix="stress-"))
@@ -121,6 +126,9 @@ class Run:
 
     def run(self) -> int:
         print(f"stress run: results in {self.out}", flush=True)
+        last = schedule.clock(self.events[-1].at_s) if self.events else "-"
+        main = schedule.clock(self.plan.main_s)
+        print(f"{len(self.events)} events in a main phase of {main}, the last at {last}", flush=True)
         subprocess.run(
             [sys.executable, "-m", "benchmarks.stress.repository", str(self.folder)], cwd=ROOT, check=True
         )
@@ -168,9 +176,7 @@ class Run:
         baseline = self._idle(shape, watch, runner, "baseline")
         shape.phase = watch.phase = "main"
         main_began = self.oracle.t0 = time.monotonic()
-        events = threading.Thread(
-            target=scenario.run, args=(self.events, self.plan.main_s - self.plan.tail_s)
-        )
+        events = threading.Thread(target=scenario.run, args=(self.events,))
         events.start()
         self._progress(main_began, events)
         events.join()
@@ -236,9 +242,7 @@ class Run:
             for field in ("rss", "anon")
         )
         bound = self.args.rss_growth_mb or self.plan.rss_growth_mb
-        failures += [
-            f"worker {pid}: RSS grew {mb:.1f} MB (bound {bound})" for pid, mb in growth.items() if mb > bound
-        ]
+        failures += monitor.growth_verdict(growth, bound, self.plan.round_s)
         failures += monitor.back_to_baseline(baseline, end)
         self.summary = report.record(
             command="python -m benchmarks.stress " + " ".join(sys.argv[1:]),

@@ -1,9 +1,10 @@
 """The stress run's parts that need no server (benchmarks/stress): the shipped schedules parse and
-a mistake in one is named; the oracle's outcomes (references, refusals, a 404 inside and outside
+a mistake in one is named; a schedule scaled to another duration, or refused one too short for
+its events' own times; the oracle's outcomes (references, refusals, a 404 inside and outside
 an unload, a wire error on a killed worker's connection or not, sent before it was gone or
-after); the resource bounds; the client's keep-alive behaviour against a server that closes
-idle connections; each API's pool and answer reading, and the properties the decoder models'
-answers are checked by."""
+after); the resource bounds, and a run that judged no worker's memory failing; the client's
+keep-alive behaviour against a server that closes idle connections; each API's pool and answer
+reading, and the properties the decoder models' answers are checked by."""
 
 from __future__ import annotations
 
@@ -36,6 +37,54 @@ def test_the_shipped_schedules_parse_and_fit_their_main_phase() -> None:
         named = {e.params["api"] for e in events if "api" in e.params}
         named |= {api for e in events for api in e.params.get("apis", [])}
         assert named <= set(apis.APIS) and {"completions", "score"} <= named, name
+
+
+def test_another_duration_scales_every_event_keeping_order_and_spacing() -> None:
+    plan, events = schedule.read(schedule.HERE / "schedule-ci.toml")
+    stretched, scaled = schedule.read(schedule.HERE / "schedule-ci.toml", duration_s=150)
+    assert stretched.main_s == 150 and stretched.tail_s == pytest.approx(plan.tail_s * 2.5)
+    assert stretched.users == plan.users and stretched.warm_s == plan.warm_s  # not the schedule's clock
+    assert [(e.action, e.params) for e in scaled] == [(e.action, e.params) for e in events]
+    assert [e.at_s for e in scaled] == pytest.approx([e.at_s * 2.5 for e in events])
+    assert all(e.at_s < stretched.main_s - stretched.tail_s for e in scaled)  # none skipped
+
+
+def test_a_duration_too_short_for_the_events_own_times_is_refused_naming_them() -> None:
+    """The 30-minute schedule leaves a worker a minute to be replaced after its SIGKILL before the
+    HUP: 150 s would scale that minute to 5 s, and 82 of its events would not run otherwise."""
+    with pytest.raises(ValueError, match=r"2:30 scales the schedule by 0\.0833.*sigkill at 3:45 \(60 s of its own\) "
+                       r"ends before hup at 4:45.*shortest main phase .*: 30:00"):  # fmt: skip
+        schedule.read(schedule.HERE / "schedule.toml", duration_s=150)
+    with pytest.raises(ValueError, match=r"slow_readers at 0:03 \(8 s of its own\) ends before load at 0:11"):
+        schedule.read(schedule.HERE / "schedule-ci.toml", duration_s=30)
+
+
+def test_scaling_counts_each_events_own_time_and_the_main_phases_end(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "[load]\nmain_s = 100\ntail_s = 10\nround_s = 40\nreplace_s = 12\n"
+        '[[event]]\nat = 10\naction = "slow_readers"\napi = "v1"\nseconds = 15\n'
+        '[[event]]\nat = 20\naction = "reload"\nmodel = "clf"\n'  # the slow readers overlap it
+        '[[event]]\nat = 40\naction = "hup"\n'
+        '[[event]]\nat = 60\naction = "load_broken"\nmodel = "clf"\n'  # hold_s: 5 s by default
+    )
+    # The slow readers' 15 s end 15 s before the HUP (by 0.5 at least), the HUP's 12 s 8 s before
+    # the broken version (by 0.6), the broken version's 5 s 35 s before the end (by 0.125).
+    plan, events = schedule.read(path, duration_s=60)
+    assert [e.at_s for e in events] == pytest.approx([6, 12, 24, 36])
+    assert (plan.main_s, plan.tail_s, plan.round_s) == pytest.approx((60, 6, 24))
+    with pytest.raises(
+        ValueError, match=r"hup at 0:40 \(12 s of its own\) ends before load_broken at 1:00.*: 1:00"
+    ):
+        schedule.read(path, duration_s=59)
+    assert schedule.own_s(events[3], plan) == 5.0 and schedule.own_s(events[1], plan) == 0.0
+
+
+def test_an_event_in_the_tail_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "late.toml"
+    path.write_text('[load]\nmain_s = 60\ntail_s = 10\n[[event]]\nat = 55\naction = "hup"\n')
+    with pytest.raises(ValueError, match="hup at 0:55 starts in the tail: after 0:50"):
+        schedule.read(path)
 
 
 @pytest.mark.parametrize(
@@ -193,6 +242,16 @@ def test_with_rounds_rss_growth_compares_each_rounds_lowest_sample() -> None:
     assert grown == pytest.approx((600 + 31) - (600 + 12), abs=0.01)  # lowest of (290, 390] vs [120, 220)
     short = [sample(3, at, "main", 600) for at in range(0, 300, 10)]  # warm at 120, not two rounds
     assert monitor.rss_growth(short, 0.0, 20.0, {3: 0.0}, baseline=set(), round_s=100) == {}
+
+
+def test_a_run_that_judged_no_workers_memory_does_not_pass() -> None:
+    assert monitor.growth_verdict({1: 12.0, 2: 60.5}, 50.0) == ["worker 2: RSS grew 60.5 MB (bound 50)"]
+    assert monitor.growth_verdict({}, 50.0, round_s=240) == [
+        "RSS growth judged for no worker: none lived two rounds (480 s) once warm in the main phase"
+    ]
+    short = [sample(1, at, "main", 600) for at in range(0, 300, 10)]  # warm at 120, not two rounds
+    growth = monitor.rss_growth(short, 0.0, 20.0, {1: 0.0}, baseline=set(), round_s=100)
+    assert monitor.growth_verdict(growth, 50.0, round_s=100) != []
 
 
 def test_descriptors_and_threads_must_come_back_to_the_baseline() -> None:
@@ -410,3 +469,17 @@ def test_the_stress_run_is_a_module_with_options() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "--duration" in done.stdout and "--schedule" in done.stdout
+
+
+def test_a_run_too_short_for_its_schedule_stops_before_it_starts(tmp_path: Path) -> None:
+    """``--duration 150s`` of the 30-minute schedule would have run 5 of its events: refused, saying
+    why, before any model is built or server started."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stress", "--duration", "150s", "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "too short for its events' own times" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
