@@ -1,17 +1,20 @@
 """Fuzzing every HTTP route and every gRPC method of a real server (docs/reliability.md, *Fuzzing*):
-no server error, no hang, no dead worker; the cases sent per route.
+no server error, no hang, no dead worker, a model reached through every route that serves
+inference; the cases sent and the 200s per route.
 
 Starts gunicorn on 127.0.0.1 with the stress run's models (``benchmarks.stress.repository``:
-feed-ranker, all-MiniLM-L6-v2 with the response cache, a BERT classifier and cross-encoder),
-``--workers`` workers and explicit model control, then:
+feed-ranker, all-MiniLM-L6-v2 with the response cache, a BERT classifier and cross-encoder, a
+decoder classifier in pieces, a causal LM, a causal reranker), ``--workers`` workers and
+explicit model control, then:
 
-1. **HTTP**: schemathesis against app/openapi.json narrowed to the server's models, with a valid
-   example per request body and OpenAPI links for its stateful phase (the repository index to
-   each model's operations, an unload or load to the same model's inference and the opposite
-   call: ``tests.support.fuzz.fuzz_document``), every phase (examples, coverage, fuzzing,
-   stateful); checks: no server error (503 and 504 expected), documented statuses and content
-   types, every request answered within 10 s. ``--max-time`` repeats the fuzzing and stateful
-   phases until it is spent.
+1. **HTTP**: schemathesis against app/openapi.json narrowed to the server's models (the path's
+   ``name`` and the body's ``model``), with a valid example per request body and OpenAPI links
+   for its stateful phase (the repository index to each model's operations, an unload or load
+   to the same model's inference and the opposite call: ``tests.support.fuzz.fuzz_document``),
+   every phase (examples, coverage, fuzzing, stateful); checks: no server error (503 and 504
+   expected), documented statuses and content types, every request answered within 10 s; each
+   route that takes an inference request body (:data:`EXAMPLES`' schemas) answered 200 at least
+   once. ``--max-time`` repeats the fuzzing and stateful phases until it is spent.
 2. **gRPC**: for each method of ``inference.GRPCInferenceService``, ``--grpc-examples``
    hypothesis-drawn messages of its request type (any subset of fields, any value of each
    field's type, model names and datatypes the server knows half the time) and as many arbitrary
