@@ -4,13 +4,16 @@ locust through the phases while the schedule acts and the monitor samples, then 
 Phases (``schedule.Plan``): **warm-up** (the users, no events), **baseline** (no users: the
 workers' descriptors and threads once every connection closed), **main** (the users and the
 schedule's events; none in its last ``tail_s``), **end** (no users: the same counts again).
+``--duration`` sets the main phase and scales the schedule to it, or stops at once where it is
+too short for the events' own times (``schedule.scale``).
 
 Writes into ``--out``: ``summary.json`` (everything below), ``resources.csv`` (the monitor's
 samples), ``locust_stats.csv`` / ``locust_failures.csv`` (locust's own tables), and the server's
 log. Prints the requests by API and outcome, the schedule's events, the resource figures and
 the verdict. Exit status 1 when a bound fails: a wrong answer, a request without an answer, an
 unexpected status, an event the server did not answer as documented, RSS growth after warm-up
-over ``--rss-growth-mb``, or descriptors or threads above their baseline at the end.
+over ``--rss-growth-mb`` or no worker's growth judged at all, or descriptors or threads above
+their baseline at the end.
 """
 
 from __future__ import annotations
