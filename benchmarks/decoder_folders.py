@@ -1,7 +1,8 @@
 """Small decoder-only model folders of the real classes, built offline in under a second each,
-for the tests (``tests/support/decoder_models.py``: the session fixture) and the stress run's
-and the fuzzer's repository (``benchmarks/stress/repository.py``). No pytest and no part of the
-server here: a tool imports it as a test does.
+and the ``model.toml`` of a handler model serving one (:func:`write_handler_model`), for the
+tests (``tests/support/decoder_models.py``: the session fixture) and the stress run's and the
+fuzzer's repository (``benchmarks/stress/repository.py``). No pytest and no part of the server
+here: a tool imports it as a test does.
 
 Each is a Hugging Face folder made from a config with a fixed seed (2 layers, hidden 64, 4 query
 heads over 2 key/value heads where the class has grouped-query attention), its weights saved as
@@ -45,6 +46,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -95,6 +97,40 @@ _QWEN_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+def write_handler_model(
+    repo: Path,
+    name: str,
+    handler: str,
+    folder: Path,
+    inputs: Sequence[str],
+    outputs: Sequence[str],
+    parameters: str = "",
+    labels: Mapping[str, Sequence[str]] | None = None,
+) -> Path:
+    """A model folder ``repo/name`` (made where missing) whose ``model.toml`` serves ``folder``
+    with ``handler`` (``module:Class``): batches of up to 8, warmed up at 1 and 4; ``inputs`` as
+    ``"name DATATYPE"`` (``" optional"`` after it for an optional one), ``outputs`` as ``"name
+    DATATYPE width"``, shape ``[1]`` each where not given; ``parameters``: more lines of
+    ``[parameters]``; ``labels``: an output's labels by its name (a classifier's
+    ``probabilities``: the folder's ``id2label`` in order)."""
+    lines = [f'name = "{name}"', 'version = "1"', 'format = "handler"', f'handler = "{handler}"',
+             "max_batch_size = 8", "max_queue_delay_ms = 2.0", "warmup_batch_sizes = [1, 4]"]  # fmt: skip
+    for spec in inputs:
+        input_name, datatype, *optional = spec.split()
+        lines += ["[[inputs]]", f'name = "{input_name}"', f'datatype = "{datatype}"', "shape = [1]"]
+        lines += ["optional = true"] if optional else []
+    for spec in outputs:
+        output_name, datatype, *width = spec.split()
+        lines += ["[[outputs]]", f'name = "{output_name}"', f'datatype = "{datatype}"']
+        lines += [f"shape = [{width[0] if width else 1}]"]
+        named = (labels or {}).get(output_name)
+        lines += [f"labels = {json.dumps(list(named))}"] if named else []
+    lines += ["[parameters]", f'model_dir = "{folder}"', parameters]
+    (repo / name).mkdir(parents=True, exist_ok=True)
+    (repo / name / "model.toml").write_text("\n".join(lines) + "\n")
+    return repo / name
 
 
 def _family(kind: str) -> str:

@@ -19,7 +19,7 @@ causal-rr          a Qwen3-Reranker-style causal reranker         ``/v1/rerank``
 
 The decoder folders are :mod:`benchmarks.decoder_folders`' (random weights from a fixed seed,
 tokenizers trained here: under a second each); their ``model.toml`` files are
-docs/text-models.md's, with smaller batches.
+docs/text-models.md's, with batches of 8.
 
 Beside the repository, ``spares/`` holds the folders the schedule's actions copy in: the
 feed-ranker as version 2 (the same weights: its answers equal version 1's) and a broken
@@ -50,23 +50,8 @@ PIECE_CHARS = 300
 #: Tokens a text of ``lm`` may take (prefix included): the stress run's prompts stay under it.
 LM_MAX_TOKENS = 1024
 
-_HEAD = """name = "{name}"
-version = "1"
-format = "handler"
-handler = "{handler}"
-max_batch_size = 16
-max_batch_tokens = 8192
-max_queue_delay_ms = 2.0
-warmup_batch_sizes = [1, 16]
-"""
-_TENSOR = """
-[[{kind}]]
-name = "{name}"
-datatype = "{datatype}"
-shape = [{width}]
-"""
-#: Each decoder model: (its folder's kind, handler, inputs, outputs, ``[parameters]``); a tensor
-#: is "name DATATYPE [width] [optional]".
+#: Each decoder model: its folder's kind, handler, inputs, outputs and ``[parameters]``, as
+#: :func:`benchmarks.decoder_folders.write_handler_model` takes them.
 DECODERS = {
     RADAR: (
         "llama-classifier",
@@ -79,7 +64,7 @@ DECODERS = {
     LM: (
         "gpt2-lm",
         "app.handlers.causal_lm:CausalLMHandler",
-        ["text BYTES", "return_token_logprobs INT64 1 optional", "top_logprobs INT64 1 optional"],
+        ["text BYTES", "return_token_logprobs INT64 optional", "top_logprobs INT64 optional"],
         ["log_likelihood FP32", "perplexity FP32", "tokens INT64", "token_logprobs BYTES"],
         f"max_seq_length = {LM_MAX_TOKENS}",
     ),
@@ -110,24 +95,15 @@ def tokenizer_file(folder: Path) -> Path:
 
 def write_decoder_model(repo: Path, name: str, seed: int) -> Path:
     """The folder ``repo/name`` of one of :data:`DECODERS`: its Hugging Face folder in ``hf/``
-    (weights from ``seed``) and its ``model.toml`` (a classifier's ``probabilities`` named by the
-    folder's labels)."""
+    (weights from ``seed``) and its ``model.toml`` (a classifier's ``probabilities`` named by
+    the folder's labels)."""
     from benchmarks.decoder_folders import LABELS as FOLDER_LABELS
-    from benchmarks.decoder_folders import build_decoder_folder
+    from benchmarks.decoder_folders import build_decoder_folder, write_handler_model
 
     kind, handler, inputs, outputs, parameters = DECODERS[name]
-    build_decoder_folder(repo / name / "hf", kind, seed=seed)
-    toml = _HEAD.format(name=name, handler=handler)
-    for section, tensors in (("inputs", inputs), ("outputs", outputs)):
-        for spec in tensors:
-            tensor, datatype, *rest = spec.split()
-            width = next((r for r in rest if r.isdigit()), "1")
-            toml += _TENSOR.format(kind=section, name=tensor, datatype=datatype, width=width)
-            toml += "optional = true\n" if "optional" in rest else ""
-            toml += f"labels = {list(FOLDER_LABELS)}\n".replace("'", '"') if tensor == "probabilities" else ""
-    toml += f'\n[parameters]\nmodel_dir = "hf"\n{parameters}\n'
-    (repo / name / "model.toml").write_text(toml)
-    return repo / name
+    folder = build_decoder_folder(repo / name / "hf", kind, seed=seed)
+    labels = {"probabilities": FOLDER_LABELS}
+    return write_handler_model(repo, name, handler, folder, inputs, outputs, parameters, labels)
 
 
 def build(folder: Path) -> Path:
