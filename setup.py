@@ -99,6 +99,10 @@ setup(
             "kserve>=0.21",
             "openai>=1.40",  # tests: the stock client of POST /v1/embeddings
             "cohere>=5.0",  # tests: the stock client of POST /v1/rerank
+            # tests/e2e/test_lm_eval.py: lm-evaluation-harness's local-completions model against
+            # POST /v1/completions, and its hf model (accelerate) in process on the same folder
+            "lm-eval[api]==0.4.13",
+            "accelerate>=0.26",
             "grpcio-tools==1.81.1",  # scripts/gen_grpc --check compares byte for byte
             "kubernetes-validate>=1.30",
             "promql-parser>=0.11",  # tests/support/grafana.py: the dashboard's queries

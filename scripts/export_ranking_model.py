@@ -1,8 +1,9 @@
 """Export the demo feed-ranking model into the model repository.
 
-``FeedRanker`` maps 32 dense features per candidate item (FP32) to a click probability
-(FP32 in (0, 1)). Its weights are drawn from a seeded generator, so the same seed always
-exports the same model. Usage::
+``FeedRanker`` maps 32 dense features per candidate item (FP32), and the user's 32 features
+(FP32, shared by the request's items: sent once, ``shared = "repeat"`` in its model.toml;
+zeros when omitted), to a click probability (FP32 in (0, 1)). Its weights are drawn from a
+seeded generator, so the same seed always exports the same model. Usage::
 
     python scripts/export_ranking_model.py --out model_repository/feed-ranker \\
         [--format torch_export|torchscript|onnx] [--seed 0] [--max-batch-size 256] [--name NAME]
@@ -27,6 +28,8 @@ import torch
 from torch import nn
 
 NUM_FEATURES = 32
+#: The user's features, one row for all of a request's candidates.
+NUM_USER = 32
 HIDDEN = (64, 32)
 MAX_BATCH_SIZE = 256
 FORMATS = {"torch_export": "model.pt2", "torchscript": "model.pt", "onnx": "model.onnx"}
@@ -37,7 +40,10 @@ _jit_load: Callable[..., torch.jit.ScriptModule] = torch.jit.load
 
 
 class FeedRanker(nn.Module):
-    """Dense features FP32 ``[B, 32]`` -> MLP -> sigmoid -> click probability FP32 ``[B, 1]``."""
+    """Dense features FP32 ``[B, 32]`` and the user's FP32 ``[B, 32]`` -> MLP -> sigmoid ->
+    click probability FP32 ``[B, 1]``. The user enters the first layer through a projection of
+    its own, added to the features' (zeros add nothing: a request without its user scores as the
+    model without that input did)."""
 
     def __init__(self, num_features: int = NUM_FEATURES, hidden: tuple[int, ...] = HIDDEN) -> None:
         super().__init__()
@@ -48,9 +54,14 @@ class FeedRanker(nn.Module):
             width = size
         layers.append(nn.Linear(width, 1))
         self.mlp = nn.Sequential(*layers)
+        self.user = nn.Linear(NUM_USER, hidden[0], bias=False)  # after the MLP: its draws come last
 
-    def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return torch.sigmoid(self.mlp(features))
+    def forward(self, features: torch.Tensor, user: torch.Tensor) -> torch.Tensor:
+        first, *rest = self.mlp
+        hidden = first(features) + self.user(user)
+        for layer in rest:
+            hidden = layer(hidden)
+        return torch.sigmoid(hidden)
 
 
 def build_model(seed: int = 0) -> FeedRanker:
@@ -70,7 +81,8 @@ def build_model(seed: int = 0) -> FeedRanker:
                 # He initialisation keeps activations in range through the ReLUs.
                 std = math.sqrt(2.0 / module.in_features)
                 module.weight.copy_(torch.randn(module.weight.shape, generator=generator) * std)
-                module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.01)
+                if module.bias is not None:
+                    module.bias.copy_(torch.randn(module.bias.shape, generator=generator) * 0.01)
     return model.eval()
 
 
@@ -101,6 +113,13 @@ name = "features"
 datatype = "FP32"
 shape = [{NUM_FEATURES}]                       # per item, batch dim excluded
 
+[[inputs]]
+name = "user"
+datatype = "FP32"
+shape = [{NUM_USER}]
+shared = "repeat"                  # sent once for all the request's items (batch dimension 1)
+optional = true                    # zeros when omitted
+
 [[outputs]]
 name = "click_probability"
 datatype = "FP32"
@@ -111,8 +130,9 @@ shape = [1]                        # in (0, 1)
 def _save_torch_export(model: FeedRanker, path: Path, max_batch_size: int) -> None:
     batch = torch.export.Dim("batch", min=1, max=max_batch_size)
     # An example batch of 1 would let export specialise the batch dimension to 1.
-    example = torch.zeros(min(8, max_batch_size), NUM_FEATURES)
-    program = torch.export.export(model, (example,), dynamic_shapes=({0: batch},))
+    size = min(8, max_batch_size)
+    example = (torch.zeros(size, NUM_FEATURES), torch.zeros(size, NUM_USER))
+    program = torch.export.export(model, example, dynamic_shapes=({0: batch}, {0: batch}))
     torch.export.save(program, path)
 
 
@@ -123,7 +143,7 @@ def _save_torchscript(model: FeedRanker, path: Path) -> None:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit")
         warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.jit")
-        traced = _jit_trace(model, torch.zeros(4, NUM_FEATURES))
+        traced = _jit_trace(model, (torch.zeros(4, NUM_FEATURES), torch.zeros(4, NUM_USER)))
         torch.jit.save(traced, str(path))
 
 
@@ -131,41 +151,53 @@ def _save_onnx(model: FeedRanker, path: Path) -> None:
     # The torch.export-based exporter (torch.onnx's default since 2.9; the TorchScript-based one
     # is deprecated). Its own imports raise FutureWarnings that are not ours to fix.
     batch = torch.export.Dim("batch", min=1)
-    example = torch.zeros(8, NUM_FEATURES)
+    example = (torch.zeros(8, NUM_FEATURES), torch.zeros(8, NUM_USER))
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)  # "torchvision is not installed"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
+        # both inputs' batch axes are the one Dim: the exporter says it names it once
+        warnings.filterwarnings("ignore", message=".*shares the same shape constraints", category=UserWarning)
         program = torch.onnx.export(
             model,
-            (example,),
+            example,
             dynamo=True,
-            input_names=["features"],
+            input_names=["features", "user"],
             output_names=["click_probability"],
-            dynamic_shapes=({0: batch},),
+            dynamic_shapes=({0: batch}, {0: batch}),
             verbose=False,
         )
     assert program is not None
     program.save(str(path), external_data=False)
 
 
-def load_exported(path: Path) -> Callable[[torch.Tensor], torch.Tensor]:
+def load_exported(path: Path) -> Callable[..., torch.Tensor]:
     """Reload a ``model.pt2``, ``model.pt`` or ``model.onnx`` written by ``export`` as a
-    callable: features FP32 ``[B, 32]`` -> probabilities FP32 ``[B, 1]`` (an ONNX Runtime
-    session on the CPU for ``.onnx``)."""
+    callable: features FP32 ``[B, 32]`` (and the user FP32 ``[B, 32]``, zeros when not given)
+    -> probabilities FP32 ``[B, 1]`` (an ONNX Runtime session on the CPU for ``.onnx``)."""
     if path.suffix == ".onnx":
         import onnxruntime
 
         session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-        return lambda x: torch.from_numpy(session.run(None, {"features": x.numpy()})[0])
+
+        def run(x: torch.Tensor, user: torch.Tensor | None = None) -> torch.Tensor:
+            u = user if user is not None else torch.zeros(len(x), NUM_USER)
+            return torch.from_numpy(session.run(None, {"features": x.numpy(), "user": u.numpy()})[0])
+
+        return run
     if path.suffix == ".pt2":
         module: torch.nn.Module = torch.export.load(path).module()
-        return module
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit")
-        warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.jit")
-        scripted: torch.nn.Module = _jit_load(str(path), map_location="cpu")
-    return scripted
+    else:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit")
+            warnings.filterwarnings("ignore", category=FutureWarning, message=".*torch.jit")
+            module = _jit_load(str(path), map_location="cpu")
+
+    def call(x: torch.Tensor, user: torch.Tensor | None = None) -> torch.Tensor:
+        out: torch.Tensor = module(x, user if user is not None else torch.zeros(len(x), NUM_USER))
+        return out
+
+    return call
 
 
 def _verify(model: FeedRanker, path: Path, max_batch_size: int) -> None:
@@ -173,8 +205,9 @@ def _verify(model: FeedRanker, path: Path, max_batch_size: int) -> None:
     generator = torch.Generator().manual_seed(1234)
     for size in sorted({1, 7, max_batch_size} & set(range(1, max_batch_size + 1))):
         x = torch.randn(size, NUM_FEATURES, generator=generator)
+        user = torch.randn(1, NUM_USER, generator=generator).expand(size, NUM_USER)
         with torch.inference_mode():
-            expected, got = model(x), loaded(x)
+            expected, got = model(x, user), loaded(x, user)
         if got.shape != (size, 1) or not torch.allclose(got, expected, rtol=1e-5, atol=1e-6):
             raise RuntimeError(f"{path} does not reproduce the eager model at batch size {size}")
 

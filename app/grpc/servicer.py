@@ -264,7 +264,8 @@ class InferenceServicer:
             arrival=arrival,
             recording=recording,
         )
-        model = plane.admit(message.model_name, message.model_version or None, request_context)
+        name, version = message.model_name, message.model_version or None
+        model, request_context = plane.admit(name, version, request_context)
         raw = bool(message.raw_input_contents)
         call = Call(
             lambda config: codec.decode_request(message, config, plane.limits),

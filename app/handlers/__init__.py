@@ -1,7 +1,7 @@
 """Python model handlers, referenced from a model's ``model.toml`` as ``handler = "module:Class"``.
 
-A handler is built with no arguments on the worker's inference thread, then driven through four
-verbs:
+A handler is built with no arguments on the worker's event loop, then driven through four verbs
+on the model's threads (``app.models.base`` says which thread runs which):
 
 ``load(device, config)``
     Load weights onto ``device``; ``config`` is the model's parsed ``model.toml``.

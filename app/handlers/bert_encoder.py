@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["BertEncoder", "load_bert", "unsupported"]
+__all__ = ["BertEncoder", "BertMaskedLMHead", "load_bert", "load_bert_mlm", "unsupported"]
 
 #: ``config.json`` values this encoder runs (any other value of these keys: transformers runs it).
 _REQUIRED = {
@@ -206,6 +206,42 @@ class BertEncoder(nn.Module):
         return {"last_hidden_state": hidden}
 
 
+class BertMaskedLMHead(nn.Module):
+    """BERT's masked-language-model head (transformers' ``BertLMPredictionHead``, saved as
+    ``cls.predictions``): token embeddings ``[..., hidden]`` to vocabulary logits ``[..., vocab]``
+    by a dense layer, GELU and LayerNorm (``transform``), then the decoder (the word embeddings
+    where tied) and its bias; the same ops in the same order as transformers'."""
+
+    def __init__(self, hidden: int, vocab: int, eps: float) -> None:
+        super().__init__()
+        self.transform = _Transform(hidden, eps)
+        self.decoder = _Decoder(vocab, hidden)
+        self.bias = nn.Parameter(torch.empty(vocab), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden]`` -> ``[..., vocab]`` in the weights' dtype."""
+        return F.linear(self.transform(hidden), self.decoder.weight, self.bias)
+
+
+class _Decoder(nn.Module):
+    """The decoder's weight ``[vocab, hidden]`` (its bias is the head's)."""
+
+    def __init__(self, vocab: int, hidden: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(vocab, hidden), requires_grad=False)
+
+
+class _Transform(nn.Module):
+    def __init__(self, hidden: int, eps: float) -> None:
+        super().__init__()
+        self.dense = _Linear(hidden, hidden)
+        self.LayerNorm = nn.LayerNorm(hidden, eps=eps)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.LayerNorm(F.gelu(self.dense(hidden)))
+        return out
+
+
 def unsupported(config: dict[str, Any], model_kwargs: dict[str, Any]) -> str | None:
     """Why this encoder does not run a folder (``config.json`` as read, ``from_pretrained``'s
     ``model_kwargs``), or None when it does: another ``model_type`` or activation, relative
@@ -230,6 +266,42 @@ def load_bert(folder: Path, dtype: torch.dtype | None = None) -> BertEncoder | N
     Raises:
         OSError, ValueError: an unreadable ``config.json`` or weights file.
     """
+    loaded = _load(folder, dtype)
+    return loaded[0] if loaded is not None else None
+
+
+def load_bert_mlm(
+    folder: Path, dtype: torch.dtype | None = None
+) -> tuple[BertEncoder, BertMaskedLMHead] | None:
+    """A ``BertForMaskedLM`` folder's encoder and masked-LM head (:class:`BertMaskedLMHead`) in
+    eval mode on the CPU, as :func:`load_bert` loads the encoder; None where either is not
+    exactly the folder's tensors (the decoder is the word embeddings unless the folder saved its
+    own, ``tie_word_embeddings = false``).
+
+    Raises:
+        OSError, ValueError: an unreadable ``config.json`` or weights file.
+    """
+    loaded = _load(folder, dtype)
+    if loaded is None:
+        return None
+    encoder, saved = loaded
+    config = encoder.config
+    head = BertMaskedLMHead(int(config.hidden_size), int(config.vocab_size), float(config.layer_norm_eps))
+    prefix = "cls.predictions."
+    found = {k.removeprefix(prefix): v for k, v in saved.items() if k.startswith(prefix)}
+    tied = bool(getattr(config, "tie_word_embeddings", True))
+    if tied and "decoder.weight" not in found:
+        found["decoder.weight"] = encoder.embeddings.word_embeddings.weight
+    found.pop("decoder.bias", None)  # transformers ties it to ``bias``
+    if set(found) != set(head.state_dict()):
+        return None
+    head.load_state_dict(found, strict=True, assign=True)
+    return encoder, head.eval()
+
+
+def _load(folder: Path, dtype: torch.dtype | None) -> tuple[BertEncoder, dict[str, torch.Tensor]] | None:
+    """The encoder of :func:`load_bert` and every tensor the folder saved (cast to ``dtype``, a
+    ``bert.`` prefix dropped), or None."""
     from safetensors.torch import load_file
 
     weights_file = folder / "model.safetensors"
@@ -240,10 +312,10 @@ def load_bert(folder: Path, dtype: torch.dtype | None = None) -> BertEncoder | N
     saved = load_file(str(weights_file))
     if saved and all(k.startswith("bert.") for k in saved if not k.startswith(("cls.", "classifier."))):
         saved = {k.removeprefix("bert."): v for k, v in saved.items()}
+    saved = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in saved.items()}
     wanted = encoder.state_dict().keys()
-    kept = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v) for k, v in saved.items()}
-    kept = {k: v for k, v in kept.items() if k in wanted}
+    kept = {k: v for k, v in saved.items() if k in wanted}
     if set(kept) != set(wanted):
         return None
     encoder.load_state_dict(kept, strict=True, assign=True)
-    return encoder.eval()
+    return encoder.eval(), saved

@@ -12,11 +12,18 @@ Inputs (per item):
 ``text`` BYTES, required
     UTF-8 text to score.
 ``return_token_logprobs`` INT64 ``[1]``, optional
-    1: fill the item's ``token_logprobs`` output; 0 (omitted): leave it empty. Where the model
-    does not declare it, ``token_logprobs`` is filled for every item.
+    1: fill the item's ``token_logprobs`` output; 0 (omitted): leave it empty; any other value
+    is refused. Where the model does not declare it, ``token_logprobs`` is filled for every item.
 ``top_logprobs`` INT64 ``[1]``, optional
-    0 to 5: the most likely tokens at each position to list beside the text's own (OpenAI's
-    ``logprobs``).
+    0 to 20: the most likely tokens at each position to list beside the text's own (OpenAI's
+    ``logprobs``; 20 is vLLM's default bound).
+``next_token`` INT64 ``[1]``, optional
+    1: list after the text's tokens the greedy next token (the most likely one after the text),
+    its log-prob and alternatives, as OpenAI's completions with ``echo`` and ``max_tokens = 1``
+    answer (what lm-evaluation-harness asks); 0 (omitted): not; it needs the item's
+    ``token_logprobs``.
+``truncate_prompt_tokens`` INT64 ``[1]``, optional
+    vLLM's: keep the text's last k tokens (``app.handlers.text_config``).
 
 Outputs (declare those you serve):
 
@@ -36,9 +43,14 @@ Outputs (declare those you serve):
 ``token_logprobs`` BYTES ``[1]``
     Where asked, JSON in OpenAI's legacy ``logprobs`` shape: ``tokens`` (each token of the text
     as the tokenizer decodes it alone), ``token_logprobs`` (null for the first token, which has
-    no context), ``top_logprobs`` (per token, ``{token: logprob}`` of the ``top_logprobs`` most
-    likely, null for the first token; present where ``top_logprobs`` > 0) and ``text_offset``
-    (each token's offset in the concatenation of ``tokens``); ``b""`` where not asked.
+    no context), ``top_logprobs`` (per token, ``{token: logprob}`` of the token itself and the
+    ``top_logprobs`` most likely, as OpenAI and vLLM list them: up to ``top_logprobs`` + 1
+    entries, so that a token's log-prob equals the largest of its row exactly when it was the
+    most likely; null for the first token; present where ``top_logprobs`` > 0) and
+    ``text_offset`` (each token's offset in the concatenation of ``tokens``); with
+    ``next_token``, one more entry in each for the greedy next token. Log-probs below -9999
+    are written as -9999 (vLLM's stand-in for minus infinity, which JSON lacks). ``b""`` where
+    not asked.
 
 **The first token.** A causal LM scores a token from the tokens before it, so a text's first
 token has none. Where the tokenizer puts a BOS token first (Llama, Mistral), every token of the
@@ -53,6 +65,13 @@ text, default the tokenizer's ``model_max_length`` capped by the model's positio
 ``score_first_token`` (bool), and ``truncation``: ``"truncate"`` (default: a longer text is
 scored on its first ``max_seq_length`` tokens, ``scored_tokens`` says how many) or ``"error"``
 (400). Windows would score the tokens they repeat twice, so they are refused.
+
+**Token lists are whole or refused.** A text whose ``token_logprobs`` are listed is never cut
+by ``truncation``: over ``max_seq_length`` tokens it is refused (400 naming its tokens and the
+limit), unless its ``truncate_prompt_tokens`` asks for its last tokens (then the list is theirs).
+A list of a text's first tokens would read as the whole text's (``/v1/completions`` echoes the
+prompt; lm-evaluation-harness indexes the list by its own token counts), as vLLM, which answers
+such a prompt with a 400, knows.
 
 **Memory.** The logits of a batch, ``[B, T, vocab]``, are never all made at once: the model's
 last hidden state goes through its LM head in chunks of rows of at most 256 MiB of float32
@@ -85,6 +104,7 @@ from app.handlers.text_config import (
     check_shared_parameters,
     declares_truncation,
     item_integers,
+    text_inputs,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window
 from app.models.base import Priced
@@ -92,9 +112,11 @@ from app.models.base import Priced
 __all__ = ["MAX_TOP_LOGPROBS", "CausalLMHandler", "ScoredBatch"]
 
 _PARAMETERS = (*SHARED_PARAMETERS, "truncation", "score_first_token")
-#: The most alternatives per token (OpenAI's legacy bound on ``logprobs``).
-MAX_TOP_LOGPROBS = 5
-RETURN, TOP = "return_token_logprobs", "top_logprobs"
+#: The most alternatives per token (vLLM's default ``max_logprobs``; OpenAI's legacy API: 5).
+MAX_TOP_LOGPROBS = 20
+RETURN, TOP, NEXT = "return_token_logprobs", "top_logprobs", "next_token"
+#: What a log-prob below it is written as (vLLM's stand-in for minus infinity: JSON has none).
+LOGPROB_FLOOR = -9999.0
 _NONE: Ids = np.zeros(0, dtype=np.int32)
 
 
@@ -103,19 +125,23 @@ class ScoredBatch:
     """``preprocess`` output: ``groups`` (the padded length groups on the device, right
     padding), ``position`` (int64 ``[B]``, each item's row in them), and on the host each item's
     token ids ``ids`` (the scoring prefix included), ``listed`` (bool ``[B]``: fill its
-    ``token_logprobs``) and ``top`` (int64 ``[B]``: alternatives per token)."""
+    ``token_logprobs``), ``top`` (int64 ``[B]``: alternatives per token) and ``next`` (bool
+    ``[B]``: list the greedy next token too)."""
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
     ids: list[Ids]
     listed: npt.NDArray[np.bool_]
     top: npt.NDArray[np.int64]
+    next: npt.NDArray[np.bool_]
 
 
 class CausalLMHandler(TextHandler):
     """Scores texts by their token log-likelihood (see the module docstring)."""
 
     kind = "CausalLMHandler"
+    #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``).
+    MEMORY_HEAD = "lm-chunked"
 
     def __init__(self) -> None:
         super().__init__()
@@ -204,23 +230,64 @@ class CausalLMHandler(TextHandler):
         item's ids as its preparation.
 
         Raises:
-            ValueError: invalid UTF-8, a wrong shape, ``top_logprobs`` outside 0 to 5.
+            ValueError: invalid UTF-8, a wrong shape, ``top_logprobs`` outside 0 to 20,
+                ``return_token_logprobs`` or ``next_token`` other than 0 or 1, ``next_token``
+                without ``token_logprobs``; a text whose token log-probs are listed and that is
+                longer than ``max_seq_length`` without ``truncate_prompt_tokens`` (module
+                docstring).
         """
         priced = super().item_costs(inputs)
-        self._options(inputs, len(priced.costs))
+        listed, _, _ = self._options(inputs, len(priced.costs))
+        self._check_whole(inputs, priced, listed)
         return priced
+
+    def _check_whole(
+        self, inputs: Mapping[str, npt.NDArray[Any]], priced: Priced, listed: npt.NDArray[np.bool_]
+    ) -> None:
+        """Refuse a listed item that the tokenizer cut (module docstring): only items whose ids
+        reach the cap are counted again, whole."""
+        cap = len(self.prefix) + self.tokenizer.max_length
+        keep = self.keep(inputs, len(listed))
+        suspects = [
+            int(i) for i in np.flatnonzero(listed)
+            if not (keep and keep[i]) and len(priced.prepared[i][0]) >= cap
+        ]  # fmt: skip
+        if not suspects:
+            return
+        texts, _ = text_inputs(inputs)
+        for i, count in zip(suspects, self.tokenizer.whole_counts([texts[i] for i in suspects]), strict=True):
+            if count > self.tokenizer.max_length:
+                prefix = " (the scoring prefix included)" if len(self.prefix) else ""
+                raise ValueError(
+                    f"item {i} has {count + len(self.prefix)} tokens{prefix}, over the model's "
+                    f"max_seq_length of {cap} tokens: a text's token log-probs are listed whole or "
+                    "not at all; send a shorter text, or truncate_prompt_tokens to keep its last tokens"
+                )
 
     def _options(
         self, inputs: Mapping[str, npt.NDArray[Any]], count: int
-    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64]]:
-        """Per item: whether its ``token_logprobs`` is filled, and its ``top_logprobs``."""
-        asked = item_integers(inputs, RETURN, count)
-        listed = np.full(count, self.lists and not self.asks) if asked is None else self.lists & (asked != 0)
+    ) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.int64], npt.NDArray[np.bool_]]:
+        """Per item: whether its ``token_logprobs`` is filled, its ``top_logprobs``, and
+        whether its greedy next token is listed (``next_token``).
+
+        Raises:
+            ValueError: a flag other than 0 or 1, ``top_logprobs`` out of range, ``next_token``
+                without a list.
+        """
+        asked = _flag(inputs, RETURN, count)
+        listed = np.full(count, self.lists and not self.asks) if asked is None else self.lists & asked
         top = item_integers(inputs, TOP, count)
         top = np.zeros(count, dtype=np.int64) if top is None else top
         if top.size and not 0 <= int(top.min()) <= int(top.max()) <= MAX_TOP_LOGPROBS:
             raise ValueError(f"{TOP} must be between 0 and {MAX_TOP_LOGPROBS}")
-        return listed, np.where(listed, top, 0)
+        following = _flag(inputs, NEXT, count)
+        following = np.zeros(count, dtype=bool) if following is None else following
+        if (following & ~listed).any():
+            raise ValueError(
+                f"{NEXT} = 1 lists the next token after the text's own: it needs the item's "
+                f"token_logprobs ({RETURN} = 1, and a token_logprobs output)"
+            )
+        return listed, np.where(listed, top, 0), following
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> ScoredBatch:
         """Pad the items' token ids (``inputs[PREPARED]``; tokenized here only where absent) on
@@ -230,16 +297,17 @@ class CausalLMHandler(TextHandler):
             ValueError: as :meth:`item_costs`.
         """
         parts = self.item_parts(inputs)
-        listed, top = self._options(inputs, len(parts))
+        listed, top, following = self._options(inputs, len(parts))
         ids = [p[0] for p in parts]
         groups, position = self.length_grouped(ids)
-        return ScoredBatch(groups, position, ids, listed, top)
+        return ScoredBatch(groups, position, ids, listed, top, following)
 
     def _score(self, group: dict[str, torch.Tensor], top: int) -> tuple[torch.Tensor, ...]:
         """One padded group ``[U, T]``: ``(total [U], count [U], token_logprobs [U, T],
-        top_values [U, T, top], top_ids [U, T, top])`` (float32; position t holds token t's
-        figures, from the logits at t - 1), through the LM head in chunks of rows (module
-        docstring)."""
+        top_values [U, T, top], top_ids [U, T, top])`` (float32; ``token_logprobs`` at t is
+        token t's, from the logits at t - 1; the alternatives at t are those after token t,
+        :func:`app.handlers.decoder_math.token_log_likelihood`), through the LM head in chunks
+        of rows (module docstring)."""
         features = decoder_features(group)
         ids, mask = group["input_ids"], group["attention_mask"]
         # the hidden state through the head chunk by chunk, or the model's own logits, chunked
@@ -255,13 +323,10 @@ class CausalLMHandler(TextHandler):
         for start in range(0, rows, step):
             stop = min(rows, start + step)
             logits = self.head(whole[start:stop]) if self.head is not None else whole[start:stop]
-            scored = token_log_likelihood(logits, ids[start:stop], mask[start:stop], per_token=True)
-            values = torch.zeros((stop - start, length, top), dtype=torch.float32, device=logits.device)
-            indices = torch.zeros((stop - start, length, top), dtype=torch.int64, device=logits.device)
-            if top:
-                best, where = logits[:, :-1].topk(top, dim=-1)
-                values[:, 1:] = best.float() - torch.logsumexp(logits[:, :-1].float(), dim=-1, keepdim=True)
-                indices[:, 1:] = where
+            scored = token_log_likelihood(logits, ids[start:stop], mask[start:stop], per_token=True, top=top)
+            empty = torch.zeros((stop - start, length, 0), device=logits.device)
+            values = scored.top_values if scored.top_values is not None else empty
+            indices = scored.top_ids if scored.top_ids is not None else empty.long()
             assert scored.token_logprobs is not None
             parts.append((scored.total, scored.count, scored.token_logprobs, values, indices))
         return tuple(torch.cat(column) for column in zip(*parts, strict=True))
@@ -269,8 +334,9 @@ class CausalLMHandler(TextHandler):
     def predict(self, batch: ScoredBatch) -> dict[str, Any]:
         """Each item's figures on the device (float32 ``total``, ``count`` ``[B]``; with per-token
         lists, ``token_logprobs`` ``[B, T]`` and the alternatives ``[B, T, k]``, T the longest
-        item), and the host's ``ids``, ``listed``, ``top``."""
+        item), and the host's ``ids``, ``listed``, ``top``, ``next``."""
         top = int(batch.top.max()) if len(batch.top) else 0
+        top = max(top, 1) if batch.next.any() else top  # the greedy next token is the first
         scored = [self._score(group, top) for group in batch.groups]
         width = max(int(group["input_ids"].shape[1]) for group in batch.groups)
         columns = []
@@ -295,7 +361,7 @@ class CausalLMHandler(TextHandler):
             values, indices = outputs["values"].cpu().numpy(), outputs["indices"].cpu().numpy()
             for i in np.flatnonzero(batch.listed):
                 lists[i, 0] = self._listed(
-                    batch.ids[i], logprobs[i], values[i], indices[i], int(batch.top[i])
+                    batch.ids[i], logprobs[i], values[i], indices[i], int(batch.top[i]), bool(batch.next[i])
                 )
         return {
             "log_likelihood": total.reshape(-1, 1),
@@ -314,29 +380,65 @@ class CausalLMHandler(TextHandler):
         values: npt.NDArray[np.float32],
         indices: npt.NDArray[np.int64],
         top: int,
+        following: bool,
     ) -> bytes:
-        """One item's ``token_logprobs`` JSON (module docstring): its tokens after the prefix."""
+        """One item's ``token_logprobs`` JSON (module docstring): its tokens after the prefix,
+        and the greedy next token where ``following``. ``values``/``indices`` at position p are
+        the alternatives after token p."""
         import orjson
 
-        skip = len(self.prefix)
+        skip, last = len(self.prefix), len(ids) - 1
         own = [int(t) for t in ids[skip:]]
+        if following:
+            own.append(int(indices[last, 0]))
         texts = self.tokenizer.token_texts(own)
-        first = 0 if skip else 1  # without a prefix the first token has no context
+        # the token at position p (p >= 1) has the log-prob the logits at p - 1 give it
         scores: list[float | None] = [
-            None if t < first else float(logprobs[skip + t]) for t in range(len(own))
+            None if skip + t == 0 else _floor(logprobs[skip + t]) for t in range(len(own) - following)
         ]
+        if following:
+            scores.append(_floor(values[last, 0]))
         body: dict[str, Any] = {"tokens": texts, "token_logprobs": scores}
         if top:
-            names = self.tokenizer.token_texts(indices[skip:, :top].reshape(-1).tolist())
-            body["top_logprobs"] = [
-                None if t < first else
-                {names[t * top + j]: float(values[skip + t, j]) for j in range(top)}
-                for t in range(len(own))
-            ]  # fmt: skip
-        body["text_offset"] = (
-            np.concatenate(([0], np.cumsum([len(s) for s in texts])[:-1])).astype(int).tolist()
-        )
+            names = self.tokenizer.token_texts(indices[: last + 1, :top].reshape(-1).tolist())
+            rows: list[dict[str, float] | None] = []
+            for t, score in enumerate(scores):
+                before = skip + t - 1  # the position whose logits chose this token
+                if score is None:
+                    rows.append(None)
+                    continue
+                # the most likely first, then the token itself; tokens that decode to the same
+                # text (byte pieces of a character) keep the larger log-prob, so the row's largest
+                # is the most likely token's and equals the token's own only where it is that one
+                row: dict[str, float] = {}
+                for j in range(top):
+                    row.setdefault(names[before * top + j], _floor(values[before, j]))
+                row.setdefault(texts[t], score)
+                rows.append(row)
+            body["top_logprobs"] = rows
+        body["text_offset"] = np.cumsum([0, *(len(s) for s in texts)])[:-1].astype(int).tolist()
         return orjson.dumps(body)
+
+
+def _flag(inputs: Mapping[str, npt.NDArray[Any]], name: str, count: int) -> npt.NDArray[np.bool_] | None:
+    """An optional INT64 0/1 input per item as bools (None where absent).
+
+    Raises:
+        ValueError: a value other than 0 or 1.
+    """
+    values = item_integers(inputs, name, count)
+    if values is None:
+        return None
+    bad = values[(values != 0) & (values != 1)]
+    if bad.size:
+        raise ValueError(f"{name} must be 0 or 1, got {int(bad[0])}")
+    flags: npt.NDArray[np.bool_] = values == 1
+    return flags
+
+
+def _floor(value: Any) -> float:
+    """A log-prob as JSON can hold it (module docstring: :data:`LOGPROB_FLOOR`)."""
+    return max(float(value), LOGPROB_FLOOR)
 
 
 def _widen(values: torch.Tensor, width: int) -> torch.Tensor:

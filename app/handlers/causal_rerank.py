@@ -11,7 +11,10 @@ and ``/score`` (``app.protocols.rerank``) like a cross-encoder:
   (the empty thinking block after which the answer comes) once at load, without special tokens,
   and the middle (``<Instruct>``, ``<Query>``, ``<Document>``) per item, cut at its end to
   ``max_seq_length`` less the prefix and suffix, so that a long document never pushes the suffix
-  out;
+  out; a query whose part of the middle (the instruction and query lines, up to
+  ``<Document>:``) takes more than half of that room is refused (400 naming its tokens and the
+  bound: a cross-encoder's rule for a query beside a window, ``app.handlers.windows.split``), so
+  that a document is never cut out of its own prompt;
 - the score is ``sigmoid(h . (W[yes] - W[no]))`` of the final hidden state ``h`` at each row's
   last real token and the LM head's rows of the tokens ``yes`` and ``no``
   (:func:`app.handlers.decoder_math.yes_no_score_from_hidden`): equal to the model card's
@@ -84,6 +87,8 @@ class CausalRerankHandler(TextHandler):
     """Scores (``query``, ``text``) pairs with a causal LM's yes/no answer (module docstring)."""
 
     kind = "CausalRerankHandler"
+    #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``).
+    MEMORY_HEAD = "base"
 
     def __init__(self) -> None:
         super().__init__()
@@ -140,22 +145,50 @@ class CausalRerankHandler(TextHandler):
         self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
     ) -> list[Parts]:
         """Each pair's prompt ids: prefix, middle (cut to :attr:`room`), suffix (module
-        docstring)."""
+        docstring).
+
+        Raises:
+            ValueError: a query whose part of the prompt leaves the document too little room.
+        """
+        self._check_queries(queries)
         middles = [
-            f"<Instruct>: {self.instruction}\n<Query>: {query}\n<Document>: {text}"
-            for text, query in zip(texts, queries, strict=True)
+            f"{self._query_part(query)} {text}" for text, query in zip(texts, queries, strict=True)
         ]
         return [
             (np.concatenate((self.prefix, ids[: self.room], self.suffix)),)
             for ids in self.tokenizer.encode(middles)
         ]
 
+    def _query_part(self, query: str) -> str:
+        """The middle of the prompt before the document (the model card's ``format_instruction``
+        up to ``<Document>:``)."""
+        return f"<Instruct>: {self.instruction}\n<Query>: {query}\n<Document>:"
+
+    def _check_queries(self, queries: Sequence[str]) -> None:
+        """Refuse a query whose part of the prompt takes more than half of :attr:`room` (module
+        docstring); only queries whose UTF-8 bytes may reach the bound are tokenized (a token is
+        at least a byte, 2b + 1 bounds any tokenizer's count)."""
+        limit = self.room // 2
+        parts = {q: self._query_part(q) for q in set(queries)}
+        wanted = [q for q, part in parts.items() if 2 * len(part.encode()) + 1 > limit]
+        if not wanted:
+            return
+        for count in self.tokenizer.count([parts[q] for q in wanted]):
+            if count > limit:
+                more = "+" if count >= self.tokenizer.max_length else ""
+                raise ValueError(
+                    f"a query of {count}{more} tokens (with the reranker's instruction) leaves too little "
+                    f"room for a document in the prompt of max_seq_length {self.tokenizer.max_length} "
+                    f"tokens ({self.room} beside its system turn and answer); at most {limit}"
+                )
+
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
         """Tokens each pair makes the model run, int64 ``[B]`` (the prompt included), with its ids
         as its preparation.
 
         Raises:
-            ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
+            ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length; a query
+                that leaves the document too little room (module docstring).
         """
         parts = self.item_parts(inputs)
         costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))

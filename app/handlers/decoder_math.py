@@ -120,7 +120,12 @@ class TokenLogLikelihood:
     ``count`` int64 ``[B]``: tokens scored (each real token that has a real token before it);
     ``mean`` ``[B]``: ``total / count`` (0 where ``count`` is 0); ``perplexity`` ``[B]``:
     ``exp(-mean)`` (1 where ``count`` is 0); ``token_logprobs`` ``[B, T]`` or None: position t
-    holds the log-prob of token t, 0 where ``scored`` is False; ``scored`` bool ``[B, T]``."""
+    holds the log-prob of token t, 0 where ``scored`` is False; ``scored`` bool ``[B, T]``;
+    ``top_values`` ``[B, T, k]`` and ``top_ids`` int64 ``[B, T, k]`` or None: position t holds
+    the k most likely tokens *after* token t (the log-softmax of ``logits[t]``, largest first;
+    the last real position's are the text's next token), taken from the same float32
+    log-softmax as ``token_logprobs``, so a token that is the most likely one has exactly its
+    ``top_values[..., 0]`` as its log-prob."""
 
     total: torch.Tensor
     count: torch.Tensor
@@ -128,6 +133,8 @@ class TokenLogLikelihood:
     perplexity: torch.Tensor
     token_logprobs: torch.Tensor | None
     scored: torch.Tensor
+    top_values: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
 
 
 def token_log_likelihood(
@@ -136,6 +143,7 @@ def token_log_likelihood(
     attention_mask: torch.Tensor,
     *,
     per_token: bool = False,
+    top: int = 0,
     chunk_bytes: int = LOG_SOFTMAX_CHUNK_BYTES,
 ) -> TokenLogLikelihood:
     """The token log-likelihood of each row under a causal LM, from its ``logits`` ``[B, T, V]``
@@ -145,9 +153,11 @@ def token_log_likelihood(
     Token t (t >= 1) is scored when it and token t - 1 are real: ``log_softmax(logits[t - 1])``
     at ``input_ids[t]``. The first real token of a row has no context and is not scored: put a
     prefix token before the text to score it (:func:`scoring_prefix`). Padding on either side
-    gives the same figures as the row alone. ``per_token``: also return each token's log-prob.
-    The log-softmax runs over chunks of rows of at most ``chunk_bytes`` of float32 work, so a
-    large vocabulary (Qwen's 151,669) does not double the logits' memory at once.
+    gives the same figures as the row alone. ``per_token``: also return each token's log-prob;
+    ``top`` > 0: also the ``top`` most likely tokens after each position (OpenAI's
+    ``top_logprobs``; the last position's are the greedy next token's). The log-softmax runs
+    over chunks of rows of at most ``chunk_bytes`` of float32 work, so a large vocabulary
+    (Qwen's 151,669) does not double the logits' memory at once.
 
     ``-mean`` equals transformers' causal-LM ``loss`` on the same row (``labels=input_ids``):
     ``ForCausalLMLoss`` shifts the labels by one and averages the cross-entropy over the same
@@ -170,10 +180,17 @@ def token_log_likelihood(
     step = max(1, chunk_bytes // max(1, length * vocab * 4))
     # Padding may hold any id (even -1): it is never scored, but gather needs an index in range.
     targets = input_ids.to(logits.device)[:, 1:].clamp(0, vocab - 1).unsqueeze(-1)
+    top_values = top_ids = None
+    if top > 0:
+        top_values = torch.zeros((rows, length, top), dtype=torch.float32, device=logits.device)
+        top_ids = torch.zeros((rows, length, top), dtype=torch.int64, device=logits.device)
     for start in range(0, rows, step):
         stop = min(rows, start + step)
-        log_probs = torch.log_softmax(logits[start:stop, :-1].float(), dim=-1)
-        token_logprobs[start:stop, 1:] = log_probs.gather(-1, targets[start:stop]).squeeze(-1)
+        # every position, the last included: its distribution is the text's next token's
+        log_probs = torch.log_softmax(logits[start:stop].float(), dim=-1)
+        token_logprobs[start:stop, 1:] = log_probs[:, :-1].gather(-1, targets[start:stop]).squeeze(-1)
+        if top_values is not None and top_ids is not None:
+            top_values[start:stop], top_ids[start:stop] = log_probs.topk(top, dim=-1)
     token_logprobs = token_logprobs.masked_fill(~scored, 0.0)
     total = token_logprobs.sum(dim=-1)
     count = scored.sum(dim=-1)
@@ -185,6 +202,8 @@ def token_log_likelihood(
         perplexity=torch.exp(-mean),
         token_logprobs=token_logprobs if per_token else None,
         scored=scored,
+        top_values=top_values,
+        top_ids=top_ids,
     )
 
 

@@ -41,6 +41,7 @@ __all__ = [
     "EmbeddingPipeline",
     "FolderPlan",
     "Prompts",
+    "load_encoder",
     "load_pipeline",
     "pool",
     "read_folder",
@@ -294,6 +295,32 @@ def _own_encoder(folder: Path, model_kwargs: Mapping[str, Any]) -> BertEncoder |
     return encoder
 
 
+def load_encoder(folder: Path, device: torch.device, model_kwargs: Mapping[str, Any]) -> Any:
+    """The transformer of a Hugging Face folder on ``device`` in eval mode, its forward returning
+    ``last_hidden_state`` (token embeddings ``[U, T, hidden]``): our own BERT encoder where it
+    runs the folder (:func:`_own_encoder`), else transformers' ``AutoModel`` as the library's
+    Transformer module loads it (``use_cache`` off).
+
+    Args:
+        model_kwargs: for ``from_pretrained``: ``dtype``, optionally ``attn_implementation``.
+
+    Raises:
+        Exception: what transformers raises for a folder it cannot load.
+    """
+    own = _own_encoder(folder, model_kwargs)
+    if own is not None:
+        return own.to(device)
+    from transformers import AutoConfig, AutoModel  # the modeling code: only where a model loads
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_progress_bar()  # a worker logs one line per model load
+    config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
+    if hasattr(config, "use_cache"):
+        config.use_cache = False  # as the library's Transformer module loads it
+    model = AutoModel.from_pretrained(str(folder), config=config, local_files_only=True, **model_kwargs)
+    return model.to(device).eval()
+
+
 def load_pipeline(folder: Path, device: torch.device, model_kwargs: Mapping[str, Any]) -> EmbeddingPipeline:
     """The folder's pipeline on ``device`` in eval mode: ours (module docstring), else the
     library's, with an INFO line saying why.
@@ -308,19 +335,7 @@ def load_pipeline(folder: Path, device: torch.device, model_kwargs: Mapping[str,
     plan = read_folder(folder)
     why = _light_fallback(folder, plan)
     if why is None:
-        own = _own_encoder(folder, model_kwargs)
-        if own is not None:
-            return EmbeddingPipeline(own.to(device), plan)
-    from transformers import AutoConfig, AutoModel  # the modeling code: only where a model loads
-    from transformers.utils import logging as transformers_logging
-
-    transformers_logging.disable_progress_bar()  # a worker logs one line per model load
-    if why is None:
-        config = AutoConfig.from_pretrained(str(folder), local_files_only=True)
-        if hasattr(config, "use_cache"):
-            config.use_cache = False  # as the library's Transformer module loads it
-        model = AutoModel.from_pretrained(str(folder), config=config, local_files_only=True, **model_kwargs)
-        return EmbeddingPipeline(model.to(device).eval(), plan)
+        return EmbeddingPipeline(load_encoder(folder, device, model_kwargs), plan)
     log.info("%s: loaded with sentence-transformers (%s is not one we run ourselves)", folder, why)
     from sentence_transformers import SentenceTransformer
 

@@ -1,7 +1,8 @@
 """What the text handlers share: the tokenizer, the cost model, windows, and the way to the device.
 
-:class:`TextHandler` is the base of ``SentenceEmbeddingHandler`` and
-``SequenceClassificationHandler`` (and of the decoder-model handlers to come): it holds the
+:class:`TextHandler` is the base of every text handler (``SentenceEmbeddingHandler``,
+``SequenceClassificationHandler``, the decoder models' ``CausalRerankHandler`` and
+``CausalLMHandler``): it holds the
 folder's :class:`~app.handlers.tokenizing.TextTokenizer`, the forward's
 :class:`~app.handlers.text_cost.CostModel` (``batch_cost``, the length groups), the window
 policy and merge rules (it implements :class:`~app.handlers.windows.Windowed`), and a
@@ -46,7 +47,7 @@ from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_
 from app.models.base import PREPARED, Priced
 from app.models.memory import trim_heap
 
-__all__ = ["TextHandler", "max_length", "prepared_parts"]
+__all__ = ["TextHandler", "max_length", "prepared_parts", "ragged"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,15 @@ def prepared_parts(inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts | None]
     """The items' preparations in ``inputs[PREPARED]`` (None: absent)."""
     prepared = inputs.get(PREPARED)
     return None if prepared is None else list(np.asarray(prepared, dtype=object).reshape(-1))
+
+
+def ragged(arrays: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.object_]:
+    """A ragged output (``app.models.repository.TensorSpec.ragged``): an object array ``[B]`` of
+    the items' arrays (filled one by one: numpy would otherwise stack arrays of equal length)."""
+    out = np.empty(len(arrays), dtype=object)
+    for i, array in enumerate(arrays):
+        out[i] = array
+    return out
 
 
 class TextHandler(windowing.Windowed):
@@ -197,14 +207,19 @@ class TextHandler(windowing.Windowed):
         texts, queries = text_inputs(inputs)
         keep = self.keep(inputs, len(texts))
         missing = list(range(len(texts))) if given is None else [i for i, p in enumerate(given) if p is None]
+        # a whole item is its text; in pieces, its one piece (its words, not the space around them)
+        pieces = self.policy.truncation == "pieces"
+        bounds = [
+            windowing.piece_bounds(texts[i]) if pieces and not (keep and keep[i]) else (0, len(texts[i]))
+            for i in missing
+        ]
         made = self.prepare_texts(
-            [texts[i] for i in missing], [queries[i] for i in missing],
+            [texts[i][a:b] for i, (a, b) in zip(missing, bounds, strict=True)], [queries[i] for i in missing],
             [keep[i] for i in missing] if keep is not None else None,
         )  # fmt: skip
-        if self.spans:  # a whole item: its span is its text
+        if self.spans:
             made = [
-                self._spanned(p, Window(0, len(texts[i]), 0, p[0]))
-                for i, p in zip(missing, made, strict=True)
+                self._spanned(p, Window(a, b, 0, p[0])) for (a, b), p in zip(bounds, made, strict=True)
             ]
         if given is None:
             return made

@@ -21,6 +21,13 @@ declares it, is vLLM's field of that name, passed per item by the text APIs
 (``app.protocols.text``): 0 = not asked (the model's ``truncation`` holds), -1 = the model's
 ``max_seq_length``, ``k`` >= 1 = the text's last ``k`` tokens, special tokens counted (for a
 (query, text) pair: the text cut, the query whole); a text cut so is one item, never windows.
+
+The optional INT64 input ``input_type`` (shape ``[1]``), where a retrieval model declares it
+(:mod:`app.handlers.sparse_embedding`, :mod:`app.handlers.multi_vector`), says per item what the
+text is: 1 a query, 2 a document, 0 (or omitted) the model's default: the tasks of
+sentence-transformers' ``encode_query`` / ``encode_document`` / ``encode``
+(:data:`INPUT_TYPES`, :func:`input_types`). A number, not a name: an omitted optional input
+reaches the handler as zeros, and a warmup's texts are no task's name.
 """
 
 from __future__ import annotations
@@ -37,6 +44,8 @@ import numpy.typing as npt
 __all__ = [
     "ATTENTION",
     "DTYPE_NAMES",
+    "INPUT_TYPE",
+    "INPUT_TYPES",
     "SHARED_PARAMETERS",
     "TRUNCATE",
     "ModelConfigLike",
@@ -44,6 +53,7 @@ __all__ = [
     "check_shared_parameters",
     "declares_truncation",
     "decode_texts",
+    "input_types",
     "item_integers",
     "resolve_model_dir",
     "truncation",
@@ -63,6 +73,10 @@ SHARED_PARAMETERS = (
 )
 #: The optional per-item input that cuts a text to its last tokens (module docstring).
 TRUNCATE = "truncate_prompt_tokens"
+#: The optional per-item input that says whether a text is a query or a document (module docstring).
+INPUT_TYPE = "input_type"
+#: The tasks ``input_type`` names, by value: 0 the model's default (""), 1 a query, 2 a document.
+INPUT_TYPES = ("", "query", "document")
 
 
 class TensorSpecLike(Protocol):
@@ -258,3 +272,21 @@ def text_inputs(inputs: Mapping[str, npt.NDArray[Any]]) -> tuple[list[str], list
     if len(queries) != len(texts):
         raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
     return texts, queries
+
+
+def input_types(inputs: Mapping[str, npt.NDArray[Any]], count: int) -> list[str]:
+    """Each of ``count`` items' task (:data:`INPUT_TYPES`: "", "query" or "document") from its
+    :data:`INPUT_TYPE` ("" where the input is absent).
+
+    Raises:
+        ValueError: not one integer per item, or a value outside 0, 1, 2.
+    """
+    values = item_integers(inputs, INPUT_TYPE, count)
+    if values is None:
+        return [""] * count
+    bad = [int(v) for v in values if not 0 <= v < len(INPUT_TYPES)]
+    if bad:
+        raise ValueError(
+            f"input {INPUT_TYPE!r} {bad[0]} is not 0 (the model's default), 1 (a query) or 2 (a document)"
+        )
+    return [INPUT_TYPES[int(v)] for v in values]

@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -271,6 +271,17 @@ class TextTokenizer:
         encoded = self._plain.encode_batch_fast(list(zip(queries, texts, strict=True)))
         return [(_ids(e.ids), _ids(e.type_ids)) for e in encoded]
 
+    def whole_counts(self, texts: Sequence[str]) -> list[int]:
+        """Tokens of each text whole, special tokens included, however many: what :meth:`encode`
+        gives it before the cut at ``max_length`` (its kept part and the overflow's parts, each
+        part's special tokens counted once). For the message that refuses a text too long."""
+        out = []
+        for e in self._plain.encode_batch_fast(list(texts)):
+            parts = (e, *e.overflowing)
+            text = sum(len(p.ids) - sum(p.special_tokens_mask) for p in parts)
+            out.append(text + sum(e.special_tokens_mask))
+        return out
+
     def count(self, texts: Sequence[str]) -> list[int]:
         """Tokens of each text alone, no special tokens, at most ``max_length`` (a count of
         ``max_length`` means "that many or more")."""
@@ -312,8 +323,14 @@ class TextTokenizer:
     ) -> list[list[Window]]:
         """Each text's pieces (``spans``: its ``[start, stop)`` character spans, e.g.
         ``app.handlers.windows.piece_spans``), each piece tokenized on its own as :meth:`encode`
-        (with the text's query, as a pair, where one is given and non-empty: :meth:`encode_pairs`),
-        truncated to ``max_length``; all pieces in one batch call of the Rust tokenizer."""
+        (with the text's query, as a pair, where one is given and non-empty: :meth:`encode_pairs`);
+        all pieces in one batch call of the Rust tokenizer. A piece over ``max_length`` tokens
+        becomes the windows :meth:`windows` makes of it alone (``stride``), each with the span of
+        the text its tokens cover: nothing is cut away.
+
+        Raises:
+            RuntimeError: a piece too long for a tokenizer made without a stride (or pairs).
+        """
         wanted = list(queries) if queries is not None else [""] * len(texts)
         owners = [(i, start, stop) for i, s in enumerate(spans) for start, stop in s]
         single = [k for k, (i, _, _) in enumerate(owners) if not wanted[i]]
@@ -329,8 +346,22 @@ class TextTokenizer:
                 for k in keys
             ]
             encoded.update(zip(keys, self._plain.encode_batch_fast(batch), strict=True))
+        long = [k for k in range(len(owners)) if encoded[k].overflowing]
+        split = dict(
+            zip(
+                long,
+                self.windows(
+                    [texts[owners[k][0]][owners[k][1] : owners[k][2]] for k in long],
+                    [wanted[owners[k][0]] for k in long],
+                ),
+                strict=True,
+            )
+        )
         out: list[list[Window]] = [[] for _ in texts]
         for k, (i, start, stop) in enumerate(owners):
+            if k in split:  # the piece's own windows, their spans moved into the text
+                out[i] += [replace(w, start=start + w.start, stop=start + w.stop) for w in split[k]]
+                continue
             e = encoded[k]
             side = 1 if wanted[i] else 0
             tokens = sum(1 for s in e.sequence_ids if s == side)

@@ -11,9 +11,13 @@ and how the windows' results are put back together per text.
     ``"truncate"``: the text is cut after ``max_seq_length`` tokens (one window).
     ``"error"``: a longer text is refused (400 naming its tokens and the limit).
     ``"pieces"``: the text is cut into pieces of at most ``piece_chars`` characters on word
-    boundaries (:func:`piece_spans`), each an item (truncated to ``max_seq_length`` tokens),
-    their results put together as windows' are: the moderation seed's cut (posts in pieces of at
-    most 300 characters, each classified).
+    boundaries (:func:`piece_spans`), each an item, their results put together as windows' are:
+    the moderation seed's cut (posts in pieces of at most 300 characters, each classified). A
+    piece longer than ``max_seq_length`` tokens (300 characters of Chinese, emoji, a URL can
+    be several hundred) is split again into windows of that piece, with ``stride``, as a long
+    text is: nothing is cut silently, and each window reports the span its tokens cover. A piece
+    is its words and the spaces between them, never the white space around them, whatever the
+    text's length (a text of one piece too).
     Why windows by default for classifiers and cross-encoders: a moderation model that never sees
     the end of a post, or a reranker that never sees the relevant part of a document, is wrong
     without saying so; windows cost more, but the cost is priced before anything is queued and
@@ -66,14 +70,19 @@ if TYPE_CHECKING:  # the tokenizers library only where a text model loads, not i
 __all__ = [
     "AGGREGATES",
     "MERGES",
+    "SPARSE_MERGES",
     "TRUNCATIONS",
     "Span",
     "WindowPolicy",
     "Windowed",
     "aggregate",
     "merge",
+    "merge_outputs",
     "merges",
+    "piece_bounds",
     "piece_spans",
+    "rows",
+    "sparse",
     "split",
     "weighted_mean",
 ]
@@ -106,7 +115,8 @@ class WindowPolicy:
             the lesser of that and ``piece_chars``: the window stage splits only texts whose
             UTF-8 bytes (plus 4) exceed it, which holds for both units (a character is at
             least one byte, a token at least one byte).
-        stride: tokens a window repeats from the one before (0 <= stride < max_length // 2).
+        stride: tokens a window repeats from the one before (0 <= stride < max_length // 2;
+            for pieces, of ``max_seq_length``, between the windows of a piece too long).
         max_windows: windows (or pieces) per text, >= 1.
         max_request_tokens: tokens per request over all windows; None = no bound.
         aggregate: ``"max"`` or ``"mean"``.
@@ -123,9 +133,10 @@ class WindowPolicy:
 
     @property
     def overflow_stride(self) -> int | None:
-        """The stride of the tokenizer's overflow windows this policy cuts (``"window"``, and
-        ``"error"`` which counts them); None where it cuts none."""
-        return self.stride if self.truncation in ("window", "error") else None
+        """The stride of the tokenizer's overflow windows this policy cuts (``"window"``,
+        ``"pieces"`` for a piece too long, and ``"error"`` which counts them); None where it
+        cuts none."""
+        return self.stride if self.truncation in ("window", "error", "pieces") else None
 
     @classmethod
     def from_parameters(
@@ -181,8 +192,14 @@ class Span:
 #: How a per-window output becomes one per text: ``"weighted_mean"`` (embeddings:
 #: :func:`weighted_mean`), ``"sum"``, ``"max"``, ``"mean"``, ``"last"`` (the last window's),
 #: ``"concat"`` (BYTES JSON arrays, one per window, joined into one array per text in window
-#: order: per-piece results).
-MERGES = ("weighted_mean", "sum", "max", "mean", "last", "concat")
+#: order: per-piece results), ``"rows"`` (a ragged output: each window's rows, ``[n_w, ...]``,
+#: one after the other in window order: multi-vectors), ``"sparse_max"`` and ``"sparse_sum"``
+#: (a sparse vector as two ragged outputs, its term ids and their weights: the union of the
+#: windows' terms, each weighted by its largest, or summed, weight; the two outputs merge
+#: together: :func:`merge_outputs`).
+MERGES = ("weighted_mean", "sum", "max", "mean", "last", "concat", "rows", "sparse_max", "sparse_sum")
+#: The rules that merge a pair of outputs together (:func:`merge_outputs`), by their reduction.
+SPARSE_MERGES = {"sparse_max": np.maximum, "sparse_sum": np.add}
 
 
 @runtime_checkable
@@ -257,14 +274,15 @@ def split(
         out = tokenizer.windows(texts, queries)
     for item, windows in enumerate(out):
         if policy.truncation == "error" and len(windows) > 1:
+            (count,) = tokenizer.whole_counts([texts[item]])
             raise ValueError(
-                f"item {item} is longer than the model's {policy.max_length} tokens "
-                '(truncation = "error"; "window" or "truncate" in model.toml takes it)'
+                f"item {item} has {count} tokens, over the model's {tokenizer.max_length} "
+                '(truncation = "error" in its model.toml): send a shorter text'
             )
         if len(windows) > policy.max_windows:
-            unit = f"pieces of {policy.piece_chars} characters" if policy.piece_chars else (
-                f"windows of {policy.max_length} tokens"
-            )  # fmt: skip
+            unit = f"pieces of {policy.piece_chars} characters (and windows of pieces too long)" if (
+                policy.piece_chars
+            ) else f"windows of {policy.max_length} tokens"  # fmt: skip
             raise PayloadTooLarge(
                 f"item {item} needs {len(windows)} {unit}, over the model's max_windows "
                 f"({policy.max_windows}); shorten or split the text"
@@ -283,7 +301,9 @@ def piece_spans(text: str, max_chars: int) -> list[tuple[int, int]]:
     ``[start, stop)`` character spans in order: greedily, each piece as many whole words (runs
     of non-space characters) as fit with the spaces between them as the text has them; a word
     longer than ``max_chars`` is cut every ``max_chars`` characters, its tail going on as a word.
-    A text without words is one piece, the whole text. Spaces between pieces belong to none.
+    A text without words is one piece, the whole text. White space between pieces, before the
+    first and after the last belongs to none, a text of one piece included
+    (:func:`piece_bounds`).
 
     Source: the moderation service this design learnt from cut posts so (pieces of at most 300
     characters, each classified by TrustSafeAI/RADAR-Vicuna-7B)."""
@@ -308,6 +328,19 @@ def piece_spans(text: str, max_chars: int) -> list[tuple[int, int]]:
     if start >= 0:
         out.append((start, stop))
     return out or [(0, len(text))]
+
+
+def piece_bounds(text: str) -> tuple[int, int]:
+    """The span of ``text`` that its pieces cover, ``[start, stop)``: from its first word to the
+    end of its last (:func:`piece_spans`' rule for white space); the whole text where it has no
+    word. What a text of one piece is scored on, whether or not it went through the window
+    stage. (``str.strip`` and the word pattern's ``\\S`` agree on white space: both are
+    Unicode's, ``Py_UNICODE_ISSPACE``.)"""
+    stripped = text.strip()
+    if not stripped:
+        return 0, len(text)
+    start = len(text) - len(text.lstrip())
+    return start, start + len(stripped)
 
 
 def concat(values: npt.NDArray[Any], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.object_]:
@@ -371,4 +404,98 @@ def merge(
         return concat(values, counts)
     if rule in ("sum", "max", "mean"):
         return aggregate(values, counts, rule)
+    if rule == "rows":
+        return rows(values, counts)
+    if rule in SPARSE_MERGES:
+        raise ValueError(f"window merge rule {rule!r} merges a pair of outputs together: merge_outputs")
     raise ValueError(f"window merge rule {rule!r} is not one of {list(MERGES)}")
+
+
+def rows(values: npt.NDArray[Any], counts: npt.NDArray[np.int64]) -> npt.NDArray[np.object_]:
+    """A ragged output's per-window arrays (object ``[W]``, each ``[n_w, ...]``; each text's
+    windows consecutive, ``counts`` ``[B]``) as one array per text, its windows' rows one after
+    the other in window order: object ``[B]``."""
+    flat = np.asarray(values, dtype=object).reshape(-1)
+    out = np.empty(len(counts), dtype=object)
+    start = 0
+    for item, count in enumerate(counts):
+        parts = list(flat[start : start + int(count)])
+        out[item] = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        start += int(count)
+    return out
+
+
+def merge_outputs(
+    results: Mapping[str, npt.NDArray[Any]],
+    rules: Mapping[str, str],
+    counts: npt.NDArray[np.int64],
+    weights: npt.NDArray[Any],
+) -> dict[str, npt.NDArray[Any]]:
+    """Every per-window output of ``results`` (``[W, ...]``; each text's windows consecutive,
+    ``counts`` ``[B]``, text tokens per window ``weights`` ``[W]``) put together per text by its
+    rule in ``rules`` (:data:`MERGES`), ``[B, ...]``: each alone (:func:`merge`), except the two
+    outputs of a sparse rule, merged together (:func:`sparse`): the integer one holds the term
+    ids, the floating one their weights.
+
+    Raises:
+        ValueError: an output without a rule, an unknown rule, or a sparse rule not held by
+            exactly one integer and one floating ragged output.
+    """
+    out: dict[str, npt.NDArray[Any]] = {}
+    for rule in SPARSE_MERGES:
+        pair = [name for name in results if rules.get(name) == rule]
+        if not pair:
+            continue
+        kinds = {_element_kind(results[name]): name for name in pair}
+        if len(pair) != 2 or set(kinds) != {"i", "f"}:
+            raise ValueError(
+                f"window merge rule {rule!r} needs one integer and one floating ragged output "
+                f"(a sparse vector's ids and weights), got {pair}"
+            )
+        out[kinds["i"]], out[kinds["f"]] = sparse(results[kinds["i"]], results[kinds["f"]], counts, rule)
+    for name, values in results.items():
+        if name in out:
+            continue
+        found = rules.get(name)
+        if found is None:
+            raise ValueError(f"output {name!r} has no window merge rule (the handler's window_merges)")
+        out[name] = merge(values, found, counts, weights)
+    return out
+
+
+def _element_kind(values: npt.NDArray[Any]) -> str:
+    """The numpy kind (``"i"``, ``"f"``, ...) of a ragged output's arrays (of the array itself
+    where it is not ragged)."""
+    flat = np.asarray(values).reshape(-1)
+    if flat.dtype != object:
+        return flat.dtype.kind
+    return np.asarray(flat[0]).dtype.kind if len(flat) else "O"
+
+
+def sparse(
+    indices: npt.NDArray[Any], values: npt.NDArray[Any], counts: npt.NDArray[np.int64], rule: str
+) -> tuple[npt.NDArray[np.object_], npt.NDArray[np.object_]]:
+    """The windows' sparse vectors (object ``[W]`` of term ids and of their weights, each
+    ``[n_w]``; each text's windows consecutive, ``counts`` ``[B]``) as one per text: the union of
+    its windows' ids, ascending, each weighted by the largest (``"sparse_max"``: SPLADE's max
+    pooling over the whole text's tokens) or the sum (``"sparse_sum"``) of its windows' weights;
+    object ``[B]`` each."""
+    reduce = SPARSE_MERGES[rule]
+    flat_ids = np.asarray(indices, dtype=object).reshape(-1)
+    flat_values = np.asarray(values, dtype=object).reshape(-1)
+    out_ids = np.empty(len(counts), dtype=object)
+    out_values = np.empty(len(counts), dtype=object)
+    start = 0
+    for item, count in enumerate(counts):
+        window = slice(start, start + int(count))
+        start += int(count)
+        if count == 1:
+            out_ids[item], out_values[item] = flat_ids[window][0], flat_values[window][0]
+            continue
+        ids = np.concatenate(list(flat_ids[window]))
+        weights = np.concatenate(list(flat_values[window]))
+        unique, where = np.unique(ids, return_inverse=True)
+        merged = np.full(len(unique), -np.inf if rule == "sparse_max" else 0, dtype=weights.dtype)
+        reduce.at(merged, where, weights)
+        out_ids[item], out_values[item] = unique.astype(ids.dtype, copy=False), merged
+    return out_ids, out_values

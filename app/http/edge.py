@@ -239,7 +239,7 @@ def _model_labels(request: web.Request) -> tuple[str, str] | None:
     info = request.match_info
     name, version = info["name"], info.get("version")
     try:
-        config = request.app[CORE].dataplane.version(name, version).config
+        config = request.app[CORE].dataplane.get_model(name, version).config
     except ScoringError:  # not served: unavailable (its name), or unknown ("")
         return request.app[CORE].registry.labels(name, version)
     return config.name, config.version

@@ -105,11 +105,11 @@ async def serve(request: web.Request, api: Api) -> web.Response:
     )
     model = None
     if codec.named_in_path:
-        model = plane.admit(request.match_info["name"], request.match_info.get("version"), context)
+        model, context = plane.admit(request.match_info["name"], request.match_info.get("version"), context)
     call = codec.call(await _read_body(request), request.headers, plane.limits)
     if model is None:
         assert call.name is not None, f"the {api.protocol} codec named no model"
-        model = plane.admit(call.name, call.version, context)
+        model, context = plane.admit(call.name, call.version, context)
     body, content_type, headers = await plane.serve(model, call, context)
     return web.Response(body=body, content_type=content_type, headers=headers)
 

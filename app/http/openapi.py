@@ -48,6 +48,15 @@ def _schema(ref: str | dict[str, Any]) -> dict[str, Any]:
     return {"$ref": REF.format(name=ref)} if isinstance(ref, str) else ref
 
 
+def _content(kind: Any) -> dict[str, Any]:
+    """A response body's JSON content: a reference to a msgspec struct's schema, or, for an
+    answer that is no struct (TEI's bare array of sparse vectors), its schema inline."""
+    if isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+        return _json(kind.__name__)
+    (schema,), _ = msgspec.json.schema_components([kind], ref_template=REF)
+    return {"application/json": {"schema": schema}}
+
+
 def _json(ref: str | dict[str, Any], content_type: str = "application/json") -> dict[str, Any]:
     return {content_type: {"schema": _schema(ref)}}
 
@@ -89,7 +98,7 @@ def _inference(api: Api, path: str, operation: str) -> dict[str, Any]:
     the timeout and request id headers, and Triton's binary tensor data where it takes it."""
     params = [PARAMS[p] for p in ("name", "version") if "{" + p + "}" in path]
     params += [PARAMS["timeout"], *([PARAMS["header_length"]] if api.binary else []), PARAMS["request_id"]]
-    ok: dict[str, Any] = {"description": api.answer, "content": _json(api.response.__name__)}
+    ok: dict[str, Any] = {"description": api.answer, "content": _content(api.response)}
     body = _json(api.request.__name__)
     if api.binary:
         text = f"The response JSON ({HEADER_LENGTH} bytes), then binary outputs."

@@ -41,6 +41,11 @@ creates one instance per worker with no arguments and calls:
     :class:`Priced` (absent otherwise, e.g. at warmup: the handler then does that work
     itself). Returns whatever ``predict`` takes (device tensors: the copy to the device
     belongs here). May run while ``predict`` runs the previous batch.
+    An input declared ``shared = "once"`` (a request's items share it: its user, its prefix)
+    arrives as its distinct rows ``[U, ...]`` in batch order (consecutive items with equal rows
+    share one: each request's items are consecutive), and ``inputs[shared_rows(name)]``, int64
+    ``[B]``, gives each item's row; ``shared = "repeat"`` arrives repeated, ``[B, ...]``, like any
+    input.
 ``predict(batch)``  -- the inference thread only, one batch at a time, in batch order
     Runs the model; the server wraps it in ``torch.inference_mode()``. On a GPU it should only
     launch work (no ``.cpu()``, no ``.item()``): the server waits for the device elsewhere.
@@ -102,6 +107,25 @@ class Handler(Protocol):
 #: The reserved input name of the items' preparations (:class:`Priced`); never a declared input
 #: (``model.toml`` names cannot start with ``#``) and never read from a client.
 PREPARED = "#prepared"
+
+
+def shared_rows(name: str) -> str:
+    """The reserved input name of the row each item of a batch takes of input ``name``, declared
+    ``shared = "once"`` (module docstring): int64 ``[B]`` into ``inputs[name]``'s distinct rows."""
+    return f"#rows:{name}"
+
+
+def distinct_rows(array: np.ndarray) -> tuple[np.ndarray, npt.NDArray[np.int64]]:
+    """``array`` (``[B, ...]``) as its runs of equal consecutive rows: ``(rows [U, ...], index
+    int64 [B])`` with ``rows[index] == array``; one comparison of each row with the one before,
+    so a batch of R requests sharing a row each costs O(B) and gives U <= R."""
+    if len(array) == 0:
+        return array, np.zeros(0, np.int64)
+    flat = array.reshape(len(array), -1)
+    changes = (flat[1:] != flat[:-1]).any(axis=1) if flat.shape[1] else np.zeros(len(array) - 1, bool)
+    index = np.concatenate(([0], np.cumsum(changes))).astype(np.int64)
+    starts = np.flatnonzero(np.concatenate(([True], changes)))
+    return array[starts], index
 
 
 @dataclass(frozen=True)

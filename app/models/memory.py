@@ -18,12 +18,14 @@ create a CUDA context; ``tests/unit/test_memory.py`` checks it): only the standa
 
 from __future__ import annotations
 
+import ast
 import ctypes
 import ctypes.util
 import functools
 import json
 import math
 import struct
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -328,17 +330,48 @@ def _model_folder(config: ModelConfig) -> Path:
     return folder if folder.is_dir() else config.path
 
 
-#: What runs after the layers for handlers whose work is not their folder class's: a causal LM
-#: as a yes/no reranker reads two rows of its LM head (``app.handlers.causal_rerank``); the
-#: scorer makes its logits a chunk of rows at a time (``app.handlers.causal_lm``).
-HANDLER_HEADS = {"CausalRerankHandler": "base", "CausalLMHandler": "lm-chunked"}
+#: The class attribute by which a handler declares what runs after the layers when that is not
+#: its folder class's work: ``"base"`` (the layers' states only: a causal LM as a yes/no reranker
+#: reads two rows of its LM head, ``app.handlers.causal_rerank``), ``"lm-chunked"`` (the logits a
+#: chunk of rows at a time, ``app.handlers.causal_lm``).
+MEMORY_HEAD = "MEMORY_HEAD"
+
+
+def declared_head(config: ModelConfig) -> str | None:
+    """What ``config``'s handler class declares runs after its layers (its :data:`MEMORY_HEAD`
+    string), read from its module's source, not imported: memory is planned in the gunicorn
+    master, which imports no handler (they import torch). The module is the model folder's own
+    ``.py`` file, else the first found on ``sys.path``; None where none declares one."""
+    if config.format != "handler" or not config.handler:
+        return None
+    module_name, _, class_name = config.handler.partition(":")
+    relative = module_name.replace(".", "/") + ".py"
+    candidates = [config.path / relative, *(Path(entry or ".") / relative for entry in sys.path)]
+    source = next((c for c in candidates if c.is_file()), None)
+    if source is None:
+        return None
+    try:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+    except (SyntaxError, UnicodeDecodeError, OSError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.ClassDef) and node.name == class_name:
+            for statement in node.body:
+                targets = statement.targets if isinstance(statement, ast.Assign) else (
+                    [statement.target] if isinstance(statement, ast.AnnAssign) else []
+                )  # fmt: skip
+                value = getattr(statement, "value", None)
+                named = any(isinstance(t, ast.Name) and t.id == MEMORY_HEAD for t in targets)
+                if named and isinstance(value, ast.Constant) and isinstance(value.value, str):
+                    return value.value
+    return None
 
 
 def plan_model(config: ModelConfig) -> ModelMemory:
     """The memory of one model of a repository, from its ``model.toml``: a handler's Hugging Face
     folder by :func:`plan_folder` (``[parameters]`` ``dtype``, default float32,
     ``attn_implementation``, default sdpa, ``max_seq_length``; ``max_batch_size`` and
-    ``max_batch_tokens``; the head :data:`HANDLER_HEADS` names for its handler); any other
+    ``max_batch_tokens``; the head its handler declares, :func:`declared_head`); any other
     model by the bytes of its files (weights as they are
     stored; activations not planned: 0). Raises as :func:`plan_folder`."""
     folder = _model_folder(config)
@@ -354,7 +387,7 @@ def plan_model(config: ModelConfig) -> ModelMemory:
         max_batch_tokens=config.max_batch_tokens,
         max_seq_length=parameters.get("max_seq_length"),
         attn_implementation=str(parameters.get("attn_implementation", "sdpa")),
-        head=HANDLER_HEADS.get(str(config.handler or "").rpartition(":")[2]),
+        head=declared_head(config),
     )
 
 

@@ -122,15 +122,20 @@ def place(
         f"{gpu} has {free_bytes / GIB:.1f} GiB free of {total_bytes / GIB:.1f} GiB "
         f"({reserve_fraction:.0%} kept in reserve) and each worker needs {detail}"
     )
+    remedies = "lower max_batch_size or max_batch_tokens, serve fewer models per worker"
+    if isinstance(worker, WorkerMemory):
+        full = [m.name for m in worker.models if m.dtype == "float32" and m.parameters]
+        if full:  # half precision only where a model is not in it already
+            remedies = f'serve dtype = "bfloat16" for {", ".join(full)} (half float32\'s weights), {remedies}'
     if copies == 0:
         message = (
-            f"{gpu} cannot hold one worker: {room}. No worker starts on it; serve a smaller dtype "
-            "(bfloat16 halves float32's weights), lower max_batch_tokens, or use a larger GPU"
+            f"{gpu} cannot hold one worker: {room}. No worker starts on it; {remedies}, or use a "
+            "larger GPU"
         )
     else:
         message = (
             f"SCORING_MAX_PROCESSES_PER_GPU={asked} asks for {asked} workers on {gpu}, but {room}: "
-            f"starting {copies}. For more copies: a smaller dtype or lower max_batch_tokens"
+            f"starting {copies}. For more copies: {remedies}"
         )
     return Placement(copies, asked, fits, need, message)
 

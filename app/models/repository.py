@@ -70,6 +70,12 @@ class TensorSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True):
     #: object array ``[B]`` of those arrays, and each protocol encodes it as its docs say
     #: (docs/model-repository.md, *Ragged outputs*).
     ragged: bool = False
+    #: An input shared by a request's items (a feed request's user, beside its N candidates):
+    #: sent once, batch dimension 1 (or B, repeated, as without it). ``"repeat"``: the model sees
+    #: it repeated for each item; ``"once"``: a handler sees
+    #: its distinct rows in batch order and, under ``app.models.base.shared_rows(name)``, each
+    #: item's row (docs/model-repository.md, *Inputs shared by a request's items*).
+    shared: Literal["repeat", "once"] | None = None
 
     def filled(self, batch_size: int, *, text: bytes = b"", variable_dim: int = 1) -> np.ndarray:
         """A ``[batch_size, *shape]`` array of zeros, or of ``text`` for BYTES; -1 dims become
@@ -264,6 +270,8 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 s.validate(f"{where} {kind}.{s.name}")
                 if kind == "inputs" and s.ragged:
                     raise ModelLoadError(f"{where} inputs.{s.name}: ragged applies to outputs only")
+                if kind == "outputs" and s.shared is not None:
+                    raise ModelLoadError(f"{where} outputs.{s.name}: shared applies to inputs only")
         if self.format == "handler":
             if not self.handler or not _HANDLER.match(self.handler):
                 raise ModelLoadError(
@@ -271,6 +279,12 @@ class ModelConfig(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
                 )
         else:
             self.weights_path()
+        once = [s.name for s in self.inputs if s.shared == "once"]
+        if once and self.format != "handler":
+            raise ModelLoadError(
+                f"{where}: inputs {once} are shared = \"once\", which only a handler takes; a "
+                f"{self.format} model takes every input per item: shared = \"repeat\""
+            )
         if self.max_batch_size < 1:
             raise ModelLoadError(f"{where}: max_batch_size must be >= 1")
         if self.max_queue_delay_ms < 0:

@@ -411,22 +411,50 @@ class ModelStats:
     batches: dict[int, Duration] = field(default_factory=dict)
 
 
+#: Why a serving unit refuses or drops a request (``scoring_rejected_total``'s ``reason``).
+REJECT_REASONS = ("admission", "queue_full", "deadline", "out_of_memory", "disconnected")
+#: ``scoring_response_cache_items_total``'s ``result``.
+CACHE_RESULTS = ("hit", "miss")
+
+
 class ModelObserver:
     """What one model version's serving unit reports (``app.serving.unit.UnitObserver``): its
     Triton statistics always, and its Prometheus metrics when ``metrics`` is given (their label
     children looked up once).
 
+    Made when the version loads, it makes the series whose labels are known then, at 0: each
+    :data:`REJECT_REASONS` of ``scoring_rejected_total`` and, for a model with a response cache
+    (``cached``), its ``scoring_response_cache_items_total`` by result and its
+    ``scoring_response_cache_bytes``. A dashboard's panel over them then reads 0 from the start,
+    not "No data" until the first event. (The bytes gauge is only made, never set: its
+    ``mostrecent`` aggregation keeps a sibling's later figure.)
+
     Args:
         stats: the version's Triton statistics.
         metrics: this process's metrics; None when metrics are off.
         model, version: the labels.
+        cached: the model has ``[response_cache] enable = true``.
     """
 
-    def __init__(self, stats: ModelStats, metrics: ServerMetrics | None, model: str, version: str) -> None:
+    def __init__(
+        self,
+        stats: ModelStats,
+        metrics: ServerMetrics | None,
+        model: str,
+        version: str,
+        *,
+        cached: bool = False,
+    ) -> None:
         self.stats = stats
         self._metrics = metrics
         self._labels = (model, version)
         if metrics is not None:
+            for reason in REJECT_REASONS:
+                metrics.rejected.labels(model, version, reason)
+            if cached:
+                for result in CACHE_RESULTS:
+                    metrics.cache_items.labels(model, version, result)
+                metrics.cache_bytes.labels(model)
             self._queue = metrics.queue_seconds.labels(model, version)
             self._compute = metrics.compute_seconds.labels(model, version)
             self._items = metrics.batch_size.labels(model, version)

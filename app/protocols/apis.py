@@ -4,7 +4,7 @@ document lists them."""
 
 from __future__ import annotations
 
-from app.protocols import classify, completions, openai, rerank, score, v1, v2
+from app.protocols import classify, completions, openai, rerank, score, sparse, v1, v2
 from app.protocols.codec import Api
 
 APIS: tuple[Api, ...] = (
@@ -14,5 +14,6 @@ APIS: tuple[Api, ...] = (
     rerank.API,
     classify.API,
     score.API,
+    sparse.API,
     completions.API,
 )

@@ -12,6 +12,14 @@ are refused: this server tokenises itself. Errors have OpenAI's shape (:func:`er
 ``dimensions`` (Matryoshka): each embedding's first ``dimensions`` values, L2-normalised again;
 more than the model makes is a 400 (:func:`shortened`).
 
+**Multi-vector models** (an extension, the shape vLLM's ``token_embed`` pooling answers in): a
+model whose ``embedding`` is ragged (``ragged = true``, shape ``[-1, dim]``: ColBERT's one row
+per token, ``app.handlers.multi_vector``) answers each input's ``embedding`` as a list of
+vectors, one per token row, in token order (``encoding_format = "base64"``: a list of base64
+strings, one a row); ``dimensions`` is refused for it (400). ``input_type`` (``"query"`` or
+``"document"``, ``app.protocols.text``) says what the inputs are; a model without that input
+refuses it.
+
 Source: OpenAI's API reference, "Embeddings" (``embeddings.create``, ``dimensions``) and
 "Errors"; the same endpoint in text-embeddings-inference (``dimensions``: cut, then normalised;
 above the model's width refused), Infinity and KServe. Kusupati et al., "Matryoshka
@@ -52,13 +60,16 @@ class EmbeddingRequest(msgspec.Struct, omit_defaults=True):
     priority: int | None = None
     #: vLLM's extension (``app.protocols.text``).
     truncate_prompt_tokens: text.TruncatePromptTokens | None = None
+    #: Extension (``app.protocols.text``): what the inputs are, for a retrieval model.
+    input_type: text.InputType | None = None
 
 
 class Embedding(msgspec.Struct):
-    """One row of the answer."""
+    """One row of the answer: a vector (a multi-vector model's: a list of them, one a token)."""
 
     index: int
-    embedding: list[float] | str
+    #: A vector of floats, or its base64; a multi-vector model's: a list of either, one a token.
+    embedding: list[Any] | str
     object: str = "embedding"
 
 
@@ -123,6 +134,11 @@ def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferReques
     """
     name = text_input(config)
     spec = next(s for s in config.outputs if s.name == EMBEDDING)
+    if request.dimensions is not None and spec.ragged:
+        raise InvalidInput(
+            f"dimensions: model {config.name!r} makes multi-vector embeddings (a vector per token); "
+            "leave dimensions out"
+        )
     if request.dimensions is not None and spec.shape[-1] >= 0:
         _check_dimensions(config.name, request.dimensions, spec.shape[-1])
     texts = list(request.input)
@@ -131,6 +147,7 @@ def infer_request(config: ModelConfig, request: EmbeddingRequest) -> InferReques
         inputs=[
             InferInput(name, "BYTES", [len(texts), 1], texts),
             *text.truncation_inputs(config, request.truncate_prompt_tokens, len(texts)),
+            *text.input_type_inputs(config, request.input_type, len(texts)),
         ],
         outputs=[RequestedOutput(EMBEDDING), *text.counts_wanted(config, (text.TOKENS,))],
     )
@@ -165,6 +182,8 @@ def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]
     Raises:
         InvalidInput: ``dimensions`` above the width of a model whose width is not declared.
     """
+    if outputs[EMBEDDING].dtype == object:  # a multi-vector model's: rows per input
+        return _encode_rows(request, model, outputs)
     vectors = np.ascontiguousarray(outputs[EMBEDDING], dtype="<f4").reshape(len(request.input), -1)
     if request.dimensions is not None and request.dimensions != vectors.shape[1]:
         _check_dimensions(model, request.dimensions, vectors.shape[1])
@@ -176,6 +195,27 @@ def encode(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]
     tokens = text.token_count(outputs)
     body = {
         "data": [{"index": i, "embedding": row, "object": "embedding"} for i, row in enumerate(rows)],
+        "model": model,
+        "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
+        "object": "list",
+    }
+    return orjson.dumps(body, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def _encode_rows(request: EmbeddingRequest, model: str, outputs: dict[str, np.ndarray]) -> bytes:
+    """The response body of a multi-vector model (module docstring): each input's rows, float32
+    ``[n_i, dim]``, as a list of vectors (or of base64 strings, one a row)."""
+    data = []
+    for i, rows in enumerate(text.items(outputs[EMBEDDING], len(request.input))):
+        rows = np.ascontiguousarray(rows, dtype="<f4")
+        if request.encoding_format == "base64":
+            embedding: Any = [base64.b64encode(row.tobytes()).decode("ascii") for row in rows]
+        else:
+            embedding = rows  # orjson writes a float32 matrix as lists in the shortest float32 form
+        data.append({"index": i, "embedding": embedding, "object": "embedding"})
+    tokens = text.token_count(outputs)
+    body = {
+        "data": data,
         "model": model,
         "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         "object": "list",

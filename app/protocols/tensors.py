@@ -229,12 +229,16 @@ def check_against_spec(arr: np.ndarray, spec: TensorSpec, allow_non_finite: bool
 
 
 def complete_inputs(config: ModelConfig, arrays: dict[str, np.ndarray], where: str) -> dict[str, np.ndarray]:
-    """Check that every required input is there with one common batch size; fill optional ones.
+    """Check that every required input is there with one common batch size B; fill optional
+    ones; repeat a shared input sent once (``TensorSpec.shared``, batch dimension 1) for the B
+    items (a copy per request: a few microseconds for a user's features, where decoding them
+    B times, as a client that repeats them makes the server do, costs B times as long).
 
     Omitted optional inputs become ``b""`` (BYTES) or zeros of ``[B, *shape]``.
 
     Raises:
-        InvalidInput: unknown or missing input, or inputs with different batch sizes.
+        InvalidInput: unknown or missing input, or inputs with different batch sizes (a shared
+            one: 1 or B).
     """
     unknown = set(arrays) - {s.name for s in config.inputs}
     if unknown:
@@ -246,6 +250,15 @@ def complete_inputs(config: ModelConfig, arrays: dict[str, np.ndarray], where: s
     if missing:
         raise InvalidInput(f"{where}: missing required input(s) {missing} of model {config.name}")
     sizes = {name: len(a) for name, a in arrays.items()}
+    shared = {s.name for s in config.inputs if s.shared is not None and s.name in arrays}
+    if len(set(sizes.values())) > 1 and shared:
+        per_item = {sizes[name] for name in sizes if name not in shared} or {1}
+        if len(per_item) == 1 and all(sizes[name] in (1, *per_item) for name in shared):
+            batch = per_item.pop()
+            for name in shared:
+                if sizes[name] == 1 and batch > 1:
+                    arrays[name] = np.repeat(arrays[name], batch, axis=0)
+            sizes = {name: batch for name in sizes}
     if len(set(sizes.values())) > 1:
         raise InvalidInput(f"{where}: inputs disagree on the batch size: {sizes}")
     batch = next(iter(sizes.values()))

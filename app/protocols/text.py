@@ -16,14 +16,24 @@ an optional INT64 input named ``truncate_prompt_tokens`` (shape ``[1]``), one va
 maximum length (400, as vLLM). A model without that input refuses a request that sets it (400
 naming the model): silently ignoring it would answer another question.
 
+**``input_type``** (an extension, Voyage AI's field name and values): ``"query"`` or
+``"document"``, what the texts are, for a retrieval model whose queries and documents are
+encoded apart (inference-free SPLADE's routes, ColBERT's markers); passed to a model that
+declares an optional INT64 input ``input_type`` as 1 (a query) or 2 (a document) per item
+(0: the model's default, as when omitted); a model without it refuses a request that sets it
+(400).
+
+**Ragged outputs.** A sparse or multi-vector model's output differs in length per item
+(``ragged = true`` in its model.toml): the API receives it as B arrays (:func:`items`).
+
 Source: vLLM's ``PoolingParams.truncate_prompt_tokens`` and ``_validate_truncation_size``
 (``-1``: the model's ``max_model_len``; ``k``: the last ``k`` tokens; above ``max_model_len``
-refused).
+refused); Voyage AI's embeddings API (``input_type``).
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Generic, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import msgspec
 import numpy as np
@@ -32,7 +42,11 @@ from app.errors import InvalidInput
 from app.models.repository import ModelConfig
 from app.protocols.infer import InferInput, RequestedOutput
 
-TOKENS, WINDOWS, TRUNCATE = "tokens", "windows", "truncate_prompt_tokens"
+TOKENS, WINDOWS, TRUNCATE, INPUT_TYPE = "tokens", "windows", "truncate_prompt_tokens", "input_type"
+#: What a text of a retrieval model is (module docstring).
+InputType = Literal["query", "document"]
+#: ``input_type``'s values as the model takes them (INT64), by position: 0 the model's default.
+INPUT_TYPES = ("", "query", "document")
 #: A row of a :class:`PoolingResponse`'s ``data``.
 Row = TypeVar("Row")
 
@@ -130,3 +144,30 @@ def usage(outputs: dict[str, np.ndarray]) -> UsageInfo:
 def windows_each(outputs: dict[str, np.ndarray], count: int) -> np.ndarray:
     """The windows each of ``count`` items took, int64 ``[count]``; 1 each without ``windows``."""
     return np.asarray(outputs[WINDOWS]).reshape(-1) if WINDOWS in outputs else np.ones(count, np.int64)
+
+
+def input_type_inputs(config: ModelConfig, value: str | None, items: int) -> list[InferInput]:
+    """The ``input_type`` input of a request of ``items`` texts: none when not asked, else its
+    value for each item, INT64 ``[items, 1]`` (:data:`INPUT_TYPES`).
+
+    Raises:
+        InvalidInput: asked of a model that declares no BYTES input ``input_type``.
+    """
+    if value is None:
+        return []
+    spec = config.input(INPUT_TYPE)
+    if spec is None or spec.datatype != "INT64":
+        raise InvalidInput(
+            f"input_type: model {config.name!r} encodes queries and documents alike (its model.toml "
+            "declares no INT64 input 'input_type'); leave it out"
+        )
+    code = INPUT_TYPES.index(value)
+    return [InferInput(INPUT_TYPE, "INT64", [items, 1], np.full((items, 1), code, dtype=np.int64))]
+
+
+def items(array: np.ndarray, count: int) -> list[np.ndarray]:
+    """A ragged output as its ``count`` items' arrays: an object array ``[B]`` of them, or a
+    numeric array whose first axis is the items (every item the same length)."""
+    if array.dtype == object:
+        return [np.asarray(item) for item in array.reshape(-1)]
+    return list(np.asarray(array).reshape(count, *array.shape[1:])) if count else []

@@ -613,7 +613,7 @@ class WorkerBalancer:
         #: load table: the slot's own method (a request's path goes there directly).
         self.add_load: Callable[[int], None] = slot.add_load
 
-    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+    def may_leave(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
         """Whether a request may leave: this worker ready and routing, and the request split
         (:func:`splits`) or pinned and waiting at least ``MIN_WAIT_S`` here
         (for a model whose batches take a fraction of a millisecond the hop costs more than the

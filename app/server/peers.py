@@ -144,7 +144,7 @@ async def _handle_shard(request: web.Request) -> web.Response:
         )
         inputs = {name: from_tensor(t) for name, t in shard.inputs.items()}
         plane = request.app[CORE].dataplane
-        model = plane.version(shard.model, shard.version)
+        model = plane.get_model(shard.model, shard.version)
         outputs = await plane.run(model, inputs, context)
         reply = ShardResponse(outputs={name: to_tensor(a) for name, a in outputs.items()})
     except errors.ScoringError as exc:

@@ -1,7 +1,7 @@
 """Where a request runs: here, in shards on this worker and its siblings, or whole on a sibling.
 
-The data plane asks its balancer (``app.server.balance.WorkerBalancer.considers``) of every
-request (one cheap condition) and awaits the router only for the requests it considers; the router
+The data plane asks its balancer (``app.server.balance.WorkerBalancer.may_leave``) of every
+request (one cheap condition) and awaits the router only for the requests that may leave; the router
 then makes one of two choices, by the rules of :mod:`app.server.balance`:
 
 - **Scatter/gather** (large requests): a request with more items than its model's
@@ -73,7 +73,7 @@ def shard_bounds(items: int, shards: int) -> list[tuple[int, int]]:
 
 class Router:
     """Where requests that leave this worker go (module docstring); the worker's balancer
-    (``app.server.balance.WorkerBalancer``) hands it the requests it considers.
+    (``app.server.balance.WorkerBalancer``) hands it the requests that may leave.
 
     Args:
         slot: this worker's slot in the load table (its own items, its siblings' loads).

@@ -154,15 +154,21 @@ class ServiceRate:
             return 0.0
         return self.lag * (batches * self.overhead_s + items * self.item_s)
 
-    def fastest_s(self, items: float, batches: int = 1) -> float:
-        """Seconds for ``items`` in ``batches`` batches at the fastest the model has run: the
-        calibrated line or the fit, whichever is faster, without :attr:`lag` (0 while unknown)."""
-        best = math.inf
-        if self.calibrated is not None:
-            best = batches * self.calibrated[0] + items * self.calibrated[1]
-        if self.item_s is not None:
-            best = min(best, batches * self.overhead_s + items * self.item_s)
-        return best if best != math.inf else 0.0
+    def measured_s(self, items: float, batches: int = 1) -> float:
+        """Seconds for ``items`` in ``batches`` batches at the fitted line (the calibration at
+        load, then what the batches ran at), without :attr:`lag` (a past overload's factor);
+        0 while unknown. What a request alone is judged at."""
+        if self.item_s is None or items <= 0:
+            return 0.0
+        return batches * self.overhead_s + items * self.item_s
+
+    def describe(self, unit: str) -> str:
+        """The fitted line in words, for messages: ``"<per second> <unit>/s and <o> ms a batch"``
+        (the overhead left out while the fit has none)."""
+        per_s = 1 / self.item_s if self.item_s else 0.0
+        overhead = f" and {self.overhead_s * 1000:.3g} ms a batch" if self.overhead_s > 0 else ""
+        return f"{per_s:.0f} {unit}/s{overhead}"
+
 
 
 #: Requests whose sizes :meth:`MeasuredRate.refuse_early` remembers.
@@ -361,9 +367,10 @@ class MeasuredRate:
     ) -> Refusal | None:  # fmt: skip
         """See :meth:`AdmissionPolicy.refusal`: 503 when the queue is full or the backlog would
         not let the items finish within ``headroom`` of ``budget_s``; 504 when they could not
-        finish within ``budget_s`` even alone, at the fastest the model has run
-        (:meth:`ServiceRate.fastest_s`). An idle model admits whatever its calibration says can
-        finish: a rate learned under a past overload never keeps refusing once the load has gone."""
+        finish within ``headroom`` of ``budget_s`` even alone, at the rate the model runs
+        (:meth:`ServiceRate.measured_s`: the fit, without the lag of a past overload, so that a
+        rate learned under load never keeps refusing once the load has gone). An idle model
+        admits what its measured rate says can finish, and nothing else."""
         if cost:
             self._recent.append((items, cost))
         return self._judge(items, cost, level, budget_s, now, what, alone)
@@ -392,14 +399,14 @@ class MeasuredRate:
                 return hopeless
         if idle or (expected_s := self.backlog_s(now, items, cost, level)) <= self.headroom * budget_s:
             return None
-        rate, unit = self.rate, "tokens" if backlog.priced else "items"
-        per_s = 1 / rate.item_s if rate.item_s else 0
+        unit = "tokens" if backlog.priced else "items"
         return Refusal(
             "admission",
             QueueFull(
-                f"model {backlog.name} cannot take {what} within its deadline ({budget_s * 1000:.0f} ms; "
-                f"expected {expected_s * 1000:.0f} ms at {per_s:.0f} {unit}/s and "
-                f"{rate.overhead_s * 1000:.1f} ms per batch)",
+                f"model {backlog.name} cannot take {what} within its deadline: the backlog and it are "
+                f"expected to take {expected_s * 1000:.0f} ms (at {self.rate.describe(unit)}, "
+                f"x{self.rate.lag:.2g} lately), over {self.headroom:.0%} of its {budget_s * 1000:.0f} ms "
+                "(admission_headroom)",
                 retry_after_s=self._retry_after_s(now),
             ),
         )
@@ -407,19 +414,23 @@ class MeasuredRate:
     def _hopeless(
         self, items: int, cost: float, budget_s: float, what: str, alone: tuple[float, int] | None
     ) -> Refusal | None:
-        """504 for a request that could not finish within ``budget_s`` even alone."""
+        """504 for a request that could not finish within ``headroom`` of ``budget_s`` even alone,
+        at the rate the model runs (:meth:`ServiceRate.measured_s`): the same bar as the backlog's,
+        so that a request admitted to an idle model finishes in time (the calibration at load is
+        no bound: a model's short warmup batches run faster per token than long texts do)."""
         backlog = self._backlog
         alone_cost, batches = alone or (cost * self.padding, math.ceil(items / backlog.max_batch_size))
-        alone_s = self.rate.fastest_s(alone_cost, batches)
-        if alone_s <= budget_s:
+        alone_s = self.rate.measured_s(alone_cost, batches)
+        if alone_s <= self.headroom * budget_s:
             return None
         unit = "tokens" if backlog.priced else "items"
         return Refusal(
             "deadline",
             DeadlineExceeded(
-                f"model {backlog.name} cannot finish {what} within its deadline ({budget_s * 1000:.0f} ms) "
-                f"even alone (expected {alone_s * 1000:.0f} ms for {alone_cost:.0f} {unit} at the fastest "
-                "it has run): send it with a longer deadline or fewer items"
+                f"model {backlog.name} cannot finish {what} within its deadline even alone: expected "
+                f"{alone_s * 1000:.0f} ms for {alone_cost:.0f} {unit} in {batches} batch(es) at "
+                f"{self.rate.describe(unit)}, over {self.headroom:.0%} of its {budget_s * 1000:.0f} ms "
+                "(admission_headroom): send it with a longer deadline or fewer items"
             ),
         )
 

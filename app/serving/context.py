@@ -50,16 +50,17 @@ def request_id(*candidates: str) -> str:
 class RequestContext(msgspec.Struct, frozen=True):
     """What one inference request carries besides its tensors (module docstring). A frozen
     ``msgspec.Struct``: built and copied with a field changed (``msgspec.structs.replace``, as
-    the data plane settles its deadline and priority) in C, 0.1 µs each where a frozen
-    dataclass took 1.1 and ``dataclasses.replace`` 2.2.
+    the data plane settles its deadline and priority) in C, several times cheaper than a frozen
+    dataclass and ``dataclasses.replace`` (docs/benchmarks.md, *The host path*).
 
     Attributes:
         request_id: the id echoed in errors, logs and the response headers.
         deadline: the absolute time by which its outputs are due, ``loop.time()`` seconds of
             this worker's event loop (a shard sends what is left, ``app.server.peers``). As the
             edge builds it: the deadline its transport named (``X-Request-Timeout-Ms``, a gRPC
-            deadline; :data:`NO_DEADLINE` for none); from the data plane's ``infer`` on, the one
-            settled against the model (``app.serving.dataplane.DataPlane.deadline``).
+            deadline; :data:`NO_DEADLINE` for none); from the data plane's ``admit`` on, the one
+            settled against the model (``app.serving.dataplane.DataPlane.settle``), brought
+            forward by its ``parameters.timeout`` once its body is decoded.
         priority: Triton's request priority (1 = the highest level, 0 = the model's default
             level; ``app.serving.unit.ServingUnit.level`` maps it to a queue level), from the
             request's ``parameters.priority`` (the data plane's to read).

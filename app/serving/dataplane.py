@@ -73,8 +73,8 @@ def parameters_timeout_s(parameters: dict[str, Any]) -> float | None:
 
 def parameters_priority(config: ModelConfig, parameters: dict[str, Any]) -> int:
     """``parameters.priority`` (Triton's: 1 = the highest level, 0 = the model's default), checked
-    against the model's ``priority_levels`` (ignored, as 0, for a model without levels); 0 when
-    absent. Settled here once, before the request is balanced: the serving unit maps it to its
+    against the model's ``priority_levels`` (any for a model without levels: the unit ignores
+    it); 0 when absent. Settled here once, before the request is balanced: the serving unit maps it to its
     queue level and trusts it.
 
     Raises:
@@ -88,7 +88,7 @@ def parameters_priority(config: ModelConfig, parameters: dict[str, Any]) -> int:
     levels = config.priority_levels
     if levels > 1 and value > levels:
         raise InvalidInput(f"priority {value}: model {config.name} has priority levels 1..{levels}")
-    return value if levels > 1 else 0
+    return value
 
 
 def validate_inputs(config: ModelConfig, request: InferRequest, limits: RequestLimits = _LIMITS) -> Arrays:
@@ -269,7 +269,7 @@ class DataPlane:
             summed = [s for s in summed if s["name"] == name and version in (None, s["version"])]
         return triton.statistics(summed, os.getpid(), workers=1 + len(others))
 
-    def version(self, name: str, version: str | None) -> ModelVersion:
+    def get_model(self, name: str, version: str | None) -> ModelVersion:
         """The model version a request addresses (None: the one requests without a version get).
 
         Raises:
@@ -305,27 +305,43 @@ class DataPlane:
             return min(arrival + (config.timeout_ms or settings.request_timeout_ms) / 1000.0, cap)
         return min(requested, cap)
 
-    def request_deadline(self, model: ModelVersion, request: InferRequest, context: RequestContext) -> float:
-        """:meth:`deadline` of ``request``, which arrived with ``context`` (as the edge built it):
-        the earlier of its transport's deadline and its ``parameters.timeout`` (microseconds from
-        its arrival, Triton's).
-
-        Raises:
-            InvalidInput: a ``parameters.timeout`` that is not a positive number.
-        """
+    def settle(self, model: ModelVersion, context: RequestContext) -> RequestContext:
+        """``context`` (as its front end built it) with the deadline it runs under at ``model``
+        (:meth:`deadline` of its transport's), and its arrival (now, where the front end named
+        none): settled once, by :meth:`admit`, before the body is decoded."""
         arrival = context.arrival if context.arrival is not None else asyncio.get_running_loop().time()
         requested = None if math.isnan(context.deadline) else context.deadline
-        given = parameters_timeout_s(request.parameters) if request.parameters else None
-        if given is not None and (requested is None or arrival + given < requested):
-            requested = arrival + given
-        return self.deadline(model, arrival, requested)
+        deadline = self.deadline(model, arrival, requested)
+        return msgspec.structs.replace(context, deadline=deadline, arrival=arrival)
+
+    def settle_parameters(
+        self, model: ModelVersion, request: InferRequest, context: RequestContext
+    ) -> RequestContext:
+        """``context`` (settled: :meth:`settle`) with what ``request.parameters`` say, once
+        decoded: its deadline brought forward to ``parameters.timeout`` (microseconds from its
+        arrival, Triton's), its priority (:func:`parameters_priority`).
+
+        Raises:
+            InvalidInput: a malformed ``parameters.timeout`` or ``.priority``.
+        """
+        if not request.parameters:
+            return context
+        timeout_s = parameters_timeout_s(request.parameters)
+        deadline = context.deadline
+        if timeout_s is not None and context.arrival is not None:
+            deadline = min(deadline, context.arrival + timeout_s)
+        priority = parameters_priority(model.config, request.parameters)
+        return msgspec.structs.replace(context, deadline=deadline, priority=priority)
 
     # --- the steps a front end calls ------------------------------------------------------------
 
-    def admit(self, name: str, version: str | None, context: RequestContext) -> ModelVersion:
-        """The model version a request addresses, once it is clear the request is not refused
-        early: with a full batch or more waiting and no request of the size recently seen able
-        to finish in time, it is refused before its body is decoded (the full admission, with
+    def admit(
+        self, name: str, version: str | None, context: RequestContext
+    ) -> tuple[ModelVersion, RequestContext]:
+        """The model version a request addresses and its context settled for it (:meth:`settle`:
+        its deadline), once it is clear the request is not refused early: with a full batch or
+        more waiting and no request of the size recently seen able to finish in time, it is
+        refused before its body is decoded (the full admission, with
         its own size, happens in :meth:`infer`). A model whose item stage may answer without it
         (``ItemStage.answers_without_model``: a response cache) is never refused here. The
         request's metrics (``context.recording``) are labelled with the version found, refused or
@@ -345,7 +361,7 @@ class DataPlane:
         """
         recording = context.recording
         try:
-            model = self.version(name, version)
+            model = self.get_model(name, version)
         except ScoringError:  # not served: counted under its model all the same, if it has one
             if recording is not None and (labels := self.registry.labels(name, version)) is not None:
                 recording.model(*labels)
@@ -358,12 +374,12 @@ class DataPlane:
         stage = self._stage_for(model)
         # a stage that may answer without the model (a cache) is asked first: what it answers
         # never reaches the queue, and admission in ``infer`` prices only what is left
+        context = self.settle(model, context)
         if unit is not None and not (stage is not None and stage.answers_without_model(model)):
-            arrival = context.arrival if context.arrival is not None else asyncio.get_running_loop().time()
-            refusal = unit.refuse_early(self.deadline(model, arrival, context.deadline))
+            refusal = unit.refuse_early(context.deadline)
             if refusal is not None:
                 raise refusal
-        return model
+        return model, context
 
     async def serve(self, model: ModelVersion, call: Call[Answer], context: RequestContext) -> Answer:
         """Serve one decoded call (``app.protocols.codec.Call``) on an admitted model: build its
@@ -396,9 +412,9 @@ class DataPlane:
 
         Args:
             request: the decoded request (its tensors not yet validated).
-            context: the request's, as its front end built it (id, arrival, the deadline its
-                transport named, trace, client, pinned, metrics); its deadline and priority
-                level are settled here, against the model and ``request.parameters``.
+            context: the request's, as :meth:`admit` settled it (its deadline); without
+                ``model``, as its front end built it (settled here). Its priority is settled
+                here, and its deadline brought forward to its ``parameters.timeout``, if any.
             model: the version :meth:`admit` returned (default: looked up from the request).
 
         Returns:
@@ -412,16 +428,15 @@ class DataPlane:
             and what :meth:`app.serving.unit.ServingUnit.infer` raises.
         """
         if model is None or model.retired:  # not admitted, or unloaded while its body was read
-            model = self.version(request.model_name, request.model_version)
+            model = self.get_model(request.model_name, request.model_version)
+            context = self.settle(model, context)
         config = model.config
         inputs = validate_inputs(config, request, self.limits)
         wanted = requested_outputs(config, request)  # an unknown output fails before the model runs
-        deadline = self.request_deadline(model, request, context)
-        priority = parameters_priority(config, request.parameters) if request.parameters else 0
-        context = msgspec.structs.replace(context, deadline=deadline, priority=priority)
+        context = self.settle_parameters(model, request, context)
         if model.runner is None and self.items is not None:
             # still loading: the stages decide on the model as loaded (windows, the cache's key)
-            await self.registry.serving_unit(model, deadline)
+            await self.registry.serving_unit(model, context.deadline)
         stage = self._stage_for(model)
         if stage is None:
             outputs = await self.run(model, inputs, context)
@@ -469,7 +484,7 @@ class DataPlane:
         if not context.forwarded:
             check_capacity(model.config, items)
         balancer = self.balancer
-        if unit is not None and not context.forwarded and balancer.considers(unit, items, context.pinned):
+        if unit is not None and not context.forwarded and balancer.may_leave(unit, items, context.pinned):
             return self._routed(model, inputs, items, context)
         return self._here(model, inputs, items, context)
 

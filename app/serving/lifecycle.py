@@ -193,7 +193,9 @@ class Lifecycle:
         if metrics is not None:
             metrics.model_loads.labels(config.name, config.version, "success").inc()
             metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
-        observer = ModelObserver(model.stats, metrics, config.name, config.version)
+        observer = ModelObserver(
+            model.stats, metrics, config.name, config.version, cached=config.response_cache.enable
+        )
         threads = self._threads(config, inference, runner)
         unit = unit_for(config, runner, threads, observer, self.settings.max_batch_bytes, self.tracing)
         unit.admission.seed(seed)

@@ -33,7 +33,7 @@ import torch
 
 from app.datatypes import NUMPY_DTYPES, ragged
 from app.errors import InferenceFailed, InvalidInput, ModelLoadError, ScoringError
-from app.models.base import PREPARED, Handler, Priced, Segment
+from app.models.base import PREPARED, Handler, Priced, Segment, distinct_rows, shared_rows
 from app.models.loading import resolve_handler
 from app.models.memory import trim_heap
 from app.models.repository import ModelConfig, TensorSpec
@@ -127,8 +127,9 @@ def _output(name: str, spec: TensorSpec, value: Any, items: int) -> np.ndarray:
     if not spec.ragged:
         array = np.asarray(value, dtype=dtype)
         if array.ndim == 0 or len(array) != items:
-            raise InferenceFailed(f"model {name}: output {spec.name!r} has shape {list(array.shape)} for a "
-                                  f"batch of {items} items")  # fmt: skip
+            shape = list(array.shape)
+            raise InferenceFailed(f"model {name}: output {spec.name!r} has shape {shape}, model.toml "
+                                  f"declares [batch, *{spec.shape}] (a batch of {items})")  # fmt: skip
         return array
     if len(value) != items:
         raise InferenceFailed(f"model {name}: ragged output {spec.name!r} has {len(value)} rows for "
@@ -154,6 +155,8 @@ class ModelRunner:
         self.load_seconds = 0.0
         self.warmup_seconds = 0.0
         self._item_costs = getattr(self.handler, "item_costs", None)
+        #: Inputs the handler takes once per run of equal rows (``shared = "once"``).
+        self._once = [s.name for s in config.inputs if s.shared == "once"]
         self._batch_cost = getattr(self.handler, "batch_cost", None)
 
     @property
@@ -297,8 +300,14 @@ class ModelRunner:
     # --- the three stages of a batch ------------------------------------------------------
 
     def prepare(self, inputs: Mapping[str, np.ndarray]) -> Staged:
-        """Stage 1 (a prepare thread): ``preprocess``, on the copy stream."""
+        """Stage 1 (a prepare thread): ``preprocess``, on the copy stream; an input declared
+        ``shared = "once"`` handed over as its distinct rows and each item's row
+        (``app.models.base.distinct_rows``)."""
         streams = self.streams
+        if self._once:
+            inputs = dict(inputs)
+            for name in self._once:
+                inputs[name], inputs[shared_rows(name)] = distinct_rows(inputs[name])
         with torch.inference_mode(), streams.on(streams.copy_in):
             batch = self.handler.preprocess(inputs)
             return Staged(batch, streams.mark(streams.copy_in), len(next(iter(inputs.values()))))

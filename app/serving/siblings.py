@@ -43,7 +43,7 @@ class Balancer(Protocol):
         """This worker took on (``items`` > 0) or finished (< 0) items: publish its load."""
         ...
 
-    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+    def may_leave(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
         """Whether a request of ``items`` items may leave this worker (cheap: asked of every
         request); False runs it here without awaiting :meth:`route`."""
         ...
@@ -96,7 +96,7 @@ class Alone:
     def add_load(self, items: int) -> None:
         """Nobody reads it."""
 
-    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+    def may_leave(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
         """Never."""
         return False
 

@@ -219,8 +219,10 @@ class ServingUnit:
         self._failures += 1
         delay_s = min(RESTART_S * 2 ** (self._failures - 1), RESTART_MAX_S)
         self.broken = f"its serving loop stopped ({cause}); it starts again in {delay_s:g} s"
-        log.error("model %s v%s: %s", self.name, self.version, self.broken,
-                  exc_info=None if task.cancelled() else task.exception())  # fmt: skip
+        if task.cancelled():  # by something else than stop(): an event loop that closes, say
+            log.warning("model %s v%s: %s", self.name, self.version, self.broken)
+        else:
+            log.error("model %s v%s: %s", self.name, self.version, self.broken, exc_info=task.exception())
         self.observer.restarted()
         retry_after_s = max(1, math.ceil(delay_s))
         self.queue.requests()  # emptied: their chunks go with them
@@ -299,8 +301,7 @@ class ServingUnit:
             One array per model output, axis 0 = the request's B items in order.
 
         Raises:
-            InvalidInput: B is 0 or more than the queue capacity, a priority above the model's
-                levels, or the model refused an item.
+            InvalidInput: B is 0, or the model refused an item.
             PayloadTooLarge: one item alone is over ``max_batch_bytes`` or ``max_batch_tokens``.
             QueueFull: refused by admission, or the unit is unloading (503 + Retry-After).
             DeadlineExceeded: the deadline passed first, or even alone it could not finish (504).
@@ -335,13 +336,8 @@ class ServingUnit:
             self._admit(size, cost, level, deadline, request_id, alone)
             request = QueuedRequest(inputs, size, context, arrival, loop.create_future(), item_bytes, tokens,
                                     order, level, trace, pending=size)  # fmt: skip
-            if self._variable:
-                request.shape = tuple(a.shape[1:] for n, a in inputs.items() if n != PREPARED)
-            self._live.add(request)
-            self.queue.put(request)
-            if self.queue.items - self._reported_depth >= self.max_batch_size:
-                self._report_depth()  # a backlog builds up behind a running batch
-            expiry = loop.call_at(deadline, expire, request.future)  # 1.3 µs; asyncio.timeout: 4.8
+            self._put(request)
+            expiry = loop.call_at(deadline, expire, request.future)  # a timer: cheaper than a Task
             try:
                 return await request.future
             finally:
@@ -367,6 +363,15 @@ class ServingUnit:
             self._active -= 1
             if not self._active and self._idle is not None:
                 self._idle.set()
+
+    def _put(self, request: QueuedRequest) -> None:
+        """Queue ``request`` (its item shape noted where the model has a variable dimension)."""
+        if self._variable:
+            request.shape = tuple(a.shape[1:] for n, a in request.inputs.items() if n != PREPARED)
+        self._live.add(request)
+        self.queue.put(request)
+        if self.queue.items - self._reported_depth >= self.max_batch_size:
+            self._report_depth()  # a backlog builds up behind a running batch
 
     def _admit(
         self, size: int, cost: float, level: int, deadline: float, request_id: str,

@@ -86,7 +86,10 @@ def send_traffic(srv: Gunicorn) -> None:
         assert status == 200, (answer, srv.log_tail())
     # a miss, then (once written: writes leave the request path) a hit: the response cache panels
     assert srv.post("/v2/models/cached/infer", v2_body(1))[0] == 200
-    wait_for(lambda: 'scoring_response_cache_bytes{model="cached"}' in srv.scrape(), 30, "the write", srv)
+    def written() -> bool:  # the gauge exists at 0 from the load: wait for the write's figure
+        return (value(parse(srv.scrape()), "scoring_response_cache_bytes", model="cached") or 0.0) > 0
+
+    wait_for(written, 30, "the write", srv)
     assert srv.post("/v2/models/cached/infer", v2_body(1))[0] == 200
     # 300 ms per batch, 30 ms allowed: refused at admission (503) or timed out (504)
     status, _, answer = srv.post("/v2/models/slow/infer", v2_body(1), headers={"X-Request-Timeout-Ms": "30"})

@@ -38,14 +38,17 @@ __all__ = [
 ]
 
 
-def write_causal_lm(repo: Path, name: str, folder: Path) -> Path:
+def write_causal_lm(repo: Path, name: str, folder: Path, parameters: str = "") -> Path:
     """A model of ``app.handlers.causal_lm`` serving ``folder`` (:func:`write_handler_model`):
-    log-likelihood, perplexity, tokens and per-token log-probs, texts of up to 256 tokens."""
+    log-likelihood, perplexity, tokens and per-token log-probs (the greedy next token and a cut
+    on request: ``/v1/completions`` as lm-evaluation-harness calls it), texts of up to 256
+    tokens; ``parameters``: more lines of ``[parameters]``."""
     return write_handler_model(
         repo, name, "app.handlers.causal_lm:CausalLMHandler", folder,
-        ["text BYTES", "return_token_logprobs INT64 optional", "top_logprobs INT64 optional"],
+        ["text BYTES", "return_token_logprobs INT64 optional", "top_logprobs INT64 optional",
+         "next_token INT64 optional", "truncate_prompt_tokens INT64 optional"],
         ["log_likelihood FP32", "perplexity FP32", "tokens INT64", "token_logprobs BYTES"],
-        "max_seq_length = 256",
+        "max_seq_length = 256\n" + parameters,
     )  # fmt: skip
 
 

@@ -59,7 +59,8 @@ class ScaleHandler:
     ``crash_on_load`` (the worker process SIGKILLs itself while loading),
     ``delay_ms`` per batch (not for warmup batches, whose tags all start with ``b"warmup"``: those
     sleep ``warmup_delay_ms``, so admission's seed rate is fast unless that is given),
-    ``fail_on`` (x value that raises), ``hang_on`` (x value that
+    ``fail_on`` (x value that raises), ``oom_on`` (x value that raises torch.OutOfMemoryError:
+    one item that does not fit even alone), ``hang_on`` (x value that
     makes the batch sleep ``hang_s`` seconds, default 3600, or with ``hang_gate``, wait until
     that Event of ``GATES`` is set), ``oom_above`` (batches larger
     than this raise torch.OutOfMemoryError).
@@ -97,6 +98,8 @@ class ScaleHandler:
         self.BATCHES[self.name].append(x[:, 0].tolist())
         if "oom_above" in self.params and len(x) > int(self.params["oom_above"]):
             raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        if "oom_on" in self.params and bool((x == float(self.params["oom_on"])).any()):
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated, x = oom_on)")
         if "fail_on" in self.params and bool((x == float(self.params["fail_on"])).any()):
             raise RuntimeError("simulated model failure")
         if "hang_on" in self.params and bool((x == float(self.params["hang_on"])).any()):

@@ -473,7 +473,7 @@ def test_a_priority_above_the_levels_is_invalid() -> None:
     assert parameters_priority(three, {}) == 0
     with pytest.raises(InvalidInput, match=r"levels 1\.\.3"):
         parameters_priority(three, {"priority": 4})
-    assert parameters_priority(unit_config(), {"priority": 7}) == 0  # no levels: ignored
+    assert parameters_priority(unit_config(), {"priority": 7}) == 7  # no levels: the unit ignores it
     unit = ServingUnit(three, cast(Any, object()), cast(Any, None))
     assert [unit.level(p) for p in (None, 0, 1, 3)] == [2, 2, 0, 2]
 

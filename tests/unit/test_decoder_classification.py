@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from app.handlers.sequence_classification import SequenceClassificationHandler
 from app.handlers.windows import piece_spans
-from app.models.base import Handler
+from app.models.base import PREPARED, Handler
 from tests.support.decoder_models import CORPUS, LABELS
 from tests.support.text_models import CLASSIFIER_TOML
 from tests.unit.test_sequence_classification import Config, Spec, _bytes, _run, _windowed
@@ -196,6 +197,79 @@ def test_a_long_post_in_pieces_gives_each_pieces_result_and_the_aggregate(
     assert len(items["text"]) == 1 + len(spans)
     whole = _run(handler, {"text": _bytes(short)})["pieces"]  # no split: tokenized when priced
     assert [(p["start"], p["stop"]) for p in json.loads(whole[0, 0])] == [(0, len(short))]
+
+
+def pieces_handler(folder: Path) -> SequenceClassificationHandler:
+    """The RADAR model.toml's cut (pieces of at most 300 characters, 128 tokens) with ``pieces``."""
+    handler = SequenceClassificationHandler()
+    outputs = [
+        Spec("probabilities", [len(LABELS)], list(LABELS)),
+        Spec("windows", [1], datatype="INT64"),
+        Spec("tokens", [1], datatype="INT64"),
+        Spec("pieces", [1], datatype="BYTES"),
+    ]
+    parameters = {"model_dir": folder.name, "truncation": "pieces", "piece_chars": 300,
+                  "max_seq_length": 128, "max_windows": 64}  # fmt: skip
+    handler.load(torch.device("cpu"), Config(folder.parent, parameters, outputs))
+    return handler
+
+
+def overflow_windows(folder: Path, text: str, max_length: int, stride: int) -> tuple[np.ndarray, list[list[int]]]:
+    """transformers' tokenizer's overflow windows of ``text`` (``stride``) and each one's
+    probabilities, run alone through the folder's class."""
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, local_files_only=True).eval()
+    ids = tokenizer(text, truncation=True, max_length=max_length, stride=stride, return_overflowing_tokens=True)
+    with torch.inference_mode():
+        rows = [torch.softmax(model(input_ids=torch.tensor([w])).logits, -1)[0] for w in ids["input_ids"]]
+    return torch.stack(rows).numpy(), [list(w) for w in ids["input_ids"]]
+
+
+def test_a_piece_over_max_seq_length_is_split_again_by_tokens(decoder_models: dict[str, Path]) -> None:
+    """Chinese (about 3 byte-level tokens a character) and emoji in pieces shorter than 300
+    characters and far longer than 128 tokens: each such piece is split into the tokenizer's
+    overflow windows of that piece (128 tokens, the stride of windows), each scored, nothing cut
+    silently. Each window's reported span is exact: a piece's windows cover it end to end,
+    overlapping, each the characters its tokens come from."""
+    folder = decoder_models["llama-classifier"]
+    handler = pieces_handler(folder)
+    chinese, emoji = "東京大學的圖書館" * 31, "🙂🚆🍞" * 40
+    post = f"A short opening sentence. {chinese} and then {emoji} to end."
+    out, items = _windowed(handler, {"text": _bytes(post)})
+    pieces = json.loads(out["pieces"][0, 0])
+    stride = handler.window_policy.stride
+    spans: list[tuple[int, int]] = []
+    rows: list[np.ndarray] = []
+    ids: list[list[int]] = []
+    for start, stop in piece_spans(post, 300):
+        probabilities, windows = overflow_windows(folder, post[start:stop], 128, stride)
+        got = [(p["start"], p["stop"]) for p in pieces[len(spans) : len(spans) + len(windows)]]
+        assert got[0][0] == start and got[-1][1] == stop
+        assert all(a < b and a2 < b <= b2 for (a, b), (a2, b2) in pairwise(got))
+        spans += got
+        rows += list(probabilities)
+        ids += windows
+    assert len(pieces) == len(ids) == int(out["windows"][0, 0]) > len(piece_spans(post, 300)) + 4
+    assert [list(p[0]) for p in items[PREPARED]] == ids and all(len(w) <= 128 for w in ids)
+    assert np.abs(np.array([p["probabilities"] for p in pieces]) - np.array(rows)).max() <= 1e-5
+    assert int(out["tokens"][0, 0]) == sum(len(w) for w in ids)
+
+
+def test_a_texts_surrounding_white_space_counts_the_same_at_any_length(decoder_models: dict[str, Path]) -> None:
+    """In pieces a piece is its words and the spaces between them, whatever the text's length:
+    a short text that skips the window stage and a longer one split there score the same with
+    or without white space around them, and report the same spans."""
+    handler = pieces_handler(decoder_models["llama-classifier"])
+    short, longer = "Hello there.", " ".join(CORPUS[:2])
+    assert len(short) + 4 <= 128 < len(longer) <= 300
+    for text in (short, longer):
+        plain, _ = _windowed(handler, {"text": _bytes(text)})
+        for padded in (text + " ", text + "\n", "  " + text + " "):
+            out, _ = _windowed(handler, {"text": _bytes(padded)})
+            assert out["tokens"][0, 0] == plain["tokens"][0, 0], (padded, out["tokens"], plain["tokens"])
+            assert np.array_equal(out["probabilities"], plain["probabilities"])
+            start = padded.index(text[0])
+            assert [(p["start"], p["stop"]) for p in json.loads(out["pieces"][0, 0])] == [(start, start + len(text))]
 
 
 def test_piece_spans_cut_on_word_boundaries() -> None:

@@ -115,11 +115,11 @@ def reranker(folder: Path, **parameters: Any) -> CausalRerankHandler:
     return handler
 
 
-@pytest.mark.parametrize("max_length", [1024, 96])
+@pytest.mark.parametrize("max_length", [1024, 160])
 def test_reranker_equals_the_model_cards_computation(
     decoder_models: dict[str, Path], max_length: int
 ) -> None:
-    """Mixed lengths in one batch; at 96 tokens the long documents are cut in the middle part,
+    """Mixed lengths in one batch; at 160 tokens the long documents are cut in the middle part,
     the prompt's head and tail kept."""
     folder = decoder_models["qwen3-reranker"]
     handler = reranker(folder, max_seq_length=max_length)
@@ -129,6 +129,7 @@ def test_reranker_equals_the_model_cards_computation(
     want = model_card_scores(folder, queries, documents, max_length)
     assert np.abs(out["score"][:, 0] - want).max() <= 1e-5
     assert int(out["tokens"].max()) <= max_length
+    assert max_length == 1024 or int(out["tokens"].max()) == max_length  # a document was cut
 
 
 def test_the_reranker_refuses_cuts_it_cannot_make(decoder_models: dict[str, Path]) -> None:
@@ -136,6 +137,20 @@ def test_the_reranker_refuses_cuts_it_cannot_make(decoder_models: dict[str, Path
         reranker(decoder_models["qwen3-reranker"], truncation="window")
     with pytest.raises(ValueError, match="leaves"):
         reranker(decoder_models["qwen3-reranker"], max_seq_length=40)
+
+
+def test_a_query_that_leaves_the_document_too_little_room_is_refused(decoder_models: dict[str, Path]) -> None:
+    """A cross-encoder's rule: a query (here with the instruction and the prompt's lines around
+    it) may take at most half of what the prompt leaves; longer, the request is refused naming
+    both, where it used to be cut until the documents were gone from the prompt and every one
+    scored the same. A query within the bound still scores each document on its own."""
+    handler = reranker(decoder_models["qwen3-reranker"], max_seq_length=160)
+    documents = posts(3, seed=16)
+    long_query = " ".join(posts(4, seed=17))
+    with pytest.raises(ValueError, match=r"a query of \d+\+? tokens .*max_seq_length 160.*at most \d+"):
+        handler.item_costs({"text": _bytes(*documents), "query": _bytes(*[long_query] * 3)})
+    out = run(handler, {"text": _bytes(*documents), "query": _bytes(*[QUERIES[0]] * 3)})
+    assert len(set(out["score"][:, 0].tolist())) == 3
 
 
 def write_reranker(repo: Path, name: str, folder: Path) -> Path:
@@ -169,6 +184,9 @@ async def test_served_by_rerank_and_embeddings(
     want = model_card_scores(decoder_models["qwen3-reranker"], [QUERIES[0]] * 4, documents, 1024)
     assert [r["index"] for r in ranked] == sorted(range(4), key=lambda i: -want[i])
     assert np.abs(np.array([r["relevance_score"] for r in ranked]) - np.sort(want)[::-1]).max() <= 1e-5
+    long_query = " ".join(posts(40, seed=18))
+    resp = await http.post("/v1/rerank", json={"model": "reranker", "query": long_query, "documents": documents})
+    assert resp.status == 400 and "leaves too little room" in (await resp.json())["error"]["message"]
     reference = library(decoder_models["qwen3-embedder"])
     for name, texts, prompt in (("embedder", documents, None), ("embedder-query", QUERIES, "query")):
         resp = await http.post("/v1/embeddings", json={"model": name, "input": texts})

@@ -32,10 +32,12 @@ def exported(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_exported_model_matches_eager(exported: dict[str, Path], fmt: str, batch_size: int) -> None:
     loaded = script.load_exported(exported[fmt])
     eager = script.build_model(3)
-    features = torch.randn(batch_size, 32, generator=torch.Generator().manual_seed(batch_size))
+    generator = torch.Generator().manual_seed(batch_size)
+    features = torch.randn(batch_size, 32, generator=generator)
+    user = torch.randn(1, 32, generator=generator).expand(batch_size, 32)
     with torch.inference_mode():
-        expected = eager(features)
-        got = loaded(features)
+        expected = eager(features, user)
+        got = loaded(features, user)
     assert got.shape == (batch_size, 1)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7)
@@ -53,9 +55,10 @@ def test_onnx_graph_has_a_dynamic_batch_axis_and_the_served_names(exported: dict
     import onnxruntime
 
     session = onnxruntime.InferenceSession(str(exported["onnx"]), providers=["CPUExecutionProvider"])
-    (features,), (probability,) = session.get_inputs(), session.get_outputs()
+    (features, user), (probability,) = session.get_inputs(), session.get_outputs()
     assert (features.name, features.type) == ("features", "tensor(float)")
     assert not isinstance(features.shape[0], int) and features.shape[1] == 32
+    assert (user.name, user.shape[1]) == ("user", 32)
     assert (probability.name, probability.type, probability.shape[1]) == (
         "click_probability",
         "tensor(float)",
@@ -67,8 +70,9 @@ def test_onnx_graph_has_a_dynamic_batch_axis_and_the_served_names(exported: dict
 
 def test_the_onnx_twin_is_the_same_model(exported: dict[str, Path]) -> None:
     features = torch.randn(300, 32, generator=torch.Generator().manual_seed(5))  # past the .pt2's bound
-    got = script.load_exported(exported["onnx"])(features)
-    want = script.build_model(3)(features).detach()
+    user = torch.randn(300, 32, generator=torch.Generator().manual_seed(6))
+    got = script.load_exported(exported["onnx"])(features, user)
+    want = script.build_model(3)(features, user).detach()
     assert got.shape == (300, 1)
     assert float((got - want).abs().max()) <= 1e-6
 
@@ -84,7 +88,10 @@ def test_model_toml_describes_the_export(exported: dict[str, Path], fmt: str, fi
     assert config["file"] == file
     assert config["max_batch_size"] == 256
     assert config["max_queue_delay_ms"] == 0.0
-    assert config["inputs"] == [{"name": "features", "datatype": "FP32", "shape": [32]}]
+    assert config["inputs"] == [
+        {"name": "features", "datatype": "FP32", "shape": [32]},
+        {"name": "user", "datatype": "FP32", "shape": [32], "shared": "repeat", "optional": True},
+    ]
     assert config["outputs"] == [{"name": "click_probability", "datatype": "FP32", "shape": [1]}]
     assert "handler" not in config
     assert "parameters" not in config
@@ -130,3 +137,16 @@ def test_unknown_format_is_rejected(tmp_path: Path) -> None:
 def test_committed_model_toml_is_what_the_script_writes(name: str, fmt: str) -> None:
     committed = REPOSITORY / name / "model.toml"
     assert committed.read_text(encoding="utf-8") == script._model_toml(name, fmt, 256)
+
+
+def test_a_request_without_its_user_scores_as_the_model_without_that_input() -> None:
+    """The user's projection is drawn after every other weight and adds to the first layer: with
+    zeros for the user (the input omitted), each layer sees what a features-only model sees."""
+    model = script.build_model(0)
+    features = torch.randn(5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        without = model(features, torch.zeros(5, 32))
+        features_only = torch.sigmoid(model.mlp(features))
+        user = model(features, torch.ones(5, 32))
+    torch.testing.assert_close(without, features_only, rtol=0, atol=0)
+    assert not torch.allclose(user, without)

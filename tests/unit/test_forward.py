@@ -189,15 +189,15 @@ async def test_a_request_leaves_only_when_split_or_pinned_and_waiting_longer_tha
     leaves a worker that is not ready or has no router (balancing off)."""
     slot = WorkerSlot(LoadTable(tmp_path), 1)
     balancer = WorkerBalancer(slot, Router(slot, PeerClient(tmp_path)).route)
-    assert not balancer.considers(entry(), 3, pinned=True)  # not ready yet
+    assert not balancer.may_leave(entry(), 3, pinned=True)  # not ready yet
     slot.tick(READY, 0)
-    assert balancer.considers(entry(0.050), 3, pinned=True)
-    assert not balancer.considers(entry(0.001), 3, pinned=True)
-    assert not balancer.considers(entry(0.050), 3, pinned=False)
-    assert balancer.considers(entry(0.001), 9, pinned=False)  # more than a batch: split
-    assert not WorkerBalancer(slot, None).considers(entry(0.050), 9, pinned=True)
+    assert balancer.may_leave(entry(0.050), 3, pinned=True)
+    assert not balancer.may_leave(entry(0.001), 3, pinned=True)
+    assert not balancer.may_leave(entry(0.050), 3, pinned=False)
+    assert balancer.may_leave(entry(0.001), 9, pinned=False)  # more than a batch: split
+    assert not WorkerBalancer(slot, None).may_leave(entry(0.050), 9, pinned=True)
     slot.tick(DRAINING, 0)
-    assert not balancer.considers(entry(0.050), 9, pinned=True)
+    assert not balancer.may_leave(entry(0.050), 9, pinned=True)
 
 
 async def test_an_unreachable_sibling_costs_nothing_the_request_runs_here(tmp_path: Path) -> None:

@@ -258,12 +258,13 @@ async def test_deadline_is_the_earlier_of_grpc_and_the_timeout_parameter(
 ) -> None:
     http = await make_client(scale_repo, request_timeout_ms=10_000)
     plane = http.server.app[CORE].dataplane
-    model = plane.version("scale", None)
+    model = plane.get_model("scale", None)
     params = {} if timeout_us is None else {"timeout": timeout_us}
     transport = FakeContext(remaining).time_remaining()
     request = InferRequest("scale", [], parameters=params)
     context = RequestContext("r", NO_DEADLINE if transport is None else 100.0 + transport, arrival=100.0)
-    assert plane.request_deadline(model, request, context) - 100.0 == pytest.approx(expected)
+    settled = plane.settle_parameters(model, request, plane.settle(model, context))
+    assert settled.deadline - 100.0 == pytest.approx(expected)
 
 
 def test_every_domain_error_has_one_status(caplog: pytest.LogCaptureFixture) -> None:

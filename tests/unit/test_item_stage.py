@@ -122,7 +122,7 @@ class Halves(Alone):
     """Two workers that share every request of more than one item: one half runs here, the other
     half as a sibling's shard would (forwarded, on a queue of the same capacity)."""
 
-    def considers(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
+    def may_leave(self, unit: ServingUnit, items: int, pinned: bool) -> bool:
         return items > 1
 
     async def route(
@@ -384,7 +384,7 @@ async def test_a_stage_that_answers_without_the_model_spares_its_requests_the_ea
         unit = plane.registry.versions["scale"]["1"].unit
         monkeypatch.setattr(unit, "refuse_early", lambda deadline: QueueFull("busy", retry_after_s=1))
         if answers:
-            assert plane.admit("scale", None, arrived("r")).config.name == "scale"
+            assert plane.admit("scale", None, arrived("r"))[0].config.name == "scale"
         else:
             with pytest.raises(QueueFull):
                 plane.admit("scale", None, arrived("r"))

@@ -106,13 +106,13 @@ def test_two_calibration_batches_give_the_overhead_and_the_cost_per_token() -> N
     assert one.item_s == pytest.approx(0.0001) and one.overhead_s == 0.0
 
 
-def test_the_fastest_estimate_is_the_calibration_or_a_faster_fit() -> None:
+def test_a_request_alone_is_judged_at_the_fit_without_the_lag_of_an_overload() -> None:
     rate = ServiceRate()
     rate.seed([(1, 0.007), (8, 0.021)])
-    rate.item_s, rate.overhead_s = 10.0, 5.0  # learned in an overload
-    assert rate.fastest_s(1000, 2) == pytest.approx(2 * 0.005 + 1000 * 0.002)
-    rate.item_s, rate.overhead_s = 0.001, 0.0  # batches ran faster than at load
-    assert rate.fastest_s(1000, 2) == pytest.approx(1.0)
+    assert rate.measured_s(1000, 2) == pytest.approx(2 * 0.005 + 1000 * 0.002)  # the calibration
+    rate.item_s, rate.overhead_s, rate.lag = 0.004, 0.0, 3.0  # long texts ran slower; an overload
+    assert rate.measured_s(1000, 2) == pytest.approx(4.0)  # what they ran at, not the lag's 12
+    assert rate.describe("tokens") == "250 tokens/s"  # no overhead in the fit: none said
 
 
 async def test_a_request_that_cannot_finish_is_refused_at_once_on_a_fresh_unit(threads: Threads) -> None:
@@ -124,7 +124,7 @@ async def test_a_request_that_cannot_finish_is_refused_at_once_on_a_fresh_unit(t
     with pytest.raises(DeadlineExceeded, match="even alone") as info:
         await unit.infer(items(999, 999), within(1.0))
     # the time its deadline left it when judged: 1 s less what the loop and pricing took
-    left = re.search(r"within its deadline \((\d+) ms\)", info.value.message)
+    left = re.search(r"of its (\d+) ms", info.value.message)
     assert left is not None and 0 < int(left[1]) <= 1000, info.value.message
     assert handler.batches == []  # refused before it queued: nothing of it ran
     out = await unit.infer(items(30, 10), within(5.0))  # about 0.1 s: admitted, answered
@@ -227,3 +227,44 @@ async def test_a_rerank_of_long_posts_no_worker_could_finish_gets_504_at_once(
     assert "cannot finish request" in text and "even alone" in text
     assert took_s < 10.0  # at once: the deadline is 10 s
     assert type(model.runner.handler).ran == 0  # none of its windows reached the model
+
+
+class SlowerThanItsCalibration(TimedByCost):
+    """As :class:`TimedByCost` at load; once serving, a token takes ``slowdown`` times as long (as
+    a worker's long texts ran beside a busy sibling: less than half the calibrated rate)."""
+
+    slowdown = 1.0
+
+    def predict(self, x: torch.Tensor) -> torch.Tensor:
+        self.batches.append(x[:, 0].tolist())
+        time.sleep(OVERHEAD_S + self.slowdown * TOKEN_S * float(x[:, 0].max() + 1) * len(x))
+        return x * 2
+
+
+async def test_an_idle_model_admits_only_what_finishes_at_the_rate_it_runs(threads: Threads) -> None:
+    """A request is judged alone at the rate the model runs (not the calibration's, when the
+    batches ran slower since) with the same headroom as the backlog: once the model has run
+    slower, a request it would have admitted on its calibration and answered late is refused
+    at once, and every request it admits finishes within its deadline."""
+    handler = SlowerThanItsCalibration()
+    unit = await fresh(handler, threads)
+    handler.slowdown = 2.5
+    rate = measured(unit).rate
+    for tokens in (80, 160, 240, 400, 800, 120, 320, 640, 200, 480):  # batches as they ran since
+        rate.observe(tokens, OVERHEAD_S + handler.slowdown * TOKEN_S * tokens)
+    assert rate.item_s == pytest.approx(handler.slowdown * TOKEN_S, rel=0.2)
+    loop = asyncio.get_running_loop()
+    admitted = refused = 0
+    for size in (10, 45, 15, 30, 45, 19):  # 8 items each: 0.4-1.9 s at the rate it runs
+        deadline_s = 1.6  # enough at the calibrated rate for all of them, with its headroom
+        started = loop.time()
+        try:
+            await unit.infer(items(*[size] * 8), within(deadline_s))
+        except DeadlineExceeded as exc:
+            assert "even alone" in exc.message and loop.time() - started < 0.1, exc.message  # at once
+            refused += 1
+        else:
+            assert loop.time() - started <= deadline_s
+            admitted += 1
+    assert admitted and refused
+    await unit.stop()

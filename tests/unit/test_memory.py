@@ -262,6 +262,23 @@ def test_a_7b_worker_fits_five_times_on_an_h100_and_says_so_when_asked_for_eight
         placement.place(worker, 0, total_bytes=H100_BYTES, free_bytes=H100_BYTES)
 
 
+def test_the_refusal_suggests_bfloat16_only_for_a_model_in_float32() -> None:
+    """A worker that does not fit is told what would make it fit: half precision where a model
+    is served in float32 (named), never for a model that already is bfloat16."""
+    arch = Architecture.from_config(LLAMA_7B | {"architectures": ["LlamaForSequenceClassification"]})
+    parameters = memory.estimate_parameters(arch, LLAMA_7B)
+    activations = memory.activation_bytes(arch, 32, 128, "bfloat16", "sdpa")
+    half = ModelMemory("radar", parameters, False, "bfloat16", parameters * 2, activations, 32, 128)
+    full = dataclasses.replace(half, name="radar-fp32", dtype="float32", weight_bytes=parameters * 4)
+    for worker, free in ((WorkerMemory((half,)), 10 * GIB), (WorkerMemory((half,)), 40 * GIB)):
+        placed = placement.place(worker, 4, total_bytes=H100_BYTES, free_bytes=free)
+        assert placed.message is not None and placed.copies < 4
+        assert "bfloat16 halves" not in placed.message and "smaller dtype" not in placed.message
+        assert "max_batch_tokens" in placed.message
+    placed = placement.place(WorkerMemory((full, half)), 1, total_bytes=H100_BYTES, free_bytes=10 * GIB)
+    assert placed.message is not None and 'dtype = "bfloat16" for radar-fp32' in placed.message
+
+
 def test_a_repository_is_planned_from_its_model_tomls(
     decoder_models: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -313,3 +330,29 @@ def test_the_plan_imports_no_torch(decoder_models: dict[str, Path]) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "r: " in out.stdout and "all-MiniLM-L6-v2: 0.02 B parameters" in out.stdout
+
+
+def test_a_handler_declares_its_memory_head_and_is_not_imported_to_read_it(tmp_path: Path) -> None:
+    from app.models.memory import declared_head
+    from tests.support.gunicorn import ROOT
+    from tests.support.toy_models import unit_config
+
+    folder = tmp_path / "m"
+    folder.mkdir()
+    (folder / "mine.py").write_text('import torch\n\nclass Mine:\n    MEMORY_HEAD = "base"\n')
+    config = unit_config()
+    config.handler, config.path = "mine:Mine", folder
+    assert declared_head(config) == "base"
+    config.handler = "mine:Other"
+    assert declared_head(config) is None
+    # the bundled decoder handlers, read in a process that must not import torch (the master's)
+    probe = (
+        "import sys; from app.models.memory import declared_head; from app.models.repository import "
+        "ModelConfig as C, TensorSpec as T\n"
+        "def u(h): return C(name='m', format='handler', handler=h, inputs=[T('x', 'FP32', [1])], "
+        "outputs=[T('y', 'FP32', [1])])\n"
+        "print(declared_head(u('app.handlers.causal_rerank:CausalRerankHandler')), "
+        "declared_head(u('app.handlers.causal_lm:CausalLMHandler')), 'torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT)
+    assert out.stdout.split() == ["base", "lm-chunked", "False"]

@@ -99,6 +99,26 @@ async def test_rejections_are_counted_by_reason(make_client: Callable[..., Any],
     assert value(m, "scoring_requests_total", **slow, code="200") == 1
 
 
+async def test_the_dashboards_series_exist_at_zero_once_a_model_loads(
+    make_client: Callable[..., Any], tmp_path: Path
+) -> None:
+    """The shipped Grafana dashboard reads ``scoring_rejected_total`` by reason and the response
+    cache's items and bytes: each exists at 0 as soon as its model is loaded (a panel then shows
+    0, not "No data"), the cache's only for a model with a response cache."""
+    write_scale_model(tmp_path / "repo", "plain")
+    write_scale_model(tmp_path / "repo", "cached", response_cache=True)
+    client = await make_client(tmp_path / "repo", response_cache_path=tmp_path / "cache")
+    m = await scrape(client)
+    for model in ("plain", "cached"):
+        for reason in ("admission", "queue_full", "deadline", "out_of_memory", "disconnected"):
+            assert value(m, "scoring_rejected_total", model=model, version="1", reason=reason) == 0.0
+    for result in ("hit", "miss"):
+        assert value(m, "scoring_response_cache_items_total", model="cached", result=result) == 0.0
+        assert value(m, "scoring_response_cache_items_total", model="plain", result=result) is None
+    assert value(m, "scoring_response_cache_bytes", model="cached") == 0.0
+    assert value(m, "scoring_response_cache_bytes", model="plain") is None
+
+
 async def test_metrics_can_be_turned_off(make_client: Callable[..., Any], scale_repo: Path) -> None:
     client = await make_client(scale_repo, metrics_enabled=False)
     assert (await client.get("/metrics")).status == 404

