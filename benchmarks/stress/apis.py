@@ -17,8 +17,9 @@ grpc-clf        gRPC ``ModelInfer``, clf, raw BYTES            ``probabilities``
 pieces          ``POST /v2/models/radar/infer``, 1-4 texts,    ``probabilities``, and each piece's
                 ``probabilities`` and ``pieces`` asked for     span and ``probabilities``
 completions     ``POST /v1/completions``, lm, 1-4 prompts,     each choice's ``token_logprobs``, its
-                ``echo``, ``max_tokens`` 0, ``logprobs``       ``top_logprobs`` values (highest
-                none or 0-5                                    first), ``usage.prompt_tokens``
+                ``echo``, ``max_tokens`` 0 or 1 (with          ``top_logprobs`` values (highest
+                ``temperature`` 0, as lm-evaluation-harness    first), ``usage``'s tokens
+                sends it), ``logprobs`` none or 0-20
 causal-rerank   ``POST /v1/rerank``, causal-rr, 2-8 documents  each ``relevance_score``, by ``index``
 score           ``POST /score``, causal-rr, one query against  each ``score``, by ``index``
                 1-4 documents or 1-4 pairs
@@ -33,11 +34,12 @@ Prompts of ``lm`` are at most 1,000 characters (under its 1,024 tokens: never cu
 Beside equality with the reference (``oracle``), a reader checks what any right answer must
 hold, so that a reference wrong in the same way as the answer is caught too: an answer per item
 by index; rerank results sorted; a causal reranker's scores probabilities; each piece's span a
-part of its text no longer than a piece, the pieces in order, their count the ``windows``, each
-piece's probabilities summing to 1 (a softmax classifier), the text's their maximum; a
-completion's prompt echoed, its tokens as many as its log-probs and offsets, spelling the whole
-prompt (an ASCII one: a byte-level token decoded alone is no character of its own), no log-prob
-above 0 and none above the best alternative listed.
+part of its text no longer than a piece, the pieces in text order and every character but white
+space in one, their count the ``windows``, each piece's probabilities summing to 1 (a softmax
+classifier), the text's their maximum; a completion's prompt echoed (and the greedy next token
+after it with ``max_tokens`` 1), its tokens as many as its log-probs and offsets, spelling the
+whole prompt (an ASCII one: a byte-level token decoded alone is no character of its own), no
+log-prob above 0 and none above the best alternative listed, the next token's the best of all.
 """
 
 from __future__ import annotations
@@ -287,13 +289,7 @@ def _read_pieces(reply: Reply, call: Call) -> np.ndarray:
         pieces = json.loads(raw)
         if len(pieces) != windows[i]:
             raise ValueError(f"text {i}: {len(pieces)} pieces, windows {windows[i]:g}")
-        stop = 0
-        for piece in pieces:
-            if not stop <= piece["start"] < piece["stop"] <= len(text):
-                raise ValueError(f"text {i} of {len(text)} characters: a piece {piece} after {stop}")
-            if piece["stop"] - piece["start"] > PIECE_CHARS:
-                raise ValueError(f"text {i}: a piece {piece} over {PIECE_CHARS} characters")
-            stop = piece["stop"]
+        _check_spans(i, text, [(p["start"], p["stop"]) for p in pieces])
         each = np.array([p["probabilities"] for p in pieces], dtype=np.float64).reshape(len(pieces), 2)
         if np.abs(_probabilities(each, "a piece's probabilities").sum(axis=1) - 1).max() > SLACK:
             raise ValueError(f"text {i}: a piece's probabilities do not sum to 1: {each.tolist()}")
@@ -301,6 +297,26 @@ def _read_pieces(reply: Reply, call: Call) -> np.ndarray:
             raise ValueError(f"text {i}: probabilities {probabilities[i]} are not its pieces' maximum")
         rows += [np.array([[p["start"], p["stop"]] for p in pieces], dtype=np.float64).ravel(), each.ravel()]
     return np.concatenate(rows)
+
+
+def _check_spans(i: int, text: str, spans: list[tuple[int, int]]) -> None:
+    """Text ``i``'s pieces: each a part of it of at most
+    :data:`~benchmarks.stress.repository.PIECE_CHARS`, in text order (windows of a piece over
+    ``max_seq_length`` tokens overlap), every character but white space in one of them."""
+    covered = bytearray(len(text))
+    start = 0
+    for a, b in spans:
+        if not start <= a < b <= len(text):
+            raise ValueError(f"text {i} of {len(text)} characters: a piece [{a}, {b}) after one from {start}")
+        if b - a > PIECE_CHARS:
+            raise ValueError(f"text {i}: a piece [{a}, {b}) over {PIECE_CHARS} characters")
+        covered[a:b] = b"\x01" * (b - a)
+        start = a
+    missed = [k for k, c in enumerate(text) if not covered[k] and not c.isspace()]
+    if missed:
+        raise ValueError(
+            f"text {i}: {len(missed)} characters in no piece, from {missed[0]}: {text[missed[0] :][:40]!r}"
+        )
 
 
 def _flat_list(values: Any, items: int) -> list[Any]:
@@ -313,8 +329,10 @@ def _flat_list(values: Any, items: int) -> list[Any]:
 def _completions(rng: random.Random, words: Sequence[str]) -> Made:
     texts = payloads.feed_texts(words, rng.randint(1, 4), seed=rng.randrange(1 << 30))
     prompts = [t[:PROMPT_CHARS] for t in texts]
-    body: dict[str, Any] = {"model": LM, "prompt": prompts, "echo": True, "max_tokens": 0}
-    logprobs = rng.choice([None, 0, 1, 1, 5])  # lm-evaluation-harness asks for 1
+    body: dict[str, Any] = {"model": LM, "prompt": prompts, "echo": True, "max_tokens": rng.choice([0, 1])}
+    if body["max_tokens"] and rng.random() < 0.5:
+        body["temperature"] = 0  # lm-evaluation-harness 0.4.4 and later: max_tokens 1, logprobs 1
+    logprobs = rng.choice([None, 0, 1, 1, 5, 20])
     if logprobs is not None:
         body["logprobs"] = logprobs
     return "/v1/completions", _json(body), JSON, len(prompts)
@@ -322,29 +340,34 @@ def _completions(rng: random.Random, words: Sequence[str]) -> Made:
 
 def _read_completions(reply: Reply, call: Call) -> np.ndarray:
     """Per choice its token log-probs (a null as +1) and its alternatives' values, highest first;
-    then ``usage.prompt_tokens``; the properties of the module docstring."""
+    then ``usage``'s prompt and completion tokens; the properties of the module docstring."""
     request, answer = json.loads(call.body), _parsed(reply)
-    prompts, choices = request["prompt"], answer["choices"]
+    prompts, choices, made = request["prompt"], answer["choices"], request["max_tokens"]
     if [c["index"] for c in choices] != list(range(call.items)):
         raise ValueError(f"choices {[c['index'] for c in choices]} for {call.items} prompts")
     rows = []
     for prompt, choice in zip(prompts, choices, strict=True):
-        if choice["text"] != prompt:
-            raise ValueError(f"choice {choice['index']} echoes {choice['text'][:60]!r}, not its prompt")
-        logprobs = choice["logprobs"]
+        text, logprobs = choice["text"], choice["logprobs"]
+        if not text.startswith(prompt) or (not made and text != prompt):
+            raise ValueError(f"choice {choice['index']} is {text[:60]!r}, not its prompt")
         if ("logprobs" in request) != (logprobs is not None):
             raise ValueError(f"choice {choice['index']}: {logprobs!r} for logprobs {request.get('logprobs')}")
         if logprobs is not None:
-            rows.append(_token_logprobs(prompt, logprobs, request["logprobs"]))
-    rows.append(np.array([answer["usage"]["prompt_tokens"]], dtype=np.float64))
+            rows.append(_token_logprobs(prompt, text, logprobs, request["logprobs"], made))
+    usage = answer["usage"]
+    if usage["completion_tokens"] != made * call.items:
+        raise ValueError(f"{usage['completion_tokens']} completion tokens for {call.items} x {made}")
+    rows.append(np.array([usage["prompt_tokens"], usage["completion_tokens"]], dtype=np.float64))
     return np.concatenate(rows)
 
 
-def _token_logprobs(prompt: str, logprobs: dict[str, Any], top: int) -> np.ndarray:
+def _token_logprobs(prompt: str, text: str, logprobs: dict[str, Any], top: int, made: int) -> np.ndarray:
     tokens, own, offsets = logprobs["tokens"], logprobs["token_logprobs"], logprobs["text_offset"]
-    if not len(tokens) == len(own) == len(offsets) or not tokens:
+    if not len(tokens) == len(own) == len(offsets) or len(tokens) <= made:
         raise ValueError(f"{len(tokens)} tokens, {len(own)} log-probs, {len(offsets)} offsets")
-    if prompt.isascii() and "".join(tokens) != prompt:
+    if made and text != prompt + tokens[-1]:
+        raise ValueError(f"the text {text[-40:]!r} does not end with the next token {tokens[-1]!r}")
+    if prompt.isascii() and "".join(tokens[: len(tokens) - made]) != prompt:
         raise ValueError(f"the tokens spell {''.join(tokens)[:60]!r}..., not the prompt")
     values = np.array([1.0 if v is None else v for v in own], dtype=np.float64)
     if np.any(values[values != 1.0] > SLACK):
@@ -357,6 +380,8 @@ def _token_logprobs(prompt: str, logprobs: dict[str, Any], top: int) -> np.ndarr
         beaten = own[t] is not None and bool(best) and own[t] > best[0] + SLACK
         if top and (not 0 < len(best) <= top + 1 or beaten):
             raise ValueError(f"token {t}: log-prob {own[t]} beside alternatives {listed}")
+        if made and t == len(tokens) - 1 and best and own[t] < best[0] - SLACK:
+            raise ValueError(f"the next token {tokens[t]!r} ({own[t]}) is not the greedy one: {listed}")
         alternatives += best
     return np.concatenate([values, np.array(alternatives, dtype=np.float64)])
 

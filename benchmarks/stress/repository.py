@@ -13,7 +13,8 @@ radar              a Llama classifier in pieces of 300 characters  V2 JSON with 
                    and 128 tokens (docs/text-models.md's RADAR    result (``pieces``)
                    model.toml)
 lm                 a GPT-2 causal LM scorer                       ``/v1/completions`` (echo,
-                                                                  ``max_tokens`` 0, ``logprobs``)
+                                                                  ``max_tokens`` 0 or 1,
+                                                                  ``logprobs``)
 causal-rr          a Qwen3-Reranker-style causal reranker         ``/v1/rerank``, ``/score``
 =================  ============================================  ===============================
 
@@ -64,7 +65,12 @@ DECODERS = {
     LM: (
         "gpt2-lm",
         "app.handlers.causal_lm:CausalLMHandler",
-        ["text BYTES", "return_token_logprobs INT64 optional", "top_logprobs INT64 optional"],
+        [
+            "text BYTES",
+            "return_token_logprobs INT64 optional",
+            "top_logprobs INT64 optional",
+            "next_token INT64 optional",
+        ],
         ["log_likelihood FP32", "perplexity FP32", "tokens INT64", "token_logprobs BYTES"],
         f"max_seq_length = {LM_MAX_TOKENS}",
     ),

@@ -12,7 +12,7 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -353,12 +353,13 @@ def test_pools_are_deterministic_and_every_answer_reader_checks_the_items() -> N
 
 
 def test_the_decoder_apis_ask_what_their_models_serve_whole() -> None:
-    """Prompts fit the causal LM (never cut), each completions request echoes with max_tokens 0,
-    the pieces request asks for each piece's result, the score request pairs its texts."""
+    """Prompts fit the causal LM (never cut), each completions request echoes with max_tokens 0
+    or 1 (greedy: temperature 0 if any), the pieces request asks for each piece's result, the score request pairs its texts."""
     words = [w * 3 for w in WORDS]  # longer words: long posts pass the prompt bound if not cut
     for call in apis.pool(apis.APIS["completions"], 64, words):
         body = json.loads(call.body)
-        assert body["echo"] is True and body["max_tokens"] == 0 and body.get("logprobs", 0) <= 5
+        assert body["echo"] is True and body["max_tokens"] in (0, 1) and body.get("logprobs", 0) <= 20
+        assert body.get("temperature", 0) == 0 and ("temperature" not in body or body["max_tokens"] == 1)
         assert all(len(p) <= apis.PROMPT_CHARS for p in body["prompt"]) and len(body["prompt"]) == call.items
     for call in apis.pool(apis.APIS["pieces"], 8, words):
         assert {o["name"] for o in json.loads(call.body)["outputs"]} >= {"probabilities", "pieces", "windows"}
@@ -379,53 +380,62 @@ def pieces_answer(texts: list[str], pieces: list[list[dict[str, Any]]]) -> Reply
 
 
 def test_a_pieces_answer_is_checked_against_its_texts() -> None:
-    texts = ["short post", "x" * 400]
+    """Pieces in text order, each at most 300 characters, every character but white space in one;
+    windows of a piece too long in tokens overlap."""
+    texts = ["  short post", "x" * 400]
     call = call_of({"inputs": [{"name": "text", "data": texts}]}, 2)
     read = apis.APIS["pieces"].read
-    good = [
-        [{"start": 0, "stop": 10, "probabilities": [0.25, 0.75]}],
-        [{"start": 0, "stop": 300, "probabilities": [0.5, 0.5]}, {"start": 300, "stop": 400, "probabilities": [0.875, 0.125]}],
-    ]  # fmt: skip
-    assert read(pieces_answer(texts, good), call).tolist() == [
+    one, two, three = (
+        {"start": 2, "stop": 12, "probabilities": [0.25, 0.75]},
+        {"start": 0, "stop": 300, "probabilities": [0.5, 0.5]},
+        {"start": 280, "stop": 400, "probabilities": [0.875, 0.125]},  # overlaps the window before
+    )
+    assert read(pieces_answer(texts, [[one], [two, three]]), call).tolist() == [
         0.25, 0.75, 0.875, 0.5,  # the texts' probabilities: the maximum of their pieces'
-        0, 10, 0.25, 0.75,
-        0, 300, 300, 400, 0.5, 0.5, 0.875, 0.125,
+        2, 12, 0.25, 0.75,
+        0, 300, 280, 400, 0.5, 0.5, 0.875, 0.125,
     ]  # fmt: skip
     wrong = {
-        "over 300 characters": [good[0], [{"start": 0, "stop": 400, "probabilities": [0.5, 0.5]}]],
-        "a piece .* after 400": [good[0], [good[1][1], good[1][0]]],  # out of order
-        "of 10 characters": [[{"start": 0, "stop": 11, "probabilities": [0.25, 0.75]}], good[1]],
-        "do not sum to 1": [[{"start": 0, "stop": 10, "probabilities": [0.5, 0.75]}], good[1]],
+        "over 300 characters": [[one], [{**two, "stop": 301}, three]],
+        r"a piece \[0, 300\) after one from 280": [[one], [three, two]],
+        "of 12 characters": [[{**one, "stop": 13}], [two, three]],
+        r"20 characters in no piece, from 300: 'xxx": [[one], [two, {**three, "start": 320}]],
+        "do not sum to 1": [[{**one, "probabilities": [0.5, 0.75]}], [two, three]],
     }
     for message, pieces in wrong.items():
         with pytest.raises(ValueError, match=message):
             read(pieces_answer(texts, pieces), call)
-    answer = json.loads(pieces_answer(texts, good).body)
+    answer = json.loads(pieces_answer(texts, [[one], [two, three]]).body)
     answer["outputs"][0]["data"][0] = 0.3  # not the maximum of its pieces'
     with pytest.raises(ValueError, match="not its pieces' maximum"):
         read(reply_of(answer), call)
-    answer = json.loads(pieces_answer(texts, good).body)
+    answer["outputs"][0]["data"][0] = 0.25
     answer["outputs"][1]["data"] = [1, 3]
     with pytest.raises(ValueError, match="2 pieces, windows 3"):
         read(reply_of(answer), call)
 
 
 def completion(
-    prompt: str, tokens: list[str], own: list[float | None], top: list[dict[str, float] | None]
+    text: str,
+    tokens: list[str],
+    own: Sequence[float | None],
+    top: Sequence[dict[str, float] | None],
+    made: int = 0,
 ) -> Reply:
     offsets = np.concatenate(([0], np.cumsum([len(t) for t in tokens])[:-1])).tolist()
     logprobs = {"tokens": tokens, "token_logprobs": own, "top_logprobs": top, "text_offset": offsets}
-    choice = {"text": prompt, "index": 0, "logprobs": logprobs, "finish_reason": "length"}
-    return reply_of({"choices": [choice], "usage": {"prompt_tokens": len(tokens) + 1}})
+    choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": "length"}
+    usage = {"prompt_tokens": len(tokens) + 1 - made, "completion_tokens": made}
+    return reply_of({"choices": [choice], "usage": usage})
 
 
 def test_a_completion_is_checked_against_its_prompt() -> None:
     read = apis.APIS["completions"].read
     call = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 0, "logprobs": 1}, 1)
     good = completion("ab c", ["ab", " c"], [-1.0, -2.0], [{"ab": -1.0}, {" d": -0.5}])
-    assert read(good, call).tolist() == [-1.0, -2.0, -1.0, -0.5, 3]
+    assert read(good, call).tolist() == [-1.0, -2.0, -1.0, -0.5, 3, 0]
     assert read(completion("ab c", ["ab", " c"], [None, -2.0], [None, {" d": -0.5}]), call).tolist() == [
-        1.0, -2.0, -0.5, 3  # a first token without context: null, read as +1
+        1.0, -2.0, -0.5, 3, 0  # a first token without context: null, read as +1
     ]  # fmt: skip
     wrong = {
         "spell 'ab d'": completion("ab c", ["ab", " d"], [-1.0, -2.0], [{"ab": -1.0}, {" d": -0.5}]),
@@ -443,8 +453,32 @@ def test_a_completion_is_checked_against_its_prompt() -> None:
     without = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 0}, 1)
     with pytest.raises(ValueError, match="for logprobs None"):
         read(good, without)
-    plain = {"choices": [{"text": "ab c", "index": 0, "logprobs": None}], "usage": {"prompt_tokens": 3}}
-    assert read(reply_of(plain), without).tolist() == [3]
+    plain = {
+        "choices": [{"text": "ab c", "index": 0, "logprobs": None}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 0},
+    }
+    assert read(reply_of(plain), without).tolist() == [3, 0]
+
+
+def test_a_completion_with_the_next_token_ends_with_the_greedy_one() -> None:
+    """max_tokens 1, as lm-evaluation-harness 0.4.4 and later send it: the prompt and its greedy
+    next token, one more entry in the lists, the token's log-prob the best of its row."""
+    read = apis.APIS["completions"].read
+    call = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 1, "logprobs": 1}, 1)
+    top = [{"ab": -1.0}, {" d": -0.5}, {"!": -0.25}]
+    good = completion("ab c!", ["ab", " c", "!"], [-1.0, -2.0, -0.25], top, made=1)
+    assert read(good, call).tolist() == [-1.0, -2.0, -0.25, -1.0, -0.5, -0.25, 3, 1]
+    wrong = {
+        "not the greedy": completion("ab c?", ["ab", " c", "?"], [-1.0, -2.0, -3.0], top, made=1),
+        "does not end with the next token": completion(
+            "ab c?", ["ab", " c", "!"], [-1.0, -2.0, -0.25], top, made=1
+        ),
+        "not its prompt": completion("ab d!", ["ab", " d", "!"], [-1.0, -2.0, -0.25], top, made=1),
+        "completion tokens": completion("ab c!", ["ab", " c", "!"], [-1.0, -2.0, -0.25], top, made=0),
+    }
+    for message, reply in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            read(reply, call)
 
 
 def test_causal_reranker_scores_are_probabilities() -> None:
