@@ -37,9 +37,10 @@ by index; rerank results sorted; a causal reranker's scores probabilities; each 
 part of its text no longer than a piece, the pieces in text order and every character but white
 space in one, their count the ``windows``, each piece's probabilities summing to 1 (a softmax
 classifier), the text's their maximum; a completion's prompt echoed (and the greedy next token
-after it with ``max_tokens`` 1), its tokens as many as its log-probs and offsets, spelling the
-whole prompt (an ASCII one: a byte-level token decoded alone is no character of its own), no
-log-prob above 0 and none above the best alternative listed, the next token's the best of all.
+after it with ``max_tokens`` 1), its tokens as many as its log-probs and offsets, each offset
+where its token starts in their concatenation, spelling the whole prompt (an ASCII one: a
+byte-level token decoded alone is no character of its own), no log-prob above 0 and none above
+the best alternative listed, the next token's the best of all.
 """
 
 from __future__ import annotations
@@ -365,6 +366,8 @@ def _token_logprobs(prompt: str, text: str, logprobs: dict[str, Any], top: int, 
     tokens, own, offsets = logprobs["tokens"], logprobs["token_logprobs"], logprobs["text_offset"]
     if not len(tokens) == len(own) == len(offsets) or len(tokens) <= made:
         raise ValueError(f"{len(tokens)} tokens, {len(own)} log-probs, {len(offsets)} offsets")
+    if offsets != [sum(map(len, tokens[:k])) for k in range(len(tokens))]:
+        raise ValueError(f"offsets {offsets[:8]}... are not the tokens' {[len(t) for t in tokens[:8]]}...")
     if made and text != prompt + tokens[-1]:
         raise ValueError(f"the text {text[-40:]!r} does not end with the next token {tokens[-1]!r}")
     if prompt.isascii() and "".join(tokens[: len(tokens) - made]) != prompt:

@@ -446,6 +446,10 @@ def test_a_completion_is_checked_against_its_prompt() -> None:
     for message, reply in wrong.items():
         with pytest.raises(ValueError, match=message):
             read(reply, call)
+    shifted = json.loads(good.body)
+    shifted["choices"][0]["logprobs"]["text_offset"] = [0, 3]
+    with pytest.raises(ValueError, match="not the tokens'"):
+        read(reply_of(shifted), call)
     echoed = json.loads(good.body)
     echoed["choices"][0]["text"] = "ab"
     with pytest.raises(ValueError, match="not its prompt"):
