@@ -1,17 +1,20 @@
 """Fuzzing every HTTP route and every gRPC method of a real server (docs/reliability.md, *Fuzzing*):
-no server error, no hang, no dead worker; the cases sent per route.
+no server error, no hang, no dead worker, a model reached through every route that serves
+inference; the cases sent and the 200s per route.
 
 Starts gunicorn on 127.0.0.1 with the stress run's models (``benchmarks.stress.repository``:
-feed-ranker, all-MiniLM-L6-v2 with the response cache, a BERT classifier and cross-encoder),
-``--workers`` workers and explicit model control, then:
+feed-ranker, all-MiniLM-L6-v2 with the response cache, a BERT classifier and cross-encoder, a
+decoder classifier in pieces, a causal LM, a causal reranker), ``--workers`` workers and
+explicit model control, then:
 
-1. **HTTP**: schemathesis against app/openapi.json narrowed to the server's models, with a valid
-   example per request body and OpenAPI links for its stateful phase (the repository index to
-   each model's operations, an unload or load to the same model's inference and the opposite
-   call: ``tests.support.fuzz.fuzz_document``), every phase (examples, coverage, fuzzing,
-   stateful); checks: no server error (503 and 504 expected), documented statuses and content
-   types, every request answered within 10 s. ``--max-time`` repeats the fuzzing and stateful
-   phases until it is spent.
+1. **HTTP**: schemathesis against app/openapi.json narrowed to the server's models (the path's
+   ``name`` and the body's ``model``), with a valid example per request body and OpenAPI links
+   for its stateful phase (the repository index to each model's operations, an unload or load
+   to the same model's inference and the opposite call: ``tests.support.fuzz.fuzz_document``),
+   every phase (examples, coverage, fuzzing, stateful); checks: no server error (503 and 504
+   expected), documented statuses and content types, every request answered within 10 s; each
+   route that takes an inference request body (:data:`EXAMPLES`' schemas) answered 200 at least
+   once. ``--max-time`` repeats the fuzzing and stateful phases until it is spent.
 2. **gRPC**: for each method of ``inference.GRPCInferenceService``, ``--grpc-examples``
    hypothesis-drawn messages of its request type (any subset of fields, any value of each
    field's type, model names and datatypes the server knows half the time) and as many arbitrary
@@ -30,14 +33,15 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from benchmarks import report
 from benchmarks.stress import repository, target
-from benchmarks.stress.repository import CE, CLF, MINILM, MODELS, RANKER
-from tests.support.fuzz import fuzz_document, fuzz_grpc, run_schemathesis
+from benchmarks.stress.repository import CAUSAL_RR, CE, CLF, LM, MINILM, MODELS, RANKER
+from tests.support.fuzz import fuzz_document, fuzz_grpc, routes_taking, run_schemathesis
 from tests.support.gunicorn import Gunicorn
 
 #: A valid request body per request schema of app/openapi.json, for the stress repository.
@@ -49,6 +53,14 @@ EXAMPLES = {
     "EmbeddingRequest": {"model": MINILM, "input": ["a short post about the weather"]},
     "RerankRequest": {"model": CE, "query": "weather at sea", "documents": ["storms at sea", "a recipe"]},
     "ClassifyRequest": {"model": CLF, "input": ["you are all wonderful people"]},
+    "ScoreRequest": {"model": CAUSAL_RR, "text_1": "weather at sea", "text_2": ["storms at sea", "a recipe"]},
+    "CompletionRequest": {
+        "model": LM,
+        "prompt": ["A post to score."],
+        "echo": True,
+        "max_tokens": 0,
+        "logprobs": 1,
+    },
 }
 
 
@@ -58,11 +70,18 @@ def fuzz(
     """Fuzz ``srv`` (serving the stress repository): the figures and ``failures`` (empty: none)."""
     before = {w.pid for w in srv.workers()}
     document = fuzz_document({name: ["1"] for name in MODELS}, EXAMPLES)
-    status, output, routes = run_schemathesis(
+    status, output, statuses = run_schemathesis(
         srv.url, document, folder / "schemathesis", max_examples=max_examples, max_time_s=max_time_s
     )
     failures = [] if status == 0 else [f"schemathesis exited {status}:\n{output}"]
     summary = output[output.rfind("SUMMARY") :] if "SUMMARY" in output else output[-3000:]
+    routes = {route: sum(counts.values()) for route, counts in statuses.items()}
+    served = {route: statuses.get(route, Counter())[200] for route in routes_taking(document, EXAMPLES)}
+    failures += [
+        f"{route}: no 200 in {routes.get(route, 0)} cases {dict(statuses.get(route, {}))}: no model reached"
+        for route, ok in served.items()
+        if not ok
+    ]
     methods, grpc_failures = fuzz_grpc(srv.grpc_url, [*MODELS, f"{RANKER}-x"], grpc_examples)
     failures += grpc_failures
     after = {w.pid for w in srv.workers()}
@@ -78,7 +97,9 @@ def fuzz(
         "http_cases": sum(routes.values()),
         "schemathesis_summary": summary,
         "routes": dict(sorted(routes.items())),
+        "ok_per_route": {route: statuses[route][200] for route in sorted(statuses)},
         "routes_not_reached": sorted(documented - set(routes)),
+        "inference_routes_without_200": sorted(route for route, ok in served.items() if not ok),
         "grpc_cases": sum(methods.values()),
         "grpc_methods": methods,
         "failures": failures,
@@ -113,8 +134,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     finally:
         srv.stop(120)
+    print(f"{'cases':>8} {'200s':>6}  route")
     for route, count in results["routes"].items():
-        print(f"{count:>8}  {route}")
+        print(f"{count:>8} {results['ok_per_route'][route]:>6}  {route}")
     for method, count in results["grpc_methods"].items():
         print(f"{count:>8}  gRPC {method}")
     print(results["schemathesis_summary"])

@@ -10,7 +10,8 @@ two copies of a model for a moment, and the allocator keeps those pages for the 
 first round once warm and the last round of the worker's life: a sample taken while a model is
 swapped (two copies, +60-100 MB for seconds) is not compared against one taken between swaps,
 and a leak still raises every round's lowest sample. Without (``round_s`` 0): the first sample
-once warm and the last. Bound: ``rss_growth_mb`` (50 MB).
+once warm and the last. Bound: ``rss_growth_mb`` (50 MB); a run in which no worker lived
+long enough to be judged fails too (:func:`growth_verdict`).
 
 **Descriptors and threads back to their baseline**: the samples taken with no client connected
 (the idle pause after warm-up, and the idle end) per worker: each worker's count at the end at
@@ -155,6 +156,17 @@ def rss_growth(
         last = min(getattr(s, field) for s in warm if s.at > warm[-1].at - round_s)
         growth[pid] = (last - first) / MB
     return growth
+
+
+def growth_verdict(growth: dict[int, float], bound_mb: float, round_s: float = 0.0) -> list[str]:
+    """The bounds the RSS growth of :func:`rss_growth` broke (empty: none): a worker that grew
+    more than ``bound_mb``, or no worker judged at all (a run too short to say anything about
+    memory does not pass)."""
+    if not growth:
+        needs = f"two rounds ({2 * round_s:g} s)" if round_s else "two samples"
+        return [f"RSS growth judged for no worker: none lived {needs} once warm in the main phase"]
+    grown = growth.items()
+    return [f"worker {pid}: RSS grew {mb:.1f} MB (bound {bound_mb:g})" for pid, mb in grown if mb > bound_mb]
 
 
 def back_to_baseline(baseline: list[Sample], end: list[Sample]) -> list[str]:

@@ -157,7 +157,7 @@ class Oracle:
         """
         if reply.status != 200:
             raise RuntimeError(f"reference of {api} #{call.index}: HTTP {reply.status} {reply.body[:300]!r}")
-        self.references[(api, call.index)] = self.apis[api].read(reply, call.items)
+        self.references[(api, call.index)] = self.apis[api].read(reply, call)
 
     def judge(self, api: str, call: Call, reply: Reply, began: float, ended: float) -> str:
         """The outcome of an answer (pending ones are judged at the end and return "pending")."""
@@ -188,7 +188,7 @@ class Oracle:
     def _compare(self, api: str, call: Call, reply: Reply) -> str:
         want = self.references[(api, call.index)]
         try:
-            got = self.apis[api].read(reply, call.items)
+            got = self.apis[api].read(reply, call)
         except (ValueError, KeyError, TypeError, IndexError) as exc:
             outcome, example = "wrong", f"#{call.index}: unreadable answer ({exc!r}): {reply.body[:200]!r}"
         else:

@@ -4,13 +4,16 @@ locust through the phases while the schedule acts and the monitor samples, then 
 Phases (``schedule.Plan``): **warm-up** (the users, no events), **baseline** (no users: the
 workers' descriptors and threads once every connection closed), **main** (the users and the
 schedule's events; none in its last ``tail_s``), **end** (no users: the same counts again).
+``--duration`` sets the main phase and scales the schedule to it, or stops at once where it is
+too short for the events' own times (``schedule.scale``).
 
 Writes into ``--out``: ``summary.json`` (everything below), ``resources.csv`` (the monitor's
 samples), ``locust_stats.csv`` / ``locust_failures.csv`` (locust's own tables), and the server's
 log. Prints the requests by API and outcome, the schedule's events, the resource figures and
 the verdict. Exit status 1 when a bound fails: a wrong answer, a request without an answer, an
 unexpected status, an event the server did not answer as documented, RSS growth after warm-up
-over ``--rss-growth-mb``, or descriptors or threads above their baseline at the end.
+over ``--rss-growth-mb`` or no worker's growth judged at all, or descriptors or threads above
+their baseline at the end.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--schedule", default="30m", help=f"a schedule file, or one of {sorted(SCHEDULES)}")
     parser.add_argument(
-        "--duration", type=schedule.seconds, help="the main phase (e.g. 30m, 90s); default: the schedule's"
+        "--duration",
+        type=schedule.seconds,
+        help="the main phase (e.g. 30m, 90s), the schedule scaled to it; default: the schedule's",
     )
     parser.add_argument("--users", type=int, help="users (default: the schedule's, 64)")
     parser.add_argument("--workers", type=int, default=2)
@@ -104,7 +109,10 @@ class Run:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         path = SCHEDULES.get(args.schedule, Path(args.schedule))
-        self.plan, self.events = schedule.read(path, args.duration)
+        try:
+            self.plan, self.events = schedule.read(path, args.duration)
+        except ValueError as exc:
+            raise SystemExit(f"stress run: {exc}") from None
         if args.users:
             self.plan = schedule.Plan(**{**self.plan.__dict__, "users": args.users})
         self.out: Path = args.out or Path(tempfile.mkdtemp(prefix="stress-"))
@@ -121,6 +129,9 @@ class Run:
 
     def run(self) -> int:
         print(f"stress run: results in {self.out}", flush=True)
+        last = schedule.clock(self.events[-1].at_s) if self.events else "-"
+        main = schedule.clock(self.plan.main_s)
+        print(f"{len(self.events)} events in a main phase of {main}, the last at {last}", flush=True)
         subprocess.run(
             [sys.executable, "-m", "benchmarks.stress.repository", str(self.folder)], cwd=ROOT, check=True
         )
@@ -168,9 +179,7 @@ class Run:
         baseline = self._idle(shape, watch, runner, "baseline")
         shape.phase = watch.phase = "main"
         main_began = self.oracle.t0 = time.monotonic()
-        events = threading.Thread(
-            target=scenario.run, args=(self.events, self.plan.main_s - self.plan.tail_s)
-        )
+        events = threading.Thread(target=scenario.run, args=(self.events,))
         events.start()
         self._progress(main_began, events)
         events.join()
@@ -236,9 +245,7 @@ class Run:
             for field in ("rss", "anon")
         )
         bound = self.args.rss_growth_mb or self.plan.rss_growth_mb
-        failures += [
-            f"worker {pid}: RSS grew {mb:.1f} MB (bound {bound})" for pid, mb in growth.items() if mb > bound
-        ]
+        failures += monitor.growth_verdict(growth, bound, self.plan.round_s)
         failures += monitor.back_to_baseline(baseline, end)
         self.summary = report.record(
             command="python -m benchmarks.stress " + " ".join(sys.argv[1:]),

@@ -31,11 +31,21 @@ stop_redis          stop the Redis tier (``start_redis`` starts it again on the 
 
 Each event runs on a thread of its own at its time (a greenlet under locust), so a slow one
 does not delay the next; what each did, and any expectation it found broken, is recorded.
+
+**Another duration.** ``--duration`` scales the schedule to it (:func:`scale`): every ``at``,
+``tail_s`` and ``round_s`` by the duration over the schedule's ``main_s``, so that every event
+runs, in the same order and with the same relative spacing. Some time is an event's own and
+does not scale (:func:`own_s`): a slow reader's ``seconds``, a broken version's ``hold_s``, a
+worker's replacement after ``sigkill``, ``sigterm`` or ``hup`` (the plan's ``replace_s``). A
+duration so short that an event which ends before a later one begins (or before the main
+phase ends) in the schedule would no longer do so is refused, naming the two and the shortest
+duration that keeps them apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import random
@@ -71,7 +81,9 @@ class Plan:
     over which RSS levels are taken (:func:`benchmarks.stress.monitor.rss_growth`); ``pool``
     distinct requests per API; the RSS growth bound, MB; ``peer_keepalive_s``, how long the
     workers keep an idle connection to each other (``SCORING_PEER_KEEPALIVE_S``: each idle
-    pause outlasts it, so that those connections have closed when descriptors are counted)."""
+    pause outlasts it, so that those connections have closed when descriptors are counted);
+    ``replace_s``, how long a worker's replacement (a SIGKILL's, a SIGTERM's, a HUP's) may take:
+    its own time when the schedule is scaled (:func:`scale`)."""
 
     users: int = 64
     spawn_rate: float = 16.0
@@ -85,6 +97,7 @@ class Plan:
     pool: int = 256
     rss_growth_mb: float = 50.0
     peer_keepalive_s: float = PEER_KEEPALIVE_S
+    replace_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -132,17 +145,17 @@ def seconds(value: float | str) -> float:
 
 
 def read(path: Path, duration_s: float | None = None) -> tuple[Plan, list[Event]]:
-    """The plan and events of the schedule at ``path`` (``duration_s`` overrides the main phase's
-    length).
+    """The plan and events of the schedule at ``path``, scaled to a main phase of ``duration_s``
+    where given (:func:`scale`).
 
     Raises:
         ValueError: an unknown action, a parameter the action does not take or a missing one;
-            an idle pause no longer than ``peer_keepalive_s``.
+            an event that starts in the tail (the main phase's last ``tail_s``); an idle pause
+            no longer than ``peer_keepalive_s``; a ``duration_s`` too short for the events' own
+            times.
     """
     data = tomllib.loads(path.read_text())
     load: dict[str, Any] = {k: seconds(v) if k.endswith("_s") else v for k, v in data.get("load", {}).items()}
-    if duration_s is not None:
-        load["main_s"] = duration_s
     try:
         plan = Plan(**load)
     except TypeError as exc:
@@ -162,8 +175,74 @@ def read(path: Path, duration_s: float | None = None) -> tuple[Plan, list[Event]
             inspect.signature(action).bind(None, **params)
         except TypeError as exc:
             raise ValueError(f"{path.name}: {raw['action']} at {raw.get('at')}: {exc}") from None
-        events.append(Event(seconds(raw["at"]), raw["action"], params))
-    return plan, sorted(events, key=lambda e: e.at_s)
+        event = Event(seconds(raw["at"]), raw["action"], params)
+        if event.at_s >= plan.main_s - plan.tail_s:
+            raise ValueError(
+                f"{path.name}: {event.action} at {clock(event.at_s)} starts in the tail: after "
+                f"{clock(plan.main_s - plan.tail_s)} (main_s {plan.main_s:g} less tail_s {plan.tail_s:g})"
+            )
+        events.append(event)
+    events.sort(key=lambda e: e.at_s)
+    if duration_s is None or duration_s == plan.main_s:
+        return plan, events
+    try:
+        return scale(plan, events, duration_s)
+    except ValueError as exc:
+        raise ValueError(f"{path.name}: {exc}") from None
+
+
+def clock(at_s: float) -> str:
+    """Seconds as the schedules write them, ``"m:ss"`` (``"26:00"``; tenths where there are)."""
+    minutes, secs = divmod(round(at_s, 1), 60)
+    return f"{int(minutes)}:{secs:04.1f}".removesuffix(".0")
+
+
+def own_s(event: Event, plan: Plan) -> float:
+    """The seconds ``event`` takes whatever the schedule's clock: a slow reader's ``seconds``,
+    a broken version's ``hold_s``, ``plan.replace_s`` for a worker's replacement; 0 for the
+    rest (a few seconds at most: a model load, a client's request)."""
+    bound = inspect.signature(ACTIONS[event.action]).bind(None, **event.params)
+    bound.apply_defaults()
+    if event.action == "slow_readers":
+        return float(bound.arguments["seconds"])
+    if event.action == "load_broken":
+        return float(bound.arguments["hold_s"])
+    if event.action in ("sigkill", "sigterm", "hup"):
+        return plan.replace_s
+    return 0.0
+
+
+def scale(plan: Plan, events: list[Event], duration_s: float) -> tuple[Plan, list[Event]]:
+    """``plan`` and ``events`` scaled to a main phase of ``duration_s``: every ``at``, the plan's
+    ``tail_s`` and ``round_s`` by ``duration_s / plan.main_s``. The events keep their order and
+    relative spacing; their own times (:func:`own_s`) do not scale.
+
+    Raises:
+        ValueError: an event that ends (its ``at`` plus its own time) before a later event
+            begins, or before the main phase ends, would not once scaled; the message names both
+            and the shortest duration that keeps every such pair apart.
+    """
+    factor = duration_s / plan.main_s
+    needed, binding = 0.0, ""
+    for i, event in enumerate(events):
+        own = own_s(event, plan)
+        if not own:
+            continue
+        later = [(e.at_s, f"{e.action} at {clock(e.at_s)}") for e in events[i + 1 :]]
+        for at_s, name in [*later, (plan.main_s, f"the main phase's end at {clock(plan.main_s)}")]:
+            if event.at_s + own <= at_s and own / (at_s - event.at_s) > needed:
+                needed = own / (at_s - event.at_s)
+                binding = f"{event.action} at {clock(event.at_s)} ({own:g} s of its own) ends before {name}"
+    if factor < needed:
+        raise ValueError(
+            f"a main phase of {clock(duration_s)} scales the schedule by {factor:.3g}, too short for "
+            f"its events' own times: {binding}, which it would no longer do; the shortest main phase "
+            f"that keeps every event's own time: {clock(needed * plan.main_s)}"
+        )
+    scaled = dataclasses.replace(
+        plan, main_s=duration_s, tail_s=plan.tail_s * factor, round_s=plan.round_s * factor
+    )
+    return scaled, [Event(e.at_s * factor, e.action, e.params) for e in events]
 
 
 class Scenario:
@@ -181,14 +260,11 @@ class Scenario:
         self._threads: list[threading.Thread] = []
         self._rng = random.Random(0)
 
-    def run(self, events: list[Event], until_s: float) -> None:
-        """Start each event at its time (seconds after this call) up to ``until_s``; return once
-        every started event has finished."""
+    def run(self, events: list[Event]) -> None:
+        """Start each event at its time (seconds after this call); return once every event has
+        finished."""
         self.started = time.monotonic()
         for event in events:
-            if event.at_s >= until_s:
-                self.records.append(Record(event, note="not reached: after the main phase's events end"))
-                continue
             time.sleep(max(0.0, self.started + event.at_s - time.monotonic()))
             thread = threading.Thread(target=self._one, args=(event,), name=f"event-{event.action}")
             thread.start()

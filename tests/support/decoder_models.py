@@ -1,60 +1,28 @@
-"""Small decoder-only models of the real classes for tests, built offline in under a second each.
-
-Each is a Hugging Face folder made from a config with a fixed seed (2 layers, hidden 64, 4 query
-heads over 2 key/value heads where the class has grouped-query attention), its weights saved as
-safetensors, and a byte-level BPE tokenizer trained here with ``tokenizers`` on :data:`CORPUS`,
-shaped as the real family ships it:
-
-========================  ===========================================  ===================================
-kind                      class (the real model it stands for)         tokenizer
-========================  ===========================================  ===================================
-``llama-classifier``      ``LlamaForSequenceClassification``           Llama-style: ``<s>`` added in front
-                          (TrustSafeAI/RADAR-Vicuna-7B)                by the post-processor, ``</s>``, no
-                                                                       pad token
-``llama-lm``              ``LlamaForCausalLM`` (log-likelihood)        as above
-``gpt2-lm``               ``GPT2LMHeadModel`` (gpt2)                   GPT-2's: ``<|endoftext|>`` is bos,
-                                                                       eos and unk, nothing added, no pad
-``gpt2-classifier``       ``GPT2ForSequenceClassification``            as above
-``qwen2-classifier``      ``Qwen2ForSequenceClassification``           Qwen's: ``<|endoftext|>``,
-                                                                       ``<|im_start|>``, ``<|im_end|>``,
-                                                                       nothing added, no pad
-``qwen3-embedder``        ``Qwen3Model`` (Qwen/Qwen3-Embedding-0.6B)   Qwen3's (``<think>``, ``</think>``
-                                                                       too), ``<|endoftext|>`` appended by
-                                                                       the post-processor, left padding
-``qwen3-reranker``        ``Qwen3ForCausalLM`` (Qwen3-Reranker-0.6B)   Qwen3's, nothing added, left
-                                                                       padding; ``yes`` and ``no`` are
-                                                                       tokens of the vocabulary
-========================  ===========================================  ===================================
-
-No tokenizer has a pad token (Llama, Vicuna and GPT-2 ship none); ``pad_token=`` gives one, e.g.
-``"<|endoftext|>"`` for a Qwen folder as Qwen ships it (there the pad token is also the token
-the embedder's post-processor appends: Qwen3-Embedding issue #122). The embedder's folder also
-holds sentence-transformers' files as Qwen3-Embedding's (``modules.json``: Transformer,
-last-token Pooling, Normalize; the ``query`` prompt ``"Instruct: ...\\nQuery:"``, none for
-documents), so ``SentenceTransformer(folder)`` gives the library's own embeddings.
-
-Every folder loads offline: ``AutoTokenizer.from_pretrained(folder)`` and
-``AutoModel*.from_pretrained(folder, local_files_only=True)``; ``tokenizer.json`` is what a
-``tokenizers.Tokenizer.from_file`` reads. Tests get them from the session fixture
-``decoder_models`` (``tests/conftest.py``): kind -> folder, built once per test session.
+"""Small decoder-only models for tests: the session fixture ``decoder_models`` (every kind of
+:mod:`benchmarks.decoder_folders`, built once per test session: kind -> folder) and the
+``model.toml`` of a causal LM serving one (:func:`write_causal_lm`). The folders and any handler
+model's ``model.toml`` (``write_handler_model``) are :mod:`benchmarks.decoder_folders`' (its
+table lists the kinds), which the stress run's repository shares; its names are re-exported
+here.
 """
 
 from __future__ import annotations
 
-import importlib
-import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 
-if TYPE_CHECKING:
-    from tokenizers import Tokenizer
-
-# tokenizers' trainers and transformers' model classes are imported where they are used: this
-# module is imported by tests/conftest.py, and every test session would pay for them (2 s).
+from benchmarks.decoder_folders import (
+    CLASSES,
+    CORPUS,
+    EMBEDDING_QUERY_PROMPT,
+    KINDS,
+    LABELS,
+    build_decoder_folder,
+    train_tokenizer,
+    write_handler_model,
+)
 
 __all__ = [
     "CLASSES",
@@ -69,75 +37,6 @@ __all__ = [
     "write_handler_model",
 ]
 
-#: Positions of every model (and the tokenizers' ``model_max_length``): room for windows of 256
-#: tokens and 300-character pieces (about 100 tokens of this vocabulary).
-MAX_POSITIONS = 1024
-#: Labels of the classifiers (RADAR's two classes).
-LABELS = ("human", "machine")
-#: The ``query`` prompt of Qwen3-Embedding's ``config_sentence_transformers.json``.
-EMBEDDING_QUERY_PROMPT = (
-    "Instruct: Given a web search query, retrieve relevant passages that answer the query\nQuery:"
-)
-
-_SENTENCES = (
-    "The committee met on Tuesday to discuss the new budget for the public library.",
-    "Astronomers measure the redshift of a galaxy from the lines in its spectrum.",
-    "Bake the bread for forty minutes, then let it cool on a rack before slicing.",
-    "The train to the coast leaves at seven and arrives shortly after noon.",
-    "Is this post written by a person or generated by a language model?",
-    "Moderators review reports of spam, abuse and misleading claims every day.",
-    "Gravity is a force that attracts two bodies towards each other.",
-    "The capital of France is Paris, and the capital of China is Beijing.",
-    "She wrote 3 letters, 12 emails and 150 short messages in 2 weeks.",
-    "Rivers carve valleys over millions of years; glaciers widen them.",
-    "What's the best way to learn a language? Practice, patience, and reading!",
-    "A judge must decide whether the document meets the requirements of the query.",
-    "Given a web search query, retrieve relevant passages that answer the query.",
-    "Instruct: Query: Document: system user assistant yes no yes no",
-    "Unicode text such as café, naïve, Zürich and 東京 must survive the round trip.",
-)
-#: The text the tokenizers are trained on: varied English (digits, punctuation, a little
-#: non-ASCII), the words of the rerank and embedding prompts, and ``yes``/``no`` at the start of
-#: a line, so that both become tokens of their own as in Qwen's vocabulary.
-CORPUS = tuple(_SENTENCES) + tuple(f"{answer}\n{s}" for answer in ("yes", "no") for s in _SENTENCES)
-
-_VOCAB_SIZE = 700
-#: Qwen2's pre-tokenizer pattern (Qwen/Qwen2-0.5B tokenizer.json): contractions, letters, single
-#: digits, punctuation runs, newlines, spaces.
-_QWEN_PATTERN = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-    r"\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-
-
-def write_handler_model(
-    repo: Path,
-    name: str,
-    handler: str,
-    folder: Path,
-    inputs: Sequence[str],
-    outputs: Sequence[str],
-    parameters: str = "",
-) -> Path:
-    """A model folder ``repo/name`` whose ``model.toml`` serves ``folder`` with ``handler``
-    (``module:Class``): batches of up to 8, warmed up at 1 and 4; ``inputs`` as ``"name
-    DATATYPE"`` (``" optional"`` after it for an optional one), ``outputs`` as ``"name DATATYPE
-    width"``, shape ``[1]`` each where not given; ``parameters``: more lines of ``[parameters]``."""
-    lines = [f'name = "{name}"', 'version = "1"', 'format = "handler"', f'handler = "{handler}"',
-             "max_batch_size = 8", "max_queue_delay_ms = 2.0", "warmup_batch_sizes = [1, 4]"]  # fmt: skip
-    for spec in inputs:
-        input_name, datatype, *optional = spec.split()
-        lines += ["[[inputs]]", f'name = "{input_name}"', f'datatype = "{datatype}"', "shape = [1]"]
-        lines += ["optional = true"] if optional else []
-    for spec in outputs:
-        output_name, datatype, *width = spec.split()
-        lines += ["[[outputs]]", f'name = "{output_name}"', f'datatype = "{datatype}"']
-        lines += [f"shape = [{width[0] if width else 1}]"]
-    lines += ["[parameters]", f'model_dir = "{folder}"', parameters]
-    (repo / name).mkdir(parents=True)
-    (repo / name / "model.toml").write_text("\n".join(lines) + "\n")
-    return repo / name
-
 
 def write_causal_lm(repo: Path, name: str, folder: Path, parameters: str = "") -> Path:
     """A model of ``app.handlers.causal_lm`` serving ``folder`` (:func:`write_handler_model`):
@@ -151,178 +50,6 @@ def write_causal_lm(repo: Path, name: str, folder: Path, parameters: str = "") -
         ["log_likelihood FP32", "perplexity FP32", "tokens INT64", "token_logprobs BYTES"],
         "max_seq_length = 256\n" + parameters,
     )  # fmt: skip
-
-
-def _family(kind: str) -> str:
-    return kind.split("-", 1)[0]
-
-
-def train_tokenizer(family: str, *, append_eos: bool = False) -> tuple[Tokenizer, dict[str, str]]:
-    """A byte-level BPE tokenizer of ``family`` (``"llama"``, ``"gpt2"``, ``"qwen2"``,
-    ``"qwen3"``) trained on :data:`CORPUS` (about 700 tokens), and its special tokens as
-    ``tokenizer_config.json`` names them (``bos_token``, ``eos_token``, ``unk_token``).
-    ``append_eos``: Qwen3-Embedding's post-processor, ``<|endoftext|>`` after each text.
-    Deterministic: the same corpus gives the same merges."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-
-    if family == "llama":
-        specials = ["<unk>", "<s>", "</s>"]
-        names = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}
-    elif family == "gpt2":
-        specials = ["<|endoftext|>"]
-        names = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>", "unk_token": "<|endoftext|>"}
-    else:
-        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-        names = {"eos_token": "<|im_end|>" if family == "qwen3" else "<|endoftext|>"}
-    tokenizer = Tokenizer(models.BPE())
-    if family.startswith("qwen"):
-        tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_QWEN_PATTERN), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    else:
-        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=_VOCAB_SIZE,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tokenizer.train_from_iterator(CORPUS, trainer)
-    if family == "qwen3":
-        # Qwen3's thinking markers are added tokens that are not special (kept when decoding).
-        tokenizer.add_tokens(["<think>", "</think>"])
-    if family == "llama":
-        bos = (names["bos_token"], tokenizer.token_to_id(names["bos_token"]))
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]}:1 $B:1", special_tokens=[bos]
-        )
-    elif append_eos:
-        eot = ("<|endoftext|>", tokenizer.token_to_id("<|endoftext|>"))
-        tokenizer.post_processor = processors.TemplateProcessing(
-            single=f"$A {eot[0]}", pair=f"$A {eot[0]} $B:1 {eot[0]}:1", special_tokens=[eot]
-        )
-    else:
-        tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
-    return tokenizer, names
-
-
-def _config(kind: str, vocab_size: int, special_ids: dict[str, int | None]) -> Any:
-    """The small config of ``kind``: 2 layers, hidden 64, 4 heads (2 key/value heads where the
-    class has grouped-query attention), float32, no pad token id."""
-    from transformers import GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
-
-    common: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "bos_token_id": special_ids.get("bos_token"),
-        "eos_token_id": special_ids.get("eos_token"),
-        "pad_token_id": special_ids.get("pad_token"),
-        "dtype": "float32",
-    }
-    if kind.endswith("classifier"):
-        common |= {"id2label": dict(enumerate(LABELS)), "label2id": {n: i for i, n in enumerate(LABELS)}}
-    if _family(kind) == "gpt2":
-        return GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=MAX_POSITIONS, **common)
-    shape: dict[str, Any] = {
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": MAX_POSITIONS,
-    }
-    if _family(kind) == "llama":
-        return LlamaConfig(**shape, **common)
-    if _family(kind) == "qwen2":
-        return Qwen2Config(**shape, **common)
-    # Qwen3-0.6B ties its input and output embeddings; its head_dim is its own setting.
-    return Qwen3Config(**shape, head_dim=16, tie_word_embeddings=True, **common)
-
-
-#: Each kind's transformers class (the class of the real model it stands for).
-CLASSES = {
-    "llama-classifier": "LlamaForSequenceClassification",
-    "llama-lm": "LlamaForCausalLM",
-    "gpt2-lm": "GPT2LMHeadModel",
-    "gpt2-classifier": "GPT2ForSequenceClassification",
-    "qwen2-classifier": "Qwen2ForSequenceClassification",
-    "qwen3-embedder": "Qwen3Model",
-    "qwen3-reranker": "Qwen3ForCausalLM",
-}
-#: The kinds :func:`build_decoder_folder` makes (the module docstring's table).
-KINDS = tuple(CLASSES)
-
-
-def build_decoder_folder(path: Path, kind: str, *, seed: int = 0, pad_token: str | None = None) -> Path:
-    """Writes the folder of ``kind`` (one of :data:`KINDS`) at ``path`` and returns ``path``:
-    ``config.json``, ``model.safetensors`` (float32, random weights from ``seed``),
-    ``tokenizer.json``, ``tokenizer_config.json`` (and sentence-transformers' files for the
-    embedder). ``pad_token``: a special token of the vocabulary to declare as the pad token
-    (tokenizer and config agree); None, as the real Llama, Vicuna and GPT-2 tokenizers ship.
-    Raises ``KeyError`` for an unknown kind, ``ValueError`` for a pad token not in the vocabulary."""
-    from transformers import PreTrainedTokenizerFast
-
-    family = _family(kind)
-    model_class = getattr(importlib.import_module("transformers"), CLASSES[kind])
-    tokenizer, names = train_tokenizer(family, append_eos=kind == "qwen3-embedder")
-    if pad_token is not None:
-        if tokenizer.token_to_id(pad_token) is None:
-            raise ValueError(f"pad token {pad_token!r} is not in the {family} vocabulary")
-        names["pad_token"] = pad_token
-    ids = {name: tokenizer.token_to_id(token) for name, token in names.items()}
-    config = _config(kind, tokenizer.get_vocab_size(), ids)
-    torch.manual_seed(seed)
-    model = model_class(config).eval()
-    model.save_pretrained(path)
-    left = family == "qwen3"  # Qwen3-Embedding and -Reranker pad on the left (their model cards)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer,
-        model_max_length=MAX_POSITIONS,
-        padding_side="left" if left else "right",
-        **names,
-    )
-    fast.save_pretrained(path)
-    if pad_token is None:
-        # Said outright: transformers 5 loads a qwen2 folder with Qwen2Tokenizer, whose
-        # constructor defaults the pad token to <|endoftext|> where the file names none.
-        tokenizer_config = json.loads((path / "tokenizer_config.json").read_text())
-        (path / "tokenizer_config.json").write_text(
-            json.dumps(tokenizer_config | {"pad_token": None}, indent=2)
-        )
-    if kind == "qwen3-embedder":
-        _write_sentence_transformers_files(path, hidden=config.hidden_size)
-    return path
-
-
-def _write_sentence_transformers_files(path: Path, *, hidden: int) -> None:
-    """sentence-transformers' description of the folder, as Qwen/Qwen3-Embedding-0.6B ships it:
-    Transformer -> last-token Pooling -> Normalize, a ``query`` prompt and no document prompt."""
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]
-    (path / "modules.json").write_text(json.dumps(modules, indent=2))
-    (path / "1_Pooling").mkdir(exist_ok=True)
-    (path / "1_Pooling" / "config.json").write_text(
-        json.dumps(
-            {"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True, "include_prompt": True}
-        )
-    )
-    (path / "2_Normalize").mkdir(exist_ok=True)
-    (path / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": MAX_POSITIONS}))
-    (path / "config_sentence_transformers.json").write_text(
-        json.dumps(
-            {
-                "prompts": {"query": EMBEDDING_QUERY_PROMPT, "document": ""},
-                "default_prompt_name": None,
-                "similarity_fn_name": "cosine",
-            }
-        )
-    )
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import urllib.parse
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -287,10 +287,12 @@ _CHAINED = (
 
 
 def fuzz_document(models: Mapping[str, Sequence[str]], examples: Mapping[str, Any]) -> dict[str, Any]:
-    """app/openapi.json narrowed to a server: the ``name`` and ``version`` path parameters drawn
-    from ``models`` (name -> versions; schemathesis still sends other names in its negative
-    cases), ``examples`` (schema name -> a valid body) as the request schemas' examples, and
-    OpenAPI links for the stateful phase: the repository index's entries to the model's
+    """app/openapi.json narrowed to a server: the ``name`` and ``version`` path parameters and
+    the ``model`` field of the ``examples``' request bodies drawn from ``models`` (name ->
+    versions; schemathesis still sends other names in its negative cases), ``examples`` (schema
+    name -> a valid body) as the request schemas' examples, so that every inference route
+    reaches a model in the examples phase and, now and then, in the fuzzing phase, and OpenAPI
+    links for the stateful phase: the repository index's entries to the model's
     operations, and an unload or a load to the same model's inference, metadata, readiness
     and the opposite call, so that sequences such as index -> unload -> infer -> load -> infer
     are sent."""
@@ -298,7 +300,10 @@ def fuzz_document(models: Mapping[str, Sequence[str]], examples: Mapping[str, An
 
     doc = spec()
     for name, example in examples.items():
-        doc["components"]["schemas"][name]["example"] = example
+        schema = doc["components"]["schemas"][name]
+        schema["example"] = example
+        if schema.get("properties", {}).get("model", {}).get("type") == "string":
+            schema["properties"]["model"] = {"type": "string", "enum": sorted(models)}
     versions = sorted({v for vs in models.values() for v in vs})
     by_id: dict[str, dict[str, Any]] = {}
     for ops in doc["paths"].values():
@@ -324,6 +329,24 @@ def fuzz_document(models: Mapping[str, Sequence[str]], examples: Mapping[str, An
     return doc
 
 
+def routes_taking(document: Mapping[str, Any], schemas: Iterable[str]) -> list[str]:
+    """The operations (``"POST /v1/rerank"``) of ``document`` whose JSON request body is one of
+    the component ``schemas`` (by name): with the inference request schemas, the routes that
+    serve inference."""
+    refs = {f"#/components/schemas/{name}" for name in schemas}
+    return [
+        f"{method.upper()} {path}"
+        for path, ops in document["paths"].items()
+        for method, op in ops.items()
+        if op.get("requestBody", {})
+        .get("content", {})
+        .get("application/json", {})
+        .get("schema", {})
+        .get("$ref")
+        in refs
+    ]
+
+
 def run_schemathesis(
     url: str,
     document: Mapping[str, Any],
@@ -333,14 +356,14 @@ def run_schemathesis(
     seed: int = 20261127,
     max_time_s: int | None = None,
     timeout_s: float = 1800,
-) -> tuple[int, str, Counter[str]]:
+) -> tuple[int, str, dict[str, Counter[int]]]:
     """schemathesis (its CLI, in a process of its own) against ``url`` with ``document``, every
     phase (examples, coverage, fuzzing, stateful), the checks not_a_server_error (503 and 504
     expected: a request's own deadline or overload), status_code_conformance and
     content_type_conformance, each request bounded at 10 s (a hang fails its check);
     ``max_time_s`` repeats the fuzzing and stateful phases until it is spent. Returns the exit
-    status, the output's tail and the requests sent per operation (``"POST /v1/rerank"``, from
-    the HAR report)."""
+    status, the output's tail and the answers' statuses per operation (``"POST /v1/rerank"``,
+    from the HAR report: :func:`statuses_per_route`)."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "openapi.json").write_text(json.dumps(document))
     (folder / "schemathesis.toml").write_text(
@@ -368,25 +391,27 @@ def run_schemathesis(
     return (
         done.returncode,
         done.stdout[-8000:] + done.stderr[-2000:],
-        cases_per_route(folder / "requests.har", document),
+        statuses_per_route(folder / "requests.har", document),
     )
 
 
-def cases_per_route(har: Path, document: Mapping[str, Any]) -> Counter[str]:
-    """Requests of a HAR file by operation (``"<METHOD> <path template>"`` of ``document``;
-    ``"other methods <path template>"`` for a method the route does not serve)."""
+def statuses_per_route(har: Path, document: Mapping[str, Any]) -> dict[str, Counter[int]]:
+    """The answers' statuses of a HAR file's requests by operation (``"<METHOD> <path
+    template>"`` of ``document``; ``"other methods <path template>"`` for a method the route does
+    not serve); a request without an answer counts under status 0."""
     routes = [  # literal paths first: /v2/models/stats before /v2/models/{name}
         (method.upper(), path, re.compile("^" + re.sub(r"\\\{[^}]+\\\}", "[^/]+", re.escape(path)) + "$"))
         for path, ops in sorted(document["paths"].items(), key=lambda item: item[0].count("{"))
         for method in ops
     ]
-    counts: Counter[str] = Counter()
+    statuses: dict[str, Counter[int]] = {}
     if not har.exists():
-        return counts
+        return statuses
     for entry in json.loads(har.read_text())["log"]["entries"]:
         method, path = entry["request"]["method"].upper(), urllib.parse.urlsplit(entry["request"]["url"]).path
         templates = [(m, template) for m, template, pattern in routes if pattern.match(path)]
         same = [f"{m} {template}" for m, template in templates if m == method]
         other = [f"other methods {template}" for _, template in templates]
-        counts[(same or other or [f"{method} {path} (no route)"])[0]] += 1
-    return counts
+        route = (same or other or [f"{method} {path} (no route)"])[0]
+        statuses.setdefault(route, Counter())[int((entry.get("response") or {}).get("status") or 0)] += 1
+    return statuses

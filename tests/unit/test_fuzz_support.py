@@ -1,7 +1,8 @@
 """The fuzzers' own parts (tests/support/fuzz.py): messages drawn for every gRPC method's request
 type are messages of that type and set its fields, nested and mapped ones included; the OpenAPI
-document narrowed for schemathesis keeps every route, draws the server's model names and links
-the stateful chain; a HAR report's requests are counted per route."""
+document narrowed for schemathesis keeps every route, draws the server's model names (in paths
+and request bodies) and links the stateful chain; a HAR report's answers are counted per route
+and status; the routes that serve inference are those taking an inference request body."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from app.grpc.generated import grpc_service_pb2 as pb
-from tests.support.fuzz import cases_per_route, fuzz_document, grpc_methods, proto_messages
+from tests.support.fuzz import fuzz_document, grpc_methods, proto_messages, routes_taking, statuses_per_route
 from tests.support.openapi import spec
 
 
@@ -70,24 +71,50 @@ def test_the_fuzzed_document_keeps_every_route_and_links_the_model_chain() -> No
         "operationId": "modelInfer",
         "parameters": {"name": "$request.path.name"},
     }
-    assert doc["components"]["schemas"]["ClassifyRequest"]["example"] == {"model": "clf", "input": "x"}
+    classify = doc["components"]["schemas"]["ClassifyRequest"]
+    assert classify["example"] == {"model": "clf", "input": "x"}
+    assert classify["properties"]["model"] == {"type": "string", "enum": ["ce", "clf"]}
+    assert doc["components"]["schemas"]["ScoreRequest"]["properties"]["model"] == {
+        "type": "string"
+    }  # no example
 
 
-def test_requests_are_counted_per_route(tmp_path: Path) -> None:
-    urls = [
-        ("GET", "/v2/models/stats"),  # a literal path, not /v2/models/{name}
-        ("GET", "/v2/models/clf"),
-        ("POST", "/v2/models/clf/versions/1/infer"),
-        ("TRACE", "/v2/models/clf"),
-        ("GET", "/nowhere"),
+def test_the_routes_that_serve_inference_are_those_taking_an_inference_body() -> None:
+    inference = ["InferenceRequest", "PredictRequest", "CompletionRequest", "ScoreRequest"]
+    assert routes_taking(spec(), inference) == [
+        "POST /v2/models/{name}/infer",
+        "POST /v2/models/{name}/versions/{version}/infer",
+        "POST /v1/models/{name}:predict",
+        "POST /score",
+        "POST /v1/score",
+        "POST /v1/completions",
     ]
-    entries = [{"request": {"method": m, "url": f"http://127.0.0.1:9/{p.lstrip('/')}?q=1"}} for m, p in urls]
+
+
+def test_answers_are_counted_per_route_and_status(tmp_path: Path) -> None:
+    urls = [
+        ("GET", "/v2/models/stats", 200),  # a literal path, not /v2/models/{name}
+        ("GET", "/v2/models/clf", 200),
+        ("POST", "/v2/models/clf/versions/1/infer", 400),
+        ("POST", "/v2/models/ce/versions/1/infer", 200),
+        ("POST", "/v2/models/clf/versions/1/infer", 0),  # no answer
+        ("TRACE", "/v2/models/clf", 405),
+        ("GET", "/nowhere", 404),
+    ]
+    entries = [
+        {
+            "request": {"method": m, "url": f"http://127.0.0.1:9/{p.lstrip('/')}?q=1"},
+            "response": {"status": status},
+        }
+        for m, p, status in urls
+    ]
     har = tmp_path / "requests.har"
     har.write_text(json.dumps({"log": {"entries": entries}}))
-    assert cases_per_route(har, spec()) == {
-        "GET /v2/models/stats": 1,
-        "GET /v2/models/{name}": 1,
-        "POST /v2/models/{name}/versions/{version}/infer": 1,
-        "other methods /v2/models/{name}": 1,
-        "GET /nowhere (no route)": 1,
+    assert statuses_per_route(har, spec()) == {
+        "GET /v2/models/stats": {200: 1},
+        "GET /v2/models/{name}": {200: 1},
+        "POST /v2/models/{name}/versions/{version}/infer": {400: 1, 200: 1, 0: 1},
+        "other methods /v2/models/{name}": {405: 1},
+        "GET /nowhere (no route)": {404: 1},
     }
+    assert statuses_per_route(tmp_path / "none.har", spec()) == {}

@@ -1,8 +1,10 @@
 """The stress run's parts that need no server (benchmarks/stress): the shipped schedules parse and
-a mistake in one is named; the oracle's outcomes (references, refusals, a 404 inside and outside
+a mistake in one is named; a schedule scaled to another duration, or refused one too short for
+its events' own times; the oracle's outcomes (references, refusals, a 404 inside and outside
 an unload, a wire error on a killed worker's connection or not, sent before it was gone or
-after); the resource bounds; the client's keep-alive behaviour against a server that closes
-idle connections; each API's pool and answer reading."""
+after); the resource bounds, and a run that judged no worker's memory failing; the client's
+keep-alive behaviour against a server that closes idle connections; each API's pool and answer
+reading, and the properties the decoder models' answers are checked by."""
 
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import json
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -31,8 +34,57 @@ def test_the_shipped_schedules_parse_and_fit_their_main_phase() -> None:
         assert len(events) >= events_at_least, name
         assert {e.action for e in events} == set(schedule.ACTIONS) - {"sigterm"}, name
         assert all(e.at_s < plan.main_s - plan.tail_s for e in events), name
-    plan, _ = schedule.read(schedule.HERE / "schedule.toml", duration_s=120)
-    assert plan.main_s == 120 and plan.users == 64
+        named = {e.params["api"] for e in events if "api" in e.params}
+        named |= {api for e in events for api in e.params.get("apis", [])}
+        assert named <= set(apis.APIS) and {"completions", "score"} <= named, name
+
+
+def test_another_duration_scales_every_event_keeping_order_and_spacing() -> None:
+    plan, events = schedule.read(schedule.HERE / "schedule-ci.toml")
+    stretched, scaled = schedule.read(schedule.HERE / "schedule-ci.toml", duration_s=150)
+    assert stretched.main_s == 150 and stretched.tail_s == pytest.approx(plan.tail_s * 2.5)
+    assert stretched.users == plan.users and stretched.warm_s == plan.warm_s  # not the schedule's clock
+    assert [(e.action, e.params) for e in scaled] == [(e.action, e.params) for e in events]
+    assert [e.at_s for e in scaled] == pytest.approx([e.at_s * 2.5 for e in events])
+    assert all(e.at_s < stretched.main_s - stretched.tail_s for e in scaled)  # none skipped
+
+
+def test_a_duration_too_short_for_the_events_own_times_is_refused_naming_them() -> None:
+    """The 30-minute schedule leaves a worker a minute to be replaced after its SIGKILL before the
+    HUP: 150 s would scale that minute to 5 s, and 82 of its events would not run otherwise."""
+    with pytest.raises(ValueError, match=r"2:30 scales the schedule by 0\.0833.*sigkill at 3:45 \(60 s of its own\) "
+                       r"ends before hup at 4:45.*shortest main phase .*: 30:00"):  # fmt: skip
+        schedule.read(schedule.HERE / "schedule.toml", duration_s=150)
+    with pytest.raises(ValueError, match=r"slow_readers at 0:03 \(8 s of its own\) ends before load at 0:11"):
+        schedule.read(schedule.HERE / "schedule-ci.toml", duration_s=30)
+
+
+def test_scaling_counts_each_events_own_time_and_the_main_phases_end(tmp_path: Path) -> None:
+    path = tmp_path / "s.toml"
+    path.write_text(
+        "[load]\nmain_s = 100\ntail_s = 10\nround_s = 40\nreplace_s = 12\n"
+        '[[event]]\nat = 10\naction = "slow_readers"\napi = "v1"\nseconds = 15\n'
+        '[[event]]\nat = 20\naction = "reload"\nmodel = "clf"\n'  # the slow readers overlap it
+        '[[event]]\nat = 40\naction = "hup"\n'
+        '[[event]]\nat = 60\naction = "load_broken"\nmodel = "clf"\n'  # hold_s: 5 s by default
+    )
+    # The slow readers' 15 s end 15 s before the HUP (by 0.5 at least), the HUP's 12 s 8 s before
+    # the broken version (by 0.6), the broken version's 5 s 35 s before the end (by 0.125).
+    plan, events = schedule.read(path, duration_s=60)
+    assert [e.at_s for e in events] == pytest.approx([6, 12, 24, 36])
+    assert (plan.main_s, plan.tail_s, plan.round_s) == pytest.approx((60, 6, 24))
+    with pytest.raises(
+        ValueError, match=r"hup at 0:40 \(12 s of its own\) ends before load_broken at 1:00.*: 1:00"
+    ):
+        schedule.read(path, duration_s=59)
+    assert schedule.own_s(events[3], plan) == 5.0 and schedule.own_s(events[1], plan) == 0.0
+
+
+def test_an_event_in_the_tail_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "late.toml"
+    path.write_text('[load]\nmain_s = 60\ntail_s = 10\n[[event]]\nat = 55\naction = "hup"\n')
+    with pytest.raises(ValueError, match="hup at 0:55 starts in the tail: after 0:50"):
+        schedule.read(path)
 
 
 @pytest.mark.parametrize(
@@ -152,7 +204,12 @@ def test_a_grpc_channel_whose_connection_the_kill_reset_fails_fast_for_one_backo
     other failure of a channel, is not."""
     judge.killed(oracle.Kill(50.0, 7, frozenset(), 0, gone=50.1))
     refused = "UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:9: reset"
-    for began, detail in ((50.2, refused), (51.2, refused), (51.5, refused), (50.3, "UNAVAILABLE: Socket closed")):
+    for began, detail in (
+        (50.2, refused),
+        (51.2, refused),
+        (51.5, refused),
+        (50.3, "UNAVAILABLE: Socket closed"),
+    ):
         judge.defer(oracle.Pending("grpc-ranker", "feed-ranker", "grpc", began, began + 0.05, 0, detail))
     judge.settle()
     assert judge.tally.counts["grpc-ranker"] == {"killed": 2, "unanswered": 2}
@@ -185,6 +242,16 @@ def test_with_rounds_rss_growth_compares_each_rounds_lowest_sample() -> None:
     assert grown == pytest.approx((600 + 31) - (600 + 12), abs=0.01)  # lowest of (290, 390] vs [120, 220)
     short = [sample(3, at, "main", 600) for at in range(0, 300, 10)]  # warm at 120, not two rounds
     assert monitor.rss_growth(short, 0.0, 20.0, {3: 0.0}, baseline=set(), round_s=100) == {}
+
+
+def test_a_run_that_judged_no_workers_memory_does_not_pass() -> None:
+    assert monitor.growth_verdict({1: 12.0, 2: 60.5}, 50.0) == ["worker 2: RSS grew 60.5 MB (bound 50)"]
+    assert monitor.growth_verdict({}, 50.0, round_s=240) == [
+        "RSS growth judged for no worker: none lived two rounds (480 s) once warm in the main phase"
+    ]
+    short = [sample(1, at, "main", 600) for at in range(0, 300, 10)]  # warm at 120, not two rounds
+    growth = monitor.rss_growth(short, 0.0, 20.0, {1: 0.0}, baseline=set(), round_s=100)
+    assert monitor.growth_verdict(growth, 50.0, round_s=100) != []
 
 
 def test_descriptors_and_threads_must_come_back_to_the_baseline() -> None:
@@ -260,22 +327,174 @@ def test_the_client_reuses_its_connection_and_replaces_one_the_server_closed(clo
     assert trips[0].local_port == trips[1].local_port != trips[2].local_port
 
 
+def reply_of(body: object) -> Reply:
+    return Reply(200, {}, json.dumps(body).encode())
+
+
+def call_of(body: dict[str, object], items: int) -> Call:
+    return Call(0, "/", json.dumps(body).encode(), (), items)
+
+
 def test_pools_are_deterministic_and_every_answer_reader_checks_the_items() -> None:
     for api in apis.APIS.values():
         first, again = apis.pool(api, 6, WORDS, seed=1), apis.pool(api, 6, WORDS, seed=1)
         assert [c.body for c in first] == [c.body for c in again], api.name
         assert len({c.body for c in first}) == 6, api.name
+    two, one = Call(0, "/", b"{}", (), 2), Call(0, "/", b"{}", (), 1)
     embeddings = {"data": [{"index": 1, "embedding": [0.0] * 384}, {"index": 0, "embedding": [1.0] * 384}]}
-    read = apis.APIS["embeddings"].read(Reply(200, {}, json.dumps(embeddings).encode()), 2)
+    read = apis.APIS["embeddings"].read(reply_of(embeddings), two)
     assert read[:384].tolist() == [1.0] * 384
     unsorted = {"results": [{"index": 0, "relevance_score": 0.1}, {"index": 1, "relevance_score": 0.9}]}
     with pytest.raises(ValueError, match="not sorted"):
-        apis.APIS["rerank"].read(Reply(200, {}, json.dumps(unsorted).encode()), 2)
+        apis.APIS["rerank"].read(reply_of(unsorted), two)
     with pytest.raises(ValueError, match="indices"):
-        apis.APIS["classify"].read(
-            Reply(200, {}, json.dumps({"data": [{"index": 3, "probs": [1, 0, 0]}]}).encode()), 1
-        )
-    assert np.array_equal(apis.APIS["v1"].read(Reply(200, {}, b'{"predictions": [[0.5]]}'), 1), [0.5])
+        apis.APIS["classify"].read(reply_of({"data": [{"index": 3, "probs": [1, 0, 0]}]}), one)
+    assert np.array_equal(apis.APIS["v1"].read(Reply(200, {}, b'{"predictions": [[0.5]]}'), one), [0.5])
+
+
+def test_the_decoder_apis_ask_what_their_models_serve_whole() -> None:
+    """Prompts fit the causal LM (never cut), each completions request echoes with max_tokens 0
+    or 1 (greedy: temperature 0 if any), the pieces request asks for each piece's result, the score request pairs its texts."""
+    words = [w * 3 for w in WORDS]  # longer words: long posts pass the prompt bound if not cut
+    for call in apis.pool(apis.APIS["completions"], 64, words):
+        body = json.loads(call.body)
+        assert body["echo"] is True and body["max_tokens"] in (0, 1) and body.get("logprobs", 0) <= 20
+        assert body.get("temperature", 0) == 0 and ("temperature" not in body or body["max_tokens"] == 1)
+        assert all(len(p) <= apis.PROMPT_CHARS for p in body["prompt"]) and len(body["prompt"]) == call.items
+    for call in apis.pool(apis.APIS["pieces"], 8, words):
+        assert {o["name"] for o in json.loads(call.body)["outputs"]} >= {"probabilities", "pieces", "windows"}
+    for call in apis.pool(apis.APIS["score"], 16, words):
+        body = json.loads(call.body)
+        assert isinstance(body["text_1"], str) or len(body["text_1"]) == len(body["text_2"]) == call.items
+
+
+def pieces_answer(texts: list[str], pieces: list[list[dict[str, Any]]]) -> Reply:
+    """A V2 answer of ``radar``: each text's probabilities the maximum of its pieces'."""
+    probabilities = [np.max([p["probabilities"] for p in each], axis=0).tolist() for each in pieces]
+    outputs = [
+        {"name": "probabilities", "data": [v for row in probabilities for v in row]},
+        {"name": "windows", "data": [len(each) for each in pieces]},
+        {"name": "pieces", "data": [json.dumps(each) for each in pieces]},
+    ]
+    return reply_of({"outputs": outputs})
+
+
+def test_a_pieces_answer_is_checked_against_its_texts() -> None:
+    """Pieces in text order, each at most 300 characters, every character but white space in one;
+    windows of a piece too long in tokens overlap."""
+    texts = ["  short post", "x" * 400]
+    call = call_of({"inputs": [{"name": "text", "data": texts}]}, 2)
+    read = apis.APIS["pieces"].read
+    one, two, three = (
+        {"start": 2, "stop": 12, "probabilities": [0.25, 0.75]},
+        {"start": 0, "stop": 300, "probabilities": [0.5, 0.5]},
+        {"start": 280, "stop": 400, "probabilities": [0.875, 0.125]},  # overlaps the window before
+    )
+    assert read(pieces_answer(texts, [[one], [two, three]]), call).tolist() == [
+        0.25, 0.75, 0.875, 0.5,  # the texts' probabilities: the maximum of their pieces'
+        2, 12, 0.25, 0.75,
+        0, 300, 280, 400, 0.5, 0.5, 0.875, 0.125,
+    ]  # fmt: skip
+    wrong = {
+        "over 300 characters": [[one], [{**two, "stop": 301}, three]],
+        r"a piece \[0, 300\) after one from 280": [[one], [three, two]],
+        "of 12 characters": [[{**one, "stop": 13}], [two, three]],
+        r"20 characters in no piece, from 300: 'xxx": [[one], [two, {**three, "start": 320}]],
+        "do not sum to 1": [[{**one, "probabilities": [0.5, 0.75]}], [two, three]],
+    }
+    for message, pieces in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            read(pieces_answer(texts, pieces), call)
+    answer = json.loads(pieces_answer(texts, [[one], [two, three]]).body)
+    answer["outputs"][0]["data"][0] = 0.3  # not the maximum of its pieces'
+    with pytest.raises(ValueError, match="not its pieces' maximum"):
+        read(reply_of(answer), call)
+    answer["outputs"][0]["data"][0] = 0.25
+    answer["outputs"][1]["data"] = [1, 3]
+    with pytest.raises(ValueError, match="2 pieces, windows 3"):
+        read(reply_of(answer), call)
+
+
+def completion(
+    text: str,
+    tokens: list[str],
+    own: Sequence[float | None],
+    top: Sequence[dict[str, float] | None],
+    made: int = 0,
+) -> Reply:
+    offsets = np.concatenate(([0], np.cumsum([len(t) for t in tokens])[:-1])).tolist()
+    logprobs = {"tokens": tokens, "token_logprobs": own, "top_logprobs": top, "text_offset": offsets}
+    choice = {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": "length"}
+    usage = {"prompt_tokens": len(tokens) + 1 - made, "completion_tokens": made}
+    return reply_of({"choices": [choice], "usage": usage})
+
+
+def test_a_completion_is_checked_against_its_prompt() -> None:
+    read = apis.APIS["completions"].read
+    call = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 0, "logprobs": 1}, 1)
+    good = completion("ab c", ["ab", " c"], [-1.0, -2.0], [{"ab": -1.0}, {" d": -0.5}])
+    assert read(good, call).tolist() == [-1.0, -2.0, -1.0, -0.5, 3, 0]
+    assert read(completion("ab c", ["ab", " c"], [None, -2.0], [None, {" d": -0.5}]), call).tolist() == [
+        1.0, -2.0, -0.5, 3, 0  # a first token without context: null, read as +1
+    ]  # fmt: skip
+    wrong = {
+        "spell 'ab d'": completion("ab c", ["ab", " d"], [-1.0, -2.0], [{"ab": -1.0}, {" d": -0.5}]),
+        "above 0": completion("ab c", ["ab", " c"], [-1.0, 0.5], [{"ab": -1.0}, {" c": 0.5}]),
+        "beside alternatives": completion("ab c", ["ab", " c"], [-1.0, -0.25], [{"ab": -1.0}, {" d": -0.5}]),
+        "2 tokens, 1 log-probs": completion("ab c", ["ab", " c"], [-1.0], [{"ab": -1.0}]),
+    }
+    for message, reply in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            read(reply, call)
+    shifted = json.loads(good.body)
+    shifted["choices"][0]["logprobs"]["text_offset"] = [0, 3]
+    with pytest.raises(ValueError, match="not the tokens'"):
+        read(reply_of(shifted), call)
+    echoed = json.loads(good.body)
+    echoed["choices"][0]["text"] = "ab"
+    with pytest.raises(ValueError, match="not its prompt"):
+        read(reply_of(echoed), call)
+    without = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 0}, 1)
+    with pytest.raises(ValueError, match="for logprobs None"):
+        read(good, without)
+    plain = {
+        "choices": [{"text": "ab c", "index": 0, "logprobs": None}],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 0},
+    }
+    assert read(reply_of(plain), without).tolist() == [3, 0]
+
+
+def test_a_completion_with_the_next_token_ends_with_the_greedy_one() -> None:
+    """max_tokens 1, as lm-evaluation-harness 0.4.4 and later send it: the prompt and its greedy
+    next token, one more entry in the lists, the token's log-prob the best of its row."""
+    read = apis.APIS["completions"].read
+    call = call_of({"model": "lm", "prompt": ["ab c"], "echo": True, "max_tokens": 1, "logprobs": 1}, 1)
+    top = [{"ab": -1.0}, {" d": -0.5}, {"!": -0.25}]
+    good = completion("ab c!", ["ab", " c", "!"], [-1.0, -2.0, -0.25], top, made=1)
+    assert read(good, call).tolist() == [-1.0, -2.0, -0.25, -1.0, -0.5, -0.25, 3, 1]
+    wrong = {
+        "not the greedy": completion("ab c?", ["ab", " c", "?"], [-1.0, -2.0, -3.0], top, made=1),
+        "does not end with the next token": completion(
+            "ab c?", ["ab", " c", "!"], [-1.0, -2.0, -0.25], top, made=1
+        ),
+        "not its prompt": completion("ab d!", ["ab", " d", "!"], [-1.0, -2.0, -0.25], top, made=1),
+        "completion tokens": completion("ab c!", ["ab", " c", "!"], [-1.0, -2.0, -0.25], top, made=0),
+    }
+    for message, reply in wrong.items():
+        with pytest.raises(ValueError, match=message):
+            read(reply, call)
+
+
+def test_causal_reranker_scores_are_probabilities() -> None:
+    two = Call(0, "/", b"{}", (), 2)
+    scores = {"data": [{"index": 0, "score": 0.25}, {"index": 1, "score": 1.5}]}
+    with pytest.raises(ValueError, match=r"scores outside \[0, 1\]"):
+        apis.APIS["score"].read(reply_of(scores), two)
+    results = {"results": [{"index": 1, "relevance_score": 0.5}, {"index": 0, "relevance_score": -0.5}]}
+    with pytest.raises(ValueError, match="outside"):
+        apis.APIS["causal-rerank"].read(reply_of(results), two)
+    results["results"][1]["relevance_score"] = 0.25
+    assert apis.APIS["causal-rerank"].read(reply_of(results), two).tolist() == [0.25, 0.5]
 
 
 def test_the_stress_run_is_a_module_with_options() -> None:
@@ -288,3 +507,17 @@ def test_the_stress_run_is_a_module_with_options() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "--duration" in done.stdout and "--schedule" in done.stdout
+
+
+def test_a_run_too_short_for_its_schedule_stops_before_it_starts(tmp_path: Path) -> None:
+    """``--duration 150s`` of the 30-minute schedule would have run 5 of its events: refused, saying
+    why, before any model is built or server started."""
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.stress", "--duration", "150s", "--out", str(tmp_path / "out")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "too short for its events' own times" in done.stderr, done.stderr
+    assert not (tmp_path / "out").exists()
