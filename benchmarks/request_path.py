@@ -87,31 +87,27 @@ def record(srv: Any, out: Path, request: Callable[[], None]) -> dict[str, Any]:
     return {"files": functions, "moves": total, "returns": back, "paths": paths}
 
 
-def http_request(port: int) -> None:
-    """One V2 JSON inference on a new connection."""
+def post(port: int, path: str, body: bytes) -> None:
+    """One JSON POST of ``body`` to ``path`` on a new connection; it must answer 200."""
     connection = http.client.HTTPConnection(HOST, port, timeout=30)
     try:
-        connection.request(
-            "POST", f"/v2/models/{server.RANKER}/infer", ITEM, {"Content-Type": "application/json"}
-        )
+        connection.request("POST", path, body, {"Content-Type": "application/json"})
         response = connection.getresponse()
         response.read()
         assert response.status == 200, response.status
     finally:
         connection.close()
+
+
+def http_request(port: int) -> None:
+    """One V2 JSON inference on a new connection."""
+    post(port, f"/v2/models/{server.RANKER}/infer", ITEM)
 
 
 def embeddings_request(port: int) -> None:
     """One ``/v1/embeddings`` of one short text to MiniLM, on a new connection."""
-    connection = http.client.HTTPConnection(HOST, port, timeout=30)
-    try:
-        body = json.dumps({"model": server.MINILM, "input": "A man is eating food."})
-        connection.request("POST", "/v1/embeddings", body, {"Content-Type": "application/json"})
-        response = connection.getresponse()
-        response.read()
-        assert response.status == 200, response.status
-    finally:
-        connection.close()
+    body = json.dumps({"model": server.MINILM, "input": "A man is eating food."}).encode()
+    post(port, "/v1/embeddings", body)
 
 
 def grpc_request(target: str) -> None:

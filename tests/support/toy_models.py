@@ -4,6 +4,7 @@ operator can break one (with the check that what is reported of them names no ab
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import threading
@@ -12,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+import msgspec
 import numpy as np
 import torch
 
@@ -319,26 +321,29 @@ def write_embed_model(repo: Path, name: str = "embed", load_gate: str = "") -> P
     return folder
 
 
-RAGGED_TOML = """
-name = "{name}"
-format = "handler"
-handler = "tests.support.toy_models:NonzeroRowsHandler"
-max_batch_size = 8
-max_queue_delay_ms = 2.0
-[[inputs]]
-name = "x"
-datatype = "FP32"
-shape = [-1]
-[[outputs]]
-name = "rows"
-datatype = "FP32"
-shape = [-1, 2]
-ragged = true
-[[outputs]]
-name = "count"
-datatype = "INT64"
-shape = [1]
-"""
+def write_handler_toml(
+    repo: Path, name: str, handler: str, inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec], **fields: Any
+) -> Path:
+    """A model folder ``repo/name`` whose ``model.toml`` serves ``handler`` (``module:Class``)
+    with these tensors (each spec's fields that differ from their defaults written out) and
+    ``fields`` (``max_batch_size = 8``, ``max_queue_delay_ms = 2.0`` unless given); returns it."""
+
+    def value(v: Any) -> str:  # TOML: strings, numbers and lists as JSON writes them
+        if isinstance(v, dict):
+            return "{ " + ", ".join(f"{k} = {value(x)}" for k, x in v.items()) + " }"
+        return str(v).lower() if isinstance(v, bool) else json.dumps(v)
+
+    lines = [f'name = "{name}"', 'format = "handler"', f'handler = "{handler}"']
+    lines += [f"{k} = {value(v)}" for k, v in ({"max_batch_size": 8, "max_queue_delay_ms": 2.0} | fields).items()]
+    for kind, specs in (("inputs", inputs), ("outputs", outputs)):
+        for spec in specs:
+            lines.append(f"[[{kind}]]")
+            lines += [f"{k} = {value(v)}" for k, v in msgspec.structs.asdict(spec).items()
+                      if v != getattr(TensorSpec("", "", []), k) or k in ("name", "datatype", "shape")]  # fmt: skip
+    folder = repo / name
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.toml").write_text("\n".join(lines) + "\n")
+    return folder
 
 
 class NonzeroRowsHandler:
@@ -368,9 +373,10 @@ class NonzeroRowsHandler:
 
 
 def write_ragged_model(repo: Path, name: str = "ragged", response_cache: bool = False) -> Path:
-    """A :class:`NonzeroRowsHandler` model folder in ``repo``."""
-    folder = repo / name
-    folder.mkdir(parents=True, exist_ok=True)
-    cache = "\n[response_cache]\nenable = true\n" if response_cache else ""
-    (folder / "model.toml").write_text(RAGGED_TOML.format(name=name) + cache)
-    return folder
+    """A :class:`NonzeroRowsHandler` model folder in ``repo``: ``x`` FP32 ``[-1]`` in, ``rows``
+    FP32 ``[-1, 2]`` (ragged) and ``count`` INT64 ``[1]`` out."""
+    return write_handler_toml(
+        repo, name, "tests.support.toy_models:NonzeroRowsHandler", [TensorSpec("x", "FP32", [-1])],
+        [TensorSpec("rows", "FP32", [-1, 2], ragged=True), TensorSpec("count", "INT64", [1])],
+        **({"response_cache": {"enable": True}} if response_cache else {}),
+    )  # fmt: skip

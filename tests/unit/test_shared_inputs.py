@@ -18,11 +18,12 @@ import torch
 from app.errors import InvalidInput, ModelLoadError
 from app.grpc.codec import decode_request
 from app.models.base import distinct_rows, shared_rows
-from app.models.repository import read_config
+from app.models.repository import TensorSpec, read_config
 from app.protocols.tensors import RequestLimits
 from app.serving.dataplane import validate_inputs
 from tests.support.fixtures import MakeClient
 from tests.support.gunicorn import ROOT
+from tests.support.toy_models import write_handler_toml
 
 RANKER = ROOT / "model_repository" / "feed-ranker"
 
@@ -108,28 +109,6 @@ def test_distinct_rows_are_one_per_run_of_equal_rows() -> None:
     assert rows.ravel().tolist() == [b"a", b"b"] and index.tolist() == [0, 0, 1]
 
 
-ONCE_TOML = """
-name = "once"
-format = "handler"
-handler = "tests.unit.test_shared_inputs:OnceHandler"
-max_batch_size = 16
-max_queue_delay_ms = 20.0
-[[inputs]]
-name = "x"
-datatype = "FP32"
-shape = [1]
-[[inputs]]
-name = "context"
-datatype = "FP32"
-shape = [2]
-shared = "once"
-[[outputs]]
-name = "y"
-datatype = "FP32"
-shape = [1]
-"""
-
-
 class OnceHandler:
     """y = x + sum(context); records the context rows and each item's row it was given."""
 
@@ -155,8 +134,11 @@ async def test_a_handler_takes_a_shared_input_once_per_request(tmp_path: Path, m
     import asyncio
 
     repo = tmp_path / "repo"
-    (repo / "once").mkdir(parents=True)
-    (repo / "once" / "model.toml").write_text(ONCE_TOML)
+    write_handler_toml(
+        repo, "once", "tests.unit.test_shared_inputs:OnceHandler",
+        [TensorSpec("x", "FP32", [1]), TensorSpec("context", "FP32", [2], shared="once")],
+        [TensorSpec("y", "FP32", [1])], max_batch_size=16, max_queue_delay_ms=20.0,
+    )  # fmt: skip
     client = await make_client(repo)
     OnceHandler.SEEN.clear()
 
