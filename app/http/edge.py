@@ -388,6 +388,14 @@ async def _on_response_prepare(request: web.Request, response: web.StreamRespons
         return
     transport = request.transport
     retry_after_s = _retry_after_s(response)
+    keepalive_s = app[CORE].settings.keepalive_s
+    if retry_after_s is not None and retry_after_s >= keepalive_s > 1 and transport is not None:
+        # A client that waits as asked must come back before the idle timer closes the
+        # connection (its request would be reset), and closing it instead lets a client that
+        # resends at once reconnect and be refused as often as it likes, never held: the wait
+        # asked is cut to under the idle timeout, on a connection kept open.
+        retry_after_s = float(keepalive_s - 1)
+        response.headers["Retry-After"] = str(int(retry_after_s))
     if transport is not None:
         hold_s = _impatient_hold_s(app, transport, retry_after_s)
         if hold_s is not None:

@@ -15,9 +15,9 @@ items, a request of ``b`` items expects to finish after
 
 seconds (Little's law read backwards, W = L / lambda). Past ``admission_headroom`` of its time
 to deadline it is refused at once: 503 + Retry-After (the backlog in seconds). A request that
-could not finish within its deadline even alone, at the fastest the model has run (its
-calibration at load, or the fit if faster), is refused at once with 504, busy or idle: waiting
-would not help it. The cost unit is the model's (tokens, padding included, for a model that
+could not finish within that share of its deadline even alone, at the rate the model runs (its
+fitted line, without a past overload's lag), is refused at once with 504, busy or idle: waiting
+would not help it, and what an idle model admits finishes in time. The cost unit is the model's (tokens, padding included, for a model that
 prices its items).
 
 ``capacity``: **capacity plus deadline**, as text-embeddings-inference (a permit per queued
