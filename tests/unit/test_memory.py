@@ -195,8 +195,8 @@ def test_the_decoder_handlers_are_planned_by_what_they_compute(
         dataclasses.replace(gpt2, head="lm-chunked"), 32, 1024, "float32", "sdpa"
     )
     assert whole > 32 * 1024 * 50257 * 4 > 4 * chunked
-    assert planned["lm"] == memory.plan_folder(
-        decoder_models["gpt2-lm"], name="lm", dtype="float32", max_batch_size=8, max_seq_length=256,
+    assert planned["lm-whole"] == memory.plan_folder(
+        decoder_models["gpt2-lm"], name="lm-whole", dtype="float32", max_batch_size=8, max_seq_length=256,
         head="lm-chunked",
     )  # fmt: skip
 
