@@ -270,9 +270,9 @@ async def test_served_over_completions_and_v2_with_the_prefix_sent_once(
     texts = posts(3, seed=28)
     results = []
     for model in ("clf", "clf-whole"):
-        body = {"inputs": [{"name": "text", "shape": [3, 1], "datatype": "BYTES", "data": texts},
-                           {"name": "prefix", "shape": [1, 1], "datatype": "BYTES", "data": [PREFIXES[0]]}]}  # fmt: skip
-        resp = await http.post(f"/v2/models/{model}/infer", json=body)
+        infer = {"inputs": [{"name": "text", "shape": [3, 1], "datatype": "BYTES", "data": texts},
+                            {"name": "prefix", "shape": [1, 1], "datatype": "BYTES", "data": [PREFIXES[0]]}]}  # fmt: skip
+        resp = await http.post(f"/v2/models/{model}/infer", json=infer)
         assert resp.status == 200, await resp.text()
         results.append(np.array((await resp.json())["outputs"][0]["data"]))
     assert np.abs(results[0] - results[1]).max() <= TOLERANCE
