@@ -243,6 +243,11 @@ class SequenceClassificationHandler(TextHandler):
                 f"model {config.name!r}: input {PREFIX!r} is a decoder's (its keys and values are "
                 "computed once); an encoder reads a text's tokens both ways: put it in the text"
             )
+        if room < 1:
+            raise ValueError(
+                f"model {config.name!r}: max_seq_length {self.tokenizer.max_length} leaves no room for a "
+                f"{PREFIX!r} in the model's {self.tokenizer.max_length + room} positions; lower it"
+            )
         bound = parameters.get("max_prefix_tokens", room)
         if not isinstance(bound, int) or isinstance(bound, bool) or not 1 <= bound <= room:
             raise ValueError(

@@ -226,6 +226,8 @@ def test_a_classifier_prefix_runs_once_and_each_item_is_the_whole_sequence(
     assert int(splits[0]) == shared.lead + len(shared.tokenizer.encode([PREFIXES[0]], special=False)[0])
     with pytest.raises(ValueError, match="over the model's max_prefix_tokens of 5"):
         classifier(folder, max_seq_length=48, max_prefix_tokens=5).item_costs(inputs)
+    with pytest.raises(ValueError, match="max_seq_length 1024 leaves no room for a 'prefix'"):
+        classifier(folder, max_seq_length=1024)
 
 
 def test_a_prefix_is_a_decoders(tmp_path: Path) -> None:
