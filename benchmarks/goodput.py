@@ -108,7 +108,8 @@ def main(argv: list[str] | None = None) -> None:
         })  # fmt: skip
         row = levels[-1]
         print(f"c = {level:3}: {row['documents_per_s']:7.1f} documents/s, "
-              f"{row['refusals_per_s']:7.1f} 503/s, {row['deadline_504_per_s']:5.1f} 504/s ({row['late_504']} after admission), "
+              f"{row['refusals_per_s']:7.1f} 503/s, {row['deadline_504_per_s']:5.1f} 504/s "
+              f"({row['late_504']} after admission), "
               f"p50 {row['p50_ms']:.0f} ms")  # fmt: skip
     low, high = (level["documents_per_s"] for level in levels)
     ratio = high / low if low else 0.0

@@ -36,6 +36,29 @@ request, padding included), **max abs Δ** (the largest difference of an item's 
 timed ones, each with new items (and, but for **cached**, a new prefix). Torch's threads: its
 default, or ``--threads``.
 
+**Through a real server** (``--server``): the causal reranker as it is served, one gunicorn
+worker on 127.0.0.1 with two models of the same folder (the Qwen3 model above, ``--hidden`` and
+``--layers``, saved with a Qwen3-style tokenizer trained locally and the reranker's prompt tokens):
+``reranker`` (shared prefixes, the prefix cache on) and ``reranker-whole`` (``shared_prefix =
+false``, ``prefix_cache_bytes = 0``: each document with its whole prompt, as before). A request is
+one query of ``--prefix`` tokens x N documents of ``--item-tokens`` tokens (words that are one
+token each), over ``--route`` (``rerank``: ``/v1/rerank``; ``score``: ``/score`` with one
+``text_1``), sent one after another. Per N, the modes:
+
+- **whole**: ``reranker-whole``, a new query each request (today's way);
+- **shared**: ``reranker``, a new query each request (the query run once, not yet cached);
+- **cached**: ``reranker``, the query of the request before with new documents (the next page
+  of the same feed: the query's keys and values from the prefix cache).
+
+Each mode runs one request untimed first, then ``--requests`` timed. Columns: **docs/s** (N x
+requests over their time), **p50 ms** (per request), **x whole** (docs/s over **whole**'s), **max
+abs Δ** (the largest difference of a score from **whole**'s on the same request: exactness; the
+scores are the reranker's yes/no probabilities, which random weights squash towards 0 or 1).
+
+    python -m benchmarks.shared_prefix --server --items 20,100,500 --prefix 256 --item-tokens 32 \
+        --requests 3 --out docs/benchmarks/shared-prefix-server-cpu.json
+    python -m benchmarks.shared_prefix --server --items 20 --requests 2   # a quick look
+
 Writes the JSON record (``--out``) and a Markdown table beside it; prints the table. Speed
 figures need a quiet machine.
 """
@@ -43,8 +66,10 @@ figures need a quiet machine.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -67,7 +92,8 @@ from app.handlers.shared_prefix import (
     run_items,
     run_packed,
 )
-from benchmarks import report
+from app.models.memory import safetensors_parameters
+from benchmarks import driver, report
 
 MODES = ("none", "expand", "binned", "packed", "cached")
 YES, NO = 9693, 2152  # two rows of the LM head, as a reranker's "yes" and "no"
@@ -242,6 +268,163 @@ def measure(
     }
 
 
+# --- through a real server -------------------------------------------------------------------
+
+SERVER_MODES = ("whole", "shared", "cached")
+RERANKER = "app.handlers.causal_rerank:CausalRerankHandler"
+
+
+def reranker_folder(path: Path, hidden: int, layers: int) -> Path:
+    """A causal reranker's folder at ``path``: :func:`build_model`'s Qwen3 (its vocabulary of
+    32,000 rows, more than the tokenizer uses) with a Qwen3-style byte-level BPE tokenizer
+    trained here (``tests.support.decoder_models``: ``yes``, ``no`` and the prompt's special
+    tokens among its tokens), left padding as Qwen3-Reranker's."""
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.support.decoder_models import train_tokenizer
+
+    tokenizer, names = train_tokenizer("qwen3")
+    model = build_model(hidden, layers, "cpu", torch.float32)
+    model.config.eos_token_id = tokenizer.token_to_id(names["eos_token"])
+    model.save_pretrained(path)
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, model_max_length=4096, padding_side="left", **names
+    ).save_pretrained(path)
+    return path
+
+
+def write_repository(repo: Path, folder: Path, batch: int) -> None:
+    """``reranker`` and ``reranker-whole`` (module docstring) serving ``folder``: batches of up
+    to ``batch`` documents, prompts of up to 1,024 tokens."""
+    whole = "shared_prefix = false\nprefix_cache_bytes = 0"
+    for name, extra in (("reranker", ""), ("reranker-whole", whole)):
+        (repo / name).mkdir(parents=True)
+        (repo / name / "model.toml").write_text(
+            f'name = "{name}"\nversion = "1"\nformat = "handler"\nhandler = "{RERANKER}"\n'
+            f"max_batch_size = {batch}\nmax_queue_delay_ms = 2.0\nwarmup_batch_sizes = [1, {batch}]\n"
+            '[[inputs]]\nname = "text"\ndatatype = "BYTES"\nshape = [1]\n'
+            '[[inputs]]\nname = "query"\ndatatype = "BYTES"\nshape = [1]\n'
+            '[[outputs]]\nname = "score"\ndatatype = "FP32"\nshape = [1]\n'
+            '[[outputs]]\nname = "tokens"\ndatatype = "INT64"\nshape = [1]\n'
+            f'[parameters]\nmodel_dir = "{folder}"\nmax_seq_length = 1024\n{extra}\n'
+        )
+
+
+class Words:
+    """Texts of an exact number of tokens of ``folder``'s tokenizer: words each one token after a
+    space (``" word"``), drawn at random."""
+
+    def __init__(self, folder: Path, seed: int) -> None:
+        from tokenizers import Tokenizer
+
+        self.tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+        vocab = self.tokenizer.get_vocab()
+        candidates = sorted(t[1:] for t in vocab if t.startswith("Ġ") and t[1:].isalpha() and len(t) > 3)
+        self.words = [
+            w for w in candidates if len(self.tokenizer.encode(" " + w, add_special_tokens=False).ids) == 1
+        ]
+        self.rng = np.random.default_rng(seed)
+
+    def text(self, tokens: int) -> str:
+        """A text whose ``" " + text`` is ``tokens`` tokens (as the reranker tokenizes a document)."""
+        return " ".join(self.rng.choice(self.words, size=tokens).tolist())
+
+
+def server_body(route: str, model: str, query: str, documents: list[str]) -> dict[str, Any]:
+    if route == "score":
+        return {"model": model, "text_1": query, "text_2": documents}
+    return {"model": model, "query": query, "documents": documents}
+
+
+def server_scores(route: str, body: Any) -> npt.NDArray[np.float64]:
+    """The documents' scores in their order, from a ``/v1/rerank`` or ``/score`` answer."""
+    rows = body["results"] if route == "rerank" else body["data"]
+    key = "relevance_score" if route == "rerank" else "score"
+    return np.array([r[key] for r in sorted(rows, key=lambda r: r["index"])])
+
+
+def server_mode(
+    url: str, route: str, mode: str, items: int, work: list[tuple[str, list[str]]]
+) -> tuple[dict[str, Any], list[npt.NDArray[np.float64]]]:
+    """One mode of :data:`SERVER_MODES` (module docstring) over ``work`` (queries and their
+    documents; the first untimed): docs/s, p50, and each timed request's scores."""
+    model = "reranker-whole" if mode == "whole" else "reranker"
+    path = "/v1/rerank" if route == "rerank" else "/score"
+    seconds, scores = [], []
+    for index, (query, documents) in enumerate(work):
+        if mode == "cached" and index:
+            query = work[0][0]  # the query of the request before: its prefix is cached
+        start = time.perf_counter()
+        body = server_body(route, model, query, documents)
+        status, _, body = driver.http("POST", url + path, body, timeout=600)
+        took = time.perf_counter() - start
+        if status != 200:
+            raise RuntimeError(f"{model}: {status} {body}")
+        if index:
+            seconds.append(took)
+            scores.append(server_scores(route, body))
+    figures = {"docs_per_s": items * len(seconds) / sum(seconds), "p50_ms": 1000 * statistics.median(seconds)}
+    return figures, scores
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """``--server`` (module docstring)."""
+    from benchmarks import server
+
+    query_tokens = args.prefix[0]
+    document_tokens = args.item_tokens[0]
+    rows, records = [], []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        folder = reranker_folder(root / "hf", args.hidden, args.layers)
+        parameters = safetensors_parameters(folder) or 0
+        write_repository(root / "repo", folder, args.batch)
+        words = Words(folder, seed=0)
+        with server.start(root, root / "repo", "", 1) as srv:
+            srv.wait_ready(600)
+            for items in args.items:
+                work = [
+                    (words.text(query_tokens), [words.text(document_tokens) for _ in range(items)])
+                    for _ in range(args.requests + 1)
+                ]
+                baseline: dict[str, Any] = {}
+                reference: list[npt.NDArray[np.float64]] = []
+                for mode in SERVER_MODES:
+                    figures, scores = server_mode(srv.url, args.route, mode, items, work)
+                    if mode == "whole":
+                        baseline, reference = figures, scores
+                    delta = (
+                        max(float(np.abs(a - b).max()) for a, b in zip(scores, reference, strict=True))
+                        if mode == "shared" else None
+                    )  # fmt: skip
+                    records.append({"items": items, "mode": mode, **figures, "max_delta": delta})
+                    rows.append([
+                        items, mode, f"{figures['docs_per_s']:.1f}", f"{figures['p50_ms']:.0f}",
+                        f"{figures['docs_per_s'] / baseline['docs_per_s']:.2f}",
+                        "-" if delta is None else f"{delta:.1e}",
+                    ])  # fmt: skip
+                    print(" | ".join(str(c) for c in rows[-1]), flush=True)
+            metrics = [line for line in srv.scrape().splitlines() if line.startswith("scoring_prefix_cache_")]
+    caption = (
+        f"Causal reranker served (one worker, {args.route}), Qwen3 of {parameters / 1e6:.1f} M parameters "
+        f"({args.layers} layers, hidden {args.hidden}, float32, random weights), 1 query of {query_tokens} "
+        f"tokens x N documents of {document_tokens}, batches of {args.batch}, {args.requests} timed requests "
+        f"each; {report.machine_label()}"
+    )
+    tables = caption + "\n\n" + report.table(
+        ["N", "mode", "docs/s", "p50 ms", "x whole", "max abs Δ"], rows, "rlrrrr"
+    )
+    result = report.record(
+        parameters=parameters, arguments={k: str(v) for k, v in vars(args).items()}, runs=records,
+        prefix_cache_metrics=metrics,
+    )  # fmt: skip
+    if args.out is not None:
+        report.publish(args.out, result, tables)
+    else:
+        print(tables)
+        print(json.dumps(metrics, indent=1))
+
+
 def _ints(text: str) -> list[int]:
     try:
         values = [int(v) for v in text.split(",") if v]
@@ -278,7 +461,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
     parser.add_argument("--max-mask-mib", type=float, default=1024.0, help="packed: the largest mask run")
     parser.add_argument("--out", type=Path, default=None, help="JSON record (and .md table beside it)")
+    parser.add_argument("--server", action="store_true", help="through a real server (module docstring)")
+    parser.add_argument("--route", choices=("rerank", "score"), default="rerank", help="--server: the route")
     args = parser.parse_args(argv)
+    if args.server:
+        if argv is None or "--prefix" not in argv:
+            args.prefix = [256]
+        if argv is None or "--item-tokens" not in argv:
+            args.item_tokens = [32]
+        run_server(args)
+        return
     low, high = (args.item_tokens * 2)[:2]
     if args.threads:
         torch.set_num_threads(args.threads)

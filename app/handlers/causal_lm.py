@@ -37,7 +37,8 @@ Outputs (declare those you serve):
 ``scored_tokens`` INT64 ``[1]``
     Tokens scored: every token after the first one the model ran.
 ``tokens`` INT64 ``[1]``
-    Tokens the model ran (special tokens and the scoring prefix included): ``usage``.
+    Tokens of the text as the model reads it (special tokens and the scoring prefix included;
+    a shared context counted in each text, however often it ran): ``usage``.
 ``windows`` INT64 ``[1]``
     1 (a text is one window: see ``truncation`` below).
 ``token_logprobs`` BYTES ``[1]``
@@ -60,11 +61,22 @@ EOS token, before the text (``score_first_token = true``, the default: lm-evalua
 ``token_logprobs``. ``score_first_token = false`` runs the text alone: its first token is not
 scored (as OpenAI's legacy API and vLLM's prompt log-probs report it, null).
 
+**One context, N continuations.** A request's texts that all begin with the same tokens (at
+least :data:`app.handlers.prefix_sharing.MIN_FOUND_TOKENS`: the context of a multiple-choice
+question sent once per choice, as lm-evaluation-harness sends it) have those tokens run once:
+their keys and values computed once per batch (or taken from the prefix cache: the same context
+in the next request), each text's own tokens run against them
+(:mod:`app.handlers.prefix_sharing`). Nothing is declared: the common prefix is found from the
+token ids. Every figure of each text (its log-likelihood, its per-token log-probs and
+alternatives, the greedy next token) is the one it gets scored alone, within float rounding: the
+context's own log-probs come from the context's forward, once.
+
 ``[parameters]``: those of :mod:`app.handlers.text_config` (``max_seq_length``: tokens per
 text, default the tokenizer's ``model_max_length`` capped by the model's positions and 8,192),
-``score_first_token`` (bool), and ``truncation``: ``"truncate"`` (default: a longer text is
+``score_first_token`` (bool), ``truncation``: ``"truncate"`` (default: a longer text is
 scored on its first ``max_seq_length`` tokens, ``scored_tokens`` says how many) or ``"error"``
-(400). Windows would score the tokens they repeat twice, so they are refused.
+(400), ``shared_prefix`` and ``prefix_cache_bytes`` (:mod:`app.handlers.prefix_sharing`).
+Windows would score the tokens they repeat twice, so they are refused.
 
 **Token lists are whole or refused.** A text whose ``token_logprobs`` are listed is never cut
 by ``truncation``: over ``max_seq_length`` tokens it is refused (400 naming its tokens and the
@@ -94,9 +106,12 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.handlers import prefix_sharing
 from app.handlers.decoder_math import LOG_SOFTMAX_CHUNK_BYTES, scoring_prefix, token_log_likelihood
 from app.handlers.decoders import decoder_features, first_id, open_causal_lm, pad_decoder
-from app.handlers.text_base import TextHandler
+from app.handlers.prefix_cache import PrefixCache
+from app.handlers.shared_prefix import common_prefix_length, pad_items
+from app.handlers.text_base import TextHandler, prepared_parts
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,
@@ -105,28 +120,32 @@ from app.handlers.text_config import (
     item_integers,
     text_inputs,
 )
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window
+from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models import windows as windowing
 from app.models.base import Priced
 
 __all__ = ["MAX_TOP_LOGPROBS", "CausalLMHandler", "ScoredBatch"]
 
-_PARAMETERS = (*SHARED_PARAMETERS, "truncation", "score_first_token")
+_PARAMETERS = (*SHARED_PARAMETERS, "truncation", "score_first_token", *prefix_sharing.PARAMETERS)
 #: The most alternatives per token (vLLM's default ``max_logprobs``; OpenAI's legacy API: 5).
 MAX_TOP_LOGPROBS = 20
 RETURN, TOP, NEXT = "return_token_logprobs", "top_logprobs", "next_token"
 #: What a log-prob below it is written as (vLLM's stand-in for minus infinity: JSON has none).
 LOGPROB_FLOOR = -9999.0
 _NONE: Ids = np.zeros(0, dtype=np.int32)
+#: One padded group's or one shared call's figures: ``(total [U], count [U], token_logprobs
+#: [U, T], top_values [U, T, k], top_ids [U, T, k])`` (:meth:`CausalLMHandler._reduce`).
+Scored = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 @dataclass(frozen=True)
 class ScoredBatch:
     """``preprocess`` output: ``groups`` (the padded length groups on the device, right
-    padding), ``position`` (int64 ``[B]``, each item's row in them), and on the host each item's
-    token ids ``ids`` (the scoring prefix included), ``listed`` (bool ``[B]``: fill its
-    ``token_logprobs``), ``top`` (int64 ``[B]``: alternatives per token) and ``next`` (bool
-    ``[B]``: list the greedy next token too)."""
+    padding: the items run whole), ``position`` (int64 ``[B]``, each item's row in the groups'
+    results then the shared calls', concatenated), and on the host each item's token ids ``ids``
+    (the scoring prefix included), ``listed`` (bool ``[B]``: fill its ``token_logprobs``),
+    ``top`` (int64 ``[B]``: alternatives per token) and ``next`` (bool ``[B]``: list the greedy
+    next token too); ``shared``: the items run after a shared context (None: none)."""
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
@@ -134,6 +153,7 @@ class ScoredBatch:
     listed: npt.NDArray[np.bool_]
     top: npt.NDArray[np.int64]
     next: npt.NDArray[np.bool_]
+    shared: prefix_sharing.SharedRun | None = None
 
 
 class CausalLMHandler(TextHandler):
@@ -142,6 +162,8 @@ class CausalLMHandler(TextHandler):
     kind = "CausalLMHandler"
     #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``).
     MEMORY_HEAD = "lm-chunked"
+    #: Whether the model keeps a prefix cache, for the memory plan (``app.models.memory``).
+    MEMORY_PREFIX_CACHE = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -151,6 +173,13 @@ class CausalLMHandler(TextHandler):
         self.prefix: Ids = _NONE
         #: Whether ``model.toml`` declares ``token_logprobs`` / ``return_token_logprobs``.
         self.lists = self.asks = False
+        #: Shared-context scoring (None: each text runs whole).
+        self.sharing: prefix_sharing.PrefixSharing | None = None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The model's prefix cache (``app.models.base``: the server reports its work)."""
+        return self.sharing.cache if self.sharing is not None else None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device`` (local files only), then
@@ -183,9 +212,21 @@ class CausalLMHandler(TextHandler):
         self.head = _lm_head(model)
         self.lists = any(spec.name == "token_logprobs" for spec in config.outputs)
         self.asks = any(spec.name == RETURN for spec in config.inputs)
+        identity = (config.name, str(getattr(config, "version", "")))
+        sharing = prefix_sharing.PrefixSharing.from_parameters(
+            model, parameters, identity, config.name, sequence=True
+        )
+        self.sharing = sharing if self.head is not None else None  # it reads the head's logits
         self.set_device(device)
         self._model = model
         self.calibrate(parameters, lambda features: self._score(features, 0)[0])
+
+    def close(self) -> None:
+        """Drop the cached contexts too, then :meth:`TextHandler.close`."""
+        if self.sharing is not None:
+            self.sharing.close()
+        self.sharing = None
+        super().close()
 
     def _tokenizer_for(self, path: Any, length: int, hf_config: Any, first: bool) -> TextTokenizer:
         """The folder's tokenizer and :attr:`prefix`: a text's first token is scored after the
@@ -211,8 +252,10 @@ class CausalLMHandler(TextHandler):
         return None
 
     def window_parts(self, window: Window, extra: Ids | None) -> Parts:
-        """A text's ids as the model runs them: the scoring prefix, then the window's."""
-        return (np.concatenate((self.prefix, window.ids)) if len(self.prefix) else window.ids,)
+        """A text's ids as the model runs them (the scoring prefix, then the window's), and its
+        split (0: a shared context is found per request, :meth:`item_costs`)."""
+        ids = np.concatenate((self.prefix, window.ids)) if len(self.prefix) else window.ids
+        return (ids, prefix_sharing.split_row(0))
 
     def prepare_texts(
         self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
@@ -226,8 +269,10 @@ class CausalLMHandler(TextHandler):
                 for i in range(len(texts))]  # fmt: skip
 
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
-        """Tokens each item makes the model run, int64 ``[B]`` (the prefix included), with each
-        item's ids as its preparation.
+        """Tokens each item makes the model run, int64 ``[B]`` (the scoring prefix included; a
+        shared context once, :meth:`app.handlers.prefix_sharing.PrefixSharing.costs`), with each
+        item's ids and split (the context the request's texts share, module docstring) as its
+        preparation.
 
         Raises:
             ValueError: invalid UTF-8, a wrong shape, ``top_logprobs`` outside 0 to 20,
@@ -239,7 +284,20 @@ class CausalLMHandler(TextHandler):
         priced = super().item_costs(inputs)
         listed, _, _ = self._options(inputs, len(priced.costs))
         self._check_whole(inputs, priced, listed)
-        return priced
+        if self.sharing is None:
+            return priced
+        parts = self._found(list(priced.prepared))
+        ids = [p[0] for p in parts]
+        return Priced(self.sharing.costs(ids, [int(p[1][0]) for p in parts]), prepared_array(parts))
+
+    def _found(self, parts: list[Parts]) -> list[Parts]:
+        """``parts`` with their split set to the tokens they all begin with, where that is at
+        least :data:`app.handlers.prefix_sharing.MIN_FOUND_TOKENS` (module docstring)."""
+        split = common_prefix_length([p[0] for p in parts])
+        if split < prefix_sharing.MIN_FOUND_TOKENS:
+            return parts
+        row = prefix_sharing.split_row(split)
+        return [(p[0], row) for p in parts]
 
     def _check_whole(
         self, inputs: Mapping[str, npt.NDArray[Any]], priced: Priced, listed: npt.NDArray[np.bool_]
@@ -298,24 +356,37 @@ class CausalLMHandler(TextHandler):
         """
         parts = self.item_parts(inputs)
         listed, top, following = self._options(inputs, len(parts))
+        if self.sharing is not None and prepared_parts(inputs) is None:
+            parts = self._found(parts)  # tokenized here (warmup, a direct call): the batch's context
         ids = [p[0] for p in parts]
-        groups, position = self.length_grouped(ids)
-        return ScoredBatch(groups, position, ids, listed, top, following)
+        splits = [int(p[1][0]) for p in parts]
+        if self.sharing is None or not any(splits):
+            groups, position = self.length_grouped(ids)
+            return ScoredBatch(groups, position, ids, listed, top, following)
+        layout = prefix_sharing.lay_out(
+            self.sharing, ids, splits, self.cost.groups,
+            lambda rows, indices: self.features(rows, indices=indices), self._device,
+        )  # fmt: skip
+        return ScoredBatch(layout.groups, layout.position, ids, listed, top, following, layout.shared)
 
-    def _score(self, group: dict[str, torch.Tensor], top: int) -> tuple[torch.Tensor, ...]:
+    def _score(self, group: dict[str, torch.Tensor], top: int) -> Scored:
         """One padded group ``[U, T]``: ``(total [U], count [U], token_logprobs [U, T],
         top_values [U, T, top], top_ids [U, T, top])`` (float32; ``token_logprobs`` at t is
         token t's, from the logits at t - 1; the alternatives at t are those after token t,
         :func:`app.handlers.decoder_math.token_log_likelihood`), through the LM head in chunks
         of rows (module docstring)."""
         features = decoder_features(group)
-        ids, mask = group["input_ids"], group["attention_mask"]
         # the hidden state through the head chunk by chunk, or the model's own logits, chunked
         whole: torch.Tensor = (
             self.model.base_model(**features).last_hidden_state
             if self.head is not None
             else self.model(**features).logits
         )
+        return self._reduce(whole, group["input_ids"], group["attention_mask"], top)
+
+    def _reduce(self, whole: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor, top: int) -> Scored:
+        """:meth:`_score`'s figures of rows ``ids`` / ``mask`` (int64 ``[U, T]``) from their final
+        hidden states (through the LM head) or their logits ``whole``, in chunks of rows."""
         rows, length = ids.shape
         vocab = int(self.model.config.get_text_config().vocab_size)
         step = max(1, LOG_SOFTMAX_CHUNK_BYTES // max(1, length * vocab * 4))
@@ -329,7 +400,28 @@ class CausalLMHandler(TextHandler):
             indices = scored.top_ids if scored.top_ids is not None else empty.long()
             assert scored.token_logprobs is not None
             parts.append((scored.total, scored.count, scored.token_logprobs, values, indices))
-        return tuple(torch.cat(column) for column in zip(*parts, strict=True))
+        total, count, logprobs, values, indices = (torch.cat(column) for column in zip(*parts, strict=True))
+        return total, count, logprobs, values, indices
+
+    def _score_shared(self, shared: prefix_sharing.SharedRun, top: int) -> list[Scored]:
+        """Each shared call's items' figures as :meth:`_score` gives a whole text's: the contexts'
+        own (their final hidden states through the head, once per distinct context) joined to
+        each item's (its tokens after its context, the first scored from the context's last
+        token), position for position (:func:`_joined`)."""
+        assert self.sharing is not None
+        states, calls = self.sharing.run(shared)
+        ids, lengths = pad_items(shared.prefixes, self._device)
+        hidden = states[0].hidden.new_zeros((len(states), ids.shape[1], states[0].hidden.shape[-1]))
+        for g, state in enumerate(states):
+            assert state.sequence is not None
+            hidden[g, : state.length] = state.sequence
+        mask = (torch.arange(ids.shape[1], device=ids.device) < lengths.unsqueeze(1)).long()
+        context = self._reduce(hidden, ids, mask, top)
+        out = []
+        for call, items in zip(shared.calls, calls, strict=True):
+            own = self._reduce(*items.with_context(), top)
+            out.append(_joined(context, own, shared, call.items, ids.device))
+        return out
 
     def predict(self, batch: ScoredBatch) -> dict[str, Any]:
         """Each item's figures on the device (float32 ``total``, ``count`` ``[B]``; with per-token
@@ -338,7 +430,9 @@ class CausalLMHandler(TextHandler):
         top = int(batch.top.max()) if len(batch.top) else 0
         top = max(top, 1) if batch.next.any() else top  # the greedy next token is the first
         scored = [self._score(group, top) for group in batch.groups]
-        width = max(int(group["input_ids"].shape[1]) for group in batch.groups)
+        if batch.shared is not None:
+            scored += self._score_shared(batch.shared, top)
+        width = max(int(s[2].shape[1]) for s in scored)
         columns = []
         for column in zip(*scored, strict=True):
             columns.append(torch.cat([_widen(c, width) for c in column])[batch.position])
@@ -439,6 +533,41 @@ def _flag(inputs: Mapping[str, npt.NDArray[Any]], name: str, count: int) -> npt.
 def _floor(value: Any) -> float:
     """A log-prob as JSON can hold it (module docstring: :data:`LOGPROB_FLOOR`)."""
     return max(float(value), LOGPROB_FLOOR)
+
+
+def _joined(
+    context: Scored,
+    own: Scored,
+    shared: prefix_sharing.SharedRun,
+    items: npt.NDArray[np.int64],
+    device: torch.device,
+) -> Scored:
+    """One shared call's figures for its ``items`` (indices into ``shared``) as whole texts':
+    their context's ``context`` (per distinct context, ``[G, P]``) and their own ``own`` (``[n,
+    T + 1]``, position 0 the context's last token) side by side. Item b of context length P:
+    token log-probs at positions ``< P`` are its context's, position ``P + t`` its token t's
+    (``own`` at t + 1); the alternatives after positions ``< P - 1`` are its context's, after
+    position ``P - 1 + t`` its own at t; totals and counts add up."""
+    owner = torch.as_tensor(shared.owner[items], device=device)
+    split = torch.as_tensor(shared.splits[items], device=device).unsqueeze(1)
+    width = int((shared.splits[items] + shared.lengths[items]).max())
+    at = torch.arange(width, device=device).unsqueeze(0).expand(len(items), width)
+    in_context = at.clamp(max=context[2].shape[1] - 1)
+    in_own = (at - split + 1).clamp(0, own[2].shape[1] - 1)
+    ends = (at < split + torch.as_tensor(shared.lengths[items], device=device).unsqueeze(1)).float()
+    logprobs = (
+        torch.where(at < split, context[2][owner].gather(1, in_context), own[2].gather(1, in_own)) * ends
+    )
+
+    def alternatives(before: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
+        k = before.shape[-1]
+        first = before[owner].gather(1, in_context.unsqueeze(2).expand(-1, -1, k))
+        then = after.gather(1, in_own.unsqueeze(2).expand(-1, -1, k))
+        return torch.where((at < split - 1).unsqueeze(2), first, then)
+
+    total = context[0][owner] + own[0]
+    count = context[1][owner] + own[1]
+    return total, count, logprobs, alternatives(context[3], own[3]), alternatives(context[4], own[4])
 
 
 def _widen(values: torch.Tensor, width: int) -> torch.Tensor:

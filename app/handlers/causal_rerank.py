@@ -7,14 +7,21 @@ local files only; e.g. Qwen/Qwen3-Reranker-0.6B) and scores each item, served by
 and ``/score`` (``app.protocols.rerank``) like a cross-encoder:
 
 - the text is :func:`app.handlers.decoder_math.reranker_prompt` of (query, document, the model's
-  ``instruction``), tokenized as the model card does it: the prefix (system turn) and the suffix
-  (the empty thinking block after which the answer comes) once at load, without special tokens,
-  and the middle (``<Instruct>``, ``<Query>``, ``<Document>``) per item, cut at its end to
-  ``max_seq_length`` less the prefix and suffix, so that a long document never pushes the suffix
-  out; a query whose part of the middle (the instruction and query lines, up to
-  ``<Document>:``) takes more than half of that room is refused (400 naming its tokens and the
-  bound: a cross-encoder's rule for a query beside a window, ``app.models.windows.split``), so
-  that a document is never cut out of its own prompt;
+  ``instruction``), tokenized as the model card does it, without special tokens: the system turn
+  and the suffix (the empty thinking block after which the answer comes) once at load, the query
+  part of the middle (``<Instruct>`` and ``<Query>`` lines, up to ``<Document>:``) once per
+  distinct query of a request, and the document (with the space before it) per item, cut at its
+  end to ``max_seq_length`` less the rest, so that a long document never pushes the suffix out
+  (the prompt splits into the same tokens whole: Qwen's pre-tokenizer never joins ``:`` and the
+  space after it); a query whose part takes more than half of what the system turn and the
+  suffix leave is refused (400 naming its tokens and the bound: a cross-encoder's rule for a query
+  beside a window, ``app.models.windows.split``), so that a document is never cut out of its
+  own prompt;
+- the **shared prefix** (the system turn, the instruction and the query: everything before the
+  document) is computed once per distinct query of a batch, each document and the suffix run
+  against its keys and values (:mod:`app.handlers.prefix_sharing`), and kept in the prefix cache
+  for the next request with the same query (its next page of documents); each score equals the
+  pair scored alone within float rounding;
 - the score is ``sigmoid(h . (W[yes] - W[no]))`` of the final hidden state ``h`` at each row's
   last real token and the LM head's rows of the tokens ``yes`` and ``no``
   (:func:`app.handlers.decoder_math.yes_no_score_from_hidden`): equal to the model card's
@@ -22,15 +29,15 @@ and ``/score`` (``app.protocols.rerank``) like a cross-encoder:
   (151,669 per token for Qwen3), as vLLM's ``from_2_way_softmax`` converts the model.
 
 Inputs: ``text`` (the document) and ``query``, BYTES, per item. Outputs: ``score`` FP32 ``[1]``
-(the relevance, in (0, 1)), ``tokens`` INT64 ``[1]`` (the tokens the model ran, the prompt
-included), ``windows`` INT64 ``[1]`` (1).
+(the relevance, in (0, 1)), ``tokens`` INT64 ``[1]`` (the tokens of the pair's prompt, the shared
+prefix included however often it ran), ``windows`` INT64 ``[1]`` (1).
 
 ``[parameters]``: those of :mod:`app.handlers.text_config` (``max_seq_length``: tokens per
 pair, prompt included; the model card's 8,192 by default where the model allows it),
-``instruction`` (the ``<Instruct>`` line; default the model card's web-search one) and
+``instruction`` (the ``<Instruct>`` line; default the model card's web-search one),
 ``truncation = "truncate"`` (the only mode: the document is cut at its end, as the model card
-cuts it). A model that declares ``truncate_prompt_tokens`` is refused: its cut would take the
-prompt's head.
+cuts it), ``shared_prefix`` and ``prefix_cache_bytes`` (:mod:`app.handlers.prefix_sharing`). A
+model that declares ``truncate_prompt_tokens`` is refused: its cut would take the prompt's head.
 
 Source: the Qwen/Qwen3-Reranker-0.6B model card (``format_instruction``, ``process_inputs``,
 ``compute_logits``); vLLM ``examples/offline_inference/qwen3_reranker.py`` and
@@ -48,6 +55,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.handlers import prefix_sharing
 from app.handlers.decoder_math import (
     RERANKER_DEFAULT_INSTRUCTION,
     RERANKER_PREFIX,
@@ -57,6 +65,7 @@ from app.handlers.decoder_math import (
     yes_no_token_ids,
 )
 from app.handlers.decoders import decoder_features, open_causal_lm, pad_decoder
+from app.handlers.prefix_cache import PrefixCache
 from app.handlers.text_base import TextHandler
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -70,17 +79,20 @@ from app.models.base import Priced
 
 __all__ = ["CausalRerankHandler", "RerankBatch"]
 
-_PARAMETERS = (*SHARED_PARAMETERS, "instruction", "truncation")
+_PARAMETERS = (*SHARED_PARAMETERS, "instruction", "truncation", *prefix_sharing.PARAMETERS)
 
 
 @dataclass(frozen=True)
 class RerankBatch:
-    """``preprocess`` output: ``groups`` (the padded length groups on the device), ``position``
-    (int64 ``[B]``, each item's row in them) and ``tokens`` (int64 ``[B]`` on the host)."""
+    """``preprocess`` output: ``groups`` (the padded length groups on the device: the items run
+    whole), ``shared`` (the items run after their shared prefix; None: none), ``position`` (int64
+    ``[B]``, each item's row in the groups' results then the shared calls', concatenated) and
+    ``tokens`` (int64 ``[B]`` on the host)."""
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
     tokens: npt.NDArray[np.int64]
+    shared: prefix_sharing.SharedRun | None = None
 
 
 class CausalRerankHandler(TextHandler):
@@ -89,6 +101,8 @@ class CausalRerankHandler(TextHandler):
     kind = "CausalRerankHandler"
     #: What runs after the layers, for the memory plan (``app.models.memory.declared_head``).
     MEMORY_HEAD = "base"
+    #: Whether the model keeps a prefix cache, for the memory plan (``app.models.memory``).
+    MEMORY_PREFIX_CACHE = True
 
     def __init__(self) -> None:
         super().__init__()
@@ -98,6 +112,13 @@ class CausalRerankHandler(TextHandler):
         #: The tokens the middle of the prompt may take: ``max_seq_length`` less prefix and suffix.
         self.room = 0
         self.yes_no = (0, 0)
+        #: Shared-prefix scoring (None: each pair runs whole).
+        self.sharing: prefix_sharing.PrefixSharing | None = None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The model's prefix cache (``app.models.base``: the server reports its work)."""
+        return self.sharing.cache if self.sharing is not None else None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device`` (local files only), then
@@ -135,76 +156,100 @@ class CausalRerankHandler(TextHandler):
             )
         self.yes_no = yes_no_token_ids(tokenizer.token_to_id)
         self.instruction, self._tokenizer = instruction, tokenizer
+        identity = (config.name, str(getattr(config, "version", "")))
+        self.sharing = prefix_sharing.PrefixSharing.from_parameters(model, parameters, identity, config.name)
         self.set_device(device)
         self._model = model
         self.calibrate(parameters, self._score)
+
+    def close(self) -> None:
+        """Drop the cached prefixes too, then :meth:`TextHandler.close`."""
+        if self.sharing is not None:
+            self.sharing.close()
+        self.sharing = None
+        super().close()
 
     # --- per request ----------------------------------------------------------------------
 
     def prepare_texts(
         self, texts: Sequence[str], queries: Sequence[str], keep: Sequence[int] | None
     ) -> list[Parts]:
-        """Each pair's prompt ids: prefix, middle (cut to :attr:`room`), suffix (module
-        docstring).
+        """Each pair's prompt ids (system turn, query part, document cut to what :attr:`room`
+        leaves, suffix) and its split (the tokens before the document: the shared prefix;
+        module docstring).
 
         Raises:
             ValueError: a query whose part of the prompt leaves the document too little room.
         """
-        self._check_queries(queries)
-        middles = [
-            f"{self._query_part(query)} {text}" for text, query in zip(texts, queries, strict=True)
-        ]
-        return [
-            (np.concatenate((self.prefix, ids[: self.room], self.suffix)),)
-            for ids in self.tokenizer.encode(middles)
-        ]
+        heads = self._query_heads(queries)
+        documents = self.tokenizer.encode([f" {text}" for text in texts], special=False)
+        out: list[Parts] = []
+        for query, document in zip(queries, documents, strict=True):
+            head = heads[query]
+            ids = np.concatenate((head, document[: self.room - len(head) + len(self.prefix)], self.suffix))
+            out.append((ids, prefix_sharing.split_row(len(head))))
+        return out
 
     def _query_part(self, query: str) -> str:
         """The middle of the prompt before the document (the model card's ``format_instruction``
         up to ``<Document>:``)."""
         return f"<Instruct>: {self.instruction}\n<Query>: {query}\n<Document>:"
 
-    def _check_queries(self, queries: Sequence[str]) -> None:
-        """Refuse a query whose part of the prompt takes more than half of :attr:`room` (module
-        docstring); only queries whose UTF-8 bytes may reach the bound are tokenized (a token is
-        at least a byte, 2b + 1 bounds any tokenizer's count)."""
+    def _query_heads(self, queries: Sequence[str]) -> dict[str, Ids]:
+        """Each distinct query's prompt head (the system turn and its query part, tokenized once),
+        refusing a query part that takes more than half of :attr:`room` (module docstring)."""
+        distinct = list(dict.fromkeys(queries))
         limit = self.room // 2
-        parts = {q: self._query_part(q) for q in set(queries)}
-        wanted = [q for q, part in parts.items() if 2 * len(part.encode()) + 1 > limit]
-        if not wanted:
-            return
-        for count in self.tokenizer.count([parts[q] for q in wanted]):
-            if count > limit:
-                more = "+" if count >= self.tokenizer.max_length else ""
+        heads = {}
+        encoded = self.tokenizer.encode([self._query_part(q) for q in distinct], special=False)
+        for query, ids in zip(distinct, encoded, strict=True):
+            if len(ids) > limit:
+                more = "+" if len(ids) >= self.tokenizer.max_length else ""
                 raise ValueError(
-                    f"a query of {count}{more} tokens (with the reranker's instruction) leaves too little "
+                    f"a query of {len(ids)}{more} tokens (with the reranker's instruction) leaves too little "
                     f"room for a document in the prompt of max_seq_length {self.tokenizer.max_length} "
                     f"tokens ({self.room} beside its system turn and answer); at most {limit}"
                 )
+            heads[query] = np.concatenate((self.prefix, ids))
+        return heads
 
     def item_costs(self, inputs: Mapping[str, npt.NDArray[Any]]) -> Priced:
-        """Tokens each pair makes the model run, int64 ``[B]`` (the prompt included), with its ids
-        as its preparation.
+        """Tokens each pair makes the model run, int64 ``[B]`` (its prompt's; after a shared
+        prefix its own and its share of the prefix's, :meth:`prefix_sharing.PrefixSharing.costs`),
+        with its ids and split as its preparation.
 
         Raises:
             ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length; a query
                 that leaves the document too little room (module docstring).
         """
         parts = self.item_parts(inputs)
-        costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
+        ids = [p[0] for p in parts]
+        if self.sharing is not None:
+            costs = self.sharing.costs(ids, [int(p[1][0]) for p in parts])
+        else:
+            costs = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
         return Priced(costs, prepared_array(parts))
 
     def preprocess(self, inputs: Mapping[str, npt.NDArray[Any]]) -> RerankBatch:
-        """Pad the items' prompt ids (``inputs[PREPARED]``; tokenized here only where absent) in
-        length groups, on the device.
+        """The items' prompt ids (``inputs[PREPARED]``; tokenized here only where absent) on the
+        device: after their shared prefixes (:func:`app.handlers.prefix_sharing.lay_out`), or
+        padded whole in length groups where sharing is off.
 
         Raises:
             ValueError: as :meth:`item_costs`.
         """
         parts = self.item_parts(inputs)
-        groups, position = self.length_grouped([p[0] for p in parts])
-        tokens = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
-        return RerankBatch(groups, position, tokens)
+        ids = [p[0] for p in parts]
+        tokens = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
+        if self.sharing is None:
+            groups, position = self.length_grouped(ids)
+            return RerankBatch(groups, position, tokens)
+        splits = [int(p[1][0]) for p in parts]
+        layout = prefix_sharing.lay_out(
+            self.sharing, ids, splits, self.cost.groups,
+            lambda rows, indices: self.features(rows, indices=indices), self._device,
+        )  # fmt: skip
+        return RerankBatch(layout.groups, layout.position, tokens, layout.shared)
 
     def _score(self, group: dict[str, torch.Tensor]) -> torch.Tensor:
         """The relevance of one padded group's rows, float32 ``[U]``: the base model's last
@@ -217,6 +262,10 @@ class CausalRerankHandler(TextHandler):
     def predict(self, batch: RerankBatch) -> dict[str, Any]:
         """``score`` float32 ``[B, 1]`` on the device; ``tokens`` and ``windows`` on the host."""
         scores = [self._score(group) for group in batch.groups]
+        if batch.shared is not None and self.sharing is not None:
+            weight = self.model.get_output_embeddings().weight
+            _, calls = self.sharing.run(batch.shared)
+            scores += [yes_no_score_from_hidden(states.last(), weight, *self.yes_no) for states in calls]
         score = (scores[0] if len(scores) == 1 else torch.cat(scores))[batch.position]
         return {"score": score.reshape(-1, 1), "tokens": batch.tokens.reshape(-1, 1)}
 

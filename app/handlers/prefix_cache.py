@@ -40,14 +40,16 @@ import numpy as np
 import numpy.typing as npt
 
 from app.handlers.shared_prefix import PrefixState
+from app.models.memory import PREFIX_CACHE_BYTES
 
 __all__ = ["DEFAULT_BYTES", "PARAMETER", "PrefixCache", "PrefixCacheObserver", "PrefixCacheStats"]
 
 #: The ``model.toml`` parameter that bounds a model's prefix cache, bytes; 0 turns it off.
 PARAMETER = "prefix_cache_bytes"
 #: Its default: 256 MiB (Qwen3-Reranker-0.6B in bfloat16 holds 112 KiB a token: about 2,300
-#: prefix tokens, e.g. the 8 latest queries of 290 tokens).
-DEFAULT_BYTES = 256 * 2**20
+#: prefix tokens, e.g. the 8 latest queries of 290 tokens), the memory plan's
+#: (``app.models.memory``, which imports no torch, holds the number).
+DEFAULT_BYTES = PREFIX_CACHE_BYTES
 
 
 class PrefixCacheObserver(Protocol):
@@ -122,6 +124,13 @@ class PrefixCache:
                 f"parameters.{PARAMETER} must be an integer >= 0 (bytes; 0 = off), got {value!r}"
             )
         return cls(value, observer) if value else None
+
+    def observe(self, observer: PrefixCacheObserver | None) -> None:
+        """Tell ``observer`` of the cache's work from now on (the server hands its metrics to
+        a model's cache once the model is loaded); it hears the bytes held now at once."""
+        self._observer = observer
+        if observer is not None:
+            observer.held(self.stats().nbytes)
 
     def get(self, identity: Hashable, ids: npt.NDArray[Any] | Sequence[int]) -> PrefixState | None:
         """The state of the prefix ``ids`` of ``identity``'s model, now the most recently used,

@@ -15,6 +15,17 @@ Inputs (per item):
 ``query`` BYTES, optional
     UTF-8 query: the item is then the pair (query, text), as a cross-encoder takes it. Omitted
     or empty: the text alone.
+``prefix`` BYTES, optional, a decoder's only (declare it ``shared = "once"``)
+    UTF-8 text the model reads before the item's text: an instruction, or a user's context that
+    a request's N candidates share ("User: ... likes: ...\nPost:"). The item is the token
+    sequence of the tokenizer's leading special tokens (a BOS), the prefix's tokens (no special
+    tokens of their own), then the text's (its template's trailing special tokens included): as
+    if the text began with the prefix, tokenized apart. The prefix's keys and values are computed
+    once per distinct prefix of a batch and kept in the prefix cache for the next request with
+    the same prefix, each item run against them (:mod:`app.handlers.prefix_sharing`); every
+    result equals the sequence scored whole within float rounding. Each window of a long text is
+    an item after the same prefix. Omitted or empty: the text alone. A prefix of more than
+    ``max_prefix_tokens`` tokens is refused (400 naming both).
 
 Outputs (declare those you serve):
 
@@ -30,11 +41,17 @@ Outputs (declare those you serve):
 ``windows`` INT64 ``[1]``
     Windows the text took (1 unless it was longer than ``max_seq_length``).
 ``tokens`` INT64 ``[1]``
-    Tokens the item made the model run, over all its windows, special tokens included.
+    Tokens the item made the model run, over all its windows, special tokens included (with a
+    ``prefix``, each window's sequence: the prefix counted with it, however often it ran).
 
 Windows' results per text (put together by :mod:`app.serving.windows`): probabilities and
 scores by ``aggregate`` (``"max"`` by default: MaxP for pairs, "flagged if any part is" for
 moderation; ``"mean"`` selectable).
+
+With a ``prefix`` input: ``max_prefix_tokens`` (int, default the model's positions less
+``max_seq_length``: a window and a prefix must fit the model's positions together; where
+``max_seq_length`` is not given it defaults to half of what it would be without the prefix),
+``shared_prefix`` and ``prefix_cache_bytes`` (:mod:`app.handlers.prefix_sharing`).
 
 ``[parameters]`` of ``model.toml``: those of :mod:`app.handlers.text_config` (``max_seq_length``:
 tokens per window, default the tokenizer's ``model_max_length`` capped by the model's
@@ -58,24 +75,32 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.handlers import prefix_sharing
 from app.handlers.decoder_math import last_token_pool
 from app.handlers.decoders import decoder_features, is_decoder, pad_decoder
+from app.handlers.prefix_cache import PrefixCache
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,
     check_shared_parameters,
     declares_truncation,
+    decode_texts,
     resolve_model_dir,
 )
 from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, prepared_array
 from app.models import windows as windowing
-from app.models.base import Priced
+from app.models.base import Priced, shared_rows
 
 __all__ = ["PIECES", "ClassifiedBatch", "SequenceClassificationHandler", "labels_of", "piece_rows"]
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-_PARAMETERS = (*SHARED_PARAMETERS, "score_label", "backend", "onnx_file", "tensorrt", *windowing.PARAMETERS)
+_PARAMETERS = (
+    *SHARED_PARAMETERS, "score_label", "backend", "onnx_file", "tensorrt", *windowing.PARAMETERS,
+    "max_prefix_tokens", *prefix_sharing.PARAMETERS,
+)  # fmt: skip
+#: The input of a text the model reads before each item's (module docstring).
+PREFIX = "prefix"
 _SINGLE: Ids = np.zeros(0, dtype=np.int32)
 #: The output of per-piece (per-window) results.
 PIECES = "pieces"
@@ -100,18 +125,24 @@ class ClassifiedBatch:
         tokens: int64 ``[B]`` on the host: tokens per item.
         spans: int32 ``[B, 2]`` on the host, each item's ``[start, stop)`` in its text (None:
             the model returns no ``pieces``).
+        shared: the items run after a shared prefix (None: none); ``position`` then places the
+            groups' results, then the shared calls'.
     """
 
     groups: list[dict[str, torch.Tensor]]
     position: torch.Tensor
     tokens: npt.NDArray[np.int64]
     spans: npt.NDArray[np.int32] | None = None
+    shared: prefix_sharing.SharedRun | None = None
 
 
 class SequenceClassificationHandler(TextHandler):
     """Classifies ``text`` or scores (``query``, ``text``) pairs (see the module docstring)."""
 
     kind = "SequenceClassificationHandler"
+    #: Where the model keeps a prefix cache, for the memory plan (``app.models.memory``): a model
+    #: that declares a ``prefix`` input.
+    MEMORY_PREFIX_CACHE = "prefix"
 
     def __init__(self) -> None:
         super().__init__()
@@ -126,6 +157,16 @@ class SequenceClassificationHandler(TextHandler):
         #: score head (a linear layer on the last hidden state; None: the class has none).
         self.decoder = False
         self.head: Any = None
+        #: With a ``prefix`` input: the tokens a prefix may have, the leading special tokens of
+        #: the tokenizer's template (they come before the prefix), and shared-prefix scoring.
+        self.max_prefix = 0
+        self.lead = 0
+        self.sharing: prefix_sharing.PrefixSharing | None = None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The model's prefix cache (``app.models.base``: the server reports its work)."""
+        return self.sharing.cache if self.sharing is not None else None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only,
@@ -156,7 +197,8 @@ class SequenceClassificationHandler(TextHandler):
         limit = getattr(model.config, "max_position_embeddings", None)
         limit = limit if isinstance(limit, int) and limit > 0 else None
         default = min(TextTokenizer.model_max_length(path) or 512, limit or 512, 8192)
-        length = max_length(parameters, default, limit, minimum=8)
+        prefixed = any(spec.name == PREFIX for spec in config.inputs)
+        length = max_length(parameters, default // 2 if prefixed else default, limit, minimum=8)
         self.policy = windowing.WindowPolicy.from_parameters(parameters, length)
         self.truncates = declares_truncation(config)
         self.spans = any(spec.name == PIECES for spec in config.outputs)
@@ -178,11 +220,48 @@ class SequenceClassificationHandler(TextHandler):
             _OUTPUTS, self.policy, {"tokens": "sum", "windows": "sum", PIECES: "concat"}
         )
         self.type_ids = not self.decoder and "token_type_ids" in inspect.signature(model.forward).parameters
+        if prefixed:
+            self._open_prefix(config, parameters, model, (limit or default) - length)
         self.set_device(device)
         self._model = model
         if backend == "onnx":
             self._open_onnx(device, config, str(parameters.get("onnx_file", "model.onnx")))
         self.calibrate(parameters, self._logits)
+
+    def _open_prefix(
+        self, config: ModelConfigLike, parameters: Mapping[str, Any], model: Any, room: int
+    ) -> None:
+        """Set up the ``prefix`` input (module docstring): its bound, the template's leading
+        special tokens, shared-prefix scoring where the model can share.
+
+        Raises:
+            ValueError: an encoder's model; ``max_prefix_tokens`` not an integer >= 1, or more
+                than the model's positions leave beside ``max_seq_length``.
+        """
+        if not self.decoder:
+            raise ValueError(
+                f"model {config.name!r}: input {PREFIX!r} is a decoder's (its keys and values are "
+                "computed once); an encoder reads a text's tokens both ways: put it in the text"
+            )
+        if room < 1:
+            raise ValueError(
+                f"model {config.name!r}: max_seq_length {self.tokenizer.max_length} leaves no room for a "
+                f"{PREFIX!r} in the model's {self.tokenizer.max_length + room} positions; lower it"
+            )
+        bound = parameters.get("max_prefix_tokens", room)
+        if not isinstance(bound, int) or isinstance(bound, bool) or not 1 <= bound <= room:
+            raise ValueError(
+                f"parameters.max_prefix_tokens must be an integer from 1 to {room} (the model's positions "
+                f"less max_seq_length {self.tokenizer.max_length}), got {bound!r}"
+            )
+        self.max_prefix = bound
+        whole, alone = (self.tokenizer.encode(["a"], special=special)[0] for special in (True, False))
+        self.lead = next(
+            (i for i in range(len(whole) - len(alone) + 1) if (whole[i : i + len(alone)] == alone).all()), 0
+        )
+        identity = (config.name, str(getattr(config, "version", "")))
+        sharing = prefix_sharing.PrefixSharing.from_parameters(model, parameters, identity, config.name)
+        self.sharing = sharing if self.head is not None else None  # it reads the score head
 
     def _open_onnx(self, device: torch.device, config: ModelConfigLike, file: str) -> None:
         """Open the graph (inputs among the tokenizer's, first output the logits ``[batch,
@@ -218,8 +297,10 @@ class SequenceClassificationHandler(TextHandler):
         self.calibrate(parameters, self._logits)
 
     def close(self) -> None:
-        """Drop the ONNX session too, then :meth:`TextHandler.close`."""
-        self.session = self.head = None
+        """Drop the ONNX session and the cached prefixes too, then :meth:`TextHandler.close`."""
+        if self.sharing is not None:
+            self.sharing.close()
+        self.session = self.head = self.sharing = None
         super().close()
 
     def _logits(self, group: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -296,8 +377,47 @@ class SequenceClassificationHandler(TextHandler):
             ValueError: invalid UTF-8, a wrong shape, a ``query`` of another length.
         """
         parts = self.item_parts(inputs)
-        costs = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
+        if self.max_prefix:
+            ids, splits = self._prefixed(parts, inputs)
+            if self.sharing is not None:
+                return Priced(self.sharing.costs(ids, splits), prepared_array(parts))
+        else:
+            ids = [p[0] for p in parts]
+        costs = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
         return Priced(costs, prepared_array(parts))
+
+    def _prefixed(
+        self, parts: Sequence[Parts], inputs: Mapping[str, npt.NDArray[Any]]
+    ) -> tuple[list[Ids], npt.NDArray[np.int64]]:
+        """Each item's ids after its ``prefix`` (module docstring), and its split (the tokens of
+        the leading special tokens and the prefix; 0 without a prefix). ``inputs[PREFIX]``: one
+        row per item, or its distinct rows with each item's under ``shared_rows(PREFIX)``.
+
+        Raises:
+            ValueError: invalid UTF-8; a prefix of more than ``max_prefix_tokens`` tokens.
+        """
+        array = inputs.get(PREFIX)
+        texts = decode_texts(PREFIX, np.asarray(array)) if array is not None else [""]
+        rows = inputs.get(shared_rows(PREFIX))
+        each = rows.tolist() if rows is not None else [0] * len(parts) if array is None else range(len(parts))
+        tokens = dict(zip(texts, self.tokenizer.encode(texts, special=False), strict=True))
+        for text, prefix in tokens.items():
+            count = len(prefix)
+            if count >= self.tokenizer.max_length:  # cut by the tokenizer: counted whole
+                count = self.tokenizer.whole_counts([text])[0] - len(self.tokenizer.encode([""])[0])
+            if count > self.max_prefix:
+                raise ValueError(
+                    f"a prefix of {count} tokens is over the model's max_prefix_tokens of {self.max_prefix}"
+                )
+        ids, splits = [], np.zeros(len(parts), dtype=np.int64)
+        for b, (part, row) in enumerate(zip(parts, each, strict=True)):
+            prefix, own = tokens[texts[row]], part[0]
+            if not len(prefix):
+                ids.append(own)
+                continue
+            ids.append(np.concatenate((own[: self.lead], prefix, own[self.lead :])))
+            splits[b] = min(self.lead + len(prefix), len(ids[-1]) - 1)  # an item keeps a token
+        return ids, splits
 
     def window_parts(self, window: Window, extra: Ids | None) -> Parts:
         """A window's ids (and type ids), as :meth:`item_costs` makes an item's."""
@@ -313,16 +433,26 @@ class SequenceClassificationHandler(TextHandler):
             ValueError: as :meth:`item_costs` (where the items are tokenized here).
         """
         parts = self.item_parts(inputs)
-        lengths = np.fromiter((len(p[0]) for p in parts), dtype=np.int64, count=len(parts))
-        types = [_types(p, self.tokenizer.single_type_id) for p in parts] if self.type_ids else None
-        encoded, position = self.length_grouped([p[0] for p in parts], types)
         spans = np.stack([p[-1] for p in parts]) if self.spans else None
+        ids, splits = self._prefixed(parts, inputs) if self.max_prefix else ([p[0] for p in parts], None)
+        lengths = np.fromiter((len(i) for i in ids), dtype=np.int64, count=len(ids))
+        if self.sharing is not None and splits is not None and splits.any():
+            layout = prefix_sharing.lay_out(
+                self.sharing, ids, splits, self.cost.groups,
+                lambda rows, indices: self.features(rows, indices=indices), self._device,
+            )  # fmt: skip
+            return ClassifiedBatch(layout.groups, layout.position, lengths, spans, layout.shared)
+        types = [_types(p, self.tokenizer.single_type_id) for p in parts] if self.type_ids else None
+        encoded, position = self.length_grouped(ids, types)
         return ClassifiedBatch(groups=encoded, position=position, tokens=lengths, spans=spans)
 
     def predict(self, batch: ClassifiedBatch) -> dict[str, Any]:
         """``probabilities`` float32 ``[B, L]`` and ``score`` ``[B, 1]`` (on the device),
         ``windows`` (1 each: a window is an item) and ``tokens`` int64 ``[B]``."""
         parts = [self._logits(group) for group in batch.groups]
+        if batch.shared is not None and self.sharing is not None:
+            _, calls = self.sharing.run(batch.shared)
+            parts += [self.head(states.last()).float() for states in calls]
         logits = (parts[0] if len(parts) == 1 else torch.cat(parts))[batch.position]
         probabilities = torch.sigmoid(logits) if self.sigmoid else torch.softmax(logits, dim=-1)
         return {

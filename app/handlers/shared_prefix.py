@@ -131,12 +131,15 @@ class PrefixState:
     view of a larger batch), never written after they are made, so one state may serve several
     batches and threads at once. ``hidden``: ``[H]``, the final hidden state (after the final
     norm) at the prefix's last token: what predicts an item's first token. ``last_id``: that
-    token's id."""
+    token's id. ``sequence``: ``[P, H]``, the final hidden state at every prefix token, where
+    :func:`encode_prefixes` was asked to keep it (a causal-LM scorer lists the prefix's own
+    token log-probs in each item's answer); else None."""
 
     keys: tuple[torch.Tensor, ...]
     values: tuple[torch.Tensor, ...]
     hidden: torch.Tensor
     last_id: int
+    sequence: torch.Tensor | None = None
 
     @property
     def length(self) -> int:
@@ -145,8 +148,9 @@ class PrefixState:
 
     @property
     def nbytes(self) -> int:
-        """Bytes the state holds on its device (keys, values and ``hidden``)."""
-        tensors = (*self.keys, *self.values, self.hidden)
+        """Bytes the state holds on its device (keys, values, ``hidden`` and ``sequence``)."""
+        every = () if self.sequence is None else (self.sequence,)
+        tensors = (*self.keys, *self.values, self.hidden, *every)
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -291,14 +295,17 @@ def common_prefix_length(rows: Sequence[npt.NDArray[Any]]) -> int:
 
 
 @torch.inference_mode()
-def encode_prefixes(base: Any, prefixes: Sequence[npt.NDArray[Any]]) -> list[PrefixState]:
+def encode_prefixes(
+    base: Any, prefixes: Sequence[npt.NDArray[Any]], *, sequence: bool = False
+) -> list[PrefixState]:
     """Each prefix's :class:`PrefixState`, computed in one forward of ``base`` (a transformers
     decoder's base model: ``model.base_model``) over the prefixes right-padded (a real token
     never attends to the padding after it, so each state equals its prefix run alone), token p
     at position p.
 
     ``prefixes``: token ids, integer ``[P_i]`` each (P_i >= 1), as the model runs them (special
-    tokens included).
+    tokens included). ``sequence``: keep each prefix's final hidden state at every token
+    (:attr:`PrefixState.sequence`).
 
     Raises:
         ValueError: no prefix, or an empty one.
@@ -320,7 +327,8 @@ def encode_prefixes(base: Any, prefixes: Sequence[npt.NDArray[Any]]) -> list[Pre
             keys = tuple(layer.keys[row : row + 1, :, :length].clone() for layer in cache.layers)
             values = tuple(layer.values[row : row + 1, :, :length].clone() for layer in cache.layers)
         last = hidden[row, length - 1].clone()
-        states.append(PrefixState(keys, values, last, int(prefix[-1])))
+        every = hidden[row, :length].clone() if sequence else None
+        states.append(PrefixState(keys, values, last, int(prefix[-1]), every))
     return states
 
 

@@ -52,6 +52,10 @@ creates one instance per worker with no arguments and calls:
 ``postprocess(outputs)``  -- a *finish thread* (staged pipeline) or the inference thread
     Returns one numpy array per declared output, axis 0 = the B items (the copy back to the
     host belongs here). May run while ``predict`` runs the next batch.
+``prefix_cache``  -- optional attribute; a handler that keeps prefixes' keys and values across
+    requests (``app.handlers.prefix_cache.PrefixCache``, or None). The server empties it after
+    warmup and calibration (their synthetic prefixes would only take room) and has it report its
+    work as the model version's ``scoring_prefix_cache_*`` metrics.
 ``close()``  -- optional; the inference thread, once
     After the version's last batch (it is unloaded, or the worker stops), and after a load or
     warmup that failed. Free what the garbage collector cannot (open files, sessions); the

@@ -40,10 +40,13 @@ __all__ = [
     "Architecture",
     "ModelMemory",
     "activation_bytes",
+    "declared",
+    "declared_head",
     "estimate_parameters",
     "largest_batch",
     "plan_folder",
     "plan_model",
+    "prefix_cache_bytes",
     "safetensors_parameters",
     "trim_heap",
 ]
@@ -232,7 +235,8 @@ def activation_bytes(
 class ModelMemory:
     """One model's planned memory: ``parameters`` (``exact``: from safetensors headers, else
     config.json's formula or, for a folder that is not a transformer, its files' bytes),
-    ``weight_bytes`` in ``dtype``, ``activation_bytes`` for ``rows`` x ``seq_len`` tokens."""
+    ``weight_bytes`` in ``dtype``, ``activation_bytes`` for ``rows`` x ``seq_len`` tokens,
+    ``cache_bytes``: its prefix cache's bound (:func:`prefix_cache_bytes`)."""
 
     name: str
     parameters: int
@@ -242,11 +246,13 @@ class ModelMemory:
     activation_bytes: int
     rows: int
     seq_len: int
+    cache_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        """Weights and activations, bytes (the allocator's margin not included)."""
-        return self.weight_bytes + self.activation_bytes
+        """Weights, activations and the prefix cache, bytes (the allocator's margin not
+        included)."""
+        return self.weight_bytes + self.activation_bytes + self.cache_bytes
 
     def describe(self) -> str:
         """One line for a log, e.g. ``radar: 6.74 B parameters, 12.6 GiB in bfloat16 + 0.4 GiB
@@ -257,9 +263,11 @@ class ModelMemory:
                 "activations not planned)"
             )
         count = f"{self.parameters / 1e9:.2f} B parameters"
+        cache = f" + {self.cache_bytes / GIB:.2f} GiB of prefix cache" if self.cache_bytes else ""
         return (
             f"{self.name}: {count}, {self.weight_bytes / GIB:.1f} GiB in {self.dtype} + "
             f"{self.activation_bytes / GIB:.1f} GiB of activations at {self.rows} x {self.seq_len} tokens"
+            f"{cache}"
         )
 
 
@@ -335,13 +343,21 @@ def _model_folder(config: ModelConfig) -> Path:
 #: reads two rows of its LM head, ``app.handlers.causal_rerank``), ``"lm-chunked"`` (the logits a
 #: chunk of rows at a time, ``app.handlers.causal_lm``).
 MEMORY_HEAD = "MEMORY_HEAD"
+#: The class attribute by which a handler declares that it keeps a prefix cache
+#: (``app.handlers.prefix_cache``) in the model's device memory: ``True``, or the name of the
+#: input whose declaration in ``model.toml`` gives it one (a classifier's ``prefix``).
+MEMORY_PREFIX_CACHE = "MEMORY_PREFIX_CACHE"
+#: ``[parameters] prefix_cache_bytes`` where a model that keeps a prefix cache leaves it out
+#: (``app.handlers.prefix_cache.DEFAULT_BYTES``): 256 MiB.
+PREFIX_CACHE_BYTES = 256 * MIB
 
 
-def declared_head(config: ModelConfig) -> str | None:
-    """What ``config``'s handler class declares runs after its layers (its :data:`MEMORY_HEAD`
-    string), read from its module's source, not imported: memory is planned in the gunicorn
-    master, which imports no handler (they import torch). The module is the model folder's own
-    ``.py`` file, else the first found on ``sys.path``; None where none declares one."""
+def declared(config: ModelConfig, attribute: str) -> str | bool | None:
+    """A constant ``config``'s handler class declares (a string or a bool assigned to
+    ``attribute`` in the class's own body), read from its module's source, not imported: memory
+    is planned in the gunicorn master, which imports no handler (they import torch). The module
+    is the model folder's own ``.py`` file, else the first found on ``sys.path``; None where none
+    declares one."""
     if config.format != "handler" or not config.handler:
         return None
     module_name, _, class_name = config.handler.partition(":")
@@ -361,25 +377,47 @@ def declared_head(config: ModelConfig) -> str | None:
                     [statement.target] if isinstance(statement, ast.AnnAssign) else []
                 )  # fmt: skip
                 value = getattr(statement, "value", None)
-                named = any(isinstance(t, ast.Name) and t.id == MEMORY_HEAD for t in targets)
-                if named and isinstance(value, ast.Constant) and isinstance(value.value, str):
+                named = any(isinstance(t, ast.Name) and t.id == attribute for t in targets)
+                if named and isinstance(value, ast.Constant) and isinstance(value.value, str | bool):
                     return value.value
     return None
+
+
+def declared_head(config: ModelConfig) -> str | None:
+    """What ``config``'s handler class declares runs after its layers (its :data:`MEMORY_HEAD`
+    string, :func:`declared`); None where it declares none."""
+    head = declared(config, MEMORY_HEAD)
+    return head if isinstance(head, str) else None
+
+
+def prefix_cache_bytes(config: ModelConfig) -> int:
+    """The bytes of the prefix cache ``config``'s model keeps on its device: its ``[parameters]
+    prefix_cache_bytes`` (default :data:`PREFIX_CACHE_BYTES`) where its handler declares a cache
+    (:data:`MEMORY_PREFIX_CACHE`: always, or where the model declares the input it names) and
+    ``shared_prefix`` is not false; else 0."""
+    keeps = declared(config, MEMORY_PREFIX_CACHE)
+    if isinstance(keeps, str):
+        keeps = any(spec.name == keeps for spec in config.inputs)
+    parameters = config.parameters
+    if not keeps or parameters.get("shared_prefix", True) is False:
+        return 0
+    value = parameters.get("prefix_cache_bytes", PREFIX_CACHE_BYTES)
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
 
 
 def plan_model(config: ModelConfig) -> ModelMemory:
     """The memory of one model of a repository, from its ``model.toml``: a handler's Hugging Face
     folder by :func:`plan_folder` (``[parameters]`` ``dtype``, default float32,
     ``attn_implementation``, default sdpa, ``max_seq_length``; ``max_batch_size`` and
-    ``max_batch_tokens``; the head its handler declares, :func:`declared_head`); any other
-    model by the bytes of its files (weights as they are
-    stored; activations not planned: 0). Raises as :func:`plan_folder`."""
+    ``max_batch_tokens``; the head its handler declares, :func:`declared_head`; its prefix
+    cache, :func:`prefix_cache_bytes`); any other model by the bytes of its files (weights as
+    they are stored; activations not planned: 0). Raises as :func:`plan_folder`."""
     folder = _model_folder(config)
     if not (folder / "config.json").is_file():
         stored = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file() and p.name != "model.toml")
         return ModelMemory(config.name, 0, False, "as stored", stored, 0, config.max_batch_size, 0)
     parameters = config.parameters
-    return plan_folder(
+    planned = plan_folder(
         folder,
         name=config.name,
         dtype=str(parameters.get("dtype", "float32")),
@@ -389,6 +427,7 @@ def plan_model(config: ModelConfig) -> ModelMemory:
         attn_implementation=str(parameters.get("attn_implementation", "sdpa")),
         head=declared_head(config),
     )
+    return replace(planned, cache_bytes=prefix_cache_bytes(config))
 
 
 @functools.cache

@@ -17,8 +17,8 @@ seconds (Little's law read backwards, W = L / lambda). Past ``admission_headroom
 to deadline it is refused at once: 503 + Retry-After (the backlog in seconds). A request that
 could not finish within that share of its deadline even alone, at the rate the model runs (its
 fitted line, without a past overload's lag), is refused at once with 504, busy or idle: waiting
-would not help it, and what an idle model admits finishes in time. The cost unit is the model's (tokens, padding included, for a model that
-prices its items).
+would not help it, and what an idle model admits finishes in time. The cost unit is the
+model's (tokens, padding included, for a model that prices its items).
 
 ``capacity``: **capacity plus deadline**, as text-embeddings-inference (a permit per queued
 request) and Triton's queue policy (``max_queue_size``, reject on timeout): refused only when

@@ -193,6 +193,8 @@ class Lifecycle:
         if metrics is not None:
             metrics.model_loads.labels(config.name, config.version, "success").inc()
             metrics.model_ready(config.name, config.version, runner.load_seconds, runner.warmup_seconds)
+        if runner.prefix_cache() is not None:
+            runner.open_prefix_cache(metrics.prefix_cache(config.name, config.version) if metrics else None)
         observer = ModelObserver(
             model.stats, metrics, config.name, config.version, cached=config.response_cache.enable
         )

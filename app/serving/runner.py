@@ -240,6 +240,20 @@ class ModelRunner:
                 best[i] = min(best[i], time.perf_counter() - start)
         return [(cost, seconds) for (cost, _), seconds in zip(batches, best, strict=True)]
 
+    def prefix_cache(self) -> Any:
+        """The handler's prefix cache (its optional ``prefix_cache`` attribute,
+        ``app.models.base``), or None."""
+        return getattr(self.handler, "prefix_cache", None)
+
+    def open_prefix_cache(self, observer: Any) -> None:
+        """After warmup and calibration: the handler's prefix cache (where it has one) emptied of
+        their synthetic prefixes and its work told to ``observer`` (the model version's
+        ``app.observability.metrics.PrefixCacheMetrics``; None: nobody)."""
+        cache = self.prefix_cache()
+        if cache is not None:
+            cache.clear()
+            cache.observe(observer)
+
     def _check_outputs(self, outputs: Mapping[str, np.ndarray], batch_size: int) -> None:
         for spec in self.config.outputs:
             arr = outputs.get(spec.name)

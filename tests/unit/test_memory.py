@@ -171,25 +171,32 @@ def test_the_decoder_handlers_are_planned_by_what_they_compute(
 ) -> None:
     """A model.toml of the yes/no reranker plans no vocabulary logits; one of the causal-LM scorer
     plans one chunk of rows of them (its head runs in chunks of 256 MiB of float32 logits), not
-    the batch's: a GPT-2-sized scorer at 32 x 1024 tokens would plan 6.6 GB of float32 logits."""
+    the batch's: a GPT-2-sized scorer at 32 x 1024 tokens would plan 6.6 GB of float32 logits.
+    Both plan their prefix cache: ``prefix_cache_bytes`` (256 MiB unless given; none where
+    ``shared_prefix = false``)."""
     from tests.support.decoder_models import write_causal_lm
     from tests.unit.test_decoder_embed_rerank import write_reranker
 
     write_reranker(tmp_path, "reranker", decoder_models["qwen3-reranker"])
-    write_causal_lm(tmp_path, "lm", decoder_models["gpt2-lm"])
+    write_causal_lm(tmp_path, "lm", decoder_models["gpt2-lm"], "prefix_cache_bytes = 1048576")
+    write_causal_lm(tmp_path, "lm-whole", decoder_models["gpt2-lm"], "shared_prefix = false")
     planned = {m.name: m for m in placement.plan_worker(tmp_path).models}
     folder = decoder_models["qwen3-reranker"]
-    assert planned["reranker"] == memory.plan_folder(
-        folder, name="reranker", dtype="float32", max_batch_size=8, head="base"
+    assert planned["reranker"] == dataclasses.replace(
+        memory.plan_folder(folder, name="reranker", dtype="float32", max_batch_size=8, head="base"),
+        cache_bytes=memory.PREFIX_CACHE_BYTES,
     )
+    assert "0.25 GiB of prefix cache" in planned["reranker"].describe()
+    assert planned["lm"].cache_bytes == 1048576 and planned["lm-whole"].cache_bytes == 0
+    assert planned["lm"].total_bytes == planned["lm-whole"].total_bytes + 1048576
     gpt2 = Architecture.from_config(GPT2)
     whole = memory.activation_bytes(gpt2, 32, 1024, "float32", "sdpa")
     chunked = memory.activation_bytes(
         dataclasses.replace(gpt2, head="lm-chunked"), 32, 1024, "float32", "sdpa"
     )
     assert whole > 32 * 1024 * 50257 * 4 > 4 * chunked
-    assert planned["lm"] == memory.plan_folder(
-        decoder_models["gpt2-lm"], name="lm", dtype="float32", max_batch_size=8, max_seq_length=256,
+    assert planned["lm-whole"] == memory.plan_folder(
+        decoder_models["gpt2-lm"], name="lm-whole", dtype="float32", max_batch_size=8, max_seq_length=256,
         head="lm-chunked",
     )  # fmt: skip
 
