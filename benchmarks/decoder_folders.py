@@ -113,8 +113,9 @@ def write_handler_model(
     with ``handler`` (``module:Class``): batches of up to 8, warmed up at 1 and 4; ``inputs`` as
     ``"name DATATYPE"`` (``" optional"`` after it for an optional one, ``" once"`` or
     ``" repeat"`` for one shared by a request's items), ``outputs`` as ``"name DATATYPE width"``,
-    shape ``[1]`` each where not given; ``parameters``: more lines of ``[parameters]``; ``labels``: an output's labels by its name (a classifier's
-    ``probabilities``: the folder's ``id2label`` in order)."""
+    shape ``[1]`` each where not given; ``parameters``: more lines of ``[parameters]``;
+    ``labels``: an output's labels by its name (a classifier's ``probabilities``: the folder's
+    ``id2label`` in order)."""
     lines = [f'name = "{name}"', 'version = "1"', 'format = "handler"', f'handler = "{handler}"',
              "max_batch_size = 8", "max_queue_delay_ms = 2.0", "warmup_batch_sizes = [1, 4]"]  # fmt: skip
     for spec in inputs:
