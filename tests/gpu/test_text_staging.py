@@ -1,4 +1,4 @@
-"""The text handlers' host staging on a CUDA device (app.handlers.host_staging): batches padded into
+"""The text handlers' host staging on a CUDA device (app.handlers.text_base): batches padded into
 reused pinned buffers and copied asynchronously on a side stream arrive intact, however fast the
 next batches reuse the buffers, from several preparing threads at once; the buffers are pinned
 and reused (not allocated per batch). Marked ``gpu``: skipped without a CUDA device."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from app.handlers.host_staging import SLOTS, HostStaging
+from app.handlers.text_base import SLOTS, HostStaging
 from app.handlers.tokenizing import pad
 
 pytestmark = pytest.mark.gpu
