@@ -28,8 +28,9 @@ The contract a text handler keeps (``app.models.base`` has the server's side):
 
 **Where a text batch's padded arrays are written before they reach the device**
 (:class:`HostStaging`). On the CPU the arrays are fresh numpy arrays that torch shares
-(``torch.from_numpy``, no copy): reusing them would be unsafe under the staged pipeline, where batch N+1 is padded while batch N
-still reads its tensors, and a few kilobytes cost a microsecond to allocate. On a CUDA device
+(``torch.from_numpy``, no copy): reusing them would be unsafe under the staged pipeline, where
+batch N+1 is padded while batch N still reads its tensors, and a few kilobytes cost a
+microsecond to allocate. On a CUDA device
 they are views of **page-locked (pinned) host buffers reused from batch to batch**: only a copy
 from pinned memory runs asynchronously with ``non_blocking=True``, and pinning memory per tensor
 per batch (``Tensor.pin_memory()``) costs a ``cudaHostAlloc`` each time. Each preparing thread
