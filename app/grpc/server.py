@@ -164,9 +164,8 @@ async def serving_grpc(core: ServingCore) -> AsyncIterator[None]:
     per turn of the event loop (it awaits each ``request_call`` before asking for the next),
     so under load a worker's calls reach the queue one by one however many wait in the core.
     Each server asks on its own, and connections are spread over every server of every worker
-    by ``SO_REUSEPORT``. feed-ranker, perf_analyzer at 64 calls in flight (11 connections),
-    2 workers on 2 cores: 1 server per worker 18-19k items/s, 4 servers 24.6-25.8k, 8 servers
-    20-25k (11 connections over 16 listeners spread unevenly over the workers).
+    by ``SO_REUSEPORT`` (the figures that chose the default: docs/benchmarks.md, *Figures behind
+    the code's choices*).
     """
     settings, registry = core.settings, core.registry
     if settings.grpc_port == 0 or registry.draining:

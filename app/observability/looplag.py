@@ -6,8 +6,7 @@ of that worker by as long. The sampler schedules a timer every ``interval_s`` se
 ``loop.call_at`` and records, when it fires, how late it fired: a stall of S seconds shows as one
 lateness of at least S - ``interval_s``. Each tick is one histogram observation (the gauge is
 written only when its value changes), 50 ticks a second by default
-(``SCORING_LOOP_LAG_INTERVAL_MS``); what costs is the wake-up itself: on the 2-core VM under load
-about 14 ms of CPU a second at 50 ticks (docs/observability.md).
+(``SCORING_LOOP_LAG_INTERVAL_MS``); what costs is the wake-up itself (docs/observability.md).
 
 Metrics (labelled ``pid``, one series per worker):
 

@@ -190,9 +190,9 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
         """The worker's last exit handler, after a finished :meth:`run`: gunicorn's exit steps
         (its log line, ``worker_exit``) and every exit handler the app registered have run, the
         non-daemon threads are joined; the logs are flushed here and the process ends without
-        the interpreter's teardown (freeing torch's and the app's objects one by one: 1.1
-        CPU-s and 1.1 s per worker on 2 cores; about 2 s with a CUDA context on an H200), which
-        only delayed the moment the kernel frees the worker's GPU lease for its replacement."""
+        the interpreter's teardown (freeing torch's and the app's objects one by one: seconds a
+        worker, docs/benchmarks.md, *Figures behind the code's choices*), which only delayed the
+        moment the kernel frees the worker's GPU lease for its replacement."""
         if not self._finished:  # a failed boot, an abort: the interpreter's own exit
             return
         logging.shutdown()

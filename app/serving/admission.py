@@ -177,11 +177,11 @@ RECENT_REQUESTS = 32
 
 def overdue_slack_s() -> float:
     """How far past its expected time a running batch may be before what waits behind it is
-    stretched: four of the interpreter's thread switch intervals (20 ms at Python's default
-    5 ms). An inference thread that wants the interpreter lock back from a busy event loop
-    waits whole switch intervals, so a fast model's 0.5 ms batch can take 10 ms; stretching the
-    backlog by that ratio (20x) refused the feed-ranker at 64 gRPC connections with 512 items
-    queued (expected 520 ms at 36,444 items/s)."""
+    stretched: four of the interpreter's thread switch intervals. An inference thread that wants
+    the interpreter lock back from a busy event loop waits whole switch intervals, so a fast
+    model's batch can take twenty times its expected time without being slow; stretching the
+    backlog by that ratio refused a model that kept up (docs/benchmarks.md, *Figures behind the
+    code's choices*)."""
     return 4 * sys.getswitchinterval()
 
 

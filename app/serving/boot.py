@@ -9,9 +9,9 @@ them in the order a worker's life needs.
 
 **The collector, while the worker serves** (:func:`collect_less`). What the boot loaded (the
 libraries, the models) lives as long as the worker; CPython's collector scanned it all in each
-full collection (384k objects, 0.19 s with the feed-ranker loaded: a stall of the event loop
-twice in five seconds at c = 64) and ran its young generation every 700 objects that requests
-left behind (about every 24 requests). Once the boot's models are loaded, they are moved out
+full collection (a stall of the event loop every few seconds under load) and ran its young
+generation every 700 objects that requests left behind (docs/benchmarks.md, *Figures behind the
+code's choices*). Once the boot's models are loaded, they are moved out
 of the collector's reach (``gc.freeze``: CPython's documentation recommends it for what a
 process keeps, as Instagram's servers do), and the young generation collects every
 :data:`GC_YOUNG_OBJECTS`; a version freed returns them to it
@@ -39,8 +39,7 @@ log = logging.getLogger(__name__)
 #: How often a replacement waiting off the listener looks again whether it is ready, seconds.
 DEFER_RECHECK_S = 0.1
 #: Objects a worker's young generation holds before the collector runs (CPython's default:
-#: 700): with the default it ran every ~24 feed-ranker requests at c = 64, 1.6 µs of worker
-#: CPU per item (module docstring).
+#: 700, which ran it every few requests under load: module docstring).
 GC_YOUNG_OBJECTS = 7000
 
 

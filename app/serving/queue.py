@@ -263,7 +263,8 @@ class ItemBytes:
     no per-item array (the hot path of small numeric requests). With a BYTES input the cost
     varies per item and is kept cumulatively: ``B + 1`` ints, ``[0] = 0``, so items ``[i, j)``
     cost ``c[j] - c[i]`` bytes (an element's cost: its length). In plain Python: for a request's
-    few items a numpy call costs more than the arithmetic (8 texts: 10 µs in numpy on the CPU VM).
+    few items a numpy call costs more than the arithmetic (docs/benchmarks.md, *Figures behind
+    the code's choices*).
 
     Args:
         inputs: one array per model input, ``[B, ...]``, B >= 1.
@@ -348,7 +349,7 @@ def check_item_bounds(
 
 
 #: Gathering stops after this many event-loop turns in a row that queued no request (an idle
-#: loop turns in ~3 µs: one client alone waits ~10 µs).
+#: loop turns in microseconds: one client alone waits a few of them).
 GATHER_IDLE_TURNS = 4
 
 
