@@ -26,7 +26,6 @@ transformers' ``AutoModel``).
 
 from __future__ import annotations
 
-import json
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +34,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from app.handlers.folder_json import read_json
 
 __all__ = ["ColbertPlan", "DenseChain", "load_dense", "maxsim", "read_folder"]
 
@@ -65,13 +66,6 @@ class ColbertPlan:
     default_prompt: str = ""
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-
-
 def read_folder(folder: Path) -> ColbertPlan:
     """A PyLate ColBERT folder's modules and settings (module docstring).
 
@@ -79,7 +73,7 @@ def read_folder(folder: Path) -> ColbertPlan:
         ValueError: no ``modules.json``, modules other than a root Transformer and Dense
             projections, or settings of the wrong type.
     """
-    modules = _json(folder / "modules.json")
+    modules = read_json(folder / "modules.json")
     kinds = [(str(m.get("type", "")), str(m.get("path", ""))) for m in modules or []]
     if (
         len(kinds) < 2
@@ -92,7 +86,7 @@ def read_folder(folder: Path) -> ColbertPlan:
             f"{folder}: modules {[k for k, _ in kinds]} are not a PyLate ColBERT "
             f"(a sentence-transformers Transformer at the root, then {_DENSE} projections)"
         )
-    config = _json(folder / "config_sentence_transformers.json")
+    config = read_json(folder / "config_sentence_transformers.json")
     values: dict[str, Any] = {}
     fields: tuple[tuple[str, type], ...] = (
         ("query_prefix", str), ("document_prefix", str), ("query_length", int), ("document_length", int),
@@ -108,7 +102,7 @@ def read_folder(folder: Path) -> ColbertPlan:
         values[name] = value
     prompts = config.get("prompts") or {}
     name = config.get("default_prompt_name")
-    settings = _json(folder / "sentence_bert_config.json")
+    settings = read_json(folder / "sentence_bert_config.json")
     plan = ColbertPlan(
         dense=[folder / path for _, path in kinds[1:]],
         lowercase=bool(settings.get("do_lower_case", False)),
@@ -156,7 +150,7 @@ def load_dense(folders: Sequence[Path], dtype: torch.dtype, device: torch.device
 
     layers: list[tuple[nn.Linear, nn.Linear | None, bool]] = []
     for folder in folders:
-        config = _json(folder / "config.json")
+        config = read_json(folder / "config.json")
         activation = config.get("activation_function", _IDENTITY)
         if activation != _IDENTITY:
             raise ValueError(f"{folder}: activation_function {activation!r}; PyLate's Dense is {_IDENTITY!r}")

@@ -24,7 +24,6 @@ sentence embeddings ``[U, dim]`` in the weights' dtype.
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -35,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from app.handlers.bert_encoder import BertEncoder, load_bert, unsupported
+from app.handlers.folder_json import read_json
 
 __all__ = [
     "PROMPT_PARAMETERS",
@@ -99,10 +99,6 @@ class FolderPlan:
     include_prompt: bool = True
 
 
-def _json(path: Path) -> Any:
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-
-
 def _pooling_mode(config: Mapping[str, Any]) -> tuple[str | None, str | None]:
     """The one pooling mode of ``1_Pooling/config.json`` and, when it is not one we compute, why."""
     known = {"word_embedding_dimension", "pooling_mode", "include_prompt", *_FLAGS}
@@ -125,11 +121,8 @@ def read_folder(folder: Path) -> FolderPlan:
     Raises:
         ValueError: a ``modules.json`` or config file that is not valid JSON.
     """
-    try:
-        modules = _json(folder / "modules.json")
-        settings = _json(folder / "sentence_bert_config.json")
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{folder}: {exc}") from exc
+    modules = read_json(folder / "modules.json")
+    settings = read_json(folder / "sentence_bert_config.json")
     if not modules:
         return FolderPlan()
     types = [str(m.get("type")) for m in modules]
@@ -148,7 +141,7 @@ def read_folder(folder: Path) -> FolderPlan:
     )
     if extra:
         return FolderPlan(fallback=f"sentence_bert_config.json keys {extra}")
-    pooling = _json(folder / paths[1] / "config.json")
+    pooling = read_json(folder / paths[1] / "config.json")
     mode, why = _pooling_mode(pooling)
     length = settings.get("max_seq_length")
     return FolderPlan(
@@ -279,7 +272,7 @@ def _light_fallback(folder: Path, plan: FolderPlan) -> str | None:
         return plan.fallback
     if (folder / "adapter_config.json").is_file():
         return "a PEFT adapter"
-    config = _json(folder / "config.json")
+    config = read_json(folder / "config.json")
     if config.get("is_encoder_decoder"):
         return "an encoder-decoder model (the library loads its encoder alone)"
     return None
@@ -288,7 +281,7 @@ def _light_fallback(folder: Path, plan: FolderPlan) -> str | None:
 def _own_encoder(folder: Path, model_kwargs: Mapping[str, Any]) -> BertEncoder | None:
     """The folder's transformer as our own BERT encoder (:mod:`app.handlers.bert_encoder`), or
     None (with a DEBUG line saying why) where transformers' ``AutoModel`` must run it."""
-    why = unsupported(_json(folder / "config.json"), dict(model_kwargs))
+    why = unsupported(read_json(folder / "config.json"), dict(model_kwargs))
     encoder = load_bert(folder, model_kwargs.get("dtype")) if why is None else None
     if encoder is None:
         log.debug("%s: transformers runs the encoder (%s)", folder, why or "its weights are not a BERT's")
@@ -378,7 +371,7 @@ def read_prompts(folder: Path, parameters: Mapping[str, Any], include_prompt: bo
             texts may be cut or split (``cuts``: windows, pieces, ``truncate_prompt_tokens``
             would cut the prompt or leave it in one window alone).
     """
-    known = _json(folder / "config_sentence_transformers.json")
+    known = read_json(folder / "config_sentence_transformers.json")
     prompts = known.get("prompts") or {}
     found = {}
     for kind, name_key, text_key in (

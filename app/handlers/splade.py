@@ -27,7 +27,6 @@ refused with the modules named: the library's own ``SparseEncoder`` is not loade
 from __future__ import annotations
 
 import ast
-import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,7 +39,8 @@ import torch
 from tokenizers import Tokenizer
 
 from app.handlers.bert_encoder import load_bert_mlm, unsupported
-from app.handlers.tokenizing import Ids, load_tokenizer
+from app.handlers.folder_json import read_json
+from app.handlers.tokenizing import Ids, TextTokenizer, load_tokenizer
 
 __all__ = [
     "LOGITS_BYTES",
@@ -130,13 +130,6 @@ class SparsePlan:
         return next((self.prompts[n] for n in names if n in self.prompts), "")
 
 
-def _json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: {exc}") from exc
-
-
 def _class(kind: str) -> str:
     """A module's class name from its ``modules.json`` type (e.g.
     ``sentence_transformers.sparse_encoder.modules.splade_pooling.SpladePooling``); "" for a
@@ -155,10 +148,10 @@ def _pipeline(folder: Path, modules: Sequence[tuple[str, str]]) -> SpladeRoute |
         return StaticRoute(folder / modules[0][1])
     if len(kinds) == 2 and kinds[0] in _TRANSFORMERS and kinds[1] == "SpladePooling":
         transformer = folder / modules[0][1]
-        task = _json(transformer / "sentence_bert_config.json").get("transformer_task", "fill-mask")
+        task = read_json(transformer / "sentence_bert_config.json").get("transformer_task", "fill-mask")
         if kinds[0] == "Transformer" and task != "fill-mask":
             raise ValueError(f'{transformer}: transformer_task {task!r}; SPLADE needs "fill-mask"')
-        pooling = _json(folder / modules[1][1] / "config.json")
+        pooling = read_json(folder / modules[1][1] / "config.json")
         strategy = pooling.get("pooling_strategy", "max")
         activation = pooling.get("activation_function", "relu")
         if strategy not in _POOLING_STRATEGIES or activation not in _ACTIVATIONS:
@@ -181,10 +174,10 @@ def read_folder(folder: Path) -> SparsePlan:
         ValueError: no ``modules.json``, unreadable JSON, or modules this module does not run
             (named in the message).
     """
-    modules = _json(folder / "modules.json")
+    modules = read_json(folder / "modules.json")
     if not modules:
         raise ValueError(f"{folder}: no modules.json; a SparseEncoder folder (SPLADE) is expected")
-    settings = _json(folder / "config_sentence_transformers.json")
+    settings = read_json(folder / "config_sentence_transformers.json")
     prompts = {str(k): str(v) for k, v in (settings.get("prompts") or {}).items()}
     default_prompt = settings.get("default_prompt_name")
     pairs = [(str(m.get("type", "")), str(m.get("path", ""))) for m in modules]
@@ -192,7 +185,7 @@ def read_folder(folder: Path) -> SparsePlan:
         route = _pipeline(folder, pairs)
         return SparsePlan({"": route}, "", prompts=prompts, default_prompt_name=default_prompt)
     root = folder / pairs[0][1]
-    router = _json(root / "router_config.json")
+    router = read_json(root / "router_config.json")
     types, structure = router.get("types") or {}, router.get("structure") or {}
     parameters = router.get("parameters") or {}
     routes = {
@@ -296,7 +289,7 @@ def load_masked_lm(route: SpladeRoute, device: torch.device, model_kwargs: Mappi
     Raises:
         Exception: what transformers raises for a folder it cannot load.
     """
-    config = _json(route.folder / "config.json")
+    config = read_json(route.folder / "config.json")
     why = unsupported(config, dict(model_kwargs))
     own = load_bert_mlm(route.folder, model_kwargs.get("dtype")) if why is None else None
     if own is not None:
@@ -339,9 +332,8 @@ class StaticWeights:
         self._tokenizer: Tokenizer = load_tokenizer(route.folder)
         self._tokenizer.no_truncation()
         self._tokenizer.no_padding()
-        limit = _json(route.folder / "tokenizer_config.json").get("model_max_length")
         #: Tokens a text keeps (the tokenizer's ``model_max_length``; 512 where it names none).
-        self.max_length = int(limit) if isinstance(limit, int | float) and 0 < limit < 1e9 else 512
+        self.max_length = TextTokenizer.model_max_length(route.folder) or 512
 
     def encode(self, texts: Sequence[str], keep: Sequence[int] | None = None) -> list[Ids]:
         """Each text's ids without special tokens: its first :attr:`max_length`, or its last

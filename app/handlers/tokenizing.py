@@ -29,7 +29,6 @@ Source: vLLM's pooling models pad token ids themselves, as text-embeddings-infer
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -40,6 +39,8 @@ import numpy as np
 import numpy.typing as npt
 from tokenizers import Encoding, Tokenizer, normalizers
 
+from app.handlers.folder_json import read_json_object
+
 __all__ = [
     "Alloc",
     "Ids",
@@ -49,6 +50,7 @@ __all__ = [
     "load_tokenizer",
     "pad",
     "prepared_array",
+    "special_token",
     "with_lowercase",
 ]
 
@@ -89,18 +91,26 @@ class Window:
     type_ids: Ids | None = None
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    value = json.loads(path.read_text(encoding="utf-8"))
-    return value if isinstance(value, dict) else {}
-
-
 def _token_name(value: Any) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it: a string or ``{"content": ...}``."""
     if isinstance(value, dict):
         value = value.get("content")
     return value if isinstance(value, str) else None
+
+
+def special_token(folder: Path, name: str) -> str | None:
+    """The text of the folder's special token ``name`` (``"pad_token"``, ``"mask_token"``...) as
+    its ``tokenizer_config.json``, else its ``special_tokens_map.json``, names it; None where
+    neither does.
+
+    Raises:
+        ValueError: a file that is not valid JSON.
+    """
+    for file in ("tokenizer_config.json", "special_tokens_map.json"):
+        found = _token_name(read_json_object(folder / file).get(name))
+        if found:
+            return found
+    return None
 
 
 def with_lowercase(tokenizer: Tokenizer) -> Tokenizer:
@@ -218,9 +228,8 @@ class TextTokenizer:
         tokenizer = load_tokenizer(folder)
         if lowercase:
             tokenizer = with_lowercase(tokenizer)
-        config = _read_json(folder / "tokenizer_config.json")
-        special = _read_json(folder / "special_tokens_map.json")
-        name = _token_name(config.get("pad_token")) or _token_name(special.get("pad_token"))
+        config = read_json_object(folder / "tokenizer_config.json")
+        name = special_token(folder, "pad_token")
         padding = tokenizer.padding or {}
         pad_id: int | None = None
         if name is None and padding.get("pad_token"):
@@ -246,7 +255,7 @@ class TextTokenizer:
     def model_max_length(folder: Path) -> int | None:
         """``model_max_length`` of the folder's ``tokenizer_config.json`` (None: absent or the
         "no limit" sentinel transformers writes, ~1e30)."""
-        value = _read_json(folder / "tokenizer_config.json").get("model_max_length")
+        value = read_json_object(folder / "tokenizer_config.json").get("model_max_length")
         if isinstance(value, int | float) and 0 < value < 1e9:
             return int(value)
         return None
