@@ -49,8 +49,6 @@ tokens are dropped (PyLate's truncation), so of a query in windows only the firs
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,19 +61,34 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from app.handlers.colbert import ColbertPlan, DenseChain, load_dense, maxsim, read_folder
-from app.handlers.decoders import DTYPES
 from app.handlers.embedding_pipeline import load_encoder
-from app.handlers.text_base import TextHandler, max_length, prepared_parts, ragged
+from app.handlers.text_base import (
+    TextHandler,
+    max_length,
+    model_kwargs,
+    prepared_parts,
+    ragged,
+    takes_type_ids,
+)
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,
+    check_ragged_output,
     check_shared_parameters,
     declares_truncation,
-    decode_texts,
     input_types,
     resolve_model_dir,
+    text_inputs,
 )
-from app.handlers.tokenizing import Ids, Parts, TextTokenizer, Window, load_tokenizer, prepared_array
+from app.handlers.tokenizing import (
+    Ids,
+    Parts,
+    TextTokenizer,
+    Window,
+    load_tokenizer,
+    prepared_array,
+    special_token,
+)
 from app.models import windows as windowing
 from app.models.base import Priced
 
@@ -177,12 +190,9 @@ class MultiVectorHandler(TextHandler):
         plan = read_folder(folder)
         if plan.default_prompt:
             raise ValueError(f"{folder}: a default prompt ({plan.default_prompt!r}) is not served")
-        dtype = DTYPES[parameters.get("dtype", "float32")]
-        kwargs: dict[str, Any] = {"dtype": dtype}
-        if "attn_implementation" in parameters:
-            kwargs["attn_implementation"] = parameters["attn_implementation"]
+        kwargs = model_kwargs(parameters)
         encoder = load_encoder(folder, device, kwargs)
-        dense = load_dense(plan.dense, dtype, device)
+        dense = load_dense(plan.dense, kwargs["dtype"], device)
         limit = getattr(encoder.config, "max_position_embeddings", None)
         length = max_length(parameters, plan.document_length, limit, minimum=3)
         vocabulary = load_tokenizer(folder)  # ids of the markers and special tokens, looked up once
@@ -209,11 +219,11 @@ class MultiVectorHandler(TextHandler):
         skipped = {unknown if i is None else i for i in skipped} - {None}
         self._skiplist = torch.tensor(sorted(skipped), dtype=torch.int64, device=device)
         self.policy, self._markers = policy, markers
-        self.type_ids = "token_type_ids" in _forward_parameters(encoder)
+        self.type_ids = takes_type_ids(encoder)
         self.merge_rules = windowing.merges(
             _OUTPUTS, policy, {"embedding": "rows", "tokens": "sum", "windows": "sum"}
         )
-        _check_outputs(config, dense.out_features)
+        check_ragged_output(config, "embedding", "FP32", [-1, dense.out_features], "one row per token")
         self.set_device(device)
         self._model, self.dense, self.plan = encoder, dense, plan
         self.calibrate(parameters, self._encode)
@@ -308,7 +318,7 @@ class MultiVectorHandler(TextHandler):
                 out[i] = (_NONE, parts[1], _info(QUERY, start))
         missing = [i for i, p in enumerate(out) if p is None]
         if missing:
-            texts, queries = _texts(inputs)
+            texts, queries = text_inputs(inputs)
             query_ids = self.query_parts([queries[i] for i in missing], len(missing))
             documents = [i for i in missing if kinds[i] == DOCUMENT]
             cut = self.kept_windows(
@@ -452,38 +462,10 @@ class MultiVectorHandler(TextHandler):
         }
 
 
-def _texts(inputs: Mapping[str, npt.NDArray[Any]]) -> tuple[list[str], list[str]]:
-    """The items' ``text`` and ``query`` ("" where none), decoded."""
-    if "text" not in inputs:
-        raise ValueError("required input 'text' is missing")
-    texts = decode_texts("text", np.asarray(inputs["text"]))
-    query = inputs.get("query")
-    queries = decode_texts("query", np.asarray(query)) if query is not None else [""] * len(texts)
-    if len(queries) != len(texts):
-        raise ValueError(f"input 'query' has {len(queries)} items but input 'text' has {len(texts)}")
-    return texts, queries
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    value = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    return value if isinstance(value, dict) else {}
-
-
-def _special(folder: Path, name: str) -> str | None:
-    """A special token's text as ``tokenizer_config.json`` / ``special_tokens_map.json`` name it."""
-    for file in ("tokenizer_config.json", "special_tokens_map.json"):
-        value = _read_json(folder / file).get(name)
-        if isinstance(value, dict):
-            value = value.get("content")
-        if isinstance(value, str):
-            return value
-    return None
-
-
 def _unknown_id(folder: Path, tokenizer: Tokenizer) -> int | None:
     """The unknown token's id (transformers' ``convert_tokens_to_ids`` answers it for a token
     the vocabulary lacks)."""
-    name = _special(folder, "unk_token")
+    name = special_token(folder, "unk_token")
     return tokenizer.token_to_id(name) if name is not None else None
 
 
@@ -511,27 +493,8 @@ def _expansion_id(folder: Path, tokenizer: Tokenizer) -> int:
         ValueError: none of the three.
     """
     for name in ("mask_token", "eos_token", "pad_token"):
-        token = _special(folder, name)
+        token = special_token(folder, name)
         found = tokenizer.token_to_id(token) if token is not None else None
         if found is not None:
             return found
     raise ValueError(f"{folder}: no mask, end-of-sequence or pad token to expand queries with")
-
-
-def _forward_parameters(module: Any) -> Sequence[str]:
-    return list(inspect.signature(module.forward).parameters)
-
-
-def _check_outputs(config: ModelConfigLike, dim: int) -> None:
-    """Raises ValueError where ``embedding`` is not declared as served (FP32, ragged, ``[-1, dim]``)."""
-    spec = next((s for s in config.outputs if s.name == "embedding"), None)
-    if (
-        spec is None
-        or spec.datatype != "FP32"
-        or list(spec.shape) != [-1, dim]
-        or not getattr(spec, "ragged", False)
-    ):
-        raise ValueError(
-            f"model {config.name!r}: declare output 'embedding' as datatype = \"FP32\", shape = [-1, {dim}], "
-            "ragged = true (one row per token)"
-        )

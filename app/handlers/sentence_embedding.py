@@ -69,7 +69,7 @@ import torch
 import torch.nn.functional as F
 
 from app.handlers import onnx_encoder
-from app.handlers.decoders import DTYPES, pad_decoder
+from app.handlers.decoders import pad_decoder
 from app.handlers.embedding_pipeline import (
     PROMPT_PARAMETERS,
     EmbeddingPipeline,
@@ -77,7 +77,7 @@ from app.handlers.embedding_pipeline import (
     load_pipeline,
     read_prompts,
 )
-from app.handlers.text_base import TextHandler, max_length
+from app.handlers.text_base import TextHandler, max_length, model_kwargs
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,
@@ -240,10 +240,7 @@ class SentenceEmbeddingHandler(TextHandler):
         _check_parameters(config.name, parameters)
         path = resolve_model_dir(parameters, config.path)
         onnx = parameters.get("backend", "torch") == "onnx"
-        kwargs: dict[str, Any] = {"dtype": DTYPES[parameters.get("dtype", "float32")]}
-        if "attn_implementation" in parameters:
-            kwargs["attn_implementation"] = parameters["attn_implementation"]
-        pipeline = load_pipeline(path, torch.device("cpu") if onnx else device, kwargs)
+        pipeline = load_pipeline(path, torch.device("cpu") if onnx else device, model_kwargs(parameters))
         limit = pipeline.max_positions
         folder_default = pipeline.max_seq_length or TextTokenizer.model_max_length(path)
         length = max_length(parameters, folder_default, limit)

@@ -43,18 +43,15 @@ encoder's ``sentence_bert_config.json`` or tokenizer) and the window parameters 
 
 from __future__ import annotations
 
-import inspect
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 import torch
 
-from app.handlers.decoders import DTYPES
+from app.handlers.folder_json import read_json_object
 from app.handlers.splade import (
     MaskedLM,
     SparsePlan,
@@ -64,12 +61,20 @@ from app.handlers.splade import (
     nonzero_rows,
     read_folder,
 )
-from app.handlers.text_base import TextHandler, max_length, prepared_parts, ragged
+from app.handlers.text_base import (
+    TextHandler,
+    max_length,
+    model_kwargs,
+    prepared_parts,
+    ragged,
+    takes_type_ids,
+)
 from app.handlers.text_config import (
     INPUT_TYPES,
     SHARED_PARAMETERS,
     TRUNCATE,
     ModelConfigLike,
+    check_ragged_output,
     check_shared_parameters,
     declares_truncation,
     decode_texts,
@@ -168,20 +173,17 @@ class SparseEmbeddingHandler(TextHandler):
         check_shared_parameters(config.name, self.kind, parameters, _PARAMETERS)
         folder = resolve_model_dir(parameters, config.path)
         plan = read_folder(folder)
-        kwargs: dict[str, Any] = {"dtype": DTYPES[parameters.get("dtype", "float32")]}
-        if "attn_implementation" in parameters:
-            kwargs["attn_implementation"] = parameters["attn_implementation"]
         splade = next((r for r in plan.routes.values() if isinstance(r, SpladeRoute)), None)
         if splade is None:
             raise ValueError(
                 f"{folder}: no SPLADE encoder among its routes; nothing to tokenize windows with"
             )
-        encoder = load_masked_lm(splade, device, kwargs)
+        encoder = load_masked_lm(splade, device, model_kwargs(parameters))
         routes = [
             encoder if isinstance(r, SpladeRoute) else StaticWeights(r, device) for r in plan.routes.values()
         ]
         limit = getattr(encoder.config, "max_position_embeddings", None)
-        settings = _json_settings(splade.folder)
+        settings = read_json_object(splade.folder / "sentence_bert_config.json")
         folder_default = settings.get("max_seq_length") or TextTokenizer.model_max_length(splade.folder)
         length = max_length(parameters, folder_default, limit)
         policy = windowing.WindowPolicy.from_parameters(parameters, length, default_truncation="truncate")
@@ -199,11 +201,12 @@ class SparseEmbeddingHandler(TextHandler):
         )  # fmt: skip
         merge = "sparse_max" if splade.strategy == "max" else "sparse_sum"
         self.policy = policy
-        self.type_ids = "token_type_ids" in _forward_parameters(encoder.encoder)
+        self.type_ids = takes_type_ids(encoder.encoder)
         self.merge_rules = windowing.merges(
             _OUTPUTS, policy, {"indices": merge, "values": merge, "tokens": "sum", "windows": "sum"}
         )
-        _check_outputs(config)
+        for name, datatype in (("indices", "INT64"), ("values", "FP32")):
+            check_ragged_output(config, name, datatype, [-1], "one entry per non-zero term")
         self.set_device(device)
         self.plan, self.routes, self._names, self._prompts = plan, routes, list(plan.routes), prompts
         self.calibrate(parameters, encoder)
@@ -351,32 +354,3 @@ class SparseEmbeddingHandler(TextHandler):
             "tokens": outputs.tokens.reshape(-1, 1),
             "windows": np.ones((len(outputs.tokens), 1), dtype=np.int64),
         }
-
-
-def _json_settings(folder: Path) -> dict[str, Any]:
-    """The transformer's ``sentence_bert_config.json`` (``max_seq_length``, ``do_lower_case``)."""
-    path = folder / "sentence_bert_config.json"
-    value = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
-    return value if isinstance(value, dict) else {}
-
-
-def _forward_parameters(module: Any) -> Sequence[str]:
-    return list(inspect.signature(module.forward).parameters)
-
-
-def _check_outputs(config: ModelConfigLike) -> None:
-    """Raises ValueError where ``indices`` / ``values`` are not declared as served (INT64 and
-    FP32, ragged, shape ``[-1]``)."""
-    declared = {s.name: s for s in config.outputs}
-    for name, datatype in (("indices", "INT64"), ("values", "FP32")):
-        spec = declared.get(name)
-        if (
-            spec is None
-            or spec.datatype != datatype
-            or list(spec.shape) != [-1]
-            or not getattr(spec, "ragged", False)
-        ):
-            raise ValueError(
-                f'model {config.name!r}: declare output {name!r} as datatype = "{datatype}", '
-                "shape = [-1], ragged = true (one entry per non-zero term)"
-            )

@@ -45,6 +45,7 @@ of its DataLoader; text-embeddings-inference copies its batches from host buffer
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import math
 import threading
@@ -55,6 +56,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.handlers.decoders import DTYPES
 from app.handlers.text_config import decode_texts, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
 from app.handlers.tokenizing import Alloc, Ids, Parts, TextTokenizer, Window, pad, prepared_array
@@ -143,7 +145,7 @@ def _fresh(shape: tuple[int, ...]) -> npt.NDArray[np.int64]:
     return np.empty(shape, dtype=np.int64)
 
 
-__all__ = ["TextHandler", "max_length", "prepared_parts", "ragged"]
+__all__ = ["TextHandler", "max_length", "model_kwargs", "prepared_parts", "ragged", "takes_type_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -541,3 +543,18 @@ def max_length(
     if limit is not None and value > limit:
         raise ValueError(f"max_seq_length {value} exceeds the model's {limit} tokens")
     return value
+
+
+def model_kwargs(parameters: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``from_pretrained`` (or our own encoders' loaders) takes of the shared ``[parameters]``
+    (:mod:`app.handlers.text_config`): ``dtype`` (a ``torch.dtype``; float32 by default) and
+    ``attn_implementation`` where given."""
+    kwargs: dict[str, Any] = {"dtype": DTYPES[parameters.get("dtype", "float32")]}
+    if "attn_implementation" in parameters:
+        kwargs["attn_implementation"] = parameters["attn_implementation"]
+    return kwargs
+
+
+def takes_type_ids(model: Any) -> bool:
+    """Whether ``model``'s ``forward`` takes ``token_type_ids`` (BERT's does; most others' do not)."""
+    return "token_type_ids" in inspect.signature(model.forward).parameters

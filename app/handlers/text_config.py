@@ -52,6 +52,7 @@ __all__ = [
     "TRUNCATE",
     "ModelConfigLike",
     "TensorSpecLike",
+    "check_ragged_output",
     "check_shared_parameters",
     "declares_truncation",
     "decode_texts",
@@ -225,6 +226,29 @@ def check_shared_parameters(
     if attention is not None and attention not in ATTENTION:
         raise ValueError(
             f"parameters.attn_implementation must be one of {list(ATTENTION)}, got {attention!r}"
+        )
+
+
+def check_ragged_output(
+    config: ModelConfigLike, name: str, datatype: str, shape: Sequence[int], what: str
+) -> None:
+    """Refuse a model.toml that does not declare the output ``name`` as the handler returns it: a
+    ragged output (``app.models.repository.TensorSpec.ragged``) of ``datatype`` and ``shape``
+    (its first dimension -1); ``what`` says what an item's entries are, for the message.
+
+    Raises:
+        ValueError: naming the output and the declaration it needs.
+    """
+    spec = next((s for s in config.outputs if s.name == name), None)
+    if (
+        spec is None
+        or spec.datatype != datatype
+        or list(spec.shape) != list(shape)
+        or not getattr(spec, "ragged", False)
+    ):
+        raise ValueError(
+            f'model {config.name!r}: declare output {name!r} as datatype = "{datatype}", '
+            f"shape = {list(shape)}, ragged = true ({what})"
         )
 
 
