@@ -112,16 +112,9 @@ def truncation_inputs(config: ModelConfig, value: int | None, items: int) -> lis
     Raises:
         InvalidInput: asked of a model that declares no INT64 input ``truncate_prompt_tokens``.
     """
-    if value is None:
-        return []
-    spec = config.input(TRUNCATE)
-    if spec is None or spec.datatype != "INT64":
-        raise InvalidInput(
-            f"truncate_prompt_tokens: model {config.name!r} does not truncate on request (its model.toml "
-            "declares no INT64 input 'truncate_prompt_tokens'); leave it out to use the model's own "
-            "truncation"
-        )
-    return [InferInput(TRUNCATE, "INT64", [items, 1], np.full((items, 1), value, dtype=np.int64))]
+    return _per_item(
+        config, TRUNCATE, value, items, "does not truncate on request", " to use the model's own truncation"
+    )
 
 
 def counts_wanted(config: ModelConfig, names: tuple[str, ...] = (TOKENS, WINDOWS)) -> list[RequestedOutput]:
@@ -151,18 +144,32 @@ def input_type_inputs(config: ModelConfig, value: str | None, items: int) -> lis
     value for each item, INT64 ``[items, 1]`` (:data:`INPUT_TYPES`).
 
     Raises:
-        InvalidInput: asked of a model that declares no BYTES input ``input_type``.
+        InvalidInput: asked of a model that declares no INT64 input ``input_type``.
+    """
+    code = None if value is None else INPUT_TYPES.index(value)
+    return _per_item(config, INPUT_TYPE, code, items, "encodes queries and documents alike")
+
+
+def _per_item(
+    config: ModelConfig, name: str, value: int | None, items: int, without: str, instead: str = ""
+) -> list[InferInput]:
+    """A request-wide field as the model's optional INT64 input ``name``: none when not asked
+    (``value`` None), else ``value`` for each of ``items`` items, ``[items, 1]``.
+
+    Raises:
+        InvalidInput: asked of a model that declares no INT64 input ``name``; the message says
+            what the model does ``without`` it and what leaving the field out gives
+            (``instead``).
     """
     if value is None:
         return []
-    spec = config.input(INPUT_TYPE)
+    spec = config.input(name)
     if spec is None or spec.datatype != "INT64":
         raise InvalidInput(
-            f"input_type: model {config.name!r} encodes queries and documents alike (its model.toml "
-            "declares no INT64 input 'input_type'); leave it out"
+            f"{name}: model {config.name!r} {without} (its model.toml declares no INT64 input "
+            f"{name!r}); leave it out{instead}"
         )
-    code = INPUT_TYPES.index(value)
-    return [InferInput(INPUT_TYPE, "INT64", [items, 1], np.full((items, 1), code, dtype=np.int64))]
+    return [InferInput(name, "INT64", [items, 1], np.full((items, 1), value, dtype=np.int64))]
 
 
 def items(array: np.ndarray, count: int) -> list[np.ndarray]:
