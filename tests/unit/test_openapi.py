@@ -14,8 +14,9 @@ import jsonschema
 from app.http.routes import OPENAPI
 from tests.support.decoder_models import write_causal_lm
 from tests.support.fixtures import Client, MakeClient
+from tests.support.model_toml import write_model
 from tests.support.openapi import SPEC_PATH, spec
-from tests.support.retrieval_models import SPARSE_TOML, write_model, write_splade_folder
+from tests.support.retrieval_models import sparse_model, write_splade_folder
 from tests.support.text_models import write_classifier_model
 from tests.support.toy_models import write_embed_model
 
@@ -33,7 +34,7 @@ async def test_real_answers_validate_against_their_documented_schemas(
     write_embed_model(scale_repo)
     write_classifier_model(scale_repo, "clf", ["ok", "spam"])
     write_causal_lm(scale_repo, "lm", decoder_models["gpt2-lm"])
-    write_model(scale_repo, "sparse", SPARSE_TOML, "st", write_splade_folder)
+    write_model(scale_repo, sparse_model(), write_splade_folder)
     client: Client = await make_client(scale_repo, model_control_mode="explicit")
     x = {"name": "x", "shape": [2, 2], "datatype": "FP32", "data": [1, 2, 3, 4]}
     bodies = {

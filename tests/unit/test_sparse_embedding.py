@@ -17,13 +17,9 @@ from sentence_transformers import SparseEncoder
 from app.handlers.sparse_embedding import SparseEmbeddingHandler
 from app.handlers.text_config import INPUT_TYPES
 from app.models.base import PREPARED
+from app.models.repository import TensorSpec
 from app.models.windows import merge_outputs
-from tests.support.retrieval_models import (
-    Spec,
-    sparse_config,
-    write_inference_free_folder,
-    write_splade_folder,
-)
+from tests.support.retrieval_models import sparse_config, write_inference_free_folder, write_splade_folder
 
 TEXTS = [
     "what is the sea?",
@@ -172,7 +168,7 @@ def test_unknown_input_type_is_refused(folders: dict[str, Path]) -> None:
 
 def test_outputs_must_be_declared_ragged(folders: dict[str, Path]) -> None:
     config = sparse_config(folders["splade"])
-    config.outputs[0] = Spec("indices", "INT64", [-1])
+    config.outputs[0] = TensorSpec("indices", "INT64", [-1])
     with pytest.raises(ValueError, match=r"'indices'.*ragged = true"):
         SparseEmbeddingHandler().load(torch.device("cpu"), config)
 
