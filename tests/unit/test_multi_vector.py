@@ -6,7 +6,7 @@ refuses."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -15,10 +15,9 @@ import pytest
 import torch
 
 from app.handlers.multi_vector import MultiVectorHandler
-from app.handlers.text_config import INPUT_TYPES
 from app.models.base import PREPARED
-from app.models.windows import merge_outputs
 from tests.support.retrieval_models import colbert_config, write_colbert_folder
+from tests.support.text_handlers import input_types, run, run_in_windows, texts
 
 QUERIES = [
     "what is the sea?",
@@ -36,24 +35,6 @@ DOCUMENTS = [
 ]
 TOLERANCE = 1e-5
 DIM = 16
-
-
-def _types(*tasks: str) -> np.ndarray:
-    """``input_type`` per item: "" (0), "query" (1), "document" (2)."""
-    return np.array([[INPUT_TYPES.index(t)] for t in tasks], dtype=np.int64)
-
-
-def _bytes(*texts: str) -> np.ndarray:
-    array = np.empty(len(texts), dtype=object)
-    array[:] = [t.encode() for t in texts]
-    return array
-
-
-def _run(handler: MultiVectorHandler, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    priced = handler.item_costs(inputs)
-    batch = handler.preprocess({**inputs, PREPARED: priced.prepared})
-    with torch.inference_mode():
-        return dict(handler.postprocess(handler.predict(batch)))
 
 
 @pytest.fixture(scope="module")
@@ -75,8 +56,8 @@ def _load(folder: Path, **parameters: Any) -> MultiVectorHandler:
 def test_queries_and_documents_equal_pylate(model: tuple[Path, dict[str, np.ndarray]]) -> None:
     folder, reference = model
     handler = _load(folder)
-    queries = _run(handler, {"text": _bytes(*QUERIES), "input_type": _types(*["query"] * len(QUERIES))})
-    documents = _run(handler, {"text": _bytes(*DOCUMENTS)})  # no input_type: documents
+    queries = run(handler, {"text": texts(*QUERIES), "input_type": input_types(*["query"] * len(QUERIES))})
+    documents = run(handler, {"text": texts(*DOCUMENTS)})  # no input_type: documents
     for i in range(len(QUERIES)):
         assert (
             queries["embedding"][i].shape == reference[f"q{i}"].shape == (12, DIM)
@@ -96,10 +77,10 @@ def test_maxsim_equals_pylate_colbert_scores(model: tuple[Path, dict[str, np.nda
     folder, reference = model
     handler = _load(folder)
     pairs = [(q, d) for q in QUERIES for d in DOCUMENTS]
-    result = _run(handler, {"text": _bytes(*[d for _, d in pairs]), "query": _bytes(*[q for q, _ in pairs])})
+    result = run(handler, {"text": texts(*[d for _, d in pairs]), "query": texts(*[q for q, _ in pairs])})
     scores = result["score"].reshape(len(QUERIES), len(DOCUMENTS))
     np.testing.assert_allclose(scores, reference["scores"], atol=TOLERANCE, rtol=0)
-    without = _run(handler, {"text": _bytes(DOCUMENTS[0]), "query": _bytes("")})
+    without = run(handler, {"text": texts(DOCUMENTS[0]), "query": texts("")})
     assert without["score"][0, 0] == 0.0
 
 
@@ -108,9 +89,9 @@ def test_a_rerank_request_prices_and_encodes_its_query_once(
 ) -> None:
     folder, _ = model
     handler = _load(folder)
-    inputs = {"text": _bytes(*DOCUMENTS[:3]), "query": _bytes(*[QUERIES[0]] * 3)}
+    inputs = {"text": texts(*DOCUMENTS[:3]), "query": texts(*[QUERIES[0]] * 3)}
     priced = handler.item_costs(inputs)
-    documents = handler.item_costs({"text": _bytes(*DOCUMENTS[:3])})
+    documents = handler.item_costs({"text": texts(*DOCUMENTS[:3])})
     assert priced.costs.tolist() == [documents.costs[0] + 12, *documents.costs[1:].tolist()]
     batch = handler.preprocess({**inputs, PREPARED: priced.prepared})
     assert sum(int(g["input_ids"].shape[0]) for g in batch.groups) == 4  # three documents, one query
@@ -121,16 +102,9 @@ def test_a_long_document_in_windows_is_its_windows_rows_in_order(
 ) -> None:
     folder, reference = model
     handler = _load(folder, truncation="window")
-    long_text = DOCUMENTS[-1]
-    spans = handler.split_windows([long_text, QUERIES[0]], None)
-    assert len(spans[0]) > 1 and len(spans[1]) == 1
-    items = [s for text in spans for s in text]
-    prepared = np.empty(len(items), dtype=object)
-    prepared[:] = [s.prepared for s in items]
-    texts = [long_text[s.start : s.stop] for s in spans[0]] + [QUERIES[0]]
-    per_window = _run(handler, {"text": _bytes(*texts), PREPARED: prepared})
-    counts = np.array([len(spans[0]), 1], dtype=np.int64)
-    merged = merge_outputs(per_window, handler.window_merges, counts, np.ones(len(items), dtype=np.int64))
+    windows = run_in_windows(handler, {"text": texts(DOCUMENTS[-1], QUERIES[0])})
+    assert windows.counts[0] > 1 and windows.counts[1] == 1
+    per_window, merged = windows.per_window, windows.merged
     rows = merged["embedding"][0]
     assert rows.shape == (sum(len(r) for r in per_window["embedding"][:-1]), DIM)
     np.testing.assert_array_equal(rows, np.concatenate(list(per_window["embedding"][:-1])))
@@ -145,29 +119,24 @@ def test_a_long_query_is_cut_at_query_length_in_windows_too(
 ) -> None:
     folder, _ = model
     handler = _load(folder, truncation="window")
-    long_query = DOCUMENTS[-1]
-    whole = _run(handler, {"text": _bytes(long_query), "input_type": _types("query")})
-    spans = handler.split_windows([long_query], None)
-    prepared = np.empty(len(spans[0]), dtype=object)
-    prepared[:] = [s.prepared for s in spans[0]]
-    texts = [long_query[s.start : s.stop] for s in spans[0]]
-    inputs = {"text": _bytes(*texts), "input_type": _types(*["query"] * len(texts)), PREPARED: prepared}
-    per_window = _run(handler, inputs)
-    assert [len(r) for r in per_window["embedding"]] == [12] + [0] * (len(texts) - 1)
-    merged = merge_outputs(per_window, handler.window_merges, np.array([len(texts)]), np.ones(len(texts)))
-    np.testing.assert_allclose(merged["embedding"][0], whole["embedding"][0], atol=TOLERANCE, rtol=0)
+    long_query = {"text": texts(DOCUMENTS[-1]), "input_type": input_types("query")}
+    whole = run(handler, long_query)
+    windows = run_in_windows(handler, long_query)
+    assert windows.counts[0] > 1
+    assert [len(r) for r in windows.per_window["embedding"]] == [12] + [0] * (windows.counts[0] - 1)
+    np.testing.assert_allclose(windows.merged["embedding"][0], whole["embedding"][0], atol=TOLERANCE, rtol=0)
 
 
 def test_what_the_handler_refuses(model: tuple[Path, dict[str, np.ndarray]]) -> None:
     folder, _ = model
     handler = _load(folder)
     with pytest.raises(ValueError, match=r"is a query .* with a query to score"):
-        handler.item_costs({"text": _bytes("a"), "query": _bytes("b"), "input_type": _types("query")})
+        handler.item_costs({"text": texts("a"), "query": texts("b"), "input_type": input_types("query")})
     with pytest.raises(ValueError, match="truncate_prompt_tokens applies to documents"):
         handler.item_costs(
             {
-                "text": _bytes("a b c"),
-                "input_type": _types("query"),
+                "text": texts("a b c"),
+                "input_type": input_types("query"),
                 "truncate_prompt_tokens": np.array([[3]]),
             }
         )
@@ -181,10 +150,10 @@ def test_truncate_prompt_tokens_keeps_a_documents_last_tokens(
 ) -> None:
     folder, _ = model
     handler = _load(folder)
-    inputs = {"text": _bytes("one two three four five six"), "truncate_prompt_tokens": np.array([[4]])}
-    result = _run(handler, inputs)
+    inputs = {"text": texts("one two three four five six"), "truncate_prompt_tokens": np.array([[4]])}
+    result = run(handler, inputs)
     assert result["tokens"][0, 0] == 5  # [CLS] five six [SEP], and the marker
-    cut = _run(handler, {"text": _bytes("five six")})
+    cut = run(handler, {"text": texts("five six")})
     np.testing.assert_allclose(result["embedding"][0], cut["embedding"][0], atol=TOLERANCE, rtol=0)
 
 
@@ -192,6 +161,6 @@ def test_transformers_encoder_gives_the_same_rows(model: tuple[Path, dict[str, n
     folder, reference = model
     handler = _load(folder, attn_implementation="eager")  # not our BERT encoder: transformers' AutoModel
     assert type(handler.model).__module__.startswith("transformers.")
-    documents = _run(handler, {"text": _bytes(*DOCUMENTS)})
+    documents = run(handler, {"text": texts(*DOCUMENTS)})
     for j in range(len(DOCUMENTS)):
         np.testing.assert_allclose(documents["embedding"][j], reference[f"d{j}"], atol=TOLERANCE, rtol=0)

@@ -15,11 +15,10 @@ import torch
 from sentence_transformers import SparseEncoder
 
 from app.handlers.sparse_embedding import SparseEmbeddingHandler
-from app.handlers.text_config import INPUT_TYPES
 from app.models.base import PREPARED
 from app.models.repository import TensorSpec
-from app.models.windows import merge_outputs
 from tests.support.retrieval_models import sparse_config, write_inference_free_folder, write_splade_folder
+from tests.support.text_handlers import input_types, run, run_in_windows, texts
 
 TEXTS = [
     "what is the sea?",
@@ -30,24 +29,6 @@ TEXTS = [
     " ".join(f"sentence {i} talks about the weather and the sea and the mountains" for i in range(20)),
 ]
 TOLERANCE = 1e-5
-
-
-def _types(*tasks: str) -> np.ndarray:
-    """``input_type`` per item: "" (0), "query" (1), "document" (2)."""
-    return np.array([[INPUT_TYPES.index(t)] for t in tasks], dtype=np.int64)
-
-
-def _bytes(*texts: str) -> np.ndarray:
-    array = np.empty(len(texts), dtype=object)
-    array[:] = [t.encode() for t in texts]
-    return array
-
-
-def _run(handler: SparseEmbeddingHandler, inputs: Mapping[str, np.ndarray]) -> dict[str, Any]:
-    priced = handler.item_costs(inputs)
-    batch = handler.preprocess({**inputs, PREPARED: priced.prepared})
-    with torch.inference_mode():
-        return dict(handler.postprocess(handler.predict(batch)))
 
 
 def _load(folder: Path, *, truncates: bool = False, **parameters: Any) -> SparseEmbeddingHandler:
@@ -86,7 +67,7 @@ def test_every_task_equals_the_library(folders: dict[str, Path], kind: str) -> N
     library = SparseEncoder(str(folders[kind]), device="cpu", local_files_only=True)
     calls = {"": library.encode, "query": library.encode_query, "document": library.encode_document}
     for task, call in calls.items():
-        result = _run(handler, {"text": _bytes(*TEXTS), "input_type": _types(*[task] * len(TEXTS))})
+        result = run(handler, {"text": texts(*TEXTS), "input_type": input_types(*[task] * len(TEXTS))})
         reference = call(TEXTS, convert_to_tensor=True).to_dense().numpy()
         _assert_equal_to_library(result, reference)
         assert result["tokens"].shape == (len(TEXTS), 1)
@@ -96,21 +77,21 @@ def test_every_task_equals_the_library(folders: dict[str, Path], kind: str) -> N
 def test_inference_free_queries_are_their_terms_static_weights(folders: dict[str, Path]) -> None:
     handler = _load(folders["free"])
     mixed = ["query", "document", "query", ""]
-    texts = ["the sea the sea", "the sea", "Hello, world!", "the sea"]
-    result = _run(handler, {"text": _bytes(*texts), "input_type": _types(*mixed)})
+    given = ["the sea the sea", "the sea", "Hello, world!", "the sea"]
+    result = run(handler, {"text": texts(*given), "input_type": input_types(*mixed)})
     library = SparseEncoder(str(folders["free"]), device="cpu", local_files_only=True)
     for item, task in enumerate(mixed):
         call = library.encode_query if task == "query" else library.encode_document
         _assert_equal_to_library(
             {k: v[item : item + 1] for k, v in result.items()},
-            call([texts[item]], convert_to_tensor=True).to_dense().numpy(),
+            call([given[item]], convert_to_tensor=True).to_dense().numpy(),
         )
     assert len(result["indices"][0]) <= 2  # "the", "sea": each term once, no special tokens
 
 
 def test_transformers_masked_lm_gives_the_same_vectors(folders: dict[str, Path]) -> None:
-    ours = _run(_load(folders["splade"]), {"text": _bytes(*TEXTS)})
-    library = _run(_load(folders["splade"], attn_implementation="eager"), {"text": _bytes(*TEXTS)})
+    ours = run(_load(folders["splade"]), {"text": texts(*TEXTS)})
+    library = run(_load(folders["splade"], attn_implementation="eager"), {"text": texts(*TEXTS)})
     assert _load(folders["splade"], attn_implementation="eager").encoder.head is None  # transformers ran it
     for item in range(len(TEXTS)):
         assert np.array_equal(ours["indices"][item], library["indices"][item])
@@ -119,41 +100,34 @@ def test_transformers_masked_lm_gives_the_same_vectors(folders: dict[str, Path])
 
 def test_a_long_text_in_windows_is_the_maximum_over_its_windows(folders: dict[str, Path]) -> None:
     handler = _load(folders["splade"], truncation="window", max_seq_length=32, stride=4)
-    long_text = TEXTS[-1]
-    spans = handler.split_windows([long_text, "short"], None)
-    assert len(spans[0]) > 3 and len(spans[1]) == 1
-    items = [s for text in spans for s in text]
-    texts = [long_text[s.start : s.stop] for s in spans[0]] + ["short"]
-    prepared = np.empty(len(items), dtype=object)
-    prepared[:] = [s.prepared for s in items]
-    per_window = _run(handler, {"text": _bytes(*texts), PREPARED: prepared})
-    counts = np.array([len(spans[0]), 1], dtype=np.int64)
-    weights = np.array([s.tokens for s in items], dtype=np.int64)
-    merged = merge_outputs(per_window, handler.window_merges, counts, weights)
+    windows = run_in_windows(handler, {"text": texts(TEXTS[-1], "short")})
+    assert windows.counts[0] > 3 and windows.counts[1] == 1
+    merged = windows.merged
+    first = [p[0] for p in windows.items[PREPARED][: windows.counts[0]]]  # the long text's windows' ids
     library = SparseEncoder(str(folders["splade"]), device="cpu", local_files_only=True)
     width = handler.vocab_size
     with torch.inference_mode():
-        windows = [
-            library.forward({"input_ids": torch.from_numpy(s.prepared[0].astype(np.int64))[None],
-                             "attention_mask": torch.ones(1, len(s.prepared[0]), dtype=torch.int64)})
+        vectors = [
+            library.forward({"input_ids": torch.from_numpy(ids.astype(np.int64))[None],
+                             "attention_mask": torch.ones(1, len(ids), dtype=torch.int64)})
             ["sentence_embedding"][0].numpy()
-            for s in spans[0]
+            for ids in first
         ]  # fmt: skip
-    expected = np.max(windows, axis=0)
+    expected = np.max(vectors, axis=0)
     np.testing.assert_allclose(_dense(merged, 0, width), expected, atol=TOLERANCE, rtol=0)
     assert np.all(np.diff(merged["indices"][0]) > 0)
-    assert int(merged["windows"][0, 0]) == len(spans[0]) and int(merged["windows"][1, 0]) == 1
-    assert int(merged["tokens"][0, 0]) == sum(len(s.prepared[0]) for s in spans[0])
+    assert int(merged["windows"][0, 0]) == windows.counts[0] and int(merged["windows"][1, 0]) == 1
+    assert int(merged["tokens"][0, 0]) == sum(len(ids) for ids in first)
 
 
 def test_truncate_prompt_tokens_keeps_the_last_tokens(folders: dict[str, Path]) -> None:
     handler = _load(folders["free"], truncates=True)
     inputs = {
-        "text": _bytes("one two three four five six", "one two three four five six"),
-        "input_type": _types("document", "query"),
+        "text": texts("one two three four five six", "one two three four five six"),
+        "input_type": input_types("document", "query"),
         "truncate_prompt_tokens": np.array([[4], [2]], dtype=np.int64),
     }
-    result = _run(handler, inputs)
+    result = run(handler, inputs)
     assert result["tokens"].reshape(-1).tolist() == [4, 2]  # [CLS] five six [SEP]; five six
     library = SparseEncoder(str(folders["free"]), device="cpu", local_files_only=True)
     expected = library.encode_query(["five six"], convert_to_tensor=True).to_dense().numpy()
@@ -163,7 +137,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(folders: dict[str, Path]) 
 def test_unknown_input_type_is_refused(folders: dict[str, Path]) -> None:
     handler = _load(folders["free"])
     with pytest.raises(ValueError, match=r"'input_type' 3 is not 0 \(the model's default\), 1 \(a query\)"):
-        handler.item_costs({"text": _bytes("a"), "input_type": np.array([[3]])})
+        handler.item_costs({"text": texts("a"), "input_type": np.array([[3]])})
 
 
 def test_outputs_must_be_declared_ragged(folders: dict[str, Path]) -> None:
