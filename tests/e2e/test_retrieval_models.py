@@ -19,7 +19,7 @@ import torch
 from sentence_transformers import SparseEncoder
 
 from app.handlers.sparse_embedding import SparseEmbeddingHandler
-from tests.support.gunicorn import Gunicorn
+from tests.support.gunicorn import Gunicorn, repository_env
 from tests.support.model_toml import write_model
 from tests.support.retrieval_models import (
     colbert_model,
@@ -62,11 +62,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Gunicorn,
     same = str(repo / "colbert" / "pylate")  # colbert's folder, in windows
     windows = colbert_model("colbert-windows", model_dir=same, dim=DIM, parameters={"truncation": "window"})
     write_model(repo, windows)
-    env = {
-        "SCORING_MODEL_REPOSITORY": str(repo),
-        "SCORING_WORKERS": "2",
-        "SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS": "60000",
-    }
+    env = repository_env(repo, 2, SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS="60000")
     with Gunicorn(tmp, env) as srv:
         srv.wait_ready(300)
         yield srv, {"repo": repo, **reference}

@@ -26,7 +26,7 @@ from app.models.windows import WindowPolicy
 from benchmarks.windows_check import ASTRONOMY, COOKING, paragraph
 from tests.support.decoder_models import write_handler_model
 from tests.support.demo_repo import MINILM
-from tests.support.gunicorn import ROOT, Gunicorn
+from tests.support.gunicorn import ROOT, Gunicorn, repository_env
 from tests.support.text_models import library_windows, write_classifier_model
 
 LABELS = ["ok", "insult", "threat"]
@@ -56,11 +56,7 @@ def server(
                             decoder_models["qwen3-reranker"], ["text BYTES", "query BYTES"],
                             ["score FP32", "tokens INT64"], parameters)  # fmt: skip
     # a response cache lookup bound no loaded machine reaches: the cache's tests are of hits
-    env = {
-        "SCORING_MODEL_REPOSITORY": str(repo),
-        "SCORING_WORKERS": "1",
-        "SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS": "60000",
-    }
+    env = repository_env(repo, SCORING_RESPONSE_CACHE_LOOKUP_TIMEOUT_MS="60000")
     with Gunicorn(tmp, env) as srv:
         srv.wait_ready(240)
         yield srv, repo

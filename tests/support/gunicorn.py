@@ -6,7 +6,8 @@
   text.
 - :func:`poll` is the one "wait until, bounded" helper; it fails with a diagnostic, and
   :func:`wait_for` is it with a server's log tail as the diagnostic.
-- :func:`http` is one blocking request; :func:`free_port` picks a port.
+- :func:`http` is one blocking request; :func:`free_port` picks a port; :func:`repository_env`
+  is the environment of a server of a model repository.
 
 The end-to-end tests use it, and so do the measurement harnesses of ``benchmarks/``. Traffic
 goes to 127.0.0.1 only.
@@ -30,7 +31,17 @@ import psutil
 from benchmarks.driver import free_port, http, poll
 from gpu_stat.family import live_children
 
-__all__ = ["ROOT", "Gunicorn", "free_port", "http", "poll", "wait_for", "worker_items", "worker_shares"]
+__all__ = [
+    "ROOT",
+    "Gunicorn",
+    "free_port",
+    "http",
+    "poll",
+    "repository_env",
+    "wait_for",
+    "worker_items",
+    "worker_shares",
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 HOST = "127.0.0.1"
@@ -45,6 +56,12 @@ _WORKER_ITEMS = re.compile(r'^scoring_worker_items_total\{pid="(\d+)"\} ([0-9.e+
 def wait_for(predicate: Callable[[], T | None], timeout_s: float, what: str, srv: Gunicorn) -> T:
     """:func:`poll` that fails with ``srv``'s log tail."""
     return poll(predicate, timeout_s, what, diagnostics=srv.log_tail)
+
+
+def repository_env(repo: Path, workers: int = 1, **settings: str) -> dict[str, str]:
+    """The environment of a server of ``workers`` workers that serves the model repository
+    ``repo``; ``settings``: more ``SCORING_*`` settings (over those two)."""
+    return {"SCORING_MODEL_REPOSITORY": str(repo), "SCORING_WORKERS": str(workers), **settings}
 
 
 def worker_items(metrics_text: str) -> dict[int, float]:
