@@ -46,6 +46,7 @@ __all__ = [
     "pool",
     "read_folder",
     "read_prompts",
+    "takes_type_ids",
 ]
 
 log = logging.getLogger(__name__)
@@ -112,6 +113,12 @@ def _pooling_mode(config: Mapping[str, Any]) -> tuple[str | None, str | None]:
     if len(modes) != 1 or modes[0] not in POOLING_MODES:
         return None, f"pooling modes {modes}"
     return modes[0], None
+
+
+def takes_type_ids(transformer: Any) -> bool:
+    """Whether ``transformer``'s ``forward`` takes ``token_type_ids`` (BERT's does; most others'
+    do not)."""
+    return "token_type_ids" in inspect.signature(transformer.forward).parameters
 
 
 def read_folder(folder: Path) -> FolderPlan:
@@ -241,7 +248,7 @@ class EmbeddingPipeline:
     @property
     def takes_type_ids(self) -> bool:
         """Whether the transformer's forward takes ``token_type_ids``."""
-        return "token_type_ids" in inspect.signature(self.transformer.forward).parameters
+        return takes_type_ids(self.transformer)
 
     def __call__(self, features: dict[str, torch.Tensor]) -> torch.Tensor:
         """Sentence embeddings ``[U, dim]`` of tokenized strings (int64 ``[U, T]`` each)."""

@@ -61,15 +61,8 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 
 from app.handlers.colbert import ColbertPlan, DenseChain, load_dense, maxsim, read_folder
-from app.handlers.embedding_pipeline import load_encoder
-from app.handlers.text_base import (
-    TextHandler,
-    max_length,
-    model_kwargs,
-    prepared_parts,
-    ragged,
-    takes_type_ids,
-)
+from app.handlers.embedding_pipeline import load_encoder, takes_type_ids
+from app.handlers.text_base import TextHandler, max_length, model_kwargs, prepared_parts, ragged
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,

@@ -45,7 +45,6 @@ of its DataLoader; text-embeddings-inference copies its batches from host buffer
 from __future__ import annotations
 
 import gc
-import inspect
 import logging
 import math
 import threading
@@ -145,7 +144,7 @@ def _fresh(shape: tuple[int, ...]) -> npt.NDArray[np.int64]:
     return np.empty(shape, dtype=np.int64)
 
 
-__all__ = ["TextHandler", "max_length", "model_kwargs", "prepared_parts", "ragged", "takes_type_ids"]
+__all__ = ["TextHandler", "max_length", "model_kwargs", "prepared_parts", "ragged"]
 
 log = logging.getLogger(__name__)
 
@@ -553,8 +552,3 @@ def model_kwargs(parameters: Mapping[str, Any]) -> dict[str, Any]:
     if "attn_implementation" in parameters:
         kwargs["attn_implementation"] = parameters["attn_implementation"]
     return kwargs
-
-
-def takes_type_ids(model: Any) -> bool:
-    """Whether ``model``'s ``forward`` takes ``token_type_ids`` (BERT's does; most others' do not)."""
-    return "token_type_ids" in inspect.signature(model.forward).parameters
