@@ -66,14 +66,9 @@ def answered(log: Path, offset: int, late_s: float) -> tuple[int, dict[str, int]
 
 def main(argv: list[str] | None = None) -> None:
     parser = server.parser(__doc__, model=server.MINILM)
-    parser.add_argument("--documents", type=int, default=20, help="documents a request (default 20)")
-    parser.add_argument("--low", type=int, default=8, help="the low concurrency (default 8)")
-    parser.add_argument("--high", type=int, default=64, help="the high concurrency (default 64)")
-    parser.add_argument("--seconds", type=float, default=20.0, help="seconds a run (default 20)")
-    parser.add_argument("--rounds", type=int, default=2, help="rounds of both levels (default 2)")
-    parser.add_argument("--deadline-ms", type=float, default=10_000.0, help="each request's deadline")
-    parser.add_argument("--late-ms", type=float, default=1_000.0, help="a slower 504 was admitted")
-    parser.add_argument("--out", type=Path, help="JSON file for the figures")
+    server.options(
+        parser, documents=20, low=8, high=64, seconds=20.0, rounds=2, deadline_ms=10_000.0, late_ms=1_000.0
+    )
     args = parser.parse_args(argv)
     if not loadgen.wrk_available():
         raise SystemExit("wrk is not installed (apt-get install wrk)")

@@ -34,12 +34,7 @@ def documents(repository: Path, model: str, count: int, words: int, seed: int) -
 
 def main(argv: list[str] | None = None) -> None:
     parser = server.parser(__doc__, model=server.MINILM)
-    parser.add_argument("--tries", type=int, default=20, help="requests, one after another (default 20)")
-    parser.add_argument("--documents", type=int, default=10, help="documents a request (default 10)")
-    parser.add_argument("--words", type=int, default=1500, help="words a document (default 1500)")
-    parser.add_argument("--deadline-ms", type=float, default=5000.0, help="each request's deadline")
-    parser.add_argument("--late-ms", type=float, default=1000.0, help="a slower 504 was admitted")
-    parser.add_argument("--out", type=Path, help="JSON file for the figures")
+    server.options(parser, tries=20, documents=10, words=1500, deadline_ms=5000.0, late_ms=1000.0)
     args = parser.parse_args(argv)
     headers = {"Content-Type": "application/json", "X-Request-Timeout-Ms": str(int(args.deadline_ms))}
     tries = []

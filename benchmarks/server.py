@@ -11,10 +11,14 @@ import argparse
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import Any
 
 from tests.support.gunicorn import ROOT, Gunicorn
 
-__all__ = ["DEMO_REPOSITORY", "MINILM", "RANKER", "ROOT", "comma_list", "levels", "parser", "start"]
+__all__ = [
+    "DEMO_REPOSITORY", "MINILM", "OPTIONS", "RANKER", "ROOT", "comma_list", "levels", "options", "parser",
+    "start",
+]  # fmt: skip
 
 DEMO_REPOSITORY = ROOT / "model_repository"
 MINILM, RANKER = "all-MiniLM-L6-v2", "feed-ranker"
@@ -97,3 +101,32 @@ def levels(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: levels must be positive")
     return values
+
+
+#: The options the load benchmarks share, by name: (type, what it is); each benchmark gives its
+#: own defaults (:func:`options`).
+OPTIONS: dict[str, tuple[type, str]] = {
+    "seconds": (float, "seconds a run"),
+    "rounds": (int, "rounds of every configuration, in turn"),
+    "concurrency": (int, "requests in flight"),
+    "low": (int, "the low concurrency"),
+    "high": (int, "the high concurrency"),
+    "items": (int, "items (candidates) a request"),
+    "documents": (int, "documents a request"),
+    "words": (int, "words a document"),
+    "tries": (int, "requests, one after another"),
+    "requests": (int, "distinct requests cycled"),
+    "deadline_ms": (float, "each request's deadline, ms (X-Request-Timeout-Ms)"),
+    "late_ms": (float, "a 504 slower than this, ms, came after admission"),
+}
+
+
+def options(parser: argparse.ArgumentParser, **defaults: Any) -> argparse.ArgumentParser:
+    """``parser`` with the shared options named in ``defaults`` (:data:`OPTIONS`: ``deadline_ms``
+    is ``--deadline-ms``), each with its default, and ``--out`` (a JSON file for the figures)."""
+    for name, default in defaults.items():
+        kind, text = OPTIONS[name]
+        flag = f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default {default})")
+    parser.add_argument("--out", type=Path, help="JSON file for the figures")
+    return parser

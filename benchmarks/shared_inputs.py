@@ -61,12 +61,7 @@ def same_answers(url: str, forms: dict[str, list[bytes]]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = server.parser(__doc__)
-    parser.add_argument("--items", type=int, default=500, help="candidates a request (default 500)")
-    parser.add_argument("--concurrency", type=int, default=8, help="requests in flight (default 8)")
-    parser.add_argument("--seconds", type=float, default=10.0, help="seconds a run (default 10)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds of both forms (default 3)")
-    parser.add_argument("--requests", type=int, default=16, help="distinct requests cycled (default 16)")
-    parser.add_argument("--out", type=Path, help="JSON file for the figures")
+    server.options(parser, items=500, concurrency=8, seconds=10.0, rounds=3, requests=16)
     args = parser.parse_args(argv)
     forms = bodies(args.items, args.requests)
     path = f"/v2/models/{server.RANKER}/infer"

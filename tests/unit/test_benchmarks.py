@@ -28,7 +28,17 @@ HARNESSES = sorted(
     p.stem
     for p in (ROOT / "benchmarks").glob("*.py")
     if p.stem
-    not in ("__init__", "driver", "payloads", "report", "server", "request_path_conf", "loadgen", "stages")
+    not in (
+        "__init__",
+        "driver",
+        "payloads",
+        "report",
+        "server",
+        "request_path_conf",
+        "loadgen",
+        "stages",
+        "decoder_folders",
+    )
 )
 
 

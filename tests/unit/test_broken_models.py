@@ -7,14 +7,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
 
 import pytest
 
 from app.http.state import CORE
 from app.serving import lifecycle
 from app.serving.registry import ModelState
-from tests.support.fixtures import Client, MakeClient, eventually
+from tests.support.fixtures import Client, MakeClient, eventually, settled_readiness
 from tests.support.toy_models import (
     ScaleHandler,
     assert_no_absolute_paths,
@@ -33,13 +32,7 @@ async def test_a_repository_with_broken_models_serves_the_good_one(
     write_scale_model(repo, "good")
     expected = write_broken_models(repo)
     client: Client = await make_client(repo, wait=False, strict_readiness=False)
-
-    async def settled() -> dict[str, Any] | None:
-        resp = await client.get("/v2/health/ready")
-        body: dict[str, Any] = await resp.json()
-        return body if resp.status == 200 else None
-
-    ready = await eventually(settled, 60)
+    ready = await settled_readiness(client)
     assert ready["ready"] is True
     assert set(ready["unavailable"]) == set(expected), ready
     for name, reason in expected.items():

