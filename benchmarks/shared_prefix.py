@@ -295,13 +295,15 @@ def reranker_folder(path: Path, hidden: int, layers: int) -> Path:
 
 def write_repository(repo: Path, folder: Path, batch: int) -> None:
     """``reranker`` and ``reranker-whole`` (module docstring) serving ``folder``: batches of up
-    to ``batch`` documents, prompts of up to 1,024 tokens."""
+    to ``batch`` documents, prompts of up to 1,024 tokens, deadlines of up to 10 minutes (a
+    request of 500 whole prompts takes over a minute on a CPU)."""
     whole = "shared_prefix = false\nprefix_cache_bytes = 0"
     for name, extra in (("reranker", ""), ("reranker-whole", whole)):
         (repo / name).mkdir(parents=True)
         (repo / name / "model.toml").write_text(
             f'name = "{name}"\nversion = "1"\nformat = "handler"\nhandler = "{RERANKER}"\n'
             f"max_batch_size = {batch}\nmax_queue_delay_ms = 2.0\nwarmup_batch_sizes = [1, {batch}]\n"
+            "max_timeout_ms = 600000.0\n"
             '[[inputs]]\nname = "text"\ndatatype = "BYTES"\nshape = [1]\n'
             '[[inputs]]\nname = "query"\ndatatype = "BYTES"\nshape = [1]\n'
             '[[outputs]]\nname = "score"\ndatatype = "FP32"\nshape = [1]\n'
@@ -343,6 +345,10 @@ def server_scores(route: str, body: Any) -> npt.NDArray[np.float64]:
     return np.array([r[key] for r in sorted(rows, key=lambda r: r["index"])])
 
 
+#: Each request's deadline (the repository's ``max_timeout_ms``).
+DEADLINE = {"X-Request-Timeout-Ms": "600000"}
+
+
 def server_mode(
     url: str, route: str, mode: str, items: int, work: list[tuple[str, list[str]]]
 ) -> tuple[dict[str, Any], list[npt.NDArray[np.float64]]]:
@@ -356,7 +362,7 @@ def server_mode(
             query = work[0][0]  # the query of the request before: its prefix is cached
         start = time.perf_counter()
         body = server_body(route, model, query, documents)
-        status, _, body = driver.http("POST", url + path, body, timeout=600)
+        status, _, body = driver.http("POST", url + path, body, DEADLINE, timeout=600)
         took = time.perf_counter() - start
         if status != 200:
             raise RuntimeError(f"{model}: {status} {body}")
