@@ -352,11 +352,16 @@ class ModelRunner:
 
     def forward(self, inputs: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The three stages in turn on this thread: inputs [B, ...] per input name -> outputs
-        [B, ...] per output (numpy, the dtypes ``model.toml`` declares).
+        [B, ...] per output (numpy, the dtypes ``model.toml`` declares). An optional input left
+        out is filled as a request's would be (``TensorSpec.filled``: zeros, or ``b""``).
 
         Raises:
             Exception: whatever the handler raised, device out-of-memory included.
         """
+        omitted = [s for s in self.config.inputs if s.optional and s.name not in inputs]
+        if omitted and inputs:
+            batch = len(next(iter(inputs.values())))
+            inputs = {**inputs, **{s.name: s.filled(batch) for s in omitted}}
         return self.finish(self.predict(self.prepare(inputs)))
 
     def run_batch(

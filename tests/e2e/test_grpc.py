@@ -83,7 +83,7 @@ def test_stock_clients_on_the_ranker(ranker: Gunicorn, tmp_path: Path, client: s
     assert_same_outputs(answer, json_outputs(ranker, RANKER))
     if client == "triton":
         assert answer["id"] == "triton-1"
-        assert answer["metadata_inputs"] == ["features"] and set(answer["index"]) == {MINILM, RANKER}
+        assert answer["metadata_inputs"] == ["features", "user"] and set(answer["index"]) == {MINILM, RANKER}
         assert answer["stats_models"] == [RANKER]
     if client.startswith("triton"):
         assert answer["config_max_batch_size"] == 256
