@@ -43,7 +43,7 @@ from app.observability.metrics import ModelObserver
 from app.observability.tracing import Tracing
 from app.serving.executor import InferenceThread, Threads
 from app.serving.registry import ModelRegistry, ModelVersion
-from app.serving.runner import ModelRunner, describe
+from app.serving.runner import ModelRunner, collect_freed, describe
 from app.serving.unit import ServingUnit
 from app.settings import Settings
 
@@ -341,9 +341,10 @@ class Lifecycle:
         loop = asyncio.get_running_loop()
         for model in models:
             if model.runner is not None and model.threads is not None:
-                await loop.run_in_executor(model.threads.inference, model.runner.close)
+                await loop.run_in_executor(model.threads.inference, model.runner.close, False)
                 await loop.run_in_executor(None, model.threads.shutdown, True)
             model.release()
+        await loop.run_in_executor(None, collect_freed)  # once for all: each is a full collection
 
 
 def deterministic(exc: BaseException) -> bool:

@@ -433,24 +433,35 @@ class ModelRunner:
             return exc
         return InferenceFailed(f"model {self.config.name} failed on the batch: {type(exc).__name__}")
 
-    def close(self) -> int:
-        """Free the model: the handler's references dropped, the C heap trimmed (``trim_heap``),
-        CUDA's cached blocks given back. Returns the device bytes freed (0 on the CPU). Call it
-        on the model's inference thread, after its last batch."""
+    def close(self, collect: bool = True) -> int:
+        """Free the model: the handler's references dropped, then (``collect``) the collector
+        run and the C heap trimmed (:func:`collect_freed`). Returns the device bytes freed (0 on
+        the CPU, or without ``collect``). Call it on the model's inference thread, after its
+        last batch; a worker that frees all its models at exit passes ``collect=False`` to each
+        and runs :func:`collect_freed` once (a full collection of a worker's heap takes 0.2-0.4 s
+        on a CPU core)."""
         before = torch.cuda.memory_reserved(self.device) if self.device.type == "cuda" else 0
         close = getattr(self.handler, "close", None)
         if callable(close):
             close()
         self.handler = None  # type: ignore[assignment]
-        # The boot froze what it loaded (app.serving.boot.collect_less): the model's objects
-        # become the collector's again; what its load malloc'd on its threads' arenas goes back.
-        gc.unfreeze()
-        gc.collect()
-        trim_heap()
+        if not collect:
+            return 0
+        collect_freed()
         if self.device.type != "cuda":
             return 0
-        torch.cuda.empty_cache()
         return int(before - torch.cuda.memory_reserved(self.device))
+
+
+def collect_freed() -> None:
+    """Give back what closed models held: the boot froze what it loaded
+    (``app.serving.boot.collect_less``), so the models' objects become the collector's again and
+    one full collection frees them; what their loads malloc'd goes back to the system
+    (``trim_heap``), and CUDA's cached blocks to the device (a no-op where CUDA never started)."""
+    gc.unfreeze()
+    gc.collect()
+    trim_heap()
+    torch.cuda.empty_cache()
 
 
 def describe(runner: ModelRunner) -> dict[str, Any]:
