@@ -61,6 +61,7 @@ def build_core(
     balancer: Balancer | None = None,
     supervisor: Supervisor | None = None,
     metrics: ServerMetrics | None = None,
+    owns_process: bool = False,
 ) -> ServingCore:
     """One worker's serving core, complete (``app.serving.core``): its registry (filled when
     it runs), request limits, device and binding, response cache, item stages (windows, then the
@@ -75,6 +76,7 @@ def build_core(
             (``app.server.balance.WorkerBalancer``); default: all run here.
         supervisor: what restarts this process (the gunicorn worker); default: nothing.
         metrics: this process's metrics; None when off.
+        owns_process: the process is the worker's (``ServingCore.owns_process``).
 
     Raises:
         ModelLoadError: a CUDA device asked for where torch has none.
@@ -99,7 +101,7 @@ def build_core(
         settings=settings, registry=registry, health=WorkerHealth(), limits=limits, siblings=siblings,
         supervisor=supervisor or alone, dataplane=plane, binding=binding, lifecycle=lifecycle,
         control=ModelControl(lifecycle, siblings), metrics=metrics, tracing=tracing,
-        keys=ApiKeys.from_settings(settings), cache=cache,
+        keys=ApiKeys.from_settings(settings), cache=cache, owns_process=owns_process,
     )  # fmt: skip
 
 

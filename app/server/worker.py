@@ -243,7 +243,7 @@ class ScoringWebWorker(Worker):  # type: ignore[misc]  # gunicorn is untyped
             raise TypeError("the worker serves an app factory (app.main:create_app), not an Application")
         member = self._membership
         core = build_core(self.settings, siblings=member.siblings, balancer=member.balancer, supervisor=self,
-                          metrics=self._metrics)  # fmt: skip
+                          metrics=self._metrics, owns_process=True)  # fmt: skip
         app = await factory(self.settings, core=core, shedding=member.connections)
         if self._draining:  # stopped while the app was being made: nothing loaded, nothing to drain
             return

@@ -15,7 +15,10 @@ code's choices*). Once the boot's models are loaded, they are moved out
 of the collector's reach (``gc.freeze``: CPython's documentation recommends it for what a
 process keeps, as Instagram's servers do), and the young generation collects every
 :data:`GC_YOUNG_OBJECTS`; a version freed returns them to it
-(``app.serving.runner.ModelRunner.close``), and the stop restores both.
+(``app.serving.runner.ModelRunner.close``), and the stop restores both. Only a worker that owns
+its process does this (``ServingCore.owns_process``: the gunicorn worker); a core run in another
+program's process (tests, ``python -m aiohttp.web``) leaves that program's collector as it is,
+and its stop drops the models to it uncollected.
 """
 
 from __future__ import annotations
@@ -58,7 +61,8 @@ async def serve_models(core: ServingCore) -> AsyncIterator[None]:
     control.register_boot_models()
     torch.set_num_threads(settings.effective_torch_threads(settings.workers))
     thresholds = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_OBJECTS, *thresholds[1:])
+    if core.owns_process:
+        gc.set_threshold(GC_YOUNG_OBJECTS, *thresholds[1:])
     loop = asyncio.get_running_loop()
     task = loop.create_task(_load_all(core), name="boot-models")
     background = []
@@ -78,9 +82,10 @@ async def serve_models(core: ServingCore) -> AsyncIterator[None]:
         for t in pending:
             t.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
-        await core.lifecycle.release_all(loaded, core.health.hung)
-        gc.unfreeze()
-        gc.set_threshold(*thresholds)
+        await core.lifecycle.release_all(loaded, core.health.hung, collect=core.owns_process)
+        if core.owns_process:
+            gc.unfreeze()
+            gc.set_threshold(*thresholds)
 
 
 async def _load_all(core: ServingCore) -> None:
@@ -90,7 +95,8 @@ async def _load_all(core: ServingCore) -> None:
     for name, reason in registry.unavailable.items():
         log.error("model %s unavailable: %s", name, reason, extra={"event": "model_unavailable"})
     loaded = await control.load_registered()
-    collect_less()
+    if core.owns_process:
+        collect_less()
     # Now that the models hold their CUDA context, check through NVML that it is on the
     # GPU this worker claimed (logs the outcome; None where PIDs are not visible).
     worker = core.binding

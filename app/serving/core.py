@@ -66,6 +66,10 @@ class ServingCore:
         tracing: the OpenTelemetry tracing, or None when the ``OTEL_*`` variables set none.
         keys: the API keys every front end checks (``app.serving.auth``); None: no check.
         cache: the response cache's item stage (``app.serving.item_cache``), None without one.
+        owns_process: the process is this worker's (the gunicorn worker): its collector is set
+            for serving (``app.serving.boot.collect_less``) and the stop frees the models with
+            one collection; False in another program's process (tests, ``python -m
+            aiohttp.web``), whose collector is left as it is.
     """
 
     settings: Settings
@@ -82,6 +86,7 @@ class ServingCore:
     tracing: Tracing | None = None
     keys: ApiKeys | None = None
     cache: ItemCache | None = None
+    owns_process: bool = False
 
     @contextlib.asynccontextmanager
     async def running(self) -> AsyncIterator[ServingCore]:

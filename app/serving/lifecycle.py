@@ -322,9 +322,10 @@ class Lifecycle:
                 continue
             log.info("model %s v%s loaded on retry", config.name, config.version)
 
-    async def release_all(self, loaded: bool, hung: str | None) -> None:
+    async def release_all(self, loaded: bool, hung: str | None, *, collect: bool = True) -> None:
         """Stop every unit; free the models on their inference threads unless one is stuck
-        (``hung``: why) or, ``loaded`` False, a load is still under way."""
+        (``hung``: why) or, ``loaded`` False, a load is still under way; then, with ``collect``,
+        run the collector once for all of them (``app.serving.runner.collect_freed``)."""
         models = self.registry.entries()
         for model in models:
             if model.unit is not None:
@@ -344,7 +345,8 @@ class Lifecycle:
                 await loop.run_in_executor(model.threads.inference, model.runner.close, False)
                 await loop.run_in_executor(None, model.threads.shutdown, True)
             model.release()
-        await loop.run_in_executor(None, collect_freed)  # once for all: each is a full collection
+        if collect:  # once for all: each is a full collection
+            await loop.run_in_executor(None, collect_freed)
 
 
 def deterministic(exc: BaseException) -> bool:
