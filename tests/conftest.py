@@ -27,22 +27,29 @@ os.environ["SCORING_GRPC_PORT"] = "0"
 #: first). From ``scripts/test --durations=80`` on the 2-core VM (seconds per group, about): the
 #: order only moves the end of the parallel pass; a group missing here just starts later.
 LONGEST_FIRST = (
-    "tests/e2e/test_reliability.py",  # 190
-    "tests/e2e/test_balance.py",  # 105
-    "tests/e2e/test_binding.py",  # 90
-    "tests/e2e/test_response_cache.py",  # 55
-    "tests/e2e/test_model_control.py",  # 55
-    "tests/unit/test_gpu_bundle.py",  # 50
-    "tests/e2e/test_openapi.py",  # 45
-    "tests/unit/test_reload_memory.py",  # 45
-    "tests/e2e/test_onnx.py",  # 40
-    "tests/e2e/test_fuzz_routes.py",  # 40
-    "tests/e2e/test_gunicorn_config.py",  # 35
-    "demo-server",  # 30
-    "tests/deploy/test_systemd_unit.py",  # 30
-    "tests/unit/test_onnx_sentence_embedding.py",  # 30
-    "tests/e2e/test_drain.py",  # 30
-    "tests/e2e/test_serving.py",  # 30
+    "tests/e2e/test_reliability.py",  # 165
+    "tests/e2e/test_balance.py",  # 90
+    "tests/e2e/test_binding.py",  # 80
+    "tests/e2e/test_response_cache.py",  # 50
+    "tests/e2e/test_model_control.py",  # 50
+    "tests/e2e/test_fuzz_routes.py",  # 45
+    "tests/unit/test_benchmarks.py",  # 35
+    "tests/unit/test_reload_memory.py",  # 35
+    "demo-server",  # 35
+    "tests/unit/test_text_graphs.py",  # 30
+    "tests/e2e/test_openapi.py",  # 25
+    "tests/e2e/test_onnx.py",  # 25
+    "tests/unit/test_gpu_bundle.py",  # 25
+    "tests/e2e/test_gunicorn_config.py",  # 25
+    "tests/e2e/test_retrieval_models.py",  # 20
+    "tests/e2e/test_grpc_balance.py",  # 20
+    "tests/e2e/test_serving.py",  # 20
+    "tests/e2e/test_drain.py",  # 20
+    "tests/deploy/test_systemd_unit.py",  # 20
+    "tests/e2e/test_lm_eval.py",  # 15
+    "tests/e2e/test_text_models.py",  # 15
+    "tests/e2e/test_package.py",  # 15
+    "tests/e2e/test_deploy.py",  # 15
 )
 
 
