@@ -109,7 +109,6 @@ import torch
 from app.handlers import prefix_sharing
 from app.handlers.decoder_math import LOG_SOFTMAX_CHUNK_BYTES, scoring_prefix, token_log_likelihood
 from app.handlers.decoders import decoder_features, first_id, open_causal_lm, pad_decoder
-from app.handlers.prefix_cache import PrefixCache
 from app.handlers.shared_prefix import common_prefix_length, pad_items
 from app.handlers.text_base import TextHandler, prepared_parts
 from app.handlers.text_config import (
@@ -173,13 +172,6 @@ class CausalLMHandler(TextHandler):
         self.prefix: Ids = _NONE
         #: Whether ``model.toml`` declares ``token_logprobs`` / ``return_token_logprobs``.
         self.lists = self.asks = False
-        #: Shared-context scoring (None: each text runs whole).
-        self.sharing: prefix_sharing.PrefixSharing | None = None
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The model's prefix cache (``app.models.base``: the server reports its work)."""
-        return self.sharing.cache if self.sharing is not None else None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device`` (local files only), then
@@ -220,13 +212,6 @@ class CausalLMHandler(TextHandler):
         self.set_device(device)
         self._model = model
         self.calibrate(parameters, lambda features: self._score(features, 0)[0])
-
-    def close(self) -> None:
-        """Drop the cached contexts too, then :meth:`TextHandler.close`."""
-        if self.sharing is not None:
-            self.sharing.close()
-        self.sharing = None
-        super().close()
 
     def _tokenizer_for(self, path: Any, length: int, hf_config: Any, first: bool) -> TextTokenizer:
         """The folder's tokenizer and :attr:`prefix`: a text's first token is scored after the

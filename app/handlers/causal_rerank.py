@@ -65,7 +65,6 @@ from app.handlers.decoder_math import (
     yes_no_token_ids,
 )
 from app.handlers.decoders import decoder_features, open_causal_lm, pad_decoder
-from app.handlers.prefix_cache import PrefixCache
 from app.handlers.text_base import TextHandler
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -112,13 +111,6 @@ class CausalRerankHandler(TextHandler):
         #: The tokens the middle of the prompt may take: ``max_seq_length`` less prefix and suffix.
         self.room = 0
         self.yes_no = (0, 0)
-        #: Shared-prefix scoring (None: each pair runs whole).
-        self.sharing: prefix_sharing.PrefixSharing | None = None
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The model's prefix cache (``app.models.base``: the server reports its work)."""
-        return self.sharing.cache if self.sharing is not None else None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device`` (local files only), then
@@ -161,13 +153,6 @@ class CausalRerankHandler(TextHandler):
         self.set_device(device)
         self._model = model
         self.calibrate(parameters, self._score)
-
-    def close(self) -> None:
-        """Drop the cached prefixes too, then :meth:`TextHandler.close`."""
-        if self.sharing is not None:
-            self.sharing.close()
-        self.sharing = None
-        super().close()
 
     # --- per request ----------------------------------------------------------------------
 

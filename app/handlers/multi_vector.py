@@ -60,9 +60,10 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
 
+from app.datatypes import ragged
 from app.handlers.colbert import ColbertPlan, DenseChain, load_dense, maxsim, read_folder
 from app.handlers.embedding_pipeline import load_encoder, takes_type_ids
-from app.handlers.text_base import TextHandler, max_length, model_kwargs, prepared_parts, ragged
+from app.handlers.text_base import TextHandler, max_length, model_kwargs, prepared_parts
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
     ModelConfigLike,

@@ -78,7 +78,6 @@ import torch
 from app.handlers import prefix_sharing
 from app.handlers.decoder_math import last_token_pool
 from app.handlers.decoders import decoder_features, is_decoder, pad_decoder
-from app.handlers.prefix_cache import PrefixCache
 from app.handlers.text_base import TextHandler, max_length
 from app.handlers.text_config import (
     SHARED_PARAMETERS,
@@ -158,15 +157,9 @@ class SequenceClassificationHandler(TextHandler):
         self.decoder = False
         self.head: Any = None
         #: With a ``prefix`` input: the tokens a prefix may have, the leading special tokens of
-        #: the tokenizer's template (they come before the prefix), and shared-prefix scoring.
+        #: the tokenizer's template (they come before the prefix).
         self.max_prefix = 0
         self.lead = 0
-        self.sharing: prefix_sharing.PrefixSharing | None = None
-
-    @property
-    def prefix_cache(self) -> PrefixCache | None:
-        """The model's prefix cache (``app.models.base``: the server reports its work)."""
-        return self.sharing.cache if self.sharing is not None else None
 
     def load(self, device: torch.device, config: ModelConfigLike) -> None:
         """Load the folder named in ``config.parameters`` onto ``device``, from local files only,
@@ -297,10 +290,8 @@ class SequenceClassificationHandler(TextHandler):
         self.calibrate(parameters, self._logits)
 
     def close(self) -> None:
-        """Drop the ONNX session and the cached prefixes too, then :meth:`TextHandler.close`."""
-        if self.sharing is not None:
-            self.sharing.close()
-        self.session = self.head = self.sharing = None
+        """Drop the ONNX session too, then :meth:`TextHandler.close`."""
+        self.session = self.head = None
         super().close()
 
     def _logits(self, group: dict[str, torch.Tensor]) -> torch.Tensor:

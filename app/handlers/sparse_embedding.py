@@ -51,6 +51,7 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from app.datatypes import ragged
 from app.handlers.embedding_pipeline import takes_type_ids
 from app.handlers.folder_json import read_json_object
 from app.handlers.splade import (
@@ -62,7 +63,7 @@ from app.handlers.splade import (
     nonzero_rows,
     read_folder,
 )
-from app.handlers.text_base import TextHandler, max_length, model_kwargs, prepared_parts, ragged
+from app.handlers.text_base import TextHandler, max_length, model_kwargs, prepared_parts
 from app.handlers.text_config import (
     INPUT_TYPES,
     SHARED_PARAMETERS,

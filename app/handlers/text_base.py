@@ -44,7 +44,6 @@ of its DataLoader; text-embeddings-inference copies its batches from host buffer
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import threading
@@ -56,15 +55,16 @@ import numpy.typing as npt
 import torch
 
 from app.handlers.decoders import DTYPES
+from app.handlers.prefix_cache import PrefixCache
+from app.handlers.prefix_sharing import PrefixSharing
 from app.handlers.text_config import decode_texts, text_inputs, truncation
 from app.handlers.text_cost import CostModel, calibrate
 from app.handlers.tokenizing import Alloc, Ids, Parts, TextTokenizer, Window, pad, prepared_array
 from app.models import windows as windowing
 from app.models.base import PREPARED, Priced
-from app.models.memory import trim_heap
 from app.models.text import QUERY, TEXT, TRUNCATE
 
-__all__ = ["SLOTS", "HostStaging"]
+__all__ = ["SLOTS", "HostStaging", "TextHandler", "max_length", "model_kwargs", "prepared_parts"]
 
 #: Buffers per preparing thread: one being copied while the next is written.
 SLOTS = 2
@@ -144,8 +144,6 @@ def _fresh(shape: tuple[int, ...]) -> npt.NDArray[np.int64]:
     return np.empty(shape, dtype=np.int64)
 
 
-__all__ = ["TextHandler", "max_length", "model_kwargs", "prepared_parts", "ragged"]
-
 log = logging.getLogger(__name__)
 
 #: ``[parameters]`` names of the cost model (:mod:`app.handlers.text_cost`), and its fields.
@@ -156,15 +154,6 @@ def prepared_parts(inputs: Mapping[str, npt.NDArray[Any]]) -> list[Parts | None]
     """The items' preparations in ``inputs[PREPARED]`` (None: absent)."""
     prepared = inputs.get(PREPARED)
     return None if prepared is None else list(np.asarray(prepared, dtype=object).reshape(-1))
-
-
-def ragged(arrays: Sequence[npt.NDArray[Any]]) -> npt.NDArray[np.object_]:
-    """A ragged output (``app.models.repository.TensorSpec.ragged``): an object array ``[B]`` of
-    the items' arrays (filled one by one: numpy would otherwise stack arrays of equal length)."""
-    out = np.empty(len(arrays), dtype=object)
-    for i, array in enumerate(arrays):
-        out[i] = array
-    return out
 
 
 class TextHandler(windowing.Windowed):
@@ -192,6 +181,15 @@ class TextHandler(windowing.Windowed):
         #: stop)``, characters): for a handler that returns per-window results (``pieces``).
         self.spans = False
         self.staging = HostStaging(self._device)
+        #: Shared-prefix scoring, where a decoder handler sets it up at load
+        #: (:mod:`app.handlers.prefix_sharing`); None: each item runs whole.
+        self.sharing: PrefixSharing | None = None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        """The model's prefix cache (``app.models.base``: the server reports its work); None
+        without shared-prefix scoring."""
+        return self.sharing.cache if self.sharing is not None else None
 
     # --- the Windowed interface ---------------------------------------------------------------
 
@@ -452,13 +450,12 @@ class TextHandler(windowing.Windowed):
 
     def close(self) -> None:
         """Free what the model holds, once its last batch has run (``app.models.base``): drop
-        the model, the tokenizer and the pinned host buffers, collect, and give the freed C heap
-        back to the system (:func:`app.models.memory.trim_heap`: without it each reload
-        of a text model left megabytes in the malloc arena of the thread that loaded it)."""
-        self._model = self._tokenizer = None
+        the model, the tokenizer, the cached prefixes and the pinned host buffers (the runner
+        then collects and gives the freed C heap back: ``app.serving.runner.collect_freed``)."""
+        if self.sharing is not None:
+            self.sharing.close()
+        self._model = self._tokenizer = self.sharing = None
         self.staging = HostStaging(torch.device("cpu"))
-        gc.collect()
-        trim_heap()
 
     def set_device(self, device: torch.device) -> None:
         """Where the model runs (and its host staging)."""

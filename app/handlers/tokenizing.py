@@ -11,7 +11,8 @@ preparation, ``app.models.base.Priced``), a text's windows with their own ids (`
 tokenizer's overflow with ``stride``: what Hugging Face's question-answering pipeline does for
 long contexts); :func:`pad` pads rows into the model's ``[U, T]`` arrays with an
 explicit pad id on either side, so that a tokenizer without a pad token (Llama's, GPT-2's) serves
-once its handler names one.
+once its handler names one (``app.handlers.decoders``); padding on the left keeps a decoder's last
+token in the last column.
 
 Nothing here imports transformers: a folder without ``tokenizer.json`` (a slow tokenizer only)
 is converted by transformers once, at load (:func:`load_tokenizer`).
@@ -19,12 +20,6 @@ is converted by transformers once, at load (:func:`load_tokenizer`).
 Source: text-embeddings-inference tokenizes with the same Rust library on its own workers and
 keeps each request's encodings until its batch runs; vLLM's pooling models pad token ids
 themselves.
-
-Token rows padded into a model's inputs, with an explicit pad id on either side (numpy only).
-
-A tokenizer without a pad token (Llama's, GPT-2's) pads once its handler names one
-(``app.handlers.decoders``); padding on the left keeps a decoder's last token in the last column.
-Source: vLLM's pooling models pad token ids themselves, as text-embeddings-inference does.
 """
 
 from __future__ import annotations

@@ -74,8 +74,7 @@ class WindowStage(ItemStage[WindowPlan | None]):
             InvalidInput: a request the handler refuses (its ``ValueError``).
             PayloadTooLarge: more windows or tokens than the model takes.
         """
-        # the data plane asks only a stage that applies (its handler windows), as loaded
-        handler = cast(Windowed, model.runner.handler if model.runner is not None else None)
+        handler = _windowed(model)
         if handler is None or not handler.may_need_windows(inputs):
             return inputs, None
         loop = asyncio.get_running_loop()

@@ -1,9 +1,9 @@
 """Reloading a text model leaves no memory behind: unloaded and loaded again through model control
 (explicit mode, in process) 15 times, a BERT classifier grows the worker's anonymous memory by a
 few MB in all, not by megabytes per load. The loads run on threads (the inference thread,
-transformers' loading pool) that allocate from malloc arenas of their own; without the handler's
-``close`` giving the freed heap back (``app.models.memory.trim_heap``) the same loop grew by
-40-140 MB on the 2-core VM (8 arenas per core kept what each load freed)."""
+transformers' loading pool) that allocate from malloc arenas of their own; without the unload
+giving the freed heap back (``app.serving.runner.collect_freed``: ``app.models.memory.trim_heap``)
+the same loop grew by 40-140 MB on the 2-core VM (8 arenas per core kept what each load freed)."""
 
 from __future__ import annotations
 
